@@ -2,36 +2,74 @@
 
 Written by `helmc profile`, or taken from a preset under artifacts/profiles/. Every figure is a
 measurement or a cited datasheet number; what could not be measured is listed in `unmeasured`
-rather than invented. Unknown keys are refused so a typo never silently changes a plan.
+("field: reason") rather than invented, and the cost model says which fallback it used for it.
+Unknown keys are refused so a typo never silently changes a plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 
 from .errors import HelmcError
 from .jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 
 PROFILE_FORMAT_VERSION = 1
 GIB = 1024 ** 3
+# Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime". Kept per profile because
+# the context size depends on the GPU and driver.
+DEFAULT_GPU_RESERVE_BYTES = GIB
+# The host runtime itself (Python, TVM runtime, tokenizer) needs memory beside weights and KV.
+DEFAULT_HOST_RESERVE_BYTES = GIB
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts", "profiles")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise HelmcError(f"hardware profile: {message}")
+
+
+def _check_eta(where: str, eta_compute: float, eta_memory: float) -> None:
+    _require(0 < eta_compute <= 1 and 0 < eta_memory <= 1,
+             f"{where} efficiency coefficients expected in (0, 1], found eta_compute={eta_compute}, "
+             f"eta_memory={eta_memory}")
 
 
 @dataclass(frozen=True)
 class CpuProfile:
     name: str
-    cores: int
+    cores: int                       # physical cores this process may run on
     features: tuple[str, ...]        # /proc/cpuinfo flag names: avx2, f16c, fma, avx512f, avx512_bf16, ...
-    l3_bytes: int
-    dram_gbs: float                  # M: sustained read bandwidth over a buffer >> L3
+    l3_bytes: int                    # C_L3, summed over the L3 instances this process may use
+    dram_gbs: float                  # M: sustained read bandwidth over one buffer >> L3
     ram_total_bytes: int
     ram_free_bytes: int
-    dram_strided_gbs: float = 0.0    # inference-like pattern (many row streams); 0 = not measured
+    dram_strided_gbs: float = 0.0    # inference-like pattern (many separate matrices, row tiles per thread); 0 = not measured
     l3_gbs: float = 0.0              # B_L3; 0 = not measured (cost model then uses 3 x M, as the thesis)
     fp32_gflops: float = 0.0         # P_dec on the CPU; 0 = not measured (thesis sets P_dec = M)
+    threads: int = 0                 # hardware threads this process may run on; 0 = not known
+    eta_compute: float = 1.0         # eta_c of eq. 4.10; 1: the measured rates are already sustained rates
+    eta_memory: float = 1.0          # eta_m of eq. 4.10
+
+    def __post_init__(self):
+        _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
+        _require(self.dram_gbs > 0, f"cpu.dram_gbs expected > 0, found {self.dram_gbs}")
+        _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
+                 f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
+        _require(min(self.l3_bytes, self.dram_strided_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
+                 "cpu figures expected >= 0 (0 = not measured)")
+        _check_eta("cpu", self.eta_compute, self.eta_memory)
 
     def has(self, *flags: str) -> bool:
         return all(f in self.features for f in flags)
+
+    @property
+    def stream_gbs(self) -> float:
+        """M used by the cost model: the inference-like figure where measured (thesis 7.1: one
+        contiguous copy overestimates what scattered weight matrices get), else the plain one."""
+        return self.dram_strided_gbs if self.dram_strided_gbs > 0 else self.dram_gbs
 
 
 @dataclass(frozen=True)
@@ -39,16 +77,31 @@ class GpuProfile:
     name: str
     arch: str                        # CUDA arch, e.g. "sm_90"
     vram_total_bytes: int
-    vram_free_bytes: int
+    vram_free_bytes: int             # free as seen by a process that holds a CUDA context
     hbm_gbs: float                   # M on the GPU
     fp16_tflops: float = 0.0         # P_pre: (128,H)x(H,H) fp16 matmul rate; 0 = not measured
+    eta_compute: float = 1.0
+    eta_memory: float = 1.0
+
+    def __post_init__(self):
+        _require(self.arch.startswith("sm_"), f"gpu.arch expected like 'sm_90', found {self.arch!r}")
+        _require(0 < self.vram_free_bytes <= self.vram_total_bytes,
+                 f"gpu.vram_free_bytes expected in (0, vram_total_bytes={self.vram_total_bytes}], found {self.vram_free_bytes}")
+        _require(self.hbm_gbs > 0, f"gpu.hbm_gbs expected > 0, found {self.hbm_gbs}")
+        _require(self.fp16_tflops >= 0, f"gpu.fp16_tflops expected >= 0, found {self.fp16_tflops}")
+        _check_eta("gpu", self.eta_compute, self.eta_memory)
 
 
 @dataclass(frozen=True)
 class LinkProfile:
     h2d_gbs: float                   # B_link, pinned host -> device
     d2h_gbs: float
-    latency_us: float                # l_link: small-transfer round trip with sync
+    latency_us: float                # l_link: one small (8 KB) copy including its synchronisation
+
+    def __post_init__(self):
+        _require(self.h2d_gbs > 0 and self.d2h_gbs > 0 and self.latency_us >= 0,
+                 f"link expected h2d_gbs > 0, d2h_gbs > 0, latency_us >= 0, found "
+                 f"{self.h2d_gbs}, {self.d2h_gbs}, {self.latency_us}")
 
 
 @dataclass(frozen=True)
@@ -57,10 +110,12 @@ class HardwareProfile:
     cpu: CpuProfile
     gpu: GpuProfile | None = None
     link: LinkProfile | None = None
-    gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM
-    block_overhead_ms: float = 0.0   # delta of thesis 6.4.4, per block per token, calibrated where a GPU is present
+    gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
+    block_overhead_ms: float = 0.0   # delta of thesis 6.4.4: per GPU block per token beyond the roofline
+    gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES  # host RAM kept back for the runtime process
     source: str = "measured"         # "measured" or "preset:<name>"
-    unmeasured: tuple[str, ...] = ()
+    unmeasured: tuple[str, ...] = () # "field: why it was not measured"
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -68,6 +123,9 @@ class HardwareProfile:
             raise HelmcError(f"hardware profile: format_version expected {PROFILE_FORMAT_VERSION}, found {self.format_version}")
         if (self.gpu is None) != (self.link is None):
             raise HelmcError("hardware profile: gpu and link must be both present or both absent")
+        _require(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes expected >= 0, found {self.gpu_budget_bytes}")
+        _require(self.block_overhead_ms >= 0, f"block_overhead_ms expected >= 0, found {self.block_overhead_ms}")
+        _require(self.gpu_reserve_bytes >= 0 and self.host_reserve_bytes >= 0, "reserves expected >= 0")
 
     @property
     def has_gpu(self) -> bool:
@@ -75,13 +133,13 @@ class HardwareProfile:
 
     @property
     def usable_vram_bytes(self) -> int:
+        """VRAM a plan may use in all (weights, KV, workspace and gpu_reserve_bytes)."""
         if self.gpu is None:
             return 0
         free = self.gpu.vram_free_bytes
         return min(free, self.gpu_budget_bytes) if self.gpu_budget_bytes else free
 
     def with_gpu_budget(self, gib: float | None) -> "HardwareProfile":
-        import dataclasses
         if gib is None:
             return self
         if gib <= 0:
@@ -104,3 +162,23 @@ class HardwareProfile:
 
     def save(self, path: str) -> None:
         atomic_write_text(path, self.to_json() + "\n")
+
+
+def list_presets() -> list[str]:
+    if not os.path.isdir(PRESET_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def load_hardware(path_or_preset: "str | HardwareProfile") -> HardwareProfile:
+    """A hardware.json path, or the name of a preset under artifacts/profiles/ (e.g. rtx4060-laptop)."""
+    if isinstance(path_or_preset, HardwareProfile):
+        return path_or_preset
+    if os.path.exists(path_or_preset):
+        return HardwareProfile.load(path_or_preset)
+    name = path_or_preset[len("preset:"):] if path_or_preset.startswith("preset:") else path_or_preset
+    preset = os.path.join(PRESET_DIR, name + ".json")
+    if os.sep not in name and os.path.exists(preset):
+        return HardwareProfile.load(preset)
+    raise HelmcError(f"hardware profile: expected a hardware.json path or a preset name "
+                     f"({', '.join(list_presets()) or 'none installed'}), found {path_or_preset!r}")

@@ -3,6 +3,10 @@
 Partition units, in order: unit 0 = embedding, units 1..L = transformer blocks 0..L-1, unit L+1 =
 final norm + lm_head. A plan puts the first `cpu_units` units on the CPU and the rest on the GPU;
 the token loop reads these numbers and makes no placement decision of its own.
+
+Invariants (checked on construction, the only way to make one): 0 <= cpu_units <= num_units;
+t_plan = t_cpu + t_gpu + t_comm; when candidates are present there is one per split k = 0..num_units,
+in order, the chosen one is feasible and no feasible candidate is faster.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from .errors import HelmcError
 from .jsonio import from_dict, to_dict
 
 PLAN_FORMAT_VERSION = 1
+_TIME_TOLERANCE_MS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -20,13 +25,20 @@ class Candidate:
     cpu_units: int
     gpu_units: int
     t_cpu_ms: float
-    t_gpu_ms: float
+    t_gpu_ms: float                  # includes t_overhead_ms
     t_comm_ms: float
     t_plan_ms: float
-    gpu_bytes: int
-    cpu_bytes: int
+    gpu_bytes: int                   # all the split needs in VRAM (weights, KV, workspace, reserve)
+    cpu_bytes: int                   # all it needs in host RAM
     feasible: bool
     why: str = ""
+    t_overhead_ms: float = 0.0       # per-block overhead delta (thesis 6.4.4), part of t_gpu_ms
+    max_context: int = 0
+
+    def __post_init__(self):
+        if abs(self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms - self.t_plan_ms) > 1e-6 * max(1.0, self.t_plan_ms):
+            raise HelmcError(f"candidate k={self.cpu_units}: t_plan_ms expected t_cpu + t_gpu + t_comm = "
+                             f"{self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms}, found {self.t_plan_ms}")
 
 
 @dataclass(frozen=True)
@@ -46,12 +58,32 @@ class Plan:
     output_len: int = 128
     batch: int = 1
     candidates: tuple[Candidate, ...] = ()
+    kv_offload: bool = True
+    cpu_weight_bytes: int = 0
+    gpu_weight_bytes: int = 0
+    usable_vram_bytes: int = 0
+    ram_free_bytes: int = 0
+    hardware_hash: str = ""
+    architecture_hash: str = ""
+    fallbacks: tuple[str, ...] = ()  # cost-model fallbacks used for unmeasured hardware figures
 
     def __post_init__(self):
         if self.format_version != PLAN_FORMAT_VERSION:
             raise HelmcError(f"plan: format_version expected {PLAN_FORMAT_VERSION}, found {self.format_version}")
         if not 0 <= self.cpu_units <= self.num_units:
             raise HelmcError(f"plan: cpu_units expected 0..{self.num_units}, found {self.cpu_units}")
+        if abs(self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms - self.t_plan_ms) > 1e-6 * max(1.0, self.t_plan_ms):
+            raise HelmcError(f"plan: t_plan_ms expected t_cpu + t_gpu + t_comm, found {self.t_plan_ms}")
+        if self.candidates:
+            ks = [c.cpu_units for c in self.candidates]
+            if ks != list(range(self.num_units + 1)):
+                raise HelmcError(f"plan: candidates expected for k = 0..{self.num_units} in order, found {ks}")
+            chosen = self.candidates[self.cpu_units]
+            if not chosen.feasible:
+                raise HelmcError(f"plan: the chosen split k={self.cpu_units} is marked infeasible")
+            best = min(c.t_plan_ms for c in self.candidates if c.feasible)
+            if chosen.t_plan_ms > best + _TIME_TOLERANCE_MS:
+                raise HelmcError(f"plan: the chosen split takes {chosen.t_plan_ms:.3f} ms, a feasible one {best:.3f} ms")
 
     @property
     def num_units(self) -> int:
@@ -82,12 +114,12 @@ class Plan:
     def uses_gpu(self) -> bool:
         return self.gpu_units > 0
 
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.batch / self.t_plan_ms if self.t_plan_ms > 0 else 0.0
+
     def describe(self) -> str:
-        if not self.uses_gpu:
-            return f"cpu({self.cpu_units})"
-        if self.cpu_units == 0:
-            return f"cuda({self.gpu_units})"
-        return f"cpu({self.cpu_units}) -> cuda({self.gpu_units})"
+        return describe_split(self.cpu_units, self.num_units)
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)
@@ -97,6 +129,58 @@ class Plan:
         return from_dict(cls, json.loads(text), "plan")
 
 
+def describe_split(cpu_units: int, num_units: int) -> str:
+    """The thesis's notation: cpu(k) -> cuda(n - k)."""
+    if cpu_units >= num_units:
+        return f"cpu({cpu_units})"
+    if cpu_units == 0:
+        return f"cuda({num_units})"
+    return f"cpu({cpu_units}) -> cuda({num_units - cpu_units})"
+
+
 def all_cpu_plan(num_layers: int, max_context: int) -> Plan:
     return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=num_layers, cpu_units=num_layers + 2,
                 max_context=max_context)
+
+
+def _units_text(lo: int, hi: int, num_layers: int) -> str:
+    """Units [lo, hi) as 'emb+20blk', '16blk+head', ..."""
+    if lo >= hi:
+        return "-"
+    parts = []
+    if lo == 0:
+        parts.append("emb")
+    blocks = max(0, min(hi, num_layers + 1) - max(lo, 1))
+    if blocks:
+        parts.append(f"{blocks}blk")
+    if hi == num_layers + 2:
+        parts.append("head")
+    return "+".join(parts)
+
+
+def format_plan_table(plan: Plan, spec=None) -> str:
+    """Every candidate split as text (thesis Figure 4.4), the chosen row marked with '>'."""
+    gib = 1024 ** 3
+    title = f"{spec.architecture} ({plan.num_layers} blocks, {plan.num_units} units)" if spec is not None \
+        else f"{plan.num_layers} blocks, {plan.num_units} units"
+    lines = [f"partition search: {title}; objective {plan.objective}, prompt {plan.prompt_len}, "
+             f"output {plan.output_len}, batch {plan.batch}, KV offload {'on' if plan.kv_offload else 'off'}",
+             f"usable VRAM {plan.usable_vram_bytes / gib:.2f} GiB, free host RAM {plan.ram_free_bytes / gib:.2f} GiB"]
+    unit = "ms/token" if plan.objective == "decode" else "ms to first token"
+    header = (f"  {'k':>3} {'CPU units':<12} {'GPU units':<12} {'T_cpu':>9} {'T_gpu':>9} {'T_comm':>8} "
+              f"{'T_plan':>9} {'VRAM GiB':>9} {'host GiB':>9}  feasible")
+    lines += [f"times in {unit}", header]
+    for c in plan.candidates:
+        mark = ">" if c.cpu_units == plan.cpu_units else " "
+        feas = "yes" if c.feasible else f"no: {c.why}"
+        lines.append(f"{mark} {c.cpu_units:>3} {_units_text(0, c.cpu_units, plan.num_layers):<12} "
+                     f"{_units_text(c.cpu_units, plan.num_units, plan.num_layers):<12} {c.t_cpu_ms:>9.2f} "
+                     f"{c.t_gpu_ms:>9.2f} {c.t_comm_ms:>8.4f} {c.t_plan_ms:>9.2f} {c.gpu_bytes / gib:>9.2f} "
+                     f"{c.cpu_bytes / gib:>9.2f}  {feas}")
+    lines.append(f"chosen: {plan.describe()}  T_plan {plan.t_plan_ms:.2f} ms (T_cpu {plan.t_cpu_ms:.2f} + "
+                 f"T_gpu {plan.t_gpu_ms:.2f} + T_comm {plan.t_comm_ms:.4f}); weights CPU "
+                 f"{plan.cpu_weight_bytes / gib:.2f} GiB, GPU {plan.gpu_weight_bytes / gib:.2f} GiB; "
+                 f"max context {plan.max_context} tokens")
+    for f in plan.fallbacks:
+        lines.append(f"note: {f}")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Tiny random-weight models in real architectures, made locally (no hub access anywhere).
+
+Used by the tests, the demo and the benchmarks: a Hugging Face model directory (config.json,
+model.safetensors, tokenizer.json) written by transformers' own save_pretrained, so helmc reads
+exactly what a user's checkpoint looks like. Needs torch and transformers (test/compile side only).
+"""
+from __future__ import annotations
+
+import os
+
+TINY_DIMS = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+_CORPUS = """helmc compiles a language model for one CPU and one GPU. The first blocks run on the CPU
+and the rest on the GPU, and only one activation crosses PCIe per token. Pages of the KV cache move
+to pinned host memory when the GPU runs short, and attention streams over them with an online
+softmax. The quick brown fox jumps over the lazy dog. Once upon a time there was a small model that
+wanted to be fast. It read its weights straight from disk, tensor by tensor, and never kept a second
+copy. Numbers one two three four five six seven eight nine ten. Hello world!"""
+
+
+def make_tokenizer(path: str, vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on a built-in text; ids < vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.save(path)
+    return tok
+
+
+def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str = "float32", tie: bool | None = None, **over):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    dims = dict(TINY_DIMS, num_hidden_layers=num_layers, **over)
+    common = dict(dims, bos_token_id=0, eos_token_id=0, dtype=dtype)
+    if arch == "qwen3":
+        cfg = Qwen3Config(head_dim=head_dim, tie_word_embeddings=True if tie is None else tie, rope_theta=1000000.0, **common)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(tie_word_embeddings=False if tie is None else tie, rope_theta=1000000.0, **common)
+    elif arch == "llama":
+        cfg = LlamaConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, **common)
+    elif arch == "mistral":
+        cfg = MistralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None, **common)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch}")
+    return cfg
+
+
+def make_tiny_model(out_dir: str, arch: str = "qwen3", num_layers: int = 2, head_dim: int = 32,
+                    dtype: str = "float32", seed: int = 0, tie: bool | None = None, max_shard_size: str | None = None, **over):
+    """Write a random-weight HF model directory; returns the transformers model (float32, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, num_layers, head_dim, dtype, tie, **over)
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.08)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    save = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    save.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    make_tokenizer(os.path.join(out_dir, "tokenizer.json"), vocab_size=min(512, cfg.vocab_size))
+    return save

@@ -1,0 +1,41 @@
+"""RoPE cos/sin tables, computed on the host and fed to pre_attn as inputs.
+
+Computing them here keeps the compiled block independent of the RoPE variant (default, linear,
+llama3) and of absolute positions. float32 throughout, in the same order of operations as
+Hugging Face transformers, so positions far into the context round the same way.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from helmc.model_spec import RopeSpec
+
+
+def inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    f = (np.float32(1.0) / (np.float32(rope.theta) ** exponent)).astype(np.float32)  # [D/2]
+    if rope.kind == "linear":
+        return (f / np.float32(rope.factor)).astype(np.float32)
+    if rope.kind == "llama3":
+        old = rope.original_max_position
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / f
+        scaled = np.where(wavelen > low_wavelen, f / rope.factor, f)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return f
+
+
+class RopeTables:
+    def __init__(self, rope: RopeSpec, head_dim: int):
+        self.inv_freq = inv_freq(rope, head_dim)
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]   # [S] x [D/2] -> [S, D/2]
+        emb = np.concatenate([freqs, freqs], axis=-1)                             # [S, D/2] -> [S, D]
+        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

@@ -1,0 +1,141 @@
+"""Zero-copy, tensor-by-tensor access to safetensors checkpoints through mmap.
+
+The `safetensors` library's NumPy path copies each tensor and cannot return bfloat16; the runtime
+needs views into the mapped file (never a second full copy of the model in RAM) and bf16 as raw
+uint16 bits, so the header is parsed here. The format is small: 8-byte little-endian header
+length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, then the data.
+Every header is validated before any tensor is handed out: truncation, offsets outside the data,
+overlapping tensors, and byte counts that disagree with dtype x shape.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from helmc.errors import HelmcError
+
+# bf16 has no NumPy dtype: its raw bits are exposed as uint16 and converted by the consumer.
+_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16"),
+           "I64": (np.int64, "int64"), "I32": (np.int32, "int32"), "U8": (np.uint8, "uint8"),
+           "I8": (np.int8, "int8"), "BOOL": (np.bool_, "bool")}
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str            # float32 | float16 | bfloat16 | ...
+    shape: tuple[int, ...]
+    file: str
+    begin: int            # absolute byte offset in the file
+    end: int
+
+
+class SafetensorsFile:
+    """One mapped .safetensors file. Invariant: every TensorInfo lies inside the data section and
+    no two overlap (checked once in __init__; the mapping is read-only afterwards)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise HelmcError(f"{path}: truncated safetensors header (file is {size} bytes, expected at least 8)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise HelmcError(f"{path}: truncated safetensors header (header says {n} bytes, file has {size - 8} after the length)")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise HelmcError(f"{path}: safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise HelmcError(f"{path}: safetensors header expected a JSON object")
+        data_start = 8 + n
+        self.tensors: dict[str, TensorInfo] = {}
+        spans = []
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dt, shape, (b, e) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise HelmcError(f"{path}: tensor {name!r} header entry malformed: {meta!r}") from None
+            if dt not in _DTYPES:
+                raise HelmcError(f"{path}: tensor {name!r} dtype expected one of {sorted(_DTYPES)}, found {dt!r}")
+            itemsize = np.dtype(_DTYPES[dt][0]).itemsize
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if not (0 <= b <= e) or e - b != count * itemsize:
+                raise HelmcError(f"{path}: tensor {name!r} data_offsets {[b, e]} hold {e - b} bytes, "
+                                 f"expected {count * itemsize} for {dt} {list(shape)}")
+            if data_start + e > size:
+                raise HelmcError(f"{path}: tensor {name!r} ends at byte {data_start + e}, past the end of the file ({size}); truncated?")
+            spans.append((b, e, name))
+            self.tensors[name] = TensorInfo(name, _DTYPES[dt][1], shape, path, data_start + b, data_start + e)
+        spans.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise HelmcError(f"{path}: tensors {n0!r} [{b0},{e0}) and {n1!r} [{b1},{e1}) overlap")
+        self._file = open(path, "rb")
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def view(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        np_dtype = {v[1]: v[0] for v in _DTYPES.values()}[t.dtype]
+        count = (t.end - t.begin) // np.dtype(np_dtype).itemsize
+        return np.frombuffer(self._map, dtype=np_dtype, count=count, offset=t.begin).reshape(t.shape)  # flat -> shape
+
+    def close(self):
+        if self._map is not None:
+            self._map.close()
+        self._file.close()
+
+
+class Checkpoint:
+    """A model directory's weights: model.safetensors, or shards listed in model.safetensors.index.json."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = os.path.join(model_dir, "model.safetensors")
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HelmcError(f"{index}: expected a JSON object with a 'weight_map', found invalid content ({e})") from None
+            shards = sorted(set(weight_map.values()))
+        elif os.path.exists(single):
+            shards = ["model.safetensors"]
+        else:
+            raise HelmcError(f"weights: expected model.safetensors or model.safetensors.index.json in {model_dir}, found neither")
+        self.files = []
+        self.where: dict[str, SafetensorsFile] = {}
+        for shard in shards:
+            p = os.path.join(model_dir, shard)
+            if not os.path.exists(p):
+                raise HelmcError(f"weights: shard {shard} listed in the index is missing from {model_dir}")
+            sf = SafetensorsFile(p)
+            self.files.append(sf)
+            for name in sf.tensors:
+                self.where[name] = sf
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.where:
+            raise HelmcError(f"weights: tensor {name!r} expected in {self.model_dir}, not found")
+        return self.where[name].tensors[name]
+
+    def view(self, name: str, expect_shape: tuple[int, ...] | None = None) -> np.ndarray:
+        info = self.info(name)
+        if expect_shape is not None and tuple(info.shape) != tuple(expect_shape):
+            raise HelmcError(f"weights: {name} shape expected {list(expect_shape)} from config.json, found {list(info.shape)}")
+        return self.where[name].view(name)
+
+    def close(self):
+        for f in self.files:
+            f.close()

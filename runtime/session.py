@@ -1,0 +1,232 @@
+"""Session: a verified bundle, its weights bound to devices, and the token loop.
+
+    s = Session.load("bundle/")                 # verify -> load libraries -> stream weights
+    r = s.generate(prompt_ids=[...], max_new_tokens=32)
+
+Per step: embedding rows gathered from the mmapped checkpoint, the CPU stage, one copy of the
+hidden state to the GPU, the GPU stage, the head, sampling (thesis 4.2.1). Which device runs what
+comes from plan.json; nothing in the loop decides placement.
+Imports only NumPy, the TVM runtime and (for a GPU stage) CuPy: this runs with TVM_USE_RUNTIME_LIB=1.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from helmc.errors import HelmcError
+from helmc.model_spec import ModelSpec
+from helmc.plan import Plan
+
+from .manifest import BundleManifest, verify_bundle
+from .rope import RopeTables
+from .safetensors_mmap import Checkpoint
+from .sampling import Sampler, SamplingParams
+
+CPU_STAGE_LIB = "cpu_stage.so"
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str = ""
+    ttft_ms: float = 0.0
+    decode_tok_s: float = 0.0
+    per_token_ms: list[float] = field(default_factory=list)
+    stop_reason: str = ""
+
+    def to_json_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
+                "ttft_ms": round(self.ttft_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
+                "stop_reason": self.stop_reason}
+
+
+def _progress(msg: str, quiet: bool):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class Session:
+    def __init__(self, bundle_dir: str, manifest: BundleManifest, spec: ModelSpec, plan: Plan,
+                 checkpoint: Checkpoint, cpu_stage, head, tokenizer, gpu=None):
+        self.bundle_dir = bundle_dir
+        self.manifest = manifest
+        self.spec = spec
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.cpu_stage = cpu_stage
+        self.head = head
+        self.tokenizer = tokenizer
+        self.gpu = gpu
+        self.rope = RopeTables(spec.rope, spec.head_dim)
+        self._embed = checkpoint.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+        self.position = 0
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, **kv_options) -> "Session":
+        manifest = verify_bundle(bundle_dir)          # before any library is loaded
+        with open(os.path.join(bundle_dir, "model_spec.json")) as f:
+            spec = ModelSpec.from_json(f.read())
+        with open(os.path.join(bundle_dir, "plan.json")) as f:
+            plan = Plan.from_json(f.read())
+        wdir = weights_dir or manifest.weights_dir
+        if not os.path.isabs(wdir):
+            wdir = os.path.join(bundle_dir, wdir)
+        checkpoint = Checkpoint(wdir)
+        _check_checkpoint(checkpoint, spec)
+        tokenizer = _load_tokenizer(bundle_dir)
+        if plan.uses_gpu:
+            from .gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
+            return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options)
+        import tvm.runtime
+        from tvm.runtime.vm import VirtualMachine
+        lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
+        vm = VirtualMachine(lib, tvm.cpu())
+        cpu_stage, head = build_cpu_stage(vm, spec, plan, checkpoint, quiet, **kv_options)
+        return cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, head, tokenizer)
+
+    # ---------------------------------------------------------------- model steps
+    def reset(self):
+        self.position = 0
+        if self.cpu_stage is not None:
+            self.cpu_stage.kv.reset()
+        if self.gpu is not None:
+            self.gpu.reset()
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._embed[ids]                                   # gather only S rows from the mmap
+        if self.checkpoint.info("model.embed_tokens.weight").dtype == "bfloat16":
+            rows = bf16_bits_to_f32(rows)
+        return np.ascontiguousarray(rows, dtype=np.float32)       # [S, H]
+
+    def forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Run len(ids) new tokens at the current position; returns logits [S or 1, V] float32."""
+        S = len(ids)
+        if self.position + S > self.plan.max_context:
+            raise HelmcError(f"context: {self.position + S} tokens needed, the plan allows {self.plan.max_context}")
+        phase = "decode" if S == 1 else "prefill"
+        positions = np.arange(self.position, self.position + S)
+        cos, sin = self.rope.cos_sin(positions)                   # [S, D] each
+        x = self.embed(np.asarray(ids, dtype=np.int64))
+        if self.gpu is not None:
+            logits = self.gpu.forward(self, x, cos, sin, phase, all_logits)
+        else:
+            import tvm.runtime
+            dev = tvm.cpu()
+            xt = self.cpu_stage.forward(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                        tvm.runtime.tensor(sin, dev), phase)
+            logits = self.head(xt, phase, all_logits)
+        self.position += S
+        return logits
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True) -> GenerationResult:
+        if prompt_ids is None:
+            if prompt is None:
+                raise HelmcError("generate: expected a prompt or prompt ids, found neither")
+            if self.tokenizer is None:
+                raise HelmcError("generate: a text prompt needs tokenizer.json in the bundle; pass --prompt-ids instead")
+            prompt_ids = self.tokenizer.encode(prompt).ids
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise HelmcError("generate: the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise HelmcError(f"generate: token ids expected in [0, {self.spec.vocab_size}), found {bad[:5]}")
+        if max_new_tokens < 1:
+            raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
+        need = len(prompt_ids) + max_new_tokens
+        if need > self.plan.max_context:
+            raise HelmcError(f"context: prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) = {need}, "
+                             f"but the plan allows at most {self.plan.max_context} tokens")
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
+        self.reset()
+        eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
+        t0 = time.perf_counter()
+        logits = self.forward(prompt_ids)
+        tok = sampler(logits[-1])
+        t_first = time.perf_counter()
+        out, stamps, stop = [tok], [t_first], "length"
+        printed = ""
+        printed = self._stream(out, printed, on_text)
+        if tok in eos:
+            stop = "eos"
+        while stop != "eos" and len(out) < max_new_tokens:
+            logits = self.forward([tok])
+            tok = sampler(logits[-1])
+            out.append(tok)
+            stamps.append(time.perf_counter())
+            printed = self._stream(out, printed, on_text)
+            if tok in eos:
+                stop = "eos"
+        per_token = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+        decode_s = stamps[-1] - t_first
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        return GenerationResult(prompt_ids, out, text, 1000 * (t_first - t0),
+                                (len(out) - 1) / decode_s if decode_s > 0 else 0.0, per_token, stop)
+
+    def _stream(self, out, printed, on_text):
+        if on_text is None or self.tokenizer is None:
+            return printed
+        text = self.tokenizer.decode(out)
+        if text.startswith(printed) and len(text) > len(printed):
+            on_text(text[len(printed):])
+            return text
+        return printed
+
+
+# -------------------------------------------------------------------- helpers
+def _load_tokenizer(bundle_dir: str):
+    path = os.path.join(bundle_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(path)
+
+
+def _check_checkpoint(ck: Checkpoint, spec: ModelSpec):
+    """Every tensor the plan will read exists with the shape config.json implies, before any loading."""
+    from .weights import expected_tensors
+    for name, shape in expected_tensors(spec).items():
+        ck.view(name, shape)
+
+
+def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, **kv_options):
+    import tvm.runtime
+    from .kv_cache_cpu import KVCacheCPU
+    from .stage import Stage
+    from .weights import bind_layers, bind_head
+
+    dev = tvm.cpu()
+    layers = plan.cpu_layers
+    stage = None
+    if len(layers):
+        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet))
+        kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                        page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
+                        dtype=np.float32, sliding_window=spec.sliding_window or None)
+        stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
+                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+    head = None
+    if not plan.head_on_gpu:
+        hw = bind_head(checkpoint, spec, dev)
+        fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
+
+        def head(x, phase, all_logits):
+            if not all_logits and x.shape[0] > 1:
+                x = tvm.runtime.tensor(x.numpy()[-1:], dev)           # [S, H] -> [1, H]: only the last row samples
+                phase = "decode"
+            return fns[phase](x, *hw).numpy()
+    return stage, head
