@@ -74,6 +74,8 @@ def _parse_ids(text: str | None):
 def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
             kv_page_tokens, kv_watermark, no_kv_offload, as_json):
     """Generate text from a bundle."""
+    from .runtime.isolation import forbid_compiler_imports
+    forbid_compiler_imports()
     from . import api
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):

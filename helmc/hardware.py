@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import HelmcError
 from .jsonio import atomic_write_text, from_dict, load_json_file, to_dict
@@ -108,8 +109,9 @@ class LinkProfile:
 class HardwareProfile:
     format_version: int
     cpu: CpuProfile
-    gpu: GpuProfile | None = None
-    link: LinkProfile | None = None
+    # Optional[...] rather than `X | None`: jsonio converts typing.Union members but not types.UnionType.
+    gpu: Optional[GpuProfile] = None
+    link: Optional[LinkProfile] = None
     gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
     block_overhead_ms: float = 0.0   # delta of thesis 6.4.4: per GPU block per token beyond the roofline
     gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime

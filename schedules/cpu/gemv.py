@@ -1,0 +1,65 @@
+"""Decode GEMV for the CPU stage: y[m, n] = sum_k x[m, k] * W[n, k], W in HF layout [N, K], few static m.
+
+Why this shape of loop (thesis 4.1.5: the CPU stage is only worth having at the DRAM ceiling):
+- parallel over rows of W: each thread streams one contiguous slab of the weight, the access pattern the
+  hardware prefetchers follow best; HF's row-major [N, K] layout is already that, so no repacking.
+- vectorised along K with `chunk` = unroll x fp32 lanes: LLVM splits the wide vector into `unroll` registers,
+  i.e. `unroll` independent FMA chains, enough to cover FMA latency while loads stream in.
+- weights widened to fp32 in registers (weight_load.widen), accumulation in fp32 throughout.
+- K % chunk leftovers go through a scalar tail loop, so any K is exact.
+x (m x K fp32) is re-read for every row and stays in L1/L2; only W comes from DRAM.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .isa import VectorIsa
+from .weight_load import check_weight_dtype, load_dtype, widen
+
+GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symbolic) use gemm.make_gemm
+
+
+def gemv_chunk(isa: VectorIsa, m: int) -> int:
+    """fp32 elements per row per inner iteration: 4 registers' worth for one token, fewer for more tokens
+    (m x chunk accumulators must stay in registers next to the widened weights)."""
+    unroll = max(1, 4 // m)
+    return isa.fp32_lanes * unroll
+
+
+def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
+    check_weight_dtype(weight_dtype)
+    assert 1 <= m <= GEMV_MAX_ROWS, m
+    assert n >= 1 and k >= 1, (n, k)
+    chunk = gemv_chunk(isa, m)
+    k_main = k // chunk            # full chunks per row
+    k_tail = k - k_main * chunk    # leftover elements, done one by one
+    f16c = not isa.is_slow_fallback
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8})
+        wl = T.decl_buffer((n, k), load_dtype(weight_dtype), data=w.data)
+        for row in T.parallel(n):
+            acc = T.alloc_buffer((m, chunk), "float32", scope="local")
+            for t in T.unroll(m):
+                for v in T.vectorized(chunk):
+                    acc[t, v] = T.float32(0)
+            for ko in T.serial(k_main):
+                for t in T.unroll(m):
+                    for v in T.vectorized(chunk):
+                        acc[t, v] = acc[t, v] + x[t, ko * chunk + v] * widen(wl[row, ko * chunk + v], weight_dtype, f16c)
+            for t in T.unroll(m):
+                total = T.alloc_buffer((1,), "float32", scope="local")
+                total[0] = T.float32(0)
+                for v in T.unroll(chunk):
+                    total[0] = total[0] + acc[t, v]
+                for kt in T.serial(k_tail):
+                    total[0] = total[0] + x[t, k_main * chunk + kt] * widen(wl[row, k_main * chunk + kt], weight_dtype, f16c)
+                y[t, row] = total[0]
+
+    return gemv.with_attr("global_symbol", f"helmc_gemv_{_short(weight_dtype)}_m{m}_n{n}_k{k}")
+
+
+def _short(dtype: str) -> str:
+    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]
