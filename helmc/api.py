@@ -11,7 +11,8 @@ def _hardware(hardware) -> HardwareProfile:
     if isinstance(hardware, HardwareProfile):
         return hardware
     if isinstance(hardware, str):
-        return HardwareProfile.load(hardware)
+        from .hardware import load_hardware
+        return load_hardware(hardware)
     raise HelmcError(f"hardware: expected a HardwareProfile or a path to hardware.json, found {type(hardware).__name__}")
 
 

@@ -87,6 +87,21 @@ def rewrite_fp16_weight_matmuls(mod):
     return out
 
 
+def _mark_prim_funcs_do_not_tensorize(mod, _ctx):
+    """Keep dlight's Matmul rule on its SIMT path.
+
+    In apache-tvm 0.27.0.post1 its tensor-core path (MatmulTensorization, WMMA) segfaults inside
+    Schedule.tensorize for every fp16 matmul tried here (static or symbolic M, fp16 or fp32 output),
+    killing the compiler process; the attribute below is dlight's own switch to skip that path.
+    """
+    from tvm import tirx
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc) and "dlight.do_not_tensorize" not in func.attrs:
+            mod[gv] = func.with_attr("dlight.do_not_tensorize", True)
+    return mod
+
+
 def _gpu_relax_pipeline(target):
     """TVM's CUDA default pipeline (tvm/relax/backend/cuda/pipeline.py) with more dlight rules.
 
@@ -99,6 +114,8 @@ def _gpu_relax_pipeline(target):
     from tvm.relax.backend.cuda import pipeline as cuda_pipeline
     from tvm.s_tir import dlight as dl
 
+    mark_do_not_tensorize = tvm.transform.module_pass(
+        _mark_prim_funcs_do_not_tensorize, opt_level=0, name="MarkDoNotTensorize")
     legalize = [
         relax.transform.DecomposeOpsForInference(),
         relax.transform.LegalizeOps(),
@@ -106,6 +123,7 @@ def _gpu_relax_pipeline(target):
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        mark_do_not_tensorize,
         dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),

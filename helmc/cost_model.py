@@ -9,9 +9,12 @@ A stage (a contiguous run of partition units on one device) costs, per decode to
 
 where T_kv_stream is KV of GPU blocks that did not fit in VRAM and streams over PCIe from pinned
 host pages while the stage computes (thesis 4.2.2-4.2.3), and delta is the per-block overhead the
-profile carries. The link costs T_comm = l_link + W_act / B_link at the CPU->GPU boundary (4.15),
-plus the sampled token ids coming back when the lm_head is on the GPU (Algorithm 1 omits this; it
-is ~l_link and common to every plan that uses the GPU).
+profile carries. As in thesis 6.4.4 (T_hat = T_pred + N delta) delta is charged to every block,
+on either device: it moves T_plan, never the choice of split. The link costs
+T_comm = l_link + W_act / B_link at the CPU->GPU boundary (4.15), plus the sampled token ids
+coming back when the lm_head is on the GPU (Algorithm 1 omits this; it is ~l_link and common to
+every plan that uses the GPU). Objective "prefill" scores the time to first token instead: S
+tokens through every projection, causal attention, S activations across the link.
 
 Fallbacks for unmeasured figures (each is said in the plan table): CPU P_dec = M numerically, as
 the thesis sets it; CPU B_L3 = 3 M, as the thesis estimates it; a GPU without a measured P has no
@@ -72,11 +75,11 @@ class DeviceRates:
     block_overhead_ms: float = 0.0
 
     @classmethod
-    def of_cpu(cls, cpu: CpuProfile) -> "DeviceRates":
+    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float) -> "DeviceRates":
         M = cpu.stream_gbs
         return cls(mem_gbs=M, compute_gflops=cpu.fp32_gflops if cpu.fp32_gflops > 0 else M,
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
-                   l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M)
+                   l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M, block_overhead_ms=block_overhead_ms)
 
     @classmethod
     def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float) -> "DeviceRates":
@@ -95,8 +98,8 @@ def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
         out.append("CPU M from one contiguous buffer (inference-like pattern not measured)")
     if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
         out.append("GPU compute term dropped (fp16 rate not measured)")
-    if hw.gpu is not None and hw.block_overhead_ms <= 0:
-        out.append("per-block overhead delta = 0 (not calibrated)")
+    if hw.block_overhead_ms <= 0:
+        out.append("per-block overhead delta = 0 (not calibrated: needs a GPU)")
     return tuple(out)
 
 
@@ -209,11 +212,16 @@ def kv_staging_bytes(a: ProgramAnalysis, gpu: StageLoad, batch: int) -> int:
     return (gpu.blocks + KV_PREFETCH_PAGES) * KV_PAGE_TOKENS * batch * a.kv_bytes_per_token_layer
 
 
+def whole_pages(tokens: int) -> int:
+    """Tokens of KV actually allocated: the caches allocate whole pages."""
+    return -(-tokens // KV_PAGE_TOKENS) * KV_PAGE_TOKENS
+
+
 def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload,
                  context: int | None = None) -> tuple[MemoryNeed, MemoryNeed]:
-    """(host, gpu) needs of a split at `context` tokens (default: the workload's S + T), eq. 4.16
-    extended with workspace, reserves and the host side."""
-    c = w.total_context if context is None else context
+    """(host, gpu) needs of a split at `context` tokens (default: the workload's S + T) in whole KV
+    pages, eq. 4.16 extended with workspace, reserves and the host side."""
+    c = whole_pages(w.total_context if context is None else context)
     B = w.batch
     kv_gpu_blocks = B * c * gpu.kv_bytes_per_token
     host_kv = B * c * cpu.kv_bytes_per_token + (kv_gpu_blocks if w.kv_offload else 0)
@@ -229,19 +237,22 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
 
 def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
     """Longest prompt + output the split can hold: KV of CPU blocks in host RAM; KV of GPU blocks in
-    pinned host RAM when offloaded, else in VRAM; capped at max_position_embeddings. 0: not even
-    the weights fit."""
+    pinned host RAM when offloaded, else in VRAM; in whole pages; capped at max_position_embeddings.
+    0: not even the weights fit."""
     host0, gpu0 = memory_needs(a, hw, cpu, gpu, w, context=0)
     B = w.batch
-    limit = a.max_position_embeddings
+    fit = None
     host_per_token = B * (cpu.kv_bytes_per_token + (gpu.kv_bytes_per_token if w.kv_offload else 0))
     if host0.total > host0.available or gpu0.total > gpu0.available:
         return 0
     if host_per_token:
-        limit = min(limit, (host0.available - host0.total) // host_per_token)
+        fit = (host0.available - host0.total) // host_per_token
     if gpu.units and not w.kv_offload and gpu.kv_bytes_per_token:
-        limit = min(limit, (gpu0.available - gpu0.total) // (B * gpu.kv_bytes_per_token))
-    return int(limit)
+        gpu_fit = (gpu0.available - gpu0.total) // (B * gpu.kv_bytes_per_token)
+        fit = gpu_fit if fit is None else min(fit, gpu_fit)
+    if fit is None:
+        return a.max_position_embeddings
+    return int(min(a.max_position_embeddings, fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS))
 
 
 def gpu_kv_pool_bytes(gpu_need_without_kv: MemoryNeed) -> float:

@@ -19,9 +19,10 @@ from .jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 
 PROFILE_FORMAT_VERSION = 1
 GIB = 1024 ** 3
-# Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime". Kept per profile because
-# the context size depends on the GPU and driver.
-DEFAULT_GPU_RESERVE_BYTES = GIB
+# Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime"; the thesis's units are
+# decimal (its 386 MB block is 385.9e6 bytes), so 1e9 bytes. Kept per profile because the context
+# size depends on the GPU and driver.
+DEFAULT_GPU_RESERVE_BYTES = 10 ** 9
 # The host runtime itself (Python, TVM runtime, tokenizer) needs memory beside weights and KV.
 DEFAULT_HOST_RESERVE_BYTES = GIB
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts", "profiles")
@@ -113,7 +114,7 @@ class HardwareProfile:
     gpu: Optional[GpuProfile] = None
     link: Optional[LinkProfile] = None
     gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
-    block_overhead_ms: float = 0.0   # delta of thesis 6.4.4: per GPU block per token beyond the roofline
+    block_overhead_ms: float = 0.0   # delta of thesis 6.4.4: per block per token beyond the roofline (calibrated on the GPU)
     gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime
     host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES  # host RAM kept back for the runtime process
     source: str = "measured"         # "measured" or "preset:<name>"

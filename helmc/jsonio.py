@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -40,7 +41,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         for a in args:
             if a is type(None):
                 continue

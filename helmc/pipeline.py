@@ -55,7 +55,7 @@ def read_config(model_dir: str) -> tuple[ModelSpec, str]:
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int) -> Plan:
-    from .search_partition import search_plan as search
+    from .search_partition import plan as search
     return search(spec, hw, prompt_len=prompt_len, output_len=output_len)
 
 

@@ -172,7 +172,10 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     lines += [f"times in {unit}", header]
     for c in plan.candidates:
         mark = ">" if c.cpu_units == plan.cpu_units else " "
-        feas = "yes" if c.feasible else f"no: {c.why}"
+        if not c.feasible:
+            feas = f"no: {c.why}"
+        else:
+            feas = "yes" if mark == ">" else f"yes, +{c.t_plan_ms - plan.t_plan_ms:.2f} ms"
         lines.append(f"{mark} {c.cpu_units:>3} {_units_text(0, c.cpu_units, plan.num_layers):<12} "
                      f"{_units_text(c.cpu_units, plan.num_units, plan.num_layers):<12} {c.t_cpu_ms:>9.2f} "
                      f"{c.t_gpu_ms:>9.2f} {c.t_comm_ms:>8.4f} {c.t_plan_ms:>9.2f} {c.gpu_bytes / gib:>9.2f} "

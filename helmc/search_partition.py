@@ -14,7 +14,7 @@ from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes,
 from .errors import HelmcError
 from .hardware import GIB, HardwareProfile, load_hardware
 from .model_spec import ModelSpec
-from .plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
+from .plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split, format_plan_table  # noqa: F401 (re-export for helmc.cli)
 
 
 class InfeasibleError(HelmcError):
@@ -35,27 +35,31 @@ def _shortfall_text(host, dev) -> str:
 
 
 def evaluate_split(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int,
-                   cpu_rates: DeviceRates, gpu_rates: DeviceRates | None) -> tuple[Candidate, int]:
-    """One row of the search: times, memory and feasibility of split k; also its total shortfall."""
+                   cpu_rates: DeviceRates, gpu_rates: DeviceRates | None) -> tuple[Candidate, float]:
+    """One row of the search: times, memory and feasibility of split k; also its total memory
+    shortfall in bytes (inf where no amount of memory would do)."""
     n = a.num_units
     cpu, gpu = a.stage(0, k), a.stage(k, n)
     host_need, gpu_need = memory_needs(a, hw, cpu, gpu, w)
     t_cpu = stage_time(a, cpu, cpu_rates, w, blend_l3=True).total_ms
-    if gpu.units and gpu_rates is None:
+    if gpu.units and gpu_rates is None:                 # no memory would make this split fit
         return Candidate(cpu_units=k, gpu_units=n - k, t_cpu_ms=t_cpu, t_gpu_ms=0.0, t_comm_ms=0.0,
                          t_plan_ms=t_cpu, gpu_bytes=gpu_need.total, cpu_bytes=host_need.total, feasible=False,
-                         why="no GPU in the hardware profile"), gpu_need.total
+                         why="no GPU in the hardware profile"), float("inf")
     t_gpu = t_over = t_comm = 0.0
     if gpu.units:
         resident = gpu_kv_pool_bytes(gpu_need) if w.kv_offload else None
         st = stage_time(a, gpu, gpu_rates, w, blend_l3=False, kv_resident_bytes=resident, link=hw.link)
         t_gpu, t_over = st.total_ms, st.overhead_ms
         t_comm = comm_time_ms(a, k, w, hw.link)
+    # Needs are counted in whole KV pages, so fitting S + T implies max_context >= S + T.
     feasible = host_need.fits and gpu_need.fits
+    limit = max_context(a, hw, cpu, gpu, w) if feasible else 0
+    assert not feasible or limit >= w.total_context, (k, limit, w.total_context)
     cand = Candidate(cpu_units=k, gpu_units=n - k, t_cpu_ms=t_cpu, t_gpu_ms=t_gpu, t_comm_ms=t_comm,
                      t_plan_ms=t_cpu + t_gpu + t_comm, gpu_bytes=gpu_need.total, cpu_bytes=host_need.total,
                      feasible=feasible, why="" if feasible else _shortfall_text(host_need, gpu_need),
-                     t_overhead_ms=t_over, max_context=max_context(a, hw, cpu, gpu, w) if feasible else 0)
+                     t_overhead_ms=t_over, max_context=limit)
     return cand, host_need.shortfall + gpu_need.shortfall
 
 
@@ -71,7 +75,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
     if w.total_context > a.max_position_embeddings:
         raise HelmcError(f"workload: prompt + output expected <= max_position_embeddings "
                          f"({a.max_position_embeddings}), found {w.total_context}")
-    cpu_rates = DeviceRates.of_cpu(hw.cpu)
+    cpu_rates = DeviceRates.of_cpu(hw.cpu, hw.block_overhead_ms)
     gpu_rates = DeviceRates.of_gpu(hw.gpu, hw.block_overhead_ms) if hw.gpu is not None else None
     rows, shortfalls = [], []
     for k in range(a.num_units + 1):

@@ -62,6 +62,8 @@ class KVCacheCPU:
         self._appended: set[int] = set()
         self._runs_key = None
         self._runs: list[tuple[int, int, int]] = []
+        self._table_key = None
+        self._table_cache = None
         self._executor = None
 
     # ------------------------------------------------------------------ state
@@ -104,7 +106,7 @@ class KVCacheCPU:
             raise HelmcError(f"KVCacheCPU.append: layer {layer} expected {self._pending} new rows once per step, "
                              f"found {S} rows{' (second append)' if layer in self._appended else ''}")
         T, start = self.page_tokens, self.length
-        table = self.pool.page_table(self._seq)
+        table = self._table()
         for i in range(start // T, table.n_pages):
             a, b = max(start, i * T), min(start + S, (i + 1) * T)
             if a >= b:
@@ -148,12 +150,19 @@ class KVCacheCPU:
         if not 0 <= layer < self.num_layers:
             raise HelmcError(f"KVCacheCPU.{what}: layer expected 0..{self.num_layers - 1}, found {layer}")
 
+    def _table(self):
+        """The sequence's page table, rebuilt only when placement or length changed."""
+        key = (self.pool.version, self.length, self._pending)
+        if key != self._table_key:
+            self._table_cache, self._table_key = self.pool.page_table(self._seq), key
+        return self._table_cache
+
     def _slot_runs(self, n: int) -> list[tuple[int, int, int]]:
         """(first position, arena row of that position, tokens) for each run of consecutive slots."""
         key = (self.pool.version, n)
         if key != self._runs_key:
             T = self.page_tokens
-            table = self.pool.page_table(self._seq)
+            table = self._table()
             runs: list[list[int]] = []
             for i in range(table.n_pages):
                 tok = table.tokens_in(i, n)
@@ -181,15 +190,15 @@ class KVCacheCPU:
 
     def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float) -> np.ndarray:
         qt = group_queries(np, q, self.num_kv_heads)                      # [1, h_a, d] -> [h_kv, g, d]
-        q_pos = np.array([n - 1]) if self.window else None
+        q_pos0 = n - 1 if self.window else None
         groups = _split_by_tokens(blocks, self.threads)
         if len(groups) == 1:
-            parts = [partial_attention(np, qt, q_pos, blocks, scale, self.window)]
+            parts = [partial_attention(np, qt, q_pos0, 1, blocks, scale, self.window)]
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
             parts = list(self._executor.map(
-                lambda bs: partial_attention(np, qt, q_pos, bs, scale, self.window), groups))
+                lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, self.window), groups))
         o = merge_partials(np, parts)                                     # [h_kv, g, d]
         return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
 

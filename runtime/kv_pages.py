@@ -260,10 +260,12 @@ class PagePool:
                             default=-1)
             for pid in s.pages[:last_host + 1]:
                 if self._pages[pid].residency is Residency.GPU:
-                    started.append(self._start_eviction(self._pages[pid]))
+                    self._start_eviction(self._pages[pid])
+                    started.append(pid)
             over = self.gpu_resident - self.watermark_pages
             for pid in self.evictable()[:max(0, over)]:
-                started.append(self._start_eviction(self._pages[pid]))
+                self._start_eviction(self._pages[pid])
+                started.append(pid)
         if started:
             self.version += 1
         self.check_invariants()

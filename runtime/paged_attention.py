@@ -133,38 +133,35 @@ class Partial:
     o: Any
 
 
-def partial_attention(xp, qt, q_pos, blocks: Iterable[KeyBlock], scale: float, window: int = 0,
-                      compute_dtype=np.float32) -> Partial:
+def partial_attention(xp, qt, q_pos0: int | None, R: int, blocks: Iterable[KeyBlock], scale: float,
+                      window: int = 0, compute_dtype=np.float32) -> Partial:
     """Fold `blocks` into fresh online-softmax state for grouped query rows.
 
-    qt [h_kv, g*R, d] (row j of a group is query row j % R); q_pos: absolute positions [R] as a host
-    NumPy array, or None for 'sees every key' (decode over a finished context).
+    qt [h_kv, g*R, d]: R query rows per head group (row j of a group is query row j % R) at absolute
+    positions q_pos0 .. q_pos0+R-1; q_pos0=None means every row sees every key (decode, no window).
     """
     h_kv, rows, d = qt.shape
-    R = rows if q_pos is None else len(q_pos)
     g = rows // R
     cd = np.dtype(compute_dtype).type
     qt = qt.astype(cd, copy=False)
     m = xp.full((h_kv, rows), NEG_INF, dtype=cd)
     s = xp.zeros((h_kv, rows), dtype=cd)
     o = xp.zeros((h_kv, rows, d), dtype=cd)
-    first_q = None if q_pos is None else int(q_pos[0])
-    last_q = None if q_pos is None else int(q_pos[-1])
+    last_q = None if q_pos0 is None else q_pos0 + R - 1
     for b in blocks:
-        if q_pos is not None and (b.pos0 > last_q or (window and b.pos0 + b.n - 1 <= first_q - window)):
+        if q_pos0 is not None and (b.pos0 > last_q or (window and b.pos0 + b.n - 1 <= q_pos0 - window)):
             continue                                                # no row of this tile sees the block
         k, v = b.load()
         e = xp.matmul(qt, k.astype(cd, copy=False).transpose(0, 2, 1))   # [h_kv, g*R, n]
         e *= scale
-        if q_pos is not None and (b.pos0 + b.n - 1 > first_q or window):
-            kp = b.pos0 + np.arange(b.n)[None, :]
-            qp = np.asarray(q_pos)[:, None]
+        if q_pos0 is not None and (b.pos0 + b.n - 1 > q_pos0 or (window and b.pos0 <= last_q - window)):
+            kp = xp.arange(b.pos0, b.pos0 + b.n)[None, :]
+            qp = xp.arange(q_pos0, q_pos0 + R)[:, None]
             allowed = kp <= qp                                      # [R, n]
             if window:
                 allowed &= kp > qp - window
-            if not allowed.all():
-                mask = xp.asarray(np.tile(allowed, (g, 1)))         # [R, n] -> [g*R, n]
-                e = xp.where(mask[None], e, cd(NEG_INF))
+            e = xp.where(allowed[None, None], e.reshape(h_kv, g, R, b.n), cd(NEG_INF))  # [h_kv,g*R,n] -> [h_kv,g,R,n]
+            e = e.reshape(h_kv, rows, b.n)                          # [h_kv, g, R, n] -> [h_kv, g*R, n]
         m_new = xp.maximum(m, e.max(-1))
         m_safe = xp.where(m_new == NEG_INF, cd(0), m_new)           # rows that saw no key yet stay empty
         r = xp.exp(m - m_safe)
@@ -221,8 +218,7 @@ def attend_blocks(xp, q, q_pos0: int, blocks: Sequence[KeyBlock], num_kv_heads: 
     for r0 in range(0, S, tile):
         r1 = min(S, r0 + tile)
         qt = group_queries(xp, q[r0:r1], num_kv_heads)
-        part = partial_attention(xp, qt, np.arange(q_pos0 + r0, q_pos0 + r1), blocks, scale, window,
-                                 compute_dtype)
+        part = partial_attention(xp, qt, q_pos0 + r0, r1 - r0, blocks, scale, window, compute_dtype)
         o = part.o / part.s[..., None]
         out[r0:r1] = ungroup_output(o, r1 - r0).astype(q.dtype, copy=False)
     return out

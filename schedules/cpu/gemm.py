@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .isa import VectorIsa
-from .weight_load import check_weight_dtype, load_dtype, widen
+from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
     check_weight_dtype(weight_dtype)
     t = tiling or default_tiling(isa)
     lanes = isa.fp32_lanes
-    kc = max(lanes, (min(t.kc, k) // lanes) * lanes)
     k_vec = (k // lanes) * lanes          # columns covered by vector steps
     k_tail = k - k_vec
-    k_blocks = -(-k_vec // kc) if k_vec else 0
+    kc = _block_dividing(k_vec, t.kc, lanes)
+    k_blocks = k_vec // kc if k_vec else 0
     mr, nr, rows_per_task = t.mr, t.nr, t.rows_per_task
     tasks = -(-n // rows_per_task)
     f16c = not isa.is_slow_fallback
@@ -55,7 +55,7 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
 
     @T.prim_func
     def gemm(var_x: T.handle, w: T.Buffer((n, k), weight_dtype), var_y: T.handle):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         tokens = T.int64()
         x = T.match_buffer(var_x, (tokens, k), "float32")
         y = T.match_buffer(var_y, (tokens, n), "float32")
@@ -64,23 +64,26 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
             for kb in T.serial(k_blocks):
                 for mo in T.serial((tokens + (mr - 1)) // mr):
                     for jo in T.serial(rows_per_task // nr):
-                        acc = T.alloc_buffer((mr, nr, lanes), "float32", scope="local")
+                        acc = T.alloc_buffer((mr, nr, lanes), "float32", scope="global", annotations=STACK)
                         for i in T.unroll(mr):
                             for j in T.unroll(nr):
                                 for v in T.vectorized(lanes):
                                     acc[i, j, v] = T.float32(0)
-                        for kk in T.serial(T.min(kc, k_vec - kb * kc) // lanes):
+                        for kk in T.serial(kc // lanes):
+                            wv = T.alloc_buffer((nr, lanes), "float32", scope="global", annotations=STACK)
+                            for j in T.unroll(nr):
+                                for v in T.vectorized(lanes):
+                                    wv[j, v] = widen(wl[T.min(task * rows_per_task + jo * nr + j, n - 1),
+                                                        kb * kc + kk * lanes + v], weight_dtype, f16c)
                             for i in T.unroll(mr):
                                 for j in T.unroll(nr):
                                     for v in T.vectorized(lanes):
                                         acc[i, j, v] = acc[i, j, v] + x[
-                                            T.min(mo * mr + i, tokens - 1), kb * kc + kk * lanes + v
-                                        ] * widen(wl[T.min(task * rows_per_task + jo * nr + j, n - 1),
-                                                     kb * kc + kk * lanes + v], weight_dtype, f16c)
+                                            T.min(mo * mr + i, tokens - 1), kb * kc + kk * lanes + v] * wv[j, v]
                         for i in T.unroll(mr):
                             for j in T.unroll(nr):
                                 if mo * mr + i < tokens and task * rows_per_task + jo * nr + j < n:
-                                    total = T.alloc_buffer((1,), "float32", scope="local")
+                                    total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
                                     total[0] = T.if_then_else(
                                         kb == 0, T.float32(0),
                                         y[mo * mr + i, task * rows_per_task + jo * nr + j])
@@ -91,7 +94,7 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
                 for row in T.serial(rows_per_task):
                     if task * rows_per_task + row < n:
                         for tok in T.serial(tokens):
-                            tail = T.alloc_buffer((1,), "float32", scope="local")
+                            tail = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
                             tail[0] = T.if_then_else(
                                 k_blocks == 0, T.float32(0), y[tok, task * rows_per_task + row])
                             for kt in T.serial(k_tail):
@@ -101,6 +104,18 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
 
     name = f"helmc_gemm_{_short(weight_dtype)}_n{n}_k{k}"
     return gemm.with_attr("global_symbol", name)
+
+
+def _block_dividing(k_vec: int, target: int, lanes: int) -> int:
+    """Largest multiple of `lanes` <= target that divides k_vec: every K block then has the same constant
+    trip count, which lets LLVM keep the accumulators in registers (with a variable count it stored them
+    to the stack on every iteration)."""
+    if k_vec == 0:
+        return lanes
+    for kc in range(min(target, k_vec) // lanes * lanes, 0, -lanes):
+        if k_vec % kc == 0:
+            return kc
+    return lanes
 
 
 def _short(dtype: str) -> str:

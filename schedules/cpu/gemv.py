@@ -15,7 +15,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .isa import VectorIsa
-from .weight_load import check_weight_dtype, load_dtype, widen
+from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symbolic) use gemm.make_gemm
 
@@ -38,10 +38,10 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         wl = T.decl_buffer((n, k), load_dtype(weight_dtype), data=w.data)
         for row in T.parallel(n):
-            acc = T.alloc_buffer((m, chunk), "float32", scope="local")
+            acc = T.alloc_buffer((m, chunk), "float32", scope="global", annotations=STACK)
             for t in T.unroll(m):
                 for v in T.vectorized(chunk):
                     acc[t, v] = T.float32(0)
@@ -50,7 +50,7 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
                     for v in T.vectorized(chunk):
                         acc[t, v] = acc[t, v] + x[t, ko * chunk + v] * widen(wl[row, ko * chunk + v], weight_dtype, f16c)
             for t in T.unroll(m):
-                total = T.alloc_buffer((1,), "float32", scope="local")
+                total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
                 total[0] = T.float32(0)
                 for v in T.unroll(chunk):
                     total[0] = total[0] + acc[t, v]

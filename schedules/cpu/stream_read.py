@@ -28,7 +28,7 @@ def make_stream_read(elements: int, isa: VectorIsa) -> tirx.PrimFunc:
 
     @T.prim_func
     def stream_read(a: T.Buffer((elements,), "float32"), partial: T.Buffer((READ_TASKS,), "float32")):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         for task in T.parallel(READ_TASKS):
             acc = T.alloc_buffer((chunk,), "float32", scope="local")
             for v in T.vectorized(chunk):

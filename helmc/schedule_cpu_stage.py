@@ -1,0 +1,65 @@
+"""Compile the CPU stage's Relax functions for the LLVM target of the machine the bundle is built *for*.
+
+    compile_cpu_stage(mod, features) -> tvm.runtime.Executable   (export_library it into the bundle)
+    llvm_target(features)           -> tvm.target.Target
+    required_cpu_features(features) -> the /proc/cpuinfo flags the compiled code executes (bundle manifest)
+
+Pipeline: lower_linear (every linear -> helmc's GEMV/GEMM, weights read in their stored dtype) -> TVM's
+CPU legalisation and fusion -> schedule_elementwise (parallel + vectorised loops for the fused norm / RoPE /
+SwiGLU / residual functions that TVM leaves serial) -> TVM's VM lowering. Features are hardware.json's CPU
+flags, never the build machine's, so a bundle built here for the GPU machine's Xeon uses AVX-512.
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import relax
+
+from helmc.lower_linear import lower_linear
+from helmc.schedules.cpu.elementwise import schedule_elementwise
+from helmc.schedules.cpu.isa import select_isa
+
+log = logging.getLogger(__name__)
+
+
+def llvm_target(features: tuple[str, ...]) -> tvm.target.Target:
+    isa = select_isa(features)
+    if isa.is_slow_fallback:
+        log.warning("CPU stage: the target CPU lacks AVX2/FMA/F16C; compiling the portable x86-64 fallback, "
+                    "which is correct but several times below DRAM bandwidth (the CPU stage will be slow)")
+    spec: dict = {"kind": "llvm", "mcpu": isa.llvm_mcpu}
+    if isa.llvm_mattr:
+        spec["mattr"] = list(isa.llvm_mattr)
+    return tvm.target.Target(spec)
+
+
+def required_cpu_features(features: tuple[str, ...]) -> tuple[str, ...]:
+    """/proc/cpuinfo flags a CPU must have to run what compile_cpu_stage(mod, features) produces."""
+    return select_isa(features).required_flags
+
+
+def cpu_stage_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's CPU pipeline (relax/backend/cpu_generic) with the elementwise scheduling step added."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+
+    @tvm.transform.module_pass(opt_level=0, name="HelmcCpuStagePipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            passes = (
+                [relax.transform.DecomposeOpsForInference()]
+                + cpu_generic.library_dispatch_passes(target)
+                + cpu_generic.legalize_passes(target)
+                + [schedule_elementwise(target)]
+                + cpu_generic.dataflow_lower_passes(target)
+                + cpu_generic.finalize_passes(target)
+            )
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...]) -> tvm.runtime.Executable:
+    target = llvm_target(features)
+    lowered = lower_linear(mod, features)
+    return tvm.compile(lowered, target=target, relax_pipeline=cpu_stage_pipeline(target))

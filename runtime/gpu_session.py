@@ -1,0 +1,98 @@
+"""The GPU half of a session: the GPU stage, its paged KV cache, the head, and the one crossing.
+
+Per step (thesis 4.2.1): the CPU stage runs its blocks on the host, the hidden state [S, H] goes to
+the GPU in one host-to-device copy, the GPU stage runs the remaining blocks and the head, and the
+logits of the last row come back. The embedding is always gathered on the host from the mmapped
+checkpoint (S rows, not V x H bytes of VRAM). Imports CuPy: only loaded when the plan has a GPU stage.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from helmc.errors import HelmcError
+
+GPU_LIB = "gpu_stage.so"
+GPU_CUBIN_INDEX = "gpu_stage.cubins.json"
+
+
+class GpuParts:
+    def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step):
+        self.stage = stage                      # Stage over the GPU layers, or None
+        self.head_fns = head_fns
+        self.head_weights = head_weights
+        self.act_dtype = act_dtype
+        self.cupy_to_tvm = cupy_to_tvm
+        self.tvm_to_cupy = tvm_to_cupy
+        self.cpu_stage_step = cpu_stage_step    # runs the CPU stage on host arrays; None if no CPU blocks
+
+    def reset(self):
+        if self.stage is not None:
+            self.stage.kv.reset()
+
+    def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
+        import cupy as cp
+        if self.cpu_stage_step is not None:
+            x = self.cpu_stage_step(x, cos, sin, phase)            # [S, H] float32 on the host
+        xg = cp.asarray(x).astype(self.act_dtype)                  # the one host-to-device copy per step
+        to_tvm = self.cupy_to_tvm
+        if self.stage is not None:
+            xt = self.stage.forward(to_tvm(xg), to_tvm(cp.asarray(cos)), to_tvm(cp.asarray(sin)), phase)
+            xg = self.tvm_to_cupy(xt)
+        if not all_logits and xg.shape[0] > 1:
+            xg = xg[-1:]                                            # [S, H] -> [1, H]: only the last row samples
+            phase = "decode"
+        logits = self.head_fns[phase](to_tvm(cp.ascontiguousarray(xg)), *self.head_weights)
+        return cp.asnumpy(self.tvm_to_cupy(logits))               # [S or 1, V] float32 back to the host
+
+
+def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
+    import cupy as cp
+    import tvm.runtime
+    from tvm.runtime.vm import VirtualMachine
+
+    from .cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
+    from .kv_cache_gpu import KVCacheGPU
+    from .session import CPU_STAGE_LIB, _progress, build_cpu_stage
+    from .stage import Stage
+    from .weights import bind_head, bind_layers
+
+    free, total = cp.cuda.runtime.memGetInfo()
+    if plan.gpu_bytes and plan.gpu_bytes > free:
+        raise HelmcError(f"GPU memory: the plan needs {plan.gpu_bytes / 2**30:.2f} GiB of VRAM, "
+                         f"{free / 2**30:.2f} GiB is free of {total / 2**30:.2f} GiB (build with a smaller --gpu-budget)")
+    cpu_step = None
+    cpu_stage = None
+    if len(plan.cpu_layers):
+        lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
+        cpu_vm = VirtualMachine(lib, tvm.cpu())
+        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, **kv_options)
+        dev_cpu = tvm.cpu()
+
+        def cpu_step(x, cos, sin, phase):
+            return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
+                                     tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
+
+    vm = VirtualMachine(load_gpu_executable(os.path.join(bundle_dir, GPU_LIB), os.path.join(bundle_dir, GPU_CUBIN_INDEX)),
+                        tvm.cuda(0))
+    dev = tvm.cuda(0)
+    uploader = PinnedUploader()
+    upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
+    layers = plan.gpu_layers
+    stage = None
+    if len(layers):
+        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet), to_device=upload)
+        free_after, _ = cp.cuda.runtime.memGetInfo()
+        budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
+        kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=kv_options.get("kv_page_tokens", 512),
+                        max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
+                        watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
+                        sliding_window=spec.sliding_window or None)
+        stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm)
+    head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
+    uploader.close()
+    head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
+    gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step)
+    session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
+    return session

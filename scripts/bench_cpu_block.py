@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""One Qwen3 block (default 8B) on the CPU stage: decode step against the roofline, prefill against torch bf16.
+
+The block is the pipeline's own export (helmc.export_block: pre_attn + post_attn, weights as graph inputs),
+imported to Relax and compiled with helmc.schedule_cpu_stage.compile_cpu_stage. Attention itself is not in
+these functions (the runtime drives it between them), so the attention output is a random input here.
+
+  decode   pre_attn_decode + post_attn_decode, one token, cycling through enough weight copies to read
+           >= 4x L3 per pass; compared with W_param / DRAM bandwidth measured in the same run
+           (thesis 4.1.5's roofline; the issue asks for <= 1.25x).
+  prefill  pre_attn_prefill + post_attn_prefill on a 128-token prompt, against the same block in torch
+           with bf16 weights and activations (torch's bf16 CPU path), same thread count.
+Numerics: both variants against torch in float32 on the same weights.
+
+  python scripts/bench_cpu_block.py [--json]                                  # build and run here
+  python scripts/bench_cpu_block.py --build-only DIR --hardware hw.json      # compile for another CPU
+  python scripts/bench_cpu_block.py --run-only DIR [--json]                  # there: tvm.runtime + torch only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+MANIFEST = "block_bench.json"
+# Qwen3 config.json values (published on the Hub) that the block depends on.
+QWEN3_CONFIGS = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32},
+    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32},
+    "14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_attention_heads": 40},
+}
+
+
+def qwen3_spec(model: str, dtype: str, **overrides):
+    from helmc.model_spec import ModelSpec
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "num_key_value_heads": 8, "vocab_size": 151936,
+           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "num_hidden_layers": 36,
+           "torch_dtype": dtype, "attention_bias": False, "tie_word_embeddings": False,
+           **QWEN3_CONFIGS[model], **overrides}
+    return ModelSpec.from_hf_config(cfg, f"Qwen3-{model.upper()}")
+
+
+def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int) -> None:
+    import tvm
+    from helmc.export_block import export_functions
+    from helmc.import_relax import import_functions
+    from helmc.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
+    from helmc.schedules.cpu.isa import select_isa
+    from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
+
+    exported = tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn"))
+    mod = import_functions(exported)
+    os.makedirs(out_dir, exist_ok=True)
+    compile_cpu_stage(mod, features).export_library(os.path.join(out_dir, "block.so"))
+    isa = select_isa(features)
+    elements = stream_read_elements(min_read_bytes, isa)
+    tvm.compile(make_stream_read(elements, isa), target=llvm_target(features)).export_library(
+        os.path.join(out_dir, "stream_read.so"))
+    manifest = {"spec": json.loads(spec.to_json()), "required_flags": list(required_cpu_features(features)),
+                "isa": isa.tier, "read_elements": elements,
+                "inputs": {f.name: list(f.input_names) for f in exported},
+                "weights": {f.name: list(f.weight_names) for f in exported}}
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def torch_block(spec, act):
+    """pre(x, cos, sin, w) and post(x, attn, w) in torch, HF Qwen3 semantics, activations in `act`."""
+    import torch
+    import torch.nn.functional as F
+    D, eps = spec.head_dim, spec.rms_norm_eps
+
+    def rms(t, w):
+        t32 = t.to(torch.float32)
+        return w * (t32 * torch.rsqrt((t32 * t32).mean(-1, keepdim=True) + eps)).to(act)
+
+    def rot(t):
+        return torch.cat([-t[..., D // 2:], t[..., :D // 2]], dim=-1)
+
+    def pre(x, cos, sin, w):
+        S = x.shape[0]
+        h = rms(x, w["input_layernorm.weight"])
+        q = F.linear(h, w["self_attn.q_proj.weight"]).reshape(S, spec.num_heads, D)     # [S, Q] -> [S, h, D]
+        k = F.linear(h, w["self_attn.k_proj.weight"]).reshape(S, spec.num_kv_heads, D)  # [S, KV] -> [S, h_kv, D]
+        v = F.linear(h, w["self_attn.v_proj.weight"]).reshape(S, spec.num_kv_heads, D)  # [S, KV] -> [S, h_kv, D]
+        q, k = rms(q, w["self_attn.q_norm.weight"]), rms(k, w["self_attn.k_norm.weight"])
+        c, s = cos[:, None, :].to(act), sin[:, None, :].to(act)                           # [S, D] -> [S, 1, D]
+        return q * c + rot(q) * s, k * c + rot(k) * s, v
+
+    def post(x, attn, w):
+        h = x + F.linear(attn, w["self_attn.o_proj.weight"])
+        m = rms(h, w["post_attention_layernorm.weight"])
+        g = F.linear(m, w["mlp.gate_proj.weight"])
+        return h + F.linear(F.silu(g) * F.linear(m, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
+
+    return pre, post
+
+
+def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
+    import numpy as np
+    import torch
+    import tvm.runtime
+    from tvm.runtime.vm import VirtualMachine
+    from helmc.model_spec import ModelSpec
+    from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy
+
+    from bench_cpu_gemv import cpu_flags, l3_bytes
+
+    manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
+    lacking = [f for f in manifest["required_flags"] if f not in cpu_flags()]
+    if lacking:
+        sys.exit(f"bench_cpu_block: the compiled block needs CPU flags {lacking} that this CPU lacks")
+    spec = ModelSpec.from_json(json.dumps(manifest["spec"]))
+    torch.set_num_threads(threads)
+    dev = tvm.runtime.cpu()
+    vm = VirtualMachine(tvm.runtime.load_module(os.path.join(out_dir, "block.so")), dev)
+    reader = tvm.runtime.load_module(os.path.join(out_dir, "stream_read.so"))["helmc_stream_read"]
+    shapes = spec.block_weight_shapes()
+    names = manifest["weights"]["pre_attn"] + manifest["weights"]["post_attn"]
+    rng = np.random.default_rng(0)
+    tdt = getattr(torch, spec.dtype)
+
+    host = {}
+    for name in names:
+        shape = shapes[name]
+        vals = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)) if len(shape) == 1 else \
+            rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])
+        host[name] = bf16_bits_from_float32(vals) if spec.dtype == "bfloat16" else vals.astype(spec.dtype)
+    w_param = sum(a.nbytes for a in host.values())
+    copies = max(1, -(-4 * l3_bytes() // w_param))
+    weight_sets = [{n: tensor_from_numpy(a, spec.dtype, dev) for n, a in host.items()} for _ in range(copies)]
+    torch_w = {n: torch.from_dlpack(t) for n, t in weight_sets[0].items()}   # same bytes, torch's dtype
+    torch_w32 = {n: t.to(torch.float32) for n, t in torch_w.items()}
+
+    H, D, Q = spec.hidden_size, spec.head_dim, spec.q_dim
+
+    def acts(seq):
+        pos = np.arange(seq, dtype=np.float64)[:, None]
+        inv = spec.rope.theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+        ang = np.concatenate([pos * inv, pos * inv], axis=1)
+        return (rng.standard_normal((seq, H), dtype=np.float32), np.cos(ang).astype(np.float32),
+                np.sin(ang).astype(np.float32), rng.standard_normal((seq, Q), dtype=np.float32))
+
+    def helmc_step(kind, a, ws):
+        x, cos, sin, attn = a
+        q, k, v = vm[f"pre_attn_{kind}"](x, cos, sin, *[ws[n] for n in manifest["weights"]["pre_attn"]])
+        y = vm[f"post_attn_{kind}"](x, attn, *[ws[n] for n in manifest["weights"]["post_attn"]])
+        return q, k, v, y
+
+    pre_t, post_t = torch_block(spec, torch.float32)
+    report = {"threads": threads, "w_param_bytes": w_param, "weight_copies": copies, "prompt": prompt,
+              "model": f"{spec.hidden_size}h/{spec.intermediate_size}ffn", "dtype": spec.dtype}
+    for kind, seq in (("decode", 1), ("prefill", prompt)):
+        a = acts(seq)
+        ta = [tensor_from_numpy(v, "float32", dev) for v in a]
+        outs = helmc_step(kind, ta, weight_sets[0])
+        tx = [torch.from_numpy(v) for v in a]
+        with torch.no_grad():
+            ref = list(pre_t(tx[0], tx[1], tx[2], torch_w32)) + [post_t(tx[0], tx[3], torch_w32)]
+        err = max(float((torch.from_numpy(o.numpy()) - r).abs().max() / r.abs().max()) for o, r in zip(outs, ref))
+        report[f"{kind}_rel_err"] = err
+
+    read_n = manifest["read_elements"]
+    buf = tvm.runtime.empty((read_n,), "float32", dev)
+    buf.copyfrom(np.ones(read_n, np.float32))
+    part = tvm.runtime.empty((1024,), "float32", dev)
+    tbuf = torch.from_dlpack(buf)
+    reader(buf, part)
+    dec_a = [tensor_from_numpy(v, "float32", dev) for v in acts(1)]
+    pre_a = [tensor_from_numpy(v, "float32", dev) for v in acts(prompt)]
+    tpre = [torch.from_numpy(v).to(tdt) for v in acts(prompt)]
+    tdec = [torch.from_numpy(v).to(tdt) for v in acts(1)]
+    pre_b, post_b = torch_block(spec, tdt)
+    dram, dec_ms, pre_ms, torch_pre_ms, torch_dec_ms = 0.0, 1e9, 1e9, 1e9, 1e9
+    for _ in range(rounds):  # interleaved, best of each: the machine may be shared
+        t = time.perf_counter()
+        reader(buf, part)
+        dram = max(dram, read_n * 4 / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        tbuf.sum()
+        dram = max(dram, read_n * 4 / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        for ws in weight_sets:
+            helmc_step("decode", dec_a, ws)
+        dec_ms = min(dec_ms, (time.perf_counter() - t) * 1e3 / copies)
+        t = time.perf_counter()
+        helmc_step("prefill", pre_a, weight_sets[0])
+        pre_ms = min(pre_ms, (time.perf_counter() - t) * 1e3)
+        with torch.no_grad():
+            t = time.perf_counter()
+            pre_b(tpre[0], tpre[1], tpre[2], torch_w)
+            post_b(tpre[0], tpre[3], torch_w)
+            torch_pre_ms = min(torch_pre_ms, (time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            pre_b(tdec[0], tdec[1], tdec[2], torch_w)
+            post_b(tdec[0], tdec[3], torch_w)
+            torch_dec_ms = min(torch_dec_ms, (time.perf_counter() - t) * 1e3)
+    roof_ms = w_param / (dram * 1e9) * 1e3
+    report.update({"dram_gbs": round(dram, 2), "decode_ms": round(dec_ms, 3), "roofline_ms": round(roof_ms, 3),
+                   "decode_over_roofline": round(dec_ms / roof_ms, 3),
+                   "decode_gbs": round(w_param / dec_ms / 1e6, 2), "torch_decode_ms": round(torch_dec_ms, 3),
+                   "prefill_ms": round(pre_ms, 2), "torch_prefill_ms": round(torch_pre_ms, 2),
+                   "prefill_speedup_vs_torch": round(torch_pre_ms / pre_ms, 3)})
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b", choices=sorted(QWEN3_CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--build-only", metavar="DIR")
+    ap.add_argument("--run-only", metavar="DIR")
+    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
+    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for")
+    ap.add_argument("--l3-bytes", type=int, help="size the DRAM read for this L3 (default: the target's)")
+    ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
+    from bench_cpu_gemv import cpu_flags, l3_bytes
+    if args.run_only:
+        out_dir = args.run_only
+    else:
+        features, target_l3 = cpu_flags(), l3_bytes()
+        if args.hardware:
+            from helmc.hardware import HardwareProfile
+            cpu = HardwareProfile.load(args.hardware).cpu
+            features, target_l3 = cpu.features, cpu.l3_bytes
+        if args.features:
+            features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+        out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_block_bench_{os.getpid()}")
+        t = time.time()
+        build(out_dir, qwen3_spec(args.model, args.dtype), features, 4 * (args.l3_bytes or target_l3))
+        print(f"built {out_dir} in {time.time() - t:.0f} s", file=sys.stderr)
+        if args.build_only:
+            print(f"run there with  python scripts/bench_cpu_block.py --run-only {out_dir}")
+            return
+    r = run(out_dir, threads, args.rounds, args.prompt)
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"Qwen3 block {r['model']}, {r['dtype']} weights, W_param {r['w_param_bytes'] / 1e6:.0f} MB, "
+          f"{r['threads']} threads, DRAM {r['dram_gbs']:.1f} GB/s")
+    print(f"decode step   {r['decode_ms']:.2f} ms = {r['decode_gbs']:.1f} GB/s; roofline {r['roofline_ms']:.2f} ms "
+          f"-> {r['decode_over_roofline']:.2f}x (target <= 1.25x); torch {r['dtype']} {r['torch_decode_ms']:.2f} ms")
+    print(f"prefill {r['prompt']}   {r['prefill_ms']:.1f} ms; torch {r['dtype']} {r['torch_prefill_ms']:.1f} ms "
+          f"-> {r['prefill_speedup_vs_torch']:.2f}x")
+    print(f"numerics vs torch fp32: decode {r['decode_rel_err']:.1e}, prefill {r['prefill_rel_err']:.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Checks shared by tests/test_paged_attention_gpu.py, tests/test_kv_cache_gpu_emulated.py and
+scripts/device_kv_check.py. No pytest here: the GPU machine may run them without it."""
+import numpy as np
+
+from helmc.runtime.paged_attention import ListPageSource, full_attention, streaming_attention_decode
+
+
+def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages_per_split=1):
+    """Run the two decode kernels over pages in shuffled pool slots; return (rel err, output)."""
+    from helmc.runtime.paged_attention_cuda import CudaOps
+    ops = CudaOps()
+    rng = np.random.default_rng(seed)
+    n_pages = -(-n_tokens // page_tokens)
+    pool = rng.standard_normal((n_pages + 3, 2, h_kv, page_tokens, d)).astype(np.float16)
+    slots = rng.permutation(n_pages + 3)[:n_pages]            # logical page i lives in slot slots[i]
+    q = (rng.standard_normal((h_kv * group, d)) * 2).astype(np.float32)
+    dpool = cp.asarray(pool)
+    ptrs = cp.asarray(np.array([dpool.data.ptr + int(s) * pool[0].nbytes for s in slots], np.int64))
+    n_splits = -(-n_pages // pages_per_split)
+    rows = n_splits * h_kv * group
+    pm, ps, po = cp.empty(rows, np.float32), cp.empty(rows, np.float32), cp.empty(rows * d, np.float32)
+    out = cp.empty((h_kv * group, d), np.float32)
+    scale = 1 / np.sqrt(d)
+    ops.decode_partial(cp.asarray(q), ptrs, page_tokens, 0, n_tokens, pages_per_split, 0, n_splits, h_kv, d, scale,
+                       pm, ps, po)
+    ops.decode_merge(pm, ps, po, 0, n_splits, h_kv * group, d, group, out)
+    got = cp.asnumpy(out)
+    pages = []
+    for i, s in enumerate(slots):
+        n_i = min(page_tokens, n_tokens - i * page_tokens)
+        pages.append((pool[s, 0, :, :n_i].astype(np.float64), pool[s, 1, :, :n_i].astype(np.float64)))
+    ref = streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+    return float(np.abs(got - ref).max() / np.abs(ref).max()), got
+
+
+def drive(cp, caches, steps, seed, h_kv, group, d):
+    """Feed identical fp16 rows to every cache (CuPy); return (max relative error vs full softmax,
+    whether every decode output was bitwise equal across caches)."""
+    rng = np.random.default_rng(seed)
+    hist = [[np.zeros((0, h_kv, d), np.float16)] * 2 for _ in range(caches[0].L)]
+    worst, identical = 0.0, True
+    for S in steps:
+        for layer in range(caches[0].L):
+            k, v = rng.standard_normal((2, S, h_kv, d)).astype(np.float16)
+            q = rng.standard_normal((S, h_kv * group, d)).astype(np.float16)
+            outs = []
+            for c in caches:
+                c.append(layer, cp.asarray(k), cp.asarray(v))
+                outs.append(cp.asnumpy(c.attend(layer, cp.asarray(q), 1 / np.sqrt(d))))
+            hist[layer] = [np.concatenate([hist[layer][0], k]), np.concatenate([hist[layer][1], v])]
+            ref = full_attention(q, hist[layer][0], hist[layer][1], 1 / np.sqrt(d))
+            for o in outs:
+                worst = max(worst, float(np.abs(o - ref).max() / np.abs(ref).max()))
+            if S == 1:
+                identical &= all(np.array_equal(outs[0], o) for o in outs[1:])
+        for c in caches:
+            c.advance(S)
+    cp.cuda.Device().synchronize()
+    return worst, identical
+
+
+def check_round_trip(c, to_device, sync):
+    rng = np.random.default_rng(5)
+    k, v = rng.standard_normal((2, 2, 80, 2, 64)).astype(np.float16)   # [layer, token, h_kv, d] each
+    pos = 0
+    for S in (16, 16, 8, 40):
+        for layer in range(2):
+            c.append(layer, to_device(k[layer, pos:pos + S]), to_device(v[layer, pos:pos + S]))
+        c.advance(S)
+        pos += S
+    sync()
+    t = c.pool.page_table(c._seq)
+    host_pages = [i for i in range(t.n_pages) if t.host_slots[i] is not None]
+    assert host_pages == [0, 1, 2, 3]
+    for i in host_pages:
+        e, j = divmod(t.host_slots[i], c.extent_pages)
+        page = c._extents[e][j]                                # [L, 2, h_kv, T, d] pinned
+        rows = slice(i * 16, (i + 1) * 16)
+        for layer in range(2):
+            assert np.array_equal(page[layer, 0], k[layer, rows].transpose(1, 0, 2))   # [T,h_kv,d] -> [h_kv,T,d]
+            assert np.array_equal(page[layer, 1], v[layer, rows].transpose(1, 0, 2))

@@ -1,0 +1,250 @@
+"""A NumPy stand-in for CudaOps (runtime/paged_attention_cuda.py) so KVCacheGPU runs on the CPU in tests.
+
+Buffers are NumPy arrays at real addresses, copies are ctypes.memmove, and the two decode kernels
+are re-implemented from their documented contract (split = pages [i*p, (i+1)*p), unnormalised
+(m, s, o) per split, merge over a split range). What this checks on a machine without a GPU:
+every address KVCacheGPU computes (pool slots, layer slices, pinned extents, staging slots,
+2-D copy pitches) and every placement decision. Guards:
+  - new device and pinned buffers are filled with NaN, so reading a page that was never written
+    poisons the output;
+  - a host->device copy must read inside a pinned buffer and write inside a device buffer, a
+    device->host copy must write inside a pinned buffer, and the kernel may only read device
+    buffers (never pinned host memory);
+  - with delay_events=True an event is done only after synchronize(), so eviction completions are
+    exercised on the slow path;
+  - a race detector: streams carry vector clocks (events copy them, waits and host syncs merge
+    them), and every access to a device or pinned buffer (copies, kernel page reads, NumPy reads
+    and writes of device buffers, which stand for compute-stream kernels) is checked against the
+    last conflicting access from another stream. A missing wait_event fails the test even though
+    the emulator itself runs everything in issue order.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+H2D, D2H, D2D = 1, 2, 3
+
+
+CELL = 64          # race-detector granularity in bytes, relative to each buffer's start
+
+
+class RaceError(AssertionError):
+    pass
+
+
+class _Stream:
+    def __init__(self, name, sid):
+        self.name, self.sid = name, sid
+        self.clock: dict[int, int] = {sid: 0}
+
+
+class _Event:
+    def __init__(self):
+        self.recorded = False
+        self.done = False
+        self.clock: dict[int, int] = {}
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if into.get(k, -1) < v:
+            into[k] = v
+
+
+class TrackedArray(np.ndarray):
+    """A device buffer (or a view of one): NumPy reads and writes count as compute-stream accesses."""
+    ops = None
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        if self.ops is not None and isinstance(out, np.ndarray):
+            self.ops.access(self.ops.current_stream(), out, write=False)
+        return out
+
+    def __setitem__(self, key, value):
+        if self.ops is not None:
+            self.ops.access(self.ops.current_stream(), np.ndarray.__getitem__(self, key), write=True)
+        super().__setitem__(key, value)
+
+
+class EmulatedOps:
+    xp = np
+
+    def __init__(self, num_sms: int = 4, delay_events: bool = False):
+        self.num_sms = num_sms
+        self.delay_events = delay_events
+        self._host = _Stream("host", 0)
+        self._streams = 1
+        self._compute = self.new_stream("compute")
+        self._buffers: list[tuple[int, int, str, np.ndarray]] = []   # (start, end, "device"|"pinned", keepalive)
+        self._cells: dict[tuple[int, int], list] = {}                 # cell -> [last write (sid, t), {sid: t} reads]
+        self.copies = {H2D: 0, D2H: 0, D2D: 0}
+        self.h2d_bytes = 0
+        self.kernel_launches = 0
+
+    # buffers
+    def _register(self, a: np.ndarray, kind: str) -> np.ndarray:
+        a.fill(np.nan)
+        self._buffers.append((a.ctypes.data, a.ctypes.data + a.nbytes, kind, a))
+        return a
+
+    def device_empty(self, shape, dtype):
+        a = self._register(np.empty(shape, dtype), "device").view(TrackedArray)
+        a.ops = self
+        return a
+
+    def pinned_empty(self, shape, dtype):
+        return self._register(np.empty(shape, dtype), "pinned")
+
+    def ptr(self, a) -> int:
+        return a.ctypes.data
+
+    def to_device(self, a):
+        return np.array(a, copy=True)
+
+    # race detector
+    def _tick(self, stream) -> int:
+        _merge(stream.clock, self._host.clock)          # work the host issues after a sync follows it
+        stream.clock[stream.sid] += 1
+        return stream.clock[stream.sid]
+
+    def _touch(self, stream, lo: int, hi: int, write: bool) -> None:
+        base = next((b0 for b0, b1, _, _ in self._buffers if b0 <= lo < b1), None)
+        if base is None:
+            return                                          # a temporary of the compute stream
+        t = self._tick(stream)
+        for cell in range((lo - base) // CELL, (hi - 1 - base) // CELL + 1):
+            last_w, reads = self._cells.setdefault((base, cell), [None, {}])
+            prior = [last_w] if last_w else []
+            if write:
+                prior += list(reads.items())
+            for sid, ts in prior:
+                if sid != stream.sid and stream.clock.get(sid, -1) < ts:
+                    raise RaceError(f"{'write' if write else 'read'} on stream {stream.name} of buffer "
+                                    f"offset {cell * CELL} races with an access of stream {sid} (no wait_event)")
+            if write:
+                self._cells[(base, cell)] = [(stream.sid, t), {}]
+            else:
+                reads[stream.sid] = t
+
+    def access(self, stream, a: np.ndarray, write: bool) -> None:
+        """Record an access to the bytes a view spans (conservatively, first to last element)."""
+        if a.size == 0:
+            return
+        lo = hi = a.ctypes.data
+        for n, st in zip(a.shape, a.strides):
+            lo += min(0, (n - 1) * st)
+            hi += max(0, (n - 1) * st)
+        self._touch(stream, lo, hi + a.itemsize, write)
+
+    def kind_of(self, start: int, nbytes: int) -> str | None:
+        for b0, b1, kind, _ in self._buffers:
+            if b0 <= start < b1:
+                assert start + nbytes <= b1, f"range [{start}, +{nbytes}) runs past the end of a {kind} buffer"
+                return kind
+        return None
+
+    # streams and events
+    def current_stream(self):
+        return self._compute
+
+    def new_stream(self, name="copy"):
+        self._streams += 1
+        return _Stream(name, self._streams)
+
+    def new_event(self):
+        return _Event()
+
+    def record(self, event, stream):
+        _merge(stream.clock, self._host.clock)
+        event.recorded = True
+        event.done = not self.delay_events
+        event.clock = dict(stream.clock)
+
+    def wait(self, stream, event):
+        assert event.recorded, "waiting on an event that was never recorded"
+        _merge(stream.clock, event.clock)
+
+    def query(self, event):
+        assert event.recorded
+        if event.done:
+            _merge(self._host.clock, event.clock)
+        return event.done
+
+    def synchronize(self, event):
+        event.done = True
+        _merge(self._host.clock, event.clock)
+
+    def synchronize_stream(self, stream):
+        _merge(self._host.clock, stream.clock)
+
+    # copies
+    def _check(self, dst, src, nbytes, kind, stream):
+        self._touch(stream, src, src + nbytes, write=False)
+        self._touch(stream, dst, dst + nbytes, write=True)
+        if kind == H2D:
+            assert self.kind_of(src, nbytes) == "pinned", "H2D copy must read pinned host memory"
+            assert self.kind_of(dst, nbytes) == "device", "H2D copy must write a device buffer"
+            self.h2d_bytes += nbytes
+        elif kind == D2H:
+            assert self.kind_of(dst, nbytes) == "pinned", "D2H copy must write pinned host memory"
+            assert self.kind_of(src, nbytes) != "pinned", "D2H copy must read device memory"
+        self.copies[kind] += 1
+
+    def memcpy(self, dst, src, nbytes, kind, stream):
+        self._check(dst, src, nbytes, kind, stream)
+        ctypes.memmove(dst, src, nbytes)
+
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        assert width <= dpitch and width <= spitch, "2-D copy wider than its pitch"
+        for r in range(height):
+            self._check(dst + r * dpitch, src + r * spitch, width, kind, stream)
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    # kernels
+    def _page(self, addr: int, shape) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * 2
+        assert self.kind_of(addr, nbytes) == "device", "the decode kernel may only read device memory"
+        self._touch(self._compute, addr, addr + nbytes, write=False)
+        buf = (ctypes.c_char * nbytes).from_address(addr)
+        return np.frombuffer(buf, dtype=np.float16).reshape(shape)
+
+    def decode_partial(self, q, page_ptrs, page_tokens, t_begin, n_tokens, pages_per_split, split_base,
+                       n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):
+        self.kernel_launches += 1
+        h_a = q.shape[0]
+        g = h_a // num_kv_heads
+        span = pages_per_split * page_tokens
+        po = part_o.reshape(-1, h_a, head_dim)                             # [rows*d] -> [splits, h_a, d]
+        pm = part_m.reshape(-1, h_a)
+        ps = part_s.reshape(-1, h_a)
+        for split in range(split_base, split_base + n_splits):
+            t0, t1 = max(split * span, t_begin), min(n_tokens, (split + 1) * span)
+            if t0 >= t1:
+                pm[split], ps[split], po[split] = -np.inf, 0, 0
+                continue
+            ks, vs = [], []
+            for page in range(t0 // page_tokens, (t1 - 1) // page_tokens + 1):
+                sl = self._page(int(page_ptrs[page]), (2, num_kv_heads, page_tokens, head_dim))
+                a, b = max(t0, page * page_tokens) - page * page_tokens, min(t1, (page + 1) * page_tokens) - page * page_tokens
+                ks.append(sl[0, :, a:b])
+                vs.append(sl[1, :, a:b])
+            k = np.concatenate(ks, 1).astype(np.float32)                   # [h_kv, n, d]
+            v = np.concatenate(vs, 1).astype(np.float32)
+            qg = q.reshape(num_kv_heads, g, head_dim)                      # [h_a, d] -> [h_kv, g, d]
+            e = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)   # [h_kv, g, n]
+            m = e.max(-1)
+            w = np.exp(e - m[..., None])
+            pm[split] = m.reshape(h_a)
+            ps[split] = w.sum(-1).reshape(h_a)
+            po[split] = np.matmul(w, v).reshape(h_a, head_dim)
+
+    def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):
+        pm = part_m.reshape(-1, num_heads)[split_begin:split_end]
+        ps = part_s.reshape(-1, num_heads)[split_begin:split_end]
+        po = part_o.reshape(-1, num_heads, head_dim)[split_begin:split_end]
+        M = pm.max(0)
+        a = np.where(pm == -np.inf, 0, np.exp(pm - M))
+        out[...] = (a[..., None] * po).sum(0) / (a * ps).sum(0)[:, None]
