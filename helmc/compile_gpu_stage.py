@@ -54,11 +54,14 @@ def find_nvcc() -> str | None:
     return None
 
 
-def rewrite_fp16_weight_matmuls(mod):
-    """matmul(x_f32, [permute_dims](astype(w_f16, f32))) -> matmul(astype(x, f16), [permute_dims](w), out_dtype=f32).
+def rewrite_upcast_weight_matmuls(mod):
+    """matmul(x, [permute_dims](astype(w, f32))) -> matmul(x, [permute_dims](w), out_dtype=f32).
 
-    Exact for the weight (f16 -> f32 -> f16 is lossless); rounds the activation to fp16 at the
-    matmul input only (what HF does everywhere in an fp16 model), accumulation stays fp32.
+    The ONNX export of `F.linear(h, w.float())` upcasts the whole weight before the matmul; TVM
+    would run that cast as its own kernel, writing and re-reading an fp32 copy of every weight on
+    every step (3x the weight bytes). Relax's matmul takes mixed input dtypes with an out_dtype and
+    legalizes to `sum(x * float32(w))`, so dropping the cast is exact and the weight is read once,
+    in its stored dtype. FuseTransposeMatmul then folds the permute into the matmul (NT_matmul).
     """
     from tvm import relax
     from tvm.relax.dpl import is_op, rewrite_call, wildcard
@@ -70,15 +73,10 @@ def rewrite_fp16_weight_matmuls(mod):
 
     def rewriter(expr, matches):
         x, w = matches[x_pat], matches[w_pat]
-        if w.ty.dtype != "float16" or x.ty.dtype != "float32":
+        if w.ty.dtype not in ("float16", "bfloat16") or expr.ty.dtype != "float32" or x.ty.dtype != "float32":
             return expr
-        if expr.ty.dtype != "float32":
-            return expr
-        if perm_pat in matches:
-            rhs = relax.op.permute_dims(w, matches[perm_pat].attrs.axes)
-        else:
-            rhs = w
-        return relax.op.matmul(relax.op.astype(x, "float16"), rhs, out_dtype="float32")
+        rhs = relax.op.permute_dims(w, matches[perm_pat].attrs.axes) if perm_pat in matches else w
+        return relax.op.matmul(x, rhs, out_dtype="float32")
 
     out = mod
     for gv, func in mod.functions_items():
@@ -87,26 +85,39 @@ def rewrite_fp16_weight_matmuls(mod):
     return out
 
 
-def _mark_prim_funcs_do_not_tensorize(mod, _ctx):
-    """Keep dlight's Matmul rule on its SIMT path.
+def _simt_matmul_rule():
+    """dlight's Matmul rule restricted to its SIMT path.
 
-    In apache-tvm 0.27.0.post1 its tensor-core path (MatmulTensorization, WMMA) segfaults inside
-    Schedule.tensorize for every fp16 matmul tried here (static or symbolic M, fp16 or fp32 output),
-    killing the compiler process; the attribute below is dlight's own switch to skip that path.
+    In apache-tvm 0.27.0.post1 the rule's tensor-core path (MatmulTensorization, WMMA) segfaults
+    inside Schedule.tensorize for every fp16 matmul tried here (static or symbolic M, fp16 or fp32
+    output), killing the compiler; and merely entering that path imports tvm.s_tir.tensor_intrin,
+    which parses ~500 TVMScript functions and took 45-80 s in a process that has torch loaded. Its
+    own opt-out (the "dlight.do_not_tensorize" function attribute) is checked only after that
+    import, so the tensor-core class is swapped for one that declines, for the duration of apply.
     """
-    from tvm import tirx
+    from tvm.s_tir.dlight.gpu import matmul as matmul_module
 
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc) and "dlight.do_not_tensorize" not in func.attrs:
-            mod[gv] = func.with_attr("dlight.do_not_tensorize", True)
-    return mod
+    class _Declines:
+        def apply(self, *_args):
+            return None
+
+    class SimtMatmul(matmul_module.Matmul):
+        def apply(self, func, target, tunable):
+            saved = matmul_module.MatmulTensorization
+            matmul_module.MatmulTensorization = _Declines
+            try:
+                return super().apply(func, target, tunable)
+            finally:
+                matmul_module.MatmulTensorization = saved
+
+    return SimtMatmul()
 
 
 def _gpu_relax_pipeline(target):
     """TVM's CUDA default pipeline (tvm/relax/backend/cuda/pipeline.py) with more dlight rules.
 
-    Rule order matters (first match wins): Matmul takes symbolic-seq prefill matmuls (tensor cores
-    for fp16 inputs), GEMV the seq=1 decode projections, LowBatchGEMV small static batches,
+    Rule order matters (first match wins): Matmul takes symbolic-seq prefill matmuls (SIMT, see
+    _simt_matmul_rule), GEMV the seq=1 decode projections, LowBatchGEMV small static batches,
     RMSNorm / reductions the norms and means, Fallback everything element-wise.
     """
     import tvm
@@ -114,18 +125,16 @@ def _gpu_relax_pipeline(target):
     from tvm.relax.backend.cuda import pipeline as cuda_pipeline
     from tvm.s_tir import dlight as dl
 
-    mark_do_not_tensorize = tvm.transform.module_pass(
-        _mark_prim_funcs_do_not_tensorize, opt_level=0, name="MarkDoNotTensorize")
     legalize = [
         relax.transform.DecomposeOpsForInference(),
+        relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        mark_do_not_tensorize,
         dl.ApplyDefaultSchedule(
-            dl.gpu.Matmul(),
+            _simt_matmul_rule(),
             dl.gpu.GEMV(),
             dl.gpu.LowBatchGEMV(),
             dl.gpu.RMSNorm(),
@@ -183,11 +192,12 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
 
 
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
-                      fp16_matmul_inputs: bool = True, host_mcpu: str | None = None) -> tuple[str, ...]:
+                      drop_weight_upcasts: bool = True, host_mcpu: str | None = None) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
-    Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`
-    and `<name>.cubin.json` (`{"format_version", "arch", "cubins": {sha256(source): cubin file}}`).
+    Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
+    `<name>.cubin.json` (`{"format_version", "arch", "nvcc_flags", "cubins": {sha256(source): cubin
+    file}}`) and `<name>.cu` (the source, for reading).
     Load with `helmc.runtime.cuda_runtime.load_gpu_executable(so, json)`.
     """
     import tvm
@@ -201,9 +211,12 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
         raise HelmcError("compile_gpu_stage: expected nvcc on PATH or in /usr/local/cuda/bin, found none")
 
     host = {"kind": "llvm"} if host_mcpu is None else {"kind": "llvm", "mcpu": host_mcpu}
-    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
-    if fp16_matmul_inputs:
-        mod = rewrite_fp16_weight_matmuls(mod)
+    # Static shared memory without opt-in is 48 KiB on every arch we build for; naming the limits
+    # keeps dlight's choices independent of the build machine (which has no GPU to ask).
+    target = tvm.target.Target({"kind": "cuda", "arch": arch, "max_shared_memory_per_block": 49152,
+                                "max_threads_per_block": 1024, "thread_warp_size": 32}, host=host)
+    if drop_weight_upcasts:
+        mod = rewrite_upcast_weight_matmuls(mod)
     ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
 
     sources = _collect_cuda_sources(ex.mod)
@@ -213,6 +226,7 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
 
     os.makedirs(out_dir, exist_ok=True)
     so_name, cubin_name, index_name = f"{name}.so", f"{name}.{arch}.cubin", f"{name}.cubin.json"
+    source_name = f"{name}.cu"   # for reading the kernels; not needed at run time
     # Everything is written under temporary names, then renamed: no half-written stage on failure.
     compile_cuda_source(source, arch, os.path.join(out_dir, f".tmp-{cubin_name}"), nvcc)
     so_tmp = os.path.join(out_dir, f".tmp-{so_name}")
@@ -225,15 +239,6 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     }
     os.replace(os.path.join(out_dir, f".tmp-{cubin_name}"), os.path.join(out_dir, cubin_name))
     os.replace(so_tmp, os.path.join(out_dir, so_name))
+    atomic_write_text(os.path.join(out_dir, source_name), source)
     atomic_write_text(os.path.join(out_dir, index_name), json.dumps(index, indent=2) + "\n")
-    return (so_name, cubin_name, index_name)
-
-
-def cuda_source_of(lib_path: str) -> str:
-    """The CUDA source embedded in a built host library (for inspection and tests)."""
-    import tvm
-
-    sources = _collect_cuda_sources(tvm.runtime.load_module(lib_path))
-    if len(sources) != 1:
-        raise HelmcError(f"{lib_path}: expected 1 CUDA source module, found {len(sources)}")
-    return sources[0]
+    return (so_name, cubin_name, index_name, source_name)

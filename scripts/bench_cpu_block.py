@@ -134,7 +134,7 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
     w_param = sum(a.nbytes for a in host.values())
     copies = max(1, -(-4 * l3_bytes() // w_param))
     weight_sets = [{n: tensor_from_numpy(a, spec.dtype, dev) for n, a in host.items()} for _ in range(copies)]
-    torch_w = {n: torch.from_dlpack(t) for n, t in weight_sets[0].items()}   # same bytes, torch's dtype
+    torch_w = {n: torch.from_dlpack(t).clone() for n, t in weight_sets[0].items()}   # same values, torch's own memory
     torch_w32 = {n: t.to(torch.float32) for n, t in torch_w.items()}
 
     H, D, Q = spec.hidden_size, spec.head_dim, spec.q_dim

@@ -33,7 +33,7 @@ if _ROOT not in sys.path:
 DIMS = dict(H=256, HA=4, HKV=2, D=64, I=768, V=1024, EPS=1e-6)
 PROBE_K, PROBE_N, PROBE_SEQ = 4096, 12288, 128
 FUNCS = ("pre_attn_decode", "pre_attn_prefill", "post_attn_decode", "post_attn_prefill", "head_decode")
-TOLERANCE = 2e-2   # max |diff| / max |ref|: activations are rounded to fp16 at matmul inputs
+TOLERANCE = 1e-4   # max |diff| / max |ref|: fp32 activations and accumulation (5e-7 on the CPU build)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,16 +170,19 @@ def build(out_dir: str, arch: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Device side (runtime-only TVM, cupy)
 # ----------------------------------------------------------------------------------------------
-def _time_device(fn, dev, warmup=3, iters=20) -> float:
-    """Median seconds per call, synchronising the device around each call."""
+def _time_device(fn, warmup=3, iters=20) -> float:
+    """Median seconds per call, with a whole-device synchronize around each call (TVM and CuPy
+    both launch on the legacy default stream here)."""
+    import cupy as cp
+
     for _ in range(warmup):
         fn()
-    dev.sync()
+    cp.cuda.runtime.deviceSynchronize()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         fn()
-        dev.sync()
+        cp.cuda.runtime.deviceSynchronize()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
 
@@ -193,7 +196,6 @@ def check(stage_dir: str, out_path: str | None) -> int:
     t0 = time.time()
     vm = load_gpu_executable(os.path.join(stage_dir, "check_stage.so"),
                              os.path.join(stage_dir, "check_stage.cubin.json"))
-    dev = tvm.runtime.cuda(0)
     report = {"load_s": round(time.time() - t0, 3), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     refs = np.load(os.path.join(stage_dir, "refs.npz"))
     ok = True
@@ -202,7 +204,7 @@ def check(stage_dir: str, out_path: str | None) -> int:
         n_out = sum(1 for k in refs.files if k.startswith(f"{name}/out"))
         ins = [cupy_to_tvm(cp.asarray(refs[f"{name}/in{i}"])) for i in range(n_in)]
         outs = vm[name](*ins)
-        outs = [outs] if n_out == 1 and not isinstance(outs, (list, tuple)) and not hasattr(outs, "__len__") else list(outs)
+        outs = [outs] if isinstance(outs, tvm.runtime.Tensor) else list(outs)   # a tuple comes as an Array
         for i in range(n_out):
             got = cp.asnumpy(tvm_to_cupy(outs[i]))
             ref = refs[f"{name}/out{i}"]
@@ -218,13 +220,13 @@ def check(stage_dir: str, out_path: str | None) -> int:
     w = cupy_to_tvm((rs.standard_normal((PROBE_N, PROBE_K), dtype=cp.float32) * 0.02).astype(cp.float16))
     src = cp.empty(1 << 28, cp.uint8)
     dst = cp.empty_like(src)
-    copy_s = _time_device(lambda: dst.__setitem__(Ellipsis, src), dev)
+    copy_s = _time_device(lambda: dst.__setitem__(Ellipsis, src))
     report["d2d_copy_gbs"] = 2 * src.nbytes / copy_s / 1e9
     w_bytes = PROBE_N * PROBE_K * 2
     for name, seq in (("probe_gemv", 1), ("probe_prefill", PROBE_SEQ)):
         x = cupy_to_tvm(rs.standard_normal((seq, PROBE_K), dtype=cp.float32))
         f = vm[name]
-        sec = _time_device(lambda: f(x, w), dev)
+        sec = _time_device(lambda: f(x, w))
         report[name] = {"us": sec * 1e6, "weight_gbs": w_bytes / sec / 1e9,
                         "tflops": 2 * seq * PROBE_N * PROBE_K / sec / 1e12}
         # Correctness of the probe itself against cupy (fp32 math on the same fp16 weights).
@@ -235,6 +237,14 @@ def check(stage_dir: str, out_path: str | None) -> int:
         ok &= rel < TOLERANCE
         print(f"{name} [{seq}x{PROBE_K}] @ [{PROBE_K}x{PROBE_N}] fp16 W: {sec * 1e6:.1f} us, "
               f"{w_bytes / sec / 1e9:.0f} GB/s of weights, {report[name]['tflops']:.1f} TFLOP/s, rel diff {rel:.1e}")
+    # What cuBLAS does with the same fp16 weight (fp16 activations): the bar for our GEMV.
+    wt = tvm_to_cupy(w).T
+    for name, seq in (("cublas_gemv", 1), ("cublas_prefill", PROBE_SEQ)):
+        xh = rs.standard_normal((seq, PROBE_K), dtype=cp.float32).astype(cp.float16)
+        sec = _time_device(lambda: xh @ wt)
+        report[name] = {"us": sec * 1e6, "weight_gbs": w_bytes / sec / 1e9,
+                        "tflops": 2 * seq * PROBE_N * PROBE_K / sec / 1e12}
+        print(f"{name} (cupy fp16): {sec * 1e6:.1f} us, {w_bytes / sec / 1e9:.0f} GB/s, {report[name]['tflops']:.1f} TFLOP/s")
     print(f"device-to-device copy (read+write): {report['d2d_copy_gbs']:.0f} GB/s")
     report["ok"] = bool(ok)
     if out_path:
