@@ -9,11 +9,10 @@ source's sha256 to the cubin; runtime/cuda_runtime.py registers a callback that 
 nvcc runs WITHOUT --use_fast_math (TVM's own default): the exported RMSNorm computes pow(x, 2), and
 fast-math powf of a negative base is NaN (device-notes, "fast-math NaN trap").
 
-Scheduling: TVM's dlight GPU rules (decode GEMV, prefill tensor-core matmul, RMSNorm, reductions,
-fallback). When the module computes in fp32 with fp16 weights cast up inside the graph (what the
-ONNX export of `F.linear(h, w.float())` gives), each such matmul is rewritten to take fp16 inputs
-and accumulate in fp32: the weight is then read as fp16 (half the bytes of the upcast copy) and
-prefill matmuls qualify for tensor cores, while everything between matmuls stays fp32.
+Before scheduling, every matmul is rewritten to read its 16-bit weight as stored (no separate cast
+kernel) and to accumulate in fp32 (rewrite_matmuls_fp32_accumulate); this works for fp32 and for
+fp16 activations. Scheduling: TVM's dlight GPU rules (decode GEMV, prefill matmul on its SIMT path,
+RMSNorm, reductions, fallback); see _gpu_relax_pipeline and _simt_matmul_rule.
 """
 from __future__ import annotations
 
@@ -54,29 +53,52 @@ def find_nvcc() -> str | None:
     return None
 
 
-def rewrite_upcast_weight_matmuls(mod):
-    """matmul(x, [permute_dims](astype(w, f32))) -> matmul(x, [permute_dims](w), out_dtype=f32).
+def rewrite_matmuls_fp32_accumulate(mod):
+    """Every matmul reads 16-bit weights as stored and accumulates in fp32.
 
-    The ONNX export of `F.linear(h, w.float())` upcasts the whole weight before the matmul; TVM
-    would run that cast as its own kernel, writing and re-reading an fp32 copy of every weight on
-    every step (3x the weight bytes). Relax's matmul takes mixed input dtypes with an out_dtype and
-    legalizes to `sum(x * float32(w))`, so dropping the cast is exact and the weight is read once,
-    in its stored dtype. FuseTransposeMatmul then folds the permute into the matmul (NT_matmul).
+    1. matmul(x, [permute_dims](astype(w))) with w fp16/bf16 -> the same without the astype. The
+       ONNX export of `F.linear(h, w.to(act))` casts the whole weight before the matmul; TVM would
+       run that cast as its own kernel, writing and re-reading a converted copy of every weight on
+       every step. Relax's matmul takes mixed input dtypes and, given an out_dtype, legalizes to
+       `sum(out_dtype(x) * out_dtype(w))`, so the cast moves into the matmul's loads, exactly.
+    2. out_dtype="float32" on every float matmul, then a cast back to its original dtype: without
+       it an fp16 matmul sums in fp16 (relative error ~1e-2 at K = 4096 on CPU, device-notes),
+       where cuBLAS, and so the HF reference, accumulates in fp32. The cast fuses into the matmul.
+    FuseTransposeMatmul later folds each permute_dims into its matmul (one NT_matmul kernel).
     """
     from tvm import relax
     from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-    x_pat, w_pat = wildcard(), wildcard()
-    cast_pat = is_op("relax.astype")(w_pat)
-    perm_pat = is_op("relax.permute_dims")(cast_pat)
-    pattern = is_op("relax.matmul")(x_pat, perm_pat) | is_op("relax.matmul")(x_pat, cast_pat)
+    def matmul(rhs):
+        x = wildcard()
+        return x, is_op("relax.matmul")(x, rhs)
+
+    w1, w2, w3, w4 = wildcard(), wildcard(), wildcard(), wildcard()
+    cast1, cast2 = is_op("relax.astype")(w1), is_op("relax.astype")(w2)
+    perm1, perm3 = is_op("relax.permute_dims")(cast1), is_op("relax.permute_dims")(w3)
+    x1, pat1 = matmul(perm1)          # x @ permute_dims(astype(w))
+    x2, pat2 = matmul(cast2)          # x @ astype(w)
+    x3, pat3 = matmul(perm3)          # x @ permute_dims(w)
+    x4, pat4 = matmul(w4)             # x @ y
+    pattern = pat1 | pat2 | pat3 | pat4
+    floats = ("float16", "bfloat16", "float32")
+    narrow = ("float16", "bfloat16")
 
     def rewriter(expr, matches):
-        x, w = matches[x_pat], matches[w_pat]
-        if w.ty.dtype not in ("float16", "bfloat16") or expr.ty.dtype != "float32" or x.ty.dtype != "float32":
+        out_dtype = expr.ty.dtype
+        if out_dtype not in floats:
             return expr
-        rhs = relax.op.permute_dims(w, matches[perm_pat].attrs.axes) if perm_pat in matches else w
-        return relax.op.matmul(x, rhs, out_dtype="float32")
+        stripped = False
+        if pat1 in matches and matches[w1].ty.dtype in narrow:
+            x, rhs, stripped = matches[x1], relax.op.permute_dims(matches[w1], matches[perm1].attrs.axes), True
+        elif pat2 in matches and matches[w2].ty.dtype in narrow:
+            x, rhs, stripped = matches[x2], matches[w2], True
+        else:
+            x, rhs = expr.args
+        if not stripped and (out_dtype == "float32" or expr.attrs.out_dtype == "float32"):
+            return expr               # fp32 already, nothing to strip: also makes the rewrite idempotent
+        new = relax.op.matmul(x, rhs, out_dtype="float32")
+        return new if out_dtype == "float32" else relax.op.astype(new, out_dtype)
 
     out = mod
     for gv, func in mod.functions_items():
@@ -192,13 +214,13 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
 
 
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
-                      drop_weight_upcasts: bool = True, host_mcpu: str | None = None) -> tuple[str, ...]:
+                      fp32_accumulate: bool = True, host_mcpu: str | None = None) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
     Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
-    `<name>.cubin.json` (`{"format_version", "arch", "nvcc_flags", "cubins": {sha256(source): cubin
+    `<name>.cubins.json` (`{"format_version", "arch", "nvcc_flags", "cubins": {sha256(source): cubin
     file}}`) and `<name>.cu` (the source, for reading).
-    Load with `helmc.runtime.cuda_runtime.load_gpu_executable(so, json)`.
+    Load with `helmc.runtime.cuda_runtime.load_gpu_vm(so, json)` (or load_gpu_executable + VirtualMachine).
     """
     import tvm
 
@@ -215,8 +237,8 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     # keeps dlight's choices independent of the build machine (which has no GPU to ask).
     target = tvm.target.Target({"kind": "cuda", "arch": arch, "max_shared_memory_per_block": 49152,
                                 "max_threads_per_block": 1024, "thread_warp_size": 32}, host=host)
-    if drop_weight_upcasts:
-        mod = rewrite_upcast_weight_matmuls(mod)
+    if fp32_accumulate:
+        mod = rewrite_matmuls_fp32_accumulate(mod)
     ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
 
     sources = _collect_cuda_sources(ex.mod)
@@ -225,7 +247,7 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     source = sources[0]
 
     os.makedirs(out_dir, exist_ok=True)
-    so_name, cubin_name, index_name = f"{name}.so", f"{name}.{arch}.cubin", f"{name}.cubin.json"
+    so_name, cubin_name, index_name = f"{name}.so", f"{name}.{arch}.cubin", f"{name}.cubins.json"
     source_name = f"{name}.cu"   # for reading the kernels; not needed at run time
     # Everything is written under temporary names, then renamed: no half-written stage on failure.
     compile_cuda_source(source, arch, os.path.join(out_dir, f".tmp-{cubin_name}"), nvcc)

@@ -27,7 +27,10 @@ def import_functions(exported: tuple[ExportedFunction, ...]):
         mod = from_onnx(model, keep_params_in_input=False)
         main = mod["main"]
         prefill = main.with_attr("global_symbol", f"{fn.name}_prefill")
-        decode_mod = relax.transform.BindSymbolicVars({"seq": 1})(tvm.IRModule({"main": main}))
+        # The decode variant gets its own parameter variables: two functions sharing Var objects make
+        # an ill-formed module that Relax's fusion passes reject.
+        fresh = relax.utils.copy_with_new_vars(main)
+        decode_mod = relax.transform.BindSymbolicVars({"seq": 1})(tvm.IRModule({"main": fresh}))
         decode = decode_mod["main"].with_attr("global_symbol", f"{fn.name}_decode")
         funcs[f"{fn.name}_prefill"] = prefill
         funcs[f"{fn.name}_decode"] = decode

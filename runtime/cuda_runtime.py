@@ -101,7 +101,7 @@ def _compile_callback(source, *_rest):
 
 
 def register_cubin_index(index_path: str) -> dict:
-    """Read a cubin index (compile_gpu_stage's <name>.cubin.json) and register its cubins."""
+    """Read a cubin index (compile_gpu_stage's <name>.cubins.json) and register its cubins."""
     global _callback_registered
     try:
         with open(index_path) as f:
@@ -142,17 +142,24 @@ def check_device_arch(arch: str, device_id: int = 0) -> None:
 
 
 def load_gpu_executable(lib_path: str, cubin_index_path: str, device_id: int = 0):
-    """Load a GPU stage built by compile_gpu_stage as a Relax VM on cuda(device_id)."""
+    """Load a GPU stage built by compile_gpu_stage: the library module, ready for
+    `tvm.runtime.vm.VirtualMachine(module, tvm.runtime.cuda(device_id))` (load_gpu_vm does both)."""
     import tvm.runtime
-    from tvm.runtime.vm import VirtualMachine
 
     ensure_cuda_backend()
     index = register_cubin_index(cubin_index_path)
     check_device_arch(index["arch"], device_id)
     if not os.path.isfile(lib_path):
         raise CudaRuntimeError(f"GPU stage: expected library {lib_path}, found no such file")
-    lib = tvm.runtime.load_module(lib_path)
-    return VirtualMachine(lib, tvm.runtime.cuda(device_id))
+    return tvm.runtime.load_module(lib_path)
+
+
+def load_gpu_vm(lib_path: str, cubin_index_path: str, device_id: int = 0):
+    """A Relax VM over the GPU stage on cuda(device_id)."""
+    import tvm.runtime
+    from tvm.runtime.vm import VirtualMachine
+
+    return VirtualMachine(load_gpu_executable(lib_path, cubin_index_path, device_id), tvm.runtime.cuda(device_id))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,14 +220,19 @@ class PinnedUploader:
         self._next = 0
         self.bytes_uploaded = 0
 
-    def upload(self, src: np.ndarray, dtype: str | None = None):
+    def upload(self, src: np.ndarray, dtype: str | None = None, dev=None):
         """A new device array holding `src` (any layout; copied as C-contiguous bytes).
 
-        Returns a CuPy array, or with `dtype` (e.g. "bfloat16") a TVM tensor of that dtype over it.
-        The copy is asynchronous on self.stream: call synchronize() (or order the consumer's stream
-        after it) before the data is read.
+        Returns a CuPy array, or with `dtype` (the checkpoint's: "float16", "bfloat16" for raw uint16
+        bits, ...) a TVM tensor of that dtype over it; so `upload` fits weights.bind_layers'
+        to_device(view, dtype, dev). `dev`, if given, must be the current CuPy device.
+        The copy is asynchronous on self.stream: call synchronize() (or close()) before any other
+        stream reads the data.
         """
         cp = self._cp
+        if dev is not None and getattr(dev, "index", getattr(dev, "device_id", 0)) != cp.cuda.Device().id:
+            raise CudaRuntimeError(f"PinnedUploader.upload: expected the current CUDA device {cp.cuda.Device().id}, "
+                                   f"found {dev}")
         src = np.ascontiguousarray(src)
         dst = cp.empty(src.shape, src.dtype)
         self.upload_into(dst, src)

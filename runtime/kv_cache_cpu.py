@@ -199,7 +199,7 @@ class KVCacheCPU:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
             parts = list(self._executor.map(
                 lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, self.window), groups))
-        o = merge_partials(np, parts)                                     # [h_kv, g, d]
+        o = merge_partials(np, parts) if len(parts) > 1 else parts[0].o / parts[0].s[..., None]   # [h_kv, g, d]
         return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
 
 

@@ -64,8 +64,8 @@ class KVCacheGPU:
                                                           else needed)
             resident = gpu_resident_pages(fit, watermark, needed)
             if resident < 1:
-                raise HelmcError(f"KV cache (GPU layers): one page needs {self.page_bytes / 2**20:.1f} MiB of VRAM, "
-                                 f"{(vram_bytes or 0) / 2**20:.1f} MiB free")
+                raise HelmcError(f"KV cache (GPU layers): offloading needs VRAM for 2 pages ({2 * self.page_bytes / 2**20:.1f} "
+                                 f"MiB: one resident, one being written), found room for {fit}")
             capacity = min(needed, fit)
         self.pool = PagePool(page_tokens, capacity, needed if offload else 0, resident,
                              staging_pages if offload else 0)

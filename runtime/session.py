@@ -206,6 +206,9 @@ def _check_checkpoint(ck: Checkpoint, spec: ModelSpec):
 def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, **kv_options):
     import tvm.runtime
     from .kv_cache_cpu import KVCacheCPU
+    from .tvm_tensors import available_cpu_count, use_cpu_threads
+
+    use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
     from .stage import Stage
     from .weights import bind_layers, bind_head
 

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Decode benchmark on the GPU machine: helmc vs HF Accelerate (same GPU budget) vs HF on the whole GPU.
+
+    python scripts/bench_decode.py --model MODEL_DIR --bundle SPLIT_BUNDLE [--bundle ALL_GPU_BUNDLE ...]
+        [--gpu-budget 7] [--prompt-len 128] [--new-tokens 128] [--requests 10] [--out bench.json]
+
+Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at
+EOS. Per request: TTFT (prompt in -> first token out), decode tok/s ((n - 1) / time from the first to
+the last token) and per-token latencies; reported as the median over requests (after one short
+warm-up request). Accelerate at ~0.8 tok/s would need ~3 min per 128-token request, so its request
+count and length are separate (--peer-requests, --accelerate-new-tokens; decode is steady-state).
+
+Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU
+HBM (device copy, bytes read + written, taken as the read rate) and pinned host-to-device
+bandwidth; the roofline per token is cpu_weight_bytes / host + gpu_weight_bytes / HBM from each
+bundle's plan, beside the plan's T_plan.
+Greedy tokens of the first request are compared with HF's (all on the GPU): first divergence, and
+whether helmc's token there is in HF's top 5. Results are written to --out after every system, so a
+run cut short still leaves what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+GB = 1e9
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def summarize(results: list[dict]) -> dict:
+    """Medians over requests of TTFT, decode tok/s and each request's median per-token latency."""
+    return {"requests": len(results),
+            "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in results),
+            "decode_tok_s_p50": statistics.median(r["decode_tok_s"] for r in results),
+            "per_token_ms_p50": statistics.median(statistics.median(r["per_token_ms"]) for r in results),
+            "new_tokens": len(results[0]["tokens"])}
+
+
+# ------------------------------------------------------------------------------------------------
+# Machine ceilings, measured now
+# ------------------------------------------------------------------------------------------------
+def measure_bandwidths() -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    host = torch.ones(1 << 29, dtype=torch.float32)                     # 2 GiB
+    best = min(_timed(lambda: host.sum()) for _ in range(5))
+    dev_a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty_like(dev_a)
+    hbm = min(_timed(lambda: dev_b.copy_(dev_a), cuda=True) for _ in range(10))
+    pinned = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    h2d = min(_timed(lambda: dst.copy_(pinned, non_blocking=True), cuda=True) for _ in range(10))
+    out = {"host_read_gbs": host.numel() * 4 / best / GB, "hbm_copy_gbs": 2 * dev_a.numel() / hbm / GB,
+           "h2d_pinned_gbs": pinned.numel() / h2d / GB, "threads": torch.get_num_threads()}
+    del host, dev_a, dev_b, pinned, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def _timed(fn, cuda: bool = False) -> float:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------------------------------------
+# helmc
+# ------------------------------------------------------------------------------------------------
+def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict) -> dict:
+    from helmc.runtime.session import Session
+
+    t = time.perf_counter()
+    s = Session.load(bundle, weights_dir=model)
+    load_s = time.perf_counter() - t
+    plan = s.plan
+    log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
+    s.generate(prompt_ids=prompt, max_new_tokens=4, temperature=0.0, stop_at_eos=False)      # warm-up
+    runs = []
+    for i in range(requests):
+        r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
+        runs.append({"tokens": list(r.tokens), "ttft_ms": r.ttft_ms, "decode_tok_s": r.decode_tok_s,
+                     "per_token_ms": list(r.per_token_ms)})
+        log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
+    out = summarize(runs)
+    roof_ms = 1e3 * (plan.cpu_weight_bytes / (bw["host_read_gbs"] * GB) + plan.gpu_weight_bytes / (bw["hbm_copy_gbs"] * GB))
+    out.update({"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "cpu_units": plan.cpu_units,
+                "t_plan_ms": plan.t_plan_ms, "cpu_weight_bytes": plan.cpu_weight_bytes,
+                "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
+                "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
+                "tokens_first_request": runs[0]["tokens"]})
+    del s
+    _free_gpu()
+    return out
+
+
+def _free_gpu() -> None:
+    gc.collect()
+    try:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except ImportError:
+        pass
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face peers
+# ------------------------------------------------------------------------------------------------
+def bench_hf(model_dir: str, prompt: list[int], new_tokens: int, requests: int, max_memory: dict | None,
+             keep_scores: bool = False, device: str = "cuda") -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class Stamps(StoppingCriteria):
+        """Called once per generated token (the first right after prefill): a timestamp each."""
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    t = time.perf_counter()
+    if max_memory is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16, device_map="auto",
+                                                     max_memory=max_memory)
+    model.eval()
+    load_s = time.perf_counter() - t
+    placement = getattr(model, "hf_device_map", None) or {"": device}
+    on_cpu = sum(1 for v in placement.values() if str(v) in ("cpu", "disk"))
+    log(f"HF {'accelerate' if max_memory else 'whole GPU'}: loaded in {load_s:.1f} s, {on_cpu} of {len(placement)} modules on CPU")
+    ids = torch.tensor([prompt], device="cuda:0" if device == "cuda" else device)
+    gen = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+
+    def one(n, scores=False):
+        st = Stamps()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, **{**gen, "min_new_tokens": n, "max_new_tokens": n},
+                                 stopping_criteria=StoppingCriteriaList([st]),
+                                 output_scores=scores, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        per = [1e3 * (b - a) for a, b in zip(st.t, st.t[1:])]
+        dec = (len(st.t) - 1) / (st.t[-1] - st.t[0]) if len(st.t) > 1 else 0.0
+        r = {"tokens": tokens, "ttft_ms": 1e3 * (st.t[0] - t0), "decode_tok_s": dec, "per_token_ms": per}
+        if scores:
+            r["top5"] = [torch.topk(sc[0].float(), 5).indices.tolist() for sc in out.scores]
+        return r
+
+    one(4)                                                                                   # warm-up
+    runs = []
+    for i in range(requests):
+        runs.append(one(new_tokens, scores=keep_scores and i == 0))
+        log(f"  request {i}: TTFT {runs[-1]['ttft_ms']:.1f} ms, {runs[-1]['decode_tok_s']:.2f} tok/s")
+    out = summarize(runs)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out.update({"load_s": load_s, "modules_on_cpu": on_cpu, "modules": len(placement), "weight_bytes": weight_bytes,
+                "tokens_first_request": runs[0]["tokens"]})
+    if keep_scores:
+        out["top5_first_request"] = runs[0]["top5"]
+    del model
+    if device != "cpu":
+        _free_gpu()
+    return out
+
+
+def compare_tokens(ours: list[int], ref: list[int], ref_top5: list[list[int]] | None) -> dict:
+    n = min(len(ours), len(ref))
+    first = next((i for i in range(n) if ours[i] != ref[i]), None)
+    out = {"compared": n, "identical": first is None, "first_divergence": first}
+    if first is not None and ref_top5 is not None:
+        out["ours_in_ref_top5_at_divergence"] = ours[first] in ref_top5[first]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="HF model directory (weights for helmc and the peers)")
+    ap.add_argument("--bundle", action="append", default=[], help="helmc bundle (repeatable: split, all-GPU, ...)")
+    ap.add_argument("--gpu-budget", type=float, default=7.0, help="GiB of GPU memory for Accelerate's max_memory")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--peer-requests", type=int, default=3, help="requests for HF on the whole GPU")
+    ap.add_argument("--accelerate-requests", type=int, default=1)
+    ap.add_argument("--accelerate-new-tokens", type=int, default=16)
+    ap.add_argument("--skip", default="", help="comma-separated: accelerate, hf_gpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    skip = set(filter(None, a.skip.split(",")))
+
+    with open(os.path.join(a.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompt = np.random.default_rng(a.seed).integers(3, vocab, a.prompt_len).tolist()
+    report = {"model": a.model, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "gpu_budget_gib": a.gpu_budget,
+              "requests": a.requests, "helmc": []}
+
+    def save():
+        if a.out:
+            tmp = a.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=2)
+            os.replace(tmp, a.out)
+
+    import torch
+
+    report["device"] = torch.cuda.get_device_name(0)
+    report["bandwidth"] = bw = measure_bandwidths()
+    log(f"bandwidth: host {bw['host_read_gbs']:.1f} GB/s, HBM copy {bw['hbm_copy_gbs']:.0f} GB/s, "
+        f"pinned H2D {bw['h2d_pinned_gbs']:.1f} GB/s")
+    save()
+    for bundle in a.bundle:
+        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw))
+        save()
+    if "hf_gpu" not in skip:
+        report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)
+        for h in report["helmc"]:
+            h["vs_hf_gpu_tokens"] = compare_tokens(h["tokens_first_request"], report["hf_gpu"]["tokens_first_request"],
+                                                   report["hf_gpu"].get("top5_first_request"))
+        save()
+    if "accelerate" not in skip:
+        report["accelerate"] = bench_hf(a.model, prompt, a.accelerate_new_tokens, a.accelerate_requests,
+                                        {0: f"{a.gpu_budget:g}GiB", "cpu": "100GiB"})
+        save()
+
+    print("\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | roofline ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for h in report["helmc"]:
+        print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
+              f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {h['roofline_ms']:.1f} |")
+    for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
+        if key in report:
+            r = report[key]
+            print(f"| {label} | {r['modules_on_cpu']}/{r['modules']} modules on CPU | {r['decode_tok_s_p50']:.2f} | "
+                  f"{r['ttft_ms_p50']:.0f} | {r['per_token_ms_p50']:.1f} | - | - |")
+    if "accelerate" in report:
+        for h in report["helmc"]:
+            h["speedup_vs_accelerate"] = h["decode_tok_s_p50"] / report["accelerate"]["decode_tok_s_p50"]
+            print(f"helmc {h['plan']}: {h['speedup_vs_accelerate']:.1f}x Accelerate's decode tok/s; "
+                  f"measured/plan per token {h['measured_over_plan']:.2f}")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
