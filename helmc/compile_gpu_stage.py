@@ -250,17 +250,23 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     so_name, cubin_name, index_name = f"{name}.so", f"{name}.{arch}.cubin", f"{name}.cubins.json"
     source_name = f"{name}.cu"   # for reading the kernels; not needed at run time
     # Everything is written under temporary names, then renamed: no half-written stage on failure.
-    compile_cuda_source(source, arch, os.path.join(out_dir, f".tmp-{cubin_name}"), nvcc)
-    so_tmp = os.path.join(out_dir, f".tmp-{so_name}")
-    ex.export_library(so_tmp)
-    index = {
-        "format_version": CUBIN_INDEX_FORMAT_VERSION,
-        "arch": arch,
-        "nvcc_flags": list(NVCC_FLAGS),
-        "cubins": {hashlib.sha256(source.encode("utf-8")).hexdigest(): cubin_name},
-    }
-    os.replace(os.path.join(out_dir, f".tmp-{cubin_name}"), os.path.join(out_dir, cubin_name))
-    os.replace(so_tmp, os.path.join(out_dir, so_name))
-    atomic_write_text(os.path.join(out_dir, source_name), source)
-    atomic_write_text(os.path.join(out_dir, index_name), json.dumps(index, indent=2) + "\n")
+    tmp_cubin, tmp_so = os.path.join(out_dir, f".tmp-{cubin_name}"), os.path.join(out_dir, f".tmp-{so_name}")
+    try:
+        compile_cuda_source(source, arch, tmp_cubin, nvcc)
+        ex.export_library(tmp_so)
+        index = {
+            "format_version": CUBIN_INDEX_FORMAT_VERSION,
+            "arch": arch,
+            "nvcc_flags": list(NVCC_FLAGS),
+            "cubins": {hashlib.sha256(source.encode("utf-8")).hexdigest(): cubin_name},
+        }
+        os.replace(tmp_cubin, os.path.join(out_dir, cubin_name))
+        os.replace(tmp_so, os.path.join(out_dir, so_name))
+        for fname, text in ((source_name, source), (index_name, json.dumps(index, indent=2) + "\n")):
+            atomic_write_text(os.path.join(out_dir, fname), text)
+            os.chmod(os.path.join(out_dir, fname), 0o644)    # the temp file was private; a bundle is not
+    finally:
+        for leftover in (tmp_cubin, tmp_so):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return (so_name, cubin_name, index_name, source_name)

@@ -2,6 +2,7 @@
 """Write a Hugging Face model directory with a real Qwen3 configuration and random weights, fast.
 
     python scripts/make_random_model.py OUT_DIR --config qwen3-8b [--dtype float16] [--seed 0]
+    python scripts/make_random_model.py OUT_DIR --config qwen3-8b --config-only   (for `helmc build` here)
 
 Configs: qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b (the published shapes), tiny (for CPU tests).
 Writes sharded safetensors + model.safetensors.index.json, config.json (Qwen3ForCausalLM),
@@ -142,8 +143,8 @@ def write_shards(out_dir: str, cfg: dict, dtype: str, src: RandomSource, shard_b
             for name, shape, is_norm, nbytes in shard:
                 t = src.draw(shape, is_norm)
                 host = t.contiguous().cpu()
-                # bytes of the tensor as stored (bf16 has no numpy dtype: view as int16 first)
-                f.write(host.view(src.torch.int16 if itemsize == 2 else src.torch.int32).numpy().tobytes())
+                # the tensor's bytes as stored (bf16 has no numpy dtype: view as int16 first), no extra copy
+                host.view(src.torch.int16 if itemsize == 2 else src.torch.int32).numpy().tofile(f)
                 weight_map[name] = fname
                 total += nbytes
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -166,7 +167,8 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 def make_random_model(out_dir: str, config: str, dtype: str = "float16", seed: int = 0, std: float = 0.02,
-                      device: str = "auto", shard_gib: float = 4.0, force: bool = False) -> dict:
+                      device: str = "auto", shard_gib: float = 4.0, force: bool = False,
+                      config_only: bool = False) -> dict:
     import torch
 
     if config not in CONFIGS:
@@ -182,10 +184,12 @@ def make_random_model(out_dir: str, config: str, dtype: str = "float16", seed: i
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     t0 = time.time()
-    src = RandomSource(device, getattr(torch, dtype), std, seed)
-    index = write_shards(partial, cfg, dtype, src, int(shard_gib * (1 << 30)))
-    with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
+    index = {"metadata": {"total_size": 0}, "weight_map": {}}
+    if not config_only:
+        src = RandomSource(device, getattr(torch, dtype), std, seed)
+        index = write_shards(partial, cfg, dtype, src, int(shard_gib * (1 << 30)))
+        with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(partial, "generation_config.json"), "w") as f:
@@ -211,8 +215,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--shard-gib", type=float, default=4.0)
     ap.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument("--config-only", action="store_true",
+                    help="config.json + tokenizer only (what `helmc build` needs on a CPU machine), no weights")
     a = ap.parse_args(argv)
-    make_random_model(a.out_dir, a.config, a.dtype, a.seed, a.std, a.device, a.shard_gib, a.force)
+    make_random_model(a.out_dir, a.config, a.dtype, a.seed, a.std, a.device, a.shard_gib, a.force, a.config_only)
     return 0
 
 

@@ -75,6 +75,15 @@ def test_rewrite_reads_weights_in_stored_dtype():
     assert 'R.astype(g, dtype="float32")' in mod["decode"].script()
 
 
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+def test_nvcc_failure_is_a_clear_error(tmp_path):
+    from helmc.compile_gpu_stage import compile_cuda_source
+
+    with pytest.raises(HelmcError, match="nvcc failed for sm_90"):
+        compile_cuda_source('extern "C" __global__ void k() { undeclared_name = 1; }', "sm_90", str(tmp_path / "k.cubin"))
+    assert not (tmp_path / "k.cubin").exists()
+
+
 @needs_compiler
 def test_bad_arch_is_refused(tmp_path):
     with pytest.raises(HelmcError, match="expected a CUDA arch"):
