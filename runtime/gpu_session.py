@@ -85,7 +85,11 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
-        kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=kv_options.get("kv_page_tokens", 512),
+        page_tokens = kv_options.get("kv_page_tokens", 512)
+        # The page pool gets what is left after weights and the cache's own workspace (staging,
+        # split partials, prefill score tiles), so the plan's VRAM cap holds during a long prefill.
+        budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
+        kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
                         sliding_window=spec.sliding_window or None)
