@@ -42,8 +42,7 @@ def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, 
     from .search_partition import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len)
-    from .model_spec import ModelSpec
-    click.echo(format_plan_table(r.plan, ModelSpec.from_model_dir(model_dir)))
+    click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
 

@@ -32,24 +32,6 @@ class ExportedFunction:
     weight_names: tuple[str, ...] # HF names relative to model.layers.{i}. (blocks) or the model root (head)
 
 
-def pre_attn_weight_names(spec: ModelSpec) -> tuple[str, ...]:
-    names = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-    if spec.qkv_bias:
-        names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if spec.qk_norm:
-        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    return tuple(names)
-
-
-def post_attn_weight_names(spec: ModelSpec) -> tuple[str, ...]:
-    return ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
-def head_weight_names(spec: ModelSpec) -> tuple[str, ...]:
-    return ("model.norm.weight", "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
-
-
 def _modules(spec: ModelSpec, act_dtype: str):
     import torch
     import torch.nn.functional as F
@@ -119,9 +101,9 @@ def export_functions(spec: ModelSpec, act_dtype: str = "float32", example_seq: i
     def weights(names, shape_of):
         return tuple(torch.zeros(shape_of(n), dtype=wdt) for n in names)
 
-    pre_w = pre_attn_weight_names(spec)
-    post_w = post_attn_weight_names(spec)
-    head_w = head_weight_names(spec)
+    pre_w = spec.pre_attn_weight_names()
+    post_w = spec.post_attn_weight_names()
+    head_w = spec.head_weight_names()
     head_shapes = {head_w[0]: (H,), head_w[1]: (spec.vocab_size, H)}
     jobs = [
         ("pre_attn", pre, (torch.zeros(S, H, dtype=act), torch.zeros(S, D), torch.zeros(S, D)) + weights(pre_w, shapes.get),

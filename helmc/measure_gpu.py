@@ -265,7 +265,8 @@ def _median_ms(be, fn, inner: int, trials: int = 3) -> float:
     return statistics.median(be.time_ms(fn, inner) for _ in range(trials)) / inner
 
 
-def _wall_median_s(fn, reps: int) -> float:
+def wall_median_s(fn, reps: int) -> float:
+    """Median wall time of `reps` calls after one warm-up call (page faults, thread start, JIT)."""
     fn()
     times = []
     for _ in range(reps):
@@ -301,9 +302,9 @@ def link_figures(be, nbytes: int, latency_reps: int) -> tuple[LinkProfile, str]:
     """B_link both ways over pinned memory and l_link from 8 KB copies (eq. 4.15: t = l + W / B)."""
     host = be.pinned(nbytes)
     dev = be.full((nbytes,), 0, "uint8")
-    h2d = nbytes / _wall_median_s(lambda: be.h2d(dev, host, nbytes), reps=5) / 1e9
-    d2h = nbytes / _wall_median_s(lambda: be.d2h(host, dev, nbytes), reps=5) / 1e9
-    t_small = _wall_median_s(lambda: be.h2d(dev, host, LATENCY_PROBE_BYTES), reps=latency_reps)
+    h2d = nbytes / wall_median_s(lambda: be.h2d(dev, host, nbytes), reps=5) / 1e9
+    d2h = nbytes / wall_median_s(lambda: be.d2h(host, dev, nbytes), reps=5) / 1e9
+    t_small = wall_median_s(lambda: be.h2d(dev, host, LATENCY_PROBE_BYTES), reps=latency_reps)
     latency_us = max(0.0, t_small * 1e6 - LATENCY_PROBE_BYTES / (h2d * 1e9) * 1e6)
     note = (f"link: pinned {nbytes / MIB:.0f} MiB copies H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s; one "
             f"{LATENCY_PROBE_BYTES} B H2D copy with synchronisation {t_small * 1e6:.1f} us, so l_link = "

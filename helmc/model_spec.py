@@ -93,6 +93,23 @@ class ModelSpec:
                   "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
         return s
 
+    def pre_attn_weight_names(self) -> tuple[str, ...]:
+        """Weights of the compiled pre_attn function, in its parameter order (export and runtime both use this)."""
+        names = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+        if self.qkv_bias:
+            names += ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+        if self.qk_norm:
+            names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        return names
+
+    def post_attn_weight_names(self) -> tuple[str, ...]:
+        return ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+    def head_weight_names(self) -> tuple[str, str]:
+        """Checkpoint names (from the model root) of the head function's weights."""
+        return ("model.norm.weight", "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+
     def block_param_count(self) -> int:
         n = 0
         for shape in self.block_weight_shapes().values():

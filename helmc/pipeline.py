@@ -32,6 +32,7 @@ CPU_LIB = "cpu_stage.so"
 @dataclass(frozen=True)
 class BuildResult:
     bundle_dir: str
+    spec: ModelSpec
     plan: Plan
     cache_hits: tuple[str, ...]
     seconds: float
@@ -109,10 +110,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
         if not all(hits.values()):
             from .export_block import export_functions
             from .import_relax import import_functions
-            exported_cpu = export_functions(spec, act_dtype="float32")
-            progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq)")
             if need_cpu and not hits["cpu"]:
-                mod = import_functions(exported_cpu)
+                mod = import_functions(export_functions(spec, act_dtype="float32"))
+                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
                 progress("import_relax: 6 functions (prefill + decode variants)")
                 lib = os.path.join(work, CPU_LIB)
                 compile_cpu(mod, hardware, lib)
@@ -120,6 +120,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
             if need_gpu and not hits["gpu"]:
                 mod = import_functions(export_functions(spec, act_dtype="float16"))
+                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
                 gdir = os.path.join(work, "gpu")
                 os.makedirs(gdir)
                 names = compile_gpu(mod, hardware, gdir)
@@ -140,4 +141,4 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
             cpu_features_required=cpu_required, llvm_target=llvm_desc,
             cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights))
     progress(f"write_bundle: {out_dir}")
-    return BuildResult(os.path.abspath(out_dir), plan, reused, time.perf_counter() - progress.t0)
+    return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

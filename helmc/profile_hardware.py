@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .measure_gpu import GpuMeasurement, measure_gpu
+from .measure_gpu import GpuMeasurement, measure_gpu, wall_median_s
 from .hardware import PROFILE_FORMAT_VERSION, CpuProfile, HardwareProfile
 
 MIB = 1024 ** 2
@@ -121,14 +119,6 @@ def ram_bytes() -> tuple[int, int, str]:
 
 
 # ---- CPU bandwidth -------------------------------------------------------------------------------
-def _median_s(fn, reps: int) -> float:
-    fn()                                          # warm-up: page faults, thread start
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _filled(nbytes: int) -> np.ndarray:
@@ -140,7 +130,7 @@ def _filled(nbytes: int) -> np.ndarray:
 def contiguous_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int, reps: int) -> float:
     buf = _filled(nbytes)
     parts = np.array_split(buf, threads)
-    t = _median_s(lambda: list(pool.map(np.maximum.reduce, parts)), reps)
+    t = wall_median_s(lambda: list(pool.map(np.maximum.reduce, parts)), reps)
     return buf.nbytes / t / 1e9
 
 
@@ -180,7 +170,7 @@ def inference_like_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int,
         # kernel's and measure the interpreter, not the memory.
         for v in views:
             np.maximum.reduce(v, axis=None)
-    t = _median_s(lambda: list(pool.map(walk, per_thread)), reps)
+    t = wall_median_s(lambda: list(pool.map(walk, per_thread)), reps)
     return sum(m.nbytes for m in mats) / t / 1e9
 
 
@@ -191,14 +181,14 @@ def cache_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int, inner: i
     def reread(p):
         for _ in range(inner):
             np.maximum.reduce(p)
-    t = _median_s(lambda: list(pool.map(reread, parts)), reps)
+    t = wall_median_s(lambda: list(pool.map(reread, parts)), reps)
     return buf.nbytes * inner / t / 1e9
 
 
 def sgemm_gflops(n: int, reps: int) -> float:
     a = np.ones((n, n), np.float32)
     b = np.ones((n, n), np.float32)
-    t = _median_s(lambda: a @ b, reps)
+    t = wall_median_s(lambda: a @ b, reps)
     return 2 * n ** 3 / t / 1e9
 
 

@@ -51,10 +51,6 @@ def _progress(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 class Session:
     def __init__(self, bundle_dir: str, manifest: BundleManifest, spec: ModelSpec, plan: Plan,
                  checkpoint: Checkpoint, cpu_stage, head, tokenizer, gpu=None):
@@ -106,7 +102,8 @@ class Session:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         rows = self._embed[ids]                                   # gather only S rows from the mmap
         if self.checkpoint.info("model.embed_tokens.weight").dtype == "bfloat16":
-            rows = bf16_bits_to_f32(rows)
+            from .tvm_tensors import float32_from_bf16_bits
+            rows = float32_from_bf16_bits(rows)
         return np.ascontiguousarray(rows, dtype=np.float32)       # [S, H]
 
     def forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:

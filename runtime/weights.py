@@ -15,22 +15,6 @@ from helmc.model_spec import ModelSpec
 from .safetensors_mmap import Checkpoint
 from .stage import StageBinding
 
-PRE_ATTN = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-POST_ATTN = ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
-def pre_attn_names(spec: ModelSpec) -> tuple[str, ...]:
-    # Must match helmc.export_block.pre_attn_weight_names: the compiled function's parameter order.
-    return PRE_ATTN + (QKV_BIAS if spec.qkv_bias else ()) + (QK_NORM if spec.qk_norm else ())
-
-
-def head_names(spec: ModelSpec) -> tuple[str, str]:
-    return ("model.norm.weight", "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
-
-
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = spec.block_weight_shapes()
     out = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
@@ -60,12 +44,13 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
         def load(name):
             full = f"model.layers.{i}.{name}"
             return to_device(ck.view(full, shapes[name]), ck.info(full).dtype, dev)
-        out.append(StageBinding(pre=[load(w) for w in pre_attn_names(spec)], post=[load(w) for w in POST_ATTN]))
+        out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
+                                post=[load(w) for w in spec.post_attn_weight_names()]))
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
     return out
 
 
 def bind_head(ck: Checkpoint, spec: ModelSpec, dev, to_device: Callable = tensor_to_device) -> list:
-    norm, lm = head_names(spec)
+    norm, lm = spec.head_weight_names()
     return [to_device(ck.view(norm, (spec.hidden_size,)), ck.info(norm).dtype, dev),
             to_device(ck.view(lm, (spec.vocab_size, spec.hidden_size)), ck.info(lm).dtype, dev)]

@@ -225,17 +225,11 @@ def main() -> None:
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
-    from bench_cpu_gemv import cpu_flags, l3_bytes
+    from bench_cpu_gemv import target_features
     if args.run_only:
         out_dir = args.run_only
     else:
-        features, target_l3 = cpu_flags(), l3_bytes()
-        if args.hardware:
-            from helmc.hardware import HardwareProfile
-            cpu = HardwareProfile.load(args.hardware).cpu
-            features, target_l3 = cpu.features, cpu.l3_bytes
-        if args.features:
-            features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+        features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_block_bench_{os.getpid()}")
         t = time.time()
         build(out_dir, qwen3_spec(args.model, args.dtype), features, 4 * (args.l3_bytes or target_l3))

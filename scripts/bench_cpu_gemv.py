@@ -53,10 +53,20 @@ def l3_bytes() -> int:
 
 
 def cpu_flags() -> tuple[str, ...]:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return tuple(line.split(":", 1)[1].split())
-    return ()
+    from helmc.runtime.manifest import host_cpu_flags
+    return tuple(sorted(host_cpu_flags()))
+
+
+def target_features(args) -> tuple[tuple[str, ...], int]:
+    """(CPU features to compile for, L3 bytes of the target): this CPU, or --hardware, or --features."""
+    features, target_l3 = cpu_flags(), l3_bytes()
+    if args.hardware:
+        from helmc.hardware import HardwareProfile
+        cpu = HardwareProfile.load(args.hardware).cpu
+        features, target_l3 = cpu.features, cpu.l3_bytes
+    if args.features:
+        features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+    return features, target_l3
 
 
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int) -> None:
@@ -188,13 +198,7 @@ def main() -> None:
     if args.run_only:
         report = run(args.run_only, threads, args.rounds, models)
     else:
-        features, target_l3 = cpu_flags(), l3_bytes()
-        if args.hardware:
-            from helmc.hardware import HardwareProfile
-            cpu = HardwareProfile.load(args.hardware).cpu
-            features, target_l3 = cpu.features, cpu.l3_bytes
-        if args.features:
-            features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+        features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_gemv_bench_{os.getpid()}")
         build(out_dir, features, models, 4 * (args.l3_bytes or target_l3))
         if args.build_only:

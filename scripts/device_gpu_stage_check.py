@@ -45,7 +45,6 @@ TOLERANCE = 1e-2   # max |diff| / max |ref| against torch in fp32: the stage kee
 # ----------------------------------------------------------------------------------------------
 def _example_args(spec, rng):
     """Inputs per function, in helmc.export_block's argument order; weights fp16, x in ACT_DTYPE."""
-    from helmc.export_block import head_weight_names, post_attn_weight_names, pre_attn_weight_names
 
     H, D = spec.hidden_size, spec.head_dim
     shapes = dict(spec.block_weight_shapes())
@@ -64,9 +63,9 @@ def _example_args(spec, rng):
         ang = np.concatenate([ang, ang], -1)                                     # [S, D/2] -> [S, D]
         return np.cos(ang), np.sin(ang)
 
-    pre_w = [weight(n) for n in pre_attn_weight_names(spec)]
-    post_w = [weight(n) for n in post_attn_weight_names(spec)]
-    head_w = [weight(n) for n in head_weight_names(spec)]
+    pre_w = [weight(n) for n in spec.pre_attn_weight_names()]
+    post_w = [weight(n) for n in spec.post_attn_weight_names()]
+    head_w = [weight(n) for n in spec.head_weight_names()]
     args = {}
     for S, tag in ((1, "decode"), (7, "prefill")):
         c, s = rope(S)
