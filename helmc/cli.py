@@ -36,12 +36,14 @@ def main():
 @click.option("--no-cache", is_flag=True, help="rebuild even if artifacts/ has this build")
 @click.option("--prompt-len", type=int, default=128, show_default=True, help="workload the plan optimises for")
 @click.option("--output-len", type=int, default=128, show_default=True)
-def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len):
+@click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
+              help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
+def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill):
     """Compile MODEL_DIR for the machine described by HARDWARE (hardware.json) into a bundle."""
     from . import api
     from .search_partition import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
-                  use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len)
+                  use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill)
     click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
@@ -89,6 +91,24 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
         if not r.text:
             click.echo(" ".join(map(str, r.tokens)), nl=False)
         click.echo(f"\n[{len(r.tokens)} tokens, TTFT {r.ttft_ms:.1f} ms, decode {r.decode_tok_s:.2f} tok/s]", err=True)
+
+
+@main.command("calibrate")
+@click.argument("bundle_dir", type=click.Path())
+@click.argument("hardware", type=click.Path())
+@click.option("-o", "--out", "out_path", required=True, type=click.Path(), help="calibrated hardware.json to write")
+@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
+@click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
+def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json):
+    """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
+    from .runtime.isolation import forbid_compiler_imports
+    forbid_compiler_imports()
+    from .calibrate import calibrate
+    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps)
+    r.profile.save(out_path)
+    click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
+    click.echo(f"wrote {out_path}", err=as_json)
 
 
 def _register_plan_commands():

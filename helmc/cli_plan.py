@@ -111,19 +111,21 @@ def plot_plan(plan: Plan, path: str) -> None:
               help="use at most this many GiB of VRAM in all (the profile's runtime reserve included)")
 @click.option("--kv-offload/--no-kv-offload", default=True, show_default=True,
               help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2)")
+@click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
+              help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="weight dtype (default: the checkpoint's)")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and all candidates as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="draw T_plan against k into a PNG")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write the Plan JSON here")
-def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, dtype,
-                 as_json, plot, output) -> None:
+def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, stream_prefill,
+                 dtype, as_json, plot, output) -> None:
     """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1)."""
     from .search_partition import load_spec, plan
     try:
         spec = load_spec(model)
         p = plan(spec, hardware, prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective,
-                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype)
+                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype, stream_prefill=stream_prefill)
         if plot:
             plot_plan(p, plot)
         if output:

@@ -5,12 +5,14 @@ A stage (a contiguous run of partition units on one device) costs, per decode to
     T_proj = max(F_proj / (P eta_c), W_param / (M eta_m))                      (4.9, 4.10)
     T_attn = max(F_attn / (P eta_c), W_kv / (M_hat eta_m))                     (4.11-4.13)
     M_hat  = alpha B_L3 + (1 - alpha) M,  alpha = min(1, C_L3 / W_kv)          (4.14, CPU only)
-    T_stage = max(T_proj + T_attn, T_kv_stream) + n_blocks * delta             (6.4.4)
+    T_stage = max(T_proj + T_attn, T_kv_stream) + n_blocks * delta + n_heads * sigma   (6.4.4)
 
 where T_kv_stream is KV of GPU blocks that did not fit in VRAM and streams over PCIe from pinned
-host pages while the stage computes (thesis 4.2.2-4.2.3), and delta is the per-block overhead the
-profile carries. As in thesis 6.4.4 (T_hat = T_pred + N delta) delta is charged to every block,
-on either device: it moves T_plan, never the choice of split. The link costs
+host pages while the stage computes (thesis 4.2.2-4.2.3), delta is the per-block overhead of the
+stage's device and sigma the per-token overhead of the step's tail (embedding gather, RoPE, head,
+logits out, sampling) charged where the lm_head runs. As in thesis 6.4.4 (T_hat = T_pred + N delta)
+each device's delta is fitted by `helmc calibrate` against helmc's own decode step on that device;
+a profile without calibration uses its one profile-wide delta for both devices. The link costs
 T_comm = l_link + W_act / B_link at the CPU->GPU boundary (4.15), plus the sampled token ids
 coming back when the lm_head is on the GPU (Algorithm 1 omits this; it is ~l_link and common to
 every plan that uses the GPU). Objective "prefill" scores the time to first token instead: S
@@ -22,6 +24,7 @@ compute term (decode is memory-bound there by two orders of magnitude).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .analyze_program import ProgramAnalysis, StageLoad
@@ -34,6 +37,8 @@ KV_PAGE_TOKENS = 512            # thesis 4.2.2: one KV page holds 512 tokens
 KV_PREFETCH_PAGES = 2           # the page being attended and the one being prefetched (thesis 4.2.3)
 KV_WATERMARK = 0.8              # thesis 4.2.2: KV may fill 80% of the VRAM left after weights
 L3_TO_DRAM_RATIO = 3.0          # thesis 4.1.2: B_L3 estimated as 3 x M
+PREFILL_CHUNK_TOKENS = 512      # the GPU runs a prompt in chunks of this many tokens: activations stay bounded
+KV_SCORE_TILE_BYTES = 32 << 20  # the GPU KV cache's prefill score tile (runtime/kv_cache_gpu.py)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Workload:
     batch: int = 1
     objective: str = "decode"
     kv_offload: bool = True
+    stream_prefill: bool = True     # prefill CPU blocks on the GPU, their weights streamed over PCIe
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.output_len < 1 or self.batch < 1:
@@ -72,19 +78,35 @@ class DeviceRates:
     eta_memory: float = 1.0
     l3_bytes: int = 0              # C_L3 (0: no cache blending)
     l3_gbs: float = 0.0            # B_L3
-    block_overhead_ms: float = 0.0
+    block_overhead_ms: float = 0.0 # delta: per block per token beyond the roofline
+    step_overhead_ms: float = 0.0  # sigma: per token, charged to the stage that holds the lm_head
 
     @classmethod
-    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float) -> "DeviceRates":
+    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the CPU has no calibrated one."""
         M = cpu.stream_gbs
         return cls(mem_gbs=M, compute_gflops=cpu.fp32_gflops if cpu.fp32_gflops > 0 else M,
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
-                   l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M, block_overhead_ms=block_overhead_ms)
+                   l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
+                   block_overhead_ms=block_overhead_ms if cpu.block_overhead_ms is None else cpu.block_overhead_ms,
+                   step_overhead_ms=cpu.step_overhead_ms or 0.0)
 
     @classmethod
-    def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float) -> "DeviceRates":
+    def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the GPU has no calibrated one."""
         return cls(mem_gbs=gpu.hbm_gbs, compute_gflops=gpu.fp16_tflops * 1e3, eta_compute=gpu.eta_compute,
-                   eta_memory=gpu.eta_memory, block_overhead_ms=block_overhead_ms)
+                   eta_memory=gpu.eta_memory,
+                   block_overhead_ms=block_overhead_ms if gpu.block_overhead_ms is None else gpu.block_overhead_ms,
+                   step_overhead_ms=gpu.step_overhead_ms or 0.0)
+
+    @classmethod
+    def of_device(cls, hw: HardwareProfile, name: str, with_overheads: bool = True) -> "DeviceRates":
+        """Rates of hw's "cpu" or "gpu" with that device's own deltas (or none: the bare roofline)."""
+        make = cls.of_cpu if name == "cpu" else cls.of_gpu
+        rates = make(hw.device(name), hw.block_overhead_ms)
+        if with_overheads:
+            return rates
+        return dataclasses.replace(rates, block_overhead_ms=0.0, step_overhead_ms=0.0)
 
 
 def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
@@ -98,8 +120,10 @@ def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
         out.append("CPU M from one contiguous buffer (inference-like pattern not measured)")
     if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
         out.append("GPU compute term dropped (fp16 rate not measured)")
-    if hw.block_overhead_ms <= 0:
-        out.append("per-block overhead delta = 0 (not calibrated: needs a GPU)")
+    for name, dev in (("CPU", hw.cpu), ("GPU", hw.gpu)):
+        if dev is not None and dev.block_overhead_ms is None:
+            out.append(f"{name} per-block overhead delta = {hw.block_overhead_ms:g} ms, the profile-wide figure "
+                       f"(not calibrated on helmc's own stage: helmc calibrate)")
     return tuple(out)
 
 
@@ -120,7 +144,7 @@ class StageTime:
     proj_ms: float = 0.0
     attn_ms: float = 0.0
     kv_stream_ms: float = 0.0      # KV pages over PCIe, overlapped with compute
-    overhead_ms: float = 0.0       # n_blocks * delta
+    overhead_ms: float = 0.0       # n_blocks * delta + n_heads * sigma
 
     @property
     def total_ms(self) -> float:
@@ -165,7 +189,7 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
             raise HelmcError("cost model: KV beyond device memory needs a link profile to stream over")
         t_stream = _ms(streamed, link.h2d_gbs * 1e9)
     return StageTime(proj_ms=t_proj, attn_ms=t_attn, kv_stream_ms=t_stream,
-                     overhead_ms=load.blocks * rates.block_overhead_ms)
+                     overhead_ms=load.blocks * rates.block_overhead_ms + load.heads * rates.step_overhead_ms)
 
 
 def comm_time_ms(a: ProgramAnalysis, cpu_units: int, w: Workload, link: LinkProfile | None) -> float:
@@ -205,11 +229,28 @@ class MemoryNeed:
 
 
 def kv_staging_bytes(a: ProgramAnalysis, gpu: StageLoad, batch: int) -> int:
-    """Offloaded KV still needs, in VRAM, the page being written for every GPU block and the
-    pages streaming attention holds for the block it works on."""
+    """Offloaded KV still needs VRAM beyond its page pool: the GPU cache's own workspace (staging for
+    pages read back from the host, split partials, prefill score tiles), as runtime/kv_cache_gpu.py
+    allocates it."""
     if not gpu.blocks:
         return 0
-    return (gpu.blocks + KV_PREFETCH_PAGES) * KV_PAGE_TOKENS * batch * a.kv_bytes_per_token_layer
+    from .runtime.kv_cache_gpu import KVCacheGPU
+    return batch * KVCacheGPU.workspace_bytes(a.num_heads, a.num_kv_heads, a.head_dim, KV_PAGE_TOKENS,
+                                              score_budget_bytes=KV_SCORE_TILE_BYTES)
+
+
+def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
+    """VRAM that holds one CPU block's weights while the prompt runs through it on the GPU: with
+    stream_prefill the CPU blocks' prefill moves to the GPU, each block's weights crossing PCIe once
+    per prompt instead of the CPU computing S tokens through them."""
+    if not (w.stream_prefill and cpu.blocks and gpu.units):
+        return 0
+    return max(u.stored_bytes for u in a.units if u.kind == "block")
+
+
+def gpu_prefill_tokens(w: Workload) -> int:
+    """Tokens the GPU runs at once in prefill: the prompt, in chunks of PREFILL_CHUNK_TOKENS."""
+    return min(w.prompt_len, PREFILL_CHUNK_TOKENS)
 
 
 def whole_pages(tokens: int) -> int:
@@ -229,7 +270,8 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
                       reserve=hw.host_reserve_bytes, available=hw.cpu.ram_free_bytes)
     if gpu.units == 0:
         return host, MemoryNeed(available=hw.usable_vram_bytes)
-    gpu_ws = a.workspace_bytes(gpu, B, w.prompt_len) + (kv_staging_bytes(a, gpu, B) if w.kv_offload else 0)
+    gpu_ws = (a.workspace_bytes(gpu, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, gpu, B)
+              + prefill_staging_bytes(a, cpu, gpu, w))
     dev = MemoryNeed(weights=a.held_bytes(gpu), kv=0 if w.kv_offload else kv_gpu_blocks, workspace=gpu_ws,
                      reserve=hw.gpu_reserve_bytes, available=hw.usable_vram_bytes)
     return host, dev

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -33,6 +34,14 @@ def _require(condition: bool, message: str) -> None:
         raise HelmcError(f"hardware profile: {message}")
 
 
+def _check_overheads(where: str, block_overhead_ms: Optional[float], step_overhead_ms: Optional[float]) -> None:
+    # Calibrated deltas may be negative: a device that beats the roofline of the profile's rates
+    # (e.g. a profile measured on another machine) gets a delta that brings the roofline down to it.
+    for name, value in (("block_overhead_ms", block_overhead_ms), ("step_overhead_ms", step_overhead_ms)):
+        _require(value is None or math.isfinite(value),
+                 f"{where}.{name} expected a finite number or null (not calibrated), found {value}")
+
+
 def _check_eta(where: str, eta_compute: float, eta_memory: float) -> None:
     _require(0 < eta_compute <= 1 and 0 < eta_memory <= 1,
              f"{where} efficiency coefficients expected in (0, 1], found eta_compute={eta_compute}, "
@@ -54,6 +63,10 @@ class CpuProfile:
     threads: int = 0                 # hardware threads this process may run on; 0 = not known
     eta_compute: float = 1.0         # eta_c of eq. 4.10; 1: the measured rates are already sustained rates
     eta_memory: float = 1.0          # eta_m of eq. 4.10
+    # Thesis 6.4.4 deltas measured by `helmc calibrate` on helmc's own CPU stage (None: not calibrated).
+    block_overhead_ms: Optional[float] = None   # per block per token beyond its roofline; None: the profile-wide figure
+    step_overhead_ms: Optional[float] = None    # per token beyond the lm_head's roofline when the head runs here
+                                                # (embedding gather, RoPE tables, head, logits out, sampling); None: 0
 
     def __post_init__(self):
         _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
@@ -63,6 +76,7 @@ class CpuProfile:
         _require(min(self.l3_bytes, self.dram_strided_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
         _check_eta("cpu", self.eta_compute, self.eta_memory)
+        _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
 
     def has(self, *flags: str) -> bool:
         return all(f in self.features for f in flags)
@@ -84,6 +98,10 @@ class GpuProfile:
     fp16_tflops: float = 0.0         # P_pre: (128,H)x(H,H) fp16 matmul rate; 0 = not measured
     eta_compute: float = 1.0
     eta_memory: float = 1.0
+    # As on CpuProfile, for helmc's GPU stage; the GPU's step overhead also holds the hidden state's
+    # and RoPE rows' host-to-device copies as the runtime makes them, beyond the link model of eq. 4.15.
+    block_overhead_ms: Optional[float] = None
+    step_overhead_ms: Optional[float] = None
 
     def __post_init__(self):
         _require(self.arch.startswith("sm_"), f"gpu.arch expected like 'sm_90', found {self.arch!r}")
@@ -92,6 +110,7 @@ class GpuProfile:
         _require(self.hbm_gbs > 0, f"gpu.hbm_gbs expected > 0, found {self.hbm_gbs}")
         _require(self.fp16_tflops >= 0, f"gpu.fp16_tflops expected >= 0, found {self.fp16_tflops}")
         _check_eta("gpu", self.eta_compute, self.eta_memory)
+        _check_overheads("gpu", self.block_overhead_ms, self.step_overhead_ms)
 
 
 @dataclass(frozen=True)
@@ -114,10 +133,12 @@ class HardwareProfile:
     gpu: Optional[GpuProfile] = None
     link: Optional[LinkProfile] = None
     gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
-    block_overhead_ms: float = 0.0   # delta of thesis 6.4.4: per block per token beyond the roofline (calibrated on the GPU)
+    # Delta of thesis 6.4.4 for every device without a calibrated one of its own (cpu/gpu
+    # .block_overhead_ms): `helmc profile`'s op-by-op estimate, or 0. Kept so older profiles read the same.
+    block_overhead_ms: float = 0.0
     gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime
     host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES  # host RAM kept back for the runtime process
-    source: str = "measured"         # "measured" or "preset:<name>"
+    source: str = "measured"         # "measured", "preset:<name>" or "calibrated" (helmc calibrate)
     unmeasured: tuple[str, ...] = () # "field: why it was not measured"
     notes: tuple[str, ...] = ()
 
@@ -133,6 +154,22 @@ class HardwareProfile:
     @property
     def has_gpu(self) -> bool:
         return self.gpu is not None
+
+    def device(self, name: str) -> "CpuProfile | GpuProfile":
+        """The "cpu" or "gpu" part of the profile."""
+        dev = {"cpu": self.cpu, "gpu": self.gpu}.get(name)
+        _require(dev is not None, f"device expected 'cpu' or a present 'gpu', found {name!r}")
+        return dev
+
+    def block_overhead_on(self, name: str) -> float:
+        """Delta per block on device `name`: its calibrated figure, else the profile-wide one."""
+        own = self.device(name).block_overhead_ms
+        return self.block_overhead_ms if own is None else own
+
+    def step_overhead_on(self, name: str) -> float:
+        """Per-token overhead when the lm_head runs on device `name` (0 where not calibrated)."""
+        own = self.device(name).step_overhead_ms
+        return 0.0 if own is None else own
 
     @property
     def usable_vram_bytes(self) -> int:

@@ -390,8 +390,8 @@ def run_gpu_benchmarks(be, sizes: BenchSizes) -> GpuMeasurement:
         delta = max(0.0, per_block - roofline)
         notes.append(f"block_overhead_ms: a {shape.hidden}x{shape.ffn} decode block run op by op with {be.name} took "
                      f"{per_block:.3f} ms against {roofline:.3f} ms of roofline at {hbm:.0f} GB/s; the difference "
-                     f"is launch latency, small ops and GEMV shortfall (thesis 6.4.4). It stands in for the helmc "
-                     f"runtime's own overhead until the runtime is measured")
+                     f"is launch latency, small ops and GEMV shortfall (thesis 6.4.4). An uncalibrated stand-in for both "
+                     f"devices: `helmc calibrate BUNDLE` fits each device's delta on helmc's own compiled stages")
     except Exception as e:
         unmeasured.append(f"block_overhead_ms: block benchmark failed ({type(e).__name__}: {e})")
     gpu = GpuProfile(name=info.name, arch=f"sm_{info.major}{info.minor}", vram_total_bytes=info.total_bytes,

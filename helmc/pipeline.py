@@ -55,9 +55,10 @@ def read_config(model_dir: str) -> tuple[ModelSpec, str]:
         return spec, hashlib.sha256(f.read()).hexdigest()
 
 
-def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int) -> Plan:
+def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
+                stream_prefill: bool = True) -> Plan:
     from .search_partition import plan as search
-    return search(spec, hw, prompt_len=prompt_len, output_len=output_len)
+    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill)
 
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
@@ -80,13 +81,13 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str) -> tuple[str, ...]:
 
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
-          plan: Plan | None = None, quiet: bool = False) -> BuildResult:
+          plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True) -> BuildResult:
     progress = Progress(quiet)
     from .write_bundle import BundleInputs, write_bundle
 
     spec, config_sha = read_config(model_dir)
     progress(f"read_config: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.dtype}")
-    plan = plan or search_plan(spec, hardware, prompt_len, output_len)
+    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
     need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu

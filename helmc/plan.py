@@ -66,6 +66,10 @@ class Plan:
     hardware_hash: str = ""
     architecture_hash: str = ""
     fallbacks: tuple[str, ...] = ()  # cost-model fallbacks used for unmeasured hardware figures
+    prefill_on_gpu: bool = False     # CPU blocks' prefill runs on the GPU, weights streamed block by block
+    prefill_chunk_tokens: int = 0    # the GPU runs a prompt this many tokens at a time (0: all at once)
+    prefill_staging_bytes: int = 0   # VRAM holding the streamed CPU block's weights during prefill
+    gpu_kv_pool_bytes: int = 0       # VRAM left for GPU-layer KV pages after weights, workspace, reserve
 
     def __post_init__(self):
         if self.format_version != PLAN_FORMAT_VERSION:
@@ -84,6 +88,11 @@ class Plan:
             best = min(c.t_plan_ms for c in self.candidates if c.feasible)
             if chosen.t_plan_ms > best + _TIME_TOLERANCE_MS:
                 raise HelmcError(f"plan: the chosen split takes {chosen.t_plan_ms:.3f} ms, a feasible one {best:.3f} ms")
+        if self.prefill_on_gpu and not (len(self.cpu_layers) and self.uses_gpu and self.prefill_staging_bytes > 0):
+            raise HelmcError("plan: prefill_on_gpu expected only with CPU blocks, a GPU stage and VRAM to stage a "
+                             f"block, found {len(self.cpu_layers)} CPU blocks, staging {self.prefill_staging_bytes} B")
+        if min(self.prefill_chunk_tokens, self.prefill_staging_bytes, self.gpu_kv_pool_bytes) < 0:
+            raise HelmcError("plan: prefill_chunk_tokens, prefill_staging_bytes and gpu_kv_pool_bytes expected >= 0")
 
     @property
     def num_units(self) -> int:
@@ -184,6 +193,13 @@ def format_plan_table(plan: Plan, spec=None) -> str:
                  f"T_gpu {plan.t_gpu_ms:.2f} + T_comm {plan.t_comm_ms:.4f}); weights CPU "
                  f"{plan.cpu_weight_bytes / gib:.2f} GiB, GPU {plan.gpu_weight_bytes / gib:.2f} GiB; "
                  f"max context {plan.max_context} tokens")
+    if plan.prefill_on_gpu:
+        lines.append(f"prefill: the {len(plan.cpu_layers)} CPU blocks run the prompt on the GPU, each block's weights "
+                     f"streamed over PCIe ({plan.prefill_staging_bytes / gib:.2f} GiB of VRAM staging), "
+                     f"{plan.prefill_chunk_tokens} tokens at a time")
+    if plan.uses_gpu:
+        lines.append(f"KV pages of GPU blocks: {plan.gpu_kv_pool_bytes / gib:.2f} GiB of VRAM"
+                     f"{', the rest in pinned host RAM' if plan.kv_offload else ''}")
     for f in plan.fallbacks:
         lines.append(f"note: {f}")
     return "\n".join(lines)

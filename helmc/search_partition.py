@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from .analyze_program import ProgramAnalysis, analyze_program
-from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, max_context, memory_needs,
-                         rate_fallbacks, stage_time)
+from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, gpu_prefill_tokens, max_context,
+                         memory_needs, prefill_staging_bytes, rate_fallbacks, stage_time)
 from .errors import HelmcError
 from .hardware import GIB, HardwareProfile, load_hardware
 from .model_spec import ModelSpec
@@ -91,13 +91,18 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
     best = min(feasible, key=lambda c: (c.t_plan_ms, c.cpu_units))     # ties: fewer units on the CPU
     rows = [dataclasses.replace(c, why=_explain(c, best)) if c.feasible else c for c in rows]
     cpu, gpu = a.stage(0, best.cpu_units), a.stage(best.cpu_units, a.num_units)
+    _, gpu_need = memory_needs(a, hw, cpu, gpu, w)
+    staging = prefill_staging_bytes(a, cpu, gpu, w)
+    kv_pool = max(0, gpu_need.available - gpu_need.total) + (gpu_need.kv if gpu.units else 0)
     return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=a.num_layers, cpu_units=best.cpu_units,
                 t_cpu_ms=best.t_cpu_ms, t_gpu_ms=best.t_gpu_ms, t_comm_ms=best.t_comm_ms, t_plan_ms=best.t_plan_ms,
                 cpu_bytes=best.cpu_bytes, gpu_bytes=best.gpu_bytes, max_context=best.max_context,
                 objective=w.objective, prompt_len=w.prompt_len, output_len=w.output_len, batch=w.batch,
                 candidates=tuple(rows), kv_offload=w.kv_offload, cpu_weight_bytes=a.held_bytes(cpu),
                 gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0, usable_vram_bytes=hw.usable_vram_bytes,
-                ram_free_bytes=hw.cpu.ram_free_bytes, hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw))
+                ram_free_bytes=hw.cpu.ram_free_bytes, hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw),
+                prefill_on_gpu=staging > 0, prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0,
+                prefill_staging_bytes=staging, gpu_kv_pool_bytes=kv_pool if gpu.units else 0)
 
 
 def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
@@ -108,11 +113,12 @@ def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
 
 def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfile", prompt_len: int = 128,
          output_len: int = 128, batch: int = 1, objective: str = "decode", gpu_budget_gib: float | None = None,
-         kv_offload: bool = True, dtype: str | None = None) -> Plan:
+         kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True) -> Plan:
     """The partition plan for a model (a directory or config.json, or a ModelSpec) on a hardware
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
     hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)
-    w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload)
+    w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
+                 stream_prefill=stream_prefill)
     p = search_partition(analyze_program(spec, dtype), hw, w)
     return dataclasses.replace(p, architecture_hash=spec.architecture_hash())

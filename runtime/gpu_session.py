@@ -18,7 +18,8 @@ GPU_CUBIN_INDEX = "gpu_stage.cubins.json"
 
 
 class GpuParts:
-    def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step):
+    def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step,
+                 streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0):
         self.stage = stage                      # Stage over the GPU layers, or None
         self.head_fns = head_fns
         self.head_weights = head_weights
@@ -26,6 +27,9 @@ class GpuParts:
         self.cupy_to_tvm = cupy_to_tvm
         self.tvm_to_cupy = tvm_to_cupy
         self.cpu_stage_step = cpu_stage_step    # runs the CPU stage on host arrays; None if no CPU blocks
+        self.streamed_prefill = streamed_prefill  # CPU blocks' prefill on the GPU (plan.prefill_on_gpu), or None
+        self.cpu_kv = cpu_kv
+        self.chunk = prefill_chunk_tokens       # the GPU stage runs a prompt this many tokens at a time (0: whole)
 
     def reset(self):
         if self.stage is not None:
@@ -33,13 +37,24 @@ class GpuParts:
 
     def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
         import cupy as cp
-        if self.cpu_stage_step is not None:
-            x = self.cpu_stage_step(x, cos, sin, phase)            # [S, H] float32 on the host
-        xg = cp.asarray(x).astype(self.act_dtype)                  # the one host-to-device copy per step
+        cos_g, sin_g = cp.asarray(cos), cp.asarray(sin)
+        if phase == "prefill" and self.streamed_prefill is not None and self.cpu_kv.length == 0:
+            xg = self.streamed_prefill.run(cp.asarray(x).astype(self.act_dtype), cos_g, sin_g)
+        else:
+            if self.cpu_stage_step is not None:
+                x = self.cpu_stage_step(x, cos, sin, phase)        # [S, H] float32 on the host
+            xg = cp.asarray(x).astype(self.act_dtype)              # the one host-to-device copy per step
         to_tvm = self.cupy_to_tvm
         if self.stage is not None:
-            xt = self.stage.forward(to_tvm(xg), to_tvm(cp.asarray(cos)), to_tvm(cp.asarray(sin)), phase)
-            xg = self.tvm_to_cupy(xt)
+            S = xg.shape[0]
+            step = self.chunk if phase == "prefill" and self.chunk else S
+            parts = []
+            for c0 in range(0, S, step):                           # one KV step per chunk: bounded activations
+                c1 = min(S, c0 + step)
+                xt = self.stage.forward(to_tvm(cp.ascontiguousarray(xg[c0:c1])), to_tvm(cos_g[c0:c1]),
+                                        to_tvm(sin_g[c0:c1]), phase)
+                parts.append(self.tvm_to_cupy(xt) if all_logits or c1 == S else None)
+            xg = parts[-1] if len(parts) == 1 else (cp.concatenate(parts) if all_logits else parts[-1])
         if not all_logits and xg.shape[0] > 1:
             xg = xg[-1:]                                            # [S, H] -> [1, H]: only the last row samples
             phase = "decode"
@@ -67,7 +82,11 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if len(plan.cpu_layers):
         lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
         cpu_vm = VirtualMachine(lib, tvm.cpu())
-        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, **kv_options)
+        pinned = None
+        if plan.prefill_on_gpu:
+            from .prefill_stream import bind_pinned_layers
+            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, lambda m: _progress(m, quiet))
+        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, **kv_options)
         dev_cpu = tvm.cpu()
 
         def cpu_step(x, cos, sin, phase):
@@ -84,11 +103,15 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if len(layers):
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
-        budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
         page_tokens = kv_options.get("kv_page_tokens", 512)
-        # The page pool gets what is left after weights and the cache's own workspace (staging,
-        # split partials, prefill score tiles), so the plan's VRAM cap holds during a long prefill.
-        budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
+        if plan.gpu_kv_pool_bytes:
+            # The plan counted weights, activations of one prefill chunk, the cache's workspace, the
+            # streamed block's staging and the reserve; the pages get what it left, at least two pages.
+            two_pages = 2 * 2 * len(layers) * spec.num_kv_heads * page_tokens * spec.head_dim * 2
+            budget = min(free_after, max(plan.gpu_kv_pool_bytes, two_pages))
+        else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
+            budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
+            budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
         kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
@@ -97,6 +120,12 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
-    gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step)
+    streamed = None
+    if plan.prefill_on_gpu:
+        from .prefill_stream import StreamedPrefill
+        streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
+                                   cupy_to_tvm, tvm_to_cupy)
+    gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
+                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
     return session

@@ -34,7 +34,7 @@ class KVCacheGPU:
                  max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
                  watermark: float = 0.8, offload: bool = True, staging_pages: int = 16,
                  host_extent_pages: int = 8, sliding_window: int | None = None,
-                 score_budget_bytes: int = 128 << 20, prefill_block_tokens: int = 4096, ops=None):
+                 score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, ops=None):
         if min(num_layers, num_kv_heads, head_dim, page_tokens, max_tokens, host_extent_pages) < 1:
             raise HelmcError("KVCacheGPU: expected positive layer, head, page and token counts")
         if not 0 < watermark <= 1:
@@ -92,7 +92,7 @@ class KVCacheGPU:
     # ------------------------------------------------------------------ sizes and state
     @staticmethod
     def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
-                        staging_pages: int = 16, score_budget_bytes: int = 128 << 20, max_splits: int = 4096) -> int:
+                        staging_pages: int = 16, score_budget_bytes: int = 32 << 20, max_splits: int = 128) -> int:
         """VRAM the cache uses beyond its page pool: staging, split partials, and prefill's score tile
         with its exp and mask temporaries (about three tiles at once)."""
         staging = staging_pages * 2 * num_kv_heads * page_tokens * head_dim * 2

@@ -9,12 +9,13 @@ Everything is counted in whole pages, as the caches allocate them. Pure arithmet
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from helmc.errors import HelmcError
 
 GIB = 1024 ** 3
 HOST_RAM, VRAM, MODEL_WINDOW = "host RAM", "VRAM", "the model's context window"
+PLAN_LIMIT = "the plan's context limit"
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -39,7 +40,7 @@ def gpu_resident_pages(slots_fit: int, watermark: float, pages_needed: int) -> i
 @dataclass(frozen=True)
 class KVCapacity:
     tokens_fit: int                 # longest context (prompt + new tokens) whose KV fits
-    limited_by: str                 # HOST_RAM | VRAM | MODEL_WINDOW
+    limited_by: str                 # HOST_RAM | VRAM | MODEL_WINDOW | PLAN_LIMIT
     page_tokens: int
     cpu_bytes_per_token: int        # KV of the CPU-stage layers (host RAM)
     gpu_bytes_per_token: int        # KV of the GPU-stage layers (VRAM, overflow in pinned host RAM)
@@ -48,6 +49,8 @@ class KVCapacity:
     vram_bytes_free: int            # after weights and workspace
     offload: bool
     model_max_tokens: int
+    host_extent_pages: int = 1      # pinned host pages are allocated this many at a time
+    plan_max_tokens: int = 0        # the caches were sized for this many tokens (0: no such cap)
 
     @property
     def gpu_resident_tokens(self) -> int:
@@ -56,10 +59,21 @@ class KVCapacity:
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
 
+    def host_spill_pages(self, tokens: int) -> int:
+        """Pinned host pages the GPU-layer KV of `tokens` tokens holds, in whole extents."""
+        if not self.offload or not self.gpu_bytes_per_token:
+            return 0
+        spill = max(0, self.pages(tokens) - self.gpu_resident_pages)
+        return -(-spill // self.host_extent_pages) * self.host_extent_pages
+
+    def cpu_kv_bytes(self, tokens: int) -> int:
+        return self.pages(tokens) * self.cpu_bytes_per_token * self.page_tokens
+
+    def pinned_kv_bytes(self, tokens: int) -> int:
+        return self.host_spill_pages(tokens) * self.gpu_bytes_per_token * self.page_tokens
+
     def host_bytes_needed(self, tokens: int) -> int:
-        n = self.pages(tokens)
-        spill = max(0, n - self.gpu_resident_pages) if self.offload else 0
-        return (n * self.cpu_bytes_per_token + spill * self.gpu_bytes_per_token) * self.page_tokens
+        return self.cpu_kv_bytes(tokens) + self.pinned_kv_bytes(tokens)
 
     def vram_bytes_needed(self, tokens: int) -> int:
         n = self.pages(tokens)
@@ -71,48 +85,73 @@ class KVCapacity:
         return tokens <= self.tokens_fit
 
 
+def _most_pages(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n), for fits monotone (true, then false)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def plan_kv_capacity(cpu_bytes_per_token: int, gpu_bytes_per_token: int, host_free_bytes: int,
                      vram_free_bytes: int, watermark: float = 0.8, offload: bool = True,
-                     page_tokens: int = 512, model_max_tokens: int = 0) -> KVCapacity:
+                     page_tokens: int = 512, model_max_tokens: int = 0, *, resident_pages: int | None = None,
+                     host_extent_pages: int = 1, plan_max_tokens: int = 0) -> KVCapacity:
     """The most tokens whose KV fits, and which memory runs out first.
 
-    vram_free_bytes: VRAM left after weights and workspace (staging, partials, activations);
-    host_free_bytes: host RAM helmc may use for KV; model_max_tokens: the model's native window
-    (0: no limit)."""
-    if min(cpu_bytes_per_token, gpu_bytes_per_token, host_free_bytes, vram_free_bytes) < 0 or page_tokens < 1:
-        raise HelmcError("KV capacity: expected byte counts >= 0 and page_tokens >= 1, found "
-                         f"{cpu_bytes_per_token}, {gpu_bytes_per_token}, {host_free_bytes}, {vram_free_bytes}, "
-                         f"{page_tokens}")
+    vram_free_bytes: VRAM for GPU-layer KV pages (after weights and workspace; for an existing cache,
+    its page pool); host_free_bytes: host RAM helmc may use for KV; model_max_tokens: the model's
+    native window (0: no limit); resident_pages: an existing cache's watermark in pages (default:
+    `watermark` of the slots the VRAM holds, as KVCacheGPU chooses); host_extent_pages: pinned host
+    pages come in extents of this many; plan_max_tokens: the caches hold at most this many tokens."""
+    if min(cpu_bytes_per_token, gpu_bytes_per_token, host_free_bytes, vram_free_bytes) < 0 or page_tokens < 1 \
+            or host_extent_pages < 1 or (resident_pages is not None and resident_pages < 0):
+        raise HelmcError("KV capacity: expected byte counts >= 0, page_tokens and host_extent_pages >= 1 and "
+                         f"resident_pages >= 0, found {cpu_bytes_per_token}, {gpu_bytes_per_token}, {host_free_bytes}, "
+                         f"{vram_free_bytes}, {page_tokens}, {host_extent_pages}, {resident_pages}")
     if not 0 < watermark <= 1:
         raise HelmcError(f"--kv-watermark expected in (0, 1], found {watermark}")
     T = page_tokens
-    cpu_page, gpu_page = cpu_bytes_per_token * T, gpu_bytes_per_token * T
+    gpu_page = gpu_bytes_per_token * T
     unbounded = 1 << 62
-    host_only = host_free_bytes // cpu_page if cpu_page else unbounded      # pages the CPU-layer KV allows
     resident = 0
     if gpu_page == 0:                         # no GPU layers
-        vram_pages, host_pages = unbounded, host_only
+        vram_pages = unbounded
     elif not offload:
-        vram_pages, host_pages = vram_free_bytes // gpu_page, host_only
-        resident = vram_pages
+        vram_pages = resident = vram_free_bytes // gpu_page
     else:
         slots = vram_free_bytes // gpu_page
-        resident = gpu_resident_pages(slots, watermark, unbounded)
-        if slots < 2:                         # no room to evict: what fits on the GPU is all there is
-            vram_pages, host_pages = slots, host_only
+        if resident_pages is not None:
+            resident = min(resident_pages, slots)
+        elif slots < 2:                       # no room to evict: what fits on the GPU is all there is
+            resident = slots
         else:
-            vram_pages = unbounded
-            # n pages need n * cpu_page + (n - resident) * gpu_page of host RAM once n > resident
-            spilling = (host_free_bytes + resident * gpu_page) // (cpu_page + gpu_page)
-            host_pages = host_only if host_only <= resident else spilling
+            resident = gpu_resident_pages(slots, watermark, unbounded)
+        vram_pages = slots if slots < 2 else unbounded
+    cap = KVCapacity(tokens_fit=0, limited_by=HOST_RAM, page_tokens=T, cpu_bytes_per_token=cpu_bytes_per_token,
+                     gpu_bytes_per_token=gpu_bytes_per_token, gpu_resident_pages=int(resident),
+                     host_bytes_free=host_free_bytes, vram_bytes_free=vram_free_bytes, offload=offload,
+                     model_max_tokens=model_max_tokens, host_extent_pages=host_extent_pages,
+                     plan_max_tokens=plan_max_tokens)
+    host_pages = _most_pages(lambda n: cap.host_bytes_needed(n * T) <= host_free_bytes, unbounded)
     window_pages = unbounded if model_max_tokens <= 0 else -(-model_max_tokens // T)
-    limits = [(window_pages, 0, MODEL_WINDOW), (vram_pages, 1, VRAM), (host_pages, 2, HOST_RAM)]
+    plan_pages = unbounded if plan_max_tokens <= 0 else -(-plan_max_tokens // T)
+    limits = [(plan_pages, 0, PLAN_LIMIT), (window_pages, 1, MODEL_WINDOW), (vram_pages, 2, VRAM),
+              (host_pages, 3, HOST_RAM)]
     pages, _, limited_by = min(limits)
-    tokens = model_max_tokens if limited_by == MODEL_WINDOW else pages * T
-    return KVCapacity(tokens_fit=int(min(tokens, unbounded)), limited_by=limited_by, page_tokens=T,
-                      cpu_bytes_per_token=cpu_bytes_per_token, gpu_bytes_per_token=gpu_bytes_per_token,
-                      gpu_resident_pages=int(min(resident, unbounded)), host_bytes_free=host_free_bytes,
-                      vram_bytes_free=vram_free_bytes, offload=offload, model_max_tokens=model_max_tokens)
+    tokens = {MODEL_WINDOW: model_max_tokens, PLAN_LIMIT: plan_max_tokens}.get(limited_by, pages * T)
+    return replace(cap, tokens_fit=int(min(tokens, unbounded)), limited_by=limited_by)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def refusal_message(cap: KVCapacity, prompt_tokens: int, new_tokens: int) -> str:
@@ -122,16 +161,86 @@ def refusal_message(cap: KVCapacity, prompt_tokens: int, new_tokens: int) -> str
             f"at most {cap.tokens_fit} fit")
     if cap.limited_by == MODEL_WINDOW:
         return f"{head}: the model's context window is {cap.model_max_tokens} tokens"
+    if cap.limited_by == PLAN_LIMIT:
+        why = ("the model's context window" if cap.plan_max_tokens == cap.model_max_tokens else
+               "the KV caches were sized for it from the free memory of the hardware profile the bundle was built "
+               "for; rebuild with this machine's profile for more")
+        return f"{head}: the plan allows at most {cap.plan_max_tokens} tokens ({why})"
     if cap.limited_by == VRAM:
         need = cap.pages(asked) * cap.gpu_bytes_per_token * cap.page_tokens
         hint = "; drop --no-kv-offload to move old KV pages to host RAM" if not cap.offload else ""
-        return (f"{head}: VRAM runs out (GPU-layer KV of {asked} tokens needs {need / GIB:.2f} GiB, "
-                f"{cap.vram_bytes_free / GIB:.2f} GiB free after weights and workspace){hint}")
-    return (f"{head}: host RAM runs out (KV of {asked} tokens needs {cap.host_bytes_needed(asked) / GIB:.2f} GiB "
-            f"of host RAM, {cap.host_bytes_free / GIB:.2f} GiB free)")
+        return (f"{head}: VRAM runs out (GPU-layer KV of {asked} tokens needs {_size(need)}, "
+                f"{_size(cap.vram_bytes_free)} free after weights and workspace){hint}")
+    parts = f"CPU-layer KV {_size(cap.cpu_kv_bytes(asked))}"
+    if cap.pinned_kv_bytes(asked):
+        parts += f" + GPU-layer pages in pinned RAM {_size(cap.pinned_kv_bytes(asked))}"
+    need = cap.host_bytes_needed(asked)
+    return (f"{head}: host RAM runs out (KV of {asked} tokens needs {_size(need)} of host RAM: {parts}; "
+            f"{_size(cap.host_bytes_free)} free, short by {_size(need - cap.host_bytes_free)})")
 
 
 def check_request(cap: KVCapacity, prompt_tokens: int, new_tokens: int) -> None:
     """Raise HelmcError with refusal_message() when prompt + new tokens do not fit."""
     if not cap.fits(prompt_tokens + new_tokens):
         raise HelmcError(refusal_message(cap, prompt_tokens, new_tokens))
+
+
+# -------------------------------------------------------------------- a session's caches
+HOST_HEADROOM_BYTES = 256 << 20     # the runtime's own transient host memory: score tiles, logits, copies
+
+
+def host_ram_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable: what the kernel can hand out without swapping; None where it does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_step_bytes(hidden: int, intermediate: int, q_dim: int, kv_dim: int, rows: int, cpu_blocks: bool) -> int:
+    """Host memory one step holds besides KV, an estimate: with CPU blocks, their fp32 activations for
+    `rows` tokens (x and residual, q/k/v, attention out, MLP gate/up/act); else the hidden state in
+    and out. Plus HOST_HEADROOM_BYTES."""
+    per_row = (2 * hidden + 2 * q_dim + 2 * kv_dim + 3 * intermediate) if cpu_blocks else 2 * hidden
+    return HOST_HEADROOM_BYTES + 4 * rows * per_row
+
+
+def caches_host_bytes_held(cpu_kv, gpu_kv, cpu_tokens_touched: int) -> int:
+    """Host RAM the caches already hold and will reuse (MemAvailable no longer counts it): the CPU
+    arena's pages up to the longest sequence so far (slots are handed out lowest first, and the OS
+    commits them on first write), and the pinned extents of the GPU cache (kept across requests)."""
+    held = 0
+    if cpu_kv is not None:
+        held += -(-cpu_tokens_touched // cpu_kv.page_tokens) * cpu_kv.page_tokens * _cpu_bytes_per_token(cpu_kv)
+    if gpu_kv is not None and gpu_kv.offload:
+        held += len(gpu_kv._extents) * gpu_kv.extent_pages * gpu_kv.page_bytes
+    return held
+
+
+def capacity_of_caches(cpu_kv, gpu_kv, host_free_bytes: int, model_max_tokens: int) -> KVCapacity:
+    """What a session's caches can hold (KVCacheCPU of the CPU layers, KVCacheGPU of the GPU layers,
+    either may be None): their layers, dtypes and page size, the GPU page pool and watermark they
+    were built with, the tokens they were sized for, and `host_free_bytes` of host RAM for KV."""
+    caches = [kv for kv in (cpu_kv, gpu_kv) if kv is not None]
+    if not caches:
+        raise HelmcError("KV capacity: expected at least one KV cache, found none")
+    T = cpu_kv.page_tokens if cpu_kv is not None else gpu_kv.T
+    if gpu_kv is not None and gpu_kv.T != T:
+        raise HelmcError(f"KV capacity: CPU and GPU caches expected the same page size, found {T} and {gpu_kv.T}")
+    cpu_bpt = _cpu_bytes_per_token(cpu_kv) if cpu_kv is not None else 0
+    gpu_bpt = gpu_kv.page_bytes // T if gpu_kv is not None else 0
+    return plan_kv_capacity(
+        cpu_bpt, gpu_bpt, max(0, host_free_bytes),
+        gpu_kv.gpu_pages * gpu_kv.page_bytes if gpu_kv is not None else 0,
+        offload=gpu_kv.offload if gpu_kv is not None else True, page_tokens=T, model_max_tokens=model_max_tokens,
+        resident_pages=gpu_kv.resident_limit if gpu_kv is not None and gpu_kv.offload else None,
+        host_extent_pages=gpu_kv.extent_pages if gpu_kv is not None else 1,
+        plan_max_tokens=min(kv.max_tokens for kv in caches))
+
+
+def _cpu_bytes_per_token(cpu_kv) -> int:
+    return kv_bytes_per_token(cpu_kv.num_layers, cpu_kv.num_kv_heads, cpu_kv.head_dim, cpu_kv.dtype.itemsize)

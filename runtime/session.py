@@ -144,30 +144,32 @@ class Session:
             raise HelmcError(f"generate: token ids expected in [0, {self.spec.vocab_size}), found {bad[:5]}")
         if max_new_tokens < 1:
             raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
-        need = len(prompt_ids) + max_new_tokens
-        if need > self.plan.max_context:
-            raise HelmcError(f"context: prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) = {need}, "
-                             f"but the plan allows at most {self.plan.max_context} tokens")
+        from .kv_capacity import check_request
+        self.kv_capacity = request_kv_capacity(self, len(prompt_ids))          # before any work
+        check_request(self.kv_capacity, len(prompt_ids), max_new_tokens)
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
         self.reset()
         eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
         t0 = time.perf_counter()
-        logits = self.forward(prompt_ids)
-        tok = sampler(logits[-1])
-        t_first = time.perf_counter()
-        out, stamps, stop = [tok], [t_first], "length"
-        printed = ""
-        printed = self._stream(out, printed, on_text)
-        if tok in eos:
-            stop = "eos"
-        while stop != "eos" and len(out) < max_new_tokens:
-            logits = self.forward([tok])
+        try:
+            logits = self.forward(prompt_ids)
             tok = sampler(logits[-1])
-            out.append(tok)
-            stamps.append(time.perf_counter())
+            t_first = time.perf_counter()
+            out, stamps, stop = [tok], [t_first], "length"
+            printed = ""
             printed = self._stream(out, printed, on_text)
             if tok in eos:
                 stop = "eos"
+            while stop != "eos" and len(out) < max_new_tokens:
+                logits = self.forward([tok])
+                tok = sampler(logits[-1])
+                out.append(tok)
+                stamps.append(time.perf_counter())
+                printed = self._stream(out, printed, on_text)
+                if tok in eos:
+                    stop = "eos"
+        finally:   # the CPU cache's arena keeps the pages this request touched: the next one reuses them
+            self._kv_tokens_touched = max(getattr(self, "_kv_tokens_touched", 0), self.position)
         per_token = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
         decode_s = stamps[-1] - t_first
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
@@ -185,6 +187,27 @@ class Session:
 
 
 # -------------------------------------------------------------------- helpers
+def request_kv_capacity(session: Session, prompt_tokens: int):
+    """KVCapacity of the session's caches for a request of `prompt_tokens` prompt tokens: host RAM for
+    KV is MemAvailable plus what the caches already hold, less what a step holds besides KV; VRAM is
+    the GPU cache's page pool; the plan's context limit is what the caches were sized for."""
+    from . import kv_capacity as kc
+    cpu_kv = session.cpu_stage.kv if session.cpu_stage is not None else None
+    gpu_stage = getattr(session.gpu, "stage", None)
+    gpu_kv = gpu_stage.kv if gpu_stage is not None else None
+    available = kc.host_ram_available_bytes()
+    if available is None:                     # no /proc/meminfo: host RAM is not what refuses a request
+        host_free = 1 << 62
+    else:
+        spec = session.spec
+        cpu_rows = cpu_kv is not None and not getattr(session.plan, "prefill_on_gpu", False)
+        step = kc.host_step_bytes(spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim,
+                                  prompt_tokens, cpu_rows)
+        held = kc.caches_host_bytes_held(cpu_kv, gpu_kv, getattr(session, "_kv_tokens_touched", 0))
+        host_free = available + held - step
+    return kc.capacity_of_caches(cpu_kv, gpu_kv, host_free, session.spec.max_position_embeddings)
+
+
 def _load_tokenizer(bundle_dir: str):
     path = os.path.join(bundle_dir, "tokenizer.json")
     if not os.path.exists(path):
@@ -200,12 +223,15 @@ def _check_checkpoint(ck: Checkpoint, spec: ModelSpec):
         ck.view(name, shape)
 
 
-def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, **kv_options):
+def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, **kv_options):
+    """The CPU stage over plan.cpu_layers (None if there are none) and the head if it is on the CPU.
+    `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
     import tvm.runtime
-    from .kv_cache_cpu import KVCacheCPU
-    from .tvm_tensors import available_cpu_count, use_cpu_threads
+    from .kv_cache_cpu import KVCacheCPU, default_threads
+    from .tvm_tensors import available_cpu_count, single_threaded_blas, use_cpu_threads
 
     use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
+    single_threaded_blas()                     # KV attention threads its own NumPy calls
     from .stage import Stage
     from .weights import bind_layers, bind_head
 
@@ -213,10 +239,12 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     layers = plan.cpu_layers
     stage = None
     if len(layers):
-        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet))
+        if bindings is None:
+            bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
-                        dtype=np.float32, sliding_window=spec.sliding_window or None)
+                        dtype=np.float32, sliding_window=spec.sliding_window or None,
+                        threads=default_threads())
         stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
                       from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
     head = None

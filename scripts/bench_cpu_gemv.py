@@ -13,6 +13,9 @@ cache. Each figure is the best of --rounds passes (the machine may be shared).
   python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
   python scripts/bench_cpu_gemv.py --run-only DIR [--json]                 # there: tvm.runtime + torch only
 `--json` prints {"dram_gbs": .., "results": [{"shape": [N, K], "dtype": .., "helmc_gbs": .., "torch_gbs": ..}]}.
+Built for a CPU with AMX (amx_tile + amx_bf16), the bundle also holds the bf16 prefill GEMM on AMX tiles
+(gemm_amx.py); --run-only then checks it against float64 and times it beside torch's bf16 linear
+("amx_gemm" in the JSON).
 """
 from __future__ import annotations
 
@@ -85,13 +88,21 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
             name = str(f.attrs["global_symbol"])
             funcs[name] = f
             kernels.append({"name": name, "shape": [n, k], "dtype": dtype})
+    amx = []
+    if isa.has_amx_bf16:  # the prefill GEMM on AMX tiles: numerics and speed are checked where AMX exists
+        from helmc.schedules.cpu.gemm_amx import amx_gemm_applies, make_gemm_amx
+        for n, k in shapes:
+            if amx_gemm_applies(n, k, "bfloat16", isa):
+                f = make_gemm_amx(n, k)
+                funcs[str(f.attrs["global_symbol"])] = f
+                amx.append({"name": str(f.attrs["global_symbol"]), "shape": [n, k]})
     read_elements = stream_read_elements(min_read_bytes, isa)
     funcs["helmc_stream_read"] = make_stream_read(read_elements, isa)
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
     os.makedirs(out_dir, exist_ok=True)
     lib.export_library(os.path.join(out_dir, "gemv_bench.so"))
     manifest = {"isa": isa.tier, "required_flags": list(required_cpu_features(features)), "kernels": kernels,
-                "read_elements": read_elements}
+                "amx_gemm_kernels": amx, "read_elements": read_elements}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
 
@@ -172,8 +183,42 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
         results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(helmc_gbs, 2),
                         "torch_gbs": round(torch_gbs, 2), "rel_err": err, "bytes_per_pass": nbytes * copies})
         del weights, torch_weights
+    amx = [amx_gemm_check(lib[k["name"]], *k["shape"], rounds) for k in manifest.get("amx_gemm_kernels", [])
+           if wanted is None or tuple(k["shape"]) in wanted]
     return {"dram_gbs": round(dram, 2), "results": results, "threads": threads, "l3_bytes": l3_bytes(),
-            "isa": manifest["isa"], "read_bytes": read_n * 4}
+            "isa": manifest["isa"], "read_bytes": read_n * 4, "amx_gemm": amx}
+
+
+def amx_gemm_check(fn, n: int, k: int, rounds: int, prompt: int = 128) -> dict:
+    """The AMX prefill GEMM against float64 (odd token counts too) and against torch's bf16 linear."""
+    import numpy as np
+    import torch
+    import tvm.runtime
+    from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
+    dev = tvm.runtime.cpu()
+    rng = np.random.default_rng(n + k)
+    bits = bf16_bits_from_float32(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+    w, w64 = tensor_from_numpy(bits, "bfloat16", dev), float32_from_bf16_bits(bits).astype(np.float64)
+    err = 0.0
+    for tokens in (1, 5, 33, prompt):
+        x32 = rng.standard_normal((tokens, k), dtype=np.float32)
+        y = tvm.runtime.empty((tokens, n), "float32", dev)
+        fn(tensor_from_numpy(x32, "float32", dev), w, y)
+        ref = x32.astype(np.float64) @ w64.T
+        err = max(err, float(np.abs(y.numpy() - ref).max() / np.abs(ref).max()))
+    x, tw = tensor_from_numpy(x32, "float32", dev), torch.from_dlpack(w).clone()
+    xt = torch.from_numpy(x32).to(torch.bfloat16)
+    best, best_torch = 1e9, 1e9
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn(x, w, y)
+        best = min(best, time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.nn.functional.linear(xt, tw)
+        best_torch = min(best_torch, time.perf_counter() - t)
+    flops = 2.0 * prompt * n * k
+    return {"shape": [n, k], "tokens": prompt, "rel_err": err, "helmc_ms": round(best * 1e3, 3),
+            "torch_bf16_ms": round(best_torch * 1e3, 3), "helmc_tflops": round(flops / best / 1e12, 2)}
 
 
 def main() -> None:
@@ -215,6 +260,10 @@ def main() -> None:
         n, k = r["shape"]
         print(f"{n:>7} x {k:<7}{r['dtype']:>9} {r['helmc_gbs']:>11.1f} {100 * r['helmc_gbs'] / report['dram_gbs']:>6.0f}%"
               f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e}")
+    for r in report["amx_gemm"]:
+        n, k = r["shape"]
+        print(f"AMX GEMM {n} x {k}, {r['tokens']} tokens: {r['helmc_ms']:.2f} ms ({r['helmc_tflops']:.1f} TFLOPS), "
+              f"torch bf16 {r['torch_bf16_ms']:.2f} ms; rel err vs float64 {r['rel_err']:.1e} (tokens 1/5/33/128)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, a
 HBM (device copy, bytes read + written, taken as the read rate) and pinned host-to-device
 bandwidth; the roofline per token is cpu_weight_bytes / host + gpu_weight_bytes / HBM from each
 bundle's plan, beside the plan's T_plan.
+With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.calibrate:
+each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
+--hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
+model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
+measured / that. The calibrated profile is written beside --out.
 Greedy tokens of the first request are compared with HF's (all on the GPU): first divergence, and
 whether helmc's token there is in HF's top 5. Results are written to --out after every system, so a
 run cut short still leaves what it measured.
@@ -87,7 +92,8 @@ def _timed(fn, cuda: bool = False) -> float:
 # ------------------------------------------------------------------------------------------------
 # helmc
 # ------------------------------------------------------------------------------------------------
-def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict) -> dict:
+def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
+                calibrated=None) -> dict:
     from helmc.runtime.session import Session
 
     t = time.perf_counter()
@@ -109,6 +115,16 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
                 "tokens_first_request": runs[0]["tokens"]})
+    if calibrated is not None:
+        from helmc.calibrate import predict_bundle
+
+        c = predict_bundle(s.spec, plan, calibrated)
+        out.update({"t_plan_calibrated_ms": c.t_plan_ms, "t_cpu_calibrated_ms": c.t_cpu_ms,
+                    "t_gpu_calibrated_ms": c.t_gpu_ms, "t_comm_calibrated_ms": c.t_comm_ms,
+                    "measured_over_plan_calibrated": out["per_token_ms_p50"] / c.t_plan_ms})
+        log(f"  T_plan (calibrated) {c.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms:.2f} + T_gpu {c.t_gpu_ms:.2f} + "
+            f"T_comm {c.t_comm_ms:.4f}); measured p50 {out['per_token_ms_p50']:.2f} ms, ratio "
+            f"{out['measured_over_plan_calibrated']:.3f}")
     del s
     _free_gpu()
     return out
@@ -202,6 +218,23 @@ def compare_tokens(ours: list[int], ref: list[int], ref_top5: list[list[int]] | 
     return out
 
 
+def run_calibration(a, report: dict):
+    """helmc calibrate over the bundles on this machine; returns the calibrated HardwareProfile."""
+    from helmc.calibrate import calibrate
+
+    hardware = a.hardware or os.path.join(a.bundle[0], "hardware.json")
+    t = time.perf_counter()
+    r = calibrate(a.bundle, hardware, weights_dir=a.model, steps=a.calibrate_steps)
+    report["calibration"] = dict(r.to_json_dict(), hardware=hardware, seconds=time.perf_counter() - t)
+    log(f"calibration ({time.perf_counter() - t:.1f} s) against {hardware}:\n{r.summary()}")
+    if a.out:
+        path = os.path.splitext(a.out)[0] + "-calibrated-hardware.json"
+        r.profile.save(path)
+        report["calibration"]["profile_path"] = path
+    _free_gpu()
+    return r.profile
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (weights for helmc and the peers)")
@@ -215,6 +248,11 @@ def main(argv=None) -> int:
     ap.add_argument("--accelerate-new-tokens", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma-separated: accelerate, hf_gpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="run helmc calibrate on the bundles first and report T_plan (calibrated) per bundle")
+    ap.add_argument("--hardware", default=None,
+                    help="profile to calibrate (default: the first bundle's hardware.json)")
+    ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
@@ -239,8 +277,12 @@ def main(argv=None) -> int:
     log(f"bandwidth: host {bw['host_read_gbs']:.1f} GB/s, HBM copy {bw['hbm_copy_gbs']:.0f} GB/s, "
         f"pinned H2D {bw['h2d_pinned_gbs']:.1f} GB/s")
     save()
+    calibrated = None
+    if a.calibrate and a.bundle:
+        calibrated = run_calibration(a, report)
+        save()
     for bundle in a.bundle:
-        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw))
+        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated))
         save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)
@@ -253,16 +295,24 @@ def main(argv=None) -> int:
                                         {0: f"{a.gpu_budget:g}GiB", "cpu": "100GiB"})
         save()
 
-    print("\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | roofline ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | T_plan (calibrated) ms | "
+          "measured/plan (calibrated) | roofline ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for h in report["helmc"]:
+        cal = (f"{h['t_plan_calibrated_ms']:.1f} | {h['measured_over_plan_calibrated']:.3f}"
+               if "t_plan_calibrated_ms" in h else "- | -")
         print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
-              f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {h['roofline_ms']:.1f} |")
+              f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
         if key in report:
             r = report[key]
             print(f"| {label} | {r['modules_on_cpu']}/{r['modules']} modules on CPU | {r['decode_tok_s_p50']:.2f} | "
-                  f"{r['ttft_ms_p50']:.0f} | {r['per_token_ms_p50']:.1f} | - | - |")
+                  f"{r['ttft_ms_p50']:.0f} | {r['per_token_ms_p50']:.1f} | - | - | - | - |")
+    for h in report["helmc"]:
+        if "measured_over_plan_calibrated" in h:
+            r = h["measured_over_plan_calibrated"]
+            print(f"helmc {h['plan']}: measured {h['per_token_ms_p50']:.2f} ms/token vs T_plan (calibrated) "
+                  f"{h['t_plan_calibrated_ms']:.2f} ms: ratio {r:.3f} ({'within' if abs(r - 1) <= 0.15 else 'outside'} 15%)")
     if "accelerate" in report:
         for h in report["helmc"]:
             h["speedup_vs_accelerate"] = h["decode_tok_s_p50"] / report["accelerate"]["decode_tok_s_p50"]

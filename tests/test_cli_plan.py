@@ -17,7 +17,7 @@ def q8_dir(tmp_path_factory):
 
 
 def test_plan_table_marks_the_chosen_row(q8_dir):
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop"])
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--no-stream-prefill"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     rows = [l for l in lines if l[:1] in (" ", ">") and l[1:5].strip().isdigit()]
@@ -31,7 +31,7 @@ def test_plan_table_marks_the_chosen_row(q8_dir):
 
 def test_plan_json(q8_dir, tmp_path):
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--json", "-o", str(out)])
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--json", "-o", str(out), "--no-stream-prefill"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert (d["cpu_units"], d["gpu_units"]) == (21, 17)
@@ -66,9 +66,9 @@ def test_plot_draws_a_png(q8_dir, tmp_path):
 
 def test_64_layer_plan_answers_under_a_second(tmp_path):
     d = write_config(str(tmp_path / "qwen3-32b"), "Qwen3-32B")
-    CliRunner().invoke(plan_command, [d, "rtx3090-epyc"])            # imports warm
+    CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])            # imports warm
     t0 = time.perf_counter()
-    r = CliRunner().invoke(plan_command, [d, "rtx3090-epyc"])
+    r = CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])
     elapsed = time.perf_counter() - t0
     print(f"\nhelmc plan, 64 layers: {elapsed * 1e3:.0f} ms")
     assert r.exit_code == 0 and "cpu(42) -> cuda(24)" in r.output

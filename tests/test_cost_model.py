@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from helmc.analyze_program import analyze_program
-from helmc.cost_model import (KV_PAGE_TOKENS, DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, max_context,
+from helmc.cost_model import (KV_PAGE_TOKENS, KV_SCORE_TILE_BYTES, DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, max_context,
                               memory_needs, roofline_ms, stage_time)
 from helmc.errors import HelmcError
 from helmc.hardware import load_hardware
@@ -120,11 +120,13 @@ def test_kv_streams_over_the_link_when_vram_is_short(q8, laptop):
 
 def test_memory_needs_running_example(q8, laptop):
     """cpu(21) -> cuda(17): 16 blocks + lm_head + activations + KV staging + 1 GB reserve fit in
-    8 GiB; one more block does not (eq. 4.16 with the terms the thesis leaves out)."""
-    w = Workload()
+    8 GiB; one more block does not (eq. 4.16 with the terms the thesis leaves out). The thesis
+    prefills on the CPU: stream_prefill=False."""
+    from helmc.runtime.kv_cache_gpu import KVCacheGPU
+    w = Workload(stream_prefill=False)
     head = (151936 * 4096 + 4096) * 2
     host, dev = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), w)
-    staging = (16 + 2) * KV_PAGE_TOKENS * KV_TOKEN
+    staging = KVCacheGPU.workspace_bytes(32, 8, 128, KV_PAGE_TOKENS, score_budget_bytes=KV_SCORE_TILE_BYTES)
     assert dev.weights == 16 * BLOCK_BYTES + head
     assert dev.kv == 0 and dev.reserve == 10 ** 9 and dev.available == 8 * 2 ** 30
     assert dev.workspace > staging                                               # activations on top of staging
@@ -136,10 +138,16 @@ def test_memory_needs_running_example(q8, laptop):
     assert host.kv == (20 + 16) * KV_PAGE_TOKENS * KV_TOKEN                    # offloaded: all KV in host RAM, whole pages
     _, dev_no = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, kv_offload=False))
     assert dev_no.kv == 16 * KV_PAGE_TOKENS * KV_TOKEN
+    # Streamed prefill stages one CPU block's weights in VRAM: exactly one block more.
+    _, dev_stream = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, stream_prefill=True))
+    assert dev_stream.workspace - dev.workspace == BLOCK_BYTES
+    _, all_gpu = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), dataclasses.replace(w, stream_prefill=True))
+    _, all_gpu_no = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), w)
+    assert all_gpu.workspace == all_gpu_no.workspace                           # no CPU blocks: nothing to stream
 
 
 def test_max_context(q8, laptop):
-    w = Workload(kv_offload=False)
+    w = Workload(kv_offload=False, stream_prefill=False)
     cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
     host0, dev0 = memory_needs(q8, laptop, cpu, gpu, w, context=0)
     expect_gpu = (dev0.available - dev0.total) // (16 * KV_TOKEN)
@@ -147,11 +155,11 @@ def test_max_context(q8, laptop):
     pages = min(expect_gpu, expect_host) // KV_PAGE_TOKENS                      # the caches allocate whole pages
     assert max_context(q8, laptop, cpu, gpu, w) == min(pages * KV_PAGE_TOKENS, 40960)
     # Offloaded: the host holds every block's KV; the 16 GiB preset leaves room for the native window.
-    assert max_context(q8, laptop, cpu, gpu, Workload()) == 40960
+    assert max_context(q8, laptop, cpu, gpu, Workload(stream_prefill=False)) == 40960
     tiny = dataclasses.replace(laptop, cpu=dataclasses.replace(laptop.cpu, ram_free_bytes=10 * 2 ** 30))
-    host0, _ = memory_needs(q8, tiny, cpu, gpu, Workload(), context=0)
+    host0, _ = memory_needs(q8, tiny, cpu, gpu, Workload(stream_prefill=False), context=0)
     fit = (host0.available - host0.total) // (36 * KV_TOKEN)
-    assert max_context(q8, tiny, cpu, gpu, Workload()) == fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS
+    assert max_context(q8, tiny, cpu, gpu, Workload(stream_prefill=False)) == fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS
 
 
 def test_kv_pool_is_the_watermark_of_what_is_left():

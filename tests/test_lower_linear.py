@@ -58,7 +58,12 @@ def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
         per_function.setdefault(item.function, []).append(item)
     assert {k: len(v) for k, v in per_function.items()} == {
         "pre_attn_prefill": 3, "pre_attn_decode": 3, "post_attn_prefill": 4, "post_attn_decode": 4}
-    assert all(i.kernel.startswith("helmc_gemv_bf16_m1_") for i in per_function["post_attn_decode"])
+    # Decode: q/k/v are one launch, gate/up one launch that writes the SwiGLU product, o and down plain GEMVs.
+    post_kernels = [i.kernel for i in per_function["post_attn_decode"]]
+    assert sum(k.startswith("helmc_gemv_swiglu_bf16_m1_") for k in post_kernels) == 2, post_kernels
+    assert sum(k.startswith("helmc_gemv_bf16_m1_") for k in post_kernels) == 2, post_kernels
+    assert {i.kernel for i in per_function["pre_attn_decode"]} == {
+        f"helmc_gemv3_bf16_m1_n{spec.q_dim}_{spec.kv_dim}_{spec.kv_dim}_k{spec.hidden_size}"}
     assert all(i.kernel.startswith("helmc_gemm_bf16_") and i.tokens == "seq" for i in per_function["pre_attn_prefill"])
 
     leftovers = []
@@ -68,10 +73,14 @@ def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
             if expr.op.name in ("relax.astype", "relax.matmul") and expr.args[0].ty.ndim == 2:
                 leftovers.append(expr.op.name)
 
-    for _, func in lowered.functions_items():
+    sigmoids = []
+    for gvar, func in lowered.functions_items():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, visit)
+            relax.analysis.post_order_visit(func, lambda e, name=gvar.name_hint: sigmoids.append(name) if (
+                isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.sigmoid") else None)
     assert leftovers == [], f"un-lowered 2-D astype/matmul left: {leftovers}"
+    assert sigmoids == ["post_attn_prefill"], f"SwiGLU's sigmoid should remain only in prefill: {sigmoids}"
     relax.analysis.well_formed(lowered)  # raises on an ill-formed module (TVM 0.27 returns None)
 
 
@@ -119,3 +128,16 @@ def test_compiled_stage_matches_default_pipeline_and_torch(block):
             err_torch = float(np.abs(g - t.numpy()).max() / np.abs(t.numpy()).max())
             print(f"{kind} {name}: rel err vs TVM default {err_tvm:.1e}, vs torch fp32 {err_torch:.1e}")
             assert err_tvm <= 1e-4 and err_torch <= 1e-4
+
+
+def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
+    from helmc.lower_linear import lower_linear_with_report
+    spec, _, mod = block
+    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    _, report = lower_linear_with_report(mod, amx)
+    prefill = [i for i in report if i.function.endswith("_prefill")]
+    for item in prefill:
+        whole = item.out_features % 32 == 0 and item.in_features % 32 == 0
+        assert item.kernel.startswith("helmc_gemm_amx_bf16_") == whole, item
+    assert any(i.kernel.startswith("helmc_gemm_amx_") for i in prefill)
+    assert not any("amx" in i.kernel for i in lower_linear_with_report(mod, AVX2)[1])

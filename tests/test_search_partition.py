@@ -47,7 +47,7 @@ HEAD = (151936 * 4096 + 4096) * 2
 
 
 def test_running_example_qwen3_8b_on_rtx4060():
-    p = plan(qwen3_spec("Qwen3-8B"), "rtx4060-laptop")
+    p = plan(qwen3_spec("Qwen3-8B"), "rtx4060-laptop", stream_prefill=False)   # the thesis prefills on the CPU
     rows = p.candidates
     # By hand from eqs. 4.7-4.15 and the preset (M_cpu 45, M_gpu 218, B_link 16 GB/s, l 4.5 us, delta 0.14 ms):
     c = 128 + 128 / 2                                                    # mean decode context
@@ -86,7 +86,7 @@ TABLE_6_5 = [  # (GPU preset, model, the thesis's plan as cpu units, tolerance i
 
 @pytest.mark.parametrize("preset,model,thesis_cpu_units,tolerance,note", TABLE_6_5)
 def test_table_6_5_plans(preset, model, thesis_cpu_units, tolerance, note):
-    p = plan(qwen3_spec(model), preset)
+    p = plan(qwen3_spec(model), preset, stream_prefill=False)
     print(f"\n{preset} {model}: {p.describe()} T_plan {p.t_plan_ms:.1f} ms; thesis {note}")
     assert abs(p.cpu_units - thesis_cpu_units) <= tolerance
 
@@ -245,3 +245,26 @@ def test_64_layer_plan_under_a_second():
     elapsed = time.perf_counter() - t0
     print(f"\n64-layer plan in {elapsed * 1e3:.1f} ms: {p.describe()}")
     assert elapsed < 1.0 and p.num_layers == 64
+
+
+def test_streamed_prefill_is_planned_with_one_block_of_staging():
+    """Under a 7 GiB budget the 8B split prefills its CPU blocks on the GPU: the plan reserves one
+    block's weights of VRAM for it and gives the KV pages what is left; without a CPU block, or
+    with --no-stream-prefill, nothing is staged."""
+    from helmc.analyze_program import analyze_program
+    from helmc.cost_model import Workload, memory_needs
+    from helmc.plan import Plan
+    spec = qwen3_spec("Qwen3-8B")
+    hw = load_hardware("rtx3090-epyc").with_gpu_budget(7)
+    p = plan(spec, hw)
+    assert p.prefill_on_gpu and p.prefill_staging_bytes == BLOCK and p.prefill_chunk_tokens == 128
+    a = analyze_program(spec)
+    _, dev = memory_needs(a, hw, a.stage(0, p.cpu_units), a.stage(p.cpu_units, a.num_units), Workload())
+    assert p.gpu_kv_pool_bytes == dev.available - dev.total > 0
+    off = plan(spec, hw, stream_prefill=False)
+    assert not off.prefill_on_gpu and off.prefill_staging_bytes == 0
+    assert off.cpu_units <= p.cpu_units                       # the staging can only push blocks to the CPU
+    whole = plan(qwen3_spec("Qwen3-4B"), "rtx3090-epyc")
+    assert whole.cpu_units == 0 and not whole.prefill_on_gpu
+    with pytest.raises(HelmcError, match="prefill_on_gpu"):
+        Plan(format_version=1, num_layers=4, cpu_units=0, prefill_on_gpu=True, prefill_staging_bytes=1)

@@ -4,7 +4,8 @@ The features are /proc/cpuinfo flag names (avx2, fma, f16c, avx512f, ...). A bun
 for another must use the *target's* instructions, so nothing here looks at the build machine.
 
 Tiers, best first:
-  avx512 -- AVX-512 F/BW/VL/DQ + AVX2 + FMA + F16C: 16 fp32 lanes, 32 vector registers.
+  avx512 -- AVX-512 F/BW/VL/DQ + AVX2 + FMA + F16C: 16 fp32 lanes, 32 vector registers. With amx_tile and
+            amx_bf16 also listed, bf16 prefill GEMMs run on AMX tiles (gemm_amx.py).
   avx2   -- AVX2 + FMA + F16C: 8 fp32 lanes, 16 vector registers. The thesis's kernel.
   sse2   -- portable x86-64 baseline: correct, but fp16 is decoded with integer arithmetic and vectors are
             4 lanes wide; measured 0.9 GB/s (fp16) and 2.6 GB/s (bf16) on 2 cores, far below DRAM bandwidth
@@ -22,7 +23,7 @@ _LLVM_FEATURE = {
     "bmi1": "+bmi", "bmi2": "+bmi2", "abm": "+lzcnt", "movbe": "+movbe",
     "avx512f": "+avx512f", "avx512bw": "+avx512bw", "avx512vl": "+avx512vl", "avx512dq": "+avx512dq",
     "avx512cd": "+avx512cd", "avx512_bf16": "+avx512bf16", "avx512_fp16": "+avx512fp16",
-    "avx512_vnni": "+avx512vnni",
+    "avx512_vnni": "+avx512vnni", "amx_tile": "+amx-tile", "amx_bf16": "+amx-bf16",
 }
 # What each tier cannot do without; the other flags of its group are used when present.
 _TIER_NEEDS = {
@@ -52,6 +53,11 @@ class VectorIsa:
     @property
     def is_slow_fallback(self) -> bool:
         return self.tier == "sse2"
+
+    @property
+    def has_amx_bf16(self) -> bool:
+        """AMX tiles with bf16 dot products (Sapphire Rapids+): the prefill GEMM of bf16 weights uses them."""
+        return {"amx_tile", "amx_bf16"} <= set(self.required_flags)
 
 
 def select_isa(features: tuple[str, ...] | list[str]) -> VectorIsa:

@@ -1,0 +1,160 @@
+"""Prefill of the CPU-stage blocks on the GPU, their weights streamed over PCIe (plan.prefill_on_gpu).
+
+A prompt of S tokens through a CPU block costs the CPU 2 S W_param FLOPs: for a Qwen3-8B block and
+S = 128 that is 49 GFLOP, tens of milliseconds even with AVX-512. The GPU does the same work in about
+a millisecond, and the block's weights cross PCIe once per prompt (W_param / B_link: ~7 ms for 386 MB
+at 55 GB/s). So when the plan leaves VRAM for one block's weights, the prompt runs there:
+
+  * the CPU stage keeps its weights in pinned host memory, one arena per block (`PinnedBlockArena`);
+    its TVM tensors are views of the arena, so decode on the CPU reads the same bytes;
+  * a VRAM arena with the same layout receives a whole block in one DMA, and the GPU stage's
+    compiled pre_attn/post_attn prefill functions run with tensors viewing it;
+  * blocks go in order, layer-major: one block runs every chunk of the prompt before the next block's
+    weights come, so each block crosses once. K, V of the block go to a contiguous VRAM scratch
+    [2, h_kv, S, d] that causal attention reads, then to the CPU stage's KV cache on the host, where
+    decode attends them.
+The KV cache of the CPU blocks must be empty (a new request): the scratch holds only this prompt's keys.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from helmc.errors import HelmcError
+from helmc.model_spec import ModelSpec
+
+from .paged_attention import attend_blocks, contiguous_blocks
+from .safetensors_mmap import Checkpoint
+from .stage import StageBinding
+
+ARENA_ALIGN = 256                       # TVM and DLPack want aligned tensor data; 256 also suits DMA
+_NUMPY_OF = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
+
+
+@dataclass(frozen=True)
+class ArenaSlot:
+    name: str
+    dtype: str                          # checkpoint dtype; bfloat16 travels as uint16 bits
+    shape: tuple[int, ...]
+    offset: int                         # bytes from the arena start, a multiple of ARENA_ALIGN
+    nbytes: int
+
+
+def arena_layout(spec: ModelSpec, dtypes: dict[str, str]) -> tuple[tuple[ArenaSlot, ...], int]:
+    """Slots of one block's weights in the compiled functions' order (pre_attn's, then post_attn's),
+    and the arena size. Every block of a model has the same layout."""
+    shapes = spec.block_weight_shapes()
+    slots, off = [], 0
+    for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
+        dt = dtypes[name]
+        n = int(np.prod(shapes[name])) * np.dtype(_NUMPY_OF[dt]).itemsize
+        slots.append(ArenaSlot(name, dt, tuple(shapes[name]), off, n))
+        off += -(-n // ARENA_ALIGN) * ARENA_ALIGN
+    return tuple(slots), off
+
+
+def _views(buf, slots: tuple[ArenaSlot, ...]):
+    """Typed views [*shape] of a flat uint8 buffer (NumPy or CuPy), one per slot."""
+    return [buf[s.offset:s.offset + s.nbytes].view(_NUMPY_OF[s.dtype]).reshape(s.shape) for s in slots]
+
+
+def _binding(tensors: list, spec: ModelSpec) -> StageBinding:
+    n_pre = len(spec.pre_attn_weight_names())
+    return StageBinding(pre=tensors[:n_pre], post=tensors[n_pre:])
+
+
+class PinnedBlockArena:
+    """One CPU block's weights in page-locked host memory, as TVM CPU tensors over it.
+
+    Invariant: `host` is pinned and never reallocated, so a DMA may read it while the CPU computes."""
+
+    def __init__(self, ck: Checkpoint, spec: ModelSpec, layer: int, slots: tuple[ArenaSlot, ...], nbytes: int):
+        import cupyx
+        import tvm.runtime
+
+        self.layer, self.slots, self.nbytes = layer, slots, nbytes
+        self.host = cupyx.empty_pinned((nbytes,), np.uint8)
+        tensors = []
+        for s, view in zip(slots, _views(self.host, slots)):
+            src = ck.view(f"model.layers.{layer}.{s.name}", s.shape)
+            np.copyto(view, src.view(view.dtype) if src.dtype != view.dtype else src)
+            t = tvm.runtime.from_dlpack(view)
+            tensors.append(t._create_view(s.shape, "bfloat16") if s.dtype == "bfloat16" else t)
+        self.binding = _binding(tensors, spec)
+
+
+def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=lambda m: None):
+    """CPU-stage weights of `layers` in pinned arenas: (bindings for the CPU stage, arenas)."""
+    dtypes = {name: ck.info(f"model.layers.{layers[0]}.{name}").dtype for name in spec.block_weight_shapes()}
+    slots, nbytes = arena_layout(spec, dtypes)
+    arenas = []
+    for n, i in enumerate(layers):
+        arenas.append(PinnedBlockArena(ck, spec, i, slots, nbytes))
+        progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound (pinned, streams to the GPU for prefill)")
+    return [a.binding for a in arenas], arenas
+
+
+class StreamedPrefill:
+    """Runs the prompt through the CPU stage's blocks on the GPU (see the module docstring)."""
+
+    def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
+                 cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096):
+        import cupy as cp
+
+        if not arenas:
+            raise HelmcError("StreamedPrefill: expected the CPU stage's pinned block arenas, found none")
+        if chunk_tokens < 1:
+            raise HelmcError(f"StreamedPrefill: chunk_tokens expected >= 1, found {chunk_tokens}")
+        self.cp, self.spec, self.arenas, self.cpu_kv = cp, spec, arenas, cpu_kv
+        self.chunk = chunk_tokens
+        self.to_tvm, self.to_cupy = cupy_to_tvm, tvm_to_cupy
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.score_budget_bytes, self.block_tokens = score_budget_bytes, block_tokens
+        self.pre, self.post = vm["pre_attn_prefill"], vm["post_attn_prefill"]
+        slots = arenas[0].slots
+        self.device = cp.empty((arenas[0].nbytes,), cp.uint8)        # the VRAM staging arena: one block
+        views = _views(self.device, slots)
+        self.binding = _binding([cupy_to_tvm(v, "bfloat16" if s.dtype == "bfloat16" else None)
+                                 for s, v in zip(slots, views)], spec)
+        self.bytes_streamed = 0
+
+    def run(self, x, cos, sin):
+        """x [S, H] fp16, cos/sin [S, D] (CuPy) -> x after every CPU block; K, V land in the CPU KV cache."""
+        cp = self.cp
+        if self.cpu_kv.length != 0:
+            raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {self.cpu_kv.length} tokens")
+        S = x.shape[0]
+        h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
+        scratch = cp.empty((2, h_kv, S, d), cp.float16)               # this block's K, V of the whole prompt
+        x = cp.ascontiguousarray(x)
+        stream = cp.cuda.get_current_stream()
+        for local, arena in enumerate(self.arenas):
+            # Same stream as the kernels: the copy waits for the previous block's last reader of the arena.
+            cp.cuda.runtime.memcpyAsync(self.device.data.ptr, arena.host.ctypes.data, arena.nbytes,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            self.bytes_streamed += arena.nbytes
+            for c0 in range(0, S, self.chunk):
+                c1 = min(S, c0 + self.chunk)
+                x[c0:c1] = self._chunk(x[c0:c1], cos[c0:c1], sin[c0:c1], scratch, c0)
+            k = scratch[0].transpose(1, 0, 2).astype(np.float32)     # [h_kv, S, d] -> [S, h_kv, d]
+            v = scratch[1].transpose(1, 0, 2).astype(np.float32)     # [h_kv, S, d] -> [S, h_kv, d]
+            self.cpu_kv.append(local, cp.asnumpy(k), cp.asnumpy(v))
+        self.cpu_kv.advance(S)
+        return x
+
+    def _chunk(self, x, cos, sin, scratch, c0: int):
+        cp, n = self.cp, x.shape[0]
+        to_tvm, to_cupy = self.to_tvm, self.to_cupy
+        xt = to_tvm(cp.ascontiguousarray(x))
+        q, k, v = self.pre(xt, to_tvm(cp.ascontiguousarray(cos)), to_tvm(cp.ascontiguousarray(sin)), *self.binding.pre)
+        h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
+        scratch[0, :, c0:c0 + n] = to_cupy(k).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
+        scratch[1, :, c0:c0 + n] = to_cupy(v).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
+        qc = to_cupy(q).reshape(n, self.spec.num_heads, d)                              # [n, h_a*d] -> [n, h_a, d]
+        blocks = contiguous_blocks(scratch[0, :, :c0 + n], scratch[1, :, :c0 + n], 0, self.block_tokens)
+        o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, self.spec.sliding_window or 0, np.float32,
+                          self.score_budget_bytes)
+        attn = to_tvm(cp.ascontiguousarray(o.reshape(n, self.spec.q_dim)))              # [n, h_a, d] -> [n, h_a*d]
+        return to_cupy(self.post(xt, attn, *self.binding.post))
