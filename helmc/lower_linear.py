@@ -297,8 +297,8 @@ class _LinearRewriter(PyExprMutator):
             key = ("gemm", n, k, dtype)
             make = lambda: make_gemm(n, k, dtype, self.isa)  # noqa: E731
             if amx_gemm_applies(n, k, dtype, self.isa):
-                key = ("gemm_amx", n, k)
-                make = lambda: make_gemm_amx(n, k)  # noqa: E731
+                key = ("gemm_amx", n, k, dtype)
+                make = lambda: make_gemm_amx(n, k, dtype)  # noqa: E731
         if key not in self.kernels:
             prim = make()
             self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))

@@ -4,7 +4,9 @@
     llvm_target(features)           -> tvm.target.Target
     required_cpu_features(features) -> the /proc/cpuinfo flags the compiled code executes (bundle manifest)
 
-Pipeline: lower_linear (every linear -> helmc's GEMV/GEMM, weights read in their stored dtype) -> TVM's
+Pipeline: lower_linear (every linear -> helmc's GEMV/GEMM, weights read in their stored dtype; decode q/k/v
+fused into one GEMV launch and gate/up into one that writes the SwiGLU product; prefill on AMX tiles where
+the target has amx_tile + amx_bf16) -> TVM's
 CPU legalisation and fusion -> schedule_elementwise (parallel + vectorised loops for the fused norm / RoPE /
 SwiGLU / residual functions that TVM leaves serial) -> TVM's VM lowering. Features are hardware.json's CPU
 flags, never the build machine's, so a bundle built here for the GPU machine's Xeon uses AVX-512.

@@ -39,11 +39,13 @@ class GenerationResult:
     decode_tok_s: float = 0.0
     per_token_ms: list[float] = field(default_factory=list)
     stop_reason: str = ""
+    max_context: int = 0             # tokens this session's KV caches and memory hold (capacity check)
+    kv_limited_by: str = ""          # what bounds max_context
 
     def to_json_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
                 "ttft_ms": round(self.ttft_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
-                "stop_reason": self.stop_reason}
+                "stop_reason": self.stop_reason, "max_context": self.max_context, "kv_limited_by": self.kv_limited_by}
 
 
 def _progress(msg: str, quiet: bool):
@@ -66,6 +68,8 @@ class Session:
         self.rope = RopeTables(spec.rope, spec.head_dim)
         self._embed = checkpoint.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
         self.position = 0
+        self.kv_capacity = None          # KVCapacity of the last request (generate)
+        self._kv_tokens_touched = 0      # KV positions earlier requests wrote: memory the caches already hold
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -169,12 +173,13 @@ class Session:
                 if tok in eos:
                     stop = "eos"
         finally:   # the CPU cache's arena keeps the pages this request touched: the next one reuses them
-            self._kv_tokens_touched = max(getattr(self, "_kv_tokens_touched", 0), self.position)
+            self._kv_tokens_touched = max(self._kv_tokens_touched, self.position)
         per_token = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
         decode_s = stamps[-1] - t_first
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
         return GenerationResult(prompt_ids, out, text, 1000 * (t_first - t0),
-                                (len(out) - 1) / decode_s if decode_s > 0 else 0.0, per_token, stop)
+                                (len(out) - 1) / decode_s if decode_s > 0 else 0.0, per_token, stop,
+                                self.kv_capacity.tokens_fit, self.kv_capacity.limited_by)
 
     def _stream(self, out, printed, on_text):
         if on_text is None or self.tokenizer is None:

@@ -30,6 +30,9 @@ import time
 QWEN3 = {"4b": (2560, 9728, 32, 8, 128), "8b": (4096, 12288, 32, 8, 128), "14b": (5120, 17408, 40, 8, 128)}
 DTYPES = ("float16", "bfloat16")
 MANIFEST = "gemv_bench.json"
+# Pause before every timed pass: torch's and TVM's worker threads keep spinning for a while after their last
+# parallel region and slow whatever runs next on a machine with few cores (see bench_cpu_block.py).
+SETTLE_S = 0.2
 
 
 def projection_shapes(model: str) -> list[tuple[int, int]]:
@@ -92,10 +95,11 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
     if isa.has_amx_bf16:  # the prefill GEMM on AMX tiles: numerics and speed are checked where AMX exists
         from helmc.schedules.cpu.gemm_amx import amx_gemm_applies, make_gemm_amx
         for n, k in shapes:
-            if amx_gemm_applies(n, k, "bfloat16", isa):
-                f = make_gemm_amx(n, k)
-                funcs[str(f.attrs["global_symbol"])] = f
-                amx.append({"name": str(f.attrs["global_symbol"]), "shape": [n, k]})
+            for dtype in DTYPES:
+                if amx_gemm_applies(n, k, dtype, isa):
+                    f = make_gemm_amx(n, k, dtype)
+                    funcs[str(f.attrs["global_symbol"])] = f
+                    amx.append({"name": str(f.attrs["global_symbol"]), "shape": [n, k], "dtype": dtype})
     read_elements = stream_read_elements(min_read_bytes, isa)
     funcs["helmc_stream_read"] = make_stream_read(read_elements, isa)
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
@@ -133,6 +137,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
     def best_gbs(fn, nbytes, reps=rounds):
         best = 0.0
         for _ in range(reps):
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             fn()
             best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
@@ -183,22 +188,27 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
         results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(helmc_gbs, 2),
                         "torch_gbs": round(torch_gbs, 2), "rel_err": err, "bytes_per_pass": nbytes * copies})
         del weights, torch_weights
-    amx = [amx_gemm_check(lib[k["name"]], *k["shape"], rounds) for k in manifest.get("amx_gemm_kernels", [])
+    amx = [amx_gemm_check(lib[k["name"]], *k["shape"], k["dtype"], rounds) for k in manifest.get("amx_gemm_kernels", [])
            if wanted is None or tuple(k["shape"]) in wanted]
     return {"dram_gbs": round(dram, 2), "results": results, "threads": threads, "l3_bytes": l3_bytes(),
             "isa": manifest["isa"], "read_bytes": read_n * 4, "amx_gemm": amx}
 
 
-def amx_gemm_check(fn, n: int, k: int, rounds: int, prompt: int = 128) -> dict:
-    """The AMX prefill GEMM against float64 (odd token counts too) and against torch's bf16 linear."""
+def amx_gemm_check(fn, n: int, k: int, dtype: str, rounds: int, prompt: int = 128) -> dict:
+    """The AMX prefill GEMM against float64 (odd token counts too) and against torch's linear in bf16 (the
+    issue's reference) with the same weight values."""
     import numpy as np
     import torch
     import tvm.runtime
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
     dev = tvm.runtime.cpu()
     rng = np.random.default_rng(n + k)
-    bits = bf16_bits_from_float32(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
-    w, w64 = tensor_from_numpy(bits, "bfloat16", dev), float32_from_bf16_bits(bits).astype(np.float64)
+    vals = rng.standard_normal((n, k), dtype=np.float32) * 0.02
+    if dtype == "bfloat16":
+        bits = bf16_bits_from_float32(vals)
+        w, w64 = tensor_from_numpy(bits, dtype, dev), float32_from_bf16_bits(bits).astype(np.float64)
+    else:
+        w, w64 = tensor_from_numpy(vals.astype(dtype), dtype, dev), vals.astype(dtype).astype(np.float64)
     err = 0.0
     for tokens in (1, 5, 33, prompt):
         x32 = rng.standard_normal((tokens, k), dtype=np.float32)
@@ -206,18 +216,20 @@ def amx_gemm_check(fn, n: int, k: int, rounds: int, prompt: int = 128) -> dict:
         fn(tensor_from_numpy(x32, "float32", dev), w, y)
         ref = x32.astype(np.float64) @ w64.T
         err = max(err, float(np.abs(y.numpy() - ref).max() / np.abs(ref).max()))
-    x, tw = tensor_from_numpy(x32, "float32", dev), torch.from_dlpack(w).clone()
+    x, tw = tensor_from_numpy(x32, "float32", dev), torch.from_dlpack(w).to(torch.bfloat16)
     xt = torch.from_numpy(x32).to(torch.bfloat16)
     best, best_torch = 1e9, 1e9
     for _ in range(rounds):
+        time.sleep(SETTLE_S)
         t = time.perf_counter()
         fn(x, w, y)
         best = min(best, time.perf_counter() - t)
+        time.sleep(SETTLE_S)
         t = time.perf_counter()
         torch.nn.functional.linear(xt, tw)
         best_torch = min(best_torch, time.perf_counter() - t)
     flops = 2.0 * prompt * n * k
-    return {"shape": [n, k], "tokens": prompt, "rel_err": err, "helmc_ms": round(best * 1e3, 3),
+    return {"shape": [n, k], "dtype": dtype, "tokens": prompt, "rel_err": err, "helmc_ms": round(best * 1e3, 3),
             "torch_bf16_ms": round(best_torch * 1e3, 3), "helmc_tflops": round(flops / best / 1e12, 2)}
 
 
@@ -262,7 +274,7 @@ def main() -> None:
               f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e}")
     for r in report["amx_gemm"]:
         n, k = r["shape"]
-        print(f"AMX GEMM {n} x {k}, {r['tokens']} tokens: {r['helmc_ms']:.2f} ms ({r['helmc_tflops']:.1f} TFLOPS), "
+        print(f"AMX GEMM {n} x {k} {r['dtype']}, {r['tokens']} tokens: {r['helmc_ms']:.2f} ms ({r['helmc_tflops']:.1f} TFLOPS), "
               f"torch bf16 {r['torch_bf16_ms']:.2f} ms; rel err vs float64 {r['rel_err']:.1e} (tokens 1/5/33/128)")
 
 

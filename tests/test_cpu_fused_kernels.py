@@ -88,19 +88,26 @@ def test_swiglu_gemv_matches_float64(dtype, m, n, k):
 
 
 @needs_avx2
-@pytest.mark.parametrize("tokens,n,k", [(1, 32, 32), (5, 64, 96), (33, 96, 128), (64, 64, 256)])
-def test_amx_gemm_loops_match_float64_with_emulated_tiles(tokens, n, k):
-    """Packing (hi/lo bf16 split, pair-interleaved layout, token padding), tile indexing and stores; the
-    tile instructions themselves are replaced by their definitions."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,n,k", [(1, 32, 32), (5, 64, 96), (33, 96, 128)])
+def test_amx_gemm_loops_match_float64_with_emulated_tiles(dtype, tokens, n, k):
+    """Packing (hi/lo bf16 split, pair-interleaved layout, token padding), fp16 panel split, tile indexing
+    and stores; the tile instructions themselves are replaced by their definitions."""
     rng = np.random.default_rng(tokens * 7 + n)
     dev = tvm.cpu()
-    w, w64 = random_weight(rng, n, k, "bfloat16")
+    w, w64 = random_weight(rng, n, k, dtype)
+    if dtype == "float16":  # the extremes of fp16 (max, subnormals, -0) must split into bf16 hi + lo exactly
+        stored = np.array([65504, 6e-5, -3e-6, 1e-7, -0.0], np.float16)
+        w64[0, :5] = stored.astype(np.float64)
+        host = w.numpy()
+        host[0, :5] = stored
+        w = tensor_from_numpy(host, dtype, dev)
     x = rng.standard_normal((tokens, k), dtype=np.float32)
     y = tvm.runtime.empty((tokens, n), "float32", dev)
-    call(make_gemm_amx(n, k, emulate=True), AVX2, tensor_from_numpy(x, "float32", dev), w, y)
+    call(make_gemm_amx(n, k, dtype, emulate=True), AVX2, tensor_from_numpy(x, "float32", dev), w, y)
     err = rel_err(y.numpy(), x.astype(np.float64) @ w64.T)
-    print(f"amx gemm (emulated tiles) tokens={tokens} n={n} k={k}: rel err {err:.2e}")
-    assert err <= 1e-4   # the hi/lo split keeps ~16 bits of each activation
+    print(f"amx gemm {dtype} (emulated tiles) tokens={tokens} n={n} k={k}: rel err {err:.2e}")
+    assert err <= 1e-4   # the hi/lo splits keep ~16 bits of each activation (and every bit of fp16 weights)
 
 
 def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
@@ -108,10 +115,12 @@ def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
     assert spr.has_amx_bf16 and not avx512.has_amx_bf16 and not select_isa(AVX2).has_amx_bf16
     assert {"amx_tile", "amx_bf16"} <= set(required_cpu_features(SPR_AMX))
     assert amx_gemm_applies(4096, 4096, "bfloat16", spr)
-    assert not amx_gemm_applies(4096, 4096, "float16", spr)      # no fp16 tiles on these CPUs
+    assert amx_gemm_applies(4096, 4096, "float16", spr)          # split into bf16 hi + lo per panel
+    assert not amx_gemm_applies(4096, 4096, "float32", spr)
     assert not amx_gemm_applies(4096, 4096, "bfloat16", avx512)
     assert not amx_gemm_applies(4100, 4096, "bfloat16", spr)     # partial tiles go to gemm.py
-    lib = tvm.compile(make_gemm_amx(64, 128), target=llvm_target(SPR_AMX))
-    asm = lib.mod.inspect_source("asm")
-    for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
-        assert instr in asm, f"AMX build lacks {instr}"
+    for dtype in ("bfloat16", "float16"):
+        lib = tvm.compile(make_gemm_amx(64, 128, dtype), target=llvm_target(SPR_AMX))
+        asm = lib.mod.inspect_source("asm")
+        for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+            assert instr in asm, f"AMX {dtype} build lacks {instr}"

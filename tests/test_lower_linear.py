@@ -138,6 +138,21 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
     prefill = [i for i in report if i.function.endswith("_prefill")]
     for item in prefill:
         whole = item.out_features % 32 == 0 and item.in_features % 32 == 0
-        assert item.kernel.startswith("helmc_gemm_amx_bf16_") == whole, item
+        assert item.kernel.startswith("helmc_gemm_amx_bf16_") == whole, item   # the block's weights are bf16
     assert any(i.kernel.startswith("helmc_gemm_amx_") for i in prefill)
     assert not any("amx" in i.kernel for i in lower_linear_with_report(mod, AVX2)[1])
+
+
+def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():
+    """Cross-compile only (this CPU may lack AMX): an fp16 block must get fp16 AMX kernels, not bf16 ones."""
+    from helmc.export_block import export_functions
+    from helmc.import_relax import import_functions
+    from helmc.lower_linear import lower_linear_with_report
+    from helmc.schedule_cpu_stage import compile_cpu_stage
+    spec = qwen3_spec("8b", "float16", hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32)
+    mod = import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))
+    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    kernels = {i.kernel for i in lower_linear_with_report(mod, amx)[1] if i.function.endswith("_prefill")}
+    assert kernels and all(k.startswith("helmc_gemm_amx_f16_") for k in kernels), kernels
+    compile_cpu_stage(mod, amx)   # raised in CallTIRRewrite when the kernel cache ignored the weight dtype

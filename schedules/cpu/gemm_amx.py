@@ -117,10 +117,14 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
                 for a in T.serial(2):
                     for kb in T.serial(k_blocks):
                         for i in T.serial(TILE_ROWS):
+                            # No let-bound temporary here: TVM 0.27's vectorizer got a let inside this loop wrong.
                             for c in T.vectorized(TILE_K):
-                                wv = T.Cast("float32", wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c])
-                                panel[0, a, kb, i, c] = _to_bf16_bits(wv)
-                                panel[a_parts - 1, a, kb, i, c] = _to_bf16_bits(wv - _bf16_value(_to_bf16_bits(wv)))
+                                panel[0, a, kb, i, c] = _to_bf16_bits(
+                                    T.Cast("float32", wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c]))
+                            for c in T.vectorized(TILE_K):
+                                panel[a_parts - 1, a, kb, i, c] = _to_bf16_bits(
+                                    T.Cast("float32", wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c])
+                                    - _bf16_value(panel[0, a, kb, i, c]))
             if not emulate:
                 tile_cfg(cfg)
                 T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
