@@ -34,7 +34,8 @@ def summarize_profile(hw: HardwareProfile) -> str:
         lines += [f"gpu: {g.name} ({g.arch}), VRAM {g.vram_free_bytes / GIB:.1f} of {g.vram_total_bytes / GIB:.1f} GiB free, "
                   f"HBM {g.hbm_gbs:.0f} GB/s, fp16 {g.fp16_tflops:.1f} TFLOP/s",
                   f"link: H2D {l.h2d_gbs:.1f} GB/s, D2H {l.d2h_gbs:.1f} GB/s, latency {l.latency_us:.1f} us; "
-                  f"per-block overhead {hw.block_overhead_ms:.3f} ms"]
+                  f"per-block overhead delta: CPU {hw.block_overhead_on('cpu'):.3f} ms, GPU {hw.block_overhead_on('gpu'):.3f} ms"
+                  f"{' (calibrated)' if hw.source == 'calibrated' else ''}"]
     lines += [f"unmeasured: {u}" for u in hw.unmeasured]
     return "\n".join(lines)
 

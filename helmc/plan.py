@@ -32,7 +32,7 @@ class Candidate:
     cpu_bytes: int                   # all it needs in host RAM
     feasible: bool
     why: str = ""
-    t_overhead_ms: float = 0.0       # per-block overhead delta (thesis 6.4.4), part of t_gpu_ms
+    t_overhead_ms: float = 0.0       # GPU stage's blocks x delta (thesis 6.4.4) + sigma if it holds the head; part of t_gpu_ms
     max_context: int = 0
 
     def __post_init__(self):
