@@ -31,7 +31,6 @@ from helmc.errors import HelmcError
 from helmc.model_spec import DTYPE_BYTES, ModelSpec
 from helmc.plan import Plan
 
-from .manifest import verify_bundle
 from .rope import RopeTables
 from .safetensors_mmap import Checkpoint
 from .sampling import Sampler, SamplingParams
@@ -110,14 +109,8 @@ def plan_parts(plan: Plan) -> tuple[str, ...]:
 
 def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None) -> tuple[ModelSpec, Plan, Checkpoint, str]:
     """Spec, plan and checkpoint of a verified bundle (verification before any library loads)."""
-    manifest = verify_bundle(bundle_dir)
-    with open(os.path.join(bundle_dir, "model_spec.json")) as f:
-        spec = ModelSpec.from_json(f.read())
-    with open(os.path.join(bundle_dir, "plan.json")) as f:
-        plan = Plan.from_json(f.read())
-    wdir = weights_dir or manifest.weights_dir
-    if not os.path.isabs(wdir):
-        wdir = os.path.join(bundle_dir, wdir)
+    from .session import read_bundle
+    _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
     if not os.path.isdir(wdir):
         raise HelmcError(f"calibrate: expected the model's weights in a directory, found nothing at {wdir} "
                          f"(pass --weights MODEL_DIR)")

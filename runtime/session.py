@@ -74,14 +74,7 @@ class Session:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, **kv_options) -> "Session":
-        manifest = verify_bundle(bundle_dir)          # before any library is loaded
-        with open(os.path.join(bundle_dir, "model_spec.json")) as f:
-            spec = ModelSpec.from_json(f.read())
-        with open(os.path.join(bundle_dir, "plan.json")) as f:
-            plan = Plan.from_json(f.read())
-        wdir = weights_dir or manifest.weights_dir
-        if not os.path.isabs(wdir):
-            wdir = os.path.join(bundle_dir, wdir)
+        manifest, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
         checkpoint = Checkpoint(wdir)
         _check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
@@ -192,6 +185,19 @@ class Session:
 
 
 # -------------------------------------------------------------------- helpers
+def read_bundle(bundle_dir: str, weights_dir: str | None = None) -> tuple[BundleManifest, ModelSpec, Plan, str]:
+    """Manifest (verified before any library in the bundle loads), spec, plan and the weights directory."""
+    manifest = verify_bundle(bundle_dir)
+    with open(os.path.join(bundle_dir, "model_spec.json")) as f:
+        spec = ModelSpec.from_json(f.read())
+    with open(os.path.join(bundle_dir, "plan.json")) as f:
+        plan = Plan.from_json(f.read())
+    wdir = weights_dir or manifest.weights_dir
+    if not os.path.isabs(wdir):
+        wdir = os.path.join(bundle_dir, wdir)
+    return manifest, spec, plan, wdir
+
+
 def request_kv_capacity(session: Session, prompt_tokens: int):
     """KVCapacity of the session's caches for a request of `prompt_tokens` prompt tokens: host RAM for
     KV is MemAvailable plus what the caches already hold, less what a step holds besides KV; VRAM is
