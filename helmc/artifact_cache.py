@@ -1,6 +1,7 @@
 """The artifact cache: compiled stage libraries keyed by what they were compiled from.
 
-A key is (model architecture hash, stage, compile target, helmc version, TVM version). The compile
+A key is (model architecture hash, stage, compile target, helmc version, TVM version, sha256 of the
+compiler's own sources: the passes and schedules, so an edited kernel is never served stale). The compile
 target is the part of the hardware profile the code depends on (CPU features -> LLVM target, CUDA
 arch), not the measured bandwidths: re-profiling the same machine must not force a rebuild, while a
 profile of another CPU or GPU must. Entries are written to a temporary directory and renamed, so a
@@ -36,9 +37,31 @@ def tvm_version() -> str:
         return tvm.__version__
 
 
+_COMPILER_SOURCES = ("export_block.py", "import_relax.py", "lower_linear.py", "schedule_cpu_stage.py",
+                     "compile_gpu_stage.py", "analyze_program.py", "model_spec.py")
+
+
+def compiler_sources_hash() -> str:
+    """sha256 over the compiler passes in helmc/ and every schedule in helmc.schedules."""
+    import glob
+
+    from . import schedules
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, n) for n in _COMPILER_SOURCES]
+    for d in schedules.__path__:
+        files += glob.glob(os.path.join(d, "**", "*.py"), recursive=True)
+    h = hashlib.sha256()
+    for path in sorted(set(files)):
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
+
+
 def cache_key(model_arch_hash: str, stage: str, target: str) -> str:
     payload = json.dumps({"model": model_arch_hash, "stage": stage, "target": target,
-                          "helmc": __version__, "tvm": tvm_version()}, sort_keys=True)
+                          "helmc": __version__, "tvm": tvm_version(), "sources": compiler_sources_hash()},
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

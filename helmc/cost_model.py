@@ -248,6 +248,22 @@ def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w:
     return max(u.stored_bytes for u in a.units if u.kind == "block")
 
 
+def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1) -> int:
+    """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
+    chunk: the hidden state [S, H] fp16, the block's K and V [2, h_kv, S, d] fp16 that causal
+    attention reads, and RoPE's cos and sin [S, d] fp32."""
+    S = batch * prompt_tokens
+    return S * (a.hidden_size * 2 + 2 * a.num_kv_heads * a.head_dim * 2 + 2 * a.head_dim * 4)
+
+
+def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
+    """What the streamed prefill borrows: one block's weights plus the prompt's buffers. It runs before
+    any GPU block writes KV (a new request), so it borrows the empty KV page pool when the GPU stage
+    has blocks, and the pool only has to be at least this big (runtime/kv_cache_gpu.lend_empty_pool)."""
+    staging = prefill_staging_bytes(a, cpu, gpu, w)
+    return staging + prefill_prompt_bytes(a, w.prompt_len, w.batch) if staging else 0
+
+
 def gpu_prefill_tokens(w: Workload) -> int:
     """Tokens the GPU runs at once in prefill: the prompt, in chunks of PREFILL_CHUNK_TOKENS."""
     return min(w.prompt_len, PREFILL_CHUNK_TOKENS)
@@ -270,9 +286,14 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
                       reserve=hw.host_reserve_bytes, available=hw.cpu.ram_free_bytes)
     if gpu.units == 0:
         return host, MemoryNeed(available=hw.usable_vram_bytes)
-    gpu_ws = (a.workspace_bytes(gpu, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, gpu, B)
-              + prefill_staging_bytes(a, cpu, gpu, w))
-    dev = MemoryNeed(weights=a.held_bytes(gpu), kv=0 if w.kv_offload else kv_gpu_blocks, workspace=gpu_ws,
+    gpu_ws = a.workspace_bytes(gpu, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, gpu, B)
+    lent = prefill_lent_bytes(a, cpu, gpu, w)
+    gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
+    if gpu.blocks:
+        gpu_kv = max(gpu_kv, lent)            # the page pool doubles as the streamed prefill's buffers
+    else:
+        gpu_ws += lent                        # no page pool to borrow: the GPU holds only the head
+    dev = MemoryNeed(weights=a.held_bytes(gpu), kv=gpu_kv, workspace=gpu_ws,
                      reserve=hw.gpu_reserve_bytes, available=hw.usable_vram_bytes)
     return host, dev
 
@@ -290,13 +311,15 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if host_per_token:
         fit = (host0.available - host0.total) // host_per_token
     if gpu.units and not w.kv_offload and gpu.kv_bytes_per_token:
-        gpu_fit = (gpu0.available - gpu0.total) // (B * gpu.kv_bytes_per_token)
+        # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits.
+        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv)) // (B * gpu.kv_bytes_per_token)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:
         return a.max_position_embeddings
     return int(min(a.max_position_embeddings, fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS))
 
 
-def gpu_kv_pool_bytes(gpu_need_without_kv: MemoryNeed) -> float:
-    """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark)."""
-    return max(0, gpu_need_without_kv.available - gpu_need_without_kv.total) * KV_WATERMARK
+def gpu_kv_pool_bytes(gpu_need: MemoryNeed) -> float:
+    """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark): what the
+    plan leaves free plus the pool's floor (memory_needs counts the streamed prefill's loan as KV)."""
+    return (max(0, gpu_need.available - gpu_need.total) + gpu_need.kv) * KV_WATERMARK

@@ -36,25 +36,27 @@ class GpuParts:
             self.stage.kv.reset()
 
     def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
+        """x [S, H], cos/sin [S, D] on the host. A prompt stays on the host and crosses in chunks, so
+        VRAM holds one chunk's activations whatever the prompt's length (the plan counts one chunk)."""
         import cupy as cp
-        cos_g, sin_g = cp.asarray(cos), cp.asarray(sin)
         if phase == "prefill" and self.streamed_prefill is not None and self.cpu_kv.length == 0:
-            xg = self.streamed_prefill.run(cp.asarray(x).astype(self.act_dtype), cos_g, sin_g)
-        else:
-            if self.cpu_stage_step is not None:
-                x = self.cpu_stage_step(x, cos, sin, phase)        # [S, H] float32 on the host
-            xg = cp.asarray(x).astype(self.act_dtype)              # the one host-to-device copy per step
+            x = self.streamed_prefill.run(x, cos, sin)             # [S, H] fp16 back on the host
+        elif self.cpu_stage_step is not None:
+            x = self.cpu_stage_step(x, cos, sin, phase)            # [S, H] float32 on the host
         to_tvm = self.cupy_to_tvm
+        S = x.shape[0]
         if self.stage is not None:
-            S = xg.shape[0]
             step = self.chunk if phase == "prefill" and self.chunk else S
             parts = []
             for c0 in range(0, S, step):                           # one KV step per chunk: bounded activations
                 c1 = min(S, c0 + step)
-                xt = self.stage.forward(to_tvm(cp.ascontiguousarray(xg[c0:c1])), to_tvm(cos_g[c0:c1]),
-                                        to_tvm(sin_g[c0:c1]), phase)
+                xg = cp.asarray(np.ascontiguousarray(x[c0:c1], self.act_dtype))   # the host-to-device crossing
+                xt = self.stage.forward(to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos[c0:c1]))),
+                                        to_tvm(cp.asarray(np.ascontiguousarray(sin[c0:c1]))), phase)
                 parts.append(self.tvm_to_cupy(xt) if all_logits or c1 == S else None)
             xg = parts[-1] if len(parts) == 1 else (cp.concatenate(parts) if all_logits else parts[-1])
+        else:
+            xg = cp.asarray(np.ascontiguousarray(x if all_logits else x[-1:], self.act_dtype))
         if not all_logits and xg.shape[0] > 1:
             xg = xg[-1:]                                            # [S, H] -> [1, H]: only the last row samples
             phase = "decode"
@@ -124,7 +126,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if plan.prefill_on_gpu:
         from .prefill_stream import StreamedPrefill
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
-                                   cupy_to_tvm, tvm_to_cupy)
+                                   cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None)
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
                    cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)

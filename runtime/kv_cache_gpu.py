@@ -126,6 +126,20 @@ class KVCacheGPU:
         self._appended.clear()
         self._pending_kv.clear()
 
+    def lend_empty_pool(self, nbytes: int):
+        """The page pool's VRAM as a flat uint8 buffer of `nbytes`, or None when the pool is smaller or
+        holds pages. The streamed prefill of a new request's CPU blocks runs before any GPU block
+        writes KV, so its staging and prompt buffers live there instead of VRAM of their own (the plan
+        counts them as the pool's floor). The loan ends at the next append, which every caller reaches
+        only after its last kernel on the loan is enqueued on the same stream."""
+        if self.length or self._pending or self.pool.gpu_free != self.pool.gpu_capacity:
+            return None
+        flat = self.gpu_store.reshape(-1).view(np.uint8)                  # [C, L, 2, h_kv, T, d] -> [bytes]
+        if nbytes > flat.size:
+            return None
+        self.ops.synchronize_stream(self.copy_stream)                      # no eviction copy still reads it
+        return flat[:nbytes]
+
     # ------------------------------------------------------------------ one step
     def append(self, layer: int, k, v) -> None:
         """Write this step's K, V rows [S, h_kv, d] of `layer` into their pages (GPU slot, or straight to

@@ -97,10 +97,15 @@ def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=
 
 
 class StreamedPrefill:
-    """Runs the prompt through the CPU stage's blocks on the GPU (see the module docstring)."""
+    """Runs the prompt through the CPU stage's blocks on the GPU (see the module docstring).
+
+    VRAM: one block's weights, the prompt's hidden state [S, H] and K, V [2, h_kv, S, d] (fp16) and
+    cos, sin [S, d] (fp32), held only while run() runs: borrowed from the GPU stage's empty KV page
+    pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated."""
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
-                 cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096):
+                 cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,
+                 lend=None):
         import cupy as cp
 
         if not arenas:
@@ -113,42 +118,64 @@ class StreamedPrefill:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.score_budget_bytes, self.block_tokens = score_budget_bytes, block_tokens
         self.pre, self.post = vm["pre_attn_prefill"], vm["post_attn_prefill"]
-        slots = arenas[0].slots
-        self.device = cp.empty((arenas[0].nbytes,), cp.uint8)        # the VRAM staging arena: one block
-        views = _views(self.device, slots)
-        self.binding = _binding([cupy_to_tvm(v, "bfloat16" if s.dtype == "bfloat16" else None)
-                                 for s, v in zip(slots, views)], spec)
+        self.lend = lend
         self.bytes_streamed = 0
+        self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
-    def run(self, x, cos, sin):
-        """x [S, H] fp16, cos/sin [S, D] (CuPy) -> x after every CPU block; K, V land in the CPU KV cache."""
+    def buffer_bytes(self, S: int) -> int:
+        """VRAM one run() over S tokens needs (block arena + prompt buffers, each ARENA_ALIGN-aligned)."""
+        return sum(_aligned(n) for n in self._buffer_sizes(S))
+
+    def _buffer_sizes(self, S: int) -> tuple[int, ...]:
+        H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
+        return (self.arenas[0].nbytes, S * H * 2, 2 * h_kv * S * d * 2, S * d * 4, S * d * 4)
+
+    def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [S, H], cos/sin [S, D] on the host -> x after every CPU block, [S, H] fp16 on the host;
+        K, V land in the CPU KV cache. Returns to the host because the VRAM may be the KV pool's."""
         cp = self.cp
         if self.cpu_kv.length != 0:
             raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {self.cpu_kv.length} tokens")
         S = x.shape[0]
-        h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
-        scratch = cp.empty((2, h_kv, S, d), cp.float16)               # this block's K, V of the whole prompt
-        x = cp.ascontiguousarray(x)
+        H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
+        total = self.buffer_bytes(S)
+        buf = self.lend(total) if self.lend is not None else None
+        self.borrowed = buf is not None
+        if buf is None:
+            buf = cp.empty((total,), cp.uint8)
+        parts, off = [], 0
+        for n in self._buffer_sizes(S):
+            parts.append(buf[off:off + n])
+            off += _aligned(n)
+        device, xb, kvb, cb, sb = parts
+        binding = _binding([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
+                            for sl, v in zip(self.arenas[0].slots, _views(device, self.arenas[0].slots))], self.spec)
+        xg = xb.view(cp.float16).reshape(S, H)                              # [S*H*2 bytes] -> [S, H]
+        scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)              # this block's K, V of the whole prompt
+        cos_g = cb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
+        sin_g = sb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
+        xg.set(np.ascontiguousarray(x, np.float16))
+        cos_g.set(np.ascontiguousarray(cos, np.float32))
+        sin_g.set(np.ascontiguousarray(sin, np.float32))
         stream = cp.cuda.get_current_stream()
         for local, arena in enumerate(self.arenas):
             # Same stream as the kernels: the copy waits for the previous block's last reader of the arena.
-            cp.cuda.runtime.memcpyAsync(self.device.data.ptr, arena.host.ctypes.data, arena.nbytes,
+            cp.cuda.runtime.memcpyAsync(device.data.ptr, arena.host.ctypes.data, arena.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             self.bytes_streamed += arena.nbytes
             for c0 in range(0, S, self.chunk):
                 c1 = min(S, c0 + self.chunk)
-                x[c0:c1] = self._chunk(x[c0:c1], cos[c0:c1], sin[c0:c1], scratch, c0)
-            k = scratch[0].transpose(1, 0, 2).astype(np.float32)     # [h_kv, S, d] -> [S, h_kv, d]
-            v = scratch[1].transpose(1, 0, 2).astype(np.float32)     # [h_kv, S, d] -> [S, h_kv, d]
-            self.cpu_kv.append(local, cp.asnumpy(k), cp.asnumpy(v))
+                xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0, binding)
+            kv = scratch.get()                                              # [2, h_kv, S, d] fp16 on the host
+            self.cpu_kv.append(local, kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2))   # [h_kv,S,d] -> [S,h_kv,d]
         self.cpu_kv.advance(S)
-        return x
+        return xg.get()                                                     # synchronous: the loan ends here
 
-    def _chunk(self, x, cos, sin, scratch, c0: int):
+    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding):
         cp, n = self.cp, x.shape[0]
         to_tvm, to_cupy = self.to_tvm, self.to_cupy
         xt = to_tvm(cp.ascontiguousarray(x))
-        q, k, v = self.pre(xt, to_tvm(cp.ascontiguousarray(cos)), to_tvm(cp.ascontiguousarray(sin)), *self.binding.pre)
+        q, k, v = self.pre(xt, to_tvm(cp.ascontiguousarray(cos)), to_tvm(cp.ascontiguousarray(sin)), *binding.pre)
         h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
         scratch[0, :, c0:c0 + n] = to_cupy(k).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         scratch[1, :, c0:c0 + n] = to_cupy(v).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
@@ -157,4 +184,8 @@ class StreamedPrefill:
         o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, self.spec.sliding_window or 0, np.float32,
                           self.score_budget_bytes)
         attn = to_tvm(cp.ascontiguousarray(o.reshape(n, self.spec.q_dim)))              # [n, h_a, d] -> [n, h_a*d]
-        return to_cupy(self.post(xt, attn, *self.binding.post))
+        return to_cupy(self.post(xt, attn, *binding.post))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ARENA_ALIGN) * ARENA_ALIGN

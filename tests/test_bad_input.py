@@ -140,3 +140,4 @@ def test_prompt_longer_than_plan_allows(tiny):
 
 def test_prompt_ids_not_integers(tiny):
     assert_clean_error(cli("run", tiny.bundle("qwen3"), "--prompt-ids", "1,x"), "--prompt-ids expected")
+

@@ -138,9 +138,17 @@ def test_memory_needs_running_example(q8, laptop):
     assert host.kv == (20 + 16) * KV_PAGE_TOKENS * KV_TOKEN                    # offloaded: all KV in host RAM, whole pages
     _, dev_no = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, kv_offload=False))
     assert dev_no.kv == 16 * KV_PAGE_TOKENS * KV_TOKEN
-    # Streamed prefill stages one CPU block's weights in VRAM: exactly one block more.
+    # Streamed prefill borrows the empty KV page pool for one CPU block's weights and the prompt's
+    # hidden state [S, H], K/V [2, h_kv, S, d] (fp16) and cos/sin [S, d] (fp32): the pool's floor.
     _, dev_stream = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, stream_prefill=True))
-    assert dev_stream.workspace - dev.workspace == BLOCK_BYTES
+    assert dev_stream.workspace == dev.workspace
+    assert dev_stream.kv == BLOCK_BYTES + 128 * (4096 * 2 + 2 * 8 * 128 * 2 + 2 * 128 * 4)
+    _, dev_stream_no = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38),
+                                    dataclasses.replace(w, stream_prefill=True, kv_offload=False))
+    assert dev_stream_no.kv == max(dev_no.kv, dev_stream.kv)                    # the pool is lent, not added to
+    _, head_only = memory_needs(q8, laptop, q8.stage(0, 37), q8.stage(37, 38), dataclasses.replace(w, stream_prefill=True))
+    _, head_only_no = memory_needs(q8, laptop, q8.stage(0, 37), q8.stage(37, 38), w)
+    assert head_only.workspace - head_only_no.workspace == dev_stream.kv       # no page pool: its own VRAM
     _, all_gpu = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), dataclasses.replace(w, stream_prefill=True))
     _, all_gpu_no = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), w)
     assert all_gpu.workspace == all_gpu_no.workspace                           # no CPU blocks: nothing to stream

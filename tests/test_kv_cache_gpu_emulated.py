@@ -101,3 +101,23 @@ def test_fp16_queries_reset_and_capacity_errors():
         off.append(0, z, z)
     with pytest.raises(Exception, match="no-kv-offload"):
         make(offload=False, vram_bytes=1000)
+
+
+def test_empty_pool_is_lent_to_the_streamed_prefill_and_only_while_empty():
+    """The streamed prefill borrows the page pool's VRAM before any GPU block writes KV: a loan is
+    the pool's own bytes, refused when too big or once a page exists, and pages written after the
+    loan decode exactly as in a cache that never lent (the borrower's scribbles are overwritten)."""
+    kv, ref = make(gpu_pages=3, watermark=0.5), make(gpu_pages=3, watermark=0.5)
+    pool_bytes = kv.gpu_store.nbytes
+    assert pool_bytes == 3 * 2 * 2 * H_KV * T * D * 2                  # 3 slots x 2 layers x K|V, fp16
+    assert kv.lend_empty_pool(pool_bytes + 1) is None
+    loan = kv.lend_empty_pool(pool_bytes)
+    assert loan is not None and loan.size == pool_bytes and loan.dtype == np.uint8
+    assert np.shares_memory(loan, kv.gpu_store)
+    loan[:] = 0x7E                                                      # the borrower writes garbage fp16
+    worst, identical = drive([kv, ref], [5] + [1] * 12, seed=4)
+    print(f"\nafter a loan: max rel err {worst:.2e}, decode identical to a cache that never lent: {identical}")
+    assert worst < 2e-3 and identical
+    assert kv.lend_empty_pool(16) is None                               # the pool holds pages now
+    kv.reset()
+    assert kv.lend_empty_pool(16) is not None                           # a new request: empty again
