@@ -68,9 +68,9 @@ def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
     return json.dumps(dict(target.export()), sort_keys=True, default=str), tuple(required_cpu_features(hw.cpu.features))
 
 
-def compile_cpu(mod, hw: HardwareProfile, out_path: str):
+def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None = None):
     from .schedule_cpu_stage import compile_cpu_stage
-    exe = compile_cpu_stage(mod, hw.cpu.features)
+    exe = compile_cpu_stage(mod, hw.cpu.features, spec, hw.cpu.cores)  # spec: adds the decode-attention kernel
     exe.export_library(out_path)
 
 
@@ -98,7 +98,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     jobs = {}
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
     if need_cpu:
-        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu", llvm_desc)
+        # cores set the kernels' parallel split counts, so they are part of what the library was made for
+        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu", f"{llvm_desc}|cores={hardware.cpu.cores}")
     if need_gpu:
         jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch)
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
@@ -116,7 +117,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
                 progress("import_relax: 6 functions (prefill + decode variants)")
                 lib = os.path.join(work, CPU_LIB)
-                compile_cpu(mod, hardware, lib)
+                compile_cpu(mod, hardware, lib, spec)
                 hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
                 progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
             if need_gpu and not hits["gpu"]:

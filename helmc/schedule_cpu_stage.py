@@ -1,6 +1,6 @@
 """Compile the CPU stage's Relax functions for the LLVM target of the machine the bundle is built *for*.
 
-    compile_cpu_stage(mod, features) -> tvm.runtime.Executable   (export_library it into the bundle)
+    compile_cpu_stage(mod, features, spec=None, cores=0) -> tvm.runtime.Executable   (export_library it)
     llvm_target(features)           -> tvm.target.Target
     required_cpu_features(features) -> the /proc/cpuinfo flags the compiled code executes (bundle manifest)
 
@@ -8,7 +8,10 @@ Pipeline: lower_linear (every linear -> helmc's GEMV/GEMM, weights read in their
 fused into one GEMV launch and gate/up into one that writes the SwiGLU product; prefill on AMX tiles where
 the target has amx_tile + amx_bf16) -> TVM's
 CPU legalisation and fusion -> schedule_elementwise (parallel + vectorised loops for the fused norm / RoPE /
-SwiGLU / residual functions that TVM leaves serial) -> TVM's VM lowering. Features are hardware.json's CPU
+SwiGLU / residual functions that TVM leaves serial) -> TVM's VM lowering. With the ModelSpec given, the
+decode-attention kernel over the CPU layers' 16-bit KV (schedules/cpu/decode_attention.py) is added as a
+global PrimFunc, so it ships inside cpu_stage.so; the runtime finds it by name (kv_cache_cpu.find_decode_kernel)
+and keeps its NumPy path for bundles without it. Features are hardware.json's CPU
 flags, never the build machine's, so a bundle built here for the GPU machine's Xeon uses AVX-512.
 """
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tvm
 from tvm import relax
 
 from helmc.lower_linear import lower_linear
+from helmc.model_spec import ModelSpec
+from helmc.schedules.cpu.decode_attention import default_max_splits, make_decode_attention
 from helmc.schedules.cpu.elementwise import schedule_elementwise
 from helmc.schedules.cpu.isa import select_isa
 
@@ -61,7 +66,22 @@ def cpu_stage_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     return _pipeline
 
 
-def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...]) -> tvm.runtime.Executable:
+def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: int = 0) -> dict:
+    """{global symbol: PrimFunc}: decode attention over the KV dtype the CPU stage stores (the model's dtype).
+    float32 models keep float32 KV and the NumPy path, so they get none. `cores`: the target CPU's cores
+    (hardware.json), which sets the split count; 0 means 16."""
+    if spec.dtype == "float32":
+        return {}
+    f = make_decode_attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, select_isa(features),
+                              default_max_splits(cores or 16, spec.num_kv_heads))
+    return {str(f.attrs["global_symbol"]): f}
+
+
+def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelSpec | None = None,
+                      cores: int = 0) -> tvm.runtime.Executable:
     target = llvm_target(features)
     lowered = lower_linear(mod, features)
+    if spec is not None:
+        for name, func in decode_attention_kernels(spec, features, cores).items():
+            lowered[name] = func
     return tvm.compile(lowered, target=target, relax_pipeline=cpu_stage_pipeline(target))

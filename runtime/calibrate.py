@@ -227,7 +227,7 @@ class _CpuSide:
         return tvm.runtime.tensor(np.ascontiguousarray(a), self.dev)
 
     def time_blocks(self) -> StageTiming:
-        from .kv_cache_cpu import KVCacheCPU
+        from .kv_cache_cpu import KVCacheCPU, find_decode_kernel
         from .stage import Stage
         from .weights import bind_layers
 
@@ -242,8 +242,10 @@ class _CpuSide:
         else:
             bound = bind_layers(ctx.ck, spec, layers, self.dev)
         kv = KVCacheCPU(num_layers=m, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total, dtype=np.float32,
-                        sliding_window=spec.sliding_window or None)
+                        page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total, dtype=spec.dtype,
+                        sliding_window=spec.sliding_window or None,
+                        attend_kernel=find_decode_kernel(self.vm.module, spec.num_heads, spec.num_kv_heads,
+                                                         spec.head_dim, spec.dtype))
         stage = Stage("cpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
                       to_array=lambda t: t.numpy(), from_array=self.tensor)
         if ctx.fill:

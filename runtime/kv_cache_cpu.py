@@ -13,10 +13,17 @@ and once at the end `advance(S)`:
         o = kv.attend(layer, q, scale)     # q [S, h_a, d] -> o [S, h_a, d], causal over 0..length+S-1
     kv.advance(S)
 
-Storage: one arena [L, 2, h_kv, slots * T, d]; page slot p holds tokens [p*T, (p+1)*T) of every
-head, so a run of consecutive slots is one strided view and one batched matmul per head group
-(pages of one sequence are handed out in order, so a sequence is usually a single run). The arena
-comes from np.empty: the OS commits it as pages are first written, not at construction.
+Storage: one arena [L, 2, h_kv, slots * T, d] in the model's dtype (float16; bfloat16 as uint16 bits,
+appended with round-to-nearest-even; float32 models keep float32); page slot p holds tokens
+[p*T, (p+1)*T) of every head, so a run of consecutive slots is one strided view and one batched matmul
+per head group (pages of one sequence are handed out in order, so a sequence is usually a single run).
+The arena comes from np.empty (64-byte aligned, as TVM requires of zero-copy tensors): the OS commits
+it as pages are first written, not at construction.
+
+Decode (S == 1) over a single run goes to the bundle's compiled kernel when one is given
+(`attend_kernel`, found with find_decode_kernel; schedules/cpu/decode_attention.py): it reads each K/V
+byte once, in the arena's dtype, on TVM's thread pool. Otherwise, and for prefill, NumPy attends
+blocks widened to float32 one at a time (NumPy's fp16 matmul is far slower than widening first).
 """
 from __future__ import annotations
 
@@ -31,21 +38,48 @@ from .kv_pages import PagePool
 from .paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
                               ungroup_output)
 
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+KV_DTYPES = ("float32", "float16", "bfloat16")
+_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def decode_attention_name(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> str:
+    """Global symbol of the compiled decode-attention kernel in cpu_stage.so (the compiler names it so)."""
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[kv_dtype]
+    return f"helmc_decode_attention_{short}_h{num_q_heads}_kv{num_kv_heads}_d{head_dim}"
+
+
+def find_decode_kernel(module, num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str):
+    """The compiled decode-attention kernel for this layer shape and KV dtype in a loaded module (a VM's
+    `.module`, or the executable), or None: bundles built before the kernel existed, float32 models."""
+    if kv_dtype not in _STORAGE:
+        return None
+    try:
+        return module.get_function(decode_attention_name(num_q_heads, num_kv_heads, head_dim, kv_dtype),
+                                   query_imports=True)
+    except AttributeError:
+        return None
+
+
+def kv_dtype_name(dtype) -> str:
+    """"float32" | "float16" | "bfloat16" from a NumPy dtype or a name."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in KV_DTYPES:
+        raise HelmcError(f"KVCacheCPU: dtype expected one of {KV_DTYPES}, found {name}")
+    return name
 
 
 class KVCacheCPU:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
                  max_tokens: int = 4096, dtype=np.float32, sliding_window: int | None = None,
-                 threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20):
+                 threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20,
+                 attend_kernel=None):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("page_tokens", page_tokens), ("max_tokens", max_tokens), ("threads", threads),
                           ("block_tokens", block_tokens)):
             if not isinstance(val, (int, np.integer)) or val < 1:
                 raise HelmcError(f"KVCacheCPU: {name} expected a positive integer, found {val!r}")
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise HelmcError(f"KVCacheCPU: dtype expected float32 or float16, found {self.dtype}")
+        self.kv_dtype = kv_dtype_name(dtype)
+        self.dtype = _STORAGE[self.kv_dtype]                              # storage: uint16 holds bf16 bits
         if sliding_window is not None and sliding_window < 1:
             raise HelmcError(f"KVCacheCPU: sliding_window expected None or >= 1, found {sliding_window}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -56,7 +90,7 @@ class KVCacheCPU:
         self.score_budget_bytes = score_budget_bytes
         n_slots = -(-max_tokens // page_tokens)
         self.pool = PagePool(page_tokens, gpu_capacity=0, host_capacity=n_slots)
-        self._arena = np.empty((num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim), self.dtype)
+        self._arena = _aligned_empty((num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim), self.dtype)
         self._seq = self.pool.add_sequence()
         self._pending = 0
         self._appended: set[int] = set()
@@ -65,6 +99,8 @@ class KVCacheCPU:
         self._table_key = None
         self._table_cache = None
         self._executor = None
+        self._kernel = attend_kernel
+        self._kernel_args = None          # per layer (k, v) TVM tensors over the arena, made on first use
 
     # ------------------------------------------------------------------ state
     @property
@@ -74,7 +110,11 @@ class KVCacheCPU:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+        return 2 * num_layers * num_kv_heads * head_dim * _STORAGE[kv_dtype_name(dtype)].itemsize
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._kernel is not None
 
     def reset(self) -> None:
         self.pool.free_sequence(self._seq)
@@ -112,8 +152,9 @@ class KVCacheCPU:
             if a >= b:
                 continue
             base = table.host_slots[i] * T - i * T              # arena row of position p is base + p
-            self._arena[layer, 0, :, base + a:base + b] = k[a - start:b - start].transpose(1, 0, 2)  # [n,h_kv,d] -> [h_kv,n,d]
-            self._arena[layer, 1, :, base + a:base + b] = v[a - start:b - start].transpose(1, 0, 2)  # [n,h_kv,d] -> [h_kv,n,d]
+            rows, src = slice(base + a, base + b), slice(a - start, b - start)
+            self._store(self._arena[layer, 0, :, rows], k[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
+            self._store(self._arena[layer, 1, :, rows], v[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
         self._appended.add(layer)
 
     def attend(self, layer: int, q: np.ndarray, scale: float) -> np.ndarray:
@@ -130,10 +171,13 @@ class KVCacheCPU:
             raise HelmcError(f"KVCacheCPU.attend: query heads ({q.shape[1]}) must be a multiple of "
                              f"KV heads ({self.num_kv_heads})")
         n = self.length + S
-        blocks = self._blocks(layer, n)
         if S == 1:
-            return self._decode(q, blocks, n, scale)
-        return attend_blocks(np, q, self.length, blocks, self.num_kv_heads, scale, self.window,
+            if self._kernel is not None:
+                runs = self._slot_runs(n)
+                if len(runs) == 1:
+                    return self._decode_kernel(layer, q, runs[0][1], n, scale)
+            return self._decode(q, self._blocks(layer, n, widen=False), n, scale)
+        return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.window,
                              np.float32, self.score_budget_bytes)
 
     def advance(self, S: int) -> None:
@@ -175,7 +219,25 @@ class KVCacheCPU:
             self._runs_key = key
         return self._runs
 
-    def _blocks(self, layer: int, n: int) -> list[KeyBlock]:
+    def _store(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Write float rows into the arena in its dtype (bf16: round to nearest even, as torch does)."""
+        if self.kv_dtype == "bfloat16":
+            dst[...] = bf16_bits(src)
+        else:
+            dst[...] = src
+
+    def _widen(self, x: np.ndarray) -> np.ndarray:
+        """float32 copy of arena rows (float32 arena: the view itself)."""
+        if self.kv_dtype == "bfloat16":
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32, copy=False)
+
+    def _widened(self, b: KeyBlock) -> KeyBlock:
+        return KeyBlock(b.pos0, b.n, (lambda b=b: tuple(self._widen(x) for x in b.load())))
+
+    def _blocks(self, layer: int, n: int, widen: bool = True) -> list[KeyBlock]:
+        """Key blocks of `layer` over positions 0..n-1 (those inside the window); `widen`: load() gives
+        float32, else the arena's own dtype."""
         K, V = self._arena[layer, 0], self._arena[layer, 1]               # [h_kv, slots*T, d] each
         lo = max(0, n - self.window) if self.window else 0
         out = []
@@ -186,14 +248,36 @@ class KVCacheCPU:
                     continue
                 r = row0 + a
                 out.append(KeyBlock(pos0 + a, b - a, (lambda r=r, c=b - a: (K[:, r:r + c], V[:, r:r + c]))))
-        return out
+        return [self._widened(b) for b in out] if widen and self.kv_dtype != "float32" else out
+
+    def _decode_kernel(self, layer: int, q: np.ndarray, row0: int, n: int, scale: float) -> np.ndarray:
+        """One query row over positions lo..n-1, stored at arena rows row0+lo.., on the compiled kernel."""
+        if self._kernel_args is None:
+            self._bind_kernel(q.shape[1])
+        lo = max(0, n - self.window) if self.window else 0
+        k, v = self._kernel_args[layer]
+        np.copyto(self._q, q[0])
+        self._kernel(self._q_tensor, k, v, row0 + lo, n - lo, float(scale), self._o_tensor)
+        return self._o.reshape(1, -1, self.head_dim).astype(q.dtype)      # [h_a, d] -> [1, h_a, d] (a copy)
+
+    def _bind_kernel(self, num_q_heads: int) -> None:
+        """Zero-copy TVM tensors over every layer's K and V arena and over the q/o staging buffers."""
+        from tvm.runtime import from_dlpack
+        self._q = _aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._o = _aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._q_tensor, self._o_tensor = from_dlpack(self._q), from_dlpack(self._o)
+        self._kernel_args = [(from_dlpack(self._arena[i, 0]), from_dlpack(self._arena[i, 1]))
+                             for i in range(self.num_layers)]
 
     def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float) -> np.ndarray:
+        """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share."""
         qt = group_queries(np, q, self.num_kv_heads)                      # [1, h_a, d] -> [h_kv, g, d]
         q_pos0 = n - 1 if self.window else None
         groups = _split_by_tokens(blocks, self.threads)
+        if self.kv_dtype != "float32":
+            groups = [[self._widened(b) for b in group] for group in groups]
         if len(groups) == 1:
-            parts = [partial_attention(np, qt, q_pos0, 1, blocks, scale, self.window)]
+            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, self.window)]
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
@@ -225,6 +309,26 @@ def _split_by_tokens(blocks: list[KeyBlock], parts: int, min_tokens: int = 2048)
         groups[-1].append(p)
         filled += p.n
     return groups
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bf16 bits (uint16), NaN kept NaN (tvm_tensors.bf16_bits_from_float32
+    without the TVM import, so the cache stays importable on its own)."""
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    out = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte boundary (tvm.runtime.from_dlpack refuses anything less)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def default_threads() -> int:

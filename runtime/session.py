@@ -238,7 +238,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     """The CPU stage over plan.cpu_layers (None if there are none) and the head if it is on the CPU.
     `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
     import tvm.runtime
-    from .kv_cache_cpu import KVCacheCPU, default_threads
+    from .kv_cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
     from .tvm_tensors import available_cpu_count, single_threaded_blas, use_cpu_threads
 
     use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
@@ -254,8 +254,10 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
             bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
-                        dtype=np.float32, sliding_window=spec.sliding_window or None,
-                        threads=default_threads())
+                        dtype=spec.dtype, sliding_window=spec.sliding_window or None,
+                        threads=default_threads(),
+                        attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
+                                                         spec.head_dim, spec.dtype))
         stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
                       from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
     head = None

@@ -1,0 +1,257 @@
+"""Decode attention of the CPU stage over its 16-bit KV arena: one query token, one layer (thesis 4.2.3).
+
+Why: at long contexts the CPU layers' decode step is dominated by reading their KV. The floor is reading
+every K/V byte once per token in the model's dtype at DRAM bandwidth; NumPy over an fp32 arena read twice
+the bytes and converted them in memory. This kernel reads K and V straight from the arena view, widens
+each element to fp32 in a register (weight_load.widen: F16C for fp16, `bits << 16` for bf16), and shares
+every K/V row among the G = h_a / h_kv query heads of its group (GQA), so each byte is read once.
+
+    make_decode_attention(h_a, h_kv, d, kv_dtype, isa, max_splits) -> PrimFunc named by decode_attention_name
+
+    f(q [h_a, d] f32, k [h_kv, R, d], v [h_kv, R, d], row0 i64, n i64, scale f32, o [h_a, d] f32)
+      o[h] = softmax(scale * q[h] . k[h // G, row0:row0+n]) @ v[h // G, row0:row0+n]
+    R is symbolic (the arena's row capacity); k/v are declared as uint16 for bf16 (NumPy has no bf16).
+
+Split-K ("flash decoding"): one parallel task per (KV head, split of the n rows); splits =
+clamp(n // MIN_SPLIT_ROWS, 1, max_splits), so with 8 KV heads all cores still get work. A task walks its rows
+in chunks of CHUNK: scores for the chunk (fp32, dot products vectorised over d and tree-summed), then the
+online-softmax update of eqs. 4.18-4.20 (m, s, acc) for all G heads, with exp as a vectorisable polynomial
+(LLVM would otherwise call libm's expf once per score), then P.V one block of output columns at a time so
+the G x block accumulators stay in vector registers (all of acc [G, d] did not: every FMA became a load and a
+store). V rows are prefetched while the chunk's scores are computed, because the column-block walk reads
+V with a stride of d between rows. Partials (m, s, acc) per (query head, split) go to a workspace; a second
+parallel loop merges them (the split-K merge of paged_attention.merge_partials).
+
+Measured on the 2-core EPYC (AVX2, shared machine; scripts/bench_cpu_attention.py, KV evicted from the
+caches before every call): Qwen3-8B's layer at 32K context, fp16 KV, 11.9 ms (11.3 GB/s, 54% of the
+20.8 GB/s stream read) against 45.1 ms for the NumPy fp32 path; cache-resident on one core, 14 GB/s.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.runtime.kv_cache_cpu import decode_attention_name  # the runtime looks the kernel up by this name
+
+from .isa import VectorIsa
+from .weight_load import STACK, load_dtype, widen
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+CHUNK = 64              # rows per online-softmax update: scores of a chunk stay in L1
+MIN_SPLIT_ROWS = 256    # a split shorter than this costs more in merging and launch than it saves
+NEG_BIG = -3.0e38       # "no score yet": finite, so m_old - m_new never becomes inf - inf
+
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def default_max_splits(cores: int, num_kv_heads: int) -> int:
+    """Splits per KV head so that h_kv x splits is about two tasks per core."""
+    return max(1, -(-2 * cores // num_kv_heads))
+
+
+def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """exp(x) for float32 x, relative error ~1e-7 (Cephes expf): 2^n * p(r) with r = x - n ln2.
+    Inputs below -87.3 give ~1e-38 instead of 0 (callers mask what must be exactly 0). Only selects,
+    FMAs, floor and integer shifts, so a vectorised loop stays vectorised."""
+    f32 = lambda c: tirx.const(c, "float32")
+    x = tirx.max(tirx.min(x, f32(88.3)), f32(-87.3))
+    nf = tirx.floor(x * f32(_LOG2E) + f32(0.5))
+    r = x - nf * f32(_LN2_HI) - nf * f32(_LN2_LO)
+    p = f32(_EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        p = p * r + f32(c)
+    y = p * r * r + r + f32(1.0)
+    two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", nf) + tirx.const(127, "int32"),
+                                                        tirx.const(23, "int32")))
+    return y * two_n
+
+
+def _dot_width(head_dim: int, isa: VectorIsa) -> int:
+    """fp32 lanes per partial-sum vector of a dot product: two registers where d allows (two FMA chains),
+    always a power of two dividing d so the tree sum needs no tail."""
+    w = 2 * isa.fp32_lanes
+    while w > 1 and head_dim % w:
+        w //= 2
+    return w
+
+
+def _pv_width(head_dim: int, group: int, isa: VectorIsa) -> int:
+    """Output columns per P.V pass: G x DB fp32 accumulators plus one widened V piece and a broadcast must
+    fit the vector registers (a spilled accumulator is a load and a store per FMA), at most 4 vectors per
+    head; a power of two dividing d."""
+    per_head = max(1, min(4, (isa.vector_registers - 4) // group))
+    vectors = 1
+    while vectors * 2 <= per_head:
+        vectors *= 2
+    w = vectors * isa.fp32_lanes
+    while w > 1 and head_dim % w:
+        w //= 2
+    return w
+
+
+def _tree_reduce(width: int, combine):
+    """Macro: buf[g, 0] = combine over buf[g, 0:width] (width a power of two <= 32) by halving, each level
+    one vector operation (a serial sum over lanes would be `width` dependent scalar adds)."""
+
+    @T.macro
+    def reduce(buf, g):
+        if width >= 32:
+            for x in T.vectorized(16):
+                buf[g, x] = combine(buf[g, x], buf[g, x + 16])
+        if width >= 16:
+            for x in T.vectorized(8):
+                buf[g, x] = combine(buf[g, x], buf[g, x + 8])
+        if width >= 8:
+            for x in T.vectorized(4):
+                buf[g, x] = combine(buf[g, x], buf[g, x + 4])
+        if width >= 4:
+            for x in T.vectorized(2):
+                buf[g, x] = combine(buf[g, x], buf[g, x + 2])
+        if width >= 2:
+            buf[g, 0] = combine(buf[g, 0], buf[g, 1])
+
+    return reduce
+
+
+def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, isa: VectorIsa,
+                          max_splits: int = 4) -> tirx.PrimFunc:
+    assert kv_dtype in KV_DTYPES, kv_dtype
+    assert num_q_heads % num_kv_heads == 0 and head_dim >= 1 and max_splits >= 1, \
+        (num_q_heads, num_kv_heads, head_dim, max_splits)
+    h_a, h_kv, d = num_q_heads, num_kv_heads, head_dim
+    G = h_a // h_kv
+    w = _dot_width(d, isa)
+    DB = _pv_width(d, G, isa)
+    itemsize = 4 if kv_dtype == "float32" else 2
+    line_elems = 64 // itemsize
+    v_lines = -(-d // line_elems)
+    lanes = isa.fp32_lanes
+    C = CHUNK
+    assert C % lanes == 0
+    cl = C // lanes
+    sum_dot = _tree_reduce(w, lambda a, b: a + b)
+    sum_lanes = _tree_reduce(lanes, lambda a, b: a + b)
+    max_lanes = _tree_reduce(lanes, T.max)
+    PM = max_splits
+    ldt = load_dtype(kv_dtype)
+    f16c = not isa.is_slow_fallback
+
+    @T.prim_func
+    def attention(q: T.Buffer((h_a, d), "float32"), var_k: T.handle, var_v: T.handle, row0: T.int64, n: T.int64,
+                  scale: T.float32, o: T.Buffer((h_a, d), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        R = T.int64()
+        k = T.match_buffer(var_k, (h_kv, R, d), ldt)
+        v = T.match_buffer(var_v, (h_kv, R, d), ldt)
+        assert n >= T.int64(1) and row0 >= T.int64(0) and row0 + n <= R, \
+            "decode attention: expected 1 <= n and 0 <= row0 and row0 + n <= arena rows"
+        ws_m = T.alloc_buffer((h_a, PM), "float32")
+        ws_s = T.alloc_buffer((h_a, PM), "float32")
+        ws_o = T.alloc_buffer((h_a, PM, d), "float32")
+        splits = T.max(T.int64(1), T.min(T.int64(PM), n // T.int64(MIN_SPLIT_ROWS)))
+        per = (n + splits - T.int64(1)) // splits
+        for task in T.parallel(h_kv * splits):
+            m = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
+            s = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
+            acc = T.alloc_buffer((G, d), "float32", scope="global", annotations=STACK)
+            sc = T.alloc_buffer((G, C), "float32", scope="global", annotations=STACK)
+            part = T.alloc_buffer((G, w), "float32", scope="global", annotations=STACK)
+            red = T.alloc_buffer((1, lanes), "float32", scope="global", annotations=STACK)
+            krow = T.alloc_buffer((w,), "float32", scope="global", annotations=STACK)
+            rescale = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
+            stat = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)   # m_new, r
+            h = task // splits
+            lo = (task % splits) * per
+            cnt_all = T.max(T.int64(0), T.min(n, lo + per) - lo)
+            for g in T.unroll(G):
+                m[g] = T.float32(NEG_BIG)
+                s[g] = T.float32(0)
+                for x in T.vectorized(d):
+                    acc[g, x] = T.float32(0)
+            for ch in T.serial((cnt_all + T.int64(C - 1)) // T.int64(C)):
+                base = row0 + lo + ch * T.int64(C)
+                cnt = T.min(T.int64(C), cnt_all - ch * T.int64(C))
+                # Scores of the chunk: one K row widened once, dotted with all G query heads.
+                for c in T.serial(C):
+                    for g in T.unroll(G):
+                        for x in T.vectorized(w):
+                            part[g, x] = T.float32(0)
+                    for dk in T.unroll(d // w):
+                        for x in T.vectorized(w):
+                            krow[x] = widen(k[h, base + T.min(T.int64(c), cnt - T.int64(1)), dk * w + x],
+                                            kv_dtype, f16c)
+                        for g in T.unroll(G):
+                            for x in T.vectorized(w):
+                                part[g, x] = part[g, x] + q[h * G + g, dk * w + x] * krow[x]
+                    for g in T.unroll(G):
+                        sum_dot(part, g)
+                        sc[g, c] = T.Select(T.int64(c) < cnt, part[g, 0] * scale, T.float32(NEG_BIG))
+                    # The P.V pass below walks V column block by column block (stride d between rows), a
+                    # pattern the hardware prefetchers ramp up slowly on; fetch this row's lines now.
+                    for ln in T.unroll(v_lines):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            v[h, base + T.min(T.int64(c), cnt - T.int64(1)), ln * line_elems]),
+                            T.int32(0), T.int32(3), T.int32(1)))
+                # Online softmax (eqs. 4.18-4.20): m_new = max(m, max_c e), r = exp(m - m_new),
+                # p = exp(e - m_new), s = r s + sum p, acc = r acc + p V.
+                for g in T.unroll(G):
+                    for x in T.vectorized(lanes):
+                        red[0, x] = sc[g, x]
+                    for cb in T.unroll(cl - 1):
+                        for x in T.vectorized(lanes):
+                            red[0, x] = T.max(red[0, x], sc[g, (cb + 1) * lanes + x])
+                    max_lanes(red, 0)
+                    stat[0] = T.max(m[g], red[0, 0])
+                    stat[1] = fast_exp(m[g] - stat[0])
+                    m[g] = stat[0]
+                    for c in T.vectorized(C):
+                        sc[g, c] = T.Select(T.int64(c) < cnt, fast_exp(sc[g, c] - stat[0]), T.float32(0))
+                    for x in T.vectorized(lanes):
+                        red[0, x] = sc[g, x]
+                    for cb in T.unroll(cl - 1):
+                        for x in T.vectorized(lanes):
+                            red[0, x] = red[0, x] + sc[g, (cb + 1) * lanes + x]
+                    sum_lanes(red, 0)
+                    s[g] = s[g] * stat[1] + red[0, 0]
+                    rescale[g] = stat[1]
+                # P.V one column block at a time, so its G x db accumulators live in registers for the chunk.
+                for db in T.serial(d // DB):
+                    accr = T.alloc_buffer((G, DB), "float32", scope="global", annotations=STACK)
+                    vrow = T.alloc_buffer((DB,), "float32", scope="global", annotations=STACK)
+                    for g in T.unroll(G):
+                        for x in T.vectorized(DB):
+                            accr[g, x] = acc[g, db * DB + x] * rescale[g]
+                    for c in T.serial(cnt):
+                        for x in T.vectorized(DB):
+                            vrow[x] = widen(v[h, base + c, db * DB + x], kv_dtype, f16c)
+                        for g in T.unroll(G):
+                            for x in T.vectorized(DB):
+                                accr[g, x] = accr[g, x] + sc[g, c] * vrow[x]
+                    for g in T.unroll(G):
+                        for x in T.vectorized(DB):
+                            acc[g, db * DB + x] = accr[g, x]
+            for g in T.unroll(G):
+                ws_m[h * G + g, task % splits] = m[g]
+                ws_s[h * G + g, task % splits] = s[g]
+                for x in T.vectorized(d):
+                    ws_o[h * G + g, task % splits, x] = acc[g, x]
+        # Merge the splits of every query head: o = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) s_p.
+        for hq in T.parallel(h_a):
+            tot = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)     # M, S
+            out = T.alloc_buffer((d,), "float32", scope="global", annotations=STACK)
+            tot[0] = ws_m[hq, 0]
+            for p in T.serial(splits - T.int64(1)):
+                tot[0] = T.max(tot[0], ws_m[hq, p + T.int64(1)])
+            tot[1] = T.float32(0)
+            for x in T.vectorized(d):
+                out[x] = T.float32(0)
+            for p in T.serial(splits):
+                tot[1] = tot[1] + T.exp(ws_m[hq, p] - tot[0]) * ws_s[hq, p]
+                for x in T.vectorized(d):
+                    out[x] = out[x] + T.exp(ws_m[hq, p] - tot[0]) * ws_o[hq, p, x]
+            for x in T.vectorized(d):
+                o[hq, x] = out[x] / tot[1]
+
+    return attention.with_attr("global_symbol", decode_attention_name(h_a, h_kv, d, kv_dtype))
