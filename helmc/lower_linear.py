@@ -23,6 +23,7 @@ elementwise pass disappear). Each fused linear still gets its own LoweredLinear 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import tvm
@@ -31,7 +32,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.utils import copy_with_new_vars
 
 from helmc.schedules.cpu.gemm import make_gemm
-from helmc.schedules.cpu.gemm_amx import amx_gemm_applies, make_gemm_amx
+from helmc.schedules.cpu import gemm_amx
+from helmc.schedules.cpu.gemm_amx import AmxBlocking, amx_gemm_applies, make_gemm_amx
 from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv
 from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, make_gemv_swiglu
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
@@ -49,14 +51,15 @@ class LoweredLinear:
     weight_dtype: str
 
 
-def lower_linear(mod: tvm.IRModule, features: tuple[str, ...]) -> tvm.IRModule:
-    """Every astype/permute_dims/matmul linear in every Relax function -> call_tir to a CPU kernel."""
-    return lower_linear_with_report(mod, features)[0]
+def lower_linear(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None) -> tvm.IRModule:
+    """Every astype/permute_dims/matmul linear in every Relax function -> call_tir to a CPU kernel.
+    `cores`: the target CPU's cores, the AMX prefill GEMM's parallel task count (default: its blocking's)."""
+    return lower_linear_with_report(mod, features, cores)[0]
 
 
-def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...]
+def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None
                              ) -> tuple[tvm.IRModule, tuple[LoweredLinear, ...]]:
-    rewriter = _LinearRewriter(mod, select_isa(features))
+    rewriter = _LinearRewriter(mod, select_isa(features), cores)
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
             continue
@@ -213,9 +216,10 @@ def _match_swiglu(members, bindings, uses):
 
 @mutator
 class _LinearRewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, isa: VectorIsa):
+    def __init__(self, mod: tvm.IRModule, isa: VectorIsa, cores: int | None = None):
         super().__init__(mod)
         self.isa = isa
+        self.cores = cores
         self.kernels: dict[tuple, relax.GlobalVar] = {}
         self.lowered: list[LoweredLinear] = []
         self.function_name = ""
@@ -265,6 +269,11 @@ class _LinearRewriter(PyExprMutator):
         x, weight = matched
         return self._emit_kernel_call(x, weight)
 
+    def _amx_blocking(self) -> AmxBlocking:
+        """gemm_amx's default blocking (read when called: benchmarks may switch it), one task per core."""
+        blocking = gemm_amx.DEFAULT_BLOCKING
+        return blocking if self.cores is None else dataclasses.replace(blocking, tasks=self.cores)
+
     def _resolve(self, expr: relax.Expr) -> relax.Expr:
         if isinstance(expr, relax.Var):
             bound = self.lookup_binding(expr)
@@ -298,7 +307,7 @@ class _LinearRewriter(PyExprMutator):
             make = lambda: make_gemm(n, k, dtype, self.isa)  # noqa: E731
             if amx_gemm_applies(n, k, dtype, self.isa):
                 key = ("gemm_amx", n, k, dtype)
-                make = lambda: make_gemm_amx(n, k, dtype)  # noqa: E731
+                make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking())  # noqa: E731
         if key not in self.kernels:
             prim = make()
             self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))

@@ -80,7 +80,7 @@ def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: 
 def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelSpec | None = None,
                       cores: int = 0) -> tvm.runtime.Executable:
     target = llvm_target(features)
-    lowered = lower_linear(mod, features)
+    lowered = lower_linear(mod, features, cores or None)
     if spec is not None:
         for name, func in decode_attention_kernels(spec, features, cores).items():
             lowered[name] = func

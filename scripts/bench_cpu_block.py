@@ -50,14 +50,17 @@ def qwen3_spec(model: str, dtype: str, **overrides):
     return ModelSpec.from_hf_config(cfg, f"Qwen3-{model.upper()}")
 
 
-def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int) -> None:
+def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, amx_blocking: str = "default") -> None:
     import tvm
     from helmc.export_block import export_functions
     from helmc.import_relax import import_functions
     from helmc.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
+    from helmc.schedules.cpu import gemm_amx
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
+    # Benchmark-only switch: the compiler's linear lowering builds AMX GEMMs with gemm_amx.DEFAULT_BLOCKING.
+    gemm_amx.DEFAULT_BLOCKING = gemm_amx.blocking_named(amx_blocking)
     exported = tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn"))
     mod = import_functions(exported)
     os.makedirs(out_dir, exist_ok=True)
@@ -67,7 +70,7 @@ def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int) ->
     tvm.compile(make_stream_read(elements, isa), target=llvm_target(features)).export_library(
         os.path.join(out_dir, "stream_read.so"))
     manifest = {"spec": json.loads(spec.to_json()), "required_flags": list(required_cpu_features(features)),
-                "isa": isa.tier, "read_elements": elements,
+                "isa": isa.tier, "amx_blocking": amx_blocking, "read_elements": elements,
                 "inputs": {f.name: list(f.input_names) for f in exported},
                 "weights": {f.name: list(f.weight_names) for f in exported}}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
@@ -159,6 +162,7 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
 
     pre_t, post_t = torch_block(spec, torch.float32)
     report = {"threads": threads, "w_param_bytes": w_param, "weight_copies": copies, "prompt": prompt,
+              "amx_blocking": manifest.get("amx_blocking"),
               "model": f"{spec.hidden_size}h/{spec.intermediate_size}ffn", "dtype": spec.dtype}
     for kind, seq in (("decode", 1), ("prefill", prompt)):
         a = acts(seq)
@@ -255,6 +259,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--amx-blocking", default="default",
+                    help="build the block's AMX prefill GEMMs with this gemm_amx.BLOCKING_VARIANTS entry")
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
@@ -265,7 +271,8 @@ def main() -> None:
         features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_block_bench_{os.getpid()}")
         t = time.time()
-        build(out_dir, qwen3_spec(args.model, args.dtype), features, 4 * (args.l3_bytes or target_l3))
+        build(out_dir, qwen3_spec(args.model, args.dtype), features, 4 * (args.l3_bytes or target_l3),
+              args.amx_blocking)
         print(f"built {out_dir} in {time.time() - t:.0f} s", file=sys.stderr)
         if args.build_only:
             print(f"run there with  python scripts/bench_cpu_block.py --run-only {out_dir}")
@@ -275,7 +282,8 @@ def main() -> None:
         print(json.dumps(r))
         sys.exit(0 if max(r["decode_rel_err"], r["prefill_rel_err"]) <= NUMERICS_LIMIT else 1)
     print(f"Qwen3 block {r['model']}, {r['dtype']} weights, W_param {r['w_param_bytes'] / 1e6:.0f} MB, "
-          f"{r['threads']} threads, DRAM {r['dram_gbs']:.1f} GB/s; best of {r['rounds']} interleaved rounds")
+          f"{r['threads']} threads, DRAM {r['dram_gbs']:.1f} GB/s; best of {r['rounds']} interleaved rounds; "
+          f"AMX blocking {r['amx_blocking']}")
     print(f"decode step   {r['decode_ms']:.2f} ms = {r['decode_gbs']:.1f} GB/s; roofline {r['roofline_ms']:.2f} ms "
           f"-> {r['decode_over_roofline']:.2f}x (target <= 1.25x); torch {r['dtype']} {r['torch_decode_ms']:.2f} ms")
     print(f"  (pre_attn {r['decode_pre_attn_ms']:.2f} ms + post_attn {r['decode_post_attn_ms']:.2f} ms; medians: "

@@ -7,15 +7,18 @@ For each (out, in) projection shape and weight dtype (fp16, bf16), one run measu
   helmc  -- helmc's GEMV (schedules/cpu/gemv.py), one token, fp32 accumulation
   torch  -- torch.nn.functional.linear on the same weights (same dtype, bf16/fp16 activations) and threads
 Every timed pass cycles through enough copies of the weight to read >= 4x L3, so figures are DRAM, not
-cache. Each figure is the best of --rounds passes (the machine may be shared).
+cache; helmc and torch read the very same copies (same pages), in interleaved rounds whose order alternates.
+Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
 
   python scripts/bench_cpu_gemv.py [--models 8b] [--json]                  # build and run here
   python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
   python scripts/bench_cpu_gemv.py --run-only DIR [--json]                 # there: tvm.runtime + torch only
 `--json` prints {"dram_gbs": .., "results": [{"shape": [N, K], "dtype": .., "helmc_gbs": .., "torch_gbs": ..}]}.
-Built for a CPU with AMX (amx_tile + amx_bf16), the bundle also holds the bf16 prefill GEMM on AMX tiles
-(gemm_amx.py); --run-only then checks it against float64 and times it beside torch's bf16 linear
-("amx_gemm" in the JSON).
+Built for a CPU with AMX (amx_tile + amx_bf16), the bundle also holds the prefill GEMM on AMX tiles
+(gemm_amx.py): the default blocking for every shape and the alternatives of BLOCKING_VARIANTS for the
+--amx-variants models' shapes. --run-only checks each against float64 (1 to 200 tokens) and times it on a
+128-token prompt beside torch's bf16 linear, cycling weight copies as above ("amx_gemm" in the JSON,
+one entry per shape and dtype, the variants inside).
 """
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def target_features(args) -> tuple[tuple[str, ...], int]:
     return features, target_l3
 
 
-def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int) -> None:
+def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
+          amx_variant_models: list[str]) -> None:
     import tvm
     from helmc.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.gemv import make_gemv
@@ -93,13 +97,19 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
             kernels.append({"name": name, "shape": [n, k], "dtype": dtype})
     amx = []
     if isa.has_amx_bf16:  # the prefill GEMM on AMX tiles: numerics and speed are checked where AMX exists
-        from helmc.schedules.cpu.gemm_amx import amx_gemm_applies, make_gemm_amx
+        from helmc.schedules.cpu.gemm_amx import BLOCKING_VARIANTS, amx_gemm_applies, make_gemm_amx
+        variant_shapes = {s for m in amx_variant_models for s in projection_shapes(m)}
         for n, k in shapes:
             for dtype in DTYPES:
-                if amx_gemm_applies(n, k, dtype, isa):
-                    f = make_gemm_amx(n, k, dtype)
+                if not amx_gemm_applies(n, k, dtype, isa):
+                    continue
+                entry = {"shape": [n, k], "dtype": dtype, "variants": []}
+                for blocking in BLOCKING_VARIANTS if (n, k) in variant_shapes else BLOCKING_VARIANTS[:1]:
+                    f = make_gemm_amx(n, k, dtype, blocking=blocking)
                     funcs[str(f.attrs["global_symbol"])] = f
-                    amx.append({"name": str(f.attrs["global_symbol"]), "shape": [n, k], "dtype": dtype})
+                    entry["variants"].append({"name": str(f.attrs["global_symbol"]),
+                                              "blocking": blocking.name or "default"})
+                amx.append(entry)
     read_elements = stream_read_elements(min_read_bytes, isa)
     funcs["helmc_stream_read"] = make_stream_read(read_elements, isa)
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
@@ -111,11 +121,54 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
         json.dump(manifest, f, indent=1)
 
 
+def machine_notes() -> dict:
+    """What can make DRAM figures differ between runs: CPU model, NUMA nodes, transparent huge pages."""
+    notes = {"numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*"))}
+    try:
+        notes["thp"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        pass
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            notes["cpu"] = line.split(":", 1)[1].strip()
+            break
+    return notes
+
+
+def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev) -> tuple[list, object]:
+    """(copies of one random [n, k] weight whose total is >= min_bytes, float64 of its values)."""
+    import numpy as np
+    from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
+    base = rng.standard_normal((n, k), dtype=np.float32) * 0.02
+    if dtype == "bfloat16":
+        host = bf16_bits_from_float32(base)
+        w64 = float32_from_bf16_bits(host).astype(np.float64)
+    else:
+        host = base.astype(np.float16)
+        w64 = host.astype(np.float64)
+    copies = max(1, -(-min_bytes // (n * k * 2)))
+    return [tensor_from_numpy(host, dtype, dev) for _ in range(copies)], w64
+
+
+def timed_rounds(fns: dict, rounds: int) -> dict:
+    """name -> seconds of each round's pass; rounds interleave the functions, alternating their order, each
+    after a pause so that the previous one's spinning worker threads are asleep."""
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            time.sleep(SETTLE_S)
+            t = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> dict:
     import numpy as np
     import torch
     import tvm.runtime
-    from helmc.runtime.tvm_tensors import numpy_from_tensor, tensor_from_numpy  # noqa: F401
+    from helmc.runtime.tvm_tensors import tensor_from_numpy
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
     lacking = [f for f in manifest["required_flags"] if f not in cpu_flags()]
@@ -133,19 +186,9 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
     partial = tvm.runtime.empty((1024,), "float32", dev)
     torch_buf = torch.from_dlpack(read_buf)
     read_fn = lib["helmc_stream_read"]
-
-    def best_gbs(fn, nbytes, reps=rounds):
-        best = 0.0
-        for _ in range(reps):
-            time.sleep(SETTLE_S)
-            t = time.perf_counter()
-            fn()
-            best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-        return best
-
     read_fn(read_buf, partial)
-    dram = max(best_gbs(lambda: read_fn(read_buf, partial), read_n * 4),
-               best_gbs(lambda: torch_buf.sum(), read_n * 4))
+    reads = timed_rounds({"helmc": lambda: read_fn(read_buf, partial), "torch": lambda: torch_buf.sum()}, rounds)
+    dram_all = [read_n * 4 / t / 1e9 for ts in reads.values() for t in ts]
     rng = np.random.default_rng(0)
     results = []
     for kern in manifest["kernels"]:
@@ -153,22 +196,15 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
         if wanted is not None and (n, k) not in wanted:
             continue
         dtype, nbytes = kern["dtype"], n * k * 2
-        copies = max(1, -(-min_bytes // nbytes))
-        base = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-        if dtype == "bfloat16":
-            from helmc.runtime.tvm_tensors import bf16_bits_from_float32
-            host = bf16_bits_from_float32(base)
-        else:
-            host = base.astype(np.float16)
-        weights = [tensor_from_numpy(host, dtype, dev) for _ in range(copies)]
-        # torch gets its own allocations (same values), so nothing about TVM's buffers can slow it down.
-        torch_weights = [torch.from_dlpack(w).clone() for w in weights]
+        weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, dev)
+        # torch reads the same memory as helmc: placement of pages cannot favour either.
+        torch_weights = [torch.from_dlpack(w) for w in weights]
         x32 = rng.standard_normal((1, k), dtype=np.float32)
         x, y = tensor_from_numpy(x32, "float32", dev), tvm.runtime.empty((1, n), "float32", dev)
         xt = torch.from_numpy(x32).to(torch_weights[0].dtype)
         fn = lib[kern["name"]]
         fn(x, weights[0], y)
-        ref = x32.astype(np.float64) @ torch_weights[0].to(torch.float64).numpy().T
+        ref = x32.astype(np.float64) @ w64.T
         err = float(np.abs(y.numpy() - ref).max() / np.abs(ref).max())
 
         def helmc_pass():
@@ -180,57 +216,72 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
                 torch.nn.functional.linear(xt, w)
 
         torch_pass()
-        helmc_gbs = torch_gbs = 0.0
-        for _ in range(rounds):  # interleaved, so both see the same background load
-            helmc_gbs = max(helmc_gbs, best_gbs(helmc_pass, nbytes * copies, 1))
-            torch_gbs = max(torch_gbs, best_gbs(torch_pass, nbytes * copies, 1))
-            dram = max(dram, best_gbs(lambda: read_fn(read_buf, partial), read_n * 4, 1))
-        results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(helmc_gbs, 2),
-                        "torch_gbs": round(torch_gbs, 2), "rel_err": err, "bytes_per_pass": nbytes * copies})
+        times = timed_rounds({"helmc": helmc_pass, "torch": torch_pass,
+                              "dram": lambda: read_fn(read_buf, partial)}, rounds)
+        dram_all += [read_n * 4 / t / 1e9 for t in times["dram"]]
+        gbs = {name: [nbytes * len(weights) / t / 1e9 for t in ts] for name, ts in times.items() if name != "dram"}
+        results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(max(gbs["helmc"]), 2),
+                        "torch_gbs": round(max(gbs["torch"]), 2),
+                        "helmc_gbs_median": round(float(np.median(gbs["helmc"])), 2),
+                        "torch_gbs_median": round(float(np.median(gbs["torch"])), 2),
+                        "rel_err": err, "bytes_per_pass": nbytes * len(weights)})
         del weights, torch_weights
-    amx = [amx_gemm_check(lib[k["name"]], *k["shape"], k["dtype"], rounds) for k in manifest.get("amx_gemm_kernels", [])
-           if wanted is None or tuple(k["shape"]) in wanted]
-    return {"dram_gbs": round(dram, 2), "results": results, "threads": threads, "l3_bytes": l3_bytes(),
-            "isa": manifest["isa"], "read_bytes": read_n * 4, "amx_gemm": amx}
+    amx = [amx_gemm_check(lib, entry, rounds, min_bytes) for entry in manifest.get("amx_gemm_kernels", [])
+           if wanted is None or tuple(entry["shape"]) in wanted]
+    return {"dram_gbs": round(max(dram_all), 2), "dram_gbs_median": round(float(np.median(dram_all)), 2),
+            "results": results, "threads": threads, "l3_bytes": l3_bytes(), "isa": manifest["isa"],
+            "read_bytes": read_n * 4, "statistic": f"best of {rounds} interleaved rounds (median in *_median)",
+            "machine": machine_notes(), "amx_gemm": amx}
 
 
-def amx_gemm_check(fn, n: int, k: int, dtype: str, rounds: int, prompt: int = 128) -> dict:
-    """The AMX prefill GEMM against float64 (odd token counts too) and against torch's linear in bf16 (the
-    issue's reference) with the same weight values."""
+def amx_gemm_check(lib, entry: dict, rounds: int, min_bytes: int, prompt: int = 128) -> dict:
+    """Each blocking variant of one shape's AMX prefill GEMM against float64 (1 to 200 tokens: token tails,
+    a second token chunk) and its time for a `prompt`-token GEMM beside torch's linear in bf16 (the issue's
+    reference), both cycling through the same weight copies (>= min_bytes: read from DRAM, as in a prefill)."""
     import numpy as np
     import torch
     import tvm.runtime
-    from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
+    from helmc.runtime.tvm_tensors import tensor_from_numpy
     dev = tvm.runtime.cpu()
+    (n, k), dtype = entry["shape"], entry["dtype"]
     rng = np.random.default_rng(n + k)
-    vals = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-    if dtype == "bfloat16":
-        bits = bf16_bits_from_float32(vals)
-        w, w64 = tensor_from_numpy(bits, dtype, dev), float32_from_bf16_bits(bits).astype(np.float64)
-    else:
-        w, w64 = tensor_from_numpy(vals.astype(dtype), dtype, dev), vals.astype(dtype).astype(np.float64)
-    err = 0.0
-    for tokens in (1, 5, 33, prompt):
+    weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, dev)
+    fns = {v["blocking"]: lib[v["name"]] for v in entry["variants"]}
+    errs = {}
+    for tokens in (1, 5, 33, prompt, 200):
         x32 = rng.standard_normal((tokens, k), dtype=np.float32)
-        y = tvm.runtime.empty((tokens, n), "float32", dev)
-        fn(tensor_from_numpy(x32, "float32", dev), w, y)
         ref = x32.astype(np.float64) @ w64.T
-        err = max(err, float(np.abs(y.numpy() - ref).max() / np.abs(ref).max()))
-    x, tw = tensor_from_numpy(x32, "float32", dev), torch.from_dlpack(w).to(torch.bfloat16)
+        for name, fn in fns.items():
+            y = tvm.runtime.empty((tokens, n), "float32", dev)
+            fn(tensor_from_numpy(x32, "float32", dev), weights[0], y)
+            errs[name] = max(errs.get(name, 0.0), float(np.abs(y.numpy() - ref).max() / np.abs(ref).max()))
+    x32 = rng.standard_normal((prompt, k), dtype=np.float32)
+    x, y = tensor_from_numpy(x32, "float32", dev), tvm.runtime.empty((prompt, n), "float32", dev)
+    torch_weights = [torch.from_dlpack(w) if dtype == "bfloat16" else torch.from_dlpack(w).to(torch.bfloat16)
+                     for w in weights]
     xt = torch.from_numpy(x32).to(torch.bfloat16)
-    best, best_torch = 1e9, 1e9
-    for _ in range(rounds):
-        time.sleep(SETTLE_S)
-        t = time.perf_counter()
-        fn(x, w, y)
-        best = min(best, time.perf_counter() - t)
-        time.sleep(SETTLE_S)
-        t = time.perf_counter()
-        torch.nn.functional.linear(xt, tw)
-        best_torch = min(best_torch, time.perf_counter() - t)
+
+    def helmc_pass(fn):
+        return lambda: [fn(x, w, y) for w in weights]
+
+    passes = {name: helmc_pass(fn) for name, fn in fns.items()}
+    passes["torch_bf16"] = lambda: [torch.nn.functional.linear(xt, w) for w in torch_weights]
+    for p in passes.values():
+        p()
+    times = timed_rounds(passes, rounds)
+    per_call = {name: [t / len(weights) for t in ts] for name, ts in times.items()}
     flops = 2.0 * prompt * n * k
-    return {"shape": [n, k], "dtype": dtype, "tokens": prompt, "rel_err": err, "helmc_ms": round(best * 1e3, 3),
-            "torch_bf16_ms": round(best_torch * 1e3, 3), "helmc_tflops": round(flops / best / 1e12, 2)}
+    torch_ms = min(per_call["torch_bf16"]) * 1e3
+    variants = [{"blocking": name, "rel_err": errs[name], "helmc_ms": round(min(per_call[name]) * 1e3, 3),
+                 "helmc_ms_median": round(float(np.median(per_call[name])) * 1e3, 3),
+                 "helmc_tflops": round(flops / min(per_call[name]) / 1e12, 2),
+                 "speedup_vs_torch_bf16": round(torch_ms / (min(per_call[name]) * 1e3), 3)} for name in fns]
+    best = min(variants, key=lambda v: v["helmc_ms"])
+    return {"shape": [n, k], "dtype": dtype, "tokens": prompt, "weight_copies": len(weights),
+            "rel_err": max(errs.values()), "helmc_ms": variants[0]["helmc_ms"], "best_blocking": best["blocking"],
+            "best_ms": best["helmc_ms"], "torch_bf16_ms": round(torch_ms, 3),
+            "torch_bf16_ms_median": round(float(np.median(per_call["torch_bf16"])) * 1e3, 3),
+            "helmc_tflops": variants[0]["helmc_tflops"], "variants": variants}
 
 
 def main() -> None:
@@ -244,6 +295,8 @@ def main() -> None:
     ap.add_argument("--l3-bytes", type=int, help="size the DRAM read for this L3 (default: this machine's)")
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--amx-variants", default="8b",
+                    help="models whose shapes get every AMX GEMM blocking variant (others: the default)")
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
@@ -257,7 +310,8 @@ def main() -> None:
     else:
         features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_gemv_bench_{os.getpid()}")
-        build(out_dir, features, models, 4 * (args.l3_bytes or target_l3))
+        build(out_dir, features, models, 4 * (args.l3_bytes or target_l3),
+              [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3])
         if args.build_only:
             print(f"built {out_dir}: run there with  python scripts/bench_cpu_gemv.py --run-only {out_dir}")
             return
@@ -267,15 +321,19 @@ def main() -> None:
         return
     print(f"DRAM read {report['dram_gbs']:.1f} GB/s over {report['read_bytes'] >> 20} MiB "
           f"(L3 {report['l3_bytes'] >> 20} MiB), {threads} threads, ISA {report['isa']}")
-    print(f"{'shape (N x K)':>16} {'dtype':>9} {'helmc GB/s':>11} {'% DRAM':>7} {'torch GB/s':>11} {'rel err':>9}")
+    print(f"{'shape (N x K)':>16} {'dtype':>9} {'helmc GB/s':>11} {'% DRAM':>7} {'torch GB/s':>11} {'rel err':>9}"
+          f"   medians: helmc / torch")
     for r in report["results"]:
         n, k = r["shape"]
         print(f"{n:>7} x {k:<7}{r['dtype']:>9} {r['helmc_gbs']:>11.1f} {100 * r['helmc_gbs'] / report['dram_gbs']:>6.0f}%"
-              f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e}")
+              f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e}   {r['helmc_gbs_median']:.1f} / {r['torch_gbs_median']:.1f}")
     for r in report["amx_gemm"]:
         n, k = r["shape"]
-        print(f"AMX GEMM {n} x {k} {r['dtype']}, {r['tokens']} tokens: {r['helmc_ms']:.2f} ms ({r['helmc_tflops']:.1f} TFLOPS), "
-              f"torch bf16 {r['torch_bf16_ms']:.2f} ms; rel err vs float64 {r['rel_err']:.1e} (tokens 1/5/33/128)")
+        print(f"AMX GEMM {n} x {k} {r['dtype']}, {r['tokens']} tokens from DRAM: torch bf16 {r['torch_bf16_ms']:.2f} ms; "
+              f"rel err vs float64 {r['rel_err']:.1e} (1-200 tokens)")
+        for v in r["variants"]:
+            print(f"    {v['blocking']:>8}: {v['helmc_ms']:.2f} ms (median {v['helmc_ms_median']:.2f}, "
+                  f"{v['helmc_tflops']:.1f} TFLOPS, {v['speedup_vs_torch_bf16']:.2f}x torch)")
 
 
 if __name__ == "__main__":

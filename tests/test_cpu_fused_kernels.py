@@ -17,7 +17,8 @@ tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy  # noqa: E402
 from helmc.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
-from helmc.schedules.cpu.gemm_amx import amx_gemm_applies, make_gemm_amx  # noqa: E402
+from helmc.schedules.cpu.gemm_amx import (BLOCKING_VARIANTS, AmxBlocking, amx_gemm_applies,  # noqa: E402
+                                          k_block_dividing, make_gemm_amx)
 from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
 
@@ -110,6 +111,41 @@ def test_amx_gemm_loops_match_float64_with_emulated_tiles(dtype, tokens, n, k):
     assert err <= 1e-4   # the hi/lo splits keep ~16 bits of each activation (and every bit of fp16 weights)
 
 
+# A blocking small enough that the test shapes span several K blocks, token chunks and panel groups.
+SMALL_BLOCKS = dict(k_block=64, tasks=3, token_chunk=64)
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype,pack,prefetch", [("bfloat16", True, True), ("float16", True, True),
+                                                 ("bfloat16", False, False)])
+@pytest.mark.parametrize("tokens", [70, 31])
+def test_amx_gemm_blocking_tails_match_float64_with_emulated_tiles(dtype, pack, prefetch, tokens):
+    """K = 192 in three K blocks (partial sums through the C buffer), 160 rows = 5 panels over 3 tasks
+    (groups of 2, 2, 1), 70 tokens = a full 64-token chunk and a 6-token one (padded to 32), 31 tokens =
+    one partial chunk; with packed (bf16 copy / fp16 hi-lo) and direct weight tiles, with and without the
+    next-panel prefetch."""
+    n, k = 160, 192
+    rng = np.random.default_rng(tokens * 11 + (dtype == "float16"))
+    dev = tvm.cpu()
+    w, w64 = random_weight(rng, n, k, dtype)
+    x = rng.standard_normal((tokens, k), dtype=np.float32)
+    y = tvm.runtime.empty((tokens, n), "float32", dev)
+    blocking = AmxBlocking(pack_bf16=pack, prefetch=prefetch, **SMALL_BLOCKS)
+    assert k_block_dividing(k, blocking.k_block) == 64
+    call(make_gemm_amx(n, k, dtype, emulate=True, blocking=blocking), AVX2, tensor_from_numpy(x, "float32", dev), w, y)
+    err = rel_err(y.numpy(), x.astype(np.float64) @ w64.T)
+    print(f"amx gemm {dtype} (emulated, K blocks of 64, chunks of 64) tokens={tokens} n={n} k={k}: rel err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_k_block_divides_k():
+    assert k_block_dividing(4096, 256) == 256 and k_block_dividing(9728, 512) == 512
+    assert k_block_dividing(96, 64) == 32 and k_block_dividing(32, 256) == 32 and k_block_dividing(4800, 256) == 192
+    for k in (32, 96, 2560, 9728, 17408, 4800):
+        kc = k_block_dividing(k, 256)
+        assert kc % 32 == 0 and k % kc == 0 and kc <= 256, (k, kc)
+
+
 def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
     spr, avx512 = select_isa(SPR_AMX), select_isa(tuple(f for f in SPR_AMX if not f.startswith("amx")))
     assert spr.has_amx_bf16 and not avx512.has_amx_bf16 and not select_isa(AVX2).has_amx_bf16
@@ -122,5 +158,21 @@ def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
     for dtype in ("bfloat16", "float16"):
         lib = tvm.compile(make_gemm_amx(64, 128, dtype), target=llvm_target(SPR_AMX))
         asm = lib.mod.inspect_source("asm")
-        for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+        for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease", "prefetcht1"):
             assert instr in asm, f"AMX {dtype} build lacks {instr}"
+
+
+def test_amx_gemm_variants_compile_with_distinct_symbols():
+    """Every blocking the benchmark compares builds for the AMX target under its own name; the products per
+    32-k step are 8 (bf16: W.xhi + W.xlo on 2 x 2 C tiles) and 12 (fp16: + the weights' lo half)."""
+    import re
+    names = set()
+    for blocking in BLOCKING_VARIANTS:
+        for dtype, products in (("bfloat16", 8), ("float16", 12)):
+            func = make_gemm_amx(1024, 512, dtype, blocking=blocking)
+            names.add(str(func.attrs["global_symbol"]))
+            asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
+            dots = len(re.findall(r"\btdpbf16ps\b", asm))
+            assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
+            assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
+    assert len(names) == 2 * len(BLOCKING_VARIANTS)

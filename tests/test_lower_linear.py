@@ -141,6 +141,12 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
         assert item.kernel.startswith("helmc_gemm_amx_bf16_") == whole, item   # the block's weights are bf16
     assert any(i.kernel.startswith("helmc_gemm_amx_") for i in prefill)
     assert not any("amx" in i.kernel for i in lower_linear_with_report(mod, AVX2)[1])
+    # The target's core count sets the AMX GEMM's parallel tasks: one contiguous group of 32-row panels each.
+    out, report = lower_linear_with_report(mod, amx, cores=3)
+    for item in {i.kernel: i for i in report if "amx" in i.kernel}.values():
+        panels = item.out_features // 32
+        tasks = -(-panels // -(-panels // 3))
+        assert f"for task in T.parallel({tasks}):" in out[item.kernel].script(), (item, tasks)
 
 
 def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():

@@ -4,29 +4,42 @@ Why: on the GPU machine's 16-core Xeon, torch's bf16 CPU path runs a 128-token Q
 AMX while the fp32-FMA GEMM (gemm.py) needs ~60 ms; a prompt's prefill through the CPU blocks is what
 long contexts wait for. Selected only when the target's CPU features list amx_tile and amx_bf16.
 
-Formulation: y^T = W . x^T, so W needs no repacking.
-  A tile (16 weight rows x 32 k, bf16) is loaded straight from HF's row-major [N, K] weight (stride K * 2 B).
+Formulation: y^T = W . x^T, so HF's row-major [N, K] weight is the A operand as stored.
+  A tile (16 weight rows x 32 k, bf16).
   B tile (32 k x 16 tokens) must be in AMX's pair-interleaved ("VNNI") layout: B[kp][2 t + e] = x[t][2 kp + e].
-    The fp32 activations are packed into that layout once per call (a pass over tokens x K, small next to
-    the weights), split as x = hi + lo with hi = bf16(x) and lo = bf16(x - hi): two products per tile give
-    the activations ~16 mantissa bits, so the result matches an fp32 GEMM on bf16 weights to ~1e-5 instead
-    of bf16 activations' ~3e-3 (the CPU stage's numerics test asks for 1e-3).
-  C tile (16 weight rows x 16 tokens, fp32) accumulates over all of K in the tile register, then is stored
-    transposed into y.
-fp16 weights (these CPUs have bf16 tiles only): each task first splits its 32 x K panel into bf16 hi + lo
-    (exact for every fp16 value) in a workspace it keeps in L2, and adds Whi.xhi + Whi.xlo + Wlo.xhi
-    (the dropped Wlo.xlo is ~2^-16 of the result): 1.5x the tile products of bf16, still on AMX.
-Register use: C 2x2 tiles (tmm0-3), A 2 tiles (tmm4-5), B 2 tiles (tmm6-7: hi, then lo, of 2 token blocks).
-Parallel over blocks of 32 weight rows; each task keeps its 32 x K weight panel in L2 across token blocks.
-Tokens are padded to a multiple of 32 with zero rows in the packed copy; stores skip the padding.
+    The fp32 activations are packed into that layout once per call, split as x = hi + lo with hi = bf16(x)
+    and lo = bf16(x - hi): two products per tile give the activations ~16 mantissa bits, so the result
+    matches an fp32 GEMM on bf16 weights to ~1e-5 instead of bf16 activations' ~3e-3 (the issue asks 1e-3).
+  C tile (16 weight rows x 16 tokens, fp32), stored transposed into y at the end.
+fp16 weights (these CPUs have bf16 tiles only): each panel is split into bf16 hi + lo (exact for every fp16
+  value) while it is packed, and the step adds Whi.xhi + Whi.xlo + Wlo.xhi (the dropped Wlo.xlo is ~2^-16 of y).
+Registers: C 2 x 2 tiles (tmm0-3: 32 weight rows x 32 tokens), A 2 tiles (tmm4-5), B 2 tiles (tmm6-7).
+
+Blocking (measured cause of the first version's 1-6 TFLOP/s on 16 cores: every 32-row task streamed all
+packed activations, 2-6 MB, from L3 -- 768 MB of L3 reads for a 128 x 4096 x 12288 GEMM):
+  parallel over `tasks` contiguous groups of 32-row panels (one group per core), so each core reads the
+    packed activations from L3 once per K block instead of once per panel;
+  K in blocks of `k_block`: the activations of one block for a token chunk (128 tokens x 256 k x hi/lo =
+    128 KiB) stay in L2 across the group's panels; C partial sums go to a per-task fp32 buffer between
+    K blocks (tileloadd / tilestored, L2-resident);
+  per panel and K block, the weights (32 rows x k_block) are copied -- fp16: split -- into contiguous tiles
+    (16-32 KiB, L1), so the tile loads reused across token blocks hit L1 instead of 16 rows 8 KiB apart
+    (which alias one L1 set and 16 L2 set groups for K = 4096);
+  the next panel's weight rows are software-prefetched into L2 during the current panel's products, so
+    DRAM is read evenly over the run instead of in bursts;
+  tokens in chunks of `token_chunk` (the C buffer's size); longer prompts re-read the weights per chunk.
+The activations are packed by a vectorised conversion of 16 tokens x 32 k per tile and a 32-bit transpose
+through a stack buffer (the first version converted element by element).
 
 Linux gives AMX state only to processes that ask (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
 the kernel asks on every call (idempotent, one syscall) and fails with a clear error if refused.
 
 `emulate=True` builds the same loops with each tile instruction replaced by its definition in plain TIR
-(tiles as stack arrays), so the packing, indexing and tails are tested on CPUs without AMX.
+(tiles as stack arrays), so the packing, indexing, K blocks, chunks and tails are tested on CPUs without AMX.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -36,15 +49,61 @@ from .weight_load import STACK
 
 TILE_ROWS = 16          # rows of every tile
 TILE_K = 32             # bf16 elements per A row (64 bytes)
-PANEL_ROWS = 32         # weight rows per task: two A tiles
+PANEL_ROWS = 32         # weight rows per panel: two A tiles
 TOKEN_BLOCK = 32        # tokens per C column pair: two B tiles
+A_TILE = TILE_ROWS * TILE_K      # uint16 elements in an A or B tile (1 KiB)
+C_TILE = TILE_ROWS * 16          # fp32 elements in a C tile (1 KiB)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@dataclass(frozen=True)
+class AmxBlocking:
+    """Cache blocking of the AMX GEMM (see the module docstring)."""
+    name: str = ""              # suffix of the kernel symbol ("" for the default blocking)
+    k_block: int = 256          # K per block: rounded down to a multiple of 32 that divides K
+    tasks: int = 16             # parallel tasks = the target's cores; each takes a contiguous group of panels
+    token_chunk: int = 128      # tokens per pass over the weights (multiple of 32)
+    prefetch: bool = True       # prefetch the next panel's weight rows into L2 while computing this one
+    pack_bf16: bool = True      # bf16: copy each panel block into contiguous tiles (fp16 always packs)
+
+    def __post_init__(self):
+        assert self.k_block >= TILE_K and self.tasks >= 1, self
+        assert self.token_chunk >= TOKEN_BLOCK and self.token_chunk % TOKEN_BLOCK == 0, self
+        assert self.name == "" or self.name.isidentifier(), self
+
+
+DEFAULT_BLOCKING = AmxBlocking()
+# Alternatives a benchmark on the target can compare against the default (scripts/bench_cpu_gemv.py builds all).
+BLOCKING_VARIANTS = (
+    DEFAULT_BLOCKING,
+    AmxBlocking(name="kc512", k_block=512),
+    AmxBlocking(name="nopf", prefetch=False),
+    AmxBlocking(name="direct", pack_bf16=False),
+)
+
+
+def blocking_named(name: str) -> AmxBlocking:
+    """The variant of BLOCKING_VARIANTS called `name` ("default": DEFAULT_BLOCKING)."""
+    for blocking in BLOCKING_VARIANTS:
+        if (blocking.name or "default") == name:
+            return blocking
+    from helmc.errors import HelmcError
+    raise HelmcError(f"AMX GEMM blocking: expected one of {[b.name or 'default' for b in BLOCKING_VARIANTS]}, "
+                     f"found {name!r}")
 
 
 def amx_gemm_applies(n: int, k: int, weight_dtype: str, isa: VectorIsa) -> bool:
     """AMX for bf16 and fp16 weights in whole 32 x 32 tiles; anything else goes to gemm.py."""
     return (isa.has_amx_bf16 and weight_dtype in ("bfloat16", "float16")
             and n % PANEL_ROWS == 0 and k % TILE_K == 0)
+
+
+def k_block_dividing(k: int, target: int) -> int:
+    """Largest multiple of 32 <= target dividing k (k itself a multiple of 32): every K block is whole."""
+    for kc in range(min(target, k) // TILE_K * TILE_K, 0, -TILE_K):
+        if k % kc == 0:
+            return kc
+    return TILE_K
 
 
 def _to_bf16_bits(value):
@@ -54,22 +113,97 @@ def _to_bf16_bits(value):
     return T.Cast("uint16", rounded >> T.uint32(16))
 
 
+def _high_half(value):
+    """fp32 -> bf16 bits by truncation: exact when the value has at most 8 significant bits."""
+    return T.Cast("uint16", T.reinterpret("uint32", value) >> T.uint32(16))
+
+
 def _bf16_value(bits):
     return T.reinterpret("float32", T.shift_left(T.Cast("uint32", bits), T.uint32(16)))
 
 
-def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool = False) -> tirx.PrimFunc:
+def _tile_ops(emulate: bool):
+    """Macros for the tile instructions; with `emulate` their definitions on stack arrays (ta: 8 x 16 x 32
+    uint16 for A/B registers, tc: 4 x 16 x 16 fp32 for C). Offsets are into flat buffers, strides in elements."""
+
+    @T.macro
+    def load16(ta, reg, buf, off, stride):          # A/B tile of 16 rows x 32 uint16
+        if emulate:
+            for i in T.serial(TILE_ROWS):
+                for c in T.serial(TILE_K):
+                    ta[reg * A_TILE + i * TILE_K + c] = buf[off + i * stride + c]
+        else:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.Cast("int8", reg),
+                                          T.address_of(buf[off]), T.Cast("int64", stride * 2)))
+
+    @T.macro
+    def load_c(tc, reg, buf, off):
+        if emulate:
+            for i in T.serial(C_TILE):
+                tc[reg * C_TILE + i] = buf[off + i]
+        else:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.Cast("int8", reg),
+                                          T.address_of(buf[off]), T.int64(64)))
+
+    @T.macro
+    def store_c(tc, reg, buf, off):
+        if emulate:
+            for i in T.serial(C_TILE):
+                buf[off + i] = tc[reg * C_TILE + i]
+        else:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.Cast("int8", reg),
+                                          T.address_of(buf[off]), T.int64(64)))
+
+    @T.macro
+    def zero_c(tc, reg):
+        if emulate:
+            for i in T.serial(C_TILE):
+                tc[reg * C_TILE + i] = T.float32(0)
+        else:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.Cast("int8", reg)))
+
+    @T.macro
+    def dot(ta, tc, c, a, b):                        # C[c] += A[a] . B[b] (bf16 pairs, fp32 sums)
+        if emulate:
+            for i in T.serial(TILE_ROWS):
+                for j in T.serial(16):
+                    for kp in T.serial(TILE_ROWS):
+                        tc[c * C_TILE + i * 16 + j] = tc[c * C_TILE + i * 16 + j] + \
+                            _bf16_value(ta[a * A_TILE + i * TILE_K + 2 * kp]) * \
+                            _bf16_value(ta[b * A_TILE + kp * TILE_K + 2 * j]) + \
+                            _bf16_value(ta[a * A_TILE + i * TILE_K + 2 * kp + 1]) * \
+                            _bf16_value(ta[b * A_TILE + kp * TILE_K + 2 * j + 1])
+        else:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.Cast("int8", c),
+                                          T.Cast("int8", a), T.Cast("int8", b)))
+
+    return load16, load_c, store_c, zero_c, dot
+
+
+def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool = False,
+                  blocking: AmxBlocking | None = None) -> tirx.PrimFunc:
+    """The token count is a symbolic dimension of x and y, so one kernel serves every prompt length."""
     assert n % PANEL_ROWS == 0 and k % TILE_K == 0, (n, k)
     assert weight_dtype in ("bfloat16", "float16"), weight_dtype
+    blk = blocking or DEFAULT_BLOCKING
     fp16 = weight_dtype == "float16"
-    a_parts = 2 if fp16 else 1        # fp16 weights: hi and lo bf16 halves (exact); bf16: the weight itself
-    k_blocks = k // TILE_K
-    tasks = n // PANEL_ROWS
-    w_stride = T.int64(k * 2)
+    parts = 2 if fp16 else 1          # fp16 weights: hi and lo bf16 halves (exact); bf16: the weight itself
+    pack = fp16 or blk.pack_bf16
+    prefetch = blk.prefetch
+    k_blocks = k // TILE_K            # 32-wide k steps in all of K
+    kc = k_block_dividing(k, blk.k_block)
+    kcb = kc // TILE_K                # k steps per K block
+    nkc = k // kc
+    panels = n // PANEL_ROWS
+    group = -(-panels // blk.tasks)   # panels per task
+    tasks = -(-panels // group)
+    chunk = blk.token_chunk
+    chunk_tiles = chunk // 16         # 16-token B tiles per chunk
+    acc_len = group * chunk_tiles * 2 * C_TILE if nkc > 1 else 1
+    ws_len = kcb * parts * 2 * A_TILE if pack else 1
     load_dt = "float16" if fp16 else "uint16"
-    # fp16: a workspace (512 KiB-1.5 MiB per task, too big for a stack); bf16 never touches it.
-    panel_shape = (a_parts, 2, k_blocks, TILE_ROWS, TILE_K) if fp16 else (1,)
-    panel_annotations = {} if fp16 else STACK
+    load16, load_c, store_c, zero_c, dot = _tile_ops(emulate)
+    emu_a, emu_c = (8 * A_TILE, 4 * C_TILE) if emulate else (1, 1)
 
     @T.macro
     def tile_cfg(cfg):
@@ -80,6 +214,62 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
             cfg[16 + 2 * t] = T.uint8(64)           # bytes per row (little-endian uint16 low byte)
             cfg[48 + t] = T.uint8(TILE_ROWS)        # rows
 
+    @T.macro
+    def step(ta, tc, ws, wf, xp, task, p, kcx, s, tt):
+        """One 32-k step of a 32 x 32 C block; loads interleaved with products so that a B register is
+        reloaded as soon as the products reading it are issued. C register a * 2 + b, A 4 + a, B 6 + b."""
+        if pack:
+            load16(ta, 4, ws, ((s * parts) * 2) * A_TILE, TILE_K)
+            load16(ta, 5, ws, ((s * parts) * 2 + 1) * A_TILE, TILE_K)
+        else:
+            load16(ta, 4, wf, ((task * group + p) * PANEL_ROWS) * k + kcx * kc + s * TILE_K, k)
+            load16(ta, 5, wf, ((task * group + p) * PANEL_ROWS + 16) * k + kcx * kc + s * TILE_K, k)
+        # B tile (16-token tile tt + b, k step kcx * kcb + s, part): hi is part 0, lo part 1.
+        if fp16:
+            # Whi.xlo, then Whi.xhi, then Wlo.xhi: xhi stays in tmm6-7 for both of its products.
+            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 2, 5, 6)
+            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            dot(ta, tc, 1, 4, 7)
+            dot(ta, tc, 3, 5, 7)
+            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 2, 5, 6)
+            dot(ta, tc, 1, 4, 7)
+            load16(ta, 4, ws, ((s * 2 + 1) * 2) * A_TILE, TILE_K)
+            dot(ta, tc, 3, 5, 7)
+            load16(ta, 5, ws, ((s * 2 + 1) * 2 + 1) * A_TILE, TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 1, 4, 7)
+            dot(ta, tc, 2, 5, 6)
+            dot(ta, tc, 3, 5, 7)
+        else:
+            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 2, 5, 6)
+            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+            dot(ta, tc, 1, 4, 7)
+            dot(ta, tc, 3, 5, 7)
+            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 2, 5, 6)
+            dot(ta, tc, 1, 4, 7)
+            dot(ta, tc, 3, 5, 7)
+
+    @T.macro
+    def prefetch_next_panel(wl, next_row, next_col, tb2, s, per):
+        """Lines (k step s) of the panel block computed after this one, into L2. The token blocks of this
+        panel split its 32 rows between them (`per` each), so the whole next block arrives one panel ahead."""
+        for r in T.serial(per):
+            if tb2 * per + r < PANEL_ROWS:
+                T.evaluate(T.call_llvm_intrin(
+                    "void", "llvm.prefetch",
+                    T.address_of(wl[next_row + tb2 * per + r, next_col + s * TILE_K]),
+                    T.int32(0), T.int32(2), T.int32(1)))
+
     @T.prim_func
     def gemm(var_x: T.handle, w: T.Buffer((n, k), weight_dtype), var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
@@ -87,127 +277,103 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
         x = T.match_buffer(var_x, (tokens, k), "float32")
         y = T.match_buffer(var_y, (tokens, n), "float32")
         wl = T.decl_buffer((n, k), load_dt, data=w.data)
-        # Packed activations: [16-token block][k block][kp 16][token 16][pair 2], each tile 1 KiB contiguous.
-        xh = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2, k_blocks, TILE_ROWS, 32), "uint16")
-        xl = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2, k_blocks, TILE_ROWS, 32), "uint16")
+        wf = T.decl_buffer((n * k,), "uint16", data=w.data)          # A tiles straight from W (bf16, unpacked)
+        # Packed activations, flat: tile (16-token tile tt, k step kb, hi/lo part) of 16 kp x 16 tokens x 2
+        # at ((tt * k_blocks + kb) * 2 + part) * 512; tokens padded to a multiple of 32 with zeros.
+        xp = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * 2 * A_TILE,), "uint16")
+        xp32 = T.decl_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * 2 * (A_TILE // 2),),
+                             "uint32", data=xp.data)
         if not emulate:
             granted = T.call_extern("int64", "syscall", T.int64(SYS_ARCH_PRCTL), T.int64(ARCH_REQ_XCOMP_PERM),
                                     T.int64(XFEATURE_XTILEDATA))
             assert granted == T.int64(0), "AMX GEMM: Linux refused AMX tile state (arch_prctl XTILEDATA)"
         for kb in T.parallel(k_blocks):
-            for tb in T.serial(((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2):
-                for kp in T.serial(TILE_ROWS):
-                    for t in T.serial(16):
-                        for e in T.unroll(2):
-                            v = T.if_then_else(tb * 16 + t < tokens,
-                                               x[T.min(tb * 16 + t, tokens - 1), kb * TILE_K + kp * 2 + e],
-                                               T.float32(0))
-                            hi = _to_bf16_bits(v)
-                            xh[tb, kb, kp, t * 2 + e] = hi
-                            xl[tb, kb, kp, t * 2 + e] = _to_bf16_bits(v - _bf16_value(hi))
+            # 16 tokens x 32 k converted row by row (vectorised), then 32-bit pairs transposed into VNNI.
+            rows = T.alloc_buffer((2, 16, TILE_K), "uint16", scope="global", annotations=STACK)
+            rows32 = T.decl_buffer((2, 16, TILE_K // 2), "uint32", data=rows.data)
+            for tt in T.serial(((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2):
+                for t in T.serial(16):
+                    for c in T.vectorized(TILE_K):
+                        rows[0, t, c] = _to_bf16_bits(T.if_then_else(
+                            tt * 16 + t < tokens, x[T.min(tt * 16 + t, tokens - 1), kb * TILE_K + c], T.float32(0)))
+                    for c in T.vectorized(TILE_K):
+                        rows[1, t, c] = _to_bf16_bits(T.if_then_else(
+                            tt * 16 + t < tokens, x[T.min(tt * 16 + t, tokens - 1), kb * TILE_K + c], T.float32(0))
+                            - _bf16_value(rows[0, t, c]))
+                for part in T.serial(2):
+                    for kp in T.serial(TILE_ROWS):
+                        for t in T.serial(16):
+                            xp32[((tt * k_blocks + kb) * 2 + part) * (A_TILE // 2) + kp * 16 + t] = rows32[part, t, kp]
         for task in T.parallel(tasks):
             cfg = T.alloc_buffer((64,), "uint8", scope="global", annotations=STACK)
-            cst = T.alloc_buffer((4, TILE_ROWS, 16), "float32", scope="global", annotations=STACK)
-            # fp16 only: this task's 32-row panel as [hi/lo][A tile][k block] 16 x 32 bf16 tiles (a workspace).
-            panel = T.alloc_buffer(panel_shape, "uint16", annotations=panel_annotations)
-            # Emulation only: the 8 tile registers as arrays.
-            ta = T.alloc_buffer((8, TILE_ROWS, 32), "uint16", scope="global", annotations=STACK)
-            tc = T.alloc_buffer((4, TILE_ROWS, 16), "float32", scope="global", annotations=STACK)
-            if fp16:
-                for a in T.serial(2):
-                    for kb in T.serial(k_blocks):
-                        for i in T.serial(TILE_ROWS):
-                            # No let-bound temporary here: TVM 0.27's vectorizer got a let inside this loop wrong.
-                            for c in T.vectorized(TILE_K):
-                                panel[0, a, kb, i, c] = _to_bf16_bits(
-                                    T.Cast("float32", wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c]))
-                            for c in T.vectorized(TILE_K):
-                                panel[a_parts - 1, a, kb, i, c] = _to_bf16_bits(
-                                    T.Cast("float32", wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c])
-                                    - _bf16_value(panel[0, a, kb, i, c]))
+            cst = T.alloc_buffer((4 * C_TILE,), "float32", scope="global", annotations=STACK)
+            # This panel's K block as tiles [k step][part][A tile] (fp16: part 0 = hi, 1 = lo).
+            ws = T.alloc_buffer((ws_len,), "uint16", scope="global", annotations=STACK)
+            # C partial sums between K blocks: tile (panel in group, 16-token tile in chunk, A tile).
+            acc = T.alloc_buffer((acc_len,), "float32")
+            ta = T.alloc_buffer((emu_a,), "uint16", scope="global", annotations=STACK)   # emulation only
+            tc = T.alloc_buffer((emu_c,), "float32", scope="global", annotations=STACK)  # emulation only
             if not emulate:
                 tile_cfg(cfg)
                 T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
-            for tb2 in T.serial((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK):
-                if emulate:
-                    for c in T.serial(4):
-                        for i in T.serial(TILE_ROWS):
-                            for j in T.serial(16):
-                                tc[c, i, j] = T.float32(0)
-                else:
-                    for c in T.unroll(4):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.Cast("int8", c)))
-                for kb in T.serial(k_blocks):
-                    # Products: bf16 W.xhi + W.xlo; fp16 Whi.xhi + Whi.xlo + Wlo.xhi (Wlo.xlo is ~2^-16 of y).
-                    for ap in T.unroll(a_parts):
-                        if emulate:
+            for ch in T.serial((tokens + (chunk - 1)) // chunk):
+                blocks = T.min(chunk // TOKEN_BLOCK, (tokens - ch * chunk + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK)
+                gp = T.min(group, panels - task * group)      # panels of this task
+                per = (PANEL_ROWS + blocks - 1) // blocks     # next-panel rows prefetched per token block
+                for kcx in T.serial(nkc):
+                    for p in T.serial(gp):
+                        # The panel block after this one: the next panel, or the first of the next K block / chunk.
+                        next_row = (task * group + (kcx * gp + p + 1) % gp) * PANEL_ROWS
+                        next_col = ((kcx * gp + p + 1) // gp % nkc) * kc
+                        next_due = (kcx * gp + p + 1) // gp < nkc or ch * chunk + chunk < tokens
+                        if pack:
                             for a in T.serial(2):
                                 for i in T.serial(TILE_ROWS):
-                                    for c in T.serial(32):
+                                    for s in T.serial(kcb):
                                         if fp16:
-                                            ta[4 + a, i, c] = panel[ap, a, kb, i, c]
+                                            # hi = W's fp32 bits truncated to bf16, lo = W - hi: both exact (an
+                                            # fp16 significand has 11 bits, bf16 8). No let-bound temporary:
+                                            # TVM 0.27's vectorizer got a let inside this loop wrong.
+                                            for c in T.vectorized(TILE_K):
+                                                ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
+                                                    T.Cast("float32", wl[(task * group + p) * PANEL_ROWS + a * 16 + i,
+                                                                         kcx * kc + s * TILE_K + c]))
+                                            for c in T.vectorized(TILE_K):
+                                                ws[((s * 2 + 1) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
+                                                    T.Cast("float32", wl[(task * group + p) * PANEL_ROWS + a * 16 + i,
+                                                                         kcx * kc + s * TILE_K + c])
+                                                    - _bf16_value(ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c]))
                                         else:
-                                            ta[4 + a, i, c] = wl[task * PANEL_ROWS + a * 16 + i, kb * TILE_K + c]
-                        else:
-                            for a in T.unroll(2):
-                                if fp16:
-                                    T.evaluate(T.call_llvm_intrin(
-                                        "void", "llvm.x86.tileloadd64", T.Cast("int8", 4 + a),
-                                        T.address_of(panel[ap, a, kb, 0, 0]), T.int64(64)))
+                                            for c in T.vectorized(TILE_K):
+                                                ws[(s * 2 + a) * A_TILE + i * TILE_K + c] = wl[
+                                                    (task * group + p) * PANEL_ROWS + a * 16 + i, kcx * kc + s * TILE_K + c]
+                        for tb2 in T.serial(blocks):
+                            for c in T.unroll(4):
+                                if kcx == 0:
+                                    zero_c(tc, c)
                                 else:
-                                    T.evaluate(T.call_llvm_intrin(
-                                        "void", "llvm.x86.tileloadd64", T.Cast("int8", 4 + a),
-                                        T.address_of(wl[task * PANEL_ROWS + a * 16, kb * TILE_K]), w_stride))
-                        for bp in T.unroll(2):        # 0: hi, 1: lo half of the activations
-                            if ap + bp < 2:
-                                if emulate:
-                                    for b in T.serial(2):
-                                        for i in T.serial(TILE_ROWS):
-                                            for c in T.serial(32):
-                                                ta[6 + b, i, c] = T.if_then_else(bp == 0, xh[tb2 * 2 + b, kb, i, c],
-                                                                                 xl[tb2 * 2 + b, kb, i, c])
-                                    for a in T.serial(2):
-                                        for b in T.serial(2):
-                                            for i in T.serial(TILE_ROWS):
-                                                for j in T.serial(16):
-                                                    for kp in T.serial(TILE_ROWS):
-                                                        tc[a * 2 + b, i, j] = tc[a * 2 + b, i, j] + \
-                                                            _bf16_value(ta[4 + a, i, 2 * kp]) * _bf16_value(ta[6 + b, kp, 2 * j]) + \
-                                                            _bf16_value(ta[4 + a, i, 2 * kp + 1]) * _bf16_value(ta[6 + b, kp, 2 * j + 1])
-                                else:
-                                    for b in T.unroll(2):
-                                        if bp == 0:
-                                            T.evaluate(T.call_llvm_intrin(
-                                                "void", "llvm.x86.tileloadd64", T.Cast("int8", 6 + b),
-                                                T.address_of(xh[tb2 * 2 + b, kb, 0, 0]), T.int64(64)))
-                                        else:
-                                            T.evaluate(T.call_llvm_intrin(
-                                                "void", "llvm.x86.tileloadd64", T.Cast("int8", 6 + b),
-                                                T.address_of(xl[tb2 * 2 + b, kb, 0, 0]), T.int64(64)))
-                                    for a in T.unroll(2):
-                                        for b in T.unroll(2):
-                                            T.evaluate(T.call_llvm_intrin(
-                                                "void", "llvm.x86.tdpbf16ps", T.Cast("int8", a * 2 + b),
-                                                T.Cast("int8", 4 + a), T.Cast("int8", 6 + b)))
-                if emulate:
-                    for c in T.serial(4):
-                        for i in T.serial(TILE_ROWS):
-                            for j in T.serial(16):
-                                cst[c, i, j] = tc[c, i, j]
-                else:
-                    for c in T.unroll(4):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.Cast("int8", c),
-                                                      T.address_of(cst[c, 0, 0]), T.int64(64)))
-                for b in T.serial(2):
-                    for j in T.serial(16):
-                        if tb2 * TOKEN_BLOCK + b * 16 + j < tokens:
-                            for a in T.serial(2):
-                                for i in T.serial(TILE_ROWS):
-                                    y[tb2 * TOKEN_BLOCK + b * 16 + j, task * PANEL_ROWS + a * 16 + i] = \
-                                        cst[a * 2 + b, i, j]
+                                    load_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
+                            for s in T.serial(kcb):
+                                if prefetch and next_due:
+                                    prefetch_next_panel(wl, next_row, next_col, tb2, s, per)
+                                step(ta, tc, ws, wf, xp, task, p, kcx, s, (ch * chunk_tiles + tb2 * 2))
+                            if kcx == nkc - 1:
+                                for c in T.unroll(4):
+                                    store_c(tc, c, cst, c * C_TILE)
+                                for b in T.serial(2):
+                                    for j in T.serial(16):
+                                        if ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j < tokens:
+                                            for a in T.serial(2):
+                                                for i in T.vectorized(TILE_ROWS):   # a gather from cst
+                                                    y[ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j,
+                                                      (task * group + p) * PANEL_ROWS + a * 16 + i] = \
+                                                        cst[(a * 2 + b) * C_TILE + i * 16 + j]
+                            else:
+                                for c in T.unroll(4):
+                                    store_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
             if not emulate:
                 T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     short = "f16" if fp16 else "bf16"
-    name = f"helmc_gemm_amx_{short}_n{n}_k{k}" + ("_emulated" if emulate else "")
+    name = f"helmc_gemm_amx_{short}_n{n}_k{k}" + (f"_{blk.name}" if blk.name else "") + ("_emulated" if emulate else "")
     return gemm.with_attr("global_symbol", name)
