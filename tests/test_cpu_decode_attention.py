@@ -1,7 +1,7 @@
 """The CPU stage's compiled decode-attention kernel (schedules/cpu/decode_attention.py) and its use by KVCacheCPU.
 
 1. The kernel, compiled for AVX2, against float64 NumPy softmax attention on random fp16 / bf16 KV: GQA ratios
-   1, 4, 8 (tiny heads) and Qwen3-8B's layer (32 query heads, 8 KV heads, d 128); n in {1, 7, 300, 5000} rows
+   1, 3, 4, 8 (tiny heads) and Qwen3-8B's layer (32 query heads, 8 KV heads, d 128); n in {1, 7, 300, 5000} rows
    starting at row0 > 0 of a larger arena (5000 rows take several splits and a partial last chunk).
    Tolerance: relative error (max |diff| / max |ref|) <= 1e-3; fp32 accumulation lands near 1e-6.
 2. KVCacheCPU with the kernel equals KVCacheCPU without it (its NumPy path) over a prefill and decode steps,
@@ -27,8 +27,9 @@ AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 HOST = tuple(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), ()))
 pytestmark = pytest.mark.skipif(missing_flags(AVX2, HOST) != (), reason="this CPU lacks AVX2/FMA/F16C")
 
-# (h_a, h_kv, d): GQA 1, 4 and 8 on tiny heads, then Qwen3-8B's layer shape.
-SHAPES = [(2, 2, 16), (8, 2, 16), (8, 1, 32), (32, 8, 128)]
+# (h_a, h_kv, d): GQA 1, 4 and 8 on tiny heads, GQA 3 (its score blocks of 2 rows x 3 heads leave 2 of the 8
+# lane-tree inputs empty), then Qwen3-8B's layer shape.
+SHAPES = [(2, 2, 16), (8, 2, 16), (8, 1, 32), (6, 2, 16), (32, 8, 128)]
 DTYPES = ("float16", "bfloat16")
 ROW0 = 13
 ARENA_ROWS = ROW0 + 5000 + 3

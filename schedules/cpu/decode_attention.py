@@ -14,17 +14,21 @@ every K/V row among the G = h_a / h_kv query heads of its group (GQA), so each b
 
 Split-K ("flash decoding"): one parallel task per (KV head, split of the n rows); splits =
 clamp(n // MIN_SPLIT_ROWS, 1, max_splits), so with 8 KV heads all cores still get work. A task walks its rows
-in chunks of CHUNK: scores for the chunk (fp32, dot products vectorised over d and tree-summed), then the
-online-softmax update of eqs. 4.18-4.20 (m, s, acc) for all G heads, with exp as a vectorisable polynomial
-(LLVM would otherwise call libm's expf once per score), then P.V one block of output columns at a time so
-the G x block accumulators stay in vector registers (all of acc [G, d] did not: every FMA became a load and a
-store). V rows are prefetched while the chunk's scores are computed, because the column-block walk reads
-V with a stride of d between rows. Partials (m, s, acc) per (query head, split) go to a workspace; a second
-parallel loop merges them (the split-K merge of paged_attention.merge_partials).
+in chunks of CHUNK: scores for the chunk, TB = lanes / G rows at a time (each K piece widened once and used by
+the G query heads; the TB x G dot products keep one partial vector each, summed across lanes together by a
+shuffle transpose-add tree: lanes - 1 adds per `lanes` scores, where one horizontal sum per (row, head) cost
+log2(lanes) dependent store/reload steps each), then the online-softmax update of eqs. 4.18-4.20 (m, s, acc)
+for all G heads, with exp as a vectorisable polynomial (LLVM would otherwise call libm's expf once per
+score), then P.V one block of output columns at a time so the G x block accumulators stay in vector
+registers (all of acc [G, d] did not: every FMA became a load and a store). V rows of the chunk and K rows of
+the next chunk are prefetched while the scores are computed (the column-block walk reads V with a stride of
+d between rows). Partials (m, s, acc) per (query head, split) go to a workspace; a second parallel loop
+merges them (the split-K merge of paged_attention.merge_partials).
 
-Measured on the 2-core EPYC (AVX2, shared machine; scripts/bench_cpu_attention.py, KV evicted from the
-caches before every call): Qwen3-8B's layer at 32K context, fp16 KV, 11.9 ms (11.3 GB/s, 54% of the
-20.8 GB/s stream read) against 45.1 ms for the NumPy fp32 path; cache-resident on one core, 14 GB/s.
+Measured on the 2-core EPYC (AVX2, shared machine), Qwen3-8B's layer, fp16 KV, one thread, 4096 rows in
+cache, kernel called in a loop: 1.14 ms (14.7 GB/s of K+V) against 1.37 ms (12.3 GB/s) with one horizontal
+sum per (row, head). scripts/bench_cpu_attention.py (KV evicted before every call, 2 threads, 32K context):
+9.0-11.2 ms (12-15 GB/s) against 14.0-18.2 ms before (noisy: the machine is shared).
 """
 from __future__ import annotations
 
@@ -69,9 +73,9 @@ def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _dot_width(head_dim: int, isa: VectorIsa) -> int:
-    """fp32 lanes per partial-sum vector of a dot product: two registers where d allows (two FMA chains),
-    always a power of two dividing d so the tree sum needs no tail."""
-    w = 2 * isa.fp32_lanes
+    """fp32 lanes per partial-sum vector of a dot product: one register (a block's TB x G independent
+    chains hide the FMA latency), a power of two dividing d so the lane tree needs no tail."""
+    w = isa.fp32_lanes
     while w > 1 and head_dim % w:
         w //= 2
     return w
@@ -115,6 +119,72 @@ def _tree_reduce(width: int, combine):
     return reduce
 
 
+def _lane_tree(w: int, groups: int, block_rows: int, group_size: int):
+    """Macros summing `groups` x w partial vectors part[v, 0:w] across their lanes, w at a time.
+
+    transpose_add: level l pairs vectors (a, b) that each carry 2^(l-1) sources in segments of s = w / 2^(l-1)
+    lanes and adds each segment's two halves, a's sources first: two shuffles and one add per pair, so
+    w vectors become one vector holding the w full sums in source order (log2 w levels, w - 1 adds).
+    store_scores: sc[g, cb * TB + t] = scale * sum of part[g * TB + t] (NEG_BIG past the chunk's rows)."""
+    levels = w.bit_length() - 1
+    assert 1 << levels == w and levels <= 4, w
+
+    def idx(level: int, hi: bool) -> list[int]:
+        s = w >> (level - 1)
+        half = [j * s + t + (s // 2 if hi else 0) for j in range(1 << (level - 1)) for t in range(s // 2)]
+        return half + [w + i for i in half]
+
+    (l1, h1), (l2, h2), (l3, h3), (l4, h4) = [(idx(lv, False), idx(lv, True)) if lv <= levels else ([0], [0])
+                                              for lv in (1, 2, 3, 4)]
+    n1, n2, n3, n4 = (max(1, groups * w >> lv) for lv in (1, 2, 3, 4))
+    TB, G = block_rows, group_size
+
+    @T.macro
+    def transpose_add(part, lv1, lv2, lv3, lv4):
+        if levels >= 1:
+            for p in T.unroll(n1):
+                lv1[p, T.ramp(0, 1, w)] = (
+                    T.Shuffle([part[2 * p, T.ramp(0, 1, w)], part[2 * p + 1, T.ramp(0, 1, w)]], l1)
+                    + T.Shuffle([part[2 * p, T.ramp(0, 1, w)], part[2 * p + 1, T.ramp(0, 1, w)]], h1))
+        if levels >= 2:
+            for p in T.unroll(n2):
+                lv2[p, T.ramp(0, 1, w)] = (
+                    T.Shuffle([lv1[2 * p, T.ramp(0, 1, w)], lv1[2 * p + 1, T.ramp(0, 1, w)]], l2)
+                    + T.Shuffle([lv1[2 * p, T.ramp(0, 1, w)], lv1[2 * p + 1, T.ramp(0, 1, w)]], h2))
+        if levels >= 3:
+            for p in T.unroll(n3):
+                lv3[p, T.ramp(0, 1, w)] = (
+                    T.Shuffle([lv2[2 * p, T.ramp(0, 1, w)], lv2[2 * p + 1, T.ramp(0, 1, w)]], l3)
+                    + T.Shuffle([lv2[2 * p, T.ramp(0, 1, w)], lv2[2 * p + 1, T.ramp(0, 1, w)]], h3))
+        if levels >= 4:
+            for p in T.unroll(n4):
+                lv4[p, T.ramp(0, 1, w)] = (
+                    T.Shuffle([lv3[2 * p, T.ramp(0, 1, w)], lv3[2 * p + 1, T.ramp(0, 1, w)]], l4)
+                    + T.Shuffle([lv3[2 * p, T.ramp(0, 1, w)], lv3[2 * p + 1, T.ramp(0, 1, w)]], h4))
+
+    @T.macro
+    def store_scores(sc, part, lv1, lv2, lv3, lv4, cb, cnt, scale):
+        for g in T.unroll(G):
+            for t in T.unroll(TB):
+                if levels == 0:
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt, part[g * TB + t, 0] * scale,
+                                                  T.float32(NEG_BIG))
+                if levels == 1:
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
+                                                  lv1[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
+                if levels == 2:
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
+                                                  lv2[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
+                if levels == 3:
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
+                                                  lv3[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
+                if levels == 4:
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
+                                                  lv4[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
+
+    return transpose_add, store_scores, (n1, n2, n3, n4)
+
+
 def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, isa: VectorIsa,
                           max_splits: int = 4) -> tirx.PrimFunc:
     assert kv_dtype in KV_DTYPES, kv_dtype
@@ -123,6 +193,8 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
     h_a, h_kv, d = num_q_heads, num_kv_heads, head_dim
     G = h_a // h_kv
     w = _dot_width(d, isa)
+    TB = max(1, w // G)                 # rows per score block: TB x G partial vectors, about one per lane
+    NG = -(-(TB * G) // w)              # lane trees per block (1 unless G > w or w % G)
     DB = _pv_width(d, G, isa)
     itemsize = 4 if kv_dtype == "float32" else 2
     line_elems = 64 // itemsize
@@ -131,7 +203,8 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
     C = CHUNK
     assert C % lanes == 0
     cl = C // lanes
-    sum_dot = _tree_reduce(w, lambda a, b: a + b)
+    transpose_add, store_scores, (n1, n2, n3, n4) = _lane_tree(w, NG, TB, G)
+    CB = -(-C // TB)                    # score blocks per chunk; rows past the chunk score NEG_BIG
     sum_lanes = _tree_reduce(lanes, lambda a, b: a + b)
     max_lanes = _tree_reduce(lanes, T.max)
     PM = max_splits
@@ -156,15 +229,20 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
             m = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
             s = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
             acc = T.alloc_buffer((G, d), "float32", scope="global", annotations=STACK)
-            sc = T.alloc_buffer((G, C), "float32", scope="global", annotations=STACK)
-            part = T.alloc_buffer((G, w), "float32", scope="global", annotations=STACK)
+            sc = T.alloc_buffer((G, CB * TB), "float32", scope="global", annotations=STACK)
+            part = T.alloc_buffer((NG * w, w), "float32", scope="global", annotations=STACK)
+            lv1 = T.alloc_buffer((n1, w), "float32", scope="global", annotations=STACK)
+            lv2 = T.alloc_buffer((n2, w), "float32", scope="global", annotations=STACK)
+            lv3 = T.alloc_buffer((n3, w), "float32", scope="global", annotations=STACK)
+            lv4 = T.alloc_buffer((n4, w), "float32", scope="global", annotations=STACK)
+            kpiece = T.alloc_buffer((TB, w), "float32", scope="global", annotations=STACK)
             red = T.alloc_buffer((1, lanes), "float32", scope="global", annotations=STACK)
-            krow = T.alloc_buffer((w,), "float32", scope="global", annotations=STACK)
             rescale = T.alloc_buffer((G,), "float32", scope="global", annotations=STACK)
             stat = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)   # m_new, r
             h = task // splits
             lo = (task % splits) * per
             cnt_all = T.max(T.int64(0), T.min(n, lo + per) - lo)
+            last = row0 + lo + T.max(cnt_all, T.int64(1)) - T.int64(1)      # this task's last row
             for g in T.unroll(G):
                 m[g] = T.float32(NEG_BIG)
                 s[g] = T.float32(0)
@@ -173,27 +251,38 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
             for ch in T.serial((cnt_all + T.int64(C - 1)) // T.int64(C)):
                 base = row0 + lo + ch * T.int64(C)
                 cnt = T.min(T.int64(C), cnt_all - ch * T.int64(C))
-                # Scores of the chunk: one K row widened once, dotted with all G query heads.
-                for c in T.serial(C):
-                    for g in T.unroll(G):
+                # Scores of the chunk, TB rows at a time: each K piece is widened once and feeds the G query
+                # heads of its group; the TB x G dot products keep one partial vector each and are summed
+                # across lanes together by a transpose-add tree (one add per pair of vectors per level)
+                # instead of one horizontal sum per (row, head).
+                for cb in T.serial(CB):
+                    for v in T.unroll(NG * w):
                         for x in T.vectorized(w):
-                            part[g, x] = T.float32(0)
+                            part[v, x] = T.float32(0)
                     for dk in T.unroll(d // w):
-                        for x in T.vectorized(w):
-                            krow[x] = widen(k[h, base + T.min(T.int64(c), cnt - T.int64(1)), dk * w + x],
-                                            kv_dtype, f16c)
-                        for g in T.unroll(G):
+                        for t in T.unroll(TB):
                             for x in T.vectorized(w):
-                                part[g, x] = part[g, x] + q[h * G + g, dk * w + x] * krow[x]
-                    for g in T.unroll(G):
-                        sum_dot(part, g)
-                        sc[g, c] = T.Select(T.int64(c) < cnt, part[g, 0] * scale, T.float32(NEG_BIG))
+                                kpiece[t, x] = widen(k[h, base + T.min(T.int64(cb * TB + t), cnt - T.int64(1)),
+                                                       dk * w + x], kv_dtype, f16c)
+                        for t in T.unroll(TB):
+                            for g in T.unroll(G):
+                                for x in T.vectorized(w):
+                                    part[g * TB + t, x] = (part[g * TB + t, x]
+                                                           + q[h * G + g, dk * w + x] * kpiece[t, x])
+                    transpose_add(part, lv1, lv2, lv3, lv4)
+                    store_scores(sc, part, lv1, lv2, lv3, lv4, cb, cnt, scale)
                     # The P.V pass below walks V column block by column block (stride d between rows), a
-                    # pattern the hardware prefetchers ramp up slowly on; fetch this row's lines now.
-                    for ln in T.unroll(v_lines):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            v[h, base + T.min(T.int64(c), cnt - T.int64(1)), ln * line_elems]),
-                            T.int32(0), T.int32(3), T.int32(1)))
+                    # pattern the hardware prefetchers ramp up slowly on; fetch these rows' lines now.
+                    # K is read in order, but 16 cores stream 2 x h_kv x splits rows at once; fetching the next
+                    # chunk's K rows now keeps more lines in flight per core than the L2 streamer alone.
+                    for t in T.unroll(TB):
+                        for ln in T.unroll(v_lines):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                v[h, base + T.min(T.int64(cb * TB + t), cnt - T.int64(1)), ln * line_elems]),
+                                T.int32(0), T.int32(3), T.int32(1)))
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                k[h, T.min(base + T.int64(C + cb * TB + t), last), ln * line_elems]),
+                                T.int32(0), T.int32(3), T.int32(1)))
                 # Online softmax (eqs. 4.18-4.20): m_new = max(m, max_c e), r = exp(m - m_new),
                 # p = exp(e - m_new), s = r s + sum p, acc = r acc + p V.
                 for g in T.unroll(G):
