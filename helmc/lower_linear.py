@@ -20,6 +20,11 @@ Decode fusion (schedules/cpu/gemv_fused.py): GEMV linears of one function that r
 kernel launch (q/k/v: one multi-output GEMV), and a gate/up pair consumed only as
 `g * sigmoid(g) * u` becomes one GEMV that writes the SwiGLU product (the pair's outputs and the separate
 elementwise pass disappear). Each fused linear still gets its own LoweredLinear entry.
+Prefill fusion (gemm_amx.make_gemm_amx_multi): on an AMX target, up to three AMX GEMMs of one function that
+read the same 2-D x become one launch with one output each (q/k/v; gate/up), so the activations are packed
+once and the small k/v panels share the cores with q's instead of paying a packing pass and a fork/join of
+their own. The AMX blocking of each launch comes from gemm_amx.blocking_for(summed N, K, dtype) (measured per
+shape on the target), unless gemm_amx.BLOCKING_OVERRIDE is set (benchmarks comparing variants).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from tvm.relax.utils import copy_with_new_vars
 
 from helmc.schedules.cpu.gemm import make_gemm
 from helmc.schedules.cpu import gemm_amx
-from helmc.schedules.cpu.gemm_amx import AmxBlocking, amx_gemm_applies, make_gemm_amx
+from helmc.schedules.cpu.gemm_amx import AmxBlocking, amx_gemm_applies, make_gemm_amx, make_gemm_amx_multi
 from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv
 from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, make_gemv_swiglu
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
@@ -67,7 +72,7 @@ def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores
         # Fresh variables per function: a decode variant made by binding `seq` in the prefill function
         # shares its parameter Vars, which Relax's FuseOps rejects ("appears at multiple definition sites").
         fresh = copy_with_new_vars(func)
-        rewriter.plan = _plan_fusion(fresh)
+        rewriter.plan = _plan_fusion(fresh, rewriter.isa)
         new_func = rewriter.visit_expr(fresh)
         rewriter.builder_.update_func(gvar, relax.analysis.remove_all_unused(new_func))
     out = rewriter.builder_.get()
@@ -124,7 +129,9 @@ def match_linear(call: relax.Call, resolve) -> tuple[relax.Expr, relax.Expr] | N
 class _FusedGroup:
     """Linears of one function fused into one kernel, emitted where the first of them was bound."""
     kind: str                         # "multi": one output per linear | "swiglu": one output, g*sigmoid(g)*u
-    x: relax.Var                      # the shared input, (m, K) fp32 with static m <= GEMV_MAX_ROWS
+                                      # | "amx_multi": prefill GEMMs on AMX, one output per linear
+    x: relax.Var                      # the shared input, (m, K) fp32: static m <= GEMV_MAX_ROWS, or any
+                                      # (symbolic) m for "amx_multi"
     linears: tuple[relax.Var, ...]    # bound to the matmuls, in binding order ("swiglu": gate, up)
     weights: tuple[relax.Expr, ...]   # each linear's weight as stored (the astype/permute stripped)
     out: relax.Var | None = None      # "swiglu": the var bound to the final multiply
@@ -136,8 +143,9 @@ class _FusionPlan:
     dropped: frozenset                # vars whose bindings the group replaces
 
 
-def _plan_fusion(func: relax.Function) -> _FusionPlan:
-    """Find the decode GEMV linears that share x, and gate/up pairs used only as g * sigmoid(g) * u."""
+def _plan_fusion(func: relax.Function, isa: VectorIsa) -> _FusionPlan:
+    """Find the decode GEMV linears that share x, gate/up pairs used only as g * sigmoid(g) * u, and the
+    prefill linears on AMX that share x."""
     if not isinstance(func.body, relax.SeqExpr):
         return _FusionPlan({}, frozenset())
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
@@ -160,13 +168,19 @@ def _plan_fusion(func: relax.Function) -> _FusionPlan:
         if matched is None or not isinstance(matched[0], relax.Var) or matched[0].ty.ndim != 2:
             continue
         m = _static_int(matched[0].ty.shape.values[0])
-        if m is None or m > GEMV_MAX_ROWS:
-            continue
-        key = (matched[0], _dtype_name(matched[1].ty))
+        dtype = _dtype_name(matched[1].ty)
+        if m is not None and m <= GEMV_MAX_ROWS:
+            kind = "multi"
+        else:
+            n, k = (_static_int(d) for d in matched[1].ty.shape.values)
+            if not amx_gemm_applies(n, k, dtype, isa):
+                continue
+            kind = "amx_multi"
+        key = (matched[0], dtype, kind)
         by_x.setdefault(key, []).append((b.var, matched[1]))
     groups, dropped = {}, set()
-    for (x, _), members in by_x.items():
-        if len(members) == 2:
+    for (x, _, kind), members in by_x.items():
+        if kind == "multi" and len(members) == 2:
             swiglu = _match_swiglu(members, bindings, uses)
             if swiglu is not None:
                 (gate, wg), (up, wu), sig, gated, out = swiglu
@@ -178,7 +192,7 @@ def _plan_fusion(func: relax.Function) -> _FusionPlan:
             chunk = members[i:i + MULTI_MAX_WEIGHTS]
             if len(chunk) < 2:
                 continue
-            groups[chunk[0][0]] = _FusedGroup("multi", x, tuple(v for v, _ in chunk), tuple(w for _, w in chunk))
+            groups[chunk[0][0]] = _FusedGroup(kind, x, tuple(v for v, _ in chunk), tuple(w for _, w in chunk))
             dropped |= {v for v, _ in chunk[1:]}
     return _FusionPlan(groups, frozenset(dropped))
 
@@ -237,14 +251,20 @@ class _LinearRewriter(PyExprMutator):
     def _emit_fused_group(self, group: _FusedGroup) -> None:
         x = self.visit_expr(group.x)
         weights = [self.visit_expr(w) for w in group.weights]
-        m, k = (int(d) for d in x.ty.shape.values)
+        m, k = x.ty.shape.values[0], int(x.ty.shape.values[1])
         dtype = _dtype_name(weights[0].ty)
         ns = tuple(int(w.ty.shape.values[0]) for w in weights)
-        if group.kind == "swiglu":
+        if group.kind == "amx_multi":
+            key = ("gemm_amx_multi", ns, k, dtype)
+            make = lambda: make_gemm_amx_multi(ns, k, dtype, blocking=self._amx_blocking(sum(ns), k, dtype))  # noqa: E731
+            out_ty = [relax.TensorType([m, n], "float32") for n in ns]
+        elif group.kind == "swiglu":
+            m = int(m)
             key = ("swiglu", m, ns[0], k, dtype)
             make = lambda: make_gemv_swiglu(m, ns[0], k, dtype, self.isa)  # noqa: E731
             out_ty = relax.TensorType([m, ns[0]], "float32")
         else:
+            m = int(m)
             key = ("multi", m, ns, k, dtype)
             make = lambda: make_gemv_multi(m, ns, k, dtype, self.isa)  # noqa: E731
             out_ty = [relax.TensorType([m, n], "float32") for n in ns]
@@ -269,9 +289,10 @@ class _LinearRewriter(PyExprMutator):
         x, weight = matched
         return self._emit_kernel_call(x, weight)
 
-    def _amx_blocking(self) -> AmxBlocking:
-        """gemm_amx's default blocking (read when called: benchmarks may switch it), one task per core."""
-        blocking = gemm_amx.DEFAULT_BLOCKING
+    def _amx_blocking(self, n: int, k: int, dtype: str) -> AmxBlocking:
+        """gemm_amx's measured per-shape blocking, or its BLOCKING_OVERRIDE (read when called: benchmarks
+        may set it), with one task per core."""
+        blocking = gemm_amx.BLOCKING_OVERRIDE or gemm_amx.blocking_for(n, k, dtype)
         return blocking if self.cores is None else dataclasses.replace(blocking, tasks=self.cores)
 
     def _resolve(self, expr: relax.Expr) -> relax.Expr:
@@ -307,7 +328,7 @@ class _LinearRewriter(PyExprMutator):
             make = lambda: make_gemm(n, k, dtype, self.isa)  # noqa: E731
             if amx_gemm_applies(n, k, dtype, self.isa):
                 key = ("gemm_amx", n, k, dtype)
-                make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking())  # noqa: E731
+                make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking(n, k, dtype))  # noqa: E731
         if key not in self.kernels:
             prim = make()
             self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))

@@ -162,6 +162,7 @@ def worker_hf(args) -> None:
           "modules_on_gpu": on_gpu, "modules": len(dmap), "vram_peak_gib": vram.peak_gib})
     if args.warmup_tokens:
         _hf_generate(model, torch, prompt_ids(args.warmup_tokens, vocab, seed=1), 4)
+        torch.cuda.empty_cache()               # as after every context: cached blocks must not count against HF
     failed = None
     for ctx in args.contexts:
         rec = {"system": "hf", "context": ctx}

@@ -17,8 +17,9 @@ tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy  # noqa: E402
 from helmc.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
-from helmc.schedules.cpu.gemm_amx import (BLOCKING_VARIANTS, AmxBlocking, amx_gemm_applies,  # noqa: E402
-                                          k_block_dividing, make_gemm_amx)
+from helmc.schedules.cpu.gemm_amx import (BLOCKING_VARIANTS, MEASURED_BLOCKING, AmxBlocking,  # noqa: E402
+                                          amx_gemm_applies, blocking_for, blocking_named, k_block_dividing,
+                                          make_gemm_amx, make_gemm_amx_multi)
 from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
 
@@ -136,6 +137,54 @@ def test_amx_gemm_blocking_tails_match_float64_with_emulated_tiles(dtype, pack, 
     err = rel_err(y.numpy(), x.astype(np.float64) @ w64.T)
     print(f"amx gemm {dtype} (emulated, K blocks of 64, chunks of 64) tokens={tokens} n={n} k={k}: rel err {err:.2e}")
     assert err <= 1e-4
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype,ns,pack,tokens", [("bfloat16", (96, 32, 32), True, 70),
+                                                  ("float16", (64, 96), True, 33),
+                                                  ("bfloat16", (32, 64, 64), False, 31)])
+def test_amx_gemm_multi_matches_float64_with_emulated_tiles(dtype, ns, pack, tokens):
+    """One launch over 2-3 weights sharing x (prefill q/k/v, gate/up): panels of the concatenation split over
+    3 tasks in groups that straddle weights (e.g. 5 panels: {w0, w0}, {w0, w1}, {w2}), K in 3 blocks,
+    tokens in 64-token chunks; each y_i against float64."""
+    k = 192
+    rng = np.random.default_rng(tokens * 13 + len(ns))
+    dev = tvm.cpu()
+    weights = [random_weight(rng, n, k, dtype) for n in ns]
+    x = rng.standard_normal((tokens, k), dtype=np.float32)
+    ys = [tvm.runtime.empty((tokens, n), "float32", dev) for n in ns]
+    blocking = AmxBlocking(pack_bf16=pack, **SMALL_BLOCKS)
+    call(make_gemm_amx_multi(ns, k, dtype, emulate=True, blocking=blocking), AVX2,
+         tensor_from_numpy(x, "float32", dev), *[w for w, _ in weights], *ys)
+    for i, (y, (_, w64)) in enumerate(zip(ys, weights)):
+        err = rel_err(y.numpy(), x.astype(np.float64) @ w64.T)
+        print(f"amx gemm{len(ns)} output {i} {dtype} (emulated) tokens={tokens} n={ns[i]} k={k}: rel err {err:.2e}")
+        assert err <= 1e-4
+
+
+def test_amx_gemm_multi_compiles_for_an_amx_target():
+    """The fused launch keeps the products of one weight's kernel per 32-k step (8 bf16, 12 fp16) per
+    weight's copy of the panel body, and a distinct symbol naming every weight's N."""
+    import re
+    for dtype, products in (("bfloat16", 8), ("float16", 12)):
+        func = make_gemm_amx_multi((1024, 256, 256), 512, dtype, blocking=blocking_named("kc512"))
+        assert str(func.attrs["global_symbol"]) == \
+            f"helmc_gemm3_amx_{'bf16' if dtype == 'bfloat16' else 'f16'}_n1024_256_256_k512_kc512"
+        asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
+        dots = len(re.findall(r"\btdpbf16ps\b", asm))
+        assert dots >= 3 * products and dots % products == 0, (dtype, dots)
+
+
+def test_blocking_for_follows_the_measured_table_and_its_rule():
+    for (n, k, dtype), name in MEASURED_BLOCKING.items():
+        assert (blocking_for(n, k, dtype).name or "default") == name
+    assert blocking_for(4096, 4096, "bfloat16").pack_bf16 is False            # measured: direct
+    assert blocking_for(12288, 4096, "bfloat16").k_block == 512               # measured: kc512
+    assert blocking_for(1024 + 4096 + 1024, 4096, "bfloat16").name == "direct"  # fused q/k/v (rule)
+    assert blocking_for(2 * 12288, 4096, "bfloat16").name == "kc512"          # fused gate/up (rule)
+    assert blocking_for(6144, 4096, "float16").name == "kc512"
+    assert blocking_for(512, 2560, "bfloat16").name == ""
+    assert blocking_for(5120, 17408, "bfloat16").name == "direct"
 
 
 def test_k_block_divides_k():

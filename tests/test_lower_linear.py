@@ -138,15 +138,57 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
     prefill = [i for i in report if i.function.endswith("_prefill")]
     for item in prefill:
         whole = item.out_features % 32 == 0 and item.in_features % 32 == 0
-        assert item.kernel.startswith("helmc_gemm_amx_bf16_") == whole, item   # the block's weights are bf16
-    assert any(i.kernel.startswith("helmc_gemm_amx_") for i in prefill)
+        # the block's weights are bf16; q/k/v share x and are one fused launch ("gemm3")
+        assert (item.kernel.startswith("helmc_gemm_amx_bf16_") or item.kernel.startswith("helmc_gemm3_amx_bf16_")) \
+            == whole, item
+    assert any(i.kernel.startswith("helmc_gemm3_amx_") for i in prefill)
     assert not any("amx" in i.kernel for i in lower_linear_with_report(mod, AVX2)[1])
-    # The target's core count sets the AMX GEMM's parallel tasks: one contiguous group of 32-row panels each.
+    # The target's core count sets the AMX GEMM's parallel tasks: one contiguous group of 32-row panels each
+    # (a fused launch's panels are those of all its weights).
     out, report = lower_linear_with_report(mod, amx, cores=3)
-    for item in {i.kernel: i for i in report if "amx" in i.kernel}.values():
-        panels = item.out_features // 32
+    panels_of = {}
+    for item in report:
+        if "amx" in item.kernel:
+            panels_of.setdefault((item.function, item.kernel), []).append(item.out_features // 32)
+    for (_, kernel), per_weight in panels_of.items():
+        panels = sum(per_weight)
         tasks = -(-panels // -(-panels // 3))
-        assert f"for task in T.parallel({tasks}):" in out[item.kernel].script(), (item, tasks)
+        assert f"for task in T.parallel({tasks}):" in out[kernel].script(), (kernel, tasks)
+
+
+def amx_block(hidden, ffn, heads, kv_heads, head_dim, dtype="bfloat16"):
+    from helmc.export_block import export_functions
+    from helmc.import_relax import import_functions
+    spec = qwen3_spec("8b", dtype, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim)
+    return import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))
+
+
+def test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_blocking():
+    """All tile-aligned: q/k/v -> one 3-weight AMX launch, gate/up -> one 2-weight launch (both outputs),
+    o and down alone. Blocking per launch from gemm_amx.blocking_for(summed N, K, dtype), unless the
+    benchmark override is set."""
+    from helmc.lower_linear import lower_linear_with_report
+    from helmc.schedules.cpu import gemm_amx
+    mod = amx_block(128, 320, 2, 1, 64)
+    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    _, report = lower_linear_with_report(mod, amx)
+    kernels = {}
+    for item in report:
+        if item.function.endswith("_prefill"):
+            kernels.setdefault(item.kernel, []).append(item.out_features)
+    print(kernels)
+    assert kernels == {"helmc_gemm3_amx_bf16_n128_64_64_k128": [128, 64, 64],
+                       "helmc_gemm_amx_bf16_n128_k128": [128],
+                       "helmc_gemm2_amx_bf16_n320_320_k128": [320, 320],
+                       "helmc_gemm_amx_bf16_n128_k320": [128]}
+    assert gemm_amx.blocking_for(128 + 64 + 64, 128, "bfloat16").name == ""    # small N: the default
+    gemm_amx.BLOCKING_OVERRIDE = gemm_amx.blocking_named("kc512")
+    try:
+        _, report = lower_linear_with_report(mod, amx)
+    finally:
+        gemm_amx.BLOCKING_OVERRIDE = None
+    assert all(i.kernel.endswith("_kc512") for i in report if "amx" in i.kernel), report
 
 
 def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():
@@ -160,5 +202,6 @@ def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():
     mod = import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))
     amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
     kernels = {i.kernel for i in lower_linear_with_report(mod, amx)[1] if i.function.endswith("_prefill")}
-    assert kernels and all(k.startswith("helmc_gemm_amx_f16_") for k in kernels), kernels
+    assert kernels and all(k.split("_amx_")[1].startswith("f16_") for k in kernels), kernels
+    assert any(k.startswith("helmc_gemm3_amx_f16_") for k in kernels), kernels   # fused q/k/v
     compile_cpu_stage(mod, amx)   # raised in CallTIRRewrite when the kernel cache ignored the weight dtype

@@ -34,6 +34,10 @@ through a stack buffer (the first version converted element by element).
 Linux gives AMX state only to processes that ask (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
 the kernel asks on every call (idempotent, one syscall) and fails with a clear error if refused.
 
+make_gemm_amx_multi: q/k/v (and gate/up) in one launch -- activations packed once, the tasks' panel groups
+taken from the concatenation of the weights' panels (separate weight buffers and outputs). blocking_for:
+the blocking per (N, K, dtype), from the 2026-11-21 measurement on the GPU machine (MEASURED_BLOCKING).
+
 `emulate=True` builds the same loops with each tile instruction replaced by its definition in plain TIR
 (tiles as stack arrays), so the packing, indexing, K blocks, chunks and tails are tested on CPUs without AMX.
 """
@@ -54,6 +58,7 @@ TOKEN_BLOCK = 32        # tokens per C column pair: two B tiles
 A_TILE = TILE_ROWS * TILE_K      # uint16 elements in an A or B tile (1 KiB)
 C_TILE = TILE_ROWS * 16          # fp32 elements in a C tile (1 KiB)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class AmxBlocking:
 
 
 DEFAULT_BLOCKING = AmxBlocking()
+# Benchmark-only switch: when set, helmc/lower_linear.py builds every AMX GEMM with this blocking instead of
+# blocking_for's per-shape choice (scripts/bench_cpu_block.py --amx-blocking).
+BLOCKING_OVERRIDE: AmxBlocking | None = None
 # Alternatives a benchmark on the target can compare against the default (scripts/bench_cpu_gemv.py builds all).
 BLOCKING_VARIANTS = (
     DEFAULT_BLOCKING,
@@ -90,6 +98,40 @@ def blocking_named(name: str) -> AmxBlocking:
     from helmc.errors import HelmcError
     raise HelmcError(f"AMX GEMM blocking: expected one of {[b.name or 'default' for b in BLOCKING_VARIANTS]}, "
                      f"found {name!r}")
+
+
+# Best blocking per (N, K, weight dtype) for a 128-token prompt on the GPU machine's 16-core Xeon (AMX),
+# from the 2026-11-21 device run (scripts/bench_cpu_gemv.py --run-only, "amx_gemm": best of 5 interleaved
+# rounds, weights cycled from DRAM; torch bf16 alongside). ms per variant default / kc512 / direct:
+#   bf16 1024 x 4096   0.38 / 0.41 / 0.42    bf16 4096 x 4096   1.17 / 0.88 / 0.83
+#   bf16 12288 x 4096  2.01 / 1.86 / 2.30    bf16 4096 x 12288  2.79 / 2.50 / 2.30
+#   fp16 1024 x 4096   0.59 / 0.58 / 0.69    fp16 4096 x 4096   1.18 / 1.12 / 1.01
+#   fp16 12288 x 4096  2.82 / 2.48 / 2.66    fp16 4096 x 12288  3.08 / 2.70 / 2.77
+# fp16 always packs its panels (hi/lo split), so its "direct" is the default kernel: the spread between the
+# two (1.18 vs 1.01 ms) is the run's noise, and kc512 is the fp16 choice everywhere.
+MEASURED_BLOCKING = {
+    (1024, 4096, "bfloat16"): "default",
+    (4096, 4096, "bfloat16"): "direct",
+    (12288, 4096, "bfloat16"): "kc512",
+    (4096, 12288, "bfloat16"): "direct",
+}
+
+
+def blocking_for(n: int, k: int, weight_dtype: str) -> AmxBlocking:
+    """The blocking to build an AMX GEMM of N x K (summed N of a fused launch) with: the measured winner
+    for the shapes of MEASURED_BLOCKING, else the rule they suggest -- fp16: kc512; bf16: default for
+    small N (<= 2048, little work per core, so the larger K block does not pay), direct (A tiles read
+    from W as stored) up to N = 8192 and for K > 4096, kc512 for larger N."""
+    measured = MEASURED_BLOCKING.get((n, k, weight_dtype))
+    if measured is not None:
+        return blocking_named(measured)
+    if weight_dtype == "float16":
+        return blocking_named("kc512")
+    if n <= 2048:
+        return DEFAULT_BLOCKING
+    if n <= 8192 or k > 4096:
+        return blocking_named("direct")
+    return blocking_named("kc512")
 
 
 def amx_gemm_applies(n: int, k: int, weight_dtype: str, isa: VectorIsa) -> bool:
@@ -183,9 +225,26 @@ def _tile_ops(emulate: bool):
 def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool = False,
                   blocking: AmxBlocking | None = None) -> tirx.PrimFunc:
     """The token count is a symbolic dimension of x and y, so one kernel serves every prompt length."""
-    assert n % PANEL_ROWS == 0 and k % TILE_K == 0, (n, k)
+    return make_gemm_amx_multi((n,), k, weight_dtype, emulate, blocking)
+
+
+def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat16", emulate: bool = False,
+                        blocking: AmxBlocking | None = None) -> tirx.PrimFunc:
+    """y_i[t, :] = x[t] . W_i^T for 1 to MULTI_MAX_WEIGHTS weights of equal K read against the same x, in one
+    launch (prefill q/k/v, gate/up): the activations are packed once and the parallel tasks walk the 32-row
+    panels of all weights in order (panel p of the concatenation belongs to the weight whose row range holds
+    it), so a small weight (k/v) shares the cores with a large one instead of paying its own packing and
+    fork/join. Each W_i stays its own HF-layout buffer and each y_i its own output, in the order of `ns`."""
+    ns = tuple(int(v) for v in ns)
+    assert 1 <= len(ns) <= MULTI_MAX_WEIGHTS, ns
+    assert all(v % PANEL_ROWS == 0 and v > 0 for v in ns) and k % TILE_K == 0, (ns, k)
     assert weight_dtype in ("bfloat16", "float16"), weight_dtype
     blk = blocking or DEFAULT_BLOCKING
+    nw = len(ns)
+    n0, n1, n2 = (ns + (ns[0], ns[0]))[:3]      # unused sizes (fewer weights) are never referenced
+    # First global panel of each weight; off1/off2 past the end when the weight does not exist.
+    off1 = n0 // PANEL_ROWS
+    off2 = off1 + (n1 // PANEL_ROWS if nw > 1 else 0)
     fp16 = weight_dtype == "float16"
     parts = 2 if fp16 else 1          # fp16 weights: hi and lo bf16 halves (exact); bf16: the weight itself
     pack = fp16 or blk.pack_bf16
@@ -194,7 +253,7 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
     kc = k_block_dividing(k, blk.k_block)
     kcb = kc // TILE_K                # k steps per K block
     nkc = k // kc
-    panels = n // PANEL_ROWS
+    panels = sum(ns) // PANEL_ROWS
     group = -(-panels // blk.tasks)   # panels per task
     tasks = -(-panels // group)
     chunk = blk.token_chunk
@@ -215,15 +274,16 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
             cfg[48 + t] = T.uint8(TILE_ROWS)        # rows
 
     @T.macro
-    def step(ta, tc, ws, wf, xp, task, p, kcx, s, tt):
-        """One 32-k step of a 32 x 32 C block; loads interleaved with products so that a B register is
-        reloaded as soon as the products reading it are issued. C register a * 2 + b, A 4 + a, B 6 + b."""
+    def step(ta, tc, ws, wf, xp, row, kcx, s, tt):
+        """One 32-k step of a 32 x 32 C block (weight rows row.. of wf); loads interleaved with products so
+        that a B register is reloaded as soon as the products reading it are issued. C register a * 2 + b,
+        A 4 + a, B 6 + b."""
         if pack:
             load16(ta, 4, ws, ((s * parts) * 2) * A_TILE, TILE_K)
             load16(ta, 5, ws, ((s * parts) * 2 + 1) * A_TILE, TILE_K)
         else:
-            load16(ta, 4, wf, ((task * group + p) * PANEL_ROWS) * k + kcx * kc + s * TILE_K, k)
-            load16(ta, 5, wf, ((task * group + p) * PANEL_ROWS + 16) * k + kcx * kc + s * TILE_K, k)
+            load16(ta, 4, wf, row * k + kcx * kc + s * TILE_K, k)
+            load16(ta, 5, wf, (row + 16) * k + kcx * kc + s * TILE_K, k)
         # B tile (16-token tile tt + b, k step kcx * kcb + s, part): hi is part 0, lo part 1.
         if fp16:
             # Whi.xlo, then Whi.xhi, then Wlo.xhi: xhi stays in tmm6-7 for both of its products.
@@ -260,7 +320,7 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
             dot(ta, tc, 3, 5, 7)
 
     @T.macro
-    def prefetch_next_panel(wl, next_row, next_col, tb2, s, per):
+    def prefetch_rows(wl, next_row, next_col, tb2, s, per):
         """Lines (k step s) of the panel block computed after this one, into L2. The token blocks of this
         panel split its 32 rows between them (`per` each), so the whole next block arrives one panel ahead."""
         for r in T.serial(per):
@@ -270,14 +330,70 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
                     T.address_of(wl[next_row + tb2 * per + r, next_col + s * TILE_K]),
                     T.int32(0), T.int32(2), T.int32(1)))
 
-    @T.prim_func
-    def gemm(var_x: T.handle, w: T.Buffer((n, k), weight_dtype), var_y: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-        tokens = T.int64()
-        x = T.match_buffer(var_x, (tokens, k), "float32")
-        y = T.match_buffer(var_y, (tokens, n), "float32")
-        wl = T.decl_buffer((n, k), load_dt, data=w.data)
-        wf = T.decl_buffer((n * k,), "uint16", data=w.data)          # A tiles straight from W (bf16, unpacked)
+    @T.macro
+    def prefetch_next_panel(wl0, wl1, wl2, next_panel, next_col, tb2, s, per):
+        """prefetch_rows in whichever weight holds global panel `next_panel`."""
+        if nw == 1:
+            prefetch_rows(wl0, next_panel * PANEL_ROWS, next_col, tb2, s, per)
+        elif next_panel < off1:
+            prefetch_rows(wl0, next_panel * PANEL_ROWS, next_col, tb2, s, per)
+        elif nw == 2:
+            prefetch_rows(wl1, (next_panel - off1) * PANEL_ROWS, next_col, tb2, s, per)
+        elif next_panel < off2:
+            prefetch_rows(wl1, (next_panel - off1) * PANEL_ROWS, next_col, tb2, s, per)
+        else:
+            prefetch_rows(wl2, (next_panel - off2) * PANEL_ROWS, next_col, tb2, s, per)
+
+    @T.macro
+    def panel_block(ta, tc, ws, acc, cst, xp, tokens, wl, wf, y, row, p, kcx, ch, blocks, per,
+                    wl0, wl1, wl2, next_panel, next_col, next_due):
+        """K block kcx of one 32-row panel (rows row.. of wl / wf / y's columns) for every token block of
+        chunk ch: pack the weights, run the steps, keep partial sums in acc or store the finished y."""
+        if pack:
+            for a in T.serial(2):
+                for i in T.serial(TILE_ROWS):
+                    for s in T.serial(kcb):
+                        if fp16:
+                            # hi = W's fp32 bits truncated to bf16, lo = W - hi: both exact (an fp16
+                            # significand has 11 bits, bf16 8). No let-bound temporary: TVM 0.27's
+                            # vectorizer got a let inside this loop wrong.
+                            for c in T.vectorized(TILE_K):
+                                ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
+                                    T.Cast("float32", wl[row + a * 16 + i, kcx * kc + s * TILE_K + c]))
+                            for c in T.vectorized(TILE_K):
+                                ws[((s * 2 + 1) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
+                                    T.Cast("float32", wl[row + a * 16 + i, kcx * kc + s * TILE_K + c])
+                                    - _bf16_value(ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c]))
+                        else:
+                            for c in T.vectorized(TILE_K):
+                                ws[(s * 2 + a) * A_TILE + i * TILE_K + c] = wl[row + a * 16 + i,
+                                                                             kcx * kc + s * TILE_K + c]
+        for tb2 in T.serial(blocks):
+            for c in T.unroll(4):
+                if kcx == 0:
+                    zero_c(tc, c)
+                else:
+                    load_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
+            for s in T.serial(kcb):
+                if prefetch and next_due:
+                    prefetch_next_panel(wl0, wl1, wl2, next_panel, next_col, tb2, s, per)
+                step(ta, tc, ws, wf, xp, row, kcx, s, (ch * chunk_tiles + tb2 * 2))
+            if kcx == nkc - 1:
+                for c in T.unroll(4):
+                    store_c(tc, c, cst, c * C_TILE)
+                for b in T.serial(2):
+                    for j in T.serial(16):
+                        if ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j < tokens:
+                            for a in T.serial(2):
+                                for i in T.vectorized(TILE_ROWS):   # a gather from cst
+                                    y[ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j, row + a * 16 + i] = \
+                                        cst[(a * 2 + b) * C_TILE + i * 16 + j]
+            else:
+                for c in T.unroll(4):
+                    store_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
+
+    @T.macro
+    def body(tokens, x, wl0, wf0, y0, wl1, wf1, y1, wl2, wf2, y2):
         # Packed activations, flat: tile (16-token tile tt, k step kb, hi/lo part) of 16 kp x 16 tokens x 2
         # at ((tt * k_blocks + kb) * 2 + part) * 512; tokens padded to a multiple of 32 with zeros.
         xp = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * 2 * A_TILE,), "uint16")
@@ -323,57 +439,74 @@ def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool 
                 for kcx in T.serial(nkc):
                     for p in T.serial(gp):
                         # The panel block after this one: the next panel, or the first of the next K block / chunk.
-                        next_row = (task * group + (kcx * gp + p + 1) % gp) * PANEL_ROWS
+                        next_panel = task * group + (kcx * gp + p + 1) % gp
                         next_col = ((kcx * gp + p + 1) // gp % nkc) * kc
                         next_due = (kcx * gp + p + 1) // gp < nkc or ch * chunk + chunk < tokens
-                        if pack:
-                            for a in T.serial(2):
-                                for i in T.serial(TILE_ROWS):
-                                    for s in T.serial(kcb):
-                                        if fp16:
-                                            # hi = W's fp32 bits truncated to bf16, lo = W - hi: both exact (an
-                                            # fp16 significand has 11 bits, bf16 8). No let-bound temporary:
-                                            # TVM 0.27's vectorizer got a let inside this loop wrong.
-                                            for c in T.vectorized(TILE_K):
-                                                ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
-                                                    T.Cast("float32", wl[(task * group + p) * PANEL_ROWS + a * 16 + i,
-                                                                         kcx * kc + s * TILE_K + c]))
-                                            for c in T.vectorized(TILE_K):
-                                                ws[((s * 2 + 1) * 2 + a) * A_TILE + i * TILE_K + c] = _high_half(
-                                                    T.Cast("float32", wl[(task * group + p) * PANEL_ROWS + a * 16 + i,
-                                                                         kcx * kc + s * TILE_K + c])
-                                                    - _bf16_value(ws[((s * 2) * 2 + a) * A_TILE + i * TILE_K + c]))
-                                        else:
-                                            for c in T.vectorized(TILE_K):
-                                                ws[(s * 2 + a) * A_TILE + i * TILE_K + c] = wl[
-                                                    (task * group + p) * PANEL_ROWS + a * 16 + i, kcx * kc + s * TILE_K + c]
-                        for tb2 in T.serial(blocks):
-                            for c in T.unroll(4):
-                                if kcx == 0:
-                                    zero_c(tc, c)
-                                else:
-                                    load_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
-                            for s in T.serial(kcb):
-                                if prefetch and next_due:
-                                    prefetch_next_panel(wl, next_row, next_col, tb2, s, per)
-                                step(ta, tc, ws, wf, xp, task, p, kcx, s, (ch * chunk_tiles + tb2 * 2))
-                            if kcx == nkc - 1:
-                                for c in T.unroll(4):
-                                    store_c(tc, c, cst, c * C_TILE)
-                                for b in T.serial(2):
-                                    for j in T.serial(16):
-                                        if ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j < tokens:
-                                            for a in T.serial(2):
-                                                for i in T.vectorized(TILE_ROWS):   # a gather from cst
-                                                    y[ch * chunk + tb2 * TOKEN_BLOCK + b * 16 + j,
-                                                      (task * group + p) * PANEL_ROWS + a * 16 + i] = \
-                                                        cst[(a * 2 + b) * C_TILE + i * 16 + j]
-                            else:
-                                for c in T.unroll(4):
-                                    store_c(tc, c, acc, ((p * chunk_tiles + tb2 * 2 + c % 2) * 2 + c // 2) * C_TILE)
+                        if nw == 1:
+                            panel_block(ta, tc, ws, acc, cst, xp, tokens, wl0, wf0, y0, (task * group + p) * PANEL_ROWS,
+                                        p, kcx, ch, blocks, per, wl0, wl1, wl2, next_panel, next_col, next_due)
+                        elif task * group + p < off1:
+                            panel_block(ta, tc, ws, acc, cst, xp, tokens, wl0, wf0, y0, (task * group + p) * PANEL_ROWS,
+                                        p, kcx, ch, blocks, per, wl0, wl1, wl2, next_panel, next_col, next_due)
+                        elif nw == 2:
+                            panel_block(ta, tc, ws, acc, cst, xp, tokens, wl1, wf1, y1,
+                                        (task * group + p - off1) * PANEL_ROWS,
+                                        p, kcx, ch, blocks, per, wl0, wl1, wl2, next_panel, next_col, next_due)
+                        elif task * group + p < off2:
+                            panel_block(ta, tc, ws, acc, cst, xp, tokens, wl1, wf1, y1,
+                                        (task * group + p - off1) * PANEL_ROWS,
+                                        p, kcx, ch, blocks, per, wl0, wl1, wl2, next_panel, next_col, next_due)
+                        else:
+                            panel_block(ta, tc, ws, acc, cst, xp, tokens, wl2, wf2, y2,
+                                        (task * group + p - off2) * PANEL_ROWS,
+                                        p, kcx, ch, blocks, per, wl0, wl1, wl2, next_panel, next_col, next_due)
             if not emulate:
                 T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
+    attrs = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}
+    if nw == 1:
+        @T.prim_func
+        def gemm(var_x: T.handle, w0: T.Buffer((n0, k), weight_dtype), var_y0: T.handle):
+            T.func_attr(attrs)
+            tokens = T.int64()
+            x = T.match_buffer(var_x, (tokens, k), "float32")
+            y0 = T.match_buffer(var_y0, (tokens, n0), "float32")
+            wl0 = T.decl_buffer((n0, k), load_dt, data=w0.data)
+            wf0 = T.decl_buffer((n0 * k,), "uint16", data=w0.data)   # A tiles straight from W (bf16, unpacked)
+            body(tokens, x, wl0, wf0, y0, wl0, wf0, y0, wl0, wf0, y0)
+    elif nw == 2:
+        @T.prim_func
+        def gemm(var_x: T.handle, w0: T.Buffer((n0, k), weight_dtype), w1: T.Buffer((n1, k), weight_dtype),
+                 var_y0: T.handle, var_y1: T.handle):
+            T.func_attr(attrs)
+            tokens = T.int64()
+            x = T.match_buffer(var_x, (tokens, k), "float32")
+            y0 = T.match_buffer(var_y0, (tokens, n0), "float32")
+            y1 = T.match_buffer(var_y1, (tokens, n1), "float32")
+            wl0 = T.decl_buffer((n0, k), load_dt, data=w0.data)
+            wf0 = T.decl_buffer((n0 * k,), "uint16", data=w0.data)
+            wl1 = T.decl_buffer((n1, k), load_dt, data=w1.data)
+            wf1 = T.decl_buffer((n1 * k,), "uint16", data=w1.data)
+            body(tokens, x, wl0, wf0, y0, wl1, wf1, y1, wl0, wf0, y0)
+    else:
+        @T.prim_func
+        def gemm(var_x: T.handle, w0: T.Buffer((n0, k), weight_dtype), w1: T.Buffer((n1, k), weight_dtype),
+                 w2: T.Buffer((n2, k), weight_dtype), var_y0: T.handle, var_y1: T.handle, var_y2: T.handle):
+            T.func_attr(attrs)
+            tokens = T.int64()
+            x = T.match_buffer(var_x, (tokens, k), "float32")
+            y0 = T.match_buffer(var_y0, (tokens, n0), "float32")
+            y1 = T.match_buffer(var_y1, (tokens, n1), "float32")
+            y2 = T.match_buffer(var_y2, (tokens, n2), "float32")
+            wl0 = T.decl_buffer((n0, k), load_dt, data=w0.data)
+            wf0 = T.decl_buffer((n0 * k,), "uint16", data=w0.data)
+            wl1 = T.decl_buffer((n1, k), load_dt, data=w1.data)
+            wf1 = T.decl_buffer((n1 * k,), "uint16", data=w1.data)
+            wl2 = T.decl_buffer((n2, k), load_dt, data=w2.data)
+            wf2 = T.decl_buffer((n2 * k,), "uint16", data=w2.data)
+            body(tokens, x, wl0, wf0, y0, wl1, wf1, y1, wl2, wf2, y2)
+
     short = "f16" if fp16 else "bf16"
-    name = f"helmc_gemm_amx_{short}_n{n}_k{k}" + (f"_{blk.name}" if blk.name else "") + ("_emulated" if emulate else "")
+    name = (f"helmc_gemm{nw if nw > 1 else ''}_amx_{short}_n{'_'.join(map(str, ns))}_k{k}"
+            + (f"_{blk.name}" if blk.name else "") + ("_emulated" if emulate else ""))
     return gemm.with_attr("global_symbol", name)
