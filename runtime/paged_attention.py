@@ -140,36 +140,51 @@ def partial_attention(xp, qt, q_pos0: int | None, R: int, blocks: Iterable[KeyBl
     qt [h_kv, g*R, d]: R query rows per head group (row j of a group is query row j % R) at absolute
     positions q_pos0 .. q_pos0+R-1; q_pos0=None means every row sees every key (decode, no window).
     """
-    h_kv, rows, d = qt.shape
-    g = rows // R
     cd = np.dtype(compute_dtype).type
     qt = qt.astype(cd, copy=False)
-    m = xp.full((h_kv, rows), NEG_INF, dtype=cd)
-    s = xp.zeros((h_kv, rows), dtype=cd)
-    o = xp.zeros((h_kv, rows, d), dtype=cd)
-    last_q = None if q_pos0 is None else q_pos0 + R - 1
+    state = _fresh_state(xp, qt, cd)
     for b in blocks:
-        if q_pos0 is not None and (b.pos0 > last_q or (window and b.pos0 + b.n - 1 <= q_pos0 - window)):
-            continue                                                # no row of this tile sees the block
-        k, v = b.load()
-        e = xp.matmul(qt, k.astype(cd, copy=False).transpose(0, 2, 1))   # [h_kv, g*R, n]
-        e *= scale
-        if q_pos0 is not None and (b.pos0 + b.n - 1 > q_pos0 or (window and b.pos0 <= last_q - window)):
-            kp = xp.arange(b.pos0, b.pos0 + b.n)[None, :]
-            qp = xp.arange(q_pos0, q_pos0 + R)[:, None]
-            allowed = kp <= qp                                      # [R, n]
-            if window:
-                allowed &= kp > qp - window
-            e = xp.where(allowed[None, None], e.reshape(h_kv, g, R, b.n), cd(NEG_INF))  # [h_kv,g*R,n] -> [h_kv,g,R,n]
-            e = e.reshape(h_kv, rows, b.n)                          # [h_kv, g, R, n] -> [h_kv, g*R, n]
-        m_new = xp.maximum(m, e.max(-1))
-        m_safe = xp.where(m_new == NEG_INF, cd(0), m_new)           # rows that saw no key yet stay empty
-        r = xp.exp(m - m_safe)
-        w = xp.exp(e - m_safe[..., None])
-        s = s * r + w.sum(-1)
-        o = o * r[..., None] + xp.matmul(w, v.astype(cd, copy=False))   # [h_kv, g*R, n] @ [h_kv, n, d]
-        m = m_new
-    return Partial(m, s, o)
+        if _sees(b, q_pos0, R, window):
+            k, v = b.load()
+            _fold(xp, state, qt, q_pos0, R, b, k.astype(cd, copy=False), v.astype(cd, copy=False), scale, window, cd)
+    return state
+
+
+def _fresh_state(xp, qt, cd) -> Partial:
+    h_kv, rows, d = qt.shape
+    return Partial(xp.full((h_kv, rows), NEG_INF, dtype=cd), xp.zeros((h_kv, rows), dtype=cd),
+                   xp.zeros((h_kv, rows, d), dtype=cd))
+
+
+def _sees(b: KeyBlock, q_pos0: int | None, R: int, window: int) -> bool:
+    """Whether any of the R query rows from q_pos0 sees a key of block b (causal, sliding window)."""
+    if q_pos0 is None:
+        return True
+    return not (b.pos0 > q_pos0 + R - 1 or (window and b.pos0 + b.n - 1 <= q_pos0 - window))
+
+
+def _fold(xp, state: Partial, qt, q_pos0: int | None, R: int, b: KeyBlock, k, v, scale: float, window: int, cd) -> None:
+    """One block into the state of rows qt (eqs. 4.18-4.20); k, v [h_kv, n, d] already in the compute dtype."""
+    h_kv, rows, d = qt.shape
+    g = rows // R
+    last_q = None if q_pos0 is None else q_pos0 + R - 1
+    e = xp.matmul(qt, k.transpose(0, 2, 1))                         # [h_kv, g*R, n]
+    e *= scale
+    if q_pos0 is not None and (b.pos0 + b.n - 1 > q_pos0 or (window and b.pos0 <= last_q - window)):
+        kp = xp.arange(b.pos0, b.pos0 + b.n)[None, :]
+        qp = xp.arange(q_pos0, q_pos0 + R)[:, None]
+        allowed = kp <= qp                                          # [R, n]
+        if window:
+            allowed &= kp > qp - window
+        e = xp.where(allowed[None, None], e.reshape(h_kv, g, R, b.n), cd(NEG_INF))  # [h_kv,g*R,n] -> [h_kv,g,R,n]
+        e = e.reshape(h_kv, rows, b.n)                              # [h_kv, g, R, n] -> [h_kv, g*R, n]
+    m_new = xp.maximum(state.m, e.max(-1))
+    m_safe = xp.where(m_new == NEG_INF, cd(0), m_new)               # rows that saw no key yet stay empty
+    r = xp.exp(state.m - m_safe)
+    w = xp.exp(e - m_safe[..., None])
+    state.s = state.s * r + w.sum(-1)
+    state.o = state.o * r[..., None] + xp.matmul(w, v)              # [h_kv, g*R, n] @ [h_kv, n, d]
+    state.m = m_new
 
 
 def merge_partials(xp, parts: Sequence[Partial]) -> Any:
@@ -202,25 +217,41 @@ def ungroup_output(o, S: int):
 
 
 def attend_blocks(xp, q, q_pos0: int, blocks: Sequence[KeyBlock], num_kv_heads: int, scale: float,
-                  window: int = 0, compute_dtype=np.float32, score_budget_bytes: int = 64 << 20):
+                  window: int = 0, compute_dtype=np.float32, score_budget_bytes: int = 64 << 20,
+                  state_budget_bytes: int = 64 << 20):
     """Causal attention of S query rows at positions q_pos0.. over key blocks in position order.
 
     q [S, h_a, d]; returns [S, h_a, d] in q's dtype. Query rows are tiled so that one score tile
     (h_a x rows x largest block) stays under score_budget_bytes; there is never an S x S buffer.
+    Blocks are the outer loop over a group of tiles whose online-softmax states fit state_budget_bytes:
+    each block is loaded (a host page staged, 16-bit keys widened) once per group, not once per tile.
     """
     S, h_a, d = q.shape
     if not blocks:
         raise ValueError("attend_blocks: no keys to attend to")
+    cd = np.dtype(compute_dtype).type
     biggest = max(b.n for b in blocks)
     itemsize = np.dtype(compute_dtype).itemsize
     tile = max(1, min(S, score_budget_bytes // max(1, h_a * biggest * itemsize * 2)))
+    group = max(tile, min(S, state_budget_bytes // max(1, h_a * (d + 2) * itemsize)) // tile * tile)
     out = xp.empty((S, h_a, d), dtype=q.dtype)
-    for r0 in range(0, S, tile):
-        r1 = min(S, r0 + tile)
-        qt = group_queries(xp, q[r0:r1], num_kv_heads)
-        part = partial_attention(xp, qt, q_pos0 + r0, r1 - r0, blocks, scale, window, compute_dtype)
-        o = part.o / part.s[..., None]
-        out[r0:r1] = ungroup_output(o, r1 - r0).astype(q.dtype, copy=False)
+    for g0 in range(0, S, group):
+        g1 = min(S, g0 + group)
+        tiles = [(r0, min(g1, r0 + tile)) for r0 in range(g0, g1, tile)]
+        qts = [group_queries(xp, q[r0:r1], num_kv_heads).astype(cd, copy=False) for r0, r1 in tiles]
+        states = [_fresh_state(xp, qt, cd) for qt in qts]
+        for b in blocks:
+            seen = [i for i, (r0, r1) in enumerate(tiles) if _sees(b, q_pos0 + r0, r1 - r0, window)]
+            if not seen:
+                continue
+            k, v = b.load()
+            k, v = k.astype(cd, copy=False), v.astype(cd, copy=False)
+            for i in seen:
+                r0, r1 = tiles[i]
+                _fold(xp, states[i], qts[i], q_pos0 + r0, r1 - r0, b, k, v, scale, window, cd)
+        for (r0, r1), st in zip(tiles, states):
+            o = st.o / st.s[..., None]
+            out[r0:r1] = ungroup_output(o, r1 - r0).astype(q.dtype, copy=False)
     return out
 
 
