@@ -113,9 +113,12 @@ def _with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
     return dataclasses.replace(hw, gpu_budget_bytes=plan.usable_vram_bytes)
 
 
-def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Candidate:
+def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len: int | None = None,
+                   output_len: int | None = None) -> Candidate:
     """The cost model's row for this bundle's split on `hw` (e.g. a calibrated profile): t_cpu_ms,
-    t_gpu_ms, t_comm_ms and t_plan_ms per decode token at the plan's workload. Pure Python."""
+    t_gpu_ms, t_comm_ms and t_plan_ms per decode token at the plan's workload, or at prompt_len /
+    output_len where given (a benchmark's requests, which need not be what the plan was made for).
+    Pure Python."""
     from .search_partition import evaluate_split
 
     a = analyze_program(spec)
@@ -126,7 +129,9 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile) -> Candidat
     hw = _with_plan_budget(hw, plan)
     cpu = DeviceRates.of_device(hw, "cpu")
     gpu = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
-    cand, _ = evaluate_split(a, hw, decode_workload(plan), plan.cpu_units, cpu, gpu)
+    w = decode_workload(plan)
+    w = dataclasses.replace(w, prompt_len=prompt_len or w.prompt_len, output_len=output_len or w.output_len)
+    cand, _ = evaluate_split(a, hw, w, plan.cpu_units, cpu, gpu)
     return cand
 
 

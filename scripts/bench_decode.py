@@ -118,7 +118,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     if calibrated is not None:
         from helmc.calibrate import predict_bundle
 
-        c = predict_bundle(s.spec, plan, calibrated)
+        c = predict_bundle(s.spec, plan, calibrated, prompt_len=len(prompt), output_len=new_tokens)  # these requests
         out.update({"t_plan_calibrated_ms": c.t_plan_ms, "t_cpu_calibrated_ms": c.t_cpu_ms,
                     "t_gpu_calibrated_ms": c.t_gpu_ms, "t_comm_calibrated_ms": c.t_comm_ms,
                     "measured_over_plan_calibrated": out["per_token_ms_p50"] / c.t_plan_ms})

@@ -105,6 +105,10 @@ def test_cost_model_uses_per_device_deltas():
     assert cal.t_gpu_ms == pytest.approx(bare.t_gpu_ms + n_gpu * 0.0625 + 0.125, rel=1e-12)
     assert cal.t_comm_ms == bare.t_comm_ms
     assert predict_bundle(spec, p, base).t_plan_ms == pytest.approx(p.t_plan_ms, rel=1e-12)
+    # A benchmark's own requests: the plan's workload by default; a longer prompt reads more KV per token.
+    assert predict_bundle(spec, p, hw, p.prompt_len, p.output_len) == cal
+    longer = predict_bundle(spec, p, hw, prompt_len=8 * p.prompt_len)
+    assert longer.t_cpu_ms > cal.t_cpu_ms and longer.t_gpu_ms > cal.t_gpu_ms
 
 
 def test_old_profiles_still_load_and_new_keys_are_checked():
