@@ -16,6 +16,8 @@ reuse), so at most `staging_pages` non-resident pages are on the GPU while the k
 rest. Splits are whole pages fixed by the page count alone, so offload never changes the result.
 Prefill attention: KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
 this step's new rows; no S x S buffer.
+Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed
+prefill of the CPU blocks (prefill_stream.py), which finishes before the first append.
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations

@@ -14,6 +14,9 @@ at 55 GB/s). So when the plan leaves VRAM for one block's weights, the prompt ru
     [2, h_kv, S, d] that causal attention reads, then to the CPU stage's KV cache on the host, where
     decode attends them.
 The KV cache of the CPU blocks must be empty (a new request): the scratch holds only this prompt's keys.
+The VRAM arena, the scratch and the prompt's hidden state live in the GPU stage's KV page pool while it
+is still empty (KVCacheGPU.lend_empty_pool; the plan sizes the pool for them), so the streamed prefill
+costs the decode no VRAM; the hidden state goes back to the host before the GPU stage writes any page.
 """
 from __future__ import annotations
 
