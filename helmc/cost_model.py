@@ -179,10 +179,12 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
     resident = kv_bytes if kv_resident_bytes is None else min(kv_bytes, kv_resident_bytes)
     streamed = kv_bytes - resident
     m_hat = rates.mem_gbs
-    if blend_l3 and resident > 0 and rates.l3_bytes > 0:
-        alpha = min(1.0, rates.l3_bytes / resident)                                  # eq. 4.14
+    if blend_l3 and kv_bytes > 0 and rates.l3_bytes > 0:
+        alpha = min(1.0, rates.l3_bytes / kv_bytes)                                  # eq. 4.14
         m_hat = alpha * rates.l3_gbs + (1 - alpha) * rates.mem_gbs
-    t_attn = roofline_ms(attn_flops, resident, rates, mem_gbs=m_hat) if load.blocks else 0.0   # eq. 4.13
+    # Attention reads every KV byte from device memory: streamed pages too, once staged there. So
+    # residency changes only the PCIe term, and more VRAM can never make a split slower.
+    t_attn = roofline_ms(attn_flops, kv_bytes, rates, mem_gbs=m_hat) if load.blocks else 0.0   # eq. 4.13
     t_stream = 0.0
     if streamed > 0:
         if link is None:

@@ -112,8 +112,11 @@ def test_kv_streams_over_the_link_when_vram_is_short(q8, laptop):
     resident = kv / 4
     t = stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=resident, link=laptop.link)
     assert t.kv_stream_ms == pytest.approx((kv - resident) / 16e9 * 1e3, rel=1e-9)
-    assert t.attn_ms == pytest.approx(resident / 218e9 * 1e3, rel=1e-9)
+    assert t.attn_ms == pytest.approx(kv / 218e9 * 1e3, rel=1e-9)     # staged pages are read from VRAM too
     assert t.total_ms == pytest.approx(max(t.proj_ms + t.attn_ms, t.kv_stream_ms))
+    all_resident = stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=kv, link=laptop.link)
+    assert all_resident.attn_ms == t.attn_ms and all_resident.kv_stream_ms == 0.0
+    assert all_resident.total_ms <= t.total_ms                          # residency only ever removes PCIe time
     with pytest.raises(HelmcError, match="needs a link"):
         stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=0.0, link=None)
 
