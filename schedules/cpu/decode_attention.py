@@ -125,7 +125,8 @@ def _lane_tree(w: int, groups: int, block_rows: int, group_size: int):
     transpose_add: level l pairs vectors (a, b) that each carry 2^(l-1) sources in segments of s = w / 2^(l-1)
     lanes and adds each segment's two halves, a's sources first: two shuffles and one add per pair, so
     w vectors become one vector holding the w full sums in source order (log2 w levels, w - 1 adds).
-    store_scores: sc[g, cb * TB + t] = scale * sum of part[g * TB + t] (NEG_BIG past the chunk's rows)."""
+    store_scores: sc[g, cb * TB + t] = scale * sum of part[g * TB + t] (NEG_BIG past the chunk's rows), read from
+    the tree's last level (the caller passes it: (part, lv1, ..., lv4)[levels], levels returned last)."""
     levels = w.bit_length() - 1
     assert 1 << levels == w and levels <= 4, w
 
@@ -140,49 +141,35 @@ def _lane_tree(w: int, groups: int, block_rows: int, group_size: int):
     TB, G = block_rows, group_size
 
     @T.macro
-    def transpose_add(part, lv1, lv2, lv3, lv4):
-        if levels >= 1:
-            for p in T.unroll(n1):
-                lv1[p, T.ramp(0, 1, w)] = (
-                    T.Shuffle([part[2 * p, T.ramp(0, 1, w)], part[2 * p + 1, T.ramp(0, 1, w)]], l1)
-                    + T.Shuffle([part[2 * p, T.ramp(0, 1, w)], part[2 * p + 1, T.ramp(0, 1, w)]], h1))
-        if levels >= 2:
-            for p in T.unroll(n2):
-                lv2[p, T.ramp(0, 1, w)] = (
-                    T.Shuffle([lv1[2 * p, T.ramp(0, 1, w)], lv1[2 * p + 1, T.ramp(0, 1, w)]], l2)
-                    + T.Shuffle([lv1[2 * p, T.ramp(0, 1, w)], lv1[2 * p + 1, T.ramp(0, 1, w)]], h2))
-        if levels >= 3:
-            for p in T.unroll(n3):
-                lv3[p, T.ramp(0, 1, w)] = (
-                    T.Shuffle([lv2[2 * p, T.ramp(0, 1, w)], lv2[2 * p + 1, T.ramp(0, 1, w)]], l3)
-                    + T.Shuffle([lv2[2 * p, T.ramp(0, 1, w)], lv2[2 * p + 1, T.ramp(0, 1, w)]], h3))
-        if levels >= 4:
-            for p in T.unroll(n4):
-                lv4[p, T.ramp(0, 1, w)] = (
-                    T.Shuffle([lv3[2 * p, T.ramp(0, 1, w)], lv3[2 * p + 1, T.ramp(0, 1, w)]], l4)
-                    + T.Shuffle([lv3[2 * p, T.ramp(0, 1, w)], lv3[2 * p + 1, T.ramp(0, 1, w)]], h4))
+    def pair_add(src, dst, n, lo, hi):
+        for p in T.unroll(n):
+            dst[p, T.ramp(0, 1, w)] = (T.Shuffle([src[2 * p, T.ramp(0, 1, w)], src[2 * p + 1, T.ramp(0, 1, w)]], lo)
+                                       + T.Shuffle([src[2 * p, T.ramp(0, 1, w)], src[2 * p + 1, T.ramp(0, 1, w)]], hi))
 
     @T.macro
-    def store_scores(sc, part, lv1, lv2, lv3, lv4, cb, cnt, scale):
+    def transpose_add(part, lv1, lv2, lv3, lv4):
+        if levels >= 1:
+            pair_add(part, lv1, n1, l1, h1)
+        if levels >= 2:
+            pair_add(lv1, lv2, n2, l2, h2)
+        if levels >= 3:
+            pair_add(lv2, lv3, n3, l3, h3)
+        if levels >= 4:
+            pair_add(lv3, lv4, n4, l4, h4)
+
+    @T.macro
+    def store_scores(sc, top, cb, cnt, scale):
+        """top: the tree's last level (part itself when w == 1), one full sum per lane."""
         for g in T.unroll(G):
             for t in T.unroll(TB):
                 if levels == 0:
-                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt, part[g * TB + t, 0] * scale,
+                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt, top[g * TB + t, 0] * scale,
                                                   T.float32(NEG_BIG))
-                if levels == 1:
+                else:
                     sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
-                                                  lv1[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
-                if levels == 2:
-                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
-                                                  lv2[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
-                if levels == 3:
-                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
-                                                  lv3[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
-                if levels == 4:
-                    sc[g, cb * TB + t] = T.Select(T.int64(cb * TB + t) < cnt,
-                                                  lv4[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
+                                                  top[(g * TB + t) // w, (g * TB + t) % w] * scale, T.float32(NEG_BIG))
 
-    return transpose_add, store_scores, (n1, n2, n3, n4)
+    return transpose_add, store_scores, (n1, n2, n3, n4), levels
 
 
 def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str, isa: VectorIsa,
@@ -203,7 +190,7 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
     C = CHUNK
     assert C % lanes == 0
     cl = C // lanes
-    transpose_add, store_scores, (n1, n2, n3, n4) = _lane_tree(w, NG, TB, G)
+    transpose_add, store_scores, (n1, n2, n3, n4), levels = _lane_tree(w, NG, TB, G)
     CB = -(-C // TB)                    # score blocks per chunk; rows past the chunk score NEG_BIG
     sum_lanes = _tree_reduce(lanes, lambda a, b: a + b)
     max_lanes = _tree_reduce(lanes, T.max)
@@ -270,7 +257,7 @@ def make_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, kv
                                     part[g * TB + t, x] = (part[g * TB + t, x]
                                                            + q[h * G + g, dk * w + x] * kpiece[t, x])
                     transpose_add(part, lv1, lv2, lv3, lv4)
-                    store_scores(sc, part, lv1, lv2, lv3, lv4, cb, cnt, scale)
+                    store_scores(sc, (part, lv1, lv2, lv3, lv4)[levels], cb, cnt, scale)
                     # The P.V pass below walks V column block by column block (stride d between rows), a
                     # pattern the hardware prefetchers ramp up slowly on; fetch these rows' lines now.
                     # K is read in order, but 16 cores stream 2 x h_kv x splits rows at once; fetching the next
