@@ -20,38 +20,18 @@ cache's dtype / time. Each figure is the median of --rounds calls (the machine m
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
 import sys
 import time
 
+from bench_cpu_gemv import cpu_flags, l3_bytes   # the script directory is on sys.path when run
+
 H_A, H_KV, D = 32, 8, 128          # Qwen3-8B
 DTYPES = ("float16", "bfloat16")
 LIB, MANIFEST = "attn_bench.so", "attn_bench.json"
 SETTLE_S = 0.05                     # let TVM's spinning pool threads go idle before the next timed call
-
-
-def l3_bytes() -> int:
-    """Total last-level cache: the sum over distinct L3 instances listed in /sys."""
-    seen = {}
-    for index in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*"):
-        try:
-            if open(os.path.join(index, "level")).read().strip() != "3":
-                continue
-            shared = open(os.path.join(index, "shared_cpu_list")).read().strip()
-            size = open(os.path.join(index, "size")).read().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        seen[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return sum(seen.values()) or (32 << 20)
-
-
-def cpu_flags() -> tuple[str, ...]:
-    from helmc.runtime.manifest import host_cpu_flags
-    return tuple(sorted(host_cpu_flags()))
 
 
 def build(out_dir: str, features: tuple[str, ...], cores: int, target_l3: int) -> None:

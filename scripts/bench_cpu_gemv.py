@@ -46,19 +46,9 @@ def projection_shapes(model: str) -> list[tuple[int, int]]:
 
 
 def l3_bytes() -> int:
-    """Total last-level cache: the sum over distinct L3 instances listed in /sys."""
-    seen = {}
-    for index in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*"):
-        try:
-            if open(os.path.join(index, "level")).read().strip() != "3":
-                continue
-            shared = open(os.path.join(index, "shared_cpu_list")).read().strip()
-            size = open(os.path.join(index, "size")).read().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        seen[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return sum(seen.values()) or (32 << 20)
+    """Total last-level cache of the CPUs this process may use (helmc profile's reading), 32 MiB if none."""
+    from helmc.profile_hardware import allowed_cpus, l3_total_bytes
+    return l3_total_bytes(allowed_cpus())[0] or (32 << 20)
 
 
 def cpu_flags() -> tuple[str, ...]:
