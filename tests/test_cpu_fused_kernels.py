@@ -22,19 +22,14 @@ from helmc.schedules.cpu.gemm_amx import (BLOCKING_VARIANTS, MEASURED_BLOCKING, 
                                           make_gemm_amx, make_gemm_amx_multi)
 from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
+from helmc.runtime.manifest import host_cpu_flags  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 SPR_AMX = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
-def host_flags() -> tuple[str, ...]:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return tuple(line.split(":", 1)[1].split())
-    return ()
 
-
-needs_avx2 = pytest.mark.skipif(missing_flags(AVX2, host_flags()) != (), reason="this CPU lacks AVX2/FMA/F16C")
+needs_avx2 = pytest.mark.skipif(missing_flags(AVX2, host_cpu_flags()) != (), reason="this CPU lacks AVX2/FMA/F16C")
 
 
 def random_weight(rng, n, k, dtype):

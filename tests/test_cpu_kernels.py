@@ -20,20 +20,14 @@ from helmc.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa:
 from helmc.schedules.cpu.gemm import GemmTiling, make_gemm  # noqa: E402
 from helmc.schedules.cpu.gemv import make_gemv  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
+from helmc.runtime.manifest import host_cpu_flags  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 SPR = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_fp16", "amx_tile")
 
 
-def host_flags() -> tuple[str, ...]:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return tuple(line.split(":", 1)[1].split())
-    return ()
 
-
-HOST = host_flags()
-needs_avx2 = pytest.mark.skipif(missing_flags(AVX2, HOST) != (), reason="this CPU lacks AVX2/FMA/F16C")
+needs_avx2 = pytest.mark.skipif(missing_flags(AVX2, host_cpu_flags()) != (), reason="this CPU lacks AVX2/FMA/F16C")
 
 
 def random_weight(rng, n, k, dtype):

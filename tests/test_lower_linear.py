@@ -23,18 +23,13 @@ from bench_cpu_block import qwen3_spec, torch_block  # noqa: E402
 
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags  # noqa: E402
+from helmc.runtime.manifest import host_cpu_flags  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 
 
-def host_flags():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return tuple(line.split(":", 1)[1].split())
-    return ()
 
-
-pytestmark = pytest.mark.skipif(missing_flags(AVX2, host_flags()) != (), reason="this CPU lacks AVX2/FMA/F16C")
+pytestmark = pytest.mark.skipif(missing_flags(AVX2, host_cpu_flags()) != (), reason="this CPU lacks AVX2/FMA/F16C")
 
 
 @pytest.fixture(scope="module")
