@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .gemv import short_dtype
 from .isa import VectorIsa
 from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
@@ -102,7 +103,7 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
                                     wl[task * rows_per_task + row, k_vec + kt], weight_dtype, f16c)
                             y[tok, task * rows_per_task + row] = tail[0]
 
-    name = f"helmc_gemm_{_short(weight_dtype)}_n{n}_k{k}"
+    name = f"helmc_gemm_{short_dtype(weight_dtype)}_n{n}_k{k}"
     return gemm.with_attr("global_symbol", name)
 
 
@@ -116,7 +117,3 @@ def _block_dividing(k_vec: int, target: int, lanes: int) -> int:
         if k_vec % kc == 0:
             return kc
     return lanes
-
-
-def _short(dtype: str) -> str:
-    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]

@@ -39,40 +39,50 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
     assert n >= 1 and k >= 1, (n, k)
     rows, chunk = gemv_blocking(isa, m)
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
-    k_main = k // chunk            # full chunks per row
-    k_tail = k - k_main * chunk    # leftover elements, done one by one
-    f16c = not isa.is_slow_fallback
+    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         wl = T.decl_buffer((n, k), load_dtype(weight_dtype), data=w.data)
         for step in T.parallel(steps):
-            acc = T.alloc_buffer((m, rows, chunk), "float32", scope="global", annotations=STACK)
+            block(x, wl, y, n, step * rows)
+
+    return gemv.with_attr("global_symbol", f"helmc_gemv_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
+
+
+def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bool):
+    """Macro: rows [first, first + rows) of one weight (clamped loads, skipped stores past n); K in full
+    chunks, then the leftover elements one by one. Shared by make_gemv and gemv_fused.make_gemv_multi."""
+    k_main, k_tail = k // chunk, k - (k // chunk) * chunk
+
+    @T.macro
+    def block(x, wl, y, n, first):
+        acc = T.alloc_buffer((m, rows, chunk), "float32", scope="global", annotations=STACK)
+        for t in T.unroll(m):
+            for r in T.unroll(rows):
+                for v in T.vectorized(chunk):
+                    acc[t, r, v] = T.float32(0)
+        for ko in T.serial(k_main):
             for t in T.unroll(m):
                 for r in T.unroll(rows):
                     for v in T.vectorized(chunk):
-                        acc[t, r, v] = T.float32(0)
-            for ko in T.serial(k_main):
-                for t in T.unroll(m):
-                    for r in T.unroll(rows):
-                        for v in T.vectorized(chunk):
-                            acc[t, r, v] = acc[t, r, v] + x[t, ko * chunk + v] * widen(
-                                wl[T.min(step * rows + r, n - 1), ko * chunk + v], weight_dtype, f16c)
-            for t in T.unroll(m):
-                for r in T.unroll(rows):
-                    if step * rows + r < n:
-                        total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
-                        total[0] = T.float32(0)
-                        for v in T.unroll(chunk):
-                            total[0] = total[0] + acc[t, r, v]
-                        for kt in T.serial(k_tail):
-                            total[0] = total[0] + x[t, k_main * chunk + kt] * widen(
-                                wl[step * rows + r, k_main * chunk + kt], weight_dtype, f16c)
-                        y[t, step * rows + r] = total[0]
+                        acc[t, r, v] = acc[t, r, v] + x[t, ko * chunk + v] * widen(
+                            wl[T.min(first + r, n - 1), ko * chunk + v], weight_dtype, f16c)
+        for t in T.unroll(m):
+            for r in T.unroll(rows):
+                if first + r < n:
+                    total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
+                    total[0] = T.float32(0)
+                    for v in T.unroll(chunk):
+                        total[0] = total[0] + acc[t, r, v]
+                    for kt in T.serial(k_tail):
+                        total[0] = total[0] + x[t, k_main * chunk + kt] * widen(
+                            wl[first + r, k_main * chunk + kt], weight_dtype, f16c)
+                    y[t, first + r] = total[0]
 
-    return gemv.with_attr("global_symbol", f"helmc_gemv_{_short(weight_dtype)}_m{m}_n{n}_k{k}")
+    return block
 
 
-def _short(dtype: str) -> str:
+def short_dtype(dtype: str) -> str:
     return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]

@@ -18,47 +18,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gemv import GEMV_MAX_ROWS, gemv_blocking
+from .gemv import GEMV_MAX_ROWS, gemv_blocking, row_block, short_dtype
 from .isa import VectorIsa
 from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 MULTI_MAX_WEIGHTS = 3
-
-
-def _short(dtype: str) -> str:
-    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]
-
-
-def _row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bool):
-    """Macro: rows [first, first + rows) of one weight (clamped loads, skipped stores past n)."""
-    k_main, k_tail = k // chunk, k - (k // chunk) * chunk
-
-    @T.macro
-    def block(x, wl, y, n, first):
-        acc = T.alloc_buffer((m, rows, chunk), "float32", scope="global", annotations=STACK)
-        for t in T.unroll(m):
-            for r in T.unroll(rows):
-                for v in T.vectorized(chunk):
-                    acc[t, r, v] = T.float32(0)
-        for ko in T.serial(k_main):
-            for t in T.unroll(m):
-                for r in T.unroll(rows):
-                    for v in T.vectorized(chunk):
-                        acc[t, r, v] = acc[t, r, v] + x[t, ko * chunk + v] * widen(
-                            wl[T.min(first + r, n - 1), ko * chunk + v], weight_dtype, f16c)
-        for t in T.unroll(m):
-            for r in T.unroll(rows):
-                if first + r < n:
-                    total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
-                    total[0] = T.float32(0)
-                    for v in T.unroll(chunk):
-                        total[0] = total[0] + acc[t, r, v]
-                    for kt in T.serial(k_tail):
-                        total[0] = total[0] + x[t, k_main * chunk + kt] * widen(
-                            wl[first + r, k_main * chunk + kt], weight_dtype, f16c)
-                    y[t, first + r] = total[0]
-
-    return block
 
 
 def make_gemv_multi(m: int, ns: tuple[int, ...], k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
@@ -68,11 +32,11 @@ def make_gemv_multi(m: int, ns: tuple[int, ...], k: int, weight_dtype: str, isa:
     assert 2 <= len(ns) <= MULTI_MAX_WEIGHTS and all(n >= 1 for n in ns) and k >= 1, (ns, k)
     rows, chunk = gemv_blocking(isa, m)
     steps = [-(-n // rows) for n in ns]
-    block = _row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback)
+    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback)
     ldt = load_dtype(weight_dtype)
     n0, n1 = ns[0], ns[1]
     s0, s01 = steps[0], steps[0] + steps[1]
-    name = f"helmc_gemv{len(ns)}_{_short(weight_dtype)}_m{m}_n{'_'.join(map(str, ns))}_k{k}"
+    name = f"helmc_gemv{len(ns)}_{short_dtype(weight_dtype)}_m{m}_n{'_'.join(map(str, ns))}_k{k}"
 
     if len(ns) == 2:
         @T.prim_func
@@ -160,4 +124,4 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
                                 wul[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
                         y[t, step * pairs + r] = total[0] * T.sigmoid(total[0]) * total[1]
 
-    return swiglu.with_attr("global_symbol", f"helmc_gemv_swiglu_{_short(weight_dtype)}_m{m}_n{n}_k{k}")
+    return swiglu.with_attr("global_symbol", f"helmc_gemv_swiglu_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
