@@ -252,10 +252,9 @@ def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w:
 
 def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1) -> int:
     """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
-    chunk: the hidden state [S, H] fp16, the block's K and V [2, h_kv, S, d] fp16 that causal
-    attention reads, and RoPE's cos and sin [S, d] fp32."""
-    S = batch * prompt_tokens
-    return S * (a.hidden_size * 2 + 2 * a.num_kv_heads * a.head_dim * 2 + 2 * a.head_dim * 4)
+    chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin)."""
+    from .runtime.prefill_stream import prompt_buffer_sizes
+    return sum(prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim))
 
 
 def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:

@@ -99,6 +99,13 @@ def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=
     return [a.binding for a in arenas], arenas
 
 
+def prompt_buffer_sizes(S: int, hidden: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Bytes of the prompt's buffers while one CPU block runs every chunk on the GPU: the hidden state
+    [S, H] fp16, the block's K and V [2, h_kv, S, d] fp16 that causal attention reads, and RoPE's cos
+    and sin [S, d] fp32 each. The cost model plans the same buffers (cost_model.prefill_prompt_bytes)."""
+    return S * hidden * 2, 2 * num_kv_heads * S * head_dim * 2, S * head_dim * 4, S * head_dim * 4
+
+
 class StreamedPrefill:
     """Runs the prompt through the CPU stage's blocks on the GPU (see the module docstring).
 
@@ -130,8 +137,8 @@ class StreamedPrefill:
         return sum(_aligned(n) for n in self._buffer_sizes(S))
 
     def _buffer_sizes(self, S: int) -> tuple[int, ...]:
-        H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
-        return (self.arenas[0].nbytes, S * H * 2, 2 * h_kv * S * d * 2, S * d * 4, S * d * 4)
+        return (self.arenas[0].nbytes,
+                *prompt_buffer_sizes(S, self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim))
 
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [S, H], cos/sin [S, D] on the host -> x after every CPU block, [S, H] fp16 on the host;
