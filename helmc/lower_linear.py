@@ -24,7 +24,9 @@ Prefill fusion (gemm_amx.make_gemm_amx_multi): on an AMX target, up to three AMX
 read the same 2-D x become one launch with one output each (q/k/v; gate/up), so the activations are packed
 once and the small k/v panels share the cores with q's instead of paying a packing pass and a fork/join of
 their own. The AMX blocking of each launch comes from gemm_amx.blocking_for(summed N, K, dtype) (measured per
-shape on the target), unless gemm_amx.BLOCKING_OVERRIDE is set (benchmarks comparing variants).
+shape on the target), unless gemm_amx.BLOCKING_OVERRIDE is set (benchmarks comparing variants). The AMX
+GEMMs take their activations at the model's precision (bf16 weights: rounded to bf16, as HF's bf16 linears),
+unless gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE asks for the hi + lo split.
 """
 from __future__ import annotations
 
@@ -256,7 +258,8 @@ class _LinearRewriter(PyExprMutator):
         ns = tuple(int(w.ty.shape.values[0]) for w in weights)
         if group.kind == "amx_multi":
             key = ("gemm_amx_multi", ns, k, dtype)
-            make = lambda: make_gemm_amx_multi(ns, k, dtype, blocking=self._amx_blocking(sum(ns), k, dtype))  # noqa: E731
+            make = lambda: make_gemm_amx_multi(ns, k, dtype, blocking=self._amx_blocking(sum(ns), k, dtype),  # noqa: E731
+                                               split_activations=self._amx_split(dtype))
             out_ty = [relax.TensorType([m, n], "float32") for n in ns]
         elif group.kind == "swiglu":
             m = int(m)
@@ -295,6 +298,13 @@ class _LinearRewriter(PyExprMutator):
         blocking = gemm_amx.BLOCKING_OVERRIDE or gemm_amx.blocking_for(n, k, dtype)
         return blocking if self.cores is None else dataclasses.replace(blocking, tasks=self.cores)
 
+    @staticmethod
+    def _amx_split(dtype: str) -> bool | None:
+        """None (the model's precision) unless a benchmark set gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE; fp16
+        weights always split."""
+        override = gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE
+        return None if override is None or dtype == "float16" else override
+
     def _resolve(self, expr: relax.Expr) -> relax.Expr:
         if isinstance(expr, relax.Var):
             bound = self.lookup_binding(expr)
@@ -328,7 +338,8 @@ class _LinearRewriter(PyExprMutator):
             make = lambda: make_gemm(n, k, dtype, self.isa)  # noqa: E731
             if amx_gemm_applies(n, k, dtype, self.isa):
                 key = ("gemm_amx", n, k, dtype)
-                make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking(n, k, dtype))  # noqa: E731
+                make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking(n, k, dtype),  # noqa: E731
+                                             split_activations=self._amx_split(dtype))
         if key not in self.kernels:
             prim = make()
             self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))

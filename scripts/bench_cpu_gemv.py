@@ -8,7 +8,11 @@ For each (out, in) projection shape and weight dtype (fp16, bf16), one run measu
   torch  -- torch.nn.functional.linear on the same weights (same dtype, bf16/fp16 activations) and threads
 Every timed pass cycles through enough copies of the weight to read >= 4x L3, so figures are DRAM, not
 cache; helmc and torch read the very same copies (same pages), in interleaved rounds whose order alternates.
+  pages  -- the same stream read over the very weight copies of the case, viewed as fp32: what the memory
+            system delivers for those pages (their physical placement differs between allocations, and on
+            the GPU machine whole cases ran 40% slower for helmc and torch alike)
 Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
+--huge-pages puts the weight copies in MADV_HUGEPAGE memory (runtime/host_memory.py), as the runtime does.
 
   python scripts/bench_cpu_gemv.py [--models 8b] [--json]                  # build and run here
   python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
@@ -102,11 +106,15 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
                 amx.append(entry)
     read_elements = stream_read_elements(min_read_bytes, isa)
     funcs["helmc_stream_read"] = make_stream_read(read_elements, isa)
+    page_reads = sorted({n * k // 2 for n, k in shapes if n * k // 2 == stream_read_elements(n * k * 2, isa)})
+    for elements in page_reads:   # one weight copy as fp32 (bf16/fp16 are 2 bytes)
+        funcs[f"helmc_stream_read_{elements}"] = make_stream_read(elements, isa).with_attr(
+            "global_symbol", f"helmc_stream_read_{elements}")
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
     os.makedirs(out_dir, exist_ok=True)
     lib.export_library(os.path.join(out_dir, "gemv_bench.so"))
     manifest = {"isa": isa.tier, "required_flags": list(required_cpu_features(features)), "kernels": kernels,
-                "amx_gemm_kernels": amx, "read_elements": read_elements}
+                "amx_gemm_kernels": amx, "read_elements": read_elements, "page_read_elements": page_reads}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
 
@@ -125,9 +133,11 @@ def machine_notes() -> dict:
     return notes
 
 
-def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev) -> tuple[list, object]:
+def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev, huge_pages: bool = False
+                  ) -> tuple[list, object]:
     """(copies of one random [n, k] weight whose total is >= min_bytes, float64 of its values)."""
     import numpy as np
+    from helmc.runtime.host_memory import cpu_tensor_on_huge_pages
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
     base = rng.standard_normal((n, k), dtype=np.float32) * 0.02
     if dtype == "bfloat16":
@@ -137,7 +147,12 @@ def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev) -> tuple
         host = base.astype(np.float16)
         w64 = host.astype(np.float64)
     copies = max(1, -(-min_bytes // (n * k * 2)))
-    return [tensor_from_numpy(host, dtype, dev) for _ in range(copies)], w64
+    if not huge_pages:
+        return [tensor_from_numpy(host, dtype, dev) for _ in range(copies)], w64
+    out = [cpu_tensor_on_huge_pages((n, k), dtype) for _ in range(copies)]
+    for t in out:
+        t._create_view((n, k), "uint16" if dtype == "bfloat16" else dtype).copyfrom(host)
+    return out, w64
 
 
 def timed_rounds(fns: dict, rounds: int) -> dict:
@@ -154,7 +169,7 @@ def timed_rounds(fns: dict, rounds: int) -> dict:
     return times
 
 
-def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> dict:
+def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_pages: bool = False) -> dict:
     import numpy as np
     import torch
     import tvm.runtime
@@ -186,7 +201,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
         if wanted is not None and (n, k) not in wanted:
             continue
         dtype, nbytes = kern["dtype"], n * k * 2
-        weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, dev)
+        weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, dev, huge_pages)
         # torch reads the same memory as helmc: placement of pages cannot favour either.
         torch_weights = [torch.from_dlpack(w) for w in weights]
         x32 = rng.standard_normal((1, k), dtype=np.float32)
@@ -205,12 +220,23 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
             for w in torch_weights:
                 torch.nn.functional.linear(xt, w)
 
+        passes = {"helmc": helmc_pass, "torch": torch_pass, "dram": lambda: read_fn(read_buf, partial)}
+        if n * k // 2 in manifest.get("page_read_elements", []):
+            page_fn = lib[f"helmc_stream_read_{n * k // 2}"]
+            views = [w._create_view((n * k // 2,), "float32") for w in weights]   # [n, k] 16-bit -> [n k / 2] fp32
+
+            def pages_pass():
+                for v in views:
+                    page_fn(v, partial)
+            passes["pages"] = pages_pass
         torch_pass()
-        times = timed_rounds({"helmc": helmc_pass, "torch": torch_pass,
-                              "dram": lambda: read_fn(read_buf, partial)}, rounds)
+        times = timed_rounds(passes, rounds)
         dram_all += [read_n * 4 / t / 1e9 for t in times["dram"]]
         gbs = {name: [nbytes * len(weights) / t / 1e9 for t in ts] for name, ts in times.items() if name != "dram"}
-        results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(max(gbs["helmc"]), 2),
+        pages = {"pages_read_gbs": round(max(gbs["pages"]), 2),
+                 "pages_read_gbs_median": round(float(np.median(gbs["pages"])), 2),
+                 "helmc_over_pages_read": round(max(gbs["helmc"]) / max(gbs["pages"]), 3)} if "pages" in gbs else {}
+        results.append({"shape": [n, k], "dtype": dtype, "helmc_gbs": round(max(gbs["helmc"]), 2), **pages,
                         "torch_gbs": round(max(gbs["torch"]), 2),
                         "helmc_gbs_median": round(float(np.median(gbs["helmc"])), 2),
                         "torch_gbs_median": round(float(np.median(gbs["torch"])), 2),
@@ -221,7 +247,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None) -> di
     return {"dram_gbs": round(max(dram_all), 2), "dram_gbs_median": round(float(np.median(dram_all)), 2),
             "results": results, "threads": threads, "l3_bytes": l3_bytes(), "isa": manifest["isa"],
             "read_bytes": read_n * 4, "statistic": f"best of {rounds} interleaved rounds (median in *_median)",
-            "machine": machine_notes(), "amx_gemm": amx}
+            "machine": machine_notes(), "amx_gemm": amx, "huge_pages": huge_pages}
 
 
 def amx_gemm_check(lib, entry: dict, rounds: int, min_bytes: int, prompt: int = 128) -> dict:
@@ -285,6 +311,7 @@ def main() -> None:
     ap.add_argument("--l3-bytes", type=int, help="size the DRAM read for this L3 (default: this machine's)")
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--huge-pages", action="store_true", help="weight copies in MADV_HUGEPAGE memory")
     ap.add_argument("--amx-variants", default="8b",
                     help="models whose shapes get every AMX GEMM blocking variant (others: the default)")
     args = ap.parse_args()
@@ -296,7 +323,7 @@ def main() -> None:
         if m not in QWEN3:
             sys.exit(f"--models: expected names from {sorted(QWEN3)}, found {m!r}")
     if args.run_only:
-        report = run(args.run_only, threads, args.rounds, models)
+        report = run(args.run_only, threads, args.rounds, models, args.huge_pages)
     else:
         features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_gemv_bench_{os.getpid()}")
@@ -305,18 +332,20 @@ def main() -> None:
         if args.build_only:
             print(f"built {out_dir}: run there with  python scripts/bench_cpu_gemv.py --run-only {out_dir}")
             return
-        report = run(out_dir, threads, args.rounds, models)
+        report = run(out_dir, threads, args.rounds, models, args.huge_pages)
     if args.json:
         print(json.dumps(report))
         return
     print(f"DRAM read {report['dram_gbs']:.1f} GB/s over {report['read_bytes'] >> 20} MiB "
           f"(L3 {report['l3_bytes'] >> 20} MiB), {threads} threads, ISA {report['isa']}")
     print(f"{'shape (N x K)':>16} {'dtype':>9} {'helmc GB/s':>11} {'% DRAM':>7} {'torch GB/s':>11} {'rel err':>9}"
-          f"   medians: helmc / torch")
+          f" {'pages GB/s':>11} {'% pages':>8}   medians: helmc / torch" + ("  (huge pages)" if report["huge_pages"] else ""))
     for r in report["results"]:
         n, k = r["shape"]
         print(f"{n:>7} x {k:<7}{r['dtype']:>9} {r['helmc_gbs']:>11.1f} {100 * r['helmc_gbs'] / report['dram_gbs']:>6.0f}%"
-              f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e}   {r['helmc_gbs_median']:.1f} / {r['torch_gbs_median']:.1f}")
+              f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e} {r.get('pages_read_gbs', float('nan')):>11.1f}"
+              f" {100 * r.get('helmc_over_pages_read', float('nan')):>7.0f}%"
+              f"   {r['helmc_gbs_median']:.1f} / {r['torch_gbs_median']:.1f}")
     for r in report["amx_gemm"]:
         n, k = r["shape"]
         print(f"AMX GEMM {n} x {k} {r['dtype']}, {r['tokens']} tokens from DRAM: torch bf16 {r['torch_bf16_ms']:.2f} ms; "

@@ -7,9 +7,14 @@ long contexts wait for. Selected only when the target's CPU features list amx_ti
 Formulation: y^T = W . x^T, so HF's row-major [N, K] weight is the A operand as stored.
   A tile (16 weight rows x 32 k, bf16).
   B tile (32 k x 16 tokens) must be in AMX's pair-interleaved ("VNNI") layout: B[kp][2 t + e] = x[t][2 kp + e].
-    The fp32 activations are packed into that layout once per call, split as x = hi + lo with hi = bf16(x)
-    and lo = bf16(x - hi): two products per tile give the activations ~16 mantissa bits, so the result
-    matches an fp32 GEMM on bf16 weights to ~1e-5 instead of bf16 activations' ~3e-3 (the issue asks 1e-3).
+    The fp32 activations are packed into that layout once per call, at the model's precision:
+    bf16 weights: rounded to bf16, as HF's bf16 model rounds every linear's input and as torch's bf16 linear
+      computes (one product per tile). Against an fp32 GEMM of the unrounded activations that is bf16's
+      rounding, ~2e-3 relative; against the rounded activations the fp32 sums give ~1e-6.
+    split_activations (fp16 weights always, bf16 on request): x = hi + lo with hi = bf16(x) and
+      lo = bf16(x - hi); two products per tile give the activations ~16 mantissa bits (>= fp16's 11), so the
+      result matches an fp32 GEMM to ~1e-5. Twice the tile products: on the 16-core Xeon the split bf16
+      block prefill ran 0.87-0.9x of torch bf16 (session 3).
   C tile (16 weight rows x 16 tokens, fp32), stored transposed into y at the end.
 fp16 weights (these CPUs have bf16 tiles only): each panel is split into bf16 hi + lo (exact for every fp16
   value) while it is packed, and the step adds Whi.xhi + Whi.xlo + Wlo.xhi (the dropped Wlo.xlo is ~2^-16 of y).
@@ -57,6 +62,10 @@ A_TILE = TILE_ROWS * TILE_K      # uint16 elements in an A or B tile (1 KiB)
 C_TILE = TILE_ROWS * 16          # fp32 elements in a C tile (1 KiB)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
+
+# Benchmark-only switch: when not None, helmc/lower_linear.py builds every bf16 AMX GEMM with
+# split_activations set to it (scripts/bench_cpu_block.py --amx-activations).
+SPLIT_ACTIVATIONS_OVERRIDE: bool | None = None
 
 
 # Benchmark-only switch: when set, helmc/lower_linear.py builds every AMX GEMM with this blocking instead of
@@ -153,18 +162,20 @@ def _tile_ops(emulate: bool):
 
 
 def make_gemm_amx(n: int, k: int, weight_dtype: str = "bfloat16", emulate: bool = False,
-                  blocking: AmxBlocking | None = None) -> tirx.PrimFunc:
+                  blocking: AmxBlocking | None = None, split_activations: bool | None = None) -> tirx.PrimFunc:
     """The token count is a symbolic dimension of x and y, so one kernel serves every prompt length."""
-    return make_gemm_amx_multi((n,), k, weight_dtype, emulate, blocking)
+    return make_gemm_amx_multi((n,), k, weight_dtype, emulate, blocking, split_activations)
 
 
 def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat16", emulate: bool = False,
-                        blocking: AmxBlocking | None = None) -> tirx.PrimFunc:
+                        blocking: AmxBlocking | None = None,
+                        split_activations: bool | None = None) -> tirx.PrimFunc:
     """y_i[t, :] = x[t] . W_i^T for 1 to MULTI_MAX_WEIGHTS weights of equal K read against the same x, in one
     launch (prefill q/k/v, gate/up): the activations are packed once and the parallel tasks walk the 32-row
     panels of all weights in order (panel p of the concatenation belongs to the weight whose row range holds
     it), so a small weight (k/v) shares the cores with a large one instead of paying its own packing and
-    fork/join. Each W_i stays its own HF-layout buffer and each y_i its own output, in the order of `ns`."""
+    fork/join. Each W_i stays its own HF-layout buffer and each y_i its own output, in the order of `ns`.
+    split_activations: None = the model's precision (fp16 weights: split, bf16: rounded to bf16)."""
     ns = tuple(int(v) for v in ns)
     assert 1 <= len(ns) <= MULTI_MAX_WEIGHTS, ns
     assert all(v % PANEL_ROWS == 0 and v > 0 for v in ns) and k % TILE_K == 0, (ns, k)
@@ -177,6 +188,9 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
     off2 = off1 + (n1 // PANEL_ROWS if nw > 1 else 0)
     fp16 = weight_dtype == "float16"
     parts = 2 if fp16 else 1          # fp16 weights: hi and lo bf16 halves (exact); bf16: the weight itself
+    split = fp16 if split_activations is None else bool(split_activations)
+    assert split or not fp16, "fp16 weights need split activations: one bf16 product would drop below fp16's precision"
+    x_parts = 2 if split else 1       # activation parts per B tile: hi (+ lo)
     pack = fp16 or blk.pack_bf16
     prefetch = blk.prefetch
     k_blocks = k // TILE_K            # 32-wide k steps in all of K
@@ -193,6 +207,10 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
     load_dt = "float16" if fp16 else "uint16"
     load16, load_c, store_c, zero_c, dot = _tile_ops(emulate)
     emu_a, emu_c = (8 * A_TILE, 4 * C_TILE) if emulate else (1, 1)
+
+    def xtile(tt, kb, part):
+        """Offset of the packed B tile (16-token tile tt, 32-k step kb, activation part: 0 hi, 1 lo)."""
+        return ((tt * k_blocks + kb) * x_parts + part) * A_TILE
 
     @T.macro
     def tile_cfg(cfg):
@@ -217,14 +235,14 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
         # B tile (16-token tile tt + b, k step kcx * kcb + s, part): hi is part 0, lo part 1.
         if fp16:
             # Whi.xlo, then Whi.xhi, then Wlo.xhi: xhi stays in tmm6-7 for both of its products.
-            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
-            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 1), TILE_K)
+            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 1), TILE_K)
             dot(ta, tc, 0, 4, 6)
             dot(ta, tc, 2, 5, 6)
-            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 0), TILE_K)
             dot(ta, tc, 1, 4, 7)
             dot(ta, tc, 3, 5, 7)
-            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 0), TILE_K)
             dot(ta, tc, 0, 4, 6)
             dot(ta, tc, 2, 5, 6)
             dot(ta, tc, 1, 4, 7)
@@ -235,15 +253,22 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
             dot(ta, tc, 1, 4, 7)
             dot(ta, tc, 2, 5, 6)
             dot(ta, tc, 3, 5, 7)
-        else:
-            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
-            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2) * A_TILE, TILE_K)
+        elif x_parts == 1:
+            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 0), TILE_K)
+            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 0), TILE_K)
             dot(ta, tc, 0, 4, 6)
             dot(ta, tc, 2, 5, 6)
-            load16(ta, 6, xp, ((tt * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
             dot(ta, tc, 1, 4, 7)
             dot(ta, tc, 3, 5, 7)
-            load16(ta, 7, xp, (((tt + 1) * k_blocks + kcx * kcb + s) * 2 + 1) * A_TILE, TILE_K)
+        else:
+            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 0), TILE_K)
+            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 0), TILE_K)
+            dot(ta, tc, 0, 4, 6)
+            dot(ta, tc, 2, 5, 6)
+            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 1), TILE_K)
+            dot(ta, tc, 1, 4, 7)
+            dot(ta, tc, 3, 5, 7)
+            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 1), TILE_K)
             dot(ta, tc, 0, 4, 6)
             dot(ta, tc, 2, 5, 6)
             dot(ta, tc, 1, 4, 7)
@@ -325,9 +350,10 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
     @T.macro
     def body(tokens, x, wl0, wf0, y0, wl1, wf1, y1, wl2, wf2, y2):
         # Packed activations, flat: tile (16-token tile tt, k step kb, hi/lo part) of 16 kp x 16 tokens x 2
-        # at ((tt * k_blocks + kb) * 2 + part) * 512; tokens padded to a multiple of 32 with zeros.
-        xp = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * 2 * A_TILE,), "uint16")
-        xp32 = T.decl_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * 2 * (A_TILE // 2),),
+        # at xtile(tt, kb, part); tokens padded to a multiple of 32 with zeros.
+        xp = T.alloc_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * x_parts * A_TILE,),
+                            "uint16")
+        xp32 = T.decl_buffer((((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2 * k_blocks * x_parts * (A_TILE // 2),),
                              "uint32", data=xp.data)
         if not emulate:
             granted = T.call_extern("int64", "syscall", T.int64(SYS_ARCH_PRCTL), T.int64(ARCH_REQ_XCOMP_PERM),
@@ -335,21 +361,22 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
             assert granted == T.int64(0), "AMX GEMM: Linux refused AMX tile state (arch_prctl XTILEDATA)"
         for kb in T.parallel(k_blocks):
             # 16 tokens x 32 k converted row by row (vectorised), then 32-bit pairs transposed into VNNI.
-            rows = T.alloc_buffer((2, 16, TILE_K), "uint16", scope="global", annotations=STACK)
-            rows32 = T.decl_buffer((2, 16, TILE_K // 2), "uint32", data=rows.data)
+            rows = T.alloc_buffer((x_parts, 16, TILE_K), "uint16", scope="global", annotations=STACK)
+            rows32 = T.decl_buffer((x_parts, 16, TILE_K // 2), "uint32", data=rows.data)
             for tt in T.serial(((tokens + (TOKEN_BLOCK - 1)) // TOKEN_BLOCK) * 2):
                 for t in T.serial(16):
                     for c in T.vectorized(TILE_K):
                         rows[0, t, c] = _to_bf16_bits(T.if_then_else(
                             tt * 16 + t < tokens, x[T.min(tt * 16 + t, tokens - 1), kb * TILE_K + c], T.float32(0)))
-                    for c in T.vectorized(TILE_K):
-                        rows[1, t, c] = _to_bf16_bits(T.if_then_else(
-                            tt * 16 + t < tokens, x[T.min(tt * 16 + t, tokens - 1), kb * TILE_K + c], T.float32(0))
-                            - _bf16_value(rows[0, t, c]))
-                for part in T.serial(2):
+                    if x_parts == 2:
+                        for c in T.vectorized(TILE_K):
+                            rows[1, t, c] = _to_bf16_bits(T.if_then_else(
+                                tt * 16 + t < tokens, x[T.min(tt * 16 + t, tokens - 1), kb * TILE_K + c],
+                                T.float32(0)) - _bf16_value(rows[0, t, c]))
+                for part in T.serial(x_parts):
                     for kp in T.serial(TILE_ROWS):
                         for t in T.serial(16):
-                            xp32[((tt * k_blocks + kb) * 2 + part) * (A_TILE // 2) + kp * 16 + t] = rows32[part, t, kp]
+                            xp32[xtile(tt, kb, part) // 2 + kp * 16 + t] = rows32[part, t, kp]
         for task in T.parallel(tasks):
             cfg = T.alloc_buffer((64,), "uint8", scope="global", annotations=STACK)
             cst = T.alloc_buffer((4 * C_TILE,), "float32", scope="global", annotations=STACK)
@@ -438,5 +465,6 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
 
     short = "f16" if fp16 else "bf16"
     name = (f"helmc_gemm{nw if nw > 1 else ''}_amx_{short}_n{'_'.join(map(str, ns))}_k{k}"
-            + (f"_{blk.name}" if blk.name else "") + ("_emulated" if emulate else ""))
+            + (f"_{blk.name}" if blk.name else "") + ("_xsplit" if split and not fp16 else "")
+            + ("_emulated" if emulate else ""))
     return gemm.with_attr("global_symbol", name)

@@ -1,0 +1,46 @@
+"""Host tensors whose pages the kernel may back with 2 MiB transparent huge pages.
+
+Why: the CPU stage streams every weight once per token. With THP in "madvise" mode (the GPU machine's
+setting) a plain allocation gets 4 KiB pages, one TLB entry per 4 KiB streamed; an anonymous mapping
+advised with MADV_HUGEPAGE before its first touch gets 2 MiB pages where the kernel has them free.
+
+Only whole 2 MiB-aligned huge pages inside the tensor are advised: its tail stays on 4 KiB pages, so no
+tensor makes more than its own bytes resident. Where THP is off, or madvise fails, the memory is ordinary
+anonymous memory and everything works the same. Imports only numpy, mmap and tvm.runtime.
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import tvm.runtime
+
+HUGE_PAGE = 2 << 20
+MIN_HUGE_BYTES = 4 * HUGE_PAGE   # smaller tensors gain little and would waste their alignment slack
+
+
+def huge_page_buffer(nbytes: int) -> np.ndarray:
+    """Untouched uint8 array of `nbytes`, 2 MiB-aligned, its whole huge pages advised MADV_HUGEPAGE."""
+    if nbytes <= 0:
+        raise ValueError(f"huge_page_buffer: expected a positive size, found {nbytes}")
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(region, dtype=np.uint8)            # holds `region` alive
+    start = (-base.ctypes.data) % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    if whole and hasattr(region, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        except OSError:   # THP compiled out, or an old kernel: 4 KiB pages, nothing else changes
+            pass
+    return base[start:start + nbytes]
+
+
+def cpu_tensor_on_huge_pages(shape: tuple[int, ...], dtype: str) -> tvm.runtime.Tensor:
+    """An uninitialised CPU tensor in huge_page_buffer memory (dtype "bfloat16": a view of uint16 storage,
+    as tvm_tensors does). The tensor owns a reference to the mapping, which is unmapped with the last user."""
+    storage = "uint16" if dtype == "bfloat16" else dtype
+    count = int(np.prod(shape, dtype=np.int64))
+    nbytes = count * np.dtype(storage).itemsize
+    flat = huge_page_buffer(nbytes).view(storage)           # [nbytes] uint8 -> [count] storage
+    tensor = tvm.runtime.from_dlpack(flat.reshape(shape))   # [count] -> shape, zero-copy
+    return tensor._create_view(tuple(shape), dtype) if dtype == "bfloat16" else tensor
