@@ -7,6 +7,10 @@ advised with MADV_HUGEPAGE before its first touch gets 2 MiB pages where the ker
 Only whole 2 MiB-aligned huge pages inside the tensor are advised: its tail stays on 4 KiB pages, so no
 tensor makes more than its own bytes resident. Where THP is off, or madvise fails, the memory is ordinary
 anonymous memory and everything works the same. Imports only numpy, mmap and tvm.runtime.
+
+Used by the CPU benches (--huge-pages); the runtime does not bind weights here yet. On the GPU machine
+(2026-11-21, session 4) one Qwen3-8B block's decode step took the same time with 2.2 GiB of its weights
+on huge pages as without (2.66 / 2.77 ms against 2.67 / 2.72 ms, two pairs), so there was no gain to take.
 """
 from __future__ import annotations
 
@@ -44,3 +48,28 @@ def cpu_tensor_on_huge_pages(shape: tuple[int, ...], dtype: str) -> tvm.runtime.
     flat = huge_page_buffer(nbytes).view(storage)           # [nbytes] uint8 -> [count] storage
     tensor = tvm.runtime.from_dlpack(flat.reshape(shape))   # [count] -> shape, zero-copy
     return tensor._create_view(tuple(shape), dtype) if dtype == "bfloat16" else tensor
+
+
+def cpu_tensor_from_numpy(arr: np.ndarray, dtype: str) -> tvm.runtime.Tensor:
+    """tvm_tensors.tensor_from_numpy on the CPU, in huge-page memory when the tensor is >= MIN_HUGE_BYTES."""
+    from .tvm_tensors import tensor_from_numpy
+    if arr.nbytes < MIN_HUGE_BYTES:
+        return tensor_from_numpy(arr, dtype, tvm.runtime.cpu())
+    if dtype != "bfloat16" and np.dtype(dtype) != arr.dtype:
+        raise TypeError(f"cpu_tensor_from_numpy: dtype {dtype!r} expected to match the array's, found {arr.dtype}")
+    out = cpu_tensor_on_huge_pages(tuple(arr.shape), dtype)
+    storage = "uint16" if dtype == "bfloat16" else dtype
+    out._create_view(tuple(arr.shape), storage).copyfrom(np.ascontiguousarray(arr))
+    return out
+
+
+def anon_huge_page_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (/proc/self/smaps_rollup; 0 if unreadable)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

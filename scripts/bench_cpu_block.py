@@ -121,7 +121,7 @@ def torch_block(spec, act, round_linear_inputs=None):
     return pre, post
 
 
-def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
+def run(out_dir: str, threads: int, rounds: int, prompt: int, huge_pages: bool = False) -> dict:
     import numpy as np
     import torch
     import tvm.runtime
@@ -153,7 +153,10 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
         host[name] = bf16_bits_from_float32(vals) if spec.dtype == "bfloat16" else vals.astype(spec.dtype)
     w_param = sum(a.nbytes for a in host.values())
     copies = max(1, -(-4 * l3_bytes() // w_param))
-    weight_sets = [{n: tensor_from_numpy(a, spec.dtype, dev) for n, a in host.items()} for _ in range(copies)]
+    from helmc.runtime.host_memory import anon_huge_page_bytes, cpu_tensor_from_numpy
+    place = (lambda a: cpu_tensor_from_numpy(a, spec.dtype)) if huge_pages else \
+        (lambda a: tensor_from_numpy(a, spec.dtype, dev))
+    weight_sets = [{n: place(a) for n, a in host.items()} for _ in range(copies)]
     torch_w = {n: torch.from_dlpack(t).clone() for n, t in weight_sets[0].items()}   # same values, torch's own memory
     torch_w32 = {n: t.to(torch.float32) for n, t in torch_w.items()}
 
@@ -179,7 +182,8 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int) -> dict:
     torch_w_bf = {n: t.to(torch.bfloat16) for n, t in torch_w.items()}
     report = {"threads": threads, "w_param_bytes": w_param, "weight_copies": copies, "prompt": prompt,
               "amx_blocking": manifest.get("amx_blocking"), "amx_activations": manifest.get("amx_activations"),
-              "model": f"{spec.hidden_size}h/{spec.intermediate_size}ffn", "dtype": spec.dtype}
+              "model": f"{spec.hidden_size}h/{spec.intermediate_size}ffn", "dtype": spec.dtype,
+              "huge_pages": huge_pages, "anon_huge_page_bytes": anon_huge_page_bytes()}
     for kind, seq in (("decode", 1), ("prefill", prompt)):
         a = acts(seq)
         ta = [tensor_from_numpy(v, "float32", dev) for v in a]
@@ -285,6 +289,7 @@ def main() -> None:
     # 10 interleaved rounds: the GPU machine's DRAM figure varies 155-180 GB/s best, lower medians (2026-11-21).
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--huge-pages", action="store_true", help="weights in MADV_HUGEPAGE memory (runtime/host_memory.py)")
     ap.add_argument("--amx-activations", default="model", choices=("model", "split"),
                     help="AMX prefill GEMMs on bf16 weights: activations rounded to bf16 (model, the default) or "
                          "split into bf16 hi + lo (two products per tile, ~16 bits)")
@@ -307,13 +312,14 @@ def main() -> None:
         if args.build_only:
             print(f"run there with  python scripts/bench_cpu_block.py --run-only {out_dir}")
             return
-    r = run(out_dir, threads, args.rounds, args.prompt)
+    r = run(out_dir, threads, args.rounds, args.prompt, args.huge_pages)
     if args.json:
         print(json.dumps(r))
         sys.exit(0 if max(r["decode_rel_err"], r["prefill_rel_err"]) <= NUMERICS_LIMIT else 1)
     print(f"Qwen3 block {r['model']}, {r['dtype']} weights, W_param {r['w_param_bytes'] / 1e6:.0f} MB, "
           f"{r['threads']} threads, DRAM {r['dram_gbs']:.1f} GB/s; best of {r['rounds']} interleaved rounds; "
-          f"AMX blocking {r['amx_blocking']}, activations {r['amx_activations']}")
+          f"AMX blocking {r['amx_blocking']}, activations {r['amx_activations']}; huge pages "
+          f"{'asked' if r['huge_pages'] else 'not asked'}, {r['anon_huge_page_bytes'] >> 20} MiB on them")
     print(f"decode step   {r['decode_ms']:.2f} ms = {r['decode_gbs']:.1f} GB/s; roofline {r['roofline_ms']:.2f} ms "
           f"-> {r['decode_over_roofline']:.2f}x (target <= 1.25x); torch {r['dtype']} {r['torch_decode_ms']:.2f} ms")
     print(f"  (pre_attn {r['decode_pre_attn_ms']:.2f} ms + post_attn {r['decode_post_attn_ms']:.2f} ms; medians: "

@@ -173,6 +173,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
     import numpy as np
     import torch
     import tvm.runtime
+    from helmc.runtime.host_memory import anon_huge_page_bytes
     from helmc.runtime.tvm_tensors import tensor_from_numpy
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
@@ -202,6 +203,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
             continue
         dtype, nbytes = kern["dtype"], n * k * 2
         weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, dev, huge_pages)
+        on_huge = anon_huge_page_bytes()
         # torch reads the same memory as helmc: placement of pages cannot favour either.
         torch_weights = [torch.from_dlpack(w) for w in weights]
         x32 = rng.standard_normal((1, k), dtype=np.float32)
@@ -240,7 +242,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
                         "torch_gbs": round(max(gbs["torch"]), 2),
                         "helmc_gbs_median": round(float(np.median(gbs["helmc"])), 2),
                         "torch_gbs_median": round(float(np.median(gbs["torch"])), 2),
-                        "rel_err": err, "bytes_per_pass": nbytes * len(weights)})
+                        "rel_err": err, "bytes_per_pass": nbytes * len(weights), "anon_huge_page_bytes": on_huge})
         del weights, torch_weights
     amx = [amx_gemm_check(lib, entry, rounds, min_bytes) for entry in manifest.get("amx_gemm_kernels", [])
            if wanted is None or tuple(entry["shape"]) in wanted]
