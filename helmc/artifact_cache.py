@@ -37,7 +37,7 @@ def tvm_version() -> str:
         return tvm.__version__
 
 
-_COMPILER_SOURCES = ("export_block.py", "import_relax.py", "lower_linear.py", "schedule_cpu_stage.py",
+_COMPILER_SOURCES = ("export_block.py", "import_relax.py", "lower_linear.py", "expand_sigmoid.py", "schedule_cpu_stage.py",
                      "compile_gpu_stage.py", "analyze_program.py", "model_spec.py")
 
 
