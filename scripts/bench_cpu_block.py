@@ -54,7 +54,7 @@ def qwen3_spec(model: str, dtype: str, **overrides):
 
 
 def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, amx_blocking: str = "auto",
-          amx_activations: str = "model") -> None:
+          amx_activations: str = "model", gemv_prefetch: int | None = None) -> None:
     import tvm
     from helmc.export_block import export_functions
     from helmc.import_relax import import_functions
@@ -67,6 +67,10 @@ def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, am
     # name builds every AMX GEMM with that blocking.
     gemm_amx.BLOCKING_OVERRIDE = None if amx_blocking == "auto" else gemm_amx.blocking_named(amx_blocking)
     gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE = True if amx_activations == "split" else None
+    from helmc.schedules.cpu import gemv as gemv_module
+    if gemv_prefetch is not None:   # benchmark-only switch (schedules/cpu/gemv.py)
+        gemv_module.PREFETCH_STEPS = gemv_prefetch
+    gemv_prefetch = gemv_module.PREFETCH_STEPS
     exported = tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn"))
     mod = import_functions(exported)
     os.makedirs(out_dir, exist_ok=True)
@@ -77,7 +81,7 @@ def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, am
         os.path.join(out_dir, "stream_read.so"))
     manifest = {"spec": json.loads(spec.to_json()), "required_flags": list(required_cpu_features(features)),
                 "isa": isa.tier, "amx_blocking": amx_blocking, "read_elements": elements,
-                "amx_activations": amx_activations if isa.has_amx_bf16 else None,
+                "amx_activations": amx_activations if isa.has_amx_bf16 else None, "gemv_prefetch": gemv_prefetch,
                 "inputs": {f.name: list(f.input_names) for f in exported},
                 "weights": {f.name: list(f.weight_names) for f in exported}}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
@@ -289,6 +293,9 @@ def main() -> None:
     # 10 interleaved rounds: the GPU machine's DRAM figure varies 155-180 GB/s best, lower medians (2026-11-21).
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gemv-prefetch", type=int, default=None,
+                    help="build the GEMVs with software prefetch this many K steps ahead, 0 for none "
+                         "(default: gemv.PREFETCH_STEPS)")
     ap.add_argument("--huge-pages", action="store_true", help="weights in MADV_HUGEPAGE memory (runtime/host_memory.py)")
     ap.add_argument("--amx-activations", default="model", choices=("model", "split"),
                     help="AMX prefill GEMMs on bf16 weights: activations rounded to bf16 (model, the default) or "
@@ -307,7 +314,7 @@ def main() -> None:
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_block_bench_{os.getpid()}")
         t = time.time()
         build(out_dir, qwen3_spec(args.model, args.dtype), features, 4 * (args.l3_bytes or target_l3),
-              args.amx_blocking, args.amx_activations)
+              args.amx_blocking, args.amx_activations, args.gemv_prefetch)
         print(f"built {out_dir} in {time.time() - t:.0f} s", file=sys.stderr)
         if args.build_only:
             print(f"run there with  python scripts/bench_cpu_block.py --run-only {out_dir}")

@@ -73,13 +73,17 @@ def target_features(args) -> tuple[tuple[str, ...], int]:
 
 
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
-          amx_variant_models: list[str]) -> None:
+          amx_variant_models: list[str], gemv_prefetch: int | None = None) -> None:
     import tvm
     from helmc.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
+    from helmc.schedules.cpu import gemv as gemv_module
+    if gemv_prefetch is not None:   # benchmark-only switch (schedules/cpu/gemv.py)
+        gemv_module.PREFETCH_STEPS = gemv_prefetch
+    gemv_prefetch = gemv_module.PREFETCH_STEPS
     isa = select_isa(features)
     shapes = sorted({s for m in models for s in projection_shapes(m)})
     funcs, kernels = {}, []
@@ -114,7 +118,8 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
     os.makedirs(out_dir, exist_ok=True)
     lib.export_library(os.path.join(out_dir, "gemv_bench.so"))
     manifest = {"isa": isa.tier, "required_flags": list(required_cpu_features(features)), "kernels": kernels,
-                "amx_gemm_kernels": amx, "read_elements": read_elements, "page_read_elements": page_reads}
+                "amx_gemm_kernels": amx, "read_elements": read_elements, "page_read_elements": page_reads,
+                "gemv_prefetch": gemv_prefetch}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
 
@@ -314,6 +319,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--huge-pages", action="store_true", help="weight copies in MADV_HUGEPAGE memory")
+    ap.add_argument("--gemv-prefetch", type=int, default=None,
+                    help="build the GEMVs with software prefetch this many K steps ahead, 0 for none "
+                         "(default: gemv.PREFETCH_STEPS)")
     ap.add_argument("--amx-variants", default="8b",
                     help="models whose shapes get every AMX GEMM blocking variant (others: the default)")
     args = ap.parse_args()
@@ -330,7 +338,7 @@ def main() -> None:
         features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_gemv_bench_{os.getpid()}")
         build(out_dir, features, models, 4 * (args.l3_bytes or target_l3),
-              [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3])
+              [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3], args.gemv_prefetch)
         if args.build_only:
             print(f"built {out_dir}: run there with  python scripts/bench_cpu_gemv.py --run-only {out_dir}")
             return

@@ -132,6 +132,15 @@ def test_isa_follows_target_features_not_build_machine():
     lib = tvm.compile(make_gemv(1, 64, 1024, "bfloat16", spr), target=llvm_target(SPR))
     asm = lib.mod.inspect_source("asm")
     assert re.search(r"vfmadd\w*ps\s+[^\n]*zmm", asm), "AVX-512 target did not use zmm FMAs"
+    # One software prefetch per weight row and K step (gemv.PREFETCH_STEPS ahead), none when it is 0.
+    from helmc.schedules.cpu import gemv as gemv_module
+    assert gemv_module.PREFETCH_STEPS > 0 and asm.count("prefetcht0") == 4   # 4 rows per step
+    saved, gemv_module.PREFETCH_STEPS = gemv_module.PREFETCH_STEPS, 0
+    try:
+        plain = tvm.compile(make_gemv(1, 64, 1024, "bfloat16", spr), target=llvm_target(SPR)).mod.inspect_source("asm")
+    finally:
+        gemv_module.PREFETCH_STEPS = saved
+    assert "prefetcht0" not in plain
 
 
 def test_bf16_tensor_round_trip():

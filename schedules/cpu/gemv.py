@@ -18,6 +18,12 @@ from .isa import VectorIsa
 from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symbolic) use gemm.make_gemm
+# Software prefetch, in K steps (one `chunk` of each row per step) ahead of the loads; past the end of the
+# rows it runs into the next step's rows. 0: none. Benchmarks may set it (--gemv-prefetch).
+# Measured on the GPU machine's 16-core Xeon (2026-11-21, session 4, one Qwen3-8B block's decode step, noisy
+# host, three paired runs of 8 rounds): 16 steps ahead gave 0.97 / 1.15 / 1.08x of the run's roofline where
+# none gave 1.18 / 1.21 / 1.17x (2.48 / 2.88 / 3.12 ms against 2.77 / 3.27 / 2.92 ms); 8 ahead gave 1.11x.
+PREFETCH_STEPS = 16
 
 
 def gemv_blocking(isa: VectorIsa, m: int) -> tuple[int, int]:
@@ -55,6 +61,7 @@ def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bo
     """Macro: rows [first, first + rows) of one weight (clamped loads, skipped stores past n); K in full
     chunks, then the leftover elements one by one. Shared by make_gemv and gemv_fused.make_gemv_multi."""
     k_main, k_tail = k // chunk, k - (k // chunk) * chunk
+    prefetch = prefetch_ahead(k_main, rows, chunk)
 
     @T.macro
     def block(x, wl, y, n, first):
@@ -64,6 +71,7 @@ def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bo
                 for v in T.vectorized(chunk):
                     acc[t, r, v] = T.float32(0)
         for ko in T.serial(k_main):
+            prefetch(wl, n, first, ko)
             for t in T.unroll(m):
                 for r in T.unroll(rows):
                     for v in T.vectorized(chunk):
@@ -82,6 +90,27 @@ def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bo
                     y[t, first + r] = total[0]
 
     return block
+
+
+def prefetch_ahead(k_main: int, rows: int, chunk: int):
+    """Macro prefetch(wl, n, first, ko): for each of rows [first, first + rows) of wl, K step ko + PREFETCH_STEPS
+    (a `chunk` each), or, once past K, that step of the next group of rows (clamped to row n - 1): the DRAM
+    requests run ahead across 4 KiB page ends, where the hardware prefetchers stop and restart. Nothing when
+    PREFETCH_STEPS is 0."""
+    ahead = PREFETCH_STEPS
+
+    @T.macro
+    def prefetch(wl, n, first, ko):
+        if ahead > 0:
+            for r in T.unroll(rows):
+                T.evaluate(T.call_llvm_intrin(
+                    "void", "llvm.prefetch", T.address_of(wl[
+                        T.min(T.if_then_else(ko + ahead < k_main, first + r, first + rows + r), n - 1),
+                        T.if_then_else(ko + ahead < k_main, ko + ahead, T.min(ko + ahead - k_main, k_main - 1))
+                        * chunk]),
+                    T.int32(0), T.int32(3), T.int32(1)))
+
+    return prefetch
 
 
 def short_dtype(dtype: str) -> str:

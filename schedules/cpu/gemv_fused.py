@@ -18,7 +18,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gemv import GEMV_MAX_ROWS, gemv_blocking, row_block, short_dtype
+from .gemv import GEMV_MAX_ROWS, gemv_blocking, prefetch_ahead, row_block, short_dtype
 from .isa import VectorIsa
 from .weight_load import STACK, check_weight_dtype, load_dtype, widen
 
@@ -86,6 +86,7 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
     k_main, k_tail = k // chunk, k - (k // chunk) * chunk
     f16c = not isa.is_slow_fallback
     ldt = load_dtype(weight_dtype)
+    prefetch = prefetch_ahead(k_main, pairs, chunk)
 
     @T.prim_func
     def swiglu(x: T.Buffer((m, k), "float32"), wg: T.Buffer((n, k), weight_dtype),
@@ -101,6 +102,8 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
                         for v in T.vectorized(chunk):
                             acc[h, t, r, v] = T.float32(0)
             for ko in T.serial(k_main):
+                prefetch(wgl, n, step * pairs, ko)
+                prefetch(wul, n, step * pairs, ko)
                 for t in T.unroll(m):
                     for r in T.unroll(pairs):
                         for v in T.vectorized(chunk):
