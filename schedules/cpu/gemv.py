@@ -7,6 +7,8 @@ Why this shape of loop (thesis 4.1.5: the CPU stage is only worth having at the 
   rows x 2 independent FMA chains cover FMA latency and keep several DRAM streams in flight per core.
 - weights widened to fp32 in registers (weight_load.widen), accumulation in fp32 throughout.
 - K % chunk leftovers go through a scalar tail loop, so any K is exact.
+- each K step software-prefetches every row PREFETCH_STEPS steps ahead (then the next rows), so DRAM
+  requests keep running across 4 KiB page ends, where the hardware prefetchers stop (see PREFETCH_STEPS).
 x (m x K fp32) is re-read for every row and stays in L1/L2; only W comes from DRAM.
 """
 from __future__ import annotations
