@@ -100,19 +100,20 @@ def _tree_reduce(width: int, combine):
     one vector operation (a serial sum over lanes would be `width` dependent scalar adds)."""
 
     @T.macro
+    def halve(buf, g, half):
+        for x in T.vectorized(half):
+            buf[g, x] = combine(buf[g, x], buf[g, x + half])
+
+    @T.macro
     def reduce(buf, g):
         if width >= 32:
-            for x in T.vectorized(16):
-                buf[g, x] = combine(buf[g, x], buf[g, x + 16])
+            halve(buf, g, 16)
         if width >= 16:
-            for x in T.vectorized(8):
-                buf[g, x] = combine(buf[g, x], buf[g, x + 8])
+            halve(buf, g, 8)
         if width >= 8:
-            for x in T.vectorized(4):
-                buf[g, x] = combine(buf[g, x], buf[g, x + 4])
+            halve(buf, g, 4)
         if width >= 4:
-            for x in T.vectorized(2):
-                buf[g, x] = combine(buf[g, x], buf[g, x + 2])
+            halve(buf, g, 2)
         if width >= 2:
             buf[g, 0] = combine(buf[g, 0], buf[g, 1])
 

@@ -253,26 +253,23 @@ def make_gemm_amx_multi(ns: tuple[int, ...], k: int, weight_dtype: str = "bfloat
             dot(ta, tc, 1, 4, 7)
             dot(ta, tc, 2, 5, 6)
             dot(ta, tc, 3, 5, 7)
-        elif x_parts == 1:
-            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 0), TILE_K)
-            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 0), TILE_K)
-            dot(ta, tc, 0, 4, 6)
-            dot(ta, tc, 2, 5, 6)
-            dot(ta, tc, 1, 4, 7)
-            dot(ta, tc, 3, 5, 7)
         else:
+            # bf16 weights: W.xhi; split activations add W.xlo, each lo tile loaded as soon as its hi tile's
+            # products are issued.
             load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 0), TILE_K)
             load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 0), TILE_K)
             dot(ta, tc, 0, 4, 6)
             dot(ta, tc, 2, 5, 6)
-            load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 1), TILE_K)
+            if x_parts == 2:
+                load16(ta, 6, xp, xtile(tt, kcx * kcb + s, 1), TILE_K)
             dot(ta, tc, 1, 4, 7)
             dot(ta, tc, 3, 5, 7)
-            load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 1), TILE_K)
-            dot(ta, tc, 0, 4, 6)
-            dot(ta, tc, 2, 5, 6)
-            dot(ta, tc, 1, 4, 7)
-            dot(ta, tc, 3, 5, 7)
+            if x_parts == 2:
+                load16(ta, 7, xp, xtile(tt + 1, kcx * kcb + s, 1), TILE_K)
+                dot(ta, tc, 0, 4, 6)
+                dot(ta, tc, 2, 5, 6)
+                dot(ta, tc, 1, 4, 7)
+                dot(ta, tc, 3, 5, 7)
 
     @T.macro
     def prefetch_rows(wl, next_row, next_col, tb2, s, per):
