@@ -72,3 +72,15 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", num_layers: int = 2, head
     save.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     make_tokenizer(os.path.join(out_dir, "tokenizer.json"), vocab_size=min(512, cfg.vocab_size))
     return save
+
+
+def hf_prompt_reference(model, prompt: list[int], new_tokens: int):
+    """(last-row logits of `prompt` as a NumPy array, the greedy continuation of `new_tokens` ids) from a
+    transformers causal LM, as the device checks store them in refs.npz."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        logits = model(ids).logits[0, -1].float().numpy()
+        greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    return logits, greedy.numpy()

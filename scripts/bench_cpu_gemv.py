@@ -12,7 +12,8 @@ cache; helmc and torch read the very same copies (same pages), in interleaved ro
             system delivers for those pages (their physical placement differs between allocations, and on
             the GPU machine whole cases ran 40% slower for helmc and torch alike)
 Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
---huge-pages puts the weight copies in MADV_HUGEPAGE memory (runtime/host_memory.py), as the runtime does.
+--huge-pages puts the weight copies of 8 MiB and more in MADV_HUGEPAGE memory (runtime/host_memory.py; the runtime
+itself does not place weights there).
 
   python scripts/bench_cpu_gemv.py [--models 8b] [--json]                  # build and run here
   python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
@@ -142,7 +143,7 @@ def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev, huge_pag
                   ) -> tuple[list, object]:
     """(copies of one random [n, k] weight whose total is >= min_bytes, float64 of its values)."""
     import numpy as np
-    from helmc.runtime.host_memory import cpu_tensor_on_huge_pages
+    from helmc.runtime.host_memory import cpu_tensor_from_numpy
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy
     base = rng.standard_normal((n, k), dtype=np.float32) * 0.02
     if dtype == "bfloat16":
@@ -152,12 +153,9 @@ def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, dev, huge_pag
         host = base.astype(np.float16)
         w64 = host.astype(np.float64)
     copies = max(1, -(-min_bytes // (n * k * 2)))
-    if not huge_pages:
-        return [tensor_from_numpy(host, dtype, dev) for _ in range(copies)], w64
-    out = [cpu_tensor_on_huge_pages((n, k), dtype) for _ in range(copies)]
-    for t in out:
-        t._create_view((n, k), "uint16" if dtype == "bfloat16" else dtype).copyfrom(host)
-    return out, w64
+    if huge_pages:
+        return [cpu_tensor_from_numpy(host, dtype) for _ in range(copies)], w64
+    return [tensor_from_numpy(host, dtype, dev) for _ in range(copies)], w64
 
 
 def timed_rounds(fns: dict, rounds: int) -> dict:

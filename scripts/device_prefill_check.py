@@ -35,7 +35,7 @@ def build(out_dir: str) -> None:
     from helmc.model_spec import ModelSpec
     from helmc.pipeline import build as build_bundle
     from helmc.plan import PLAN_FORMAT_VERSION, Plan
-    from helmc.testing import make_tiny_model
+    from helmc.testing import hf_prompt_reference, make_tiny_model
 
     model_dir = os.path.join(out_dir, "model")
     model = make_tiny_model(model_dir, "qwen3", num_layers=4, head_dim=32, dtype="float16", seed=7,
@@ -53,15 +53,14 @@ def build(out_dir: str) -> None:
     }
     for name, plan in plans.items():
         build_bundle(model_dir, hw, os.path.join(out_dir, name), plan=plan, copy_weights=True, quiet=True)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        logits = model(ids).logits[0, -1].numpy()
-        greedy = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[0, PROMPT_LEN:]
-    np.savez(os.path.join(out_dir, "refs.npz"), prompt=np.array(prompt), logits=logits, greedy=greedy.numpy())
+    logits, greedy = hf_prompt_reference(model, prompt, NEW_TOKENS)
+    np.savez(os.path.join(out_dir, "refs.npz"), prompt=np.array(prompt), logits=logits, greedy=greedy)
     print(f"wrote {', '.join(BUNDLES)} and refs.npz under {out_dir}")
 
 
-def _tokens_agree(ours: list[int], ref: list[int], top5_at) -> tuple[bool, int]:
+def tokens_agree(ours: list[int], ref: list[int], top5_at) -> tuple[bool, int]:
+    """(agree, first divergence): identical tokens, or at the first divergence HF's token is in helmc's top 5
+    there (top5_at(i): helmc's top-5 ids after its first i tokens)."""
     for i, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
             return bool(b in top5_at(i)), i
@@ -87,7 +86,7 @@ def check(dir_: str, out_path: str | None) -> int:
             lg = s.forward(prompt + toks[:i])[-1]
             return set(np.argsort(lg)[-5:].tolist())
 
-        agree, first = _tokens_agree(toks, ref_greedy, top5_at)
+        agree, first = tokens_agree(toks, ref_greedy, top5_at)
         streamed = s.gpu.streamed_prefill.bytes_streamed if s.gpu.streamed_prefill is not None else 0
         results[name] = {"logits_rel_diff": rel, "tokens_identical_to_hf": first, "agree": agree,
                          "ttft_ms": r.ttft_ms, "bytes_streamed": streamed}
