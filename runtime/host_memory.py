@@ -23,15 +23,16 @@ HUGE_PAGE = 2 << 20
 MIN_HUGE_BYTES = 4 * HUGE_PAGE   # smaller tensors gain little and would waste their alignment slack
 
 
-def huge_page_buffer(nbytes: int) -> np.ndarray:
-    """Untouched uint8 array of `nbytes`, 2 MiB-aligned, its whole huge pages advised MADV_HUGEPAGE."""
+def huge_page_buffer(nbytes: int, advise: bool = True) -> np.ndarray:
+    """Untouched uint8 array of `nbytes`, 2 MiB-aligned, its whole huge pages advised MADV_HUGEPAGE (with
+    `advise` False: the same fresh anonymous mapping on 4 KiB pages)."""
     if nbytes <= 0:
         raise ValueError(f"huge_page_buffer: expected a positive size, found {nbytes}")
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(region, dtype=np.uint8)            # holds `region` alive
     start = (-base.ctypes.data) % HUGE_PAGE
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    if whole and hasattr(region, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if advise and whole and hasattr(region, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE, start, whole)
         except OSError:   # THP compiled out, or an old kernel: 4 KiB pages, nothing else changes
@@ -42,10 +43,23 @@ def huge_page_buffer(nbytes: int) -> np.ndarray:
 def cpu_tensor_on_huge_pages(shape: tuple[int, ...], dtype: str) -> tvm.runtime.Tensor:
     """An uninitialised CPU tensor in huge_page_buffer memory (dtype "bfloat16": a view of uint16 storage,
     as tvm_tensors does). The tensor owns a reference to the mapping, which is unmapped with the last user."""
+    return cpu_tensor_over(huge_page_buffer(tensor_bytes(shape, dtype)), shape, dtype)
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
     storage = "uint16" if dtype == "bfloat16" else dtype
-    count = int(np.prod(shape, dtype=np.int64))
-    nbytes = count * np.dtype(storage).itemsize
-    flat = huge_page_buffer(nbytes).view(storage)           # [nbytes] uint8 -> [count] storage
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(storage).itemsize
+
+
+def cpu_tensor_over(region: np.ndarray, shape: tuple[int, ...], dtype: str) -> tvm.runtime.Tensor:
+    """A CPU tensor over the first bytes of `region` (a C-contiguous uint8 array, 64-byte aligned), zero-copy;
+    the tensor keeps `region` alive. dtype "bfloat16": a view of uint16 storage, as tvm_tensors does."""
+    storage = "uint16" if dtype == "bfloat16" else dtype
+    nbytes = tensor_bytes(shape, dtype)
+    if region.dtype != np.uint8 or region.nbytes < nbytes or region.ctypes.data % 64:
+        raise ValueError(f"cpu_tensor_over: expected a 64-byte-aligned uint8 region of >= {nbytes} bytes, found "
+                         f"{region.dtype} of {region.nbytes} bytes at alignment {region.ctypes.data % 64}")
+    flat = region[:nbytes].view(storage)                    # [nbytes] uint8 -> [count] storage
     tensor = tvm.runtime.from_dlpack(flat.reshape(shape))   # [count] -> shape, zero-copy
     return tensor._create_view(tuple(shape), dtype) if dtype == "bfloat16" else tensor
 

@@ -10,7 +10,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.host_memory import (HUGE_PAGE, MIN_HUGE_BYTES, anon_huge_page_bytes,  # noqa: E402
-                                       cpu_tensor_from_numpy, huge_page_buffer)
+                                       cpu_tensor_from_numpy, cpu_tensor_over, huge_page_buffer)
 from helmc.runtime.tvm_tensors import numpy_from_tensor  # noqa: E402
 
 
@@ -34,6 +34,19 @@ def test_cpu_tensor_from_numpy_round_trips_large_and_small(dtype):
         np.testing.assert_array_equal(numpy_from_tensor(t), arr)
         if arr.nbytes >= MIN_HUGE_BYTES:
             assert t.data_ptr() % HUGE_PAGE == 0
+
+
+def test_cpu_tensor_over_views_the_region_in_place():
+    region = huge_page_buffer(4 * 4096, advise=False)
+    region[:] = 0
+    t = cpu_tensor_over(region[4096:], (8, 16), "bfloat16")        # [8 * 16 * 2 bytes] of the region
+    assert t.data_ptr() == region.ctypes.data + 4096 and str(t.dtype) == "bfloat16"
+    region[4096:4098] = (0x80, 0x3F)                                # bf16 bits 0x3f80 = 1.0, little-endian
+    assert numpy_from_tensor(t)[0, 0] == 0x3F80
+    with pytest.raises(ValueError, match=">= 1024 bytes"):
+        cpu_tensor_over(region[:1000], (16, 16), "float32")
+    with pytest.raises(ValueError, match="alignment 8"):
+        cpu_tensor_over(region[8:], (4,), "float32")
 
 
 def test_cpu_tensor_from_numpy_rejects_a_dtype_mismatch():
