@@ -47,6 +47,7 @@ def cpu_tensor_on_huge_pages(shape: tuple[int, ...], dtype: str) -> tvm.runtime.
 
 
 def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a dense tensor of `shape` and `dtype` (bfloat16: 2)."""
     storage = "uint16" if dtype == "bfloat16" else dtype
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(storage).itemsize
 

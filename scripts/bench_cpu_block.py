@@ -164,7 +164,6 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int, huge_pages: bool =
     # The weight sets and the DRAM read share one allocation (bench_cpu_gemv.WeightArena): the roofline's
     # read streams the pages the decode step streams.
     arena = WeightArena(arena_bytes(read_n * 4, [copies * (w_param + len(names) * WeightArena.ALIGN)]), huge_pages)
-    arena.region.fill(0x3C)      # touch every page; as fp32, 0x3c3c3c3c is a normal number (no denormal sums)
     weight_sets = [{n: arena.place(a, spec.dtype) for n, a in host.items()} for _ in range(copies)]
     # torch reads the first set, the one helmc's prefill reads: the same pages.
     torch_w = {n: torch.from_dlpack(t) for n, t in weight_sets[0].items()}

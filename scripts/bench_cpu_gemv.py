@@ -161,6 +161,7 @@ class WeightArena:
     def __init__(self, nbytes: int, huge_pages: bool = False):
         from helmc.runtime.host_memory import huge_page_buffer
         self.region = huge_page_buffer(nbytes, advise=huge_pages)
+        self.region.fill(0x3C)   # touch every page now; as fp32, 0x3c3c3c3c is a normal number (no denormal sums)
         self.used = 0
 
     def reset(self) -> None:
@@ -246,7 +247,6 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
              if wanted is None or tuple(kern["shape"]) in wanted]
     arena = WeightArena(arena_bytes(read_n * 4, [copy_count(n, k, min_bytes) * n * k * 2 for n, k in cases]),
                         huge_pages)
-    arena.region.fill(0x3C)      # touch every page; as fp32, 0x3c3c3c3c is a normal number (no denormal sums)
     read_buf = cpu_tensor_over(arena.region, (read_n,), "float32")
     partial = tvm.runtime.empty((1024,), "float32", dev)
     torch_buf = torch.from_dlpack(read_buf)
