@@ -20,10 +20,9 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_gemv import cpu_flags, l3_bytes, timed_rounds  # noqa: E402
+from bench_cpu_gemv import l3_bytes, target_features, timed_rounds  # noqa: E402
 
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))
 VARIANTS = {  # name: (layout, rows, width (k per row per step), lanes, software prefetch steps)
@@ -149,17 +148,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-only")
     ap.add_argument("--run-only")
-    ap.add_argument("--hardware")
+    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
+    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.build_only:
-        features = cpu_flags()
-        if a.hardware:
-            from helmc.hardware import HardwareProfile
-            features = HardwareProfile.load(a.hardware).cpu.features
-        build(a.build_only, features)
+        build(a.build_only, target_features(a)[0])
         return
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))   # TVM's default: half the cores
     rep = run(a.run_only, a.rounds)
     if a.out:
         json.dump(rep, open(a.out, "w"), indent=1)

@@ -15,7 +15,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_gemv import WeightArena, arena_bytes, copy_count, cpu_flags, l3_bytes, timed_rounds, weight_copies  # noqa: E402
+from bench_cpu_gemv import (WeightArena, arena_bytes, copy_count, l3_bytes, target_features, timed_rounds,  # noqa: E402
+                            weight_copies)
 
 SHAPES = ((4096, 4096), (12288, 4096))
 
@@ -85,16 +86,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-only")
     ap.add_argument("--run-only")
-    ap.add_argument("--hardware")
+    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
+    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
     if a.build_only:
-        features = cpu_flags()
-        if a.hardware:
-            from helmc.hardware import HardwareProfile
-            features = HardwareProfile.load(a.hardware).cpu.features
-        build(a.build_only, features)
+        build(a.build_only, target_features(a)[0])
         return
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     rep = run(a.run_only, a.rounds, a.tokens)
