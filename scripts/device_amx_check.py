@@ -67,7 +67,7 @@ def build(out_dir: str) -> None:
 
 
 def check(dir_: str, out_path: str | None) -> int:
-    from device_prefill_check import tokens_agree
+    from device_prefill_check import compare_with_hf
     from helmc.runtime.session import Session
 
     refs = np.load(os.path.join(dir_, "refs.npz"))
@@ -76,21 +76,12 @@ def check(dir_: str, out_path: str | None) -> int:
     hf_bf16_rel = float(np.abs(ref_bf16 - ref).max() / np.abs(ref).max())
     results, ok = {"hf_bf16_vs_fp32_logits_rel_diff": hf_bf16_rel}, True
     for name in BUNDLES:
-        s = Session.load(os.path.join(dir_, name))
-        s.reset()
-        logits = s.forward(prompt)[-1]
-        rel = float(np.abs(logits - ref).max() / np.abs(ref).max())
+        logits, rel, _, agree, first = compare_with_hf(Session.load(os.path.join(dir_, name)), prompt, ref,
+                                                        ref_greedy, NEW_TOKENS)
         rel_bf16 = float(np.abs(logits - ref_bf16).max() / np.abs(ref).max())
-        toks = s.generate(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
-
-        def top5_at(i, s=s, toks=toks):
-            s.reset()
-            return set(np.argsort(s.forward(prompt + toks[:i])[-1])[-5:].tolist())
-
-        agree, first = tokens_agree(toks, ref_greedy, top5_at)
         results[name] = {"logits_rel_diff": rel, "logits_rel_diff_vs_hf_bf16": rel_bf16,
-                         "tokens_identical_to_hf": first, "agree": bool(agree)}
-        ok &= rel <= LOGIT_TOLERANCE and bool(agree)
+                         "tokens_identical_to_hf": first, "agree": agree}
+        ok &= rel <= LOGIT_TOLERANCE and agree
         print(f"{name:10s} logits max|diff|/max|ref| vs HF fp32 {rel:.2e} (tolerance {LOGIT_TOLERANCE}), vs HF bf16 "
               f"{rel_bf16:.2e}; greedy identical to HF fp32 for {first}/{len(ref_greedy)}"
               f"{'' if first == len(ref_greedy) else ' (top-5 at divergence: ' + str(agree) + ')'}")

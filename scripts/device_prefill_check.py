@@ -67,6 +67,22 @@ def tokens_agree(ours: list[int], ref: list[int], top5_at) -> tuple[bool, int]:
     return True, len(ref)
 
 
+def compare_with_hf(session, prompt: list[int], ref_logits, ref_greedy: list[int], new_tokens: int):
+    """One bundle's session against HF's references: (its last prompt logits, their max|diff| / max|ref|, its
+    greedy generation (GenerateResult), tokens_agree's (agree, first divergence))."""
+    session.reset()
+    logits = session.forward(prompt)[-1]
+    rel = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+    result = session.generate(prompt_ids=prompt, max_new_tokens=new_tokens, stop_at_eos=False)
+
+    def top5_at(i):
+        session.reset()
+        return set(np.argsort(session.forward(prompt + result.tokens[:i])[-1])[-5:].tolist())
+
+    agree, first = tokens_agree(result.tokens, ref_greedy, top5_at)
+    return logits, rel, result, bool(agree), first
+
+
 def check(dir_: str, out_path: str | None) -> int:
     from helmc.runtime.session import Session
 
@@ -75,18 +91,8 @@ def check(dir_: str, out_path: str | None) -> int:
     results, tokens, ok = {}, {}, True
     for name in BUNDLES:
         s = Session.load(os.path.join(dir_, name))
-        s.reset()
-        logits = s.forward(prompt)[-1]
-        rel = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
-        r = s.generate(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        _, rel, r, agree, first = compare_with_hf(s, prompt, ref_logits, ref_greedy, NEW_TOKENS)
         toks = r.tokens
-
-        def top5_at(i, s=s, toks=toks):
-            s.reset()
-            lg = s.forward(prompt + toks[:i])[-1]
-            return set(np.argsort(lg)[-5:].tolist())
-
-        agree, first = tokens_agree(toks, ref_greedy, top5_at)
         streamed = s.gpu.streamed_prefill.bytes_streamed if s.gpu.streamed_prefill is not None else 0
         results[name] = {"logits_rel_diff": rel, "tokens_identical_to_hf": first, "agree": agree,
                          "ttft_ms": r.ttft_ms, "bytes_streamed": streamed}
