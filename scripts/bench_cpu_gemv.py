@@ -150,10 +150,10 @@ class WeightArena:
     """One fresh allocation holding the DRAM read's buffer and every weight copy a bench times, so the read
     and the kernels stream the very same pages.
 
-    Why: on the GPU machine's VM guest the read speed of a buffer depends on where the host placed its pages,
-    and that differs between allocations: in session 5's first device call the weight copies of one run
-    read at 103-117 GB/s while the 1.2 GB read buffer, allocated beside them, read at 180 GB/s. Reading both
-    from one allocation makes "kernel GB/s over DRAM GB/s" compare the kernel with the memory it reads.
+    Why: on the GPU machine's VM guest the read speed of a buffer differed between allocations (session 4,
+    16 threads: the same stream read over some cases' weight copies gave 85-123 GB/s, over others 140-182,
+    the 1.2 GB read buffer 175-191). Reading both from one allocation makes "kernel GB/s over DRAM GB/s"
+    compare the kernel with the memory it reads.
     The read covers the arena's first bytes; copies are placed from the start, 4 KiB-aligned."""
 
     ALIGN = 4096
