@@ -25,8 +25,9 @@ read the same 2-D x become one launch with one output each (q/k/v; gate/up), so 
 once and the small k/v panels share the cores with q's instead of paying a packing pass and a fork/join of
 their own. The AMX blocking of each launch comes from gemm_amx.blocking_for(summed N, K, dtype) (measured per
 shape on the target), unless gemm_amx.BLOCKING_OVERRIDE is set (benchmarks comparing variants). The AMX
-GEMMs take their activations at the model's precision (bf16 weights: rounded to bf16, as HF's bf16 linears),
-unless gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE asks for the hi + lo split.
+GEMMs take their activations at the build's `prefill_activations` precision (PREFILL_ACTIVATIONS): "model"
+rounds them to bf16 for bf16 weights, as HF's bf16 linears do; "fp32" splits them into bf16 hi + lo (two tile
+products, ~1e-5 of an fp32 GEMM). fp16 weights always split.
 """
 from __future__ import annotations
 
@@ -58,15 +59,32 @@ class LoweredLinear:
     weight_dtype: str
 
 
-def lower_linear(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None) -> tvm.IRModule:
+# Precision of the AMX prefill GEMM's activations (a build option, recorded in the bundle's manifest):
+# "model": bf16 weights take bf16-rounded activations, as HF's bf16 model and torch's bf16 linear (one tile
+#   product per step; against an fp32 GEMM of the unrounded activations that is bf16's rounding, ~2e-3);
+# "fp32": activations split into bf16 hi + lo, two tile products per step (~1e-5 of an fp32 GEMM; the GEMM
+#   takes 1.3-1.6x as long on the GPU machine's Xeon, scripts/profile_amx_gemm.py).
+PREFILL_ACTIVATIONS = ("model", "fp32")
+
+
+def check_prefill_activations(value: str) -> None:
+    if value not in PREFILL_ACTIVATIONS:
+        from helmc.errors import HelmcError
+        raise HelmcError(f"prefill activations: expected one of {PREFILL_ACTIVATIONS}, found {value!r}")
+
+
+def lower_linear(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None,
+                 prefill_activations: str = "model") -> tvm.IRModule:
     """Every astype/permute_dims/matmul linear in every Relax function -> call_tir to a CPU kernel.
-    `cores`: the target CPU's cores, the AMX prefill GEMM's parallel task count (default: its blocking's)."""
-    return lower_linear_with_report(mod, features, cores)[0]
+    `cores`: the target CPU's cores, the AMX prefill GEMM's parallel task count (default: its blocking's).
+    `prefill_activations`: one of PREFILL_ACTIVATIONS (the AMX GEMM's activation precision)."""
+    return lower_linear_with_report(mod, features, cores, prefill_activations)[0]
 
 
-def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None
-                             ) -> tuple[tvm.IRModule, tuple[LoweredLinear, ...]]:
-    rewriter = _LinearRewriter(mod, select_isa(features), cores)
+def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None,
+                             prefill_activations: str = "model") -> tuple[tvm.IRModule, tuple[LoweredLinear, ...]]:
+    check_prefill_activations(prefill_activations)
+    rewriter = _LinearRewriter(mod, select_isa(features), cores, prefill_activations == "fp32")
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
             continue
@@ -232,10 +250,11 @@ def _match_swiglu(members, bindings, uses):
 
 @mutator
 class _LinearRewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, isa: VectorIsa, cores: int | None = None):
+    def __init__(self, mod: tvm.IRModule, isa: VectorIsa, cores: int | None, split_activations: bool):
         super().__init__(mod)
         self.isa = isa
         self.cores = cores
+        self.split_activations = split_activations
         self.kernels: dict[tuple, relax.GlobalVar] = {}
         self.lowered: list[LoweredLinear] = []
         self.function_name = ""
@@ -298,12 +317,10 @@ class _LinearRewriter(PyExprMutator):
         blocking = gemm_amx.BLOCKING_OVERRIDE or gemm_amx.blocking_for(n, k, dtype)
         return blocking if self.cores is None else dataclasses.replace(blocking, tasks=self.cores)
 
-    @staticmethod
-    def _amx_split(dtype: str) -> bool | None:
-        """None (the model's precision) unless a benchmark set gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE; fp16
-        weights always split."""
-        override = gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE
-        return None if override is None or dtype == "float16" else override
+    def _amx_split(self, dtype: str) -> bool | None:
+        """True for "fp32" prefill activations with bf16 weights, else None (the model's precision; fp16
+        weights always split)."""
+        return True if self.split_activations and dtype == "bfloat16" else None
 
     def _resolve(self, expr: relax.Expr) -> relax.Expr:
         if isinstance(expr, relax.Var):

@@ -68,9 +68,11 @@ def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
     return json.dumps(dict(target.export()), sort_keys=True, default=str), tuple(required_cpu_features(hw.cpu.features))
 
 
-def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None = None):
+def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None = None,
+                prefill_activations: str = "model"):
     from .schedule_cpu_stage import compile_cpu_stage
-    exe = compile_cpu_stage(mod, hw.cpu.features, spec, hw.cpu.cores)  # spec: adds the decode-attention kernel
+    # spec: adds the decode-attention kernel
+    exe = compile_cpu_stage(mod, hw.cpu.features, spec, hw.cpu.cores, prefill_activations)
     exe.export_library(out_path)
 
 
@@ -81,9 +83,12 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str) -> tuple[str, ...]:
 
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
-          plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True) -> BuildResult:
+          plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
+          prefill_activations: str = "model") -> BuildResult:
     progress = Progress(quiet)
+    from .lower_linear import check_prefill_activations
     from .write_bundle import BundleInputs, write_bundle
+    check_prefill_activations(prefill_activations)
 
     spec, config_sha = read_config(model_dir)
     progress(f"read_config: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.dtype}")
@@ -99,7 +104,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
     if need_cpu:
         # cores set the kernels' parallel split counts, so they are part of what the library was made for
-        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu", f"{llvm_desc}|cores={hardware.cpu.cores}")
+        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
+                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={prefill_activations}")
     if need_gpu:
         jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch)
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
@@ -117,7 +123,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
                 progress("import_relax: 6 functions (prefill + decode variants)")
                 lib = os.path.join(work, CPU_LIB)
-                compile_cpu(mod, hardware, lib, spec)
+                compile_cpu(mod, hardware, lib, spec, prefill_activations)
                 hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
                 progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
             if need_gpu and not hits["gpu"]:
@@ -141,6 +147,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
             model_config_sha256=config_sha, libraries=tuple(libraries),
             target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
             cpu_features_required=cpu_required, llvm_target=llvm_desc,
-            cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights))
+            cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights,
+            prefill_activations=prefill_activations if need_cpu else ""))
     progress(f"write_bundle: {out_dir}")
     return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

@@ -1,6 +1,6 @@
 """Compile the CPU stage's Relax functions for the LLVM target of the machine the bundle is built *for*.
 
-    compile_cpu_stage(mod, features, spec=None, cores=0) -> tvm.runtime.Executable   (export_library it)
+    compile_cpu_stage(mod, features, spec=None, cores=0, prefill_activations="model") -> tvm.runtime.Executable   (export_library it)
     llvm_target(features)           -> tvm.target.Target
     required_cpu_features(features) -> the /proc/cpuinfo flags the compiled code executes (bundle manifest)
 
@@ -79,9 +79,9 @@ def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: 
 
 
 def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelSpec | None = None,
-                      cores: int = 0) -> tvm.runtime.Executable:
+                      cores: int = 0, prefill_activations: str = "model") -> tvm.runtime.Executable:
     target = llvm_target(features)
-    lowered = lower_linear(mod, features, cores or None)
+    lowered = lower_linear(mod, features, cores or None, prefill_activations)
     if spec is not None:
         for name, func in decode_attention_kernels(spec, features, cores).items():
             lowered[name] = func

@@ -34,6 +34,7 @@ class BundleInputs:
     cuda_arch: str
     tvm_version: str
     copy_weights: bool
+    prefill_activations: str = ""               # lower_linear.PREFILL_ACTIVATIONS; "" without a CPU stage
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -80,7 +81,8 @@ def write_bundle(b: BundleInputs):
             model_arch_hash=b.spec.architecture_hash(), model_config_sha256=b.model_config_sha256,
             hardware_hash=b.hardware.profile_hash(), target_hash=b.target_hash,
             cpu_features_required=b.cpu_features_required, llvm_target=b.llvm_target, cuda_arch=b.cuda_arch,
-            weights_dir=weights_dir, files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time())
+            weights_dir=weights_dir, files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time(),
+            prefill_activations=b.prefill_activations)
         atomic_write_text(os.path.join(tmp, MANIFEST_NAME), manifest.to_json() + "\n")
         old = None
         if os.path.exists(out):

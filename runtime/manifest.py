@@ -40,6 +40,9 @@ class BundleManifest:
     weights_dir: str                       # absolute, or relative to the bundle when copied in
     files: tuple[BundleFile, ...]
     created_unix: float = 0.0
+    # Precision of the CPU stage's AMX prefill activations (helmc build --prefill-activations): "model" or
+    # "fp32"; "" without a CPU stage, and in bundles written before the option (which were "model").
+    prefill_activations: str = ""
 
     def file(self, path: str) -> BundleFile:
         for f in self.files:

@@ -15,7 +15,7 @@ these functions (the runtime drives it between them), so the attention output is
 Numerics: both variants against torch in float32 on the same weights. On an AMX target with bf16 weights the
 prefill GEMMs take bf16-rounded activations (the model's precision, as HF's bf16 linears; gemm_amx.py), so
 the prefill reference rounds each linear's input to bf16 too; the error against the unrounded fp32 block and
-torch bf16's own error against it are reported beside it. --amx-activations split builds the hi + lo kernels.
+torch bf16's own error against it are reported beside it. --amx-activations fp32 builds the hi + lo kernels (helmc build --prefill-activations).
 
   python scripts/bench_cpu_block.py [--json]                                  # build and run here
   python scripts/bench_cpu_block.py --build-only DIR --hardware hw.json      # compile for another CPU
@@ -68,7 +68,6 @@ def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, am
     # Benchmark-only switch: "auto" keeps the compiler's per-shape choice (gemm_amx.blocking_for); a variant
     # name builds every AMX GEMM with that blocking.
     gemm_amx.BLOCKING_OVERRIDE = None if amx_blocking == "auto" else gemm_amx.blocking_named(amx_blocking)
-    gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE = True if amx_activations == "split" else None
     from helmc.schedules.cpu import gemv as gemv_module
     if gemv_prefetch is not None:   # benchmark-only switch (schedules/cpu/gemv.py)
         gemv_module.PREFETCH_STEPS = gemv_prefetch
@@ -76,7 +75,7 @@ def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, am
     exported = tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn"))
     mod = import_functions(exported)
     os.makedirs(out_dir, exist_ok=True)
-    compile_cpu_stage(mod, features).export_library(os.path.join(out_dir, "block.so"))
+    compile_cpu_stage(mod, features, prefill_activations=amx_activations).export_library(os.path.join(out_dir, "block.so"))
     isa = select_isa(features)
     elements = stream_read_elements(min_read_bytes, isa)
     tvm.compile(make_stream_read(elements, isa), target=llvm_target(features)).export_library(
@@ -300,7 +299,7 @@ def main() -> None:
                     help="build the GEMVs with software prefetch this many K steps ahead, 0 for none "
                          "(default: gemv.PREFETCH_STEPS)")
     ap.add_argument("--huge-pages", action="store_true", help="weights in MADV_HUGEPAGE memory (runtime/host_memory.py)")
-    ap.add_argument("--amx-activations", default="model", choices=("model", "split"),
+    ap.add_argument("--amx-activations", default="model", choices=("model", "fp32"),
                     help="AMX prefill GEMMs on bf16 weights: activations rounded to bf16 (model, the default) or "
                          "split into bf16 hi + lo (two products per tile, ~16 bits)")
     ap.add_argument("--amx-blocking", default="auto",

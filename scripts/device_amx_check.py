@@ -7,7 +7,7 @@ where that path meets a reference.
 
   --build DIR   (here, compiler venv) writes a tiny random-weight Qwen3 in bf16 (4 blocks, hidden 128) and two
       all-CPU bundles for the measured H100 machine's CPU features (AMX): `amx_model` (the default) and
-      `amx_split` (SPLIT_ACTIVATIONS_OVERRIDE, built without the artifact cache); plus DIR/refs.npz: HF
+      `amx_split` (--prefill-activations fp32; both built without the artifact cache); plus DIR/refs.npz: HF
       transformers' last-row prompt logits in fp32 and in bf16, and fp32 greedy tokens for a 40-token prompt.
       Regenerate by running --build again.
   DIR [--out FILE]   (AMX machine, runtime-only TVM) runs each bundle's prompt (a 40-token prefill: the AMX
@@ -39,7 +39,6 @@ def build(out_dir: str) -> None:
     from helmc.hardware import load_hardware
     from helmc.model_spec import ModelSpec
     from helmc.pipeline import build as build_bundle
-    from helmc.schedules.cpu import gemm_amx
     from helmc.testing import hf_prompt_reference, make_tiny_model
 
     model_dir = os.path.join(out_dir, "model")
@@ -50,12 +49,8 @@ def build(out_dir: str) -> None:
     assert "amx_bf16" in hw.cpu.features, "the check needs a hardware profile with AMX"
     cpu_only = dataclasses.replace(hw, gpu=None, link=None)
     for name in BUNDLES:
-        gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE = True if name == "amx_split" else None
-        try:
-            build_bundle(model_dir, cpu_only, os.path.join(out_dir, name), copy_weights=True, quiet=True,
-                         use_cache=False)
-        finally:
-            gemm_amx.SPLIT_ACTIVATIONS_OVERRIDE = None
+        build_bundle(model_dir, cpu_only, os.path.join(out_dir, name), copy_weights=True, quiet=True,
+                     use_cache=False, prefill_activations="fp32" if name == "amx_split" else "model")
     rng = np.random.default_rng(5)
     prompt = rng.integers(1, spec.vocab_size, PROMPT_LEN).tolist()
     logits, greedy = hf_prompt_reference(model, prompt, NEW_TOKENS)

@@ -141,3 +141,19 @@ def test_prompt_longer_than_plan_allows(tiny):
 def test_prompt_ids_not_integers(tiny):
     assert_clean_error(cli("run", tiny.bundle("qwen3"), "--prompt-ids", "1,x"), "--prompt-ids expected")
 
+
+
+def test_prefill_activations_outside_the_choices(tmp_path, tiny, hw_file):
+    """The CLI refuses a precision it does not offer, and so does the API, before anything is written; a
+    bundle records the precision it was built with ("model" by default)."""
+    from helmc import api
+    from helmc.errors import HelmcError
+    from helmc.runtime.manifest import MANIFEST_NAME, BundleManifest
+    model_dir, _ = tiny.model("qwen3")
+    r = cli("build", model_dir, hw_file, "-o", tmp_path / "b", "--prefill-activations", "bf16")
+    assert r.exit_code == 2 and "'bf16' is not one of 'model', 'fp32'" in r.output, r.output
+    with pytest.raises(HelmcError, match=r"prefill activations: expected one of \('model', 'fp32'\), found 'fp64'"):
+        api.build(model_dir, str(hw_file), str(tmp_path / "b"), prefill_activations="fp64", quiet=True)
+    assert not (tmp_path / "b").exists()
+    with open(os.path.join(tiny.bundle("qwen3"), MANIFEST_NAME)) as f:
+        assert BundleManifest.from_json(f.read()).prefill_activations == "model"

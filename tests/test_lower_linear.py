@@ -151,6 +151,23 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
         assert f"for task in T.parallel({tasks}):" in out[kernel].script(), (kernel, tasks)
 
 
+def test_fp32_prefill_activations_build_the_split_amx_gemms(block):
+    """--prefill-activations fp32: every bf16 AMX GEMM is the hi + lo kernel ("_xsplit"); "model" none of them;
+    decode GEMVs are the same kernels either way; anything else is refused, naming the choices."""
+    from helmc.errors import HelmcError
+    from helmc.lower_linear import lower_linear_with_report
+    _, _, mod = block
+    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    model = {i.kernel for i in lower_linear_with_report(mod, amx)[1]}
+    fp32 = {i.kernel for i in lower_linear_with_report(mod, amx, prefill_activations="fp32")[1]}
+    amx_model = {k for k in model if "_amx_" in k}
+    assert amx_model and not any(k.endswith("_xsplit") for k in model)
+    assert {k for k in fp32 if "_amx_" in k} == {k + "_xsplit" for k in amx_model}
+    assert {k for k in fp32 if "_amx_" not in k} == model - amx_model
+    with pytest.raises(HelmcError, match=r"prefill activations: expected one of \('model', 'fp32'\), found 'bf16'"):
+        lower_linear_with_report(mod, amx, prefill_activations="bf16")
+
+
 def amx_block(hidden, ffn, heads, kv_heads, head_dim, dtype="bfloat16"):
     from helmc.export_block import export_functions
     from helmc.import_relax import import_functions

@@ -11,7 +11,7 @@ Formulation: y^T = W . x^T, so HF's row-major [N, K] weight is the A operand as 
     bf16 weights: rounded to bf16, as HF's bf16 model rounds every linear's input and as torch's bf16 linear
       computes (one product per tile). Against an fp32 GEMM of the unrounded activations that is bf16's
       rounding, ~2e-3 relative; against the rounded activations the fp32 sums give ~1e-6.
-    split_activations (fp16 weights always, bf16 on request): x = hi + lo with hi = bf16(x) and
+    split_activations (fp16 weights always, bf16 on request: helmc build --prefill-activations fp32): x = hi + lo with hi = bf16(x) and
       lo = bf16(x - hi); two products per tile give the activations ~16 mantissa bits (>= fp16's 11), so the
       result matches an fp32 GEMM to ~1e-5. Twice the tile products: on the 16-core Xeon the split bf16
       block prefill ran 0.87-0.9x of torch bf16 (session 3).
@@ -62,11 +62,6 @@ A_TILE = TILE_ROWS * TILE_K      # uint16 elements in an A or B tile (1 KiB)
 C_TILE = TILE_ROWS * 16          # fp32 elements in a C tile (1 KiB)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
-
-# Benchmark-only switch: when not None, helmc/lower_linear.py builds every bf16 AMX GEMM with
-# split_activations set to it (scripts/bench_cpu_block.py --amx-activations).
-SPLIT_ACTIVATIONS_OVERRIDE: bool | None = None
-
 
 # Benchmark-only switch: when set, helmc/lower_linear.py builds every AMX GEMM with this blocking instead of
 # blocking_for's per-shape choice (scripts/bench_cpu_block.py --amx-blocking).
