@@ -252,9 +252,11 @@ def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w:
 
 def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1) -> int:
     """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
-    chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin)."""
-    from .runtime.prefill_stream import prompt_buffer_sizes
-    return sum(prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim))
+    chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
+    each ARENA_ALIGN-aligned in the one buffer it asks for)."""
+    from .runtime.prefill_stream import ARENA_ALIGN, prompt_buffer_sizes
+    sizes = prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
+    return sum(-(-n // ARENA_ALIGN) * ARENA_ALIGN for n in sizes)
 
 
 def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
@@ -320,7 +322,17 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     return int(min(a.max_position_embeddings, fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS))
 
 
+def kv_page_pool_bytes(gpu_need: MemoryNeed) -> int:
+    """The GPU KV page pool (Plan.gpu_kv_pool_bytes): what the plan leaves free plus the pool's floor.
+    Invariant: never below gpu_need.kv, which memory_needs makes at least the streamed prefill's loan,
+    so the runtime's pool of these bytes holds the loan (runtime/gpu_session.kv_pool_bytes)."""
+    pool = max(0, gpu_need.available - gpu_need.total) + gpu_need.kv
+    assert pool >= gpu_need.kv, (pool, gpu_need)
+    return pool
+
+
 def gpu_kv_pool_bytes(gpu_need: MemoryNeed) -> float:
-    """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark): what the
-    plan leaves free plus the pool's floor (memory_needs counts the streamed prefill's loan as KV)."""
-    return (max(0, gpu_need.available - gpu_need.total) + gpu_need.kv) * KV_WATERMARK
+    """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark): the
+    KV_WATERMARK share of the page pool, the KV the timing model counts as resident. Not the pool's
+    size (kv_page_pool_bytes): the loan borrows the whole pool, before any page is written."""
+    return kv_page_pool_bytes(gpu_need) * KV_WATERMARK

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from .analyze_program import ProgramAnalysis, analyze_program
-from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, gpu_prefill_tokens, max_context,
-                         memory_needs, prefill_staging_bytes, rate_fallbacks, stage_time)
+from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
+                         max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, stage_time)
 from .errors import HelmcError
 from .hardware import GIB, HardwareProfile, load_hardware
 from .model_spec import ModelSpec
@@ -93,7 +93,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
     cpu, gpu = a.stage(0, best.cpu_units), a.stage(best.cpu_units, a.num_units)
     _, gpu_need = memory_needs(a, hw, cpu, gpu, w)
     staging = prefill_staging_bytes(a, cpu, gpu, w)
-    kv_pool = max(0, gpu_need.available - gpu_need.total) + (gpu_need.kv if gpu.units else 0)
+    kv_pool = kv_page_pool_bytes(gpu_need) if gpu.units else 0
     return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=a.num_layers, cpu_units=best.cpu_units,
                 t_cpu_ms=best.t_cpu_ms, t_gpu_ms=best.t_gpu_ms, t_comm_ms=best.t_comm_ms, t_plan_ms=best.t_plan_ms,
                 cpu_bytes=best.cpu_bytes, gpu_bytes=best.gpu_bytes, max_context=best.max_context,

@@ -17,6 +17,18 @@ GPU_LIB = "gpu_stage.so"
 GPU_CUBIN_INDEX = "gpu_stage.cubins.json"
 
 
+def kv_pool_bytes(plan_pool_bytes: int, loan_bytes: int, free_bytes: int, page_bytes: int) -> int:
+    """VRAM of the GPU page pool: the plan's pool in whole pages (rounded down: pages are whole), at
+    least two pages (one resident, one being written), and at least the streamed prefill's loan
+    (KVCacheGPU keeps its bytes past the last whole page for the loan); at most what is free. The
+    plan's pool is at least its loan (cost_model.kv_page_pool_bytes), so this takes no byte it did
+    not count unless the pool is under two pages. Invariant: the result holds the loan whenever
+    `free_bytes` does."""
+    pool = min(free_bytes, max(2 * page_bytes, plan_pool_bytes // page_bytes * page_bytes, loan_bytes))
+    assert pool >= min(loan_bytes, free_bytes), (pool, loan_bytes, free_bytes)
+    return pool
+
+
 class GpuParts:
     def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step,
                  streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0):
@@ -71,6 +83,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
 
     from .cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from .kv_cache_gpu import KVCacheGPU
+    from .prefill_stream import streamed_prefill_bytes
     from .session import CPU_STAGE_LIB, _progress, build_cpu_stage
     from .stage import Stage
     from .weights import bind_head, bind_layers
@@ -106,18 +119,21 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
+        # The loan the plan counted: the streamed prefill of a prompt of the plan's length.
+        loan = (streamed_prefill_bytes(arenas[0].nbytes, plan.batch * plan.prompt_len, spec)
+                if plan.prefill_on_gpu else 0)
         if plan.gpu_kv_pool_bytes:
-            # The plan counted weights, activations of one prefill chunk, the cache's workspace, the
-            # streamed block's staging and the reserve; the pages get what it left, at least two pages.
-            two_pages = 2 * 2 * len(layers) * spec.num_kv_heads * page_tokens * spec.head_dim * 2
-            budget = min(free_after, max(plan.gpu_kv_pool_bytes, two_pages))
+            # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
+            # reserve; the pages get what it left, with the loan as their floor.
+            page_bytes = 2 * len(layers) * spec.num_kv_heads * page_tokens * spec.head_dim * 2
+            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, loan, free_after, page_bytes)
         else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
             budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
             budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
         kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
-                        sliding_window=spec.sliding_window or None)
+                        sliding_window=spec.sliding_window or None, loan_bytes=loan)
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm)
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()

@@ -17,7 +17,9 @@ rest. Splits are whole pages fixed by the page count alone, so offload never cha
 Prefill attention: KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
 this step's new rows; no S x S buffer.
 Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed
-prefill of the CPU blocks (prefill_stream.py), which finishes before the first append.
+prefill of the CPU blocks (prefill_stream.py), which finishes before the first append. Invariant:
+the store holds at least `loan_bytes` whenever its VRAM does, even beyond its whole slots (a loan
+that is not whole pages, a short max_tokens): the plan counts the loan as the pool's floor.
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -36,7 +38,8 @@ class KVCacheGPU:
                  max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
                  watermark: float = 0.8, offload: bool = True, staging_pages: int = 16,
                  host_extent_pages: int = 8, sliding_window: int | None = None,
-                 score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, ops=None):
+                 score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, loan_bytes: int = 0,
+                 ops=None):
         if min(num_layers, num_kv_heads, head_dim, page_tokens, max_tokens, host_extent_pages) < 1:
             raise HelmcError("KVCacheGPU: expected positive layer, head, page and token counts")
         if not 0 < watermark <= 1:
@@ -55,6 +58,8 @@ class KVCacheGPU:
         self.slice_elems = 2 * num_kv_heads * page_tokens * head_dim      # one layer of one page
         self.page_bytes = 2 * num_layers * self.slice_elems               # fp16
         needed = -(-max_tokens // page_tokens)
+        fit = gpu_pages if gpu_pages is not None else (vram_bytes // self.page_bytes if vram_bytes is not None
+                                                      else needed)
         if not offload:
             capacity = resident = needed
             if vram_bytes is not None and capacity * self.page_bytes > vram_bytes:
@@ -62,8 +67,6 @@ class KVCacheGPU:
                                  f"{capacity * self.page_bytes / 2**30:.2f} GiB of VRAM, {vram_bytes / 2**30:.2f} GiB free")
         else:
             from .kv_capacity import gpu_resident_pages
-            fit = gpu_pages if gpu_pages is not None else (vram_bytes // self.page_bytes if vram_bytes is not None
-                                                          else needed)
             resident = gpu_resident_pages(fit, watermark, needed)
             if resident < 1:
                 raise HelmcError(f"KV cache (GPU layers): offloading needs VRAM for 2 pages ({2 * self.page_bytes / 2**20:.1f} "
@@ -71,7 +74,13 @@ class KVCacheGPU:
             capacity = min(needed, fit)
         self.pool = PagePool(page_tokens, capacity, needed if offload else 0, resident,
                              staging_pages if offload else 0)
-        self.gpu_store = ops.device_empty((capacity, num_layers, 2, num_kv_heads, page_tokens, head_dim), np.float16)
+        # Bytes past the `capacity` slots hold no page: they are there only for lend_empty_pool.
+        room = vram_bytes if vram_bytes is not None else fit * self.page_bytes
+        store_bytes = max(capacity * self.page_bytes, min(max(0, loan_bytes), room))
+        self._store = ops.device_empty((-(-store_bytes // 2),), np.float16)
+        self.gpu_store = self._store[:capacity * self.page_bytes // 2].reshape(
+            capacity, num_layers, 2, num_kv_heads, page_tokens, head_dim)          # [bytes/2] -> [C, L, 2, h_kv, T, d]
+        assert self._store.nbytes >= min(loan_bytes, room), (store_bytes, loan_bytes, room)
         self.staging = (ops.device_empty((staging_pages, 2, num_kv_heads, page_tokens, head_dim), np.float16)
                         if offload else None)
         self._extents: list = []
@@ -136,7 +145,7 @@ class KVCacheGPU:
         only after its last kernel on the loan is enqueued on the same stream."""
         if self.length or self._pending or self.pool.gpu_free != self.pool.gpu_capacity:
             return None
-        flat = self.gpu_store.reshape(-1).view(np.uint8)                  # [C, L, 2, h_kv, T, d] -> [bytes]
+        flat = self._store.view(np.uint8)                                  # [bytes/2] fp16 -> [bytes]
         if nbytes > flat.size:
             return None
         self.ops.synchronize_stream(self.copy_stream)                      # no eviction copy still reads it

@@ -134,7 +134,7 @@ class StreamedPrefill:
 
     def buffer_bytes(self, S: int) -> int:
         """VRAM one run() over S tokens needs (block arena + prompt buffers, each ARENA_ALIGN-aligned)."""
-        return sum(_aligned(n) for n in self._buffer_sizes(S))
+        return streamed_prefill_bytes(self.arenas[0].nbytes, S, self.spec)
 
     def _buffer_sizes(self, S: int) -> tuple[int, ...]:
         return (self.arenas[0].nbytes,
@@ -199,3 +199,10 @@ class StreamedPrefill:
 
 def _aligned(n: int) -> int:
     return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def streamed_prefill_bytes(arena_bytes: int, prompt_tokens: int, spec: ModelSpec) -> int:
+    """VRAM a StreamedPrefill.run over `prompt_tokens` asks lend_empty_pool for: the block arena and the
+    prompt's buffers, each ARENA_ALIGN-aligned in the one buffer."""
+    sizes = (arena_bytes, *prompt_buffer_sizes(prompt_tokens, spec.hidden_size, spec.num_kv_heads, spec.head_dim))
+    return sum(_aligned(n) for n in sizes)

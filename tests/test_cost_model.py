@@ -179,6 +179,33 @@ def test_kv_pool_is_the_watermark_of_what_is_left():
     assert gpu_kv_pool_bytes(MemoryNeed(weights=12, available=10)) == 0
 
 
+def test_page_pool_holds_the_loan_at_zero_slack(q8, laptop):
+    """Qwen3-8B cpu(21) | gpu(17), streamed prefill of 128 tokens, a GPU with exactly the VRAM the plan
+    needs. The plan's pool is then the loan (one block + prompt buffers), 387,596,800 B: not whole
+    32 MiB pages. The old runtime rounded it down to 11 pages (369,098,752 B), the loan did not fit
+    and the prefill took VRAM the plan never counted; now the pool holds the loan, not a byte more."""
+    from helmc.cost_model import MemoryNeed, kv_page_pool_bytes, prefill_lent_bytes
+    from helmc.runtime.gpu_session import kv_pool_bytes
+    w = Workload(stream_prefill=True)
+    cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
+    loan = prefill_lent_bytes(q8, cpu, gpu, w)
+    page = KV_PAGE_TOKENS * 16 * KV_TOKEN                                       # one page of the 16 GPU blocks
+    assert (loan, page) == (387_596_800, 33_554_432)
+    _, dev = memory_needs(q8, laptop, cpu, gpu, w)
+    tight = dataclasses.replace(dev, available=dev.total)                      # zero slack
+    plan_pool = kv_page_pool_bytes(tight)
+    assert plan_pool == dev.kv == loan
+    old_runtime_pool = plan_pool // page * page                               # old: KVCacheGPU rounded it down
+    assert old_runtime_pool == 369_098_752 < loan
+    assert kv_pool_bytes(plan_pool, loan, free_bytes=plan_pool, page_bytes=page) == loan
+    # Slack: whole pages of the plan's pool, still at least the loan.
+    roomy = kv_page_pool_bytes(dataclasses.replace(dev, available=dev.total + page))
+    assert kv_pool_bytes(roomy, loan, free_bytes=2 * roomy, page_bytes=page) == 12 * page
+    # The watermark share (resident KV in the timing model) is a share of the pool (thesis 4.2.2).
+    assert gpu_kv_pool_bytes(tight) == pytest.approx(0.8 * loan)
+    assert kv_page_pool_bytes(MemoryNeed(kv=7, weights=20, available=10)) == 7   # over budget: the floor stays
+
+
 def test_workload_validation():
     with pytest.raises(HelmcError, match="objective expected"):
         Workload(objective="train")

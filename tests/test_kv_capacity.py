@@ -1,4 +1,5 @@
 """Capacity planning (runtime/kv_capacity.py): how many tokens fit and which memory runs out first."""
+import numpy as np
 import pytest
 
 from helmc.errors import HelmcError
@@ -51,3 +52,40 @@ def test_edge_cases():
     assert "host RAM runs out" in msg and "6001 tokens" in msg
     with pytest.raises(HelmcError, match="kv-watermark"):
         plan_kv_capacity(CPU_BPT, GPU_BPT, GIB, GIB, watermark=1.5)
+
+
+def test_runtime_pool_bytes_cover_the_loan():
+    """runtime/gpu_session.kv_pool_bytes: the plan's pool in whole pages, never below the loan or two
+    pages, never above free VRAM."""
+    from helmc.runtime.gpu_session import kv_pool_bytes
+    page = 1000
+    assert kv_pool_bytes(5_500, 0, 10_000, page) == 5_000                     # whole pages of the plan's pool
+    assert kv_pool_bytes(5_500, 5_200, 10_000, page) == 5_200                 # old: 5,000, short of the loan
+    assert kv_pool_bytes(100, 0, 10_000, page) == 2_000                       # one resident, one being written
+    assert kv_pool_bytes(5_500, 5_200, 3_999, page) == 3_999                  # no more than is free
+
+
+def test_store_holds_the_loan_beyond_its_whole_slots():
+    """KVCacheGPU with loan_bytes: a cache sized for 16 tokens (2 pages of 4,096 B) in 10 pages of VRAM
+    had a 2-page store and refused a 20,481 B loan; now its store has the loan's bytes while the
+    pages still use 2 slots. Likewise 5,200 B of VRAM (1 whole page + 1,104 B, offload off) holds a
+    5,200 B loan. A loan past its VRAM gets only the VRAM (the prefill then allocates, as before)."""
+    from kv_device_emulator import EmulatedOps
+
+    from helmc.runtime.kv_cache_gpu import KVCacheGPU
+
+    def make(max_tokens=16, vram_bytes=10 * 4096, **kw):
+        return KVCacheGPU(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=8, max_tokens=max_tokens,
+                          vram_bytes=vram_bytes, staging_pages=4, ops=EmulatedOps(num_sms=2), **kw)
+    old = make()
+    assert (old.page_bytes, old.gpu_store.nbytes) == (4096, 2 * 4096)
+    assert old.lend_empty_pool(5 * 4096 + 1) is None
+    for offload in (True, False):
+        kv = make(loan_bytes=5 * 4096 + 1, offload=offload)
+        assert kv.gpu_pages == 2 and kv.gpu_store.shape[0] == 2
+        loan = kv.lend_empty_pool(5 * 4096 + 1)
+        assert loan is not None and loan.size == 5 * 4096 + 1 and np.shares_memory(loan, kv.gpu_store)
+    tail = make(max_tokens=8, vram_bytes=5_200, loan_bytes=5_200, offload=False)
+    assert tail.gpu_store.nbytes == 4096 and tail.lend_empty_pool(5_200) is not None
+    assert make(max_tokens=8, vram_bytes=5_200, offload=False).lend_empty_pool(5_200) is None
+    assert make(loan_bytes=11 * 4096).lend_empty_pool(10 * 4096 + 1) is None     # capped at its VRAM
