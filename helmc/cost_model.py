@@ -254,9 +254,9 @@ def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1)
     """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
     chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
     each ARENA_ALIGN-aligned in the one buffer it asks for)."""
-    from .runtime.prefill_stream import ARENA_ALIGN, prompt_buffer_sizes
+    from .runtime.prefill_stream import aligned_bytes, prompt_buffer_sizes
     sizes = prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
-    return sum(-(-n // ARENA_ALIGN) * ARENA_ALIGN for n in sizes)
+    return sum(aligned_bytes(n) for n in sizes)
 
 
 def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
@@ -331,7 +331,7 @@ def kv_page_pool_bytes(gpu_need: MemoryNeed) -> int:
     return pool
 
 
-def gpu_kv_pool_bytes(gpu_need: MemoryNeed) -> float:
+def gpu_kv_resident_bytes(gpu_need: MemoryNeed) -> float:
     """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark): the
     KV_WATERMARK share of the page pool, the KV the timing model counts as resident. Not the pool's
     size (kv_page_pool_bytes): the loan borrows the whole pool, before any page is written."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .analyze_program import ProgramAnalysis, analyze_program
-from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
+from .cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
                          max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, stage_time)
 from .errors import HelmcError
 from .hardware import GIB, HardwareProfile, load_hardware
@@ -48,7 +48,7 @@ def evaluate_split(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int,
                          why="no GPU in the hardware profile"), float("inf")
     t_gpu = t_over = t_comm = 0.0
     if gpu.units:
-        resident = gpu_kv_pool_bytes(gpu_need) if w.kv_offload else None
+        resident = gpu_kv_resident_bytes(gpu_need) if w.kv_offload else None
         st = stage_time(a, gpu, gpu_rates, w, blend_l3=False, kv_resident_bytes=resident, link=hw.link)
         t_gpu, t_over = st.total_ms, st.overhead_ms
         t_comm = comm_time_ms(a, k, w, hw.link)

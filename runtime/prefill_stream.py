@@ -54,7 +54,7 @@ def arena_layout(spec: ModelSpec, dtypes: dict[str, str]) -> tuple[tuple[ArenaSl
         dt = dtypes[name]
         n = int(np.prod(shapes[name])) * np.dtype(_NUMPY_OF[dt]).itemsize
         slots.append(ArenaSlot(name, dt, tuple(shapes[name]), off, n))
-        off += -(-n // ARENA_ALIGN) * ARENA_ALIGN
+        off += aligned_bytes(n)
     return tuple(slots), off
 
 
@@ -156,7 +156,7 @@ class StreamedPrefill:
         parts, off = [], 0
         for n in self._buffer_sizes(S):
             parts.append(buf[off:off + n])
-            off += _aligned(n)
+            off += aligned_bytes(n)
         device, xb, kvb, cb, sb = parts
         binding = _binding([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
                             for sl, v in zip(self.arenas[0].slots, _views(device, self.arenas[0].slots))], self.spec)
@@ -197,7 +197,8 @@ class StreamedPrefill:
         return to_cupy(self.post(xt, attn, *binding.post))
 
 
-def _aligned(n: int) -> int:
+def aligned_bytes(n: int) -> int:
+    """n rounded up to ARENA_ALIGN: what each buffer of the streamed prefill's one allocation takes."""
     return -(-n // ARENA_ALIGN) * ARENA_ALIGN
 
 
@@ -205,4 +206,4 @@ def streamed_prefill_bytes(arena_bytes: int, prompt_tokens: int, spec: ModelSpec
     """VRAM a StreamedPrefill.run over `prompt_tokens` asks lend_empty_pool for: the block arena and the
     prompt's buffers, each ARENA_ALIGN-aligned in the one buffer."""
     sizes = (arena_bytes, *prompt_buffer_sizes(prompt_tokens, spec.hidden_size, spec.num_kv_heads, spec.head_dim))
-    return sum(_aligned(n) for n in sizes)
+    return sum(aligned_bytes(n) for n in sizes)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from helmc.analyze_program import analyze_program
-from helmc.cost_model import (KV_PAGE_TOKENS, KV_SCORE_TILE_BYTES, DeviceRates, Workload, comm_time_ms, gpu_kv_pool_bytes, max_context,
+from helmc.cost_model import (KV_PAGE_TOKENS, KV_SCORE_TILE_BYTES, DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, max_context,
                               memory_needs, roofline_ms, stage_time)
 from helmc.errors import HelmcError
 from helmc.hardware import load_hardware
@@ -175,8 +175,8 @@ def test_max_context(q8, laptop):
 
 def test_kv_pool_is_the_watermark_of_what_is_left():
     from helmc.cost_model import MemoryNeed
-    assert gpu_kv_pool_bytes(MemoryNeed(weights=6, available=10)) == pytest.approx(0.8 * 4)
-    assert gpu_kv_pool_bytes(MemoryNeed(weights=12, available=10)) == 0
+    assert gpu_kv_resident_bytes(MemoryNeed(weights=6, available=10)) == pytest.approx(0.8 * 4)
+    assert gpu_kv_resident_bytes(MemoryNeed(weights=12, available=10)) == 0
 
 
 def test_page_pool_holds_the_loan_at_zero_slack(q8, laptop):
@@ -202,7 +202,7 @@ def test_page_pool_holds_the_loan_at_zero_slack(q8, laptop):
     roomy = kv_page_pool_bytes(dataclasses.replace(dev, available=dev.total + page))
     assert kv_pool_bytes(roomy, loan, free_bytes=2 * roomy, page_bytes=page) == 12 * page
     # The watermark share (resident KV in the timing model) is a share of the pool (thesis 4.2.2).
-    assert gpu_kv_pool_bytes(tight) == pytest.approx(0.8 * loan)
+    assert gpu_kv_resident_bytes(tight) == pytest.approx(0.8 * loan)
     assert kv_page_pool_bytes(MemoryNeed(kv=7, weights=20, available=10)) == 7   # over budget: the floor stays
 
 
