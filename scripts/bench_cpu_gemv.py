@@ -80,6 +80,28 @@ def target_features(args) -> tuple[tuple[str, ...], int]:
     return features, target_l3
 
 
+def experiment_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments every build-here / run-there experiment script takes (bench_gemv_layout, profile_amx_gemm,
+    profile_amx_tiles); each adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-only", metavar="DIR")
+    ap.add_argument("--run-only", metavar="DIR")
+    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
+    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
+def built_only(args, build) -> bool:
+    """--build-only: build(DIR, target features) and True. Otherwise False, with TVM set to run on every core
+    this process may use (its default is half the cores on x86)."""
+    if args.build_only:
+        build(args.build_only, target_features(args)[0])
+        return True
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    return False
+
+
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
           amx_variant_models: list[str], gemv_prefetch: int | None = None) -> None:
     import tvm

@@ -16,13 +16,12 @@ Variants (rows per step x k per row per step, accumulator lanes):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_gemv import l3_bytes, target_features, timed_rounds  # noqa: E402
+from bench_cpu_gemv import built_only, experiment_parser, l3_bytes, timed_rounds  # noqa: E402
 
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))
 VARIANTS = {  # name: (layout, rows, width (k per row per step), lanes, software prefetch steps)
@@ -145,18 +144,11 @@ def run(out_dir, rounds):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-only")
-    ap.add_argument("--run-only")
-    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
-    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap = experiment_parser(__doc__, rounds=7)
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.build_only:
-        build(a.build_only, target_features(a)[0])
+    if built_only(a, build):
         return
-    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))   # TVM's default: half the cores
     rep = run(a.run_only, a.rounds)
     if a.out:
         json.dump(rep, open(a.out, "w"), indent=1)

@@ -9,14 +9,13 @@ cold times agree is bound by its own instruction stream, not by DRAM.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_gemv import (WeightArena, arena_bytes, copy_count, l3_bytes, target_features, timed_rounds,  # noqa: E402
-                            weight_copies)
+from bench_cpu_gemv import (WeightArena, arena_bytes, built_only, copy_count, experiment_parser, l3_bytes,  # noqa: E402
+                            timed_rounds, weight_copies)
 
 SHAPES = ((4096, 4096), (12288, 4096))
 
@@ -83,18 +82,11 @@ def run(out_dir, rounds, tokens):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-only")
-    ap.add_argument("--run-only")
-    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
-    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap = experiment_parser(__doc__, rounds=7)
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
-    if a.build_only:
-        build(a.build_only, target_features(a)[0])
+    if built_only(a, build):
         return
-    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     rep = run(a.run_only, a.rounds, a.tokens)
     print(json.dumps(rep))
     print(f"{'shape':>11} {'variant':>20} {'ms':>7} {'median':>7} {'TFLOPS':>7} {'W GB/s':>7} {'err':>8}")

@@ -23,13 +23,12 @@ GEMM with K blocks of 256 (one panel block packed per 32 steps, one C block stor
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_gemv import target_features, timed_rounds  # noqa: E402
+from bench_cpu_gemv import built_only, experiment_parser, timed_rounds  # noqa: E402
 
 KIB = 1024
 TASKS = 16
@@ -224,17 +223,10 @@ def run(out_dir, rounds):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-only")
-    ap.add_argument("--run-only")
-    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
-    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = experiment_parser(__doc__, rounds=5)
     a = ap.parse_args()
-    if a.build_only:
-        build(a.build_only, target_features(a)[0])
+    if built_only(a, build):
         return
-    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     rep = run(a.run_only, a.rounds)
     print(json.dumps(rep))
     print(f"{'mode':>9} {'A KiB':>6} {'B KiB':>6} {'C every':>7} {'pack':>5} {'y':>4} {'ms':>7} {'TFLOPS':>7} "
