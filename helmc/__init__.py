@@ -1,9 +1,9 @@
 """helmc: an ahead-of-time compiler and small runtime for running an LLM across one CPU and one GPU.
 
-The public API is plain Python; the click CLI in helmc.cli is a thin layer over it:
+The public API is plain Python; the click CLI in helmc.cli.main is a thin layer over it:
 
     helmc.profile() -> HardwareProfile
-    helmc.plan(model_dir_or_config, hardware) -> Plan
+    helmc.runtime.bundle.plan(model_dir_or_config, hardware) -> Plan
     helmc.build(model_dir, hardware, out_dir) -> BundleManifest
     helmc.run(bundle_dir, prompt=..., ...) -> GenerationResult
 
@@ -25,15 +25,15 @@ if _os.path.isfile(_os.path.join(_root, "runtime", "__init__.py")) and _root not
 def __getattr__(name):
     # Lazy so that `import helmc` stays light (see module docstring).
     if name == "build":
-        from .api import build
+        from helmc.api import build
         return build
     if name == "run":
-        from .api import run
+        from helmc.api import run
         return run
     if name == "plan":
-        from .api import plan
+        from helmc.api import plan
         return plan
     if name == "profile":
-        from .api import profile
+        from helmc.api import profile
         return profile
     raise AttributeError(f"module 'helmc' has no attribute {name!r}")

@@ -3,27 +3,27 @@ from __future__ import annotations
 
 import os
 
-from .errors import HelmcError
-from .hardware import HardwareProfile
+from helmc.errors import HelmcError
+from helmc.hardware.profile import HardwareProfile
 
 
 def _hardware(hardware) -> HardwareProfile:
     if isinstance(hardware, HardwareProfile):
         return hardware
     if isinstance(hardware, str):
-        from .hardware import load_hardware
+        from helmc.hardware.profile import load_hardware
         return load_hardware(hardware)
     raise HelmcError(f"hardware: expected a HardwareProfile or a path to hardware.json, found {type(hardware).__name__}")
 
 
 def profile(quick: bool = False) -> HardwareProfile:
-    from .profile_hardware import profile as measure
+    from helmc.hardware.measure import profile as measure
     return measure(quick=quick)
 
 
 def plan(model_dir_or_config: str, hardware, prompt_len: int = 128, output_len: int = 128, batch: int = 1,
          objective: str = "decode", gpu_budget_gib: float | None = None, kv_offload: bool = True):
-    from .search_partition import plan as search
+    from helmc.planner.search_partition import plan as search
     return search(model_dir_or_config, _hardware(hardware), prompt_len=prompt_len, output_len=output_len, batch=batch,
                   objective=objective, gpu_budget_gib=gpu_budget_gib, kv_offload=kv_offload)
 
@@ -33,7 +33,7 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
           quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model"):
     """prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
     bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only."""
-    from .pipeline import build as run_pipeline
+    from helmc.compiler.pipeline import build as run_pipeline
     if not os.path.exists(model_dir):
         raise HelmcError(f"model: expected a Hugging Face model directory, found nothing at {model_dir}")
     hw = _hardware(hardware).with_gpu_budget(gpu_budget_gib)
@@ -45,7 +45,7 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
         weights_dir: str | None = None, on_text=None, quiet: bool = True, **kv_options):
-    from .runtime.session import Session
+    from helmc.runtime.session import Session
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, **kv_options)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)

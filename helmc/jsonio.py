@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from .errors import HelmcError
+from helmc.errors import HelmcError
 
 T = TypeVar("T")
 

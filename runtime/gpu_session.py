@@ -81,12 +81,12 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     import tvm.runtime
     from tvm.runtime.vm import VirtualMachine
 
-    from .cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
-    from .kv_cache_gpu import KVCacheGPU
-    from .prefill_stream import streamed_prefill_bytes
-    from .session import CPU_STAGE_LIB, _progress, build_cpu_stage
-    from .stage import Stage
-    from .weights import bind_head, bind_layers
+    from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    from helmc.runtime.prefill_stream import streamed_prefill_bytes
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
+    from helmc.runtime.stage import Stage
+    from helmc.runtime.weights.bind import bind_head, bind_layers
 
     free, total = cp.cuda.runtime.memGetInfo()
     if plan.gpu_bytes and plan.gpu_bytes > free:
@@ -99,8 +99,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         cpu_vm = VirtualMachine(lib, tvm.cpu())
         pinned = None
         if plan.prefill_on_gpu:
-            from .prefill_stream import bind_pinned_layers
-            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, lambda m: _progress(m, quiet))
+            from helmc.runtime.prefill_stream import bind_pinned_layers
+            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, lambda m: progress(m, quiet))
         cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, **kv_options)
         dev_cpu = tvm.cpu()
 
@@ -116,7 +116,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     layers = plan.gpu_layers
     stage = None
     if len(layers):
-        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet), to_device=upload)
+        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
         # The loan the plan counted: the streamed prefill of a prompt of the plan's length.
@@ -140,7 +140,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
     streamed = None
     if plan.prefill_on_gpu:
-        from .prefill_stream import StreamedPrefill
+        from helmc.runtime.prefill_stream import StreamedPrefill
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None)
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,

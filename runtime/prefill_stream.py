@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model_spec import ModelSpec
+from helmc.model.spec import ModelSpec
 
-from .paged_attention import attend_blocks, contiguous_blocks
-from .safetensors_mmap import Checkpoint
-from .stage import StageBinding
+from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
+from helmc.runtime.weights.safetensors_mmap import Checkpoint
+from helmc.runtime.stage import StageBinding
 
 ARENA_ALIGN = 256                       # TVM and DLPack want aligned tensor data; 256 also suits DMA
 _NUMPY_OF = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}

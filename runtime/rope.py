@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from helmc.model_spec import RopeSpec
+from helmc.model.spec import RopeSpec
 
 
 def inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:

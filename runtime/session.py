@@ -11,7 +11,6 @@ Imports only NumPy, the TVM runtime and (for a GPU stage) CuPy: this runs with T
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,15 +18,15 @@ from typing import Callable
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model_spec import ModelSpec
-from helmc.plan import Plan
+from helmc.model.spec import ModelSpec
+from helmc.runtime.bundle.plan import Plan
 
-from .manifest import BundleManifest, verify_bundle
-from .rope import RopeTables
-from .safetensors_mmap import Checkpoint
-from .sampling import Sampler, SamplingParams
+from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
+from helmc.runtime.rope import RopeTables
+from helmc.runtime.weights.safetensors_mmap import Checkpoint
+from helmc.runtime.sampling import Sampler, SamplingParams
 
-CPU_STAGE_LIB = "cpu_stage.so"
+from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
 
 
 @dataclass
@@ -46,11 +45,6 @@ class GenerationResult:
         return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
                 "ttft_ms": round(self.ttft_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
                 "stop_reason": self.stop_reason, "max_context": self.max_context, "kv_limited_by": self.kv_limited_by}
-
-
-def _progress(msg: str, quiet: bool):
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
 
 
 class Session:
@@ -79,7 +73,7 @@ class Session:
         _check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
         if plan.uses_gpu:
-            from .gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
+            from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
             return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options)
         import tvm.runtime
         from tvm.runtime.vm import VirtualMachine
@@ -99,7 +93,7 @@ class Session:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         rows = self._embed[ids]                                   # gather only S rows from the mmap
         if self.checkpoint.info("model.embed_tokens.weight").dtype == "bfloat16":
-            from .tvm_tensors import float32_from_bf16_bits
+            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
             rows = float32_from_bf16_bits(rows)
         return np.ascontiguousarray(rows, dtype=np.float32)       # [S, H]
 
@@ -141,7 +135,7 @@ class Session:
             raise HelmcError(f"generate: token ids expected in [0, {self.spec.vocab_size}), found {bad[:5]}")
         if max_new_tokens < 1:
             raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
-        from .kv_capacity import check_request
+        from helmc.runtime.kv.capacity import check_request
         self.kv_capacity = request_kv_capacity(self, len(prompt_ids))          # before any work
         check_request(self.kv_capacity, len(prompt_ids), max_new_tokens)
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
@@ -202,7 +196,7 @@ def request_kv_capacity(session: Session, prompt_tokens: int):
     """KVCapacity of the session's caches for a request of `prompt_tokens` prompt tokens: host RAM for
     KV is MemAvailable plus what the caches already hold, less what a step holds besides KV; VRAM is
     the GPU cache's page pool; the plan's context limit is what the caches were sized for."""
-    from . import kv_capacity as kc
+    from helmc.runtime.kv import capacity as kc
     cpu_kv = session.cpu_stage.kv if session.cpu_stage is not None else None
     gpu_stage = getattr(session.gpu, "stage", None)
     gpu_kv = gpu_stage.kv if gpu_stage is not None else None
@@ -229,45 +223,6 @@ def _load_tokenizer(bundle_dir: str):
 
 def _check_checkpoint(ck: Checkpoint, spec: ModelSpec):
     """Every tensor the plan will read exists with the shape config.json implies, before any loading."""
-    from .weights import expected_tensors
+    from helmc.runtime.weights.bind import expected_tensors
     for name, shape in expected_tensors(spec).items():
         ck.view(name, shape)
-
-
-def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, **kv_options):
-    """The CPU stage over plan.cpu_layers (None if there are none) and the head if it is on the CPU.
-    `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
-    import tvm.runtime
-    from .kv_cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
-    from .tvm_tensors import available_cpu_count, single_threaded_blas, use_cpu_threads
-
-    use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
-    single_threaded_blas()                     # KV attention threads its own NumPy calls
-    from .stage import Stage
-    from .weights import bind_layers, bind_head
-
-    dev = tvm.cpu()
-    layers = plan.cpu_layers
-    stage = None
-    if len(layers):
-        if bindings is None:
-            bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: _progress(m, quiet))
-        kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
-                        dtype=spec.dtype, sliding_window=spec.sliding_window or None,
-                        threads=default_threads(),
-                        attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
-                                                         spec.head_dim, spec.dtype))
-        stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
-                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
-    head = None
-    if not plan.head_on_gpu:
-        hw = bind_head(checkpoint, spec, dev)
-        fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
-
-        def head(x, phase, all_logits):
-            if not all_logits and x.shape[0] > 1:
-                x = tvm.runtime.tensor(x.numpy()[-1:], dev)           # [S, H] -> [1, H]: only the last row samples
-                phase = "decode"
-            return fns[phase](x, *hw).numpy()
-    return stage, head

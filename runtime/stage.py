@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from helmc.model_spec import ModelSpec
+from helmc.model.spec import ModelSpec
 
 
 @dataclass

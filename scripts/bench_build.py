@@ -34,9 +34,9 @@ with tempfile.TemporaryDirectory() as tmp:
     hw = a.hardware
     if hw is None:
         hw = os.path.join(tmp, "hardware.json")
-        subprocess.run([sys.executable, "-c", f"from helmc.profile_hardware import profile; profile(quick=True).save({hw!r})"], check=True)
+        subprocess.run([sys.executable, "-c", f"from helmc.hardware.measure import profile; profile(quick=True).save({hw!r})"], check=True)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "helmc.cli", "build", model, hw, "-o", os.path.join(tmp, "bundle"), "--no-cache",
+    r = subprocess.run([sys.executable, "-m", "helmc.cli.main", "build", model, hw, "-o", os.path.join(tmp, "bundle"), "--no-cache",
                         ], capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

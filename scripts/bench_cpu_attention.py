@@ -36,7 +36,7 @@ SETTLE_S = 0.05                     # let TVM's spinning pool threads go idle be
 
 def build(out_dir: str, features: tuple[str, ...], cores: int, target_l3: int) -> None:
     import tvm
-    from helmc.schedule_cpu_stage import llvm_target, required_cpu_features
+    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.decode_attention import default_max_splits, make_decode_attention
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
@@ -63,7 +63,7 @@ def run(out_dir: str, threads: int, rounds: int, contexts: list[int], paths: tup
         in_cache: bool = False) -> dict:
     import numpy as np
     import tvm.runtime
-    from helmc.runtime.kv_cache_cpu import KVCacheCPU
+    from helmc.runtime.kv.cache_cpu import KVCacheCPU
     from helmc.runtime.tvm_tensors import single_threaded_blas
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
@@ -168,7 +168,7 @@ def main() -> None:
     else:
         features, cores, target_l3 = cpu_flags(), threads, l3_bytes()
         if args.hardware:
-            from helmc.hardware import HardwareProfile
+            from helmc.hardware.profile import HardwareProfile
             cpu = HardwareProfile.load(args.hardware).cpu
             features, cores, target_l3 = cpu.features, cpu.cores, cpu.l3_bytes
         out_dir = args.build or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_attn_bench_{os.getpid()}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One Qwen3 block (default 8B) on the CPU stage: decode step against the roofline, prefill against torch bf16.
 
-The block is the pipeline's own export (helmc.export_block: pre_attn + post_attn, weights as graph inputs),
-imported to Relax and compiled with helmc.schedule_cpu_stage.compile_cpu_stage. Attention itself is not in
+The block is the pipeline's own export (helmc.compiler.export_block: pre_attn + post_attn, weights as graph inputs),
+imported to Relax and compiled with helmc.compiler.schedule_cpu_stage.compile_cpu_stage. Attention itself is not in
 these functions (the runtime drives it between them), so the attention output is a random input here.
 
   decode   pre_attn_decode + post_attn_decode, one token, cycling through enough weight copies to read
@@ -47,7 +47,7 @@ QWEN3_CONFIGS = {
 
 
 def qwen3_spec(model: str, dtype: str, **overrides):
-    from helmc.model_spec import ModelSpec
+    from helmc.model.spec import ModelSpec
     cfg = {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "num_key_value_heads": 8, "vocab_size": 151936,
            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "num_hidden_layers": 36,
            "torch_dtype": dtype, "attention_bias": False, "tie_word_embeddings": False,
@@ -58,9 +58,9 @@ def qwen3_spec(model: str, dtype: str, **overrides):
 def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, amx_blocking: str = "auto",
           amx_activations: str = "model", gemv_prefetch: int | None = None) -> None:
     import tvm
-    from helmc.export_block import export_functions
-    from helmc.import_relax import import_functions
-    from helmc.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
+    from helmc.compiler.export_block import export_functions
+    from helmc.compiler.import_relax import import_functions
+    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
     from helmc.schedules.cpu import gemm_amx
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
@@ -131,11 +131,11 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int, huge_pages: bool =
     import torch
     import tvm.runtime
     from tvm.runtime.vm import VirtualMachine
-    from helmc.model_spec import ModelSpec
+    from helmc.model.spec import ModelSpec
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy
 
     from bench_cpu_gemv import WeightArena, arena_bytes, cpu_flags, l3_bytes
-    from helmc.runtime.host_memory import anon_huge_page_bytes, cpu_tensor_over
+    from helmc.runtime.weights.host_memory import anon_huge_page_bytes, cpu_tensor_over
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
     lacking = [f for f in manifest["required_flags"] if f not in cpu_flags()]
@@ -298,7 +298,7 @@ def main() -> None:
     ap.add_argument("--gemv-prefetch", type=int, default=None,
                     help="build the GEMVs with software prefetch this many K steps ahead, 0 for none "
                          "(default: gemv.PREFETCH_STEPS)")
-    ap.add_argument("--huge-pages", action="store_true", help="weights in MADV_HUGEPAGE memory (runtime/host_memory.py)")
+    ap.add_argument("--huge-pages", action="store_true", help="weights in MADV_HUGEPAGE memory (runtime/weights/host_memory.py)")
     ap.add_argument("--amx-activations", default="model", choices=("model", "fp32"),
                     help="AMX prefill GEMMs on bf16 weights: activations rounded to bf16 (model, the default) or "
                          "split into bf16 hi + lo (two products per tile, ~16 bits)")

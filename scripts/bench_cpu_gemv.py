@@ -14,7 +14,7 @@ kernels stream, since on a VM guest the speed of a buffer depends on where the h
             system delivers for those pages (their physical placement differs between allocations, and on
             the GPU machine whole cases ran 40% slower for helmc and torch alike)
 Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
---huge-pages advises that allocation MADV_HUGEPAGE (runtime/host_memory.py; the runtime itself does not
+--huge-pages advises that allocation MADV_HUGEPAGE (runtime/weights/host_memory.py; the runtime itself does not
 place weights there).
 
   python scripts/bench_cpu_gemv.py [--models 8b] [--json]                  # build and run here
@@ -59,12 +59,12 @@ def projection_shapes(model: str) -> list[tuple[int, int]]:
 
 def l3_bytes() -> int:
     """Total last-level cache of the CPUs this process may use (helmc profile's reading), 32 MiB if none."""
-    from helmc.profile_hardware import allowed_cpus, l3_total_bytes
+    from helmc.hardware.measure import allowed_cpus, l3_total_bytes
     return l3_total_bytes(allowed_cpus())[0] or (32 << 20)
 
 
 def cpu_flags() -> tuple[str, ...]:
-    from helmc.runtime.manifest import host_cpu_flags
+    from helmc.runtime.bundle.manifest import host_cpu_flags
     return tuple(sorted(host_cpu_flags()))
 
 
@@ -72,7 +72,7 @@ def target_features(args) -> tuple[tuple[str, ...], int]:
     """(CPU features to compile for, L3 bytes of the target): this CPU, or --hardware, or --features."""
     features, target_l3 = cpu_flags(), l3_bytes()
     if args.hardware:
-        from helmc.hardware import HardwareProfile
+        from helmc.hardware.profile import HardwareProfile
         cpu = HardwareProfile.load(args.hardware).cpu
         features, target_l3 = cpu.features, cpu.l3_bytes
     if args.features:
@@ -105,7 +105,7 @@ def built_only(args, build) -> bool:
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
           amx_variant_models: list[str], gemv_prefetch: int | None = None) -> None:
     import tvm
-    from helmc.schedule_cpu_stage import llvm_target, required_cpu_features
+    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
@@ -181,7 +181,7 @@ class WeightArena:
     ALIGN = 4096
 
     def __init__(self, nbytes: int, huge_pages: bool = False):
-        from helmc.runtime.host_memory import huge_page_buffer
+        from helmc.runtime.weights.host_memory import huge_page_buffer
         self.region = huge_page_buffer(nbytes, advise=huge_pages)
         self.region.fill(0x3C)   # touch every page now; as fp32, 0x3c3c3c3c is a normal number (no denormal sums)
         self.used = 0
@@ -191,7 +191,7 @@ class WeightArena:
         self.used = 0
 
     def tensor(self, shape, dtype: str):
-        from helmc.runtime.host_memory import cpu_tensor_over, tensor_bytes
+        from helmc.runtime.weights.host_memory import cpu_tensor_over, tensor_bytes
         start = -(-self.used // self.ALIGN) * self.ALIGN
         nbytes = tensor_bytes(tuple(shape), dtype)
         if start + nbytes > self.region.nbytes:
@@ -251,7 +251,7 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
     import numpy as np
     import torch
     import tvm.runtime
-    from helmc.runtime.host_memory import anon_huge_page_bytes, cpu_tensor_over
+    from helmc.runtime.weights.host_memory import anon_huge_page_bytes, cpu_tensor_over
     from helmc.runtime.tvm_tensors import tensor_from_numpy
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))

@@ -14,7 +14,7 @@ Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, a
 HBM (device copy, bytes read + written, taken as the read rate) and pinned host-to-device
 bandwidth; the roofline per token is cpu_weight_bytes / host + gpu_weight_bytes / HBM from each
 bundle's plan, beside the plan's T_plan.
-With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.calibrate:
+With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.planner.calibrate:
 each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
@@ -116,7 +116,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
                 "tokens_first_request": runs[0]["tokens"]})
     if calibrated is not None:
-        from helmc.calibrate import predict_bundle
+        from helmc.planner.calibrate import predict_bundle
 
         c = predict_bundle(s.spec, plan, calibrated, prompt_len=len(prompt), output_len=new_tokens)  # these requests
         out.update({"t_plan_calibrated_ms": c.t_plan_ms, "t_cpu_calibrated_ms": c.t_cpu_ms,
@@ -220,7 +220,7 @@ def compare_tokens(ours: list[int], ref: list[int], ref_top5: list[list[int]] | 
 
 def run_calibration(a, report: dict):
     """helmc calibrate over the bundles on this machine; returns the calibrated HardwareProfile."""
-    from helmc.calibrate import calibrate
+    from helmc.planner.calibrate import calibrate
 
     hardware = a.hardware or os.path.join(a.bundle[0], "hardware.json")
     t = time.perf_counter()

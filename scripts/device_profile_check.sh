@@ -11,19 +11,19 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 start=$(date +%s.%N)
-"$PY" -m helmc.profile_hardware -o "$OUT/hardware.json" > "$OUT/profile-cupy.json"
+"$PY" -m helmc.hardware.measure -o "$OUT/hardware.json" > "$OUT/profile-cupy.json"
 echo "profile (full; cupy, else torch.cuda): $(echo "$(date +%s.%N) - $start" | bc) s -> $OUT/hardware.json"
-HELMC_GPU_BACKEND=torch "$PY" -m helmc.profile_hardware --quick -o "$OUT/hardware-torch-quick.json" \
+HELMC_GPU_BACKEND=torch "$PY" -m helmc.hardware.measure --quick -o "$OUT/hardware-torch-quick.json" \
     > "$OUT/profile-torch-quick.json" && echo "profile (torch, quick) -> $OUT/hardware-torch-quick.json"
-"$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_profile_hardware.py 2>&1 | tail -5 \
+"$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/hardware/test_profile_hardware.py 2>&1 | tail -5 \
     || echo "(pytest not available here)"
 
 "$PY" - "$OUT/hardware.json" <<'PYEOF'
 import sys
 sys.path.insert(0, "tests")
-from helmc.hardware import HardwareProfile
-from helmc.search_partition import plan
-from helmc.plan import format_plan_table
+from helmc.hardware.profile import HardwareProfile
+from helmc.planner.search_partition import plan
+from helmc.runtime.bundle.plan import format_plan_table
 from qwen3_configs import qwen3_spec
 
 hw = HardwareProfile.load(sys.argv[1])

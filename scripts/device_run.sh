@@ -5,8 +5,8 @@
 #
 # Steps (arguments after '=' are comma-separated):
 #   env                        GPU, driver, Python packages, TVM runtime-only import + CUDA backend
-#   gpu_stage_check[=DIR]      scripts/device_gpu_stage_check.py on DIR (default .devrt/gpu_stage_check,
-#                              built here by: python scripts/device_gpu_stage_check.py --build .devrt/gpu_stage_check)
+#   gpu_stage_check[=DIR]      tests/device/device_gpu_stage_check.py on DIR (default .devrt/gpu_stage_check,
+#                              built here by: python tests/device/device_gpu_stage_check.py --build .devrt/gpu_stage_check)
 #   pytest_gpu[=DIR]           pytest -m gpu tests/ (runtime-only; the stage check dir as HELMC_GPU_STAGE_DIR)
 #   make_model=CONFIG[,DTYPE]  scripts/make_random_model.py into $HELMC_MODELS/CONFIG-DTYPE (qwen3-8b, float16)
 #   bench=ARG,ARG,...          scripts/bench_decode.py ARG ARG ... --out $OUT/bench.json
@@ -55,7 +55,7 @@ run_step() {
   case $name in
     env) step_env ;;
     gpu_stage_check)
-      "$PY" scripts/device_gpu_stage_check.py "${args[0]:-.devrt/gpu_stage_check}" --out "$OUT/gpu_stage_check.json" ;;
+      "$PY" tests/device/device_gpu_stage_check.py "${args[0]:-.devrt/gpu_stage_check}" --out "$OUT/gpu_stage_check.json" ;;
     pytest_gpu)
       HELMC_GPU_STAGE_DIR="${args[0]:-.devrt/gpu_stage_check}" \
         "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/ ;;

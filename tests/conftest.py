@@ -48,7 +48,7 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture(scope="session")
 def host_hardware():
-    from helmc.profile_hardware import profile
+    from helmc.hardware.measure import profile
     return profile(quick=True)
 
 

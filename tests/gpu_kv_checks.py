@@ -1,13 +1,13 @@
-"""Checks shared by tests/test_paged_attention_gpu.py, tests/test_kv_cache_gpu_emulated.py and
-scripts/device_kv_check.py. No pytest here: the GPU machine may run them without it."""
+"""Checks shared by tests/runtime/test_paged_attention_gpu.py, tests/runtime/test_kv_cache_gpu_emulated.py and
+tests/device/device_kv_check.py. No pytest here: the GPU machine may run them without it."""
 import numpy as np
 
-from helmc.runtime.paged_attention import ListPageSource, full_attention, streaming_attention_decode
+from helmc.runtime.kv.paged_attention import ListPageSource, full_attention, streaming_attention_decode
 
 
 def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages_per_split=1):
     """Run the two decode kernels over pages in shuffled pool slots; return (rel err, output)."""
-    from helmc.runtime.paged_attention_cuda import CudaOps
+    from helmc.runtime.kv.cuda_ops import CudaOps
     ops = CudaOps()
     rng = np.random.default_rng(seed)
     n_pages = -(-n_tokens // page_tokens)

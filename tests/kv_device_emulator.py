@@ -1,4 +1,4 @@
-"""A NumPy stand-in for CudaOps (runtime/paged_attention_cuda.py) so KVCacheGPU runs on the CPU in tests.
+"""A NumPy stand-in for CudaOps (runtime/kv/cuda_ops.py) so KVCacheGPU runs on the CPU in tests.
 
 Buffers are NumPy arrays at real addresses, copies are ctypes.memmove, and the two decode kernels
 are re-implemented from their documented contract (split = pages [i*p, (i+1)*p), unnormalised

@@ -22,7 +22,7 @@ QWEN3 = {
 
 
 def qwen3_spec(name: str, **overrides):
-    from helmc.model_spec import ModelSpec
+    from helmc.model.spec import ModelSpec
     return ModelSpec.from_hf_config({**QWEN3[name], **overrides}, name)
 
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from helmc.runtime.kv_cache_cpu import decode_attention_name  # the runtime looks the kernel up by this name
+from helmc.runtime.kv.cache_cpu import decode_attention_name  # the runtime looks the kernel up by this name
 
-from .isa import VectorIsa
-from .weight_load import STACK, load_dtype, widen
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK, load_dtype, widen
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 CHUNK = 64              # rows per online-softmax update: scores of a chunk stay in L1

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gemv import short_dtype
-from .isa import VectorIsa
-from .weight_load import STACK, check_weight_dtype, load_dtype, widen
+from helmc.schedules.cpu.gemv import short_dtype
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 
 @dataclass(frozen=True)

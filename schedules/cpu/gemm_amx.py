@@ -51,10 +51,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .amx_blocking import (BLOCKING_VARIANTS, DEFAULT_BLOCKING, MEASURED_BLOCKING, TILE_K, TOKEN_BLOCK,  # noqa: F401
+from helmc.schedules.cpu.amx_blocking import (BLOCKING_VARIANTS, DEFAULT_BLOCKING, MEASURED_BLOCKING, TILE_K, TOKEN_BLOCK,  # noqa: F401
                            AmxBlocking, blocking_for, blocking_named)
-from .isa import VectorIsa
-from .weight_load import STACK
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK
 
 TILE_ROWS = 16          # rows of every tile
 PANEL_ROWS = 32         # weight rows per panel: two A tiles
@@ -63,7 +63,7 @@ C_TILE = TILE_ROWS * 16          # fp32 elements in a C tile (1 KiB)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
 
-# Benchmark-only switch: when set, helmc/lower_linear.py builds every AMX GEMM with this blocking instead of
+# Benchmark-only switch: when set, helmc/compiler/lower_linear.py builds every AMX GEMM with this blocking instead of
 # blocking_for's per-shape choice (scripts/bench_cpu_block.py --amx-blocking).
 BLOCKING_OVERRIDE: AmxBlocking | None = None
 

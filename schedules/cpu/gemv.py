@@ -16,8 +16,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .isa import VectorIsa
-from .weight_load import STACK, check_weight_dtype, load_dtype, widen
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symbolic) use gemm.make_gemm
 # Software prefetch, in K steps (one `chunk` of each row per step) ahead of the loads; past the end of the

@@ -18,9 +18,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gemv import GEMV_MAX_ROWS, gemv_blocking, prefetch_ahead, row_block, short_dtype
-from .isa import VectorIsa
-from .weight_load import STACK, check_weight_dtype, load_dtype, widen
+from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, gemv_blocking, prefetch_ahead, row_block, short_dtype
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK, check_weight_dtype, load_dtype, widen
 
 MULTI_MAX_WEIGHTS = 3
 

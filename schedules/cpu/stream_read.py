@@ -8,7 +8,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .isa import VectorIsa
+from helmc.schedules.cpu.isa import VectorIsa
 
 READ_TASKS = 1024   # parallel chunks; many more than cores so the static split stays balanced
 

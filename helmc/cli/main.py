@@ -1,0 +1,124 @@
+"""The helmc command line: a thin click layer over helmc.api.
+
+Every HelmcError becomes one line on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from helmc.cli.profile_plan import plan_command, profile_command
+from helmc.errors import HelmcError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HelmcError as e:
+            click.echo(f"helmc: error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="helmc")
+def main():
+    """helmc: compile a Hugging Face model for one CPU + one GPU, and run it."""
+
+
+@main.command("build")
+@click.argument("model_dir", type=click.Path())
+@click.argument("hardware", type=click.Path())
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="bundle directory to write")
+@click.option("--gpu-budget", type=float, default=None, help="cap the plan's VRAM at this many GiB")
+@click.option("--copy-weights", is_flag=True, help="copy the safetensors into the bundle")
+@click.option("--no-cache", is_flag=True, help="rebuild even if artifacts/ has this build")
+@click.option("--prompt-len", type=int, default=128, show_default=True, help="workload the plan optimises for")
+@click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
+              help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
+@click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default="model", show_default=True,
+              help="AMX prefill GEMM inputs: rounded to the model's bf16 (as HF's bf16 model; fastest) or fp32 "
+                   "(bf16 hi + lo, ~1e-5 of an fp32 GEMM, 1.3-1.6x the GEMM time)")
+def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
+              prefill_activations):
+    """Compile MODEL_DIR for the machine described by HARDWARE (hardware.json) into a bundle."""
+    from helmc import api
+    from helmc.planner.plan_table import format_plan_table
+    r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
+                  use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
+                  prefill_activations=prefill_activations)
+    click.echo(format_plan_table(r.plan, r.spec))
+    reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
+    click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
+
+
+def _parse_ids(text: str | None):
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise HelmcError(f"--prompt-ids expected comma-separated integers, found {text!r}") from None
+
+
+@main.command("run")
+@click.argument("bundle_dir", type=click.Path())
+@click.option("--prompt", default=None, help="prompt text (tokenized with the bundle's tokenizer)")
+@click.option("--prompt-ids", default=None, help="prompt as token ids, e.g. 1,2,3")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@click.option("--kv-page-tokens", type=int, default=512, show_default=True)
+@click.option("--kv-watermark", type=float, default=0.8, show_default=True)
+@click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
+            kv_page_tokens, kv_watermark, no_kv_offload, as_json):
+    """Generate text from a bundle."""
+    from helmc.runtime.isolation import forbid_compiler_imports
+    forbid_compiler_imports()
+    from helmc import api
+    ids = _parse_ids(prompt_ids)
+    if (prompt is None) == (ids is None):
+        raise HelmcError("run: expected exactly one of --prompt or --prompt-ids")
+    stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_k=top_k, top_p=top_p, seed=seed, weights_dir=weights_dir, on_text=stream, quiet=as_json,
+                kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload)
+    if as_json:
+        click.echo(json.dumps(r.to_json_dict()))
+    else:
+        if not r.text:
+            click.echo(" ".join(map(str, r.tokens)), nl=False)
+        click.echo(f"\n[{len(r.tokens)} tokens, TTFT {r.ttft_ms:.1f} ms, decode {r.decode_tok_s:.2f} tok/s]", err=True)
+
+
+@main.command("calibrate")
+@click.argument("bundle_dir", type=click.Path())
+@click.argument("hardware", type=click.Path())
+@click.option("-o", "--out", "out_path", required=True, type=click.Path(), help="calibrated hardware.json to write")
+@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
+@click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
+def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json):
+    """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
+    from helmc.runtime.isolation import forbid_compiler_imports
+    forbid_compiler_imports()
+    from helmc.planner.calibrate import calibrate
+    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps)
+    r.profile.save(out_path)
+    click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
+    click.echo(f"wrote {out_path}", err=as_json)
+
+
+main.add_command(profile_command, "profile")
+main.add_command(plan_command, "plan")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""`helmc profile` and `helmc plan`: thin click commands over helmc.hardware.measure and
+helmc.planner.search_partition. helmc/cli/main.py registers them (`main.add_command(profile_command)`); run
+alone as `python -m helmc.cli.profile_plan profile|plan ...`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import click
+
+from helmc.errors import HelmcError
+from helmc.hardware.profile import GIB, HardwareProfile
+from helmc.jsonio import atomic_write_text, to_dict
+from helmc.planner.plan_table import format_plan_table
+from helmc.runtime.bundle.plan import Plan
+
+
+def _fail(e: HelmcError) -> None:
+    # The same line and status as helmc.cli.main's group gives, also when these commands run alone.
+    click.echo(f"helmc: error: {e}", err=True)
+    raise SystemExit(2)
+
+
+def summarize_profile(hw: HardwareProfile) -> str:
+    c = hw.cpu
+    lines = [f"cpu: {c.name}, {c.cores} cores / {c.threads} threads, L3 {c.l3_bytes / 2**20:.0f} MiB, "
+             f"RAM {c.ram_free_bytes / GIB:.1f} of {c.ram_total_bytes / GIB:.1f} GiB free",
+             f"     DRAM {c.dram_gbs:.1f} GB/s contiguous, {c.dram_strided_gbs:.1f} GB/s inference-like, "
+             f"L3 {c.l3_gbs:.1f} GB/s, sgemm {c.fp32_gflops:.0f} GFLOP/s; "
+             f"avx2 {c.has('avx2')}, f16c {c.has('f16c')}, avx512f {c.has('avx512f')}"]
+    if hw.gpu is not None and hw.link is not None:
+        g, l = hw.gpu, hw.link
+        lines += [f"gpu: {g.name} ({g.arch}), VRAM {g.vram_free_bytes / GIB:.1f} of {g.vram_total_bytes / GIB:.1f} GiB free, "
+                  f"HBM {g.hbm_gbs:.0f} GB/s, fp16 {g.fp16_tflops:.1f} TFLOP/s",
+                  f"link: H2D {l.h2d_gbs:.1f} GB/s, D2H {l.d2h_gbs:.1f} GB/s, latency {l.latency_us:.1f} us; "
+                  f"per-block overhead delta: CPU {hw.block_overhead_on('cpu'):.3f} ms, GPU {hw.block_overhead_on('gpu'):.3f} ms"
+                  f"{' (calibrated)' if hw.source == 'calibrated' else ''}"]
+    lines += [f"unmeasured: {u}" for u in hw.unmeasured]
+    return "\n".join(lines)
+
+
+@click.command("profile")
+@click.option("-o", "--output", default="hardware.json", show_default=True, help="where to write the profile")
+@click.option("--quick", is_flag=True, help="small buffers (seconds; figures not fit for planning)")
+@click.option("--gpu-backend", type=click.Choice(["cupy", "torch", "none"]), default=None,
+              help="force a GPU backend (default: cupy, else torch)")
+def profile_command(output: str, quick: bool, gpu_backend: str | None) -> None:
+    """Measure this machine's CPU, GPU and link into a hardware profile (thesis 4.1.2)."""
+    from helmc.hardware.measure import profile
+    try:
+        hw = profile(quick=quick, gpu_backend=gpu_backend)
+        hw.save(output)
+    except HelmcError as e:
+        _fail(e)
+    click.echo(summarize_profile(hw))
+    click.echo(f"wrote {output}")
+
+
+def plan_json(plan: Plan) -> dict:
+    return {"cpu_units": plan.cpu_units, "gpu_units": plan.gpu_units, "t_plan_ms": plan.t_plan_ms,
+            "plan": plan.describe(), "max_context": plan.max_context,
+            "candidates": [to_dict(c) for c in plan.candidates]}
+
+
+def plot_plan(plan: Plan, path: str) -> None:
+    """Predicted T_plan against k, the infeasible splits shaded, the chosen one marked (Figure 4.4)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HelmcError("--plot needs matplotlib (pip install matplotlib), found it not installed") from None
+    ks = [c.cpu_units for c in plan.candidates]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(ks, [c.t_plan_ms for c in plan.candidates], marker="o", ms=3, label="predicted T_plan")
+    shaded = False
+    for c in plan.candidates:
+        if not c.feasible:
+            ax.axvspan(c.cpu_units - 0.5, c.cpu_units + 0.5, color="red", alpha=0.15, lw=0,
+                       label=None if shaded else "infeasible (memory)")
+            shaded = True
+    ax.plot([plan.cpu_units], [plan.t_plan_ms], marker="*", ms=14, color="black", ls="none",
+            label=f"chosen {plan.describe()}: {plan.t_plan_ms:.1f} ms")
+    ax.set_xlabel("k = partition units on the CPU")
+    ax.set_ylabel("ms per token" if plan.objective == "decode" else "ms to first token")
+    ax.set_title(f"partition search: {plan.num_layers} blocks, prompt {plan.prompt_len}, output {plan.output_len}, "
+                 f"batch {plan.batch}")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=out_dir)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@click.command("plan")
+@click.argument("model", metavar="MODEL_DIR_OR_CONFIG")
+@click.argument("hardware", metavar="HARDWARE_JSON_OR_PRESET")
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--output-len", default=128, show_default=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int)
+@click.option("--objective", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
+@click.option("--gpu-budget", type=float, default=None,
+              help="use at most this many GiB of VRAM in all (the profile's runtime reserve included)")
+@click.option("--kv-offload/--no-kv-offload", default=True, show_default=True,
+              help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2)")
+@click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
+              help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="weight dtype (default: the checkpoint's)")
+@click.option("--json", "as_json", is_flag=True, help="print the plan and all candidates as JSON")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="draw T_plan against k into a PNG")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write the Plan JSON here")
+def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, stream_prefill,
+                 dtype, as_json, plot, output) -> None:
+    """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1)."""
+    from helmc.planner.search_partition import load_spec, plan
+    try:
+        spec = load_spec(model)
+        p = plan(spec, hardware, prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective,
+                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype, stream_prefill=stream_prefill)
+        if plot:
+            plot_plan(p, plot)
+        if output:
+            atomic_write_text(output, p.to_json() + "\n")
+    except HelmcError as e:
+        _fail(e)
+    click.echo(json.dumps(plan_json(p), indent=2) if as_json else format_plan_table(p, spec))
+
+
+@click.group()
+def _standalone() -> None:
+    """helmc profile / plan, runnable before helmc.cli.main registers them."""
+
+
+_standalone.add_command(profile_command)
+_standalone.add_command(plan_command)
+
+if __name__ == "__main__":
+    _standalone()

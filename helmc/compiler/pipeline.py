@@ -1,0 +1,153 @@
+"""The build pipeline, every phase in order (mlc-llm style: one file lists them all).
+
+  1. read_config     config.json -> ModelSpec (weights are not read: they bind at run time)
+  2. search_plan     ModelSpec x HardwareProfile -> Plan (thesis Algorithm 1)
+  3. export_onnx     pre_attn / post_attn / head through torch.onnx.export(dynamo=True)
+  4. import_relax    ONNX -> one Relax IRModule (prefill and decode variants)
+  5. compile_cpu     LLVM for the profile's CPU features          (cached)
+  6. compile_gpu     CUDA for the profile's GPU arch, to cubin     (cached; only if the plan uses a GPU)
+  7. write_bundle    libraries, plan, spec, tokenizer, manifest with sha256 of every file
+
+Compile cost does not grow with depth: one block function per device serves every layer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from helmc.compiler.artifact_cache import ArtifactCache, cache_key, tvm_version
+from helmc.errors import HelmcError
+from helmc.hardware.profile import HardwareProfile
+from helmc.model.spec import ModelSpec
+from helmc.runtime.bundle.plan import Plan
+
+CPU_LIB = "cpu_stage.so"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    bundle_dir: str
+    spec: ModelSpec
+    plan: Plan
+    cache_hits: tuple[str, ...]
+    seconds: float
+
+
+class Progress:
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str):
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def read_config(model_dir: str) -> tuple[ModelSpec, str]:
+    spec = ModelSpec.from_model_dir(model_dir)
+    path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
+    with open(path, "rb") as f:
+        return spec, hashlib.sha256(f.read()).hexdigest()
+
+
+def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
+                stream_prefill: bool = True) -> Plan:
+    from helmc.planner.search_partition import plan as search
+    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill)
+
+
+def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
+    """(LLVM target description, CPU features the compiled code requires)."""
+    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
+    target = llvm_target(hw.cpu.features)
+    return json.dumps(dict(target.export()), sort_keys=True, default=str), tuple(required_cpu_features(hw.cpu.features))
+
+
+def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None = None,
+                prefill_activations: str = "model"):
+    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage
+    # spec: adds the decode-attention kernel
+    exe = compile_cpu_stage(mod, hw.cpu.features, spec, hw.cpu.cores, prefill_activations)
+    exe.export_library(out_path)
+
+
+def compile_gpu(mod, hw: HardwareProfile, out_dir: str) -> tuple[str, ...]:
+    from helmc.compiler.compile_gpu_stage import compile_gpu_stage
+    return compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage")
+
+
+def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
+          use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
+          plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
+          prefill_activations: str = "model") -> BuildResult:
+    progress = Progress(quiet)
+    from helmc.compiler.lower_linear import check_prefill_activations
+    from helmc.compiler.write_bundle import BundleInputs, write_bundle
+    check_prefill_activations(prefill_activations)
+
+    spec, config_sha = read_config(model_dir)
+    progress(f"read_config: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.dtype}")
+    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
+    progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
+
+    need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu
+    need_gpu = plan.uses_gpu
+    if need_gpu and hardware.gpu is None:
+        raise HelmcError("plan uses a GPU but the hardware profile has none")
+    cache = ArtifactCache(cache_dir, enabled=use_cache)
+    jobs = {}
+    llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
+    if need_cpu:
+        # cores set the kernels' parallel split counts, so they are part of what the library was made for
+        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
+                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={prefill_activations}")
+    if need_gpu:
+        jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch)
+    hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
+    reused = tuple(stage for stage, d in hits.items() if d)
+    for stage, d in hits.items():
+        if d:
+            progress(f"compile_{stage}: reusing cached artifacts {os.path.relpath(d)}")
+
+    with tempfile.TemporaryDirectory(prefix="helmc-build-") as work:
+        if not all(hits.values()):
+            from helmc.compiler.export_block import export_functions
+            from helmc.compiler.import_relax import import_functions
+            if need_cpu and not hits["cpu"]:
+                mod = import_functions(export_functions(spec, act_dtype="float32"))
+                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
+                progress("import_relax: 6 functions (prefill + decode variants)")
+                lib = os.path.join(work, CPU_LIB)
+                compile_cpu(mod, hardware, lib, spec, prefill_activations)
+                hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
+                progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
+            if need_gpu and not hits["gpu"]:
+                mod = import_functions(export_functions(spec, act_dtype="float16"))
+                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
+                gdir = os.path.join(work, "gpu")
+                os.makedirs(gdir)
+                names = compile_gpu(mod, hardware, gdir)
+                hits["gpu"] = cache.store(jobs["gpu"], {n: os.path.join(gdir, n) for n in names},
+                                          {"arch": hardware.gpu.arch, "files": list(names)})
+                progress(f"compile_gpu: {', '.join(names)} for {hardware.gpu.arch}")
+        libraries = []
+        if need_cpu:
+            libraries.append((CPU_LIB, os.path.join(hits["cpu"], CPU_LIB)))
+        if need_gpu:
+            with open(os.path.join(hits["gpu"], "meta.json")) as f:
+                for n in json.load(f)["files"]:
+                    libraries.append((n, os.path.join(hits["gpu"], n)))
+        write_bundle(BundleInputs(
+            out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, model_dir=model_dir if os.path.isdir(model_dir) else os.path.dirname(model_dir),
+            model_config_sha256=config_sha, libraries=tuple(libraries),
+            target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
+            cpu_features_required=cpu_required, llvm_target=llvm_desc,
+            cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights,
+            prefill_activations=prefill_activations if need_cpu else ""))
+    progress(f"write_bundle: {out_dir}")
+    return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

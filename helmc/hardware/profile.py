@@ -1,0 +1,224 @@
+"""HardwareProfile: the measured target (thesis 4.1.2, eq. 4.6): device profiles and the link.
+
+Written by `helmc profile`, or taken from a preset under artifacts/profiles/. Every figure is a
+measurement or a cited datasheet number; what could not be measured is listed in `unmeasured`
+("field: reason") rather than invented, and the cost model says which fallback it used for it.
+Unknown keys are refused so a typo never silently changes a plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from helmc.errors import HelmcError
+from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
+
+PROFILE_FORMAT_VERSION = 1
+GIB = 1024 ** 3
+# Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime"; the thesis's units are
+# decimal (its 386 MB block is 385.9e6 bytes), so 1e9 bytes. Kept per profile because the context
+# size depends on the GPU and driver.
+DEFAULT_GPU_RESERVE_BYTES = 10 ** 9
+# The host runtime itself (Python, TVM runtime, tokenizer) needs memory beside weights and KV.
+DEFAULT_HOST_RESERVE_BYTES = GIB
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "artifacts", "profiles")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise HelmcError(f"hardware profile: {message}")
+
+
+def _check_overheads(where: str, block_overhead_ms: Optional[float], step_overhead_ms: Optional[float]) -> None:
+    # Calibrated deltas may be negative: a device that beats the roofline of the profile's rates
+    # (e.g. a profile measured on another machine) gets a delta that brings the roofline down to it.
+    for name, value in (("block_overhead_ms", block_overhead_ms), ("step_overhead_ms", step_overhead_ms)):
+        _require(value is None or math.isfinite(value),
+                 f"{where}.{name} expected a finite number or null (not calibrated), found {value}")
+
+
+def _check_eta(where: str, eta_compute: float, eta_memory: float) -> None:
+    _require(0 < eta_compute <= 1 and 0 < eta_memory <= 1,
+             f"{where} efficiency coefficients expected in (0, 1], found eta_compute={eta_compute}, "
+             f"eta_memory={eta_memory}")
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    name: str
+    cores: int                       # physical cores this process may run on
+    features: tuple[str, ...]        # /proc/cpuinfo flag names: avx2, f16c, fma, avx512f, avx512_bf16, ...
+    l3_bytes: int                    # C_L3, summed over the L3 instances this process may use
+    dram_gbs: float                  # M: sustained read bandwidth over one buffer >> L3
+    ram_total_bytes: int
+    ram_free_bytes: int
+    dram_strided_gbs: float = 0.0    # inference-like pattern (many separate matrices, row tiles per thread); 0 = not measured
+    l3_gbs: float = 0.0              # B_L3; 0 = not measured (cost model then uses 3 x M, as the thesis)
+    fp32_gflops: float = 0.0         # P_dec on the CPU; 0 = not measured (thesis sets P_dec = M)
+    threads: int = 0                 # hardware threads this process may run on; 0 = not known
+    eta_compute: float = 1.0         # eta_c of eq. 4.10; 1: the measured rates are already sustained rates
+    eta_memory: float = 1.0          # eta_m of eq. 4.10
+    # Thesis 6.4.4 deltas measured by `helmc calibrate` on helmc's own CPU stage (None: not calibrated).
+    block_overhead_ms: Optional[float] = None   # per block per token beyond its roofline; None: the profile-wide figure
+    step_overhead_ms: Optional[float] = None    # per token beyond the lm_head's roofline when the head runs here
+                                                # (embedding gather, RoPE tables, head, logits out, sampling); None: 0
+
+    def __post_init__(self):
+        _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
+        _require(self.dram_gbs > 0, f"cpu.dram_gbs expected > 0, found {self.dram_gbs}")
+        _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
+                 f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
+        _require(min(self.l3_bytes, self.dram_strided_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
+                 "cpu figures expected >= 0 (0 = not measured)")
+        _check_eta("cpu", self.eta_compute, self.eta_memory)
+        _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
+
+    def has(self, *flags: str) -> bool:
+        return all(f in self.features for f in flags)
+
+    @property
+    def stream_gbs(self) -> float:
+        """M used by the cost model: the inference-like figure where measured (thesis 7.1: one
+        contiguous copy overestimates what scattered weight matrices get), else the plain one."""
+        return self.dram_strided_gbs if self.dram_strided_gbs > 0 else self.dram_gbs
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    arch: str                        # CUDA arch, e.g. "sm_90"
+    vram_total_bytes: int
+    vram_free_bytes: int             # free as seen by a process that holds a CUDA context
+    hbm_gbs: float                   # M on the GPU
+    fp16_tflops: float = 0.0         # P_pre: (128,H)x(H,H) fp16 matmul rate; 0 = not measured
+    eta_compute: float = 1.0
+    eta_memory: float = 1.0
+    # As on CpuProfile, for helmc's GPU stage; the GPU's step overhead also holds the hidden state's
+    # and RoPE rows' host-to-device copies as the runtime makes them, beyond the link model of eq. 4.15.
+    block_overhead_ms: Optional[float] = None
+    step_overhead_ms: Optional[float] = None
+
+    def __post_init__(self):
+        _require(self.arch.startswith("sm_"), f"gpu.arch expected like 'sm_90', found {self.arch!r}")
+        _require(0 < self.vram_free_bytes <= self.vram_total_bytes,
+                 f"gpu.vram_free_bytes expected in (0, vram_total_bytes={self.vram_total_bytes}], found {self.vram_free_bytes}")
+        _require(self.hbm_gbs > 0, f"gpu.hbm_gbs expected > 0, found {self.hbm_gbs}")
+        _require(self.fp16_tflops >= 0, f"gpu.fp16_tflops expected >= 0, found {self.fp16_tflops}")
+        _check_eta("gpu", self.eta_compute, self.eta_memory)
+        _check_overheads("gpu", self.block_overhead_ms, self.step_overhead_ms)
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    h2d_gbs: float                   # B_link, pinned host -> device
+    d2h_gbs: float
+    latency_us: float                # l_link: one small (8 KB) copy including its synchronisation
+
+    def __post_init__(self):
+        _require(self.h2d_gbs > 0 and self.d2h_gbs > 0 and self.latency_us >= 0,
+                 f"link expected h2d_gbs > 0, d2h_gbs > 0, latency_us >= 0, found "
+                 f"{self.h2d_gbs}, {self.d2h_gbs}, {self.latency_us}")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    format_version: int
+    cpu: CpuProfile
+    # Optional[...] rather than `X | None`: jsonio converts typing.Union members but not types.UnionType.
+    gpu: Optional[GpuProfile] = None
+    link: Optional[LinkProfile] = None
+    gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
+    # Delta of thesis 6.4.4 for every device without a calibrated one of its own (cpu/gpu
+    # .block_overhead_ms): `helmc profile`'s op-by-op estimate, or 0. Kept so older profiles read the same.
+    block_overhead_ms: float = 0.0
+    gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES  # host RAM kept back for the runtime process
+    source: str = "measured"         # "measured", "preset:<name>" or "calibrated" (helmc calibrate)
+    unmeasured: tuple[str, ...] = () # "field: why it was not measured"
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.format_version != PROFILE_FORMAT_VERSION:
+            raise HelmcError(f"hardware profile: format_version expected {PROFILE_FORMAT_VERSION}, found {self.format_version}")
+        if (self.gpu is None) != (self.link is None):
+            raise HelmcError("hardware profile: gpu and link must be both present or both absent")
+        _require(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes expected >= 0, found {self.gpu_budget_bytes}")
+        _require(self.block_overhead_ms >= 0, f"block_overhead_ms expected >= 0, found {self.block_overhead_ms}")
+        _require(self.gpu_reserve_bytes >= 0 and self.host_reserve_bytes >= 0, "reserves expected >= 0")
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu is not None
+
+    def device(self, name: str) -> "CpuProfile | GpuProfile":
+        """The "cpu" or "gpu" part of the profile."""
+        dev = {"cpu": self.cpu, "gpu": self.gpu}.get(name)
+        _require(dev is not None, f"device expected 'cpu' or a present 'gpu', found {name!r}")
+        return dev
+
+    def block_overhead_on(self, name: str) -> float:
+        """Delta per block on device `name`: its calibrated figure, else the profile-wide one."""
+        own = self.device(name).block_overhead_ms
+        return self.block_overhead_ms if own is None else own
+
+    def step_overhead_on(self, name: str) -> float:
+        """Per-token overhead when the lm_head runs on device `name` (0 where not calibrated)."""
+        own = self.device(name).step_overhead_ms
+        return 0.0 if own is None else own
+
+    @property
+    def usable_vram_bytes(self) -> int:
+        """VRAM a plan may use in all (weights, KV, workspace and gpu_reserve_bytes)."""
+        if self.gpu is None:
+            return 0
+        free = self.gpu.vram_free_bytes
+        return min(free, self.gpu_budget_bytes) if self.gpu_budget_bytes else free
+
+    def with_gpu_budget(self, gib: float | None) -> "HardwareProfile":
+        if gib is None:
+            return self
+        if gib <= 0:
+            raise HelmcError(f"--gpu-budget expected a positive number of GiB, found {gib}")
+        return dataclasses.replace(self, gpu_budget_bytes=int(gib * GIB))
+
+    def profile_hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return from_dict(cls, json.loads(text), "hardware profile")
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        return from_dict(cls, load_json_file(path, "hardware profile"), f"hardware profile {path}")
+
+    def save(self, path: str) -> None:
+        atomic_write_text(path, self.to_json() + "\n")
+
+
+def list_presets() -> list[str]:
+    if not os.path.isdir(PRESET_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def load_hardware(path_or_preset: "str | HardwareProfile") -> HardwareProfile:
+    """A hardware.json path, or the name of a preset under artifacts/profiles/ (e.g. rtx4060-laptop)."""
+    if isinstance(path_or_preset, HardwareProfile):
+        return path_or_preset
+    if os.path.exists(path_or_preset):
+        return HardwareProfile.load(path_or_preset)
+    name = path_or_preset[len("preset:"):] if path_or_preset.startswith("preset:") else path_or_preset
+    preset = os.path.join(PRESET_DIR, name + ".json")
+    if os.sep not in name and os.path.exists(preset):
+        return HardwareProfile.load(preset)
+    raise HelmcError(f"hardware profile: expected a hardware.json path or a preset name "
+                     f"({', '.join(list_presets()) or 'none installed'}), found {path_or_preset!r}")

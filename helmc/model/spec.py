@@ -1,0 +1,211 @@
+"""ModelSpec: what helmc needs to know about a decoder-only transformer, read from config.json.
+
+A build needs this file only; weights bind at run time. Supported: Qwen3 (q/k RMSNorm), Qwen2
+(q/k/v bias), Llama and Mistral (plain). Everything the compiler, the cost model and the runtime
+derive from the architecture (bytes per block, head layout, RoPE frequencies) comes from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from helmc.errors import HelmcError
+from helmc.jsonio import from_dict, load_json_file, to_dict
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                      "bfloat16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    kind: str = "default"            # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0     # llama3 only
+    high_freq_factor: float = 1.0    # llama3 only
+    original_max_position: int = 0   # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str                        # weight dtype in the checkpoint: float32 | float16 | bfloat16
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int = 0           # 0: none
+    bos_token_id: int = -1
+    eos_token_ids: tuple[int, ...] = ()
+
+    # ---- derived numbers -------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_units(self) -> int:
+        """Partition units: embedding, one per block, final norm + lm_head (thesis 4.1.1)."""
+        return self.num_layers + 2
+
+    @property
+    def max_context(self) -> int:
+        return self.max_position_embeddings
+
+    def block_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF parameter names under `model.layers.{i}.` and their shapes, in the order the compiled
+        block functions take them."""
+        H, I, Q, KV, D = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.head_dim
+        s = {"input_layernorm.weight": (H,),
+             "self_attn.q_proj.weight": (Q, H), "self_attn.k_proj.weight": (KV, H),
+             "self_attn.v_proj.weight": (KV, H)}
+        if self.qkv_bias:
+            s.update({"self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,)})
+        if self.qk_norm:
+            s.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
+        s.update({"self_attn.o_proj.weight": (H, Q), "post_attention_layernorm.weight": (H,),
+                  "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
+        return s
+
+    def pre_attn_weight_names(self) -> tuple[str, ...]:
+        """Weights of the compiled pre_attn function, in its parameter order (export and runtime both use this)."""
+        names = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+        if self.qkv_bias:
+            names += ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+        if self.qk_norm:
+            names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        return names
+
+    def post_attn_weight_names(self) -> tuple[str, ...]:
+        return ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+    def head_weight_names(self) -> tuple[str, str]:
+        """Checkpoint names (from the model root) of the head function's weights."""
+        return ("model.norm.weight", "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+
+    def block_param_count(self) -> int:
+        n = 0
+        for shape in self.block_weight_shapes().values():
+            c = 1
+            for d in shape:
+                c *= d
+            n += c
+        return n
+
+    # ---- identity ----------------------------------------------------------------------------
+    def architecture_hash(self) -> str:
+        """Hash of what the compiled code depends on (shapes, dtype, op variants), not of token ids."""
+        d = to_dict(self)
+        for k in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        return from_dict(cls, json.loads(text))
+
+    # ---- reading a Hugging Face config.json ----------------------------------------------------
+    @classmethod
+    def from_model_dir(cls, path: str) -> "ModelSpec":
+        cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(cfg_path):
+            raise HelmcError(f"model config: expected {cfg_path} (a Hugging Face config.json), found nothing")
+        return cls.from_hf_config(load_json_file(cfg_path, "model config"), cfg_path)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise HelmcError(f"{where}: architectures expected one of {list(SUPPORTED_ARCHITECTURES)}, found {archs or 'none'}")
+
+        def need(key):
+            if key not in cfg or cfg[key] is None:
+                raise HelmcError(f"{where}: required key {key!r} missing for {arch}")
+            v = cfg[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise HelmcError(f"{where}: {key!r} expected a positive number, found {v!r}")
+            return v
+
+        H, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or H // heads)
+        if heads % kv_heads:
+            raise HelmcError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        if head_dim % 2:
+            raise HelmcError(f"{where}: head_dim must be even for RoPE, found {head_dim}")
+        dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+        if dtype_name not in _TORCH_DTYPE_NAMES:
+            raise HelmcError(f"{where}: dtype expected float32, float16 or bfloat16, found {dtype_name!r}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r}")
+        sliding = 0
+        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+            sliding = int(cfg.get("sliding_window") or 0)
+        return cls(
+            architecture=arch, hidden_size=H, intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=_rope_from_config(cfg, where),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=_TORCH_DTYPE_NAMES[dtype_name],
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
+            bos_token_id=int(cfg["bos_token_id"]) if isinstance(cfg.get("bos_token_id"), int) else -1,
+            eos_token_ids=eos_ids)
+
+
+def _rope_from_config(cfg: dict, where: str) -> RopeSpec:
+    # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta +
+    # rope_scaling. Both spellings are accepted.
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeSpec(theta=theta)
+    if kind == "linear":
+        return RopeSpec(theta=theta, kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeSpec(theta=theta, kind="llama3", factor=float(params["factor"]),
+                        low_freq_factor=float(params["low_freq_factor"]),
+                        high_freq_factor=float(params["high_freq_factor"]),
+                        original_max_position=int(params["original_max_position_embeddings"]))
+    raise HelmcError(f"{where}: rope type expected default, linear or llama3, found {kind!r}")
+
+
+def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:
+    return dataclasses.replace(spec, **changes)

@@ -1,0 +1,228 @@
+"""Calibrate the cost model's overheads on helmc's own decode step (thesis 6.4.4: T_hat = T_pred + N delta).
+
+    r = calibrate("bundle/", "hardware.json", weights_dir="model/")   # times the real stages here
+    r.profile.save("calibrated.json")                                 # per-device deltas, source "calibrated"
+    predict_bundle(spec, plan, r.profile).t_plan_ms                   # T_plan of that bundle's split
+
+For every device the bundle's plan puts blocks on, runtime.calibrate times decode steps through
+that device's compiled stage; the fitted delta is what a block took beyond the cost model's
+roofline for it at the same mean decode context:
+
+    delta_dev = (t_step_dev - T_roofline(blocks_dev)) / blocks_dev
+    sigma_dev = t_tail_dev - T_roofline(head on dev) [- T_comm of one crossing, on the GPU]
+
+sigma is the step's tail beyond the head's roofline (embedding gather, RoPE, logits out, sampling
+and, on the GPU, the crossing as the runtime makes it), charged where the lm_head runs. Both go
+into the device's part of a new profile; the rates themselves (bandwidths, FLOP rates) are the
+given profile's, so the deltas make that profile predict this machine.
+
+Imports no TVM compiler (the measuring half is runtime.calibrate; the model half is pure Python),
+so this runs on the target with TVM_USE_RUNTIME_LIB=1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from helmc.planner.analyze_program import ProgramAnalysis, analyze_program
+from helmc.planner.cost_model import DeviceRates, Workload, comm_time_ms, stage_time
+from helmc.errors import HelmcError
+from helmc.hardware.profile import HardwareProfile, load_hardware
+from helmc.model.spec import ModelSpec
+from helmc.runtime.bundle.plan import Candidate, Plan
+
+SOURCE = "calibrated"
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """One device's measurement beside the cost model, at the plan's mean decode context."""
+    device: str                       # "cpu" | "gpu"
+    blocks: int = 0                   # blocks per timed step (0: the plan has none here)
+    distinct_blocks: int = 0
+    measured_step_ms: float = 0.0     # p50 of one decode step through `blocks`
+    roofline_step_ms: float = 0.0     # the cost model for those blocks with delta = 0
+    measured_tail_ms: float = 0.0     # p50 of the step's tail (0: the lm_head is not here)
+    modelled_tail_ms: float = 0.0     # head roofline (+ one crossing's T_comm on the GPU)
+    crossing_ms: float = 0.0          # GPU: hidden state + RoPE rows host -> device, synchronised
+    has_tail: bool = False
+
+    @property
+    def block_overhead_ms(self) -> float:
+        return (self.measured_step_ms - self.roofline_step_ms) / self.blocks if self.blocks else math.nan
+
+    @property
+    def step_overhead_ms(self) -> float:
+        return self.measured_tail_ms - self.modelled_tail_ms if self.has_tail else math.nan
+
+    def to_json_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.blocks:
+            out["block_overhead_ms"] = self.block_overhead_ms
+            out["measured_block_ms"] = self.measured_step_ms / self.blocks
+            out["roofline_block_ms"] = self.roofline_step_ms / self.blocks
+        if self.has_tail:
+            out["step_overhead_ms"] = self.step_overhead_ms
+        return out
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    profile: HardwareProfile
+    fits: tuple[DeviceFit, ...]
+    bundles: tuple[str, ...]
+    steps: int
+    mean_context: float
+
+    def to_json_dict(self) -> dict:
+        return {"bundles": list(self.bundles), "steps": self.steps, "mean_context": self.mean_context,
+                "fits": [f.to_json_dict() for f in self.fits],
+                "cpu_block_overhead_ms": self.profile.cpu.block_overhead_ms,
+                "cpu_step_overhead_ms": self.profile.cpu.step_overhead_ms,
+                "gpu_block_overhead_ms": self.profile.gpu.block_overhead_ms if self.profile.gpu else None,
+                "gpu_step_overhead_ms": self.profile.gpu.step_overhead_ms if self.profile.gpu else None}
+
+    def summary(self) -> str:
+        lines = [f"calibrated on {', '.join(self.bundles)}: {self.steps} decode steps per part, "
+                 f"mean context {self.mean_context:g} tokens"]
+        for f in self.fits:
+            name = f.device.upper()
+            if f.blocks:
+                lines.append(f"  {name} blocks: {f.measured_step_ms / f.blocks:.4f} ms/block measured "
+                             f"({f.blocks} per step, {f.distinct_blocks} distinct), roofline "
+                             f"{f.roofline_step_ms / f.blocks:.4f} -> delta {f.block_overhead_ms:+.4f} ms")
+            if f.has_tail:
+                extra = f", crossing {f.crossing_ms:.4f} ms of it" if f.device == "gpu" else ""
+                lines.append(f"  {name} step tail (embedding, RoPE, head, logits out, sampling{extra}): "
+                             f"{f.measured_tail_ms:.4f} ms measured, modelled {f.modelled_tail_ms:.4f} "
+                             f"-> sigma {f.step_overhead_ms:+.4f} ms")
+        return "\n".join(lines)
+
+
+def decode_workload(plan: Plan) -> Workload:
+    """The workload a bundle's plan was made for, scored as decode."""
+    return Workload(prompt_len=plan.prompt_len, output_len=plan.output_len, batch=plan.batch, objective="decode",
+                    kv_offload=plan.kv_offload)
+
+
+def _with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
+    """The profile capped at the VRAM the plan was made for (a budget is part of the bundle's plan)."""
+    if hw.gpu is None or plan.usable_vram_bytes <= 0:
+        return hw
+    return dataclasses.replace(hw, gpu_budget_bytes=plan.usable_vram_bytes)
+
+
+def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len: int | None = None,
+                   output_len: int | None = None) -> Candidate:
+    """The cost model's row for this bundle's split on `hw` (e.g. a calibrated profile): t_cpu_ms,
+    t_gpu_ms, t_comm_ms and t_plan_ms per decode token at the plan's workload, or at prompt_len /
+    output_len where given (a benchmark's requests, which need not be what the plan was made for).
+    Pure Python."""
+    from helmc.planner.search_partition import evaluate_split
+
+    a = analyze_program(spec)
+    if a.num_layers != plan.num_layers:
+        raise HelmcError(f"predict: plan expected for {a.num_layers} blocks, found {plan.num_layers}")
+    if plan.uses_gpu and hw.gpu is None:
+        raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
+    hw = _with_plan_budget(hw, plan)
+    cpu = DeviceRates.of_device(hw, "cpu")
+    gpu = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
+    w = decode_workload(plan)
+    w = dataclasses.replace(w, prompt_len=prompt_len or w.prompt_len, output_len=output_len or w.output_len)
+    cand, _ = evaluate_split(a, hw, w, plan.cpu_units, cpu, gpu)
+    return cand
+
+
+def fit_device(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, device: str, stage=None, tail=None) -> DeviceFit:
+    """Set a device's measured stage and tail (runtime.calibrate timings) beside the bare roofline."""
+    rates = DeviceRates.of_device(hw, device, with_overheads=False)
+    blend = device == "cpu"
+    fit = DeviceFit(device=device)
+    if stage is not None:
+        load = a.stage(1, 1 + stage.blocks)                            # `blocks` blocks, nothing else
+        roof = stage_time(a, load, rates, w, blend_l3=blend).total_ms
+        fit = dataclasses.replace(fit, blocks=stage.blocks, distinct_blocks=stage.distinct_blocks,
+                                  measured_step_ms=stage.p50_ms, roofline_step_ms=roof)
+    if tail is not None:
+        n = a.num_units
+        modelled = stage_time(a, a.stage(n - 1, n), rates, w, blend_l3=blend).total_ms
+        if device == "gpu":
+            modelled += comm_time_ms(a, 1, w, hw.link)                 # the link model of the crossing it holds
+        fit = dataclasses.replace(fit, measured_tail_ms=tail.p50_ms, modelled_tail_ms=modelled,
+                                  crossing_ms=tail.crossing_p50_ms, has_tail=True)
+    return fit
+
+
+def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str) -> HardwareProfile:
+    """hw with each fitted device's delta / sigma set (others unchanged), marked calibrated."""
+    devices = {"cpu": hw.cpu, "gpu": hw.gpu}
+    for f in fits:
+        changes = {}
+        if f.blocks:
+            changes["block_overhead_ms"] = round(f.block_overhead_ms, 5)
+        if f.has_tail:
+            changes["step_overhead_ms"] = round(f.step_overhead_ms, 5)
+        devices[f.device] = dataclasses.replace(devices[f.device], **changes)
+    origin = () if hw.source == SOURCE else (f"calibrate: the rates are those of a profile whose source was {hw.source!r}",)
+    return dataclasses.replace(hw, cpu=devices["cpu"], gpu=devices["gpu"], source=SOURCE,
+                               notes=tuple(hw.notes) + origin + (note,))
+
+
+def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile", weights_dir: str | None = None,
+              steps: int | None = None, warmup: int = 5) -> CalibrationResult:
+    """Time the decode step of one or more bundles on this machine and fit each device's delta and
+    sigma against `hardware`. With several bundles each part (a device's blocks, the head's
+    device) is timed on the first bundle whose plan has it, so one profile serves them all."""
+    from helmc.runtime.measure_bundle import load_bundle_parts, measure_bundle, plan_parts
+
+    bundles = [bundle_dirs] if isinstance(bundle_dirs, str) else list(bundle_dirs)
+    if not bundles:
+        raise HelmcError("calibrate: expected at least one bundle directory, found none")
+    hw = load_hardware(hardware)
+    done: set[str] = set()
+    fits: dict[str, DeviceFit] = {}
+    used, mean_context, n_steps = [], 0.0, 0
+    for bundle in bundles:
+        _, plan, _, _ = load_bundle_parts(bundle, weights_dir)
+        todo = tuple(p for p in plan_parts(plan) if p not in done)
+        if not todo:
+            continue
+        if any(p.startswith("gpu") for p in todo) and hw.gpu is None:
+            raise HelmcError(f"calibrate: bundle {bundle} runs a GPU stage, the hardware profile has no GPU")
+        t = measure_bundle(bundle, weights_dir, todo, steps=steps, warmup=warmup, cpu_cache_bytes=hw.cpu.l3_bytes)
+        a, w = analyze_program(t.spec), decode_workload(t.plan)
+        for device in ("cpu", "gpu"):
+            stage, tail = t.stage(device), t.tail(device)
+            if stage is not None or tail is not None:
+                fits[device] = _merge(fits.get(device), fit_device(a, hw, w, device, stage, tail))
+        done.update(todo)
+        used.append(bundle)
+        n_steps, mean_context = t.steps, w.decode_context
+    for f in fits.values():
+        for value in ((f.block_overhead_ms,) if f.blocks else ()) + ((f.step_overhead_ms,) if f.has_tail else ()):
+            if not math.isfinite(value):
+                raise HelmcError(f"calibrate: {f.device} fit expected finite overheads, found {value}")
+    parts = []
+    for f in fits.values():
+        if f.blocks:
+            parts.append(f"{f.device} delta {f.block_overhead_ms:+.4f} ms/block")
+        if f.has_tail:
+            parts.append(f"{f.device} sigma {f.step_overhead_ms:+.4f} ms/token")
+    note = (f"calibrate: {'; '.join(parts)}, fitted on helmc's own decode step ({', '.join(used)}; "
+            f"{n_steps} steps, mean context {mean_context:g}) against this profile's rates")
+    return CalibrationResult(apply_fits(hw, list(fits.values()), note), tuple(fits.values()), tuple(used), n_steps,
+                             mean_context)
+
+
+_BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms")
+_TAIL_FIELDS = ("measured_tail_ms", "modelled_tail_ms", "crossing_ms", "has_tail")
+
+
+def _merge(old: DeviceFit | None, new: DeviceFit) -> DeviceFit:
+    """One device's fit from two bundles: each part from the bundle that timed it."""
+    if old is None:
+        return new
+    take = (_BLOCK_FIELDS if new.blocks else ()) + (_TAIL_FIELDS if new.has_tail else ())
+    return dataclasses.replace(old, **{k: getattr(new, k) for k in take})

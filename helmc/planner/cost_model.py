@@ -1,0 +1,338 @@
+"""The roofline cost model of thesis 4.1.3 (eqs. 4.7-4.16) and the memory each device needs.
+
+A stage (a contiguous run of partition units on one device) costs, per decode token,
+
+    T_proj = max(F_proj / (P eta_c), W_param / (M eta_m))                      (4.9, 4.10)
+    T_attn = max(F_attn / (P eta_c), W_kv / (M_hat eta_m))                     (4.11-4.13)
+    M_hat  = alpha B_L3 + (1 - alpha) M,  alpha = min(1, C_L3 / W_kv)          (4.14, CPU only)
+    T_stage = max(T_proj + T_attn, T_kv_stream) + n_blocks * delta + n_heads * sigma   (6.4.4)
+
+where T_kv_stream is KV of GPU blocks that did not fit in VRAM and streams over PCIe from pinned
+host pages while the stage computes (thesis 4.2.2-4.2.3), delta is the per-block overhead of the
+stage's device and sigma the per-token overhead of the step's tail (embedding gather, RoPE, head,
+logits out, sampling) charged where the lm_head runs. As in thesis 6.4.4 (T_hat = T_pred + N delta)
+each device's delta is fitted by `helmc calibrate` against helmc's own decode step on that device;
+a profile without calibration uses its one profile-wide delta for both devices. The link costs
+T_comm = l_link + W_act / B_link at the CPU->GPU boundary (4.15), plus the sampled token ids
+coming back when the lm_head is on the GPU (Algorithm 1 omits this; it is ~l_link and common to
+every plan that uses the GPU). Objective "prefill" scores the time to first token instead: S
+tokens through every projection, causal attention, S activations across the link.
+
+Fallbacks for unmeasured figures (each is said in the plan table): CPU P_dec = M numerically, as
+the thesis sets it; CPU B_L3 = 3 M, as the thesis estimates it; a GPU without a measured P has no
+compute term (decode is memory-bound there by two orders of magnitude).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from helmc.planner.analyze_program import ProgramAnalysis, StageLoad
+from helmc.errors import HelmcError
+from helmc.hardware.profile import CpuProfile, GpuProfile, HardwareProfile, LinkProfile
+
+OBJECTIVES = ("decode", "prefill")
+TOKEN_ID_BYTES = 4              # int32 token id returned to the host per sequence and step
+KV_PAGE_TOKENS = 512            # thesis 4.2.2: one KV page holds 512 tokens
+KV_PREFETCH_PAGES = 2           # the page being attended and the one being prefetched (thesis 4.2.3)
+KV_WATERMARK = 0.8              # thesis 4.2.2: KV may fill 80% of the VRAM left after weights
+L3_TO_DRAM_RATIO = 3.0          # thesis 4.1.2: B_L3 estimated as 3 x M
+PREFILL_CHUNK_TOKENS = 512      # the GPU runs a prompt in chunks of this many tokens: activations stay bounded
+KV_SCORE_TILE_BYTES = 32 << 20  # the GPU KV cache's prefill score tile (runtime/kv/cache_gpu.py)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """W = (S, T_out, B) of thesis Algorithm 2, the objective and where KV of GPU blocks lives."""
+    prompt_len: int = 128
+    output_len: int = 128
+    batch: int = 1
+    objective: str = "decode"
+    kv_offload: bool = True
+    stream_prefill: bool = True     # prefill CPU blocks on the GPU, their weights streamed over PCIe
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.output_len < 1 or self.batch < 1:
+            raise HelmcError(f"workload: prompt_len, output_len and batch expected >= 1, found "
+                             f"{self.prompt_len}, {self.output_len}, {self.batch}")
+        if self.objective not in OBJECTIVES:
+            raise HelmcError(f"workload: objective expected one of {OBJECTIVES}, found {self.objective!r}")
+
+    @property
+    def total_context(self) -> int:
+        """KV must hold the prompt and every generated token."""
+        return self.prompt_len + self.output_len
+
+    @property
+    def decode_context(self) -> float:
+        """Mean context over the decode steps: the per-token time of eq. 4.7 averaged over the output."""
+        return self.prompt_len + self.output_len / 2
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """The denominators of eqs. 4.10, 4.13 and 4.14 for one device."""
+    mem_gbs: float                 # M
+    compute_gflops: float          # P (0: no compute term)
+    eta_compute: float = 1.0
+    eta_memory: float = 1.0
+    l3_bytes: int = 0              # C_L3 (0: no cache blending)
+    l3_gbs: float = 0.0            # B_L3
+    block_overhead_ms: float = 0.0 # delta: per block per token beyond the roofline
+    step_overhead_ms: float = 0.0  # sigma: per token, charged to the stage that holds the lm_head
+
+    @classmethod
+    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the CPU has no calibrated one."""
+        M = cpu.stream_gbs
+        return cls(mem_gbs=M, compute_gflops=cpu.fp32_gflops if cpu.fp32_gflops > 0 else M,
+                   eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
+                   l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
+                   block_overhead_ms=block_overhead_ms if cpu.block_overhead_ms is None else cpu.block_overhead_ms,
+                   step_overhead_ms=cpu.step_overhead_ms or 0.0)
+
+    @classmethod
+    def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the GPU has no calibrated one."""
+        return cls(mem_gbs=gpu.hbm_gbs, compute_gflops=gpu.fp16_tflops * 1e3, eta_compute=gpu.eta_compute,
+                   eta_memory=gpu.eta_memory,
+                   block_overhead_ms=block_overhead_ms if gpu.block_overhead_ms is None else gpu.block_overhead_ms,
+                   step_overhead_ms=gpu.step_overhead_ms or 0.0)
+
+    @classmethod
+    def of_device(cls, hw: HardwareProfile, name: str, with_overheads: bool = True) -> "DeviceRates":
+        """Rates of hw's "cpu" or "gpu" with that device's own deltas (or none: the bare roofline)."""
+        make = cls.of_cpu if name == "cpu" else cls.of_gpu
+        rates = make(hw.device(name), hw.block_overhead_ms)
+        if with_overheads:
+            return rates
+        return dataclasses.replace(rates, block_overhead_ms=0.0, step_overhead_ms=0.0)
+
+
+def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
+    """Which thesis fallbacks the cost model used for this profile, for the plan table."""
+    out = []
+    if hw.cpu.fp32_gflops <= 0:
+        out.append("CPU P_dec = M (fp32 rate not measured; thesis 4.1.2)")
+    if hw.cpu.l3_gbs <= 0:
+        out.append("CPU B_L3 = 3 M (L3 bandwidth not measured; thesis 4.1.2)")
+    if hw.cpu.dram_strided_gbs <= 0:
+        out.append("CPU M from one contiguous buffer (inference-like pattern not measured)")
+    if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
+        out.append("GPU compute term dropped (fp16 rate not measured)")
+    for name, dev in (("CPU", hw.cpu), ("GPU", hw.gpu)):
+        if dev is not None and dev.block_overhead_ms is None:
+            out.append(f"{name} per-block overhead delta = {hw.block_overhead_ms:g} ms, the profile-wide figure "
+                       f"(not calibrated on helmc's own stage: helmc calibrate)")
+    return tuple(out)
+
+
+def _ms(amount: float, rate_per_s: float) -> float:
+    return amount / rate_per_s * 1e3 if rate_per_s > 0 else 0.0
+
+
+def roofline_ms(flops: float, nbytes: float, rates: DeviceRates, mem_gbs: float | None = None) -> float:
+    """max(F / (P eta_c), W / (M eta_m)); the compute term vanishes where P is unknown."""
+    M = rates.mem_gbs if mem_gbs is None else mem_gbs
+    t_mem = _ms(nbytes, M * 1e9 * rates.eta_memory)
+    t_flop = _ms(flops, rates.compute_gflops * 1e9 * rates.eta_compute) if rates.compute_gflops > 0 else 0.0
+    return max(t_mem, t_flop)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    proj_ms: float = 0.0
+    attn_ms: float = 0.0
+    kv_stream_ms: float = 0.0      # KV pages over PCIe, overlapped with compute
+    overhead_ms: float = 0.0       # n_blocks * delta + n_heads * sigma
+
+    @property
+    def total_ms(self) -> float:
+        return max(self.proj_ms + self.attn_ms, self.kv_stream_ms) + self.overhead_ms
+
+
+def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workload, *,
+               blend_l3: bool, kv_resident_bytes: float | None = None, link: LinkProfile | None = None) -> StageTime:
+    """Per-token decode time (objective decode) or time to first token (objective prefill) of one stage.
+
+    kv_resident_bytes: how much of this stage's KV (at the workload's context) stays in device
+    memory; the rest streams over `link`. None: all of it is resident."""
+    if load.units == 0:
+        return StageTime()
+    B = w.batch
+    if w.objective == "decode":
+        tokens = 1
+        c = w.decode_context
+        if a.sliding_window:
+            c = min(c, a.sliding_window)
+        attn_flops = B * c * load.attn_flops_per_context_token                    # eq. 4.11
+        kv_bytes = B * c * load.kv_bytes_per_token                                # eq. 4.12
+    else:
+        tokens = w.prompt_len
+        S = w.prompt_len
+        # Causal prefill: query i attends over i keys, sum_i 4 h_a d_h i = 2 h_a d_h S (S + 1).
+        attn_flops = B * load.attn_flops_per_context_token * S * (S + 1) / 2
+        kv_bytes = 2 * B * S * load.kv_bytes_per_token                            # written once, read once
+    proj_flops = B * tokens * load.block_flops_per_token + B * load.head_flops_per_token  # logits of the last position only
+    weight_bytes = load.param_bytes + B * tokens * load.gather_bytes_per_token
+    t_proj = roofline_ms(proj_flops, weight_bytes, rates)                             # eq. 4.10
+    resident = kv_bytes if kv_resident_bytes is None else min(kv_bytes, kv_resident_bytes)
+    streamed = kv_bytes - resident
+    m_hat = rates.mem_gbs
+    if blend_l3 and kv_bytes > 0 and rates.l3_bytes > 0:
+        alpha = min(1.0, rates.l3_bytes / kv_bytes)                                  # eq. 4.14
+        m_hat = alpha * rates.l3_gbs + (1 - alpha) * rates.mem_gbs
+    # Attention reads every KV byte from device memory: streamed pages too, once staged there. So
+    # residency changes only the PCIe term, and more VRAM can never make a split slower.
+    t_attn = roofline_ms(attn_flops, kv_bytes, rates, mem_gbs=m_hat) if load.blocks else 0.0   # eq. 4.13
+    t_stream = 0.0
+    if streamed > 0:
+        if link is None:
+            raise HelmcError("cost model: KV beyond device memory needs a link profile to stream over")
+        t_stream = _ms(streamed, link.h2d_gbs * 1e9)
+    return StageTime(proj_ms=t_proj, attn_ms=t_attn, kv_stream_ms=t_stream,
+                     overhead_ms=load.blocks * rates.block_overhead_ms + load.heads * rates.step_overhead_ms)
+
+
+def comm_time_ms(a: ProgramAnalysis, cpu_units: int, w: Workload, link: LinkProfile | None) -> float:
+    """Eq. 4.15 at the CPU->GPU boundary plus the token ids returning from a GPU lm_head."""
+    if cpu_units >= a.num_units:
+        return 0.0                                                # all on the CPU: no link used
+    if link is None:
+        raise HelmcError("cost model: a plan with GPU units needs a link profile")
+    tokens = w.prompt_len if w.objective == "prefill" else 1
+    t = link.latency_us * 1e-3 + _ms(TOKEN_ID_BYTES * w.batch, link.d2h_gbs * 1e9)
+    if cpu_units > 0:
+        w_act = w.batch * tokens * a.act_bytes_per_token                          # eq. 4.4
+        t += link.latency_us * 1e-3 + _ms(w_act, link.h2d_gbs * 1e9)
+    return t
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one device needs for a plan, in bytes, at the workload's full context (S + T)."""
+    weights: int = 0
+    kv: int = 0               # KV kept on this device (host: CPU blocks, plus GPU blocks' pages when offloaded)
+    workspace: int = 0        # activations (and on the GPU the KV staging pages when KV is offloaded)
+    reserve: int = 0          # CUDA context and runtime / host runtime process
+    available: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.workspace + self.reserve
+
+    @property
+    def shortfall(self) -> int:
+        return max(0, self.total - self.available)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+
+def kv_staging_bytes(a: ProgramAnalysis, gpu: StageLoad, batch: int) -> int:
+    """Offloaded KV still needs VRAM beyond its page pool: the GPU cache's own workspace (staging for
+    pages read back from the host, split partials, prefill score tiles), as runtime/kv/cache_gpu.py
+    allocates it."""
+    if not gpu.blocks:
+        return 0
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    return batch * KVCacheGPU.workspace_bytes(a.num_heads, a.num_kv_heads, a.head_dim, KV_PAGE_TOKENS,
+                                              score_budget_bytes=KV_SCORE_TILE_BYTES)
+
+
+def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
+    """VRAM that holds one CPU block's weights while the prompt runs through it on the GPU: with
+    stream_prefill the CPU blocks' prefill moves to the GPU, each block's weights crossing PCIe once
+    per prompt instead of the CPU computing S tokens through them."""
+    if not (w.stream_prefill and cpu.blocks and gpu.units):
+        return 0
+    return max(u.stored_bytes for u in a.units if u.kind == "block")
+
+
+def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1) -> int:
+    """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
+    chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
+    each ARENA_ALIGN-aligned in the one buffer it asks for)."""
+    from helmc.runtime.prefill_stream import aligned_bytes, prompt_buffer_sizes
+    sizes = prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
+    return sum(aligned_bytes(n) for n in sizes)
+
+
+def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
+    """What the streamed prefill borrows: one block's weights plus the prompt's buffers. It runs before
+    any GPU block writes KV (a new request), so it borrows the empty KV page pool when the GPU stage
+    has blocks, and the pool only has to be at least this big (runtime/kv_cache_gpu.lend_empty_pool)."""
+    staging = prefill_staging_bytes(a, cpu, gpu, w)
+    return staging + prefill_prompt_bytes(a, w.prompt_len, w.batch) if staging else 0
+
+
+def gpu_prefill_tokens(w: Workload) -> int:
+    """Tokens the GPU runs at once in prefill: the prompt, in chunks of PREFILL_CHUNK_TOKENS."""
+    return min(w.prompt_len, PREFILL_CHUNK_TOKENS)
+
+
+def whole_pages(tokens: int) -> int:
+    """Tokens of KV actually allocated: the caches allocate whole pages."""
+    return -(-tokens // KV_PAGE_TOKENS) * KV_PAGE_TOKENS
+
+
+def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload,
+                 context: int | None = None) -> tuple[MemoryNeed, MemoryNeed]:
+    """(host, gpu) needs of a split at `context` tokens (default: the workload's S + T) in whole KV
+    pages, eq. 4.16 extended with workspace, reserves and the host side."""
+    c = whole_pages(w.total_context if context is None else context)
+    B = w.batch
+    kv_gpu_blocks = B * c * gpu.kv_bytes_per_token
+    host_kv = B * c * cpu.kv_bytes_per_token + (kv_gpu_blocks if w.kv_offload else 0)
+    host = MemoryNeed(weights=a.held_bytes(cpu), kv=host_kv, workspace=a.workspace_bytes(cpu, B, w.prompt_len),
+                      reserve=hw.host_reserve_bytes, available=hw.cpu.ram_free_bytes)
+    if gpu.units == 0:
+        return host, MemoryNeed(available=hw.usable_vram_bytes)
+    gpu_ws = a.workspace_bytes(gpu, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, gpu, B)
+    lent = prefill_lent_bytes(a, cpu, gpu, w)
+    gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
+    if gpu.blocks:
+        gpu_kv = max(gpu_kv, lent)            # the page pool doubles as the streamed prefill's buffers
+    else:
+        gpu_ws += lent                        # no page pool to borrow: the GPU holds only the head
+    dev = MemoryNeed(weights=a.held_bytes(gpu), kv=gpu_kv, workspace=gpu_ws,
+                     reserve=hw.gpu_reserve_bytes, available=hw.usable_vram_bytes)
+    return host, dev
+
+
+def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
+    """Longest prompt + output the split can hold: KV of CPU blocks in host RAM; KV of GPU blocks in
+    pinned host RAM when offloaded, else in VRAM; in whole pages; capped at max_position_embeddings.
+    0: not even the weights fit."""
+    host0, gpu0 = memory_needs(a, hw, cpu, gpu, w, context=0)
+    B = w.batch
+    fit = None
+    host_per_token = B * (cpu.kv_bytes_per_token + (gpu.kv_bytes_per_token if w.kv_offload else 0))
+    if host0.total > host0.available or gpu0.total > gpu0.available:
+        return 0
+    if host_per_token:
+        fit = (host0.available - host0.total) // host_per_token
+    if gpu.units and not w.kv_offload and gpu.kv_bytes_per_token:
+        # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits.
+        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv)) // (B * gpu.kv_bytes_per_token)
+        fit = gpu_fit if fit is None else min(fit, gpu_fit)
+    if fit is None:
+        return a.max_position_embeddings
+    return int(min(a.max_position_embeddings, fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS))
+
+
+def kv_page_pool_bytes(gpu_need: MemoryNeed) -> int:
+    """The GPU KV page pool (Plan.gpu_kv_pool_bytes): what the plan leaves free plus the pool's floor.
+    Invariant: never below gpu_need.kv, which memory_needs makes at least the streamed prefill's loan,
+    so the runtime's pool of these bytes holds the loan (runtime/gpu_session.kv_pool_bytes)."""
+    pool = max(0, gpu_need.available - gpu_need.total) + gpu_need.kv
+    assert pool >= gpu_need.kv, (pool, gpu_need)
+    return pool
+
+
+def gpu_kv_resident_bytes(gpu_need: MemoryNeed) -> float:
+    """VRAM that offloaded KV pages may stay in before eviction (thesis 4.2.2 watermark): the
+    KV_WATERMARK share of the page pool, the KV the timing model counts as resident. Not the pool's
+    size (kv_page_pool_bytes): the loan borrows the whole pool, before any page is written."""
+    return kv_page_pool_bytes(gpu_need) * KV_WATERMARK

@@ -1,0 +1,57 @@
+"""The CPU stage of a bundle: its blocks' weights bound on the host, their KV cache, and the head when the
+plan keeps it on the CPU. Used by Session for an all-CPU plan and by gpu_session for a split one."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from helmc.model.spec import ModelSpec
+from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.weights.safetensors_mmap import Checkpoint
+
+CPU_STAGE_LIB = "cpu_stage.so"
+
+
+def progress(msg: str, quiet: bool):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, **kv_options):
+    """The CPU stage over plan.cpu_layers (None if there are none) and the head if it is on the CPU.
+    `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
+    import tvm.runtime
+    from helmc.runtime.kv.cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
+    from helmc.runtime.tvm_tensors import available_cpu_count, single_threaded_blas, use_cpu_threads
+
+    use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
+    single_threaded_blas()                     # KV attention threads its own NumPy calls
+    from helmc.runtime.stage import Stage
+    from helmc.runtime.weights.bind import bind_layers, bind_head
+
+    dev = tvm.cpu()
+    layers = plan.cpu_layers
+    stage = None
+    if len(layers):
+        if bindings is None:
+            bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet))
+        kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                        page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
+                        dtype=spec.dtype, sliding_window=spec.sliding_window or None,
+                        threads=default_threads(),
+                        attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
+                                                         spec.head_dim, spec.dtype))
+        stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
+                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+    head = None
+    if not plan.head_on_gpu:
+        hw = bind_head(checkpoint, spec, dev)
+        fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
+
+        def head(x, phase, all_logits):
+            if not all_logits and x.shape[0] > 1:
+                x = tvm.runtime.tensor(x.numpy()[-1:], dev)           # [S, H] -> [1, H]: only the last row samples
+                phase = "decode"
+            return fns[phase](x, *hw).numpy()
+    return stage, head

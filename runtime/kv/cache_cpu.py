@@ -1,0 +1,339 @@
+"""KV cache of the CPU-stage layers: host pages, attended on the CPU (thesis 4.2.2).
+
+The KV of blocks that run on the CPU never crosses PCIe. It lives in host pages managed by the same
+bookkeeping as the GPU cache (kv_pages.PagePool, host tier only), and attention walks those pages
+with the online-softmax update of Algorithm 3 (paged_attention.py).
+
+Per step, the stage calls for every layer `append(layer, k, v)` then `attend(layer, q, scale)`,
+and once at the end `advance(S)`:
+
+    kv = KVCacheCPU(num_layers=18, num_kv_heads=8, head_dim=128, page_tokens=512, max_tokens=40960)
+    for layer in range(18):
+        kv.append(layer, k, v)             # k, v [S, h_kv, d]: rows for positions length..length+S-1
+        o = kv.attend(layer, q, scale)     # q [S, h_a, d] -> o [S, h_a, d], causal over 0..length+S-1
+    kv.advance(S)
+
+Storage: one arena [L, 2, h_kv, slots * T, d] in the model's dtype (float16; bfloat16 as uint16 bits,
+appended with round-to-nearest-even; float32 models keep float32); page slot p holds tokens
+[p*T, (p+1)*T) of every head, so a run of consecutive slots is one strided view and one batched matmul
+per head group (pages of one sequence are handed out in order, so a sequence is usually a single run).
+The arena comes from np.empty (64-byte aligned, as TVM requires of zero-copy tensors): the OS commits
+it as pages are first written, not at construction.
+
+Decode (S == 1) over a single run goes to the bundle's compiled kernel when one is given
+(`attend_kernel`, found with find_decode_kernel; schedules/cpu/decode_attention.py): it reads each K/V
+byte once, in the arena's dtype, on TVM's thread pool. Otherwise, and for prefill, NumPy attends
+blocks widened to float32 one at a time (NumPy's fp16 matmul is far slower than widening first).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from helmc.errors import HelmcError
+
+from helmc.runtime.kv.pages import PagePool
+from helmc.runtime.kv.paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
+                              ungroup_output)
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def decode_attention_name(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> str:
+    """Global symbol of the compiled decode-attention kernel in cpu_stage.so (the compiler names it so)."""
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[kv_dtype]
+    return f"helmc_decode_attention_{short}_h{num_q_heads}_kv{num_kv_heads}_d{head_dim}"
+
+
+def find_decode_kernel(module, num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str):
+    """The compiled decode-attention kernel for this layer shape and KV dtype in a loaded module (a VM's
+    `.module`, or the executable), or None: bundles built before the kernel existed, float32 models."""
+    if kv_dtype not in _STORAGE:
+        return None
+    try:
+        return module.get_function(decode_attention_name(num_q_heads, num_kv_heads, head_dim, kv_dtype),
+                                   query_imports=True)
+    except AttributeError:
+        return None
+
+
+def kv_dtype_name(dtype) -> str:
+    """"float32" | "float16" | "bfloat16" from a NumPy dtype or a name."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in KV_DTYPES:
+        raise HelmcError(f"KVCacheCPU: dtype expected one of {KV_DTYPES}, found {name}")
+    return name
+
+
+class KVCacheCPU:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+                 max_tokens: int = 4096, dtype=np.float32, sliding_window: int | None = None,
+                 threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20,
+                 attend_kernel=None):
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                          ("page_tokens", page_tokens), ("max_tokens", max_tokens), ("threads", threads),
+                          ("block_tokens", block_tokens)):
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise HelmcError(f"KVCacheCPU: {name} expected a positive integer, found {val!r}")
+        self.kv_dtype = kv_dtype_name(dtype)
+        self.dtype = _STORAGE[self.kv_dtype]                              # storage: uint16 holds bf16 bits
+        if sliding_window is not None and sliding_window < 1:
+            raise HelmcError(f"KVCacheCPU: sliding_window expected None or >= 1, found {sliding_window}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_tokens, self.max_tokens = page_tokens, max_tokens
+        self.window = sliding_window or 0
+        self.threads = threads
+        self.block_tokens = max(page_tokens, block_tokens // page_tokens * page_tokens)
+        self.score_budget_bytes = score_budget_bytes
+        n_slots = -(-max_tokens // page_tokens)
+        self.pool = PagePool(page_tokens, gpu_capacity=0, host_capacity=n_slots)
+        self._arena = _aligned_empty((num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim), self.dtype)
+        self._seq = self.pool.add_sequence()
+        self._pending = 0
+        self._appended: set[int] = set()
+        self._runs_key = None
+        self._runs: list[tuple[int, int, int]] = []
+        self._table_key = None
+        self._table_cache = None
+        self._executor = None
+        self._kernel = attend_kernel
+        self._kernel_args = None          # per layer (k, v) TVM tensors over the arena, made on first use
+
+    # ------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        """Committed tokens (those of finished steps)."""
+        return self.pool.length(self._seq)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * _STORAGE[kv_dtype_name(dtype)].itemsize
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._kernel is not None
+
+    def reset(self) -> None:
+        self.pool.free_sequence(self._seq)
+        self._seq = self.pool.add_sequence()
+        self._pending = 0
+        self._appended.clear()
+        self._runs_key = None
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ one step
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write this step's K, V rows [S, h_kv, d] (or [S, h_kv*d]) of `layer` at positions length.."""
+        self._check_layer(layer, "append")
+        S = k.shape[0]
+        k = np.asarray(k).reshape(S, self.num_kv_heads, self.head_dim)    # [S, h_kv*d] -> [S, h_kv, d]
+        v = np.asarray(v).reshape(S, self.num_kv_heads, self.head_dim)    # [S, h_kv*d] -> [S, h_kv, d]
+        if S < 1:
+            raise HelmcError("KVCacheCPU.append: expected at least one row, found 0")
+        if self._pending == 0:
+            if self.length + S > self.max_tokens:
+                raise HelmcError(f"KV cache (CPU layers): {self.length + S} tokens needed, room for {self.max_tokens}")
+            self.pool.reserve(self._seq, S)
+            self._pending = S
+        elif S != self._pending or layer in self._appended:
+            raise HelmcError(f"KVCacheCPU.append: layer {layer} expected {self._pending} new rows once per step, "
+                             f"found {S} rows{' (second append)' if layer in self._appended else ''}")
+        T, start = self.page_tokens, self.length
+        table = self._table()
+        for i in range(start // T, table.n_pages):
+            a, b = max(start, i * T), min(start + S, (i + 1) * T)
+            if a >= b:
+                continue
+            base = table.host_slots[i] * T - i * T              # arena row of position p is base + p
+            rows, src = slice(base + a, base + b), slice(a - start, b - start)
+            self._store(self._arena[layer, 0, :, rows], k[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
+            self._store(self._arena[layer, 1, :, rows], v[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
+        self._appended.add(layer)
+
+    def attend(self, layer: int, q: np.ndarray, scale: float) -> np.ndarray:
+        """Causal attention of this step's S query rows over every cached token of `layer`.
+        q [S, h_a, d] (or [S, h_a*d]); returns [S, h_a, d] in q's dtype."""
+        self._check_layer(layer, "attend")
+        if layer not in self._appended:
+            raise HelmcError(f"KVCacheCPU.attend: layer {layer} has not appended this step's rows")
+        S = q.shape[0]
+        if S != self._pending:
+            raise HelmcError(f"KVCacheCPU.attend: expected {self._pending} query rows, found {S}")
+        q = np.asarray(q).reshape(S, -1, self.head_dim)                   # [S, h_a*d] -> [S, h_a, d]
+        if q.shape[1] % self.num_kv_heads:
+            raise HelmcError(f"KVCacheCPU.attend: query heads ({q.shape[1]}) must be a multiple of "
+                             f"KV heads ({self.num_kv_heads})")
+        n = self.length + S
+        if S == 1:
+            if self._kernel is not None:
+                runs = self._slot_runs(n)
+                if len(runs) == 1:
+                    return self._decode_kernel(layer, q, runs[0][1], n, scale)
+            return self._decode(q, self._blocks(layer, n, widen=False), n, scale)
+        return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.window,
+                             np.float32, self.score_budget_bytes)
+
+    def advance(self, S: int) -> None:
+        if S != self._pending or len(self._appended) != self.num_layers:
+            missing = sorted(set(range(self.num_layers)) - self._appended)
+            raise HelmcError(f"KVCacheCPU.advance: expected {self._pending} rows appended by every layer, "
+                             f"found advance({S}) with layers {missing} missing")
+        self.pool.advance(self._seq, S)
+        self._pending = 0
+        self._appended.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _check_layer(self, layer: int, what: str) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise HelmcError(f"KVCacheCPU.{what}: layer expected 0..{self.num_layers - 1}, found {layer}")
+
+    def _table(self):
+        """The sequence's page table, rebuilt only when placement or length changed."""
+        key = (self.pool.version, self.length, self._pending)
+        if key != self._table_key:
+            self._table_cache, self._table_key = self.pool.page_table(self._seq), key
+        return self._table_cache
+
+    def _slot_runs(self, n: int) -> list[tuple[int, int, int]]:
+        """(first position, arena row of that position, tokens) for each run of consecutive slots."""
+        key = (self.pool.version, n)
+        if key != self._runs_key:
+            T = self.page_tokens
+            table = self._table()
+            runs: list[list[int]] = []
+            for i in range(table.n_pages):
+                tok = table.tokens_in(i, n)
+                slot = table.host_slots[i]
+                if runs and runs[-1][1] + runs[-1][2] == slot * T and runs[-1][2] % T == 0:
+                    runs[-1][2] += tok
+                elif tok:
+                    runs.append([i * T, slot * T, tok])
+            self._runs = [tuple(r) for r in runs]
+            self._runs_key = key
+        return self._runs
+
+    def _store(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Write float rows into the arena in its dtype (bf16: round to nearest even, as torch does)."""
+        if self.kv_dtype == "bfloat16":
+            dst[...] = bf16_bits(src)
+        else:
+            dst[...] = src
+
+    def _widen(self, x: np.ndarray) -> np.ndarray:
+        """float32 copy of arena rows (float32 arena: the view itself)."""
+        if self.kv_dtype == "bfloat16":
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32, copy=False)
+
+    def _widened(self, b: KeyBlock) -> KeyBlock:
+        return KeyBlock(b.pos0, b.n, (lambda b=b: tuple(self._widen(x) for x in b.load())))
+
+    def _blocks(self, layer: int, n: int, widen: bool = True) -> list[KeyBlock]:
+        """Key blocks of `layer` over positions 0..n-1 (those inside the window); `widen`: load() gives
+        float32, else the arena's own dtype."""
+        K, V = self._arena[layer, 0], self._arena[layer, 1]               # [h_kv, slots*T, d] each
+        lo = max(0, n - self.window) if self.window else 0
+        out = []
+        for pos0, row0, tok in self._slot_runs(n):
+            for a in range(0, tok, self.block_tokens):
+                b = min(tok, a + self.block_tokens)
+                if pos0 + b <= lo:
+                    continue
+                r = row0 + a
+                out.append(KeyBlock(pos0 + a, b - a, (lambda r=r, c=b - a: (K[:, r:r + c], V[:, r:r + c]))))
+        return [self._widened(b) for b in out] if widen and self.kv_dtype != "float32" else out
+
+    def _decode_kernel(self, layer: int, q: np.ndarray, row0: int, n: int, scale: float) -> np.ndarray:
+        """One query row over positions lo..n-1, stored at arena rows row0+lo.., on the compiled kernel."""
+        if self._kernel_args is None:
+            self._bind_kernel(q.shape[1])
+        lo = max(0, n - self.window) if self.window else 0
+        k, v = self._kernel_args[layer]
+        np.copyto(self._q, q[0])
+        self._kernel(self._q_tensor, k, v, row0 + lo, n - lo, float(scale), self._o_tensor)
+        return self._o.reshape(1, -1, self.head_dim).astype(q.dtype)      # [h_a, d] -> [1, h_a, d] (a copy)
+
+    def _bind_kernel(self, num_q_heads: int) -> None:
+        """Zero-copy TVM tensors over every layer's K and V arena and over the q/o staging buffers."""
+        from tvm.runtime import from_dlpack
+        self._q = _aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._o = _aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._q_tensor, self._o_tensor = from_dlpack(self._q), from_dlpack(self._o)
+        self._kernel_args = [(from_dlpack(self._arena[i, 0]), from_dlpack(self._arena[i, 1]))
+                             for i in range(self.num_layers)]
+
+    def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float) -> np.ndarray:
+        """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share."""
+        qt = group_queries(np, q, self.num_kv_heads)                      # [1, h_a, d] -> [h_kv, g, d]
+        q_pos0 = n - 1 if self.window else None
+        groups = _split_by_tokens(blocks, self.threads)
+        if self.kv_dtype != "float32":
+            groups = [[self._widened(b) for b in group] for group in groups]
+        if len(groups) == 1:
+            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, self.window)]
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
+            parts = list(self._executor.map(
+                lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, self.window), groups))
+        o = merge_partials(np, parts) if len(parts) > 1 else parts[0].o / parts[0].s[..., None]   # [h_kv, g, d]
+        return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
+
+
+def _split_by_tokens(blocks: list[KeyBlock], parts: int, min_tokens: int = 2048) -> list[list[KeyBlock]]:
+    """Cut the block list into up to `parts` groups of about equal tokens, splitting big blocks so
+    each worker gets a share; a context shorter than parts * min_tokens stays in one group."""
+    total = sum(b.n for b in blocks)
+    parts = max(1, min(parts, total // min_tokens))
+    if parts == 1:
+        return [blocks]
+    share = -(-total // parts)
+    pieces: list[KeyBlock] = []
+    for b in blocks:
+        for a in range(0, b.n, share):
+            c = min(share, b.n - a)
+            pieces.append(KeyBlock(b.pos0 + a, c, (lambda b=b, a=a, c=c: tuple(x[:, a:a + c] for x in b.load()))))
+    groups: list[list[KeyBlock]] = [[]]
+    filled = 0
+    for p in pieces:
+        if filled >= share and len(groups) < parts:
+            groups.append([])
+            filled = 0
+        groups[-1].append(p)
+        filled += p.n
+    return groups
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bf16 bits (uint16), NaN kept NaN (tvm_tensors.bf16_bits_from_float32
+    without the TVM import, so the cache stays importable on its own)."""
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    out = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte boundary (tvm.runtime.from_dlpack refuses anything less)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def default_threads() -> int:
+    """Threads for decode attention over long contexts: the cores this process may use, at most 16."""
+    try:
+        return max(1, min(16, len(os.sched_getaffinity(0))))
+    except AttributeError:
+        return max(1, min(16, os.cpu_count() or 1))

@@ -1,0 +1,449 @@
+"""KV cache of the GPU-stage layers: a GPU page pool with eviction to pinned host RAM (thesis 4.2.2-4.2.3).
+
+Same per-layer API as KVCacheCPU, on device arrays (CuPy):
+    kv.append(layer, k, v)  k, v [S, h_kv, d];  o = kv.attend(layer, q, scale)  q [S, h_a, d];  kv.advance(S)
+
+Buffers (placement decided by kv_pages.PagePool):
+  pool      [C, L, 2, h_kv, T, d] fp16 on the GPU; a slot holds one page for all L layers.
+  host      pinned extents of `host_extent_pages` pages, same page layout, pinned on first use.
+  staging   [staging_pages, 2, h_kv, T, d] fp16 on the GPU: one layer of a host page, for attention.
+Eviction: advance() commits the step; pages above the watermark (default 80% of the slots the VRAM
+holds) are copied device-to-host on a dedicated copy stream, off the critical path; their GPU slot
+is freed when the copy's event has completed (polled at the next step, waited only when short).
+Decode attention: one table of page addresses per layer; resident pages are read in place, host
+pages are copied into staging half by half on the copy stream (events order copy -> kernel ->
+reuse), so at most `staging_pages` non-resident pages are on the GPU while the kernel walks the
+rest. Splits are whole pages fixed by the page count alone, so offload never changes the result.
+Prefill attention: KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
+this step's new rows; no S x S buffer.
+Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed
+prefill of the CPU blocks (prefill_stream.py), which finishes before the first append. Invariant:
+the store holds at least `loan_bytes` whenever its VRAM does, even beyond its whole slots (a loan
+that is not whole pages, a short max_tokens): the plan counts the loan as the pool's floor.
+The stream that is current when a method is called is the compute stream.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from helmc.errors import HelmcError
+
+from helmc.runtime.kv.pages import PagePool, PoolExhausted
+from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
+from helmc.runtime.kv.cuda_ops import D2H, H2D
+
+
+class KVCacheGPU:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+                 max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
+                 watermark: float = 0.8, offload: bool = True, staging_pages: int = 16,
+                 host_extent_pages: int = 8, sliding_window: int | None = None,
+                 score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, loan_bytes: int = 0,
+                 ops=None):
+        if min(num_layers, num_kv_heads, head_dim, page_tokens, max_tokens, host_extent_pages) < 1:
+            raise HelmcError("KVCacheGPU: expected positive layer, head, page and token counts")
+        if not 0 < watermark <= 1:
+            raise HelmcError(f"--kv-watermark expected in (0, 1], found {watermark}")
+        if staging_pages < 2 or staging_pages % 2:
+            raise HelmcError(f"KVCacheGPU: staging_pages expected an even number >= 2, found {staging_pages}")
+        if ops is None:
+            from helmc.runtime.kv.cuda_ops import CudaOps
+            ops = CudaOps()
+        self.ops, self.xp = ops, ops.xp
+        self.L, self.h_kv, self.d, self.T = num_layers, num_kv_heads, head_dim, page_tokens
+        self.max_tokens, self.offload = max_tokens, offload
+        self.window = sliding_window or 0
+        self.staging_pages, self.extent_pages = staging_pages, host_extent_pages
+        self.score_budget_bytes, self.prefill_block_tokens = score_budget_bytes, prefill_block_tokens
+        self.slice_elems = 2 * num_kv_heads * page_tokens * head_dim      # one layer of one page
+        self.page_bytes = 2 * num_layers * self.slice_elems               # fp16
+        needed = -(-max_tokens // page_tokens)
+        fit = gpu_pages if gpu_pages is not None else (vram_bytes // self.page_bytes if vram_bytes is not None
+                                                      else needed)
+        if not offload:
+            capacity = resident = needed
+            if vram_bytes is not None and capacity * self.page_bytes > vram_bytes:
+                raise HelmcError(f"KV cache (GPU layers, --no-kv-offload): {max_tokens} tokens need "
+                                 f"{capacity * self.page_bytes / 2**30:.2f} GiB of VRAM, {vram_bytes / 2**30:.2f} GiB free")
+        else:
+            from helmc.runtime.kv.capacity import gpu_resident_pages
+            resident = gpu_resident_pages(fit, watermark, needed)
+            if resident < 1:
+                raise HelmcError(f"KV cache (GPU layers): offloading needs VRAM for 2 pages ({2 * self.page_bytes / 2**20:.1f} "
+                                 f"MiB: one resident, one being written), found room for {fit}")
+            capacity = min(needed, fit)
+        self.pool = PagePool(page_tokens, capacity, needed if offload else 0, resident,
+                             staging_pages if offload else 0)
+        # Bytes past the `capacity` slots hold no page: they are there only for lend_empty_pool.
+        room = vram_bytes if vram_bytes is not None else fit * self.page_bytes
+        store_bytes = max(capacity * self.page_bytes, min(max(0, loan_bytes), room))
+        self._store = ops.device_empty((-(-store_bytes // 2),), np.float16)
+        self.gpu_store = self._store[:capacity * self.page_bytes // 2].reshape(
+            capacity, num_layers, 2, num_kv_heads, page_tokens, head_dim)          # [bytes/2] -> [C, L, 2, h_kv, T, d]
+        assert self._store.nbytes >= min(loan_bytes, room), (store_bytes, loan_bytes, room)
+        self.staging = (ops.device_empty((staging_pages, 2, num_kv_heads, page_tokens, head_dim), np.float16)
+                        if offload else None)
+        self._extents: list = []
+        self.copy_stream = ops.new_stream()
+        self._evict_events: dict[int, object] = {}
+        self._slot_events: list = [None] * staging_pages
+        self._ring = 0
+        self._seq = self.pool.add_sequence()
+        self._pending = 0
+        self._appended: set[int] = set()
+        self._pending_kv: dict[int, object] = {}
+        self._plan_key = None
+        self._ptr_tables: dict[int, object] = {}
+        self._parts = None
+        self._ring_used: int | None = None
+        self._table_key = None
+        self._table_cache = None
+        self.num_sms = getattr(ops, "num_sms", 132)
+
+    # ------------------------------------------------------------------ sizes and state
+    @staticmethod
+    def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+                        staging_pages: int = 16, score_budget_bytes: int = 32 << 20, max_splits: int = 128) -> int:
+        """VRAM the cache uses beyond its page pool: staging, split partials, and prefill's score tile
+        with its exp and mask temporaries (about three tiles at once)."""
+        staging = staging_pages * 2 * num_kv_heads * page_tokens * head_dim * 2
+        partials = max_splits * num_heads * (head_dim + 2) * 4
+        return staging + partials + 3 * score_budget_bytes
+
+    @property
+    def length(self) -> int:
+        return self.pool.length(self._seq)
+
+    @property
+    def gpu_pages(self) -> int:
+        return self.pool.gpu_capacity
+
+    @property
+    def resident_limit(self) -> int:
+        return self.pool.watermark_pages
+
+    def reset(self) -> None:
+        """Forget the sequence (a new request); waits for copies still in flight."""
+        self.ops.synchronize_stream(self.copy_stream)
+        for slot in self.pool.staged():
+            self.pool.end_prefetch(slot)
+        self._ring_used = None
+        for pid in self.pool.in_flight():
+            self.pool.complete_eviction(pid)
+        self._evict_events.clear()
+        self.pool.free_sequence(self._seq)
+        self._seq = self.pool.add_sequence()
+        self._pending = 0
+        self._appended.clear()
+        self._pending_kv.clear()
+
+    def lend_empty_pool(self, nbytes: int):
+        """The page pool's VRAM as a flat uint8 buffer of `nbytes`, or None when the pool is smaller or
+        holds pages. The streamed prefill of a new request's CPU blocks runs before any GPU block
+        writes KV, so its staging and prompt buffers live there instead of VRAM of their own (the plan
+        counts them as the pool's floor). The loan ends at the next append, which every caller reaches
+        only after its last kernel on the loan is enqueued on the same stream."""
+        if self.length or self._pending or self.pool.gpu_free != self.pool.gpu_capacity:
+            return None
+        flat = self._store.view(np.uint8)                                  # [bytes/2] fp16 -> [bytes]
+        if nbytes > flat.size:
+            return None
+        self.ops.synchronize_stream(self.copy_stream)                      # no eviction copy still reads it
+        return flat[:nbytes]
+
+    # ------------------------------------------------------------------ one step
+    def append(self, layer: int, k, v) -> None:
+        """Write this step's K, V rows [S, h_kv, d] of `layer` into their pages (GPU slot, or straight to
+        a host page for the older pages of a long prompt)."""
+        xp = self.xp
+        self._check_layer(layer, "append")
+        S = k.shape[0]
+        if S < 1:
+            raise HelmcError("KVCacheGPU.append: expected at least one row, found 0")
+        if self._pending == 0:
+            if self.length + S > self.max_tokens:
+                raise HelmcError(f"KV cache (GPU layers): {self.length + S} tokens needed, room for {self.max_tokens}")
+            self._complete_evictions(block=False)
+            self._make_room(self.pool.gpu_slots_needed(self._seq, S))
+            self.pool.reserve(self._seq, S)
+            self._pending = S
+        elif S != self._pending or layer in self._appended:
+            raise HelmcError(f"KVCacheGPU.append: layer {layer} expected {self._pending} new rows once per step, "
+                             f"found {S}{' (second append)' if layer in self._appended else ''}")
+        kv = xp.stack((k.reshape(S, self.h_kv, self.d), v.reshape(S, self.h_kv, self.d)))   # [2, S, h_kv, d]
+        kv = kv.transpose(0, 2, 1, 3).astype(np.float16, order="C")                        # [2,S,h_kv,d] -> [2,h_kv,S,d]
+        T, start = self.T, self.length
+        table = self._table()
+        compute = self.ops.current_stream()
+        for i in range(start // T, table.n_pages):
+            a, b = max(start, i * T), min(start + S, (i + 1) * T)
+            if a >= b:
+                continue
+            off, r0, n = a - i * T, a - start, b - a
+            if table.on_device(i):
+                self.gpu_store[table.gpu_slots[i], layer, :, :, off:off + n] = kv[:, :, r0:r0 + n]
+            else:   # a page the placement sent straight to the host: rows (K|V, head) are 2*h_kv strided copies
+                self.ops.memcpy2d(self._host_ptr(table.host_slots[i]) + (layer * self.slice_elems + off * self.d) * 2,
+                                  T * self.d * 2, self.ops.ptr(kv) + r0 * self.d * 2, S * self.d * 2,
+                                  n * self.d * 2, 2 * self.h_kv, D2H, compute)
+        if S > 1:
+            self._pending_kv[layer] = kv
+        self._appended.add(layer)
+
+    def attend(self, layer: int, q, scale: float):
+        """Causal attention of this step's S query rows [S, h_a, d] over every cached token of `layer`;
+        returns [S, h_a, d] in q's dtype."""
+        self._check_layer(layer, "attend")
+        if layer not in self._appended:
+            raise HelmcError(f"KVCacheGPU.attend: layer {layer} has not appended this step's rows")
+        S = q.shape[0]
+        if S != self._pending:
+            raise HelmcError(f"KVCacheGPU.attend: expected {self._pending} query rows, found {S}")
+        q = q.reshape(S, -1, self.d)                                      # [S, h_a*d] -> [S, h_a, d]
+        if S == 1:
+            return self._decode(layer, q, scale)
+        return self._prefill(layer, q, scale)
+
+    def advance(self, S: int) -> None:
+        """Commit the step, then start the evictions the watermark asks for (copy stream, async)."""
+        if S != self._pending or len(self._appended) != self.L:
+            missing = sorted(set(range(self.L)) - self._appended)
+            raise HelmcError(f"KVCacheGPU.advance: expected {self._pending} rows appended by every layer, "
+                             f"found advance({S}) with layers {missing} missing")
+        started = self.pool.advance(self._seq, S)
+        if started:
+            self._copy_out(started)
+        self._pending = 0
+        self._appended.clear()
+        self._pending_kv.clear()
+
+    # ------------------------------------------------------------------ eviction
+    def _copy_out(self, page_ids) -> None:
+        """Enqueue device-to-host copies of whole pages (all layers) after the compute stream's writes."""
+        written = self.ops.new_event()
+        self.ops.record(written, self.ops.current_stream())
+        self.ops.wait(self.copy_stream, written)
+        for pid in page_ids:
+            info = self.pool.page_info(pid)
+            self.ops.memcpy(self._host_ptr(info.host_slot), self._gpu_ptr(info.gpu_slot), self.page_bytes,
+                            D2H, self.copy_stream)
+            done = self.ops.new_event()
+            self.ops.record(done, self.copy_stream)
+            self._evict_events[pid] = done
+
+    def _complete_evictions(self, block: bool, want: int = 0) -> None:
+        """Free the GPU slots of finished evictions, oldest first; with block, wait until `want` GPU
+        slots are free or nothing is in flight."""
+        for pid in self.pool.in_flight():
+            ev = self._evict_events[pid]
+            if not self.ops.query(ev):
+                if not block or self.pool.gpu_free >= want:
+                    return
+                self.ops.synchronize(ev)
+            self.pool.complete_eviction(pid)
+            del self._evict_events[pid]
+
+    def _make_room(self, want: int) -> None:
+        """Ensure `want` free GPU slots: finished evictions first, then waiting, then forced evictions."""
+        while self.pool.gpu_free < want:
+            if self.pool.in_flight():
+                self._complete_evictions(block=True, want=want)
+                continue
+            victims = self.pool.evictable()
+            if not victims:
+                raise PoolExhausted(f"KV cache (GPU layers): {want} free page slot(s) needed, "
+                                    f"{self.pool.gpu_free} free and nothing can be evicted")
+            self.pool.begin_eviction(victims[0])
+            self._copy_out([victims[0]])
+
+    # ------------------------------------------------------------------ decode
+    def _split_plan(self, table):
+        """Pages per split, splits, and for host pages their staging slot; cached per page layout."""
+        n_pages = table.n_pages
+        target = max(1, 4 * self.num_sms // self.h_kv)
+        p = max(1, min(-(-n_pages // target), self.staging_pages // 2))
+        key = (self.pool.version, n_pages, p)
+        if key != self._plan_key:
+            n_splits = -(-n_pages // p)
+            host_split = [any(not table.on_device(i) for i in range(sp * p, min(n_pages, (sp + 1) * p)))
+                          for sp in range(n_splits)]
+            per_chunk = max(1, (self.staging_pages // 2) // p)
+            hosts = [sp for sp in range(n_splits) if host_split[sp]]
+            chunks, stage_of = [], {}
+            for c, c0 in enumerate(range(0, len(hosts), per_chunk)):
+                splits = hosts[c0:c0 + per_chunk]
+                pages = [i for sp in splits for i in range(sp * p, min(n_pages, (sp + 1) * p))
+                         if not table.on_device(i)]
+                for j, i in enumerate(pages):
+                    stage_of[i] = (c % 2) * (self.staging_pages // 2) + j
+                chunks.append((splits, pages))
+            self._plan = (p, n_splits, host_split, chunks, stage_of)
+            self._plan_key = key
+            self._ptr_tables.clear()
+        return self._plan
+
+    def _page_ptrs(self, layer: int, table, stage_of):
+        """Device int64 [n_pages]: where each page's `layer` slice will be when the kernel reads it."""
+        if layer not in self._ptr_tables:
+            ptrs = np.empty(table.n_pages, np.int64)
+            stage_base = self.ops.ptr(self.staging) if self.staging is not None else 0
+            for i in range(table.n_pages):
+                if table.on_device(i):
+                    ptrs[i] = self._gpu_ptr(table.gpu_slots[i]) + layer * self.slice_elems * 2
+                else:
+                    ptrs[i] = stage_base + stage_of[i] * self.slice_elems * 2
+            self._ptr_tables[layer] = self.ops.to_device(ptrs)
+        return self._ptr_tables[layer]
+
+    def _decode(self, layer: int, q, scale: float):
+        xp, ops = self.xp, self.ops
+        h_a = q.shape[1]
+        n = self.length + 1
+        table = self._table()
+        p, n_splits, host_split, chunks, stage_of = self._split_plan(table)
+        ptrs = self._page_ptrs(layer, table, stage_of)
+        first = (max(0, n - self.window) // (p * self.T)) if self.window else 0
+        if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
+            rows = max(n_splits, 64) * h_a
+            self._parts = (xp.empty(rows, np.float32), xp.empty(rows, np.float32),
+                           xp.empty(rows * self.d, np.float32))
+        pm, ps, po = self._parts
+        qf = xp.ascontiguousarray(q[0].astype(np.float32))               # [1, h_a, d] -> [h_a, d]
+        compute = ops.current_stream()
+        t_begin = max(0, n - self.window) if self.window else 0
+
+        def launch(s0, s1):
+            ops.decode_partial(qf, ptrs, self.T, t_begin, n, p, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
+
+        run = None
+        for sp in range(first, n_splits + 1):                            # resident splits: no waiting
+            if sp < n_splits and not host_split[sp]:
+                run = sp if run is None else run
+            elif run is not None:
+                launch(run, sp)
+                run = None
+        todo = [(splits, pages) for splits, pages in chunks if splits[-1] >= first]
+        if todo:
+            written = ops.new_event()
+            ops.record(written, compute)                                  # host pages written this step
+            ops.wait(self.copy_stream, written)
+        for splits, pages in todo:
+            self._stage(layer, table, pages, stage_of)
+            ready = ops.new_event()
+            ops.record(ready, self.copy_stream)
+            ops.wait(compute, ready)
+            for s0, s1 in _runs(sp for sp in splits if sp >= first):
+                launch(s0, s1)
+            used = ops.new_event()
+            ops.record(used, compute)
+            for i in pages:
+                self._slot_events[stage_of[i]] = used
+                self.pool.end_prefetch(stage_of[i])
+        out = xp.empty((h_a, self.d), np.float32)
+        ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, out)
+        return out.astype(q.dtype).reshape(1, h_a, self.d)                # [h_a, d] -> [1, h_a, d]
+
+    def _stage(self, layer: int, table, pages, stage_of) -> None:
+        """Copy `layer`'s slice of host pages into their staging slots on the copy stream, a run of
+        consecutive host slots (one extent) and staging slots per 2-D copy."""
+        for i in pages:
+            ev = self._slot_events[stage_of[i]]
+            if ev is not None:
+                self.ops.wait(self.copy_stream, ev)                       # its previous reader is done
+            self.pool.begin_prefetch(table.page_ids[i], layer, stage_of[i])
+        slice_bytes = self.slice_elems * 2
+        j = 0
+        while j < len(pages):
+            h0, s0 = table.host_slots[pages[j]], stage_of[pages[j]]
+            k = j + 1
+            while (k < len(pages) and table.host_slots[pages[k]] == h0 + (k - j) and stage_of[pages[k]] == s0 + (k - j)
+                   and (h0 + k - j) // self.extent_pages == h0 // self.extent_pages):
+                k += 1
+            self.ops.memcpy2d(self.ops.ptr(self.staging) + s0 * slice_bytes, slice_bytes,
+                              self._host_ptr(h0) + layer * slice_bytes, self.page_bytes,
+                              slice_bytes, k - j, H2D, self.copy_stream)
+            j = k
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, layer: int, q, scale: float):
+        xp, ops = self.xp, self.ops
+        start, T = self.length, self.T
+        table = self._table()
+        blocks: list[KeyBlock] = []
+        compute = ops.current_stream()
+        for i in range(-(-start // T)):
+            n_i = min(T, start - i * T)
+            if table.on_device(i):
+                page = self.gpu_store[table.gpu_slots[i], layer]             # [2, h_kv, T, d]
+                blocks.append(KeyBlock(i * T, n_i, (lambda page=page, n_i=n_i: (page[0, :, :n_i], page[1, :, :n_i]))))
+            else:
+                blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
+        kv = self._pending_kv.pop(layer)                                   # [2, h_kv, S, d]
+        blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
+        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
+        self._release_ring(compute)
+        return out
+
+    def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
+        """One cached host page for prefill: a ring of staging slots, each reused after its reader."""
+        ops = self.ops
+        self._release_ring(compute)
+        slot = self._ring % self.staging_pages
+        self._ring += 1
+        written = ops.new_event()
+        ops.record(written, compute)
+        ops.wait(self.copy_stream, written)
+        if self._slot_events[slot] is not None:
+            ops.wait(self.copy_stream, self._slot_events[slot])
+        self.pool.begin_prefetch(table.page_ids[i], layer, slot)
+        slice_bytes = self.slice_elems * 2
+        ops.memcpy(ops.ptr(self.staging) + slot * slice_bytes, self._host_ptr(table.host_slots[i]) + layer * slice_bytes,
+                   slice_bytes, H2D, self.copy_stream)
+        ready = ops.new_event()
+        ops.record(ready, self.copy_stream)
+        ops.wait(compute, ready)
+        self._ring_used = slot
+        return self.staging[slot, 0, :, :n_i], self.staging[slot, 1, :, :n_i]
+
+    def _release_ring(self, compute) -> None:
+        """The compute work enqueued since the last staged page is that page's reader: mark its slot."""
+        slot = self._ring_used
+        if slot is not None:
+            used = self.ops.new_event()
+            self.ops.record(used, compute)
+            self._slot_events[slot] = used
+            self.pool.end_prefetch(slot)
+            self._ring_used = None
+
+    # ------------------------------------------------------------------ addresses
+    def _table(self):
+        """The sequence's page table, rebuilt only when placement or length changed."""
+        key = (self.pool.version, self.length, self._pending)
+        if key != self._table_key:
+            self._table_cache, self._table_key = self.pool.page_table(self._seq), key
+        return self._table_cache
+
+    def _check_layer(self, layer: int, what: str) -> None:
+        if not 0 <= layer < self.L:
+            raise HelmcError(f"KVCacheGPU.{what}: layer expected 0..{self.L - 1}, found {layer}")
+
+    def _gpu_ptr(self, slot: int) -> int:
+        return self.ops.ptr(self.gpu_store) + slot * self.page_bytes
+
+    def _host_ptr(self, slot: int) -> int:
+        e, j = divmod(slot, self.extent_pages)
+        while len(self._extents) <= e:                                     # pinned on first use
+            self._extents.append(self.ops.pinned_empty(
+                (self.extent_pages, self.L, 2, self.h_kv, self.T, self.d), np.float16))
+        return self.ops.ptr(self._extents[e]) + j * self.page_bytes
+
+
+def _runs(splits) -> list[tuple[int, int]]:
+    """Consecutive integers -> [(start, end)) ranges."""
+    out: list[list[int]] = []
+    for sp in splits:
+        if out and out[-1][1] == sp:
+            out[-1][1] += 1
+        else:
+            out.append([sp, sp + 1])
+    return [tuple(r) for r in out]

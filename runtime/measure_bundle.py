@@ -1,0 +1,385 @@
+"""Timing helmc's own decode step on this machine, for `helmc calibrate` (thesis 6.4.4).
+
+What the cost model leaves out of a decode step (Python, the Relax VM, kernel launches, attention
+over the KV cache, array wrapping) is measured here on the real per-block path: the bundle's
+compiled stage run through runtime.stage.Stage with its KV cache, with the checkpoint's weights.
+
+  - Per device the plan puts blocks on: one decode step through as many blocks as the plan puts
+    there. Weights of a few distinct blocks are bound and cycled (enough of them to overflow the
+    CPU's last-level cache, as a real step's blocks do), so memory holds a fraction of the model.
+    The KV cache is filled to a context from which the timed steps' mean context equals the plan's
+    mean decode context (prompt_len + output_len / 2), the context the cost model charges.
+  - The step's tail on the device that holds the lm_head, as Session.forward runs it: RoPE rows,
+    embedding gather, (on the GPU: the hidden state and RoPE rows copied host to device, timed on
+    their own too), head, logits to the host, greedy sampling.
+
+No fitting here (helmc.planner.calibrate compares these times with the cost model). Imports NumPy, the
+TVM runtime and, for a GPU stage, CuPy: this runs with TVM_USE_RUNTIME_LIB=1.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from helmc.errors import HelmcError
+from helmc.model.spec import DTYPE_BYTES, ModelSpec
+from helmc.runtime.bundle.plan import Plan
+
+from helmc.runtime.rope import RopeTables
+from helmc.runtime.weights.safetensors_mmap import Checkpoint
+from helmc.runtime.sampling import Sampler, SamplingParams
+
+PARTS = ("cpu_blocks", "gpu_blocks", "cpu_head", "gpu_head")
+KV_PAGE_TOKENS = 512                # the sessions' default page size
+MIN_DISTINCT_BLOCKS = 2             # a block never follows itself, whatever the cache size
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Decode steps through `blocks` blocks of one device's stage."""
+    device: str                     # "cpu" | "gpu"
+    blocks: int                     # blocks per step (the plan's count on this device)
+    distinct_blocks: int            # blocks of distinct weights bound and cycled over `blocks`
+    first_context: int              # tokens cached before the first timed step
+    step_ms: tuple[float, ...]      # each timed step, wall clock, device work included
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def per_block_ms(self) -> float:
+        return self.p50_ms / self.blocks
+
+    @property
+    def mean_context(self) -> float:
+        """Mean tokens attended over by the timed steps (each step attends over its own token too)."""
+        return self.first_context + (len(self.step_ms) + 1) / 2
+
+
+@dataclass(frozen=True)
+class TailTiming:
+    """The per-token work outside the blocks, on the device that holds the lm_head."""
+    device: str
+    tail_ms: tuple[float, ...]
+    crossing_ms: tuple[float, ...] = ()   # GPU: hidden state + RoPE rows host -> device, synchronised
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.tail_ms)
+
+    @property
+    def crossing_p50_ms(self) -> float:
+        return statistics.median(self.crossing_ms) if self.crossing_ms else 0.0
+
+
+@dataclass(frozen=True)
+class BundleTimings:
+    bundle_dir: str
+    plan: Plan
+    spec: ModelSpec
+    weights: str                    # where the bound weights came from
+    stages: tuple[StageTiming, ...]
+    tails: tuple[TailTiming, ...]
+    steps: int                      # timed steps per part
+
+    def stage(self, device: str) -> Optional[StageTiming]:
+        return next((s for s in self.stages if s.device == device), None)
+
+    def tail(self, device: str) -> Optional[TailTiming]:
+        return next((t for t in self.tails if t.device == device), None)
+
+
+def plan_parts(plan: Plan) -> tuple[str, ...]:
+    """What a bundle's plan lets calibration time: the devices holding blocks, and the head's device."""
+    out = []
+    if len(plan.cpu_layers):
+        out.append("cpu_blocks")
+    if len(plan.gpu_layers) and plan.uses_gpu:
+        out.append("gpu_blocks")
+    out.append("gpu_head" if plan.head_on_gpu else "cpu_head")
+    return tuple(out)
+
+
+def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None) -> tuple[ModelSpec, Plan, Checkpoint, str]:
+    """Spec, plan and checkpoint of a verified bundle (verification before any library loads)."""
+    from helmc.runtime.session import read_bundle
+    _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
+    if not os.path.isdir(wdir):
+        raise HelmcError(f"calibrate: expected the model's weights in a directory, found nothing at {wdir} "
+                         f"(pass --weights MODEL_DIR)")
+    return spec, plan, Checkpoint(wdir), wdir
+
+
+def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple[str, ...] | None = None,
+                   steps: int | None = None, warmup: int = 5, cpu_cache_bytes: int = 0) -> BundleTimings:
+    """Time `parts` (default: all the plan uses, see plan_parts) of the bundle's decode step here.
+
+    steps: timed decode steps per part (default: the plan's output_len); cpu_cache_bytes: the CPU's
+    last-level cache, so the cycled CPU blocks are at least twice its size."""
+    spec, plan, ck, wdir = load_bundle_parts(bundle_dir, weights_dir)
+    usable = plan_parts(plan)
+    parts = usable if parts is None else tuple(parts)
+    unknown = [p for p in parts if p not in usable]
+    if unknown:
+        raise HelmcError(f"calibrate: parts expected among those the plan {plan.describe()} uses {list(usable)}, "
+                         f"found {unknown}")
+    steps = plan.output_len if steps is None else steps
+    if steps < 1 or warmup < 0:
+        raise HelmcError(f"calibrate: steps expected >= 1 and warmup >= 0, found {steps}, {warmup}")
+    mean_context = plan.prompt_len + plan.output_len / 2          # cost_model.Workload.decode_context
+    first = max(0, int(round(mean_context - (steps + 1) / 2)))
+    fill = max(0, first - warmup)
+    total = fill + warmup + steps
+    if total > plan.max_context:
+        raise HelmcError(f"calibrate: {total} tokens of context needed, the plan allows {plan.max_context}")
+    ctx = _Context(bundle_dir, spec, plan, ck, fill, warmup, steps, cpu_cache_bytes)
+    stages, tails = [], []
+    if "cpu_blocks" in parts or "cpu_head" in parts:
+        cpu = _CpuSide(ctx)
+        if "cpu_blocks" in parts:
+            stages.append(cpu.time_blocks())
+        if "cpu_head" in parts:
+            tails.append(cpu.time_tail())
+        cpu.close()
+    if "gpu_blocks" in parts or "gpu_head" in parts:
+        gpu = _GpuSide(ctx)
+        if "gpu_blocks" in parts:
+            stages.append(gpu.time_blocks())
+        if "gpu_head" in parts:
+            tails.append(gpu.time_tail())
+        gpu.close()
+    return BundleTimings(bundle_dir, plan, spec, f"checkpoint {wdir}", tuple(stages), tuple(tails), steps)
+
+
+# ------------------------------------------------------------------------------------------------
+class _Context:
+    """What both devices' timers share: the bundle, the step schedule, host-side inputs."""
+
+    def __init__(self, bundle_dir: str, spec: ModelSpec, plan: Plan, ck: Checkpoint, fill: int, warmup: int,
+                 steps: int, cpu_cache_bytes: int):
+        self.bundle_dir, self.spec, self.plan, self.ck = bundle_dir, spec, plan, ck
+        self.fill, self.warmup, self.steps = fill, warmup, steps
+        self.total = fill + warmup + steps
+        self.cpu_cache_bytes = cpu_cache_bytes
+        self.rope = RopeTables(spec.rope, spec.head_dim)
+        self.embed_view = ck.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+        self.embed_bf16 = ck.info("model.embed_tokens.weight").dtype == "bfloat16"
+        self.rng = np.random.default_rng(0)
+        self.token = int(self.rng.integers(3, spec.vocab_size))
+        self.sampler = Sampler(SamplingParams(0.0))
+        shapes = spec.block_weight_shapes().values()
+        self.block_bytes = sum(math.prod(s) for s in shapes) * DTYPE_BYTES[spec.dtype]
+
+    def embed(self, token: int) -> np.ndarray:
+        """As Session.embed: one row gathered from the mmapped checkpoint, float32 [1, H]."""
+        rows = self.embed_view[np.array([token])]
+        if self.embed_bf16:
+            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+            rows = float32_from_bf16_bits(rows)
+        return np.ascontiguousarray(rows, dtype=np.float32)
+
+    def distinct(self, blocks: int, cache_bytes: int) -> int:
+        want = max(MIN_DISTINCT_BLOCKS, -(-2 * cache_bytes // max(1, self.block_bytes)))
+        return max(1, min(blocks, want, self.spec.num_layers))
+
+    def random_kv(self, dtype) -> tuple[np.ndarray, np.ndarray]:
+        shape = (self.fill, self.spec.num_kv_heads, self.spec.head_dim)          # [S, h_kv, d]
+        return ((0.1 * self.rng.standard_normal(shape)).astype(dtype),
+                (0.1 * self.rng.standard_normal(shape)).astype(dtype))
+
+    def run(self, step) -> tuple[float, ...]:
+        """warmup + steps calls of step(position) -> ms; the timed ones."""
+        times = []
+        for i in range(self.warmup + self.steps):
+            ms = step(self.fill + i)
+            if i >= self.warmup:
+                times.append(ms)
+        return tuple(times)
+
+
+def _source_layers(plan_layers: range, n: int) -> range:
+    """The checkpoint blocks whose weights are bound: the first n the plan puts on this device."""
+    return range(plan_layers.start, plan_layers.start + n)
+
+
+class _CpuSide:
+    def __init__(self, ctx: _Context):
+        import tvm.runtime
+        from tvm.runtime.vm import VirtualMachine
+
+        from helmc.runtime.cpu_stage import CPU_STAGE_LIB
+        from helmc.runtime.tvm_tensors import available_cpu_count, use_cpu_threads
+
+        self.ctx = ctx
+        use_cpu_threads(available_cpu_count())     # as the session: TVM otherwise uses half the cores on x86
+        self.dev = tvm.cpu()
+        self.vm = VirtualMachine(tvm.runtime.load_module(os.path.join(ctx.bundle_dir, CPU_STAGE_LIB)), self.dev)
+
+    def tensor(self, a: np.ndarray):
+        import tvm.runtime
+        return tvm.runtime.tensor(np.ascontiguousarray(a), self.dev)
+
+    def time_blocks(self) -> StageTiming:
+        from helmc.runtime.kv.cache_cpu import KVCacheCPU, find_decode_kernel
+        from helmc.runtime.stage import Stage
+        from helmc.runtime.weights.bind import bind_layers
+
+        ctx, spec = self.ctx, self.ctx.spec
+        m = len(ctx.plan.cpu_layers)
+        n = ctx.distinct(m, ctx.cpu_cache_bytes)
+        layers = _source_layers(ctx.plan.cpu_layers, n)
+        arenas = None
+        if getattr(ctx.plan, "prefill_on_gpu", False):    # as the session: weights in pinned arenas (streamed prefill)
+            from helmc.runtime.prefill_stream import bind_pinned_layers
+            bound, arenas = bind_pinned_layers(ctx.ck, spec, layers)
+        else:
+            bound = bind_layers(ctx.ck, spec, layers, self.dev)
+        kv = KVCacheCPU(num_layers=m, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                        page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total, dtype=spec.dtype,
+                        sliding_window=spec.sliding_window or None,
+                        attend_kernel=find_decode_kernel(self.vm.module, spec.num_heads, spec.num_kv_heads,
+                                                         spec.head_dim, spec.dtype))
+        stage = Stage("cpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
+                      to_array=lambda t: t.numpy(), from_array=self.tensor)
+        if ctx.fill:
+            k, v = ctx.random_kv(np.float32)
+            for layer in range(m):
+                kv.append(layer, k, v)
+            kv.advance(ctx.fill)
+        x = ctx.embed(ctx.token)
+
+        def step(pos: int) -> float:
+            cos, sin = ctx.rope.cos_sin(np.array([pos]))                   # [1, D] each
+            t0 = time.perf_counter()
+            # As the session's CPU step: wrap the inputs, run every block, hand the result over as NumPy.
+            stage.forward(self.tensor(x), self.tensor(cos), self.tensor(sin), "decode").numpy()
+            return 1e3 * (time.perf_counter() - t0)
+
+        times = ctx.run(step)
+        kv.close()
+        del arenas                                          # held until the timed steps are done
+        return StageTiming("cpu", m, n, ctx.fill + ctx.warmup, times)
+
+    def time_tail(self) -> TailTiming:
+        from helmc.runtime.weights.bind import bind_head
+
+        ctx = self.ctx
+        head_w = bind_head(ctx.ck, ctx.spec, self.dev)
+        head = self.vm["head_decode"]
+
+        def step(pos: int) -> float:
+            t0 = time.perf_counter()
+            ctx.rope.cos_sin(np.array([pos]))
+            x = ctx.embed(ctx.token)
+            # The head's input stands in for the stage's output (wrapping x, cos, sin is timed with the blocks).
+            logits = head(self.tensor(x), *head_w).numpy()                  # [1, V] float32
+            ctx.sampler(logits[-1])
+            return 1e3 * (time.perf_counter() - t0)
+
+        return TailTiming("cpu", ctx.run(step))
+
+    def close(self):
+        self.vm = None
+
+
+class _GpuSide:
+    def __init__(self, ctx: _Context):
+        import cupy as cp
+        import tvm.runtime
+        from tvm.runtime.vm import VirtualMachine
+
+        from helmc.runtime.cuda_runtime import PinnedUploader, load_gpu_executable
+        from helmc.runtime.gpu_session import GPU_CUBIN_INDEX, GPU_LIB
+
+        self.ctx, self.cp = ctx, cp
+        # Loading the executable first registers TVM's CUDA backend (runtime-only TVM loads none).
+        lib = load_gpu_executable(os.path.join(ctx.bundle_dir, GPU_LIB), os.path.join(ctx.bundle_dir, GPU_CUBIN_INDEX))
+        self.dev = tvm.cuda(0)
+        self.vm = VirtualMachine(lib, self.dev)
+        self.uploader = PinnedUploader()
+
+    def upload(self, view, dtype, dev):
+        return self.uploader.upload(view, dtype, dev)
+
+    def sync(self):
+        self.cp.cuda.Device().synchronize()
+
+    def time_blocks(self) -> StageTiming:
+        from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
+        from helmc.runtime.kv.cache_gpu import KVCacheGPU
+        from helmc.runtime.stage import Stage
+        from helmc.runtime.weights.bind import bind_layers
+
+        cp, ctx, spec = self.cp, self.ctx, self.ctx.spec
+        m = len(ctx.plan.gpu_layers)
+        n = ctx.distinct(m, 0)
+        bound = bind_layers(ctx.ck, spec, _source_layers(ctx.plan.gpu_layers, n), self.dev, to_device=self.upload)
+        self.uploader.synchronize()
+        pages = -(-ctx.total // KV_PAGE_TOKENS)
+        # Every page stays resident, as in the benchmark's short requests (the plan's VRAM holds them).
+        kv = KVCacheGPU(m, spec.num_kv_heads, spec.head_dim, page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total,
+                        gpu_pages=pages + 2, offload=ctx.plan.kv_offload, sliding_window=spec.sliding_window or None)
+        stage = Stage("gpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
+                      to_array=tvm_to_cupy, from_array=cupy_to_tvm)
+        if ctx.fill:
+            k, v = (cp.asarray(a) for a in ctx.random_kv(np.float16))
+            for layer in range(m):
+                kv.append(layer, k, v)
+            kv.advance(ctx.fill)
+        xg = cp.asarray(ctx.embed(ctx.token)).astype(cp.float16)          # [1, H] on the GPU, as the session's
+        cos, sin = (cp.asarray(a) for a in ctx.rope.cos_sin(np.array([ctx.fill])))
+        self.sync()
+
+        def step(pos: int) -> float:
+            t0 = time.perf_counter()
+            stage.forward(cupy_to_tvm(xg), cupy_to_tvm(cos), cupy_to_tvm(sin), "decode")
+            self.sync()                                                    # the step's blocks, done on the device
+            return 1e3 * (time.perf_counter() - t0)
+
+        times = ctx.run(step)
+        kv.reset()
+        return StageTiming("gpu", m, n, ctx.fill + ctx.warmup, times)
+
+    def time_tail(self) -> TailTiming:
+        from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
+        from helmc.runtime.weights.bind import bind_head
+
+        cp, ctx = self.cp, self.ctx
+        head_w = bind_head(ctx.ck, ctx.spec, self.dev, to_device=self.upload)
+        self.uploader.synchronize()
+        head = self.vm["head_decode"]
+
+        def crossing(pos: int):
+            cos, sin = ctx.rope.cos_sin(np.array([pos]))
+            x = ctx.embed(ctx.token)
+            # As GpuParts.forward: the one hidden-state copy (cast on the GPU) and the RoPE rows.
+            return cp.asarray(x).astype(cp.float16), cp.asarray(cos), cp.asarray(sin)
+
+        def step(pos: int) -> float:
+            t0 = time.perf_counter()
+            xg, cos, sin = crossing(pos)
+            cupy_to_tvm(cos), cupy_to_tvm(sin)
+            logits = head(cupy_to_tvm(cp.ascontiguousarray(xg)), *head_w)
+            ctx.sampler(cp.asnumpy(tvm_to_cupy(logits))[-1])              # [1, V] float32 back to the host
+            return 1e3 * (time.perf_counter() - t0)
+
+        def step_crossing(pos: int) -> float:
+            t0 = time.perf_counter()
+            crossing(pos)
+            self.sync()
+            return 1e3 * (time.perf_counter() - t0)
+
+        tail = ctx.run(step)
+        return TailTiming("gpu", tail, ctx.run(step_crossing))
+
+    def close(self):
+        self.uploader.close()
+        self.vm = None
+        self.cp.get_default_memory_pool().free_all_blocks()

@@ -1,0 +1,197 @@
+"""compile_gpu_stage: Relax -> host library + prebuilt cubin; runtime/cuda_runtime's cubin callback.
+
+The CPU-machine tests need nvcc (skipped without it) and check what can be checked without a GPU:
+the cubin is an ELF for the asked arch, the index names the sha256 of exactly the CUDA source that
+the host library embeds (what TVM hands the callback at load time), the upcast weights are read in
+their stored dtype, and the runtime callback answers with that cubin and refuses other sources.
+The gpu-marked test runs the stage on the GPU against numpy (float64 reference); no stored
+references, nothing to regenerate.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from helmc.compiler.compile_gpu_stage import compile_gpu_stage, find_nvcc, rewrite_matmuls_fp32_accumulate
+from helmc.errors import HelmcError
+
+try:  # the TVM compiler; absent where only the runtime-only TVM is (the GPU machine)
+    import tvm
+    from tvm import relax, tirx
+    HAVE_COMPILER = True
+except Exception:
+    HAVE_COMPILER = False
+
+H, N, EPS = 128, 256, 1e-6
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="needs the TVM compiler (helmc[compile])")
+needs_nvcc = pytest.mark.skipif(not HAVE_COMPILER or find_nvcc() is None, reason="needs the TVM compiler and nvcc")
+
+
+def _norm_linear(bb: relax.BlockBuilder, name: str, seq) -> None:
+    """y = linear(rmsnorm(x) * g, w.float()) the way the ONNX import spells it (x*x, mean, sqrt, divide;
+    astype + permute_dims + matmul), x fp32 [seq, H], g and w fp16."""
+    x = relax.Var("x", relax.TensorType((seq, H), "float32"))
+    g = relax.Var("g", relax.TensorType((H,), "float16"))
+    w = relax.Var("w", relax.TensorType((N, H), "float16"))
+    with bb.function(name, [x, g, w]):
+        with bb.dataflow():
+            ms = bb.emit(relax.op.mean(relax.op.multiply(x, x), axis=[-1], keepdims=True))
+            inv = bb.emit(relax.op.divide(relax.const(1.0, "float32"),
+                                          relax.op.sqrt(relax.op.add(ms, relax.const(EPS, "float32")))))
+            h = bb.emit(relax.op.multiply(relax.op.astype(g, "float32"), relax.op.multiply(x, inv)))
+            wt = bb.emit(relax.op.permute_dims(relax.op.astype(w, "float32"), [1, 0]))   # [N, H] -> [H, N]
+            y = bb.emit_output(relax.op.matmul(h, wt))
+        bb.emit_func_output(y)
+
+
+def small_stage():
+    bb = relax.BlockBuilder()
+    _norm_linear(bb, "decode", 1)
+    _norm_linear(bb, "prefill", tirx.Var("seq", "int64"))
+    return bb.get()
+
+
+def reference(x, g, w):
+    x, g, w = (a.astype(np.float64) for a in (x, g, w))
+    h = g * x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS)
+    return h @ w.T
+
+
+@needs_compiler
+def test_rewrite_reads_weights_in_stored_dtype():
+    mod = rewrite_matmuls_fp32_accumulate(small_stage())
+    for name in ("decode", "prefill"):
+        text = mod[name].script()
+        assert 'R.astype(w, dtype="float32")' not in text, text
+        assert 'out_dtype="float32"' in text, text
+    # The norm weight's upcast is not a matmul operand and must stay.
+    assert 'R.astype(g, dtype="float32")' in mod["decode"].script()
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+def test_nvcc_failure_is_a_clear_error(tmp_path):
+    from helmc.compiler.compile_gpu_stage import compile_cuda_source
+
+    with pytest.raises(HelmcError, match="nvcc failed for sm_90"):
+        compile_cuda_source('extern "C" __global__ void k() { undeclared_name = 1; }', "sm_90", str(tmp_path / "k.cubin"))
+    assert not (tmp_path / "k.cubin").exists()
+
+
+@needs_compiler
+def test_bad_arch_is_refused(tmp_path):
+    with pytest.raises(HelmcError, match="expected a CUDA arch"):
+        compile_gpu_stage(small_stage(), "sm_91", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if not HAVE_COMPILER or find_nvcc() is None:
+        pytest.skip("needs the TVM compiler and nvcc")
+    out = tmp_path_factory.mktemp("gpu_stage")
+    files = compile_gpu_stage(small_stage(), "sm_90", str(out), name="stage")
+    return out, files
+
+
+@needs_nvcc
+def test_builds_cubin_for_sm90(built):
+    out, files = built
+    assert files == ("stage.so", "stage.sm_90.cubin", "stage.cubins.json", "stage.cu")
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp-")]
+    cubin = (out / "stage.sm_90.cubin").read_bytes()
+    assert cubin[:4] == b"\x7fELF"
+    flags = struct.unpack_from("<I", cubin, 48)[0]          # ELF64 e_flags: the SM number
+    assert 90 in ((flags >> 8) & 0xFF, flags & 0xFF), hex(flags)
+    index = json.loads((out / "stage.cubins.json").read_text())
+    source = (out / "stage.cu").read_text()
+    assert index["arch"] == "sm_90"
+    assert index["cubins"] == {hashlib.sha256(source.encode()).hexdigest(): "stage.sm_90.cubin"}
+    assert "--use_fast_math" not in index["nvcc_flags"]
+    # The host library embeds exactly this source: it is what TVM hashes-to-cubin at load time.
+    assert source.encode() in (out / "stage.so").read_bytes()
+    # No kernel writes an upcast or transposed copy of the weight: fp16 is read in the matmul.
+    assert "T_transpose" not in source
+    kernels_reading_w = [k for k in re.findall(r"__global__ void[^;{]*\{", source) if "w_ptr" in k]
+    assert len(kernels_reading_w) == 2 and all("half* __restrict__ w_ptr" in k for k in kernels_reading_w)
+
+
+@needs_nvcc
+def test_runtime_callback_answers_with_prebuilt_cubin(built):
+    import tvm_ffi
+
+    from helmc.runtime import cuda_runtime
+
+    out, _ = built
+    saved = tvm_ffi.get_global_func(cuda_runtime.CUDA_COMPILE_CALLBACK, allow_missing=True)
+    try:
+        cuda_runtime.register_cubin_index(str(out / "stage.cubins.json"))
+        callback = tvm_ffi.get_global_func(cuda_runtime.CUDA_COMPILE_CALLBACK)
+        source = (out / "stage.cu").read_text()
+        assert bytes(callback(source)) == (out / "stage.sm_90.cubin").read_bytes()
+        with pytest.raises(Exception, match="no prebuilt cubin"):
+            callback(source + "// edited\n")
+    finally:
+        if saved is not None:
+            tvm_ffi.register_global_func(cuda_runtime.CUDA_COMPILE_CALLBACK, saved, override=True)
+        cuda_runtime._callback_registered = False
+
+
+def test_cubin_index_errors_name_the_file(tmp_path):
+    from helmc.runtime import cuda_runtime
+
+    with pytest.raises(cuda_runtime.CudaRuntimeError, match="found no such file"):
+        cuda_runtime.register_cubin_index(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"format_version": 99, "arch": "sm_90", "cubins": {}}))
+    with pytest.raises(cuda_runtime.CudaRuntimeError, match="format_version expected 1, found 99"):
+        cuda_runtime.register_cubin_index(str(tmp_path / "bad.json"))
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs cupy and an NVIDIA GPU")
+def test_runs_on_gpu_against_numpy(tmp_path):
+    """With the compiler: build for this GPU and compare to numpy. Runtime-only (the GPU machine):
+    run tests/device/device_gpu_stage_check.py on the stage prebuilt in $HELMC_GPU_STAGE_DIR
+    (made here by `tests/device/device_gpu_stage_check.py --build DIR`)."""
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import cupy_to_tvm, load_gpu_vm, tvm_to_cupy
+
+    if not HAVE_COMPILER:
+        prebuilt = os.environ.get("HELMC_GPU_STAGE_DIR")
+        if not prebuilt:
+            pytest.skip("runtime-only TVM: set HELMC_GPU_STAGE_DIR to a device_gpu_stage_check --build dir")
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gsc", os.path.join(ROOT, "tests", "device", "device_gpu_stage_check.py"))
+        gsc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gsc)
+        assert gsc.check(prebuilt, None) == 0
+        return
+    cc = cp.cuda.Device(0).compute_capability       # e.g. "90"
+    compile_gpu_stage(small_stage(), f"sm_{cc}", str(tmp_path), name="stage")
+    vm = load_gpu_vm(str(tmp_path / "stage.so"), str(tmp_path / "stage.cubins.json"))
+    rng = np.random.default_rng(0)
+    g = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
+    w = (0.05 * rng.standard_normal((N, H))).astype(np.float16)
+    for name, seq in (("decode", 1), ("prefill", 37)):
+        x = rng.standard_normal((seq, H)).astype(np.float32)
+        got = cp.asnumpy(tvm_to_cupy(vm[name](*(cupy_to_tvm(cp.asarray(a)) for a in (x, g, w)))))
+        ref = reference(x, g, w)
+        diff = float(np.max(np.abs(got - ref)))
+        print(f"{name}: max |helmc - numpy float64| = {diff:.2e}")
+        assert np.isfinite(got).all() and diff < 1e-3 * max(1.0, float(np.max(np.abs(ref))))

@@ -1,0 +1,157 @@
+"""`helmc profile`'s measurements: the CPU side on this machine (quick mode), the GPU side's
+arithmetic through stand-in backends (numpy and torch on the CPU), and the real GPU where there is
+one (pytest -m gpu; skipped without CuPy or a GPU)."""
+import time
+
+import numpy as np
+import pytest
+
+from helmc.hardware import measure_gpu as mg
+from helmc.hardware.profile import HardwareProfile
+from helmc.hardware.measure import (_parse_size, block_shaped_matrices, interleaved_tiles, l3_total_bytes, profile,
+                                    ram_bytes)
+
+TINY = mg.BenchSizes(gemv_bytes=2 * mg.MIB, link_bytes=4 * mg.MIB, latency_reps=5, matmul_inner=1, matmul_m=16,
+                     matmul_h=256, block=mg.BlockShape(hidden=256, ffn=768, heads=4, kv_heads=2, head_dim=64, context=32),
+                     blocks=2)
+
+
+def test_quick_profile_on_this_machine(tmp_path):
+    t0 = time.perf_counter()
+    hw = profile(quick=True, gpu_backend="none")
+    elapsed = time.perf_counter() - t0
+    c = hw.cpu
+    print(f"\nquick profile in {elapsed:.2f} s: dram {c.dram_gbs} GB/s, inference-like {c.dram_strided_gbs} GB/s, "
+          f"L3 {c.l3_gbs} GB/s, sgemm {c.fp32_gflops} GFLOP/s, {c.cores} cores, L3 {c.l3_bytes >> 20} MiB")
+    assert elapsed < 3.0
+    assert c.dram_gbs > 0.5 and c.dram_strided_gbs > 0.1 and c.fp32_gflops > 0.5
+    assert c.cores >= 1 and c.threads >= c.cores
+    assert 0 < c.ram_free_bytes <= c.ram_total_bytes
+    assert hw.gpu is None and hw.link is None and hw.block_overhead_ms == 0.0
+    assert any(u.startswith("gpu, link: HELMC_GPU_BACKEND=none") for u in hw.unmeasured)
+    assert any("quick mode" in n for n in hw.notes)
+    path = tmp_path / "hardware.json"
+    hw.save(str(path))
+    assert HardwareProfile.load(str(path)) == hw
+    assert [p.name for p in tmp_path.iterdir()] == ["hardware.json"]        # written by rename, no leftovers
+
+
+def test_cpu_facts_from_linux_files():
+    if not __import__("os").path.exists("/proc/meminfo"):
+        pytest.skip("not Linux")
+    total, avail, where = ram_bytes()
+    assert 0 < avail <= total and where
+    l3, instances = l3_total_bytes([0])
+    assert (l3 > 0) == (instances > 0)
+    assert _parse_size("32768K") == 32 * 2 ** 20 and _parse_size("2M") == 2 * 2 ** 20 and _parse_size("512") == 512
+
+
+def test_interleaved_tiles_cover_each_row_once():
+    m = np.arange(96 * 8, dtype=np.float32).reshape(96, 8)
+    parts = interleaved_tiles(m, threads=3, tile_rows=4)
+    seen = np.concatenate([p.reshape(-1, 8) for p in parts])               # [rows, 8]
+    assert len(parts) == 3 and sorted(seen[:, 0].tolist()) == m[:, 0].tolist()
+    assert all(p.base is not None for p in parts)                           # views, not copies
+    assert parts[1][0, 0, 0] == m[4, 0]                                      # thread 1 starts at tile 1
+
+
+def test_block_shaped_matrices_are_separate_allocations():
+    mats = block_shaped_matrices(8 * 2 ** 20, hidden=128)
+    assert len(mats) % 7 == 0 and len(mats) >= 7
+    assert [m.shape for m in mats[:7]] == [(128, 128), (32, 128), (32, 128), (128, 128), (384, 128), (384, 128),
+                                           (128, 384)]
+    assert len({m.ctypes.data for m in mats}) == len(mats)
+
+
+class NumpyDevice(mg.ArrayBackend):
+    """Runs the GPU benchmarks' arithmetic on numpy arrays: checks the measurement code, not a GPU."""
+    name = "numpy-stand-in"
+
+    def __init__(self, fail=()):
+        super().__init__(np)
+        self.fail = fail
+
+    def info(self):
+        return mg.DeviceInfo("Stand-in GPU", 9, 0, 2 * mg.GIB, 4 * mg.GIB)
+
+    def sync(self):
+        pass
+
+    def time_ms(self, fn, inner):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def matmul(self, a, b):
+        if "matmul" in self.fail and a.shape[0] == TINY.matmul_m:
+            raise RuntimeError("stand-in matmul failure")
+        if "gemv" in self.fail and a.shape[0] == 1:
+            raise RuntimeError("stand-in gemv failure")
+        return a @ b
+
+    def pinned(self, nbytes):
+        if "link" in self.fail:
+            raise RuntimeError("stand-in pinned failure")
+        return np.zeros(nbytes, np.uint8)
+
+    def h2d(self, dev, host, nbytes):
+        dev[:nbytes] = host[:nbytes]
+
+    def d2h(self, host, dev, nbytes):
+        host[:nbytes] = dev[:nbytes]
+
+    def release(self):
+        pass
+
+
+def test_gpu_benchmarks_arithmetic_on_a_stand_in():
+    m = mg.run_gpu_benchmarks(NumpyDevice(), TINY)
+    assert m.gpu.name == "Stand-in GPU" and m.gpu.arch == "sm_90"
+    assert m.gpu.vram_free_bytes == 2 * mg.GIB and m.gpu.hbm_gbs > 0
+    assert m.link.h2d_gbs > 0 and m.link.d2h_gbs > 0 and m.link.latency_us >= 0
+    assert m.block_overhead_ms >= 0 and not m.unmeasured
+    assert any(n.startswith("block_overhead_ms:") for n in m.notes)
+
+
+def test_gpu_failures_are_listed_not_invented():
+    m = mg.run_gpu_benchmarks(NumpyDevice(fail=("matmul",)), TINY)
+    assert m.gpu.fp16_tflops == 0.0 and any(u.startswith("gpu.fp16_tflops: matmul benchmark failed") for u in m.unmeasured)
+    m = mg.run_gpu_benchmarks(NumpyDevice(fail=("link",)), TINY)
+    assert m.gpu is None and m.link is None and any("link benchmark failed" in u for u in m.unmeasured)
+    m = mg.run_gpu_benchmarks(NumpyDevice(fail=("gemv",)), TINY)
+    assert m.gpu is None and any("HBM benchmark failed" in u for u in m.unmeasured)
+
+
+def test_torch_backend_code_on_the_cpu():
+    torch = pytest.importorskip("torch")
+
+    class TorchOnCpu(mg.TorchBackend):
+        def info(self):
+            return mg.DeviceInfo("torch-cpu stand-in", 8, 9, mg.GIB, 2 * mg.GIB)
+    m = mg.run_gpu_benchmarks(TorchOnCpu(torch, device="cpu"), TINY)
+    assert m.gpu is not None and m.gpu.arch == "sm_89" and m.link.h2d_gbs > 0
+    assert not [u for u in m.unmeasured if "failed" in u]
+
+
+def test_backend_selection_without_a_gpu():
+    be, why = mg.open_backend("none")
+    assert be is None and "none" in why
+    be, why = mg.open_backend("opencl")
+    assert be is None and "expected cupy, torch or none" in why
+
+
+@pytest.mark.gpu
+def test_real_gpu_profile():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as e:  # noqa: BLE001 - no driver
+        pytest.skip(f"no CUDA device: {e}")
+    hw = profile(quick=True, gpu_backend="cupy")
+    print("\n" + hw.to_json())
+    assert hw.gpu is not None and hw.gpu.arch.startswith("sm_")
+    assert hw.gpu.hbm_gbs > 100 and hw.gpu.fp16_tflops > 1
+    assert hw.link.h2d_gbs > 1 and hw.link.d2h_gbs > 1 and 0 < hw.link.latency_us < 1000
+    assert hw.block_overhead_ms >= 0

@@ -1,0 +1,99 @@
+"""`helmc plan` and `helmc profile` through click's test runner."""
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from helmc.cli.profile_plan import plan_command, profile_command
+from helmc.hardware.profile import HardwareProfile
+from helmc.runtime.bundle.plan import Plan
+from qwen3_configs import write_config
+
+
+@pytest.fixture(scope="module")
+def q8_dir(tmp_path_factory):
+    return write_config(str(tmp_path_factory.mktemp("qwen3-8b")), "Qwen3-8B")
+
+
+def test_plan_table_marks_the_chosen_row(q8_dir):
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--no-stream-prefill"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    rows = [l for l in lines if l[:1] in (" ", ">") and l[1:5].strip().isdigit()]
+    assert len(rows) == 39                                           # k = 0..38
+    chosen = [l for l in rows if l.startswith(">")]
+    assert len(chosen) == 1 and chosen[0].split()[1] == "21"
+    assert "chosen: cpu(21) -> cuda(17)" in r.output
+    assert "no: VRAM short by" in rows[0] and rows[25].rstrip().endswith("ms")   # feasible rows say by how much they lose
+    assert "note: CPU P_dec = M" in r.output                         # the preset's unmeasured figures are said
+
+
+def test_plan_json(q8_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--json", "-o", str(out), "--no-stream-prefill"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert (d["cpu_units"], d["gpu_units"]) == (21, 17)
+    assert len(d["candidates"]) == 39 and d["candidates"][21]["feasible"] and not d["candidates"][0]["feasible"]
+    assert d["t_plan_ms"] == min(c["t_plan_ms"] for c in d["candidates"] if c["feasible"])
+    p = Plan.from_json(out.read_text())
+    assert p.cpu_units == 21 and p.t_plan_ms == d["t_plan_ms"]
+
+
+def test_plan_options_change_the_plan(q8_dir):
+    run = CliRunner().invoke
+    base = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json"]).output)
+    tight = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json", "--gpu-budget", "5"]).output)
+    long_kv = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json", "--no-kv-offload",
+                                            "--output-len", "8000"]).output)
+    prefill = json.loads(run(plan_command, [q8_dir, "rtx3090-epyc", "--json", "--objective", "prefill",
+                                            "--prompt-len", "512"]).output)
+    assert tight["cpu_units"] > base["cpu_units"]
+    assert long_kv["cpu_units"] > base["cpu_units"] and long_kv["max_context"] >= 8128
+    assert prefill["cpu_units"] == 0
+
+
+def test_plot_draws_a_png(q8_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "search.png"
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["search.png"]
+
+
+def test_64_layer_plan_answers_under_a_second(tmp_path):
+    d = write_config(str(tmp_path / "qwen3-32b"), "Qwen3-32B")
+    CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])            # imports warm
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])
+    elapsed = time.perf_counter() - t0
+    print(f"\nhelmc plan, 64 layers: {elapsed * 1e3:.0f} ms")
+    assert r.exit_code == 0 and "cpu(42) -> cuda(24)" in r.output
+    assert elapsed < 1.0
+
+
+def test_errors_exit_2_with_one_line(tmp_path, q8_dir):
+    d = write_config(str(tmp_path / "qwen3-32b"), "Qwen3-32B")
+    r = CliRunner().invoke(plan_command, [d, "rtx4060-laptop"])
+    assert r.exit_code == 2 and "host RAM short by" in r.output and "VRAM short by" in r.output
+    r = CliRunner().invoke(plan_command, [q8_dir, "no-such-machine"])
+    assert r.exit_code == 2 and "rtx4060-laptop" in r.output           # names the presets there are
+    r = CliRunner().invoke(plan_command, [str(tmp_path / "missing"), "rtx4060-laptop"])
+    assert r.exit_code == 2 and "config.json" in r.output
+
+
+def test_profile_command_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "hw.json"
+    r = CliRunner().invoke(profile_command, ["-o", str(out), "--quick", "--gpu-backend", "none"])
+    assert r.exit_code == 0, r.output
+    assert "cpu:" in r.output and "unmeasured: gpu, link" in r.output
+    hw = HardwareProfile.load(str(out))
+    assert hw.source == "measured" and hw.cpu.dram_gbs > 0
+    small = write_config(str(tmp_path / "two-blocks"), "Qwen3-8B", num_hidden_layers=2)   # fits any test host
+    r = CliRunner().invoke(plan_command, [small, str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["gpu_units"] == 0 and d["candidates"][-1]["t_comm_ms"] == 0.0

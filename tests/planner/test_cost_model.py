@@ -1,0 +1,214 @@
+"""The cost model (thesis eqs. 4.7-4.16 and the delta of 6.4.4), term by term, against hand
+arithmetic on the thesis's running example (Qwen3-8B, rtx4060-laptop preset) and on synthetic
+rates chosen so that one term binds at a time."""
+import dataclasses
+
+import pytest
+
+from helmc.planner.analyze_program import analyze_program
+from helmc.planner.cost_model import (KV_PAGE_TOKENS, KV_SCORE_TILE_BYTES, DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, max_context,
+                              memory_needs, roofline_ms, stage_time)
+from helmc.errors import HelmcError
+from helmc.hardware.profile import load_hardware
+from qwen3_configs import qwen3_spec
+
+BLOCK_BYTES = 385_892_864              # Qwen3-8B block, bf16 (test_analyze_program derives it)
+KV_TOKEN = 4096                        # K + V bytes per token per block
+
+
+@pytest.fixture(scope="module")
+def q8():
+    return analyze_program(qwen3_spec("Qwen3-8B"))
+
+
+@pytest.fixture(scope="module")
+def laptop():
+    return load_hardware("rtx4060-laptop")
+
+
+def test_projection_term_running_example(q8, laptop):
+    """Thesis 4.1.3: 386 MB / 45 GB/s = 8.6 ms on the CPU and 386 / 218 = 1.8 ms on the GPU per block;
+    36 blocks on the CPU ~ 310 ms."""
+    w = Workload()
+    cpu = DeviceRates.of_cpu(laptop.cpu, block_overhead_ms=0.0)
+    gpu = DeviceRates.of_gpu(laptop.gpu, block_overhead_ms=0.0)
+    one_cpu = stage_time(q8, q8.stage(1, 2), cpu, w, blend_l3=True)
+    one_gpu = stage_time(q8, q8.stage(1, 2), gpu, w, blend_l3=False)
+    all_cpu = stage_time(q8, q8.stage(1, 37), cpu, w, blend_l3=True)
+    print(f"per block: CPU {one_cpu.proj_ms:.3f} ms (thesis 8.6), GPU {one_gpu.proj_ms:.3f} ms (thesis 1.8); "
+          f"36 blocks on the CPU {all_cpu.proj_ms:.1f} ms (thesis ~310)")
+    assert one_cpu.proj_ms == pytest.approx(BLOCK_BYTES / 45e9 * 1e3, rel=1e-9)
+    assert round(one_cpu.proj_ms, 1) == 8.6 and round(one_gpu.proj_ms, 1) == 1.8
+    assert all_cpu.proj_ms == pytest.approx(310, rel=0.01)
+
+
+def test_roofline_takes_the_binding_term():
+    rates = DeviceRates(mem_gbs=100.0, compute_gflops=50.0)
+    assert roofline_ms(1e9, 1e6, rates) == pytest.approx(20.0)                 # compute-bound: 1 GFLOP / 50
+    assert roofline_ms(1e6, 1e9, rates) == pytest.approx(10.0)                 # memory-bound: 1 GB / 100
+    slow = dataclasses.replace(rates, eta_memory=0.5, eta_compute=0.25)
+    assert roofline_ms(1e6, 1e9, slow) == pytest.approx(20.0)                  # eta_m halves M
+    assert roofline_ms(1e9, 1e6, slow) == pytest.approx(80.0)                  # eta_c quarters P
+    no_p = DeviceRates(mem_gbs=100.0, compute_gflops=0.0)
+    assert roofline_ms(1e12, 1e9, no_p) == pytest.approx(10.0)                 # unknown P: no compute term
+
+
+def test_l3_blend_eq_4_14(q8):
+    M, L3 = 10.0, 30.0
+    n = 4
+    stage = q8.stage(1, 1 + n)
+    w = Workload(prompt_len=1000, output_len=1)
+    w_kv = n * w.decode_context * KV_TOKEN                 # eq. 4.12 at the mean decode context
+    fast_compute = 1e9                                     # keeps F_attn / P from binding
+    for fraction_in_l3 in (1.0, 0.5, 0.25):
+        rates = DeviceRates(mem_gbs=M, compute_gflops=fast_compute, l3_bytes=int(w_kv * fraction_in_l3), l3_gbs=L3)
+        alpha = min(1.0, rates.l3_bytes / w_kv)
+        m_hat = alpha * L3 + (1 - alpha) * M
+        t = stage_time(q8, stage, rates, w, blend_l3=True)
+        assert t.attn_ms == pytest.approx(w_kv / (m_hat * 1e9) * 1e3, rel=1e-6)
+    assert t.attn_ms > stage_time(q8, stage, dataclasses.replace(rates, l3_bytes=int(w_kv)), w, blend_l3=True).attn_ms
+    # The GPU stage never blends.
+    no_blend = stage_time(q8, stage, rates, w, blend_l3=False)
+    assert no_blend.attn_ms == pytest.approx(w_kv / (M * 1e9) * 1e3, rel=1e-6)
+
+
+def test_attention_compute_term_eq_4_13(q8):
+    """With P_dec = M (the thesis's CPU rule), attention at B = 1 is bound by F_attn / P."""
+    rates = DeviceRates(mem_gbs=45.0, compute_gflops=45.0, l3_bytes=24 * 2 ** 20, l3_gbs=135.0)
+    w = Workload(prompt_len=128, output_len=128)
+    t = stage_time(q8, q8.stage(1, 21), rates, w, blend_l3=True)
+    f_attn = 4 * 1 * 32 * w.decode_context * 128 * 20                          # eq. 4.11
+    assert t.attn_ms == pytest.approx(f_attn / 45e9 * 1e3, rel=1e-9)
+
+
+def test_comm_eq_4_15(q8, laptop):
+    """T_comm = l + W_act / B_link ~ 5 us for 8 KB (thesis 4.1.3); the returning token id adds
+    l + 4 B / B_d2h to every plan whose lm_head is on the GPU, all-GPU included."""
+    w = Workload()
+    split, all_gpu = comm_time_ms(q8, 21, w, laptop.link), comm_time_ms(q8, 0, w, laptop.link)
+    crossing_us = (split - all_gpu) * 1e3
+    print(f"activation crossing {crossing_us:.2f} us (thesis ~5 us), token return {all_gpu * 1e3:.2f} us")
+    assert crossing_us == pytest.approx(4.5 + 8192 / 16e9 * 1e6, rel=1e-9)
+    assert round(crossing_us) == 5
+    assert all_gpu * 1e3 == pytest.approx(4.5 + 4 / 16e9 * 1e6, rel=1e-9)
+    assert comm_time_ms(q8, q8.num_units, w, None) == 0.0
+    prefill = comm_time_ms(q8, 21, Workload(objective="prefill", prompt_len=128), laptop.link)
+    assert prefill > split                                                     # 128 rows cross at prefill
+
+
+def test_block_overhead_delta_per_block(q8):
+    rates = DeviceRates(mem_gbs=100.0, compute_gflops=0.0, block_overhead_ms=0.5)
+    t = stage_time(q8, q8.stage(0, 11), rates, Workload(), blend_l3=False)    # embedding + 10 blocks
+    assert t.overhead_ms == pytest.approx(5.0)
+    assert t.total_ms == pytest.approx(t.proj_ms + t.attn_ms + 5.0)
+    assert stage_time(q8, q8.stage(37, 38), rates, Workload(), blend_l3=False).overhead_ms == 0.0   # head only
+
+
+def test_kv_streams_over_the_link_when_vram_is_short(q8, laptop):
+    gpu = DeviceRates.of_gpu(laptop.gpu, 0.0)
+    w = Workload(prompt_len=20000, output_len=2000)
+    stage = q8.stage(21, 38)
+    kv = 16 * w.decode_context * KV_TOKEN
+    resident = kv / 4
+    t = stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=resident, link=laptop.link)
+    assert t.kv_stream_ms == pytest.approx((kv - resident) / 16e9 * 1e3, rel=1e-9)
+    assert t.attn_ms == pytest.approx(kv / 218e9 * 1e3, rel=1e-9)     # staged pages are read from VRAM too
+    assert t.total_ms == pytest.approx(max(t.proj_ms + t.attn_ms, t.kv_stream_ms))
+    all_resident = stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=kv, link=laptop.link)
+    assert all_resident.attn_ms == t.attn_ms and all_resident.kv_stream_ms == 0.0
+    assert all_resident.total_ms <= t.total_ms                          # residency only ever removes PCIe time
+    with pytest.raises(HelmcError, match="needs a link"):
+        stage_time(q8, stage, gpu, w, blend_l3=False, kv_resident_bytes=0.0, link=None)
+
+
+def test_memory_needs_running_example(q8, laptop):
+    """cpu(21) -> cuda(17): 16 blocks + lm_head + activations + KV staging + 1 GB reserve fit in
+    8 GiB; one more block does not (eq. 4.16 with the terms the thesis leaves out). The thesis
+    prefills on the CPU: stream_prefill=False."""
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    w = Workload(stream_prefill=False)
+    head = (151936 * 4096 + 4096) * 2
+    host, dev = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), w)
+    staging = KVCacheGPU.workspace_bytes(32, 8, 128, KV_PAGE_TOKENS, score_budget_bytes=KV_SCORE_TILE_BYTES)
+    assert dev.weights == 16 * BLOCK_BYTES + head
+    assert dev.kv == 0 and dev.reserve == 10 ** 9 and dev.available == 8 * 2 ** 30
+    assert dev.workspace > staging                                               # activations on top of staging
+    assert dev.fits
+    print(f"cpu(21): VRAM {dev.total / 2**30:.3f} of {dev.available / 2**30:.3f} GiB; host {host.total / 2**30:.2f} GiB")
+    _, dev20 = memory_needs(q8, laptop, q8.stage(0, 20), q8.stage(20, 38), w)
+    assert not dev20.fits and dev20.shortfall == dev20.total - dev20.available
+    assert host.weights == 151936 * 4096 * 2 + 20 * BLOCK_BYTES
+    assert host.kv == (20 + 16) * KV_PAGE_TOKENS * KV_TOKEN                    # offloaded: all KV in host RAM, whole pages
+    _, dev_no = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, kv_offload=False))
+    assert dev_no.kv == 16 * KV_PAGE_TOKENS * KV_TOKEN
+    # Streamed prefill borrows the empty KV page pool for one CPU block's weights and the prompt's
+    # hidden state [S, H], K/V [2, h_kv, S, d] (fp16) and cos/sin [S, d] (fp32): the pool's floor.
+    _, dev_stream = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), dataclasses.replace(w, stream_prefill=True))
+    assert dev_stream.workspace == dev.workspace
+    assert dev_stream.kv == BLOCK_BYTES + 128 * (4096 * 2 + 2 * 8 * 128 * 2 + 2 * 128 * 4)
+    _, dev_stream_no = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38),
+                                    dataclasses.replace(w, stream_prefill=True, kv_offload=False))
+    assert dev_stream_no.kv == max(dev_no.kv, dev_stream.kv)                    # the pool is lent, not added to
+    _, head_only = memory_needs(q8, laptop, q8.stage(0, 37), q8.stage(37, 38), dataclasses.replace(w, stream_prefill=True))
+    _, head_only_no = memory_needs(q8, laptop, q8.stage(0, 37), q8.stage(37, 38), w)
+    assert head_only.workspace - head_only_no.workspace == dev_stream.kv       # no page pool: its own VRAM
+    _, all_gpu = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), dataclasses.replace(w, stream_prefill=True))
+    _, all_gpu_no = memory_needs(q8, laptop, q8.stage(0, 0), q8.stage(0, 38), w)
+    assert all_gpu.workspace == all_gpu_no.workspace                           # no CPU blocks: nothing to stream
+
+
+def test_max_context(q8, laptop):
+    w = Workload(kv_offload=False, stream_prefill=False)
+    cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
+    host0, dev0 = memory_needs(q8, laptop, cpu, gpu, w, context=0)
+    expect_gpu = (dev0.available - dev0.total) // (16 * KV_TOKEN)
+    expect_host = (host0.available - host0.total) // (20 * KV_TOKEN)
+    pages = min(expect_gpu, expect_host) // KV_PAGE_TOKENS                      # the caches allocate whole pages
+    assert max_context(q8, laptop, cpu, gpu, w) == min(pages * KV_PAGE_TOKENS, 40960)
+    # Offloaded: the host holds every block's KV; the 16 GiB preset leaves room for the native window.
+    assert max_context(q8, laptop, cpu, gpu, Workload(stream_prefill=False)) == 40960
+    tiny = dataclasses.replace(laptop, cpu=dataclasses.replace(laptop.cpu, ram_free_bytes=10 * 2 ** 30))
+    host0, _ = memory_needs(q8, tiny, cpu, gpu, Workload(stream_prefill=False), context=0)
+    fit = (host0.available - host0.total) // (36 * KV_TOKEN)
+    assert max_context(q8, tiny, cpu, gpu, Workload(stream_prefill=False)) == fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS
+
+
+def test_kv_pool_is_the_watermark_of_what_is_left():
+    from helmc.planner.cost_model import MemoryNeed
+    assert gpu_kv_resident_bytes(MemoryNeed(weights=6, available=10)) == pytest.approx(0.8 * 4)
+    assert gpu_kv_resident_bytes(MemoryNeed(weights=12, available=10)) == 0
+
+
+def test_page_pool_holds_the_loan_at_zero_slack(q8, laptop):
+    """Qwen3-8B cpu(21) | gpu(17), streamed prefill of 128 tokens, a GPU with exactly the VRAM the plan
+    needs. The plan's pool is then the loan (one block + prompt buffers), 387,596,800 B: not whole
+    32 MiB pages. The old runtime rounded it down to 11 pages (369,098,752 B), the loan did not fit
+    and the prefill took VRAM the plan never counted; now the pool holds the loan, not a byte more."""
+    from helmc.planner.cost_model import MemoryNeed, kv_page_pool_bytes, prefill_lent_bytes
+    from helmc.runtime.gpu_session import kv_pool_bytes
+    w = Workload(stream_prefill=True)
+    cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
+    loan = prefill_lent_bytes(q8, cpu, gpu, w)
+    page = KV_PAGE_TOKENS * 16 * KV_TOKEN                                       # one page of the 16 GPU blocks
+    assert (loan, page) == (387_596_800, 33_554_432)
+    _, dev = memory_needs(q8, laptop, cpu, gpu, w)
+    tight = dataclasses.replace(dev, available=dev.total)                      # zero slack
+    plan_pool = kv_page_pool_bytes(tight)
+    assert plan_pool == dev.kv == loan
+    old_runtime_pool = plan_pool // page * page                               # old: KVCacheGPU rounded it down
+    assert old_runtime_pool == 369_098_752 < loan
+    assert kv_pool_bytes(plan_pool, loan, free_bytes=plan_pool, page_bytes=page) == loan
+    # Slack: whole pages of the plan's pool, still at least the loan.
+    roomy = kv_page_pool_bytes(dataclasses.replace(dev, available=dev.total + page))
+    assert kv_pool_bytes(roomy, loan, free_bytes=2 * roomy, page_bytes=page) == 12 * page
+    # The watermark share (resident KV in the timing model) is a share of the pool (thesis 4.2.2).
+    assert gpu_kv_resident_bytes(tight) == pytest.approx(0.8 * loan)
+    assert kv_page_pool_bytes(MemoryNeed(kv=7, weights=20, available=10)) == 7   # over budget: the floor stays
+
+
+def test_workload_validation():
+    with pytest.raises(HelmcError, match="objective expected"):
+        Workload(objective="train")
+    with pytest.raises(HelmcError, match="expected >= 1"):
+        Workload(batch=0)
+    assert Workload(prompt_len=100, output_len=50).decode_context == 125

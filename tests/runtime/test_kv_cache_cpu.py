@@ -1,0 +1,96 @@
+"""KV cache of the CPU-stage layers (runtime/kv/cache_cpu.py): a prefill then decode steps, every
+attention output compared with full softmax (float64) over everything appended so far. The
+reference is recomputed in the test; nothing to regenerate. Each test prints its max error."""
+import numpy as np
+import pytest
+
+from helmc.errors import HelmcError
+from helmc.runtime.kv.cache_cpu import KVCacheCPU, _split_by_tokens
+from helmc.runtime.kv.paged_attention import full_attention
+
+
+def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0):
+    """Drive the cache like a stage does; return the worst relative error against full attention."""
+    L = cache.num_layers
+    hist_k = [np.zeros((0, h_kv, d)) for _ in range(L)]
+    hist_v = [np.zeros((0, h_kv, d)) for _ in range(L)]
+    worst = 0.0
+    for S in steps:
+        for layer in range(L):
+            k = rng.standard_normal((S, h_kv, d)).astype(np.float32)
+            v = rng.standard_normal((S, h_kv, d)).astype(np.float32)
+            q = rng.standard_normal((S, h_a, d)).astype(np.float32)
+            cache.append(layer, k, v)
+            o = cache.attend(layer, q, 0.3)
+            hist_k[layer] = np.concatenate([hist_k[layer], k.astype(kv_dtype)])
+            hist_v[layer] = np.concatenate([hist_v[layer], v.astype(kv_dtype)])
+            ref = full_attention(q, hist_k[layer], hist_v[layer], 0.3, window=window)
+            assert o.shape == (S, h_a, d) and o.dtype == np.float32
+            worst = max(worst, float(np.abs(o - ref).max() / np.abs(ref).max()))
+        cache.advance(S)
+    return worst
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_then_decode_matches_full_attention(group):
+    rng = np.random.default_rng(group)
+    h_kv, d = 2, 16
+    cache = KVCacheCPU(num_layers=2, num_kv_heads=h_kv, head_dim=d, page_tokens=8, max_tokens=80,
+                       block_tokens=16, score_budget_bytes=4096)
+    worst = run_steps(cache, rng, [37] + [1] * 12 + [5, 1], h_kv, h_kv * group, d)
+    print(f"\nCPU KV, GQA {group}: max relative error vs full softmax over 15 steps = {worst:.2e}")
+    assert worst < 1e-5
+    assert cache.length == 55
+    assert cache.pool.page_table(cache._seq).host_slots == tuple(range(7))
+
+
+def test_sliding_window_fp16_storage_and_reset():
+    rng = np.random.default_rng(7)
+    cache = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=32, page_tokens=4, max_tokens=64,
+                       dtype=np.float16, sliding_window=6)
+    worst = run_steps(cache, rng, [11, 1, 1, 1, 9, 1], 1, 2, 32, kv_dtype=np.float16, window=6)
+    print(f"\nCPU KV, fp16 storage, window 6: max relative error = {worst:.2e}")
+    assert worst < 1e-5
+    cache.reset()
+    assert cache.length == 0
+    worst = run_steps(cache, np.random.default_rng(8), [3, 1], 1, 2, 32, kv_dtype=np.float16, window=6)
+    assert worst < 1e-5
+
+
+def test_threaded_decode_equals_single_thread():
+    rng = np.random.default_rng(9)
+    one = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=16, page_tokens=64, max_tokens=5000)
+    two = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=16, page_tokens=64, max_tokens=5000, threads=2)
+    k, v = rng.standard_normal((2, 4500, 1, 16)).astype(np.float32)
+    for c in (one, two):
+        c.append(0, k, v)                                      # a prefill need not attend to be committed
+        c.advance(4500)
+    k1, v1 = rng.standard_normal((2, 1, 1, 16)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    outs = []
+    for c in (one, two):
+        c.append(0, k1, v1)
+        outs.append(c.attend(0, q, 0.25))
+    assert len(_split_by_tokens(two._blocks(0, 4501), 2)) == 2       # the two-thread path really splits
+    ref = full_attention(q, np.concatenate([k, k1]), np.concatenate([v, v1]), 0.25)
+    err = float(np.abs(outs[1] - ref).max())
+    print(f"\nthreaded decode over 4501 tokens: max |2 threads - full| = {err:.2e}")
+    assert err < 1e-5 and float(np.abs(outs[0] - outs[1]).max()) < 1e-5
+    two.close()
+
+
+def test_misuse_is_refused():
+    cache = KVCacheCPU(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=4, max_tokens=8)
+    z = np.zeros((3, 1, 8), np.float32)
+    with pytest.raises(HelmcError, match="has not appended"):
+        cache.append(0, z, z) or cache.attend(1, np.zeros((3, 2, 8), np.float32), 1.0)
+    with pytest.raises(HelmcError, match="once per step"):
+        cache.append(0, z, z)
+    with pytest.raises(HelmcError, match="missing"):
+        cache.advance(3)
+    cache.append(1, z, z)
+    cache.advance(3)
+    with pytest.raises(HelmcError, match="room for 8"):
+        cache.append(0, np.zeros((6, 1, 8), np.float32), np.zeros((6, 1, 8), np.float32))
+    with pytest.raises(HelmcError, match="dtype"):
+        KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=8, dtype=np.int8)

@@ -1,0 +1,123 @@
+"""KVCacheGPU's page movement and addressing, on the CPU through tests/kv_device_emulator.py.
+
+Everything but CuPy and the CUDA kernels runs for real: the page pool and its eviction decisions,
+pinned extents, 2-D copies with their pitches, staging slots, pointer tables and split plans.
+Unwritten device memory is NaN and the emulated kernel may read only device buffers, so a wrong
+address shows up as NaN or an assertion. Decode with offload must equal decode without it
+bit for bit (same splits, same order); everything must match full softmax over the fp16 K/V
+(float64 reference recomputed here, nothing to regenerate). Each test prints its max error.
+"""
+import numpy as np
+import pytest
+
+from helmc.runtime.kv.cache_gpu import KVCacheGPU
+from helmc.runtime.kv.pages import Residency
+from helmc.runtime.kv.paged_attention import full_attention
+from kv_device_emulator import EmulatedOps
+
+H_KV, GROUP, D, T = 2, 4, 32, 8
+
+
+def make(offload=True, delay=False, **kw):
+    return KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256,
+                      offload=offload, staging_pages=4, ops=EmulatedOps(num_sms=2, delay_events=delay), **kw)
+
+
+def drive(caches, steps, seed, window=0, q_dtype=np.float32):
+    """Feed identical rows to every cache; return max relative error vs full softmax and whether all
+    decode outputs were bitwise equal across caches."""
+    rng = np.random.default_rng(seed)
+    L = caches[0].L
+    hist = [[np.zeros((0, H_KV, D), np.float16)] * 2 for _ in range(L)]
+    worst, identical = 0.0, True
+    for S in steps:
+        for layer in range(L):
+            k, v = rng.standard_normal((2, S, H_KV, D)).astype(np.float32)
+            q = rng.standard_normal((S, H_KV * GROUP, D)).astype(q_dtype)
+            outs = []
+            for c in caches:
+                c.append(layer, k, v)
+                outs.append(c.attend(layer, q, 0.2))
+                assert c.pool.staged() == {}, "every staging slot is released after attention"
+            hist[layer] = [np.concatenate([hist[layer][0], k.astype(np.float16)]),
+                           np.concatenate([hist[layer][1], v.astype(np.float16)])]
+            ref = full_attention(q, hist[layer][0], hist[layer][1], 0.2, window=window)
+            for o in outs:
+                assert o.shape == (S, H_KV * GROUP, D) and o.dtype == q_dtype
+                worst = max(worst, float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max()))
+            if S == 1:
+                identical &= all(np.array_equal(outs[0], o) for o in outs[1:])
+        for c in caches:
+            c.advance(S)
+            assert c.pool.gpu_resident <= c.resident_limit
+    return worst, identical
+
+
+def test_offload_equals_no_offload_bit_for_bit():
+    off, full = make(gpu_pages=3, watermark=0.5), make(offload=False)
+    assert (off.gpu_pages, off.resident_limit) == (3, 1)
+    steps = [37] + [1] * 30 + [13] + [1] * 10                  # second prefill attends over host pages
+    worst, identical = drive([off, full], steps, seed=1)
+    t = off.pool.page_table(off._seq)
+    n_host = sum(r is not Residency.GPU for r in t.residency)
+    print(f"\nemulated GPU KV: {t.n_pages} pages, {n_host} off the GPU, {off.ops.h2d_bytes / 2**20:.2f} MiB "
+          f"prefetched; max relative error vs full = {worst:.2e}; decode bitwise equal: {identical}")
+    assert worst < 1e-5
+    assert identical
+    assert n_host >= t.n_pages - 2 and off.ops.h2d_bytes > 0 and full.ops.h2d_bytes == 0
+    assert off.ops.copies[2] > 0                               # device-to-host evictions happened
+
+
+def test_slow_evictions_and_sliding_window():
+    slow = make(delay=True, gpu_pages=2, watermark=0.9)       # every eviction must be waited for
+    full = make(offload=False)
+    assert (slow.gpu_pages, slow.resident_limit) == (2, 1)
+    worst, identical = drive([slow, full], [5] + [1] * 20 + [9, 1, 1], seed=2)
+    assert worst < 1e-5 and identical
+    win = make(gpu_pages=3, watermark=0.5, sliding_window=11)
+    worst_w, _ = drive([win], [19] + [1] * 12 + [3, 1], seed=3, window=11)
+    print(f"\nslow evictions: max relative error {worst:.2e}; sliding window 11: {worst_w:.2e}")
+    assert worst_w < 1e-5
+
+
+def test_evicted_and_direct_host_pages_round_trip():
+    from gpu_kv_checks import check_round_trip
+    c = KVCacheGPU(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16, max_tokens=256, gpu_pages=3,
+                   watermark=0.4, staging_pages=4, ops=EmulatedOps(delay_events=True))
+    check_round_trip(c, lambda a: a, lambda: c._complete_evictions(block=True, want=c.gpu_pages))
+    assert c.ops.copies[2] >= 3                                # evictions plus the direct host writes
+
+
+def test_fp16_queries_reset_and_capacity_errors():
+    off = make(gpu_pages=3, watermark=0.5)
+    worst, _ = drive([off], [20] + [1] * 5, seed=4, q_dtype=np.float16)
+    assert worst < 2e-3                                         # output rounded to fp16
+    off.reset()
+    assert off.length == 0 and off.pool.gpu_free == 3
+    worst, _ = drive([off], [3, 1], seed=5)
+    assert worst < 1e-5
+    with pytest.raises(Exception, match="room for 256"):
+        z = np.zeros((300, H_KV, D), np.float32)
+        off.append(0, z, z)
+    with pytest.raises(Exception, match="no-kv-offload"):
+        make(offload=False, vram_bytes=1000)
+
+
+def test_empty_pool_is_lent_to_the_streamed_prefill_and_only_while_empty():
+    """The streamed prefill borrows the page pool's VRAM before any GPU block writes KV: a loan is
+    the pool's own bytes, refused when too big or once a page exists, and pages written after the
+    loan decode exactly as in a cache that never lent (the borrower's scribbles are overwritten)."""
+    kv, ref = make(gpu_pages=3, watermark=0.5), make(gpu_pages=3, watermark=0.5)
+    pool_bytes = kv.gpu_store.nbytes
+    assert pool_bytes == 3 * 2 * 2 * H_KV * T * D * 2                  # 3 slots x 2 layers x K|V, fp16
+    assert kv.lend_empty_pool(pool_bytes + 1) is None
+    loan = kv.lend_empty_pool(pool_bytes)
+    assert loan is not None and loan.size == pool_bytes and loan.dtype == np.uint8
+    assert np.shares_memory(loan, kv.gpu_store)
+    loan[:] = 0x7E                                                      # the borrower writes garbage fp16
+    worst, identical = drive([kv, ref], [5] + [1] * 12, seed=4)
+    print(f"\nafter a loan: max rel err {worst:.2e}, decode identical to a cache that never lent: {identical}")
+    assert worst < 2e-3 and identical
+    assert kv.lend_empty_pool(16) is None                               # the pool holds pages now
+    kv.reset()
+    assert kv.lend_empty_pool(16) is not None                           # a new request: empty again
