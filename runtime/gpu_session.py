@@ -83,6 +83,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
 
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import streamed_prefill_bytes
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
     from helmc.runtime.stage import Stage
@@ -133,7 +134,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
-                        sliding_window=spec.sliding_window or None, loan_bytes=loan)
+                        sliding_window=spec.sliding_window or None, loan_bytes=loan,
+                        ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm)
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()

@@ -314,6 +314,7 @@ class _GpuSide:
     def time_blocks(self) -> StageTiming:
         from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
         from helmc.runtime.kv.cache_gpu import KVCacheGPU
+        from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
         from helmc.runtime.stage import Stage
         from helmc.runtime.weights.bind import bind_layers
 
@@ -325,7 +326,8 @@ class _GpuSide:
         pages = -(-ctx.total // KV_PAGE_TOKENS)
         # Every page stays resident, as in the benchmark's short requests (the plan's VRAM holds them).
         kv = KVCacheGPU(m, spec.num_kv_heads, spec.head_dim, page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total,
-                        gpu_pages=pages + 2, offload=ctx.plan.kv_offload, sliding_window=spec.sliding_window or None)
+                        gpu_pages=pages + 2, offload=ctx.plan.kv_offload, sliding_window=spec.sliding_window or None,
+                        ops=bundle_cuda_ops(ctx.bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
                       to_array=tvm_to_cupy, from_array=cupy_to_tvm)
         if ctx.fill:

@@ -1,14 +1,30 @@
 """Checks shared by tests/runtime/test_paged_attention_gpu.py, tests/runtime/test_kv_cache_gpu_emulated.py and
 tests/device/device_kv_check.py. No pytest here: the GPU machine may run them without it."""
+import os
+
 import numpy as np
 
 from helmc.runtime.kv.paged_attention import ListPageSource, full_attention, streaming_attention_decode
 
 
+def prebuilt_cuda_ops(cp, shapes):
+    """CudaOps with the paged attention kernels compiled here by nvcc for each (head_dim, group) and this GPU's
+    arch, as `helmc build` compiles them into a bundle (the runtime itself never compiles CUDA)."""
+    import tempfile
+
+    from helmc.compiler.compile_gpu_stage import compile_paged_attention
+    from helmc.runtime.kv.cuda_ops import CudaOps
+    arch = f"sm_{cp.cuda.Device().compute_capability}"
+    cubins = {}
+    for d, group in shapes:
+        out = tempfile.mkdtemp(prefix=f"helmc-pa-d{d}g{group}-")
+        cubins[(d, group)] = os.path.join(out, compile_paged_attention(d, group, arch, out))
+    return CudaOps(cubins)
+
+
 def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages_per_split=1):
     """Run the two decode kernels over pages in shuffled pool slots; return (rel err, output)."""
-    from helmc.runtime.kv.cuda_ops import CudaOps
-    ops = CudaOps()
+    ops = prebuilt_cuda_ops(cp, [(d, group)])
     rng = np.random.default_rng(seed)
     n_pages = -(-n_tokens // page_tokens)
     pool = rng.standard_normal((n_pages + 3, 2, h_kv, page_tokens, d)).astype(np.float16)

@@ -194,7 +194,8 @@ def _collect_cuda_sources(module) -> list[str]:
     return found
 
 
-def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None = None) -> None:
+def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None = None,
+                        defines: tuple[str, ...] = ()) -> None:
     """nvcc source -> cubin for `arch` (no fast math). Raises HelmcError with nvcc's output on failure."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
@@ -205,7 +206,7 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
             f.write(source)
         cubin_tmp = os.path.join(tmp, "kernels.cubin")
         gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
-        cmd = [nvcc, "--cubin", gencode, *NVCC_FLAGS, "-o", cubin_tmp, src]
+        cmd = [nvcc, "--cubin", gencode, *NVCC_FLAGS, *defines, "-o", cubin_tmp, src]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise HelmcError(f"compile_gpu_stage: nvcc failed for {arch} (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -270,3 +271,22 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
             if os.path.exists(leftover):
                 os.unlink(leftover)
     return (so_name, cubin_name, index_name, source_name)
+
+
+def compile_paged_attention(head_dim: int, group: int, arch: str, out_dir: str) -> str:
+    """The paged decode attention kernels (schedules/gpu/paged_attention.py) for one (head_dim, query group)
+    and `arch` -> `out_dir/paged_attention.cubin`, which the runtime's CudaOps loads. Returns the file name."""
+    from helmc.runtime.kv.cuda_ops import PAGED_ATTENTION_CUBIN
+    from helmc.schedules.gpu.paged_attention import DECODE_SOURCE, kernel_defines
+
+    if arch not in SUPPORTED_ARCHS:
+        raise HelmcError(f"compile_paged_attention: expected a CUDA arch in {SUPPORTED_ARCHS}, found {arch!r}")
+    defines = kernel_defines(head_dim, group)
+    tmp = os.path.join(out_dir, f".tmp-{PAGED_ATTENTION_CUBIN}")
+    try:
+        compile_cuda_source(DECODE_SOURCE, arch, tmp, defines=defines)
+        os.replace(tmp, os.path.join(out_dir, PAGED_ATTENTION_CUBIN))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return PAGED_ATTENTION_CUBIN

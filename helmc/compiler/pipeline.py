@@ -76,9 +76,11 @@ def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None 
     exe.export_library(out_path)
 
 
-def compile_gpu(mod, hw: HardwareProfile, out_dir: str) -> tuple[str, ...]:
-    from helmc.compiler.compile_gpu_stage import compile_gpu_stage
-    return compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage")
+def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tuple[str, ...]:
+    """The GPU stage's library and cubins, and the paged decode attention kernels for its KV pages."""
+    from helmc.compiler.compile_gpu_stage import compile_gpu_stage, compile_paged_attention
+    stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage")
+    return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
 
 
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
@@ -131,7 +133,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
                 gdir = os.path.join(work, "gpu")
                 os.makedirs(gdir)
-                names = compile_gpu(mod, hardware, gdir)
+                names = compile_gpu(mod, hardware, gdir, spec)
                 hits["gpu"] = cache.store(jobs["gpu"], {n: os.path.join(gdir, n) for n in names},
                                           {"arch": hardware.gpu.arch, "files": list(names)})
                 progress(f"compile_gpu: {', '.join(names)} for {hardware.gpu.arch}")

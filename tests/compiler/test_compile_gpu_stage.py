@@ -195,3 +195,21 @@ def test_runs_on_gpu_against_numpy(tmp_path):
         diff = float(np.max(np.abs(got - ref)))
         print(f"{name}: max |helmc - numpy float64| = {diff:.2e}")
         assert np.isfinite(got).all() and diff < 1e-3 * max(1.0, float(np.max(np.abs(ref))))
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+def test_paged_attention_is_built_ahead_of_time(tmp_path):
+    """The KV cache's decode kernels are a cubin of the bundle, specialised for the model's head_dim and group;
+    a shape the kernel does not support is refused before nvcc runs."""
+    from helmc.compiler.compile_gpu_stage import compile_paged_attention
+    from helmc.runtime.kv.cuda_ops import PAGED_ATTENTION_CUBIN
+
+    name = compile_paged_attention(128, 4, "sm_90", str(tmp_path))
+    assert name == PAGED_ATTENTION_CUBIN and sorted(os.listdir(tmp_path)) == [PAGED_ATTENTION_CUBIN]
+    cubin = (tmp_path / name).read_bytes()
+    assert cubin[:4] == b"\x7fELF"
+    assert b"paged_decode_partial" in cubin and b"paged_decode_merge" in cubin
+    with pytest.raises(HelmcError, match="head_dim expected a multiple of 32 in 32..256, found 80"):
+        compile_paged_attention(80, 4, "sm_90", str(tmp_path / "bad"))
+    with pytest.raises(HelmcError, match="expected a CUDA arch"):
+        compile_paged_attention(128, 4, "sm_91", str(tmp_path / "bad"))

@@ -51,13 +51,14 @@ def kernel_error(cp, n_tokens: int) -> float:
 def offload_identical(cp) -> tuple[bool, float, bool]:
     """Forced eviction (one resident page) vs everything on the GPU: 4 layers, a 3000-token prompt,
     32 decode steps. Returns (decode bitwise equal, max relative error vs full softmax, round trip ok)."""
-    from gpu_kv_checks import check_round_trip, drive
+    from gpu_kv_checks import check_round_trip, drive, prebuilt_cuda_ops
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
-    kw = dict(num_layers=4, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=4096)
+    ops = prebuilt_cuda_ops(cp, [(D, H_A // H_KV)])
+    kw = dict(num_layers=4, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=4096, ops=ops)
     off, full = KVCacheGPU(**kw, gpu_pages=3, watermark=0.01), KVCacheGPU(**kw, offload=False)
     worst, identical = drive(cp, [off, full], [3000] + [1] * 32, 0, H_KV, H_A // H_KV, D)
     c = KVCacheGPU(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16, max_tokens=256, gpu_pages=3,
-                   watermark=0.4)
+                   watermark=0.4, ops=ops)
     try:
         check_round_trip(c, cp.asarray, lambda: (c.ops.synchronize_stream(c.copy_stream), cp.cuda.Device().synchronize()))
         round_trip = True
@@ -67,8 +68,8 @@ def offload_identical(cp) -> tuple[bool, float, bool]:
 
 
 def kernel_time_us(cp, n_tokens: int, reps: int = 50) -> float:
-    from helmc.runtime.kv.cuda_ops import CudaOps
-    ops = CudaOps()
+    from gpu_kv_checks import prebuilt_cuda_ops
+    ops = prebuilt_cuda_ops(cp, [(D, H_A // H_KV)])
     n_pages = -(-n_tokens // T)
     pool = cp.random.standard_normal((n_pages, 2, H_KV, T, D), dtype=cp.float32).astype(cp.float16)
     ptrs = cp.asarray(np.array([pool.data.ptr + i * pool[0].nbytes for i in range(n_pages)], np.int64))
@@ -108,7 +109,9 @@ def fill(cache, n_tokens: int, xp, chunk: int = 4096) -> None:
 def decode_step_ms(cp, layers: int, n_tokens: int, steps: int, vram_bytes: int | None) -> dict:
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     offload = vram_bytes is not None
-    cache = KVCacheGPU(layers, H_KV, D, T, n_tokens + steps + 8, offload=offload, vram_bytes=vram_bytes)
+    from gpu_kv_checks import prebuilt_cuda_ops
+    cache = KVCacheGPU(layers, H_KV, D, T, n_tokens + steps + 8, offload=offload, vram_bytes=vram_bytes,
+                       ops=prebuilt_cuda_ops(cp, [(D, H_A // H_KV)]))
     fill(cache, n_tokens, cp)
     k = cp.random.standard_normal((1, H_KV, D), dtype=cp.float32).astype(cp.float16)
     q = cp.random.standard_normal((1, H_A, D), dtype=cp.float32).astype(cp.float16)

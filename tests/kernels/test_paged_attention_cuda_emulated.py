@@ -1,6 +1,6 @@
 """The CUDA decode kernels' own source, run on the CPU: one std::thread per CUDA thread.
 
-runtime/kv/cuda_ops.py's DECODE_SOURCE is compiled with g++ against a small harness
+schedules/gpu/paged_attention.py's DECODE_SOURCE is compiled with g++ against a small harness
 (threadIdx/blockIdx per thread, __syncthreads and __shfl_xor_sync as barriers over shared
 buffers, __shared__ as block-wide statics; blocks run one after another). This checks the
 kernel's indexing, its warp and split merges and the split_base / t_begin arguments on a machine
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helmc.runtime.kv.paged_attention import ListPageSource, streaming_attention_decode
-from helmc.runtime.kv.cuda_ops import DECODE_SOURCE
+from helmc.schedules.gpu.paged_attention import DECODE_SOURCE
 
 HARNESS = r"""
 #include <barrier>

@@ -7,7 +7,7 @@ recomputed here; nothing to regenerate. Run: pytest -m gpu tests/runtime/test_pa
 """
 import pytest
 
-from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference
+from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference, prebuilt_cuda_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -40,8 +40,9 @@ def test_forced_eviction_gives_identical_decode():
     cp = _cupy()
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     kw = dict(num_layers=3, num_kv_heads=8, head_dim=128, page_tokens=64, max_tokens=2048)
-    off = KVCacheGPU(**kw, gpu_pages=4, watermark=0.01)       # one page resident, the rest on the host
-    full = KVCacheGPU(**kw, offload=False)
+    ops = prebuilt_cuda_ops(cp, [(128, 4)])
+    off = KVCacheGPU(**kw, gpu_pages=4, watermark=0.01, ops=ops)   # one page resident, the rest on the host
+    full = KVCacheGPU(**kw, offload=False, ops=ops)
     worst, identical = drive(cp, [off, full], [700] + [1] * 40 + [150] + [1] * 10, 0, 8, 4, 128)
     t = off.pool.page_table(off._seq)
     on_host = sum(not t.on_device(i) for i in range(t.n_pages))
@@ -58,7 +59,7 @@ def test_evicted_page_round_trip():
     cp = _cupy()
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     c = KVCacheGPU(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16, max_tokens=256, gpu_pages=3,
-                   watermark=0.4)
+                   watermark=0.4, ops=prebuilt_cuda_ops(cp, []))
     assert c.resident_limit == 1
     check_round_trip(c, lambda a: cp.asarray(a), lambda: (c.ops.synchronize_stream(c.copy_stream),
                                                          cp.cuda.Device().synchronize()))
