@@ -1,0 +1,499 @@
+"""GGUF files (llama.cpp's format) as a model input: the ModelSpec, the tensor names and types, the tokenizer.
+
+A GGUF file is one self-contained model: hyper-parameters as `{arch}.*` keys, the tokenizer as
+`tokenizer.ggml.*` keys, then tensors under llama.cpp's names (`blk.N.attn_q.weight`) with their dims
+listed ne0 first (the reverse of NumPy / Hugging Face order) and their data at aligned offsets. helmc
+keeps Hugging Face names everywhere else, so this module maps the names both ways (one table, shared
+with the HF -> GGUF writer), derives the same ModelSpec that `ModelSpec.from_hf_config` gives for the
+original config.json, and checks every tensor's type and shape against it before anything binds.
+
+Parsing goes through the `gguf` package (llama.cpp's own reader, NumPy only, an optional dependency:
+`pip install 'helmc[gguf]'`); its failures on garbage or truncated files become HelmcErrors.
+Supported: architectures qwen3, qwen2, llama (Mistral files are llama); tensor types F32, F16, BF16,
+Q8_0, Q4_0, Q4_K, Q6_K; byte-level BPE tokenizers (tokenizer.ggml.model "gpt2").
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from helmc.errors import HelmcError
+from helmc.model.spec import ModelSpec, RopeSpec
+
+GGUF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+
+# ---- names: one table, read both ways -------------------------------------------------------------
+HF_TO_GGUF_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+HF_TO_GGUF_BLOCK = {  # suffixes under model.layers.N. <-> blk.N.
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GGUF_TO_HF_ROOT = {g: h for h, g in HF_TO_GGUF_ROOT.items()}
+GGUF_TO_HF_BLOCK = {g: h for h, g in HF_TO_GGUF_BLOCK.items()}
+# Tensors a GGUF may carry that have no HF parameter: llama3 RoPE factors (folded into ModelSpec.rope).
+EXTRA_TENSORS = ("rope_freqs.weight",)
+# llama.cpp's converter reorders the rows of these for the `llama` architecture (see qk_rows_to_hf).
+PERMUTED_FOR_LLAMA = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}
+
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a Hugging Face parameter name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
+    if hf_name in HF_TO_GGUF_ROOT:
+        return HF_TO_GGUF_ROOT[hf_name]
+    m = _HF_BLOCK.fullmatch(hf_name)
+    if m and m.group(2) in HF_TO_GGUF_BLOCK:
+        return f"blk.{m.group(1)}.{HF_TO_GGUF_BLOCK[m.group(2)]}"
+    raise HelmcError(f"tensor name: expected a Qwen3/Qwen2/Llama parameter name, found {hf_name!r} (no GGUF equivalent)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a llama.cpp tensor name (blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight)."""
+    if gguf_name in GGUF_TO_HF_ROOT:
+        return GGUF_TO_HF_ROOT[gguf_name]
+    m = _GGUF_BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in GGUF_TO_HF_BLOCK:
+        return f"model.layers.{m.group(1)}.{GGUF_TO_HF_BLOCK[m.group(2)]}"
+    raise HelmcError(f"tensor name: expected a llama.cpp tensor of a qwen3/qwen2/llama model, found {gguf_name!r}")
+
+
+def qk_rows_to_hf(n_heads: int, head_dim: int) -> np.ndarray:
+    """int64 [n_heads * head_dim]: HF row r of a llama file's attn_q / attn_k is GGUF row idx[r].
+
+    llama.cpp's converter (LlamaModel.permute) interleaves each head's two RoPE halves, so GGUF row
+    h*D + 2j + i holds HF row h*D + i*D/2 + j: the same rows (also whole quantized rows), reordered."""
+    idx = np.arange(n_heads * head_dim, dtype=np.int64).reshape(n_heads, head_dim // 2, 2)  # [h, j, i] = GGUF row
+    return np.ascontiguousarray(idx.swapaxes(1, 2)).reshape(-1)                                # [h, i, j] -> HF order
+
+
+def qk_rows_to_gguf(n_heads: int, head_dim: int) -> np.ndarray:
+    """The inverse of qk_rows_to_hf: GGUF row r is HF row idx[r] (what a HF -> GGUF writer applies)."""
+    return np.argsort(qk_rows_to_hf(n_heads, head_dim))
+
+
+def permuted_heads(gguf_arch: str, spec: ModelSpec, gguf_tensor: str) -> int:
+    """Heads whose rows llama.cpp permuted in this tensor of a `gguf_arch` file (0: stored in HF order)."""
+    m = _GGUF_BLOCK.fullmatch(gguf_tensor)
+    kind = PERMUTED_FOR_LLAMA.get(m.group(2)) if m and gguf_arch == "llama" else None
+    return {"q": spec.num_heads, "k": spec.num_kv_heads}.get(kind, 0)
+
+
+# ---- the parsed header ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str                 # llama.cpp name
+    type: str                 # lower-case GGML type name: f16, q4_k, ... (also unsupported ones: q5_k)
+    dims: tuple[int, ...]     # ne0 first, as the file lists them
+    offset: int               # absolute byte offset of the data in the file
+    nbytes: int
+    block_weights: int        # weights per quantization block (1 for float types)
+    block_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:      # logical shape in HF / NumPy order (rows, cols)
+        return tuple(reversed(self.dims))
+
+    @property
+    def row_bytes(self) -> int:              # one row of ne0 weights: GGUF blocks run along the input dimension
+        return self.dims[0] // self.block_weights * self.block_bytes if self.dims else self.nbytes
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: str
+    architecture: str                  # general.architecture as written (qwen3, llama, ...)
+    metadata: dict                     # key -> value; arrays longer than 64 entries are left out
+    tensors: dict                      # llama.cpp name -> GGUFTensor, in file order
+    n_tokens: int                      # length of tokenizer.ggml.tokens (0: no token list)
+    rope_freqs: tuple[float, ...] = () # rope_freqs.weight values (llama3 RoPE), when present
+
+
+def _gguf():
+    try:
+        import gguf
+        return gguf
+    except ImportError:
+        raise HelmcError("reading GGUF files needs the gguf package (pip install 'helmc[gguf]'), not installed") from None
+
+
+class _Corrupt(Exception):
+    """A structural problem found inside the reader; reported as a HelmcError with the path."""
+
+
+@lru_cache(maxsize=1)
+def _reader_class():
+    gguf = _gguf()
+
+    class CheckedReader(gguf.GGUFReader):
+        # gguf's reader slices every tensor out of the mapping and fails with a bare reshape error when
+        # the data runs past the end of the file; check each tensor's extent first to say which one.
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                # tensor-info parts: name length, name, n_dims, dims, type, offset (stable since GGUF v2)
+                name, raw = bytes(field.parts[1]).decode("utf-8", "replace"), int(field.parts[4][0])
+                dims = [int(d) for d in field.parts[3]]
+                try:
+                    qt = gguf.GGMLQuantizationType(raw)
+                except ValueError:
+                    raise _Corrupt(f"tensor {name!r} has GGML type id {raw}, unknown to the installed gguf package; "
+                                   f"helmc reads {', '.join(t.upper() for t in SUPPORTED_TYPES)}") from None
+                block, type_bytes = gguf.GGML_QUANT_SIZES[qt]
+                if dims and dims[0] % block:
+                    raise _Corrupt(f"tensor {name!r} ({qt.name}, dims {dims}): rows of {dims[0]} weights are not a "
+                                   f"multiple of the {qt.name} block of {block}")
+                end = start_offs + int(field.parts[5][0]) + math.prod(dims) // block * type_bytes
+                if end > size:
+                    raise _Corrupt(f"tensor {name!r} ({qt.name}, dims {dims}) ends at byte {end}, past the end of the "
+                                   f"file ({size} bytes): the file is truncated")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def open_gguf_reader(path: str):
+    """A gguf.GGUFReader on `path`, every failure a HelmcError naming what was expected and found."""
+    if not os.path.isfile(path):
+        raise HelmcError(f"GGUF: expected a .gguf file at {path}, found nothing")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise HelmcError(f"{path}: not a GGUF file: expected the magic b'GGUF' at byte 0, found {head!r}")
+    try:
+        return _reader_class()(path, "r")
+    except _Corrupt as e:
+        raise HelmcError(f"{path}: {e}") from None
+    except IndexError:              # gguf's reader indexes past the mapping's end: the header is cut short
+        raise HelmcError(f"{path}: GGUF header truncated or corrupt: it runs past the end of the file "
+                         f"({os.path.getsize(path)} bytes)") from None
+    except (ValueError, KeyError, OverflowError, TypeError, UnicodeDecodeError) as e:
+        raise HelmcError(f"{path}: GGUF header unreadable, truncated or corrupt "
+                         f"(file is {os.path.getsize(path)} bytes; gguf said {type(e).__name__}: {e})") from None
+
+
+def _value(field):
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:
+        raise HelmcError(f"GGUF key {field.name!r}: value unreadable ({e})") from None
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """Keys (short ones) and tensor table of a GGUF file, checked for truncation; the tensor data is not read."""
+    gguf = _gguf()
+    reader = open_gguf_reader(path)
+    metadata, n_tokens = {}, 0
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key == "tokenizer.ggml.tokens":
+            n_tokens = len(field.data)
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 64:
+            continue          # token lists and merges: read_gguf_tokenizer reads them when it needs them
+        metadata[key] = _value(field)
+    if int(metadata.get("split.count", 1) or 1) > 1:
+        raise HelmcError(f"{path}: expected one GGUF file, found part of a split of {metadata['split.count']}: "
+                         "merge it first (llama.cpp's gguf-split --merge)")
+    if not isinstance(arch := metadata.get("general.architecture"), str):
+        raise HelmcError(f"{path}: required key 'general.architecture' missing")
+    tensors, rope_freqs = {}, ()
+    for t in reader.tensors:
+        name = t.tensor_type.name.lower()
+        block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        tensors[t.name] = GGUFTensor(t.name, name, tuple(int(d) for d in t.shape), int(t.data_offset),
+                                     int(t.n_bytes), block, type_bytes)
+        if t.name == "rope_freqs.weight":
+            if name != "f32":
+                raise HelmcError(f"{path}: tensor 'rope_freqs.weight' expected F32, found {t.tensor_type.name}")
+            rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    return GGUFHeader(path, arch, metadata, tensors, n_tokens, rope_freqs)
+
+
+# ---- the ModelSpec --------------------------------------------------------------------------------
+def _f32(v: float) -> float:
+    # GGUF stores these as float32; the shortest decimal that rounds to it is what config.json said (1e-06).
+    return float(str(np.float32(v)))
+
+
+def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
+    if h.architecture not in GGUF_ARCHITECTURES:
+        raise HelmcError(f"{h.path}: general.architecture expected one of {', '.join(GGUF_ARCHITECTURES)} "
+                         f"(Mistral files are llama), found {h.architecture!r}")
+    arch = h.architecture
+    missing = object()
+
+    def key(name, default=missing, kind=int):
+        full = f"{arch}.{name}"
+        v = h.metadata.get(full, missing)
+        if v is missing:
+            if default is missing:
+                raise HelmcError(f"{h.path}: required key {full!r} missing for {arch}")
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:   # also a per-layer list
+            raise HelmcError(f"{h.path}: {full!r} expected one positive number, found {v!r:.80}")
+        return kind(v)
+
+    H, heads = key("embedding_length"), key("attention.head_count")
+    kv_heads = key("attention.head_count_kv", heads)
+    head_dim = key("attention.key_length", H // heads)
+    for k, why in (("attention.value_length", "= key_length"), ("rope.dimension_count", "RoPE over the whole head")):
+        if (v := key(k, head_dim)) != head_dim:
+            raise HelmcError(f"{h.path}: {arch}.{k} expected {head_dim} ({why}), found {v}")
+    if heads % kv_heads:
+        raise HelmcError(f"{h.path}: head_count ({heads}) must be a multiple of head_count_kv ({kv_heads})")
+    if head_dim % 2:
+        raise HelmcError(f"{h.path}: head dim must be even for RoPE, found {head_dim}")
+    theta = _f32(key("rope.freq_base", 10000.0, float))   # llama.cpp's default when the key is absent
+
+    embd = h.tensors.get("token_embd.weight")
+    if embd is None or len(embd.dims) != 2:
+        raise HelmcError(f"{h.path}: tensor 'token_embd.weight' (model.embed_tokens.weight): expected GGUF dims "
+                         f"[{H}, vocab], found {list(embd.dims) if embd else 'no such tensor'}")
+    vocab = embd.dims[1]
+    for what, n in (("tokenizer.ggml.tokens lists", h.n_tokens), (f"{arch}.vocab_size says", key("vocab_size", 0))):
+        if n and n != vocab:
+            raise HelmcError(f"{h.path}: vocabulary: token_embd.weight has {vocab} rows, {what} {n} tokens")
+    eos = [h.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos_ids = tuple(dict.fromkeys(int(e) for e in eos if isinstance(e, int)))   # distinct, in this order
+    bos = h.metadata.get("tokenizer.ggml.bos_token_id")
+    return ModelSpec(
+        architecture=GGUF_ARCHITECTURES[arch], hidden_size=H, intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=int(vocab), rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", kind=float)),
+        rope=_rope(h, key, theta, head_dim), max_position_embeddings=key("context_length"),
+        tie_word_embeddings="output.weight" not in h.tensors,
+        # the activation / KV precision reference: quantized weights carry their own type per tensor
+        dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
+        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=arch == "qwen3", sliding_window=0,
+        bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
+
+
+def _rope(h: GGUFHeader, key, theta: float, head_dim: int) -> RopeSpec:
+    kind = h.metadata.get(f"{h.architecture}.rope.scaling.type")
+    factor = key("rope.scaling.factor", 0.0, float) or key("rope.scale_linear", 0.0, float)
+    if kind is None and factor not in (0.0, 1.0):
+        kind = "linear"                     # older files: rope.scale_linear without a scaling type
+    if kind == "linear":
+        return RopeSpec(theta=theta, kind="linear", factor=_f32(factor))
+    if kind not in (None, "none"):
+        raise HelmcError(f"{h.path}: {h.architecture}.rope.scaling.type expected none or linear, found {kind!r}")
+    if h.rope_freqs:
+        return _llama3_rope(h.path, h.rope_freqs, theta, head_dim)
+    return RopeSpec(theta=theta)
+
+
+def _llama3_factors(freq: np.ndarray, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    # llama.cpp stores the divisor of each inverse frequency (convert_hf_to_gguf's rope_factors)
+    wavelen = 2 * math.pi / freq
+    smooth = (old / wavelen - low) / (high - low)
+    with np.errstate(divide="ignore"):      # only used where 0 <= smooth <= 1
+        mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
+
+
+def _llama3_rope(path: str, factors: tuple[float, ...], theta: float, head_dim: int) -> RopeSpec:
+    """Llama 3's RoPE scaling from the rope_freqs.weight factors (the file has no keys for it).
+
+    The factors depend on (old_ctx, low, high) only through a = old/(high-low) and b = low/(high-low),
+    so every triple with the same a, b gives the same frequencies: with >= 2 factors strictly between 1
+    and `factor` a line fit gives a, b and low is set to 1; otherwise Llama 3.1's (1, 4, 8192) is tried.
+    Whatever is chosen must reproduce every stored factor."""
+    f = np.asarray(factors, dtype=np.float64)
+    freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # [D/2]
+    if f.shape != freq.shape:
+        raise HelmcError(f"{path}: rope_freqs.weight expected {freq.size} factors (head dim {head_dim} / 2), found {f.size}")
+    factor = float(f.max())
+    if factor <= 1.0:
+        return RopeSpec(theta=theta)
+    candidates = []
+    mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if mid.sum() >= 2:
+        smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        a, minus_b = np.polyfit(freq[mid] / (2 * math.pi), smooth, 1)   # smooth = a / wavelen - b
+        if -minus_b > 0:
+            candidates.append((1.0, round(1 - 1 / minus_b, 4), int(round(-a / minus_b))))
+    candidates.append((1.0, 4.0, 8192))
+    for low, high, old in candidates:
+        if np.allclose(_llama3_factors(freq, factor, low, high, old), f, rtol=1e-4):
+            return RopeSpec(theta=theta, kind="llama3", factor=_f32(factor), low_freq_factor=low,
+                            high_freq_factor=high, original_max_position=old)
+    raise HelmcError(f"{path}: rope_freqs.weight: expected Llama 3 RoPE scaling factors, found {list(np.round(f, 4))} "
+                     "that no (factor, low, high, original context) reproduces")
+
+
+# ---- tensors: names, types, shapes ----------------------------------------------------------------
+def expected_hf_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight (runtime.weights.bind.expected_tensors; the model layer cannot import it)."""
+    out = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    for i in range(spec.num_layers):
+        out.update({f"model.layers.{i}.{n}": s for n, s in spec.block_weight_shapes().items()})
+    return out
+
+
+def _types(h: GGUFHeader) -> dict[str, str]:
+    out = {}
+    for t in h.tensors.values():
+        if t.name in EXTRA_TENSORS:
+            continue
+        try:
+            hf = hf_name(t.name)
+        except HelmcError:
+            raise HelmcError(f"{h.path}: unexpected tensor {t.name!r}: not part of a qwen3/qwen2/llama model helmc runs") from None
+        if t.type not in SUPPORTED_TYPES:
+            raise HelmcError(f"{h.path}: tensor {t.name!r} ({hf}) has type {t.type.upper()}; helmc reads "
+                             f"{', '.join(s.upper() for s in SUPPORTED_TYPES)}")
+        out[hf] = t.type
+    return out
+
+
+def check_gguf_tensors(h: GGUFHeader, spec: ModelSpec) -> dict[str, str]:
+    """Every tensor the spec needs is present with its shape and a supported type, and nothing else is
+    there; returns HF name -> type name."""
+    types = _types(h)
+    expected = expected_hf_tensors(spec)
+    for hf, shape in expected.items():
+        g = gguf_name(hf)
+        t = h.tensors.get(g)
+        if t is None:
+            raise HelmcError(f"{h.path}: missing tensor {g!r} ({hf}): expected shape {list(shape)} "
+                             f"(GGUF dims {list(reversed(shape))}) for this {h.architecture} model")
+        if t.shape != tuple(shape):
+            raise HelmcError(f"{h.path}: tensor {g!r} ({hf}): expected GGUF dims {list(reversed(shape))} (HF shape "
+                             f"{list(shape)}) from the model's hyper-parameters, found dims {list(t.dims)} "
+                             f"(HF shape {list(t.shape)})")
+    for hf in types:
+        if hf not in expected:
+            raise HelmcError(f"{h.path}: unexpected tensor {gguf_name(hf)!r} ({hf}): not part of this "
+                             f"{h.architecture} model ({spec.num_layers} blocks, qkv_bias={spec.qkv_bias}, "
+                             f"tied embeddings={spec.tie_word_embeddings})")
+    return types
+
+
+def read_gguf_spec(path: str) -> ModelSpec:
+    """The ModelSpec of a GGUF file, after checking every tensor's presence, shape and type against it."""
+    h = read_gguf_header(path)
+    check_gguf_tensors(h, spec := spec_from_gguf_header(h))
+    return spec
+
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """HF tensor name -> lower-case type name (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k); any other type
+    raises a HelmcError naming the tensor and its type."""
+    return _types(read_gguf_header(path))
+
+
+# ---- the tokenizer --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _PreTokenizer:
+    regex: str | None         # the Split regex of the model's tokenizer.json; None: GPT-2's, inside ByteLevel
+    nfc: bool                 # Qwen2's tokenizer.json normalizes to NFC
+    ignore_merges: bool       # Llama 3: a word already in the vocab is one token, whatever the merges say
+    add_bos: bool             # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+# The original regexes of the models' tokenizer.json (llama-vocab.cpp quotes them next to its own rewrites):
+# Qwen2 splits digits one by one, Llama 3 in groups of up to three.
+_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+          r"\s+(?!\S)|\s+")
+_LLAMA3 = _PreTokenizer(_SPLIT % "{1,3}", nfc=False, ignore_merges=True, add_bos=True)
+PRE_TOKENIZERS = {"qwen2": _PreTokenizer(_SPLIT % "", nfc=True, ignore_merges=False, add_bos=False),
+                  "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+                  "gpt-2": _PreTokenizer(None, nfc=False, ignore_merges=False, add_bos=False)}
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED = 1, 2, 3, 4, 5   # gguf.TokenType
+
+
+def read_gguf_tokenizer(path: str) -> tuple[str, str | None]:
+    """(tokenizer.json text for the `tokenizers` library, chat template or None) of a GGUF's byte-level BPE.
+
+    The token list gives the ids (UNUSED padding entries are left out of the vocabulary; their ids stay
+    unused), the merges their ranks, tokenizer.ggml.pre the pre-tokenizer, CONTROL / USER_DEFINED token
+    types the special / added tokens, matched before BPE as Hugging Face does."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    reader = open_gguf_reader(path)
+
+    def get(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else _value(field)
+
+    kind = get("tokenizer.ggml.model")
+    if kind is None:
+        raise HelmcError(f"{path}: no tokenizer: key 'tokenizer.ggml.model' missing (pass token ids instead of text)")
+    if kind != "gpt2":
+        raise HelmcError(f"{path}: tokenizer.ggml.model expected 'gpt2' (byte-level BPE), found {kind!r}" + (
+            " (a SentencePiece vocabulary, not supported yet: use the model's tokenizer.json or pass token ids)"
+            if kind == "llama" else ""))
+    pre_name = get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise HelmcError(f"{path}: tokenizer.ggml.pre expected one of {', '.join(PRE_TOKENIZERS)}, found {pre_name!r}")
+    pre = PRE_TOKENIZERS[pre_name]
+    tokens = get("tokenizer.ggml.tokens") or []
+    types = get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    merges = get("tokenizer.ggml.merges") or []
+    if not tokens or len(types) != len(tokens):
+        raise HelmcError(f"{path}: tokenizer: expected a token list and one type per token, found "
+                         f"{len(tokens)} tokens and {len(types)} types")
+
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty != _UNUSED:
+            vocab.setdefault(t, i)
+    bad = next((m for m in merges if " " not in m), None)     # byte-level tokens hold no space: 'left right'
+    if bad is not None:
+        raise HelmcError(f"{path}: tokenizer.ggml.merges: expected 'left right' entries, found {bad!r}")
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges, byte_fallback=False))
+    except Exception as e:          # tokenizers raises a bare Exception for a merge outside the vocabulary
+        raise HelmcError(f"{path}: tokenizer: expected merges of tokens in the list, found {e}") from None
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=pre.regex is None)
+    tok.pre_tokenizer = byte_level if pre.regex is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    # Added tokens already in the vocabulary keep their ids (add_tokens looks them up first).
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, ty in enumerate(types) if ty in (_CONTROL, _UNKNOWN)])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == _USER_DEFINED])
+    for i, ty in enumerate(types):
+        if ty in (_CONTROL, _UNKNOWN, _USER_DEFINED) and tok.token_to_id(tokens[i]) != i:
+            raise HelmcError(f"{path}: tokenizer: token {tokens[i]!r} is listed at id {i} and again at "
+                             f"{tok.token_to_id(tokens[i])}; expected each special token once")
+    tok.post_processor = _post_processor(path, get, tokens, pre, processors)
+    return tok.to_str(), get("tokenizer.chat_template")
+
+
+def _post_processor(path, get, tokens, pre: _PreTokenizer, processors):
+    """BOS / EOS added to an encoded text as llama.cpp adds them (tokenizer.ggml.add_bos_token / add_eos_token)."""
+    ends = []
+    for which, default in (("bos", pre.add_bos), ("eos", False)):
+        tid = get(f"tokenizer.ggml.{which}_token_id")
+        if not get(f"tokenizer.ggml.add_{which}_token", default):
+            continue
+        if not isinstance(tid, int) or not 0 <= tid < len(tokens):
+            raise HelmcError(f"{path}: tokenizer.ggml.add_{which}_token is set; expected tokenizer.ggml.{which}_token_id "
+                             f"below {len(tokens)}, found {tid!r}")
+        ends.append((which, tokens[tid], tid))
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if not ends:
+        return byte_level
+    bos, eos = [t for w, t, _ in ends if w == "bos"], [t for w, t, _ in ends if w == "eos"]
+    single = [f"{t}:0" for t in bos] + ["$A:0"] + [f"{t}:0" for t in eos]
+    pair = single + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos]
+    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=[(t, i) for _, t, i in ends])
+    return processors.Sequence([byte_level, template])
