@@ -87,7 +87,7 @@ def repack(w16, layout, rows, width):
 
 def build(out_dir, features):
     import tvm
-    from helmc.compiler.schedule_cpu_stage import llvm_target
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
     isa = select_isa(features)

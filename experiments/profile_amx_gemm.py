@@ -22,7 +22,7 @@ SHAPES = ((4096, 4096), (12288, 4096))
 
 def build(out_dir, features):
     import tvm
-    from helmc.compiler.schedule_cpu_stage import llvm_target
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu.gemm_amx import BLOCKING_VARIANTS, make_gemm_amx
     kernels, funcs = [], {}
     for n, k in SHAPES:

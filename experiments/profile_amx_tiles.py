@@ -181,7 +181,7 @@ def make_loop(mode: str, a_kib: int, b_kib: int, c_every: int, pack_every: int =
 
 def build(out_dir, features):
     import tvm
-    from helmc.compiler.schedule_cpu_stage import llvm_target
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     funcs = {str(f.attrs["global_symbol"]): f for f in (make_loop(*cfg) for cfg in CONFIGS)}
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
     os.makedirs(out_dir, exist_ok=True)

@@ -1,6 +1,6 @@
 """Run a prebuilt GPU stage with the runtime-only TVM: CUDA backend loading, prebuilt cubins, DLPack, uploads.
 
-The GPU stage's host library (from helmc.compiler.compile_gpu_stage) carries its kernels as CUDA source;
+The GPU stage's host library (from helmc.compiler.passes.compile_gpu_stage) carries its kernels as CUDA source;
 when it is loaded, TVM asks the global `tvm_callback_cuda_compile(source)` for machine code. The
 target has no CUDA compiler, so the callback registered here answers with the cubin built with
 the bundle, found by the source's sha256, and refuses anything else (a source that does not match

@@ -23,6 +23,7 @@ from helmc.runtime.bundle.plan import Plan
 
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.rope import RopeTables
+from helmc.runtime.weights.bind import check_checkpoint, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
 
@@ -60,7 +61,8 @@ class Session:
         self.tokenizer = tokenizer
         self.gpu = gpu
         self.rope = RopeTables(spec.rope, spec.head_dim)
-        self._embed = checkpoint.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+        self._embed = (checkpoint.raw("model.embed_tokens.weight") if spec.embed_type else
+                       checkpoint.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size)))
         self.position = 0
         self.kv_capacity = None          # KVCapacity of the last request (generate)
         self._kv_tokens_touched = 0      # KV positions earlier requests wrote: memory the caches already hold
@@ -69,8 +71,8 @@ class Session:
     @classmethod
     def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, **kv_options) -> "Session":
         manifest, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
-        checkpoint = Checkpoint(wdir)
-        _check_checkpoint(checkpoint, spec)
+        checkpoint = open_checkpoint(wdir, spec)
+        check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
         if plan.uses_gpu:
             from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
@@ -92,6 +94,9 @@ class Session:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         rows = self._embed[ids]                                   # gather only S rows from the mmap
+        if self.spec.embed_type:                                  # quantized rows: dequantize just these
+            from helmc.runtime.weights.gguf_mmap import dequantize_rows
+            return dequantize_rows(rows, self.spec.embed_type, self.spec.hidden_size)  # [S, row bytes] -> [S, H]
         if self.checkpoint.info("model.embed_tokens.weight").dtype == "bfloat16":
             from helmc.runtime.tvm_tensors import float32_from_bf16_bits
             rows = float32_from_bf16_bits(rows)
@@ -219,10 +224,3 @@ def _load_tokenizer(bundle_dir: str):
         return None
     from tokenizers import Tokenizer
     return Tokenizer.from_file(path)
-
-
-def _check_checkpoint(ck: Checkpoint, spec: ModelSpec):
-    """Every tensor the plan will read exists with the shape config.json implies, before any loading."""
-    from helmc.runtime.weights.bind import expected_tensors
-    for name, shape in expected_tensors(spec).items():
-        ck.view(name, shape)

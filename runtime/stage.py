@@ -17,6 +17,13 @@ from typing import Any, Callable
 from helmc.model.spec import ModelSpec
 
 
+def block_function_name(part: str, phase: str, signature: int = 0) -> str:
+    """The compiled function for `part` (pre_attn | post_attn) in `phase` (prefill | decode) of the blocks whose
+    weights have type signature `signature` (ModelSpec.block_signatures(): one for unquantized models, two for a
+    Q4_K_M file); the compiler names the functions with it and the stage calls them by it."""
+    return f"{part}_{phase}" if signature == 0 else f"{part}_{phase}_t{signature}"
+
+
 @dataclass
 class StageBinding:
     """Weights of one block, already on the stage's device, in the compiled functions' order."""
@@ -37,18 +44,22 @@ class Stage:
         self.to_array = to_array        # device tensor -> NumPy/CuPy array (zero-copy where possible)
         self.from_array = from_array    # NumPy/CuPy array -> device tensor
         self.scale = 1.0 / math.sqrt(spec.head_dim)
-        self._pre = {p: vm[f"pre_attn_{p}"] for p in ("prefill", "decode")}
-        self._post = {p: vm[f"post_attn_{p}"] for p in ("prefill", "decode")}
+        # Per block of the stage, its signature's functions: (phase, signature) -> PackedFunc.
+        self._signature = [spec.signature_index(i) for i in layers]
+        self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in ("prefill", "decode")
+                     for j in set(self._signature)}
+        self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in ("prefill", "decode")
+                      for j in set(self._signature)}
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
-        pre, post = self._pre[phase], self._post[phase]
         S = x.shape[0]
         for local, binding in enumerate(self.bindings):
-            q, k, v = pre(x, cos, sin, *binding.pre)
+            j = self._signature[local]
+            q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             self.kv.append(local, self.to_array(k), self.to_array(v))
             o = self.kv.attend(local, self.to_array(q), self.scale)          # [S, h_a, D]
             attn = self.from_array(o.reshape(S, self.spec.q_dim))            # [S, h_a, D] -> [S, h_a*D]
-            x = post(x, attn, *binding.post)
+            x = self._post[(phase, j)](x, attn, *binding.post)
         self.kv.advance(S)
         return x

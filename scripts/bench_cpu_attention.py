@@ -36,7 +36,7 @@ SETTLE_S = 0.05                     # let TVM's spinning pool threads go idle be
 
 def build(out_dir: str, features: tuple[str, ...], cores: int, target_l3: int) -> None:
     import tvm
-    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.decode_attention import default_max_splits, make_decode_attention
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements

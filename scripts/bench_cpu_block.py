@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One Qwen3 block (default 8B) on the CPU stage: decode step against the roofline, prefill against torch bf16.
 
-The block is the pipeline's own export (helmc.compiler.export_block: pre_attn + post_attn, weights as graph inputs),
-imported to Relax and compiled with helmc.compiler.schedule_cpu_stage.compile_cpu_stage. Attention itself is not in
+The block is the pipeline's own export (helmc.compiler.passes.export_block: pre_attn + post_attn, weights as graph inputs),
+imported to Relax and compiled with helmc.compiler.passes.schedule_cpu_stage.compile_cpu_stage. Attention itself is not in
 these functions (the runtime drives it between them), so the attention output is a random input here.
 
   decode   pre_attn_decode + post_attn_decode, one token, cycling through enough weight copies to read
@@ -58,9 +58,9 @@ def qwen3_spec(model: str, dtype: str, **overrides):
 def build(out_dir: str, spec, features: tuple[str, ...], min_read_bytes: int, amx_blocking: str = "auto",
           amx_activations: str = "model", gemv_prefetch: int | None = None) -> None:
     import tvm
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions
-    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
+    from helmc.compiler.passes.schedule_cpu_stage import compile_cpu_stage, llvm_target, required_cpu_features
     from helmc.schedules.cpu import gemm_amx
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements

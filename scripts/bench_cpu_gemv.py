@@ -105,7 +105,7 @@ def built_only(args, build) -> bool:
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
           amx_variant_models: list[str], gemv_prefetch: int | None = None) -> None:
     import tvm
-    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements

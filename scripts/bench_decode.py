@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Decode benchmark on the GPU machine: helmc vs HF Accelerate (same GPU budget) vs HF on the whole GPU.
+"""Decode benchmark on the GPU machine: helmc vs HF Accelerate (same GPU budget) vs HF on the whole GPU, or,
+for a GGUF file, helmc vs llama.cpp's llama-bench on the same file.
 
     python scripts/bench_decode.py --model MODEL_DIR --bundle SPLIT_BUNDLE [--bundle ALL_GPU_BUNDLE ...]
         [--gpu-budget 7] [--prompt-len 128] [--new-tokens 128] [--requests 10] [--out bench.json]
+    python scripts/bench_decode.py --model model.gguf --bundle BUNDLE --llama-bench /tmp/lc/build/bin/llama-bench
+        --llama-ngl 0,99 [--threads 16] ...      (HF peers are skipped for a GGUF file; llamacpp_peer.py)
 
 Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at
 EOS. Per request: TTFT (prompt in -> first token out), decode tok/s ((n - 1) / time from the first to
@@ -92,6 +95,18 @@ def _timed(fn, cuda: bool = False) -> float:
 # ------------------------------------------------------------------------------------------------
 # helmc
 # ------------------------------------------------------------------------------------------------
+def rss_bytes() -> dict:
+    """This process's resident memory by kind (/proc/self/status): anonymous (copies the process made) and
+    file-backed (mmapped weights' pages in the page cache, not a copy)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
                 calibrated=None) -> dict:
     from helmc.runtime.session import Session
@@ -109,7 +124,11 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                      "per_token_ms": list(r.per_token_ms)})
         log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
     out = summarize(runs)
+    out["rss_after_requests"] = rss = rss_bytes()
+    log(f"  resident: anonymous {rss.get('RssAnon', 0) / 2**30:.2f} GiB, file-backed (mmapped weights) "
+        f"{rss.get('RssFile', 0) / 2**30:.2f} GiB; weights as stored {(plan.cpu_weight_bytes + plan.gpu_weight_bytes) / 2**30:.2f} GiB")
     roof_ms = 1e3 * (plan.cpu_weight_bytes / (bw["host_read_gbs"] * GB) + plan.gpu_weight_bytes / (bw["hbm_copy_gbs"] * GB))
+    out["decode_fraction_of_roofline"] = roof_ms / out["per_token_ms_p50"]
     out.update({"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "cpu_units": plan.cpu_units,
                 "t_plan_ms": plan.t_plan_ms, "cpu_weight_bytes": plan.cpu_weight_bytes,
                 "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
@@ -253,12 +272,17 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default=None,
                     help="profile to calibrate (default: the first bundle's hardware.json)")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
+    ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
+    ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
 
-    with open(os.path.join(a.model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    from helmc.model.load import is_gguf, load_spec
+    vocab = load_spec(a.model).vocab_size
+    if is_gguf(a.model):
+        skip |= {"hf_gpu", "accelerate"}       # no Hugging Face directory: llama.cpp is the peer
     prompt = np.random.default_rng(a.seed).integers(3, vocab, a.prompt_len).tolist()
     report = {"model": a.model, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "gpu_budget_gib": a.gpu_budget,
               "requests": a.requests, "helmc": []}
@@ -284,6 +308,18 @@ def main(argv=None) -> int:
     for bundle in a.bundle:
         report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated))
         save()
+    if a.llama_bench:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from llamacpp_peer import llama_bench
+        report["llamacpp"] = []
+        for ngl in (int(n) for n in a.llama_ngl.split(",")):
+            r = llama_bench(a.llama_bench, a.model, ngl, a.prompt_len, a.new_tokens, threads=a.threads)
+            log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s")
+            report["llamacpp"].append(r)
+            for h in report["helmc"]:
+                h[f"decode_ratio_vs_llamacpp_ngl{ngl}"] = h["decode_tok_s_p50"] / r["decode_tok_s_p50"]
+                h[f"ttft_ratio_vs_llamacpp_ngl{ngl}"] = h["ttft_ms_p50"] / r["ttft_ms_p50"]
+            save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)
         for h in report["helmc"]:
@@ -303,6 +339,13 @@ def main(argv=None) -> int:
                if "t_plan_calibrated_ms" in h else "- | -")
         print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
               f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
+    for r in report.get("llamacpp", []):
+        print(f"| llama.cpp | -ngl {r['ngl']} | {r['decode_tok_s_p50']:.2f} | {r['ttft_ms_p50']:.0f} | "
+              f"{r['per_token_ms_p50']:.1f} | - | - | - | - |")
+    for h in report["helmc"]:
+        for k, v in h.items():
+            if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp")):
+                print(f"helmc {h['plan']}: {k} = {v:.3f}")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
         if key in report:
             r = report[key]

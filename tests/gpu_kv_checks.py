@@ -12,7 +12,7 @@ def prebuilt_cuda_ops(cp, shapes):
     arch, as `helmc build` compiles them into a bundle (the runtime itself never compiles CUDA)."""
     import tempfile
 
-    from helmc.compiler.compile_gpu_stage import compile_paged_attention
+    from helmc.compiler.passes.compile_gpu_stage import compile_paged_attention
     from helmc.runtime.kv.cuda_ops import CudaOps
     arch = f"sm_{cp.cuda.Device().compute_capability}"
     cubins = {}

@@ -42,14 +42,18 @@ def main():
 @click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default="model", show_default=True,
               help="AMX prefill GEMM inputs: rounded to the model's bf16 (as HF's bf16 model; fastest) or fp32 "
                    "(bf16 hi + lo, ~1e-5 of an fp32 GEMM, 1.3-1.6x the GEMM time)")
+@click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k"]), default=None,
+              help="quantize a Hugging Face checkpoint's linear weights to this llama.cpp block format (once, into "
+                   "the weights cache); a GGUF file keeps its own types")
 def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
-              prefill_activations):
-    """Compile MODEL_DIR for the machine described by HARDWARE (hardware.json) into a bundle."""
+              prefill_activations, quant):
+    """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
+    (hardware.json) into a bundle."""
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
-                  prefill_activations=prefill_activations)
+                  prefill_activations=prefill_activations, quant=quant or "")
     click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")

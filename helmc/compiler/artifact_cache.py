@@ -39,7 +39,7 @@ def tvm_version() -> str:
 
 # What a compiled stage depends on besides the schedules: every compiler pass, the model readers, and the
 # program analysis the stages are cut by.
-_COMPILER_SOURCE_DIRS = ("compiler", "model")
+_COMPILER_SOURCE_DIRS = ("compiler", os.path.join("compiler", "passes"), "model")
 _COMPILER_SOURCE_FILES = (os.path.join("planner", "analyze_program.py"),)
 
 

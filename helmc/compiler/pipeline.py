@@ -1,6 +1,7 @@
 """The build pipeline, every phase in order (mlc-llm style: one file lists them all).
 
-  1. read_config     config.json -> ModelSpec (weights are not read: they bind at run time)
+  1. read_model      config.json or a GGUF header -> ModelSpec (weights bind at run time; `--quant` quantizes
+                     a Hugging Face checkpoint once into the weights cache)
   2. search_plan     ModelSpec x HardwareProfile -> Plan (thesis Algorithm 1)
   3. export_onnx     pre_attn / post_attn / head through torch.onnx.export(dynamo=True)
   4. import_relax    ONNX -> one Relax IRModule (prefill and decode variants)
@@ -12,6 +13,7 @@ Compile cost does not grow with depth: one block function per device serves ever
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -49,10 +51,9 @@ class Progress:
 
 
 def read_config(model_dir: str) -> tuple[ModelSpec, str]:
-    spec = ModelSpec.from_model_dir(model_dir)
-    path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
-    with open(path, "rb") as f:
-        return spec, hashlib.sha256(f.read()).hexdigest()
+    from helmc.compiler.read_model import read_model
+    source = read_model(model_dir)
+    return source.spec, source.config_sha256
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
@@ -63,14 +64,14 @@ def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_le
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
     """(LLVM target description, CPU features the compiled code requires)."""
-    from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features
     target = llvm_target(hw.cpu.features)
     return json.dumps(dict(target.export()), sort_keys=True, default=str), tuple(required_cpu_features(hw.cpu.features))
 
 
 def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None = None,
                 prefill_activations: str = "model"):
-    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage
+    from helmc.compiler.passes.schedule_cpu_stage import compile_cpu_stage
     # spec: adds the decode-attention kernel
     exe = compile_cpu_stage(mod, hw.cpu.features, spec, hw.cpu.cores, prefill_activations)
     exe.export_library(out_path)
@@ -78,7 +79,7 @@ def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None 
 
 def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tuple[str, ...]:
     """The GPU stage's library and cubins, and the paged decode attention kernels for its KV pages."""
-    from helmc.compiler.compile_gpu_stage import compile_gpu_stage, compile_paged_attention
+    from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, compile_paged_attention
     stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage")
     return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
 
@@ -86,14 +87,21 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
-          prefill_activations: str = "model") -> BuildResult:
+          prefill_activations: str = "model", quant: str = "") -> BuildResult:
     progress = Progress(quiet)
-    from helmc.compiler.lower_linear import check_prefill_activations
+    from helmc.compiler.passes.lower_linear import check_prefill_activations
+    from helmc.compiler.read_model import read_model
     from helmc.compiler.write_bundle import BundleInputs, write_bundle
     check_prefill_activations(prefill_activations)
 
-    spec, config_sha = read_config(model_dir)
-    progress(f"read_config: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.dtype}")
+    source = read_model(model_dir, quant, os.path.join(cache_dir, "weights") if cache_dir else None, progress=progress)
+    spec, config_sha = source.spec, source.config_sha256
+    types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
+    progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+             f"{'weights ' + types if spec.quantized else spec.dtype}")
+    if spec.quantized and hardware.gpu is not None and plan is None:
+        progress("search_plan: quantized weights run on the CPU stage only in this version: planning without the GPU")
+        hardware = dataclasses.replace(hardware, gpu=None)
     plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
@@ -101,6 +109,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     need_gpu = plan.uses_gpu
     if need_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
+    if need_gpu and spec.quantized:
+        raise HelmcError(f"plan {plan.describe()}: quantized weights run on the CPU stage only in this version; "
+                         "expected a plan without GPU units (profile without a GPU, or a hardware.json whose gpu is null)")
     cache = ArtifactCache(cache_dir, enabled=use_cache)
     jobs = {}
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
@@ -118,8 +129,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
 
     with tempfile.TemporaryDirectory(prefix="helmc-build-") as work:
         if not all(hits.values()):
-            from helmc.compiler.export_block import export_functions
-            from helmc.compiler.import_relax import import_functions
+            from helmc.compiler.passes.export_block import export_functions
+            from helmc.compiler.passes.import_relax import import_functions
             if need_cpu and not hits["cpu"]:
                 mod = import_functions(export_functions(spec, act_dtype="float32"))
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
@@ -145,7 +156,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 for n in json.load(f)["files"]:
                     libraries.append((n, os.path.join(hits["gpu"], n)))
         write_bundle(BundleInputs(
-            out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, model_dir=model_dir if os.path.isdir(model_dir) else os.path.dirname(model_dir),
+            out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, weights=source.weights,
+            tokenizer_dir=source.tokenizer_dir, tokenizer_json=source.tokenizer_json,
             model_config_sha256=config_sha, libraries=tuple(libraries),
             target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
             cpu_features_required=cpu_required, llvm_target=llvm_desc,

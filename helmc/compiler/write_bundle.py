@@ -25,7 +25,7 @@ class BundleInputs:
     spec: ModelSpec
     plan: Plan
     hardware: HardwareProfile
-    model_dir: str
+    weights: str                                # a directory of safetensors or a .gguf file
     model_config_sha256: str
     libraries: tuple[tuple[str, str], ...]      # (name in bundle, source path)
     target_hash: str
@@ -35,6 +35,8 @@ class BundleInputs:
     tvm_version: str
     copy_weights: bool
     prefill_activations: str = ""               # lower_linear.PREFILL_ACTIVATIONS; "" without a CPU stage
+    tokenizer_dir: str = ""                     # copy TOKENIZER_FILES from here
+    tokenizer_json: str = ""                    # or write this tokenizer.json (read from a GGUF file)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -54,21 +56,28 @@ def write_bundle(b: BundleInputs):
     try:
         for name, src in b.libraries:
             shutil.copy2(src, os.path.join(tmp, name))
-        for name in TOKENIZER_FILES:
-            src = os.path.join(b.model_dir, name)
+        for name in TOKENIZER_FILES if b.tokenizer_dir else ():
+            src = os.path.join(b.tokenizer_dir, name)
             if os.path.exists(src):
                 shutil.copy2(src, os.path.join(tmp, name))
+        if b.tokenizer_json and not b.tokenizer_dir:
+            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+                f.write(b.tokenizer_json)
         for name, text in (("model_spec.json", b.spec.to_json()), ("plan.json", b.plan.to_json()),
                            ("hardware.json", b.hardware.to_json())):
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text + "\n")
-        weights_dir = os.path.abspath(b.model_dir)
-        if b.copy_weights:
+        weights_dir = os.path.abspath(b.weights)
+        if b.copy_weights and os.path.isfile(b.weights):          # one GGUF file
+            os.makedirs(os.path.join(tmp, "weights"))
+            weights_dir = os.path.join("weights", os.path.basename(b.weights))
+            shutil.copy2(b.weights, os.path.join(tmp, weights_dir))
+        elif b.copy_weights:
             wd = os.path.join(tmp, "weights")
             os.makedirs(wd)
-            for name in sorted(os.listdir(b.model_dir)):
+            for name in sorted(os.listdir(b.weights)):
                 if name.endswith(".safetensors") or name in ("model.safetensors.index.json", "config.json"):
-                    shutil.copy2(os.path.join(b.model_dir, name), os.path.join(wd, name))
+                    shutil.copy2(os.path.join(b.weights, name), os.path.join(wd, name))
             weights_dir = "weights"
         files = []
         for root, _, names in os.walk(tmp):

@@ -17,6 +17,11 @@ from helmc.jsonio import from_dict, load_json_file, to_dict
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The block's linear weights, in the order ModelSpec.layer_types lists their types.
+LINEAR_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# Bytes of one block of each quantized type and the weights it holds (llama.cpp's formats, GGUF).
+QUANT_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
 _TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                       "bfloat16": "bfloat16"}
 
@@ -51,6 +56,55 @@ class ModelSpec:
     sliding_window: int = 0           # 0: none
     bos_token_id: int = -1
     eos_token_ids: tuple[int, ...] = ()
+    # Quantized weights (a GGUF file, or `helmc build --quant`): per block, the type of each LINEAR_NAMES weight
+    # ("q4_k", ... or "" for `dtype`); the lm_head's and the token embedding's types. Empty: all in `dtype`.
+    # Norms and biases are always in `dtype`.
+    layer_types: tuple[tuple[str, ...], ...] = ()
+    head_type: str = ""
+    embed_type: str = ""
+
+    def __post_init__(self):
+        if self.layer_types:
+            assert len(self.layer_types) == self.num_layers, "one type signature per block"
+            assert all(len(t) == len(LINEAR_NAMES) for t in self.layer_types), "one type per linear weight"
+            assert all(x in QUANT_BLOCKS or x == "" for t in self.layer_types for x in t), self.layer_types
+        assert self.head_type in QUANT_BLOCKS or self.head_type == "", self.head_type
+        assert self.embed_type in QUANT_BLOCKS or self.embed_type == "", self.embed_type
+
+    # ---- quantized weights ------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return bool(self.layer_types or self.head_type or self.embed_type)
+
+    def block_signatures(self) -> tuple[tuple[str, ...], ...]:
+        """The distinct per-block type signatures, in order of first use; one compiled block function each
+        (a Q4_K_M file has two: some blocks keep v and down in Q6_K). Unquantized: one, all ""."""
+        if not self.layer_types:
+            return (("",) * len(LINEAR_NAMES),)
+        return tuple(dict.fromkeys(self.layer_types))
+
+    def signature_index(self, layer: int) -> int:
+        return self.block_signatures().index(self.layer_types[layer]) if self.layer_types else 0
+
+    def weight_type(self, layer: int, name: str) -> str:
+        """Type of block `layer`'s weight `name` (relative to model.layers.{i}.): a QUANT_BLOCKS key or ""."""
+        if not self.layer_types or name not in LINEAR_NAMES:
+            return ""
+        return self.layer_types[layer][LINEAR_NAMES.index(name)]
+
+    def tensor_bytes(self, shape: tuple[int, ...], qtype: str) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        if not qtype:
+            return n * self.dtype_bytes
+        weights, block = QUANT_BLOCKS[qtype]
+        return n // weights * block
+
+    def block_weight_bytes(self, layer: int) -> int:
+        """Bytes of block `layer`'s weights as stored (quantized linears at their block size)."""
+        return sum(self.tensor_bytes(shape, self.weight_type(layer, name))
+                   for name, shape in self.block_weight_shapes().items())
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -209,3 +263,16 @@ def _rope_from_config(cfg: dict, where: str) -> RopeSpec:
 
 def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:
     return dataclasses.replace(spec, **changes)
+
+
+def with_weight_types(spec: ModelSpec, types: dict[str, str]) -> ModelSpec:
+    """`spec` with the quantized types of a checkpoint's tensors ({HF name: "q4_k" | "f16" | ...}, as
+    gguf_spec.gguf_tensor_types gives): float types become "" (read as `spec.dtype`)."""
+    def q(name: str) -> str:
+        t = types.get(name, "")
+        return t if t in QUANT_BLOCKS else ""
+    layers = tuple(tuple(q(f"model.layers.{i}.{n}") for n in LINEAR_NAMES) for i in range(spec.num_layers))
+    if not any(t for sig in layers for t in sig):
+        layers = ()
+    lm = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    return dataclasses.replace(spec, layer_types=layers, head_type=q(lm), embed_type=q("model.embed_tokens.weight"))

@@ -101,6 +101,7 @@ class ProgramAnalysis:
     dtype: str
     dtype_bytes: int
     tied_embeddings: bool
+    tied_matrix_bytes: int            # the V x H matrix embedding and lm_head share when tied, as stored
     sliding_window: int               # 0: every block attends over the whole context
     max_position_embeddings: int
     units: tuple[PartitionUnit, ...]
@@ -118,7 +119,7 @@ class ProgramAnalysis:
     @property
     def tied_bytes(self) -> int:
         """The V x H matrix shared by embedding and lm_head when tied: held once per device."""
-        return self.vocab_size * self.hidden_size * self.dtype_bytes if self.tied_embeddings else 0
+        return self.tied_matrix_bytes if self.tied_embeddings else 0
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -176,17 +177,22 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
     block_params = sum(_shape_elems(s) for s in spec.block_weight_shapes().values())   # eqs. 4.1-4.3
     # Eq. 4.9 per token and block, written for q_dim != H: q, k, v, o and the three MLP matrices.
     block_flops = 2 * (H * Q + 2 * H * KV + Q * H + 3 * H * I)
-    units = [PartitionUnit(index=0, kind="embedding", param_bytes=0, gather_bytes_per_token=H * d,
-                           stored_bytes=V * H * d, proj_flops_per_token=0, kv_bytes_per_token=0,
+    # Weight bytes as stored: quantized linears at their block size (spec.tensor_bytes), the rest at d.
+    embed_bytes = spec.tensor_bytes((V, H), spec.embed_type) if dtype == spec.dtype else V * H * d
+    units = [PartitionUnit(index=0, kind="embedding", param_bytes=0, gather_bytes_per_token=embed_bytes // V,
+                           stored_bytes=embed_bytes, proj_flops_per_token=0, kv_bytes_per_token=0,
                            attn_flops_per_context_token=0, act_bytes_per_token=H * d)]
     for i in range(spec.num_layers):
-        units.append(PartitionUnit(index=i + 1, kind="block", param_bytes=block_params * d,
-                                   gather_bytes_per_token=0, stored_bytes=block_params * d,
+        block_bytes = spec.block_weight_bytes(i) if dtype == spec.dtype else block_params * d
+        units.append(PartitionUnit(index=i + 1, kind="block", param_bytes=block_bytes,
+                                   gather_bytes_per_token=0, stored_bytes=block_bytes,
                                    proj_flops_per_token=block_flops,
                                    kv_bytes_per_token=2 * spec.num_kv_heads * spec.head_dim * d,    # eq. 4.5
                                    attn_flops_per_context_token=4 * spec.num_heads * spec.head_dim,  # eq. 4.11
                                    act_bytes_per_token=H * d))                                       # eq. 4.4
-    head_bytes = (V * H + H) * d                    # lm_head (the tied matrix streams all the same) + final norm
+    # lm_head (the tied matrix streams all the same) + final norm
+    lm_type = spec.embed_type if spec.tie_word_embeddings else spec.head_type
+    head_bytes = (spec.tensor_bytes((V, H), lm_type) if dtype == spec.dtype else V * H * d) + H * d
     units.append(PartitionUnit(index=spec.num_layers + 1, kind="head", param_bytes=head_bytes,
                                gather_bytes_per_token=0, stored_bytes=head_bytes, proj_flops_per_token=2 * H * V,
                                kv_bytes_per_token=0, attn_flops_per_context_token=0, act_bytes_per_token=0))
@@ -196,5 +202,6 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
     return ProgramAnalysis(
         architecture=spec.architecture, num_layers=spec.num_layers, hidden_size=H, intermediate_size=I,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab_size=V,
-        dtype=dtype, dtype_bytes=d, tied_embeddings=spec.tie_word_embeddings, sliding_window=spec.sliding_window,
+        dtype=dtype, dtype_bytes=d, tied_embeddings=spec.tie_word_embeddings, tied_matrix_bytes=embed_bytes,
+        sliding_window=spec.sliding_window,
         max_position_embeddings=spec.max_position_embeddings, units=tuple(units), prefix=tuple(prefix))

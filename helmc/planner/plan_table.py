@@ -52,6 +52,31 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     if plan.uses_gpu:
         lines.append(f"KV pages of GPU blocks: {plan.gpu_kv_pool_bytes / gib:.2f} GiB of VRAM"
                      f"{', the rest in pinned host RAM' if plan.kv_offload else ''}")
+    if spec is not None:
+        lines.append(weights_line(spec))
     for f in plan.fallbacks:
         lines.append(f"note: {f}")
     return "\n".join(lines)
+
+
+def weights_line(spec) -> str:
+    """The weights' format per unit and the model's size as stored, e.g. 'weights: embedding q4_k, 28 blocks
+    q4_k, 8 blocks q4_k + q6_k (v, down), head q6_k; 4.68 GiB'."""
+    from helmc.model.spec import LINEAR_NAMES
+    gib = 1024 ** 3
+    V, H = spec.vocab_size, spec.hidden_size
+    lm_type = spec.embed_type if spec.tie_word_embeddings else spec.head_type
+    total = sum(spec.block_weight_bytes(i) for i in range(spec.num_layers)) + spec.tensor_bytes((V, H), spec.embed_type)
+    total += 0 if spec.tie_word_embeddings else spec.tensor_bytes((V, H), spec.head_type)
+    if not spec.quantized:
+        return f"weights: {spec.dtype}; {total / gib:.2f} GiB"
+    blocks = []
+    for sig in spec.block_signatures():
+        count = sum(1 for t in spec.layer_types if t == sig) if spec.layer_types else spec.num_layers
+        kinds = list(dict.fromkeys(t or spec.dtype for t in sig))
+        main = max(kinds, key=lambda k: sum(1 for t in sig if (t or spec.dtype) == k))
+        others = [f"{k} ({', '.join(n.split('.')[1].removesuffix('_proj') for n, t in zip(LINEAR_NAMES, sig) if (t or spec.dtype) == k)})"
+                  for k in kinds if k != main]
+        blocks.append(f"{count} blocks {main}" + (" + " + " + ".join(others) if others else ""))
+    return (f"weights: embedding {spec.embed_type or spec.dtype}, {', '.join(blocks)}, head {lm_type or spec.dtype}; "
+            f"{total / gib:.2f} GiB")

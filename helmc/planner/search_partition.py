@@ -108,13 +108,14 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
 def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
     if isinstance(model_dir_or_config, ModelSpec):
         return model_dir_or_config
-    return ModelSpec.from_model_dir(model_dir_or_config)
+    from helmc.model.load import load_spec as load_model_spec
+    return load_model_spec(model_dir_or_config)
 
 
 def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfile", prompt_len: int = 128,
          output_len: int = 128, batch: int = 1, objective: str = "decode", gpu_budget_gib: float | None = None,
          kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True) -> Plan:
-    """The partition plan for a model (a directory or config.json, or a ModelSpec) on a hardware
+    """The partition plan for a model (a directory or config.json, a GGUF file, or a ModelSpec) on a hardware
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
     hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)

@@ -6,14 +6,50 @@ second full copy of the model (DEVELOPERS.md).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
 
 from helmc.model.spec import ModelSpec
 
-from helmc.runtime.weights.safetensors_mmap import Checkpoint
+from helmc.errors import HelmcError
 from helmc.runtime.stage import StageBinding
+from helmc.runtime.weights.safetensors_mmap import Checkpoint
+
+
+def open_checkpoint(path: str, spec: ModelSpec | None = None):
+    """The bundle's weights: a GGUF file (GGUFCheckpoint, checked against `spec`) or a directory of safetensors."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
+        return GGUFCheckpoint(path, spec)
+    return Checkpoint(path)
+
+
+def check_checkpoint(ck, spec: ModelSpec) -> None:
+    """Every tensor the plan will read exists with the shape config.json implies, before any loading."""
+    for name, shape in expected_tensors(spec).items():
+        found = tuple(ck.info(name).shape)
+        if found != tuple(shape):
+            raise HelmcError(f"weights: {name} shape expected {list(shape)}, found {list(found)}")
+
+
+def weight_view(ck, name: str, shape: tuple[int, ...], qtype: str, dtype: str) -> tuple[np.ndarray, str]:
+    """(array, dtype) of one tensor as the compiled functions take it: a quantized weight's raw blocks
+    (uint8 [rows, row bytes], HF row order), or a float tensor in the model's dtype. Float tensors stored in
+    another float type (a GGUF keeps norms in F32) are converted, a copy of that one small tensor."""
+    if qtype:
+        if ck.info(name).type != qtype:
+            raise HelmcError(f"weights: {name} expected {qtype} (what the bundle was built for), found {ck.info(name).type}")
+        return ck.raw_hf(name), "uint8"
+    view, stored = ck.view(name, shape), ck.info(name).dtype
+    if stored == dtype:
+        return view, dtype
+    from helmc.runtime.tvm_tensors import float32_from_bf16_bits, bf16_bits_from_float32
+    values = float32_from_bf16_bits(view) if stored == "bfloat16" else np.asarray(view, dtype=np.float32)
+    if stored not in ("float32", "float16", "bfloat16"):
+        raise HelmcError(f"weights: {name} expected a float tensor, found {stored}")
+    return (bf16_bits_from_float32(values) if dtype == "bfloat16" else values.astype(dtype)), dtype
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = spec.block_weight_shapes()
@@ -42,8 +78,8 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
     out = []
     for n, i in enumerate(layers):
         def load(name):
-            full = f"model.layers.{i}.{name}"
-            return to_device(ck.view(full, shapes[name]), ck.info(full).dtype, dev)
+            return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
+                                          spec.dtype), dev)
         out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
                                 post=[load(w) for w in spec.post_attn_weight_names()]))
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
@@ -52,5 +88,5 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
 
 def bind_head(ck: Checkpoint, spec: ModelSpec, dev, to_device: Callable = tensor_to_device) -> list:
     norm, lm = spec.head_weight_names()
-    return [to_device(ck.view(norm, (spec.hidden_size,)), ck.info(norm).dtype, dev),
-            to_device(ck.view(lm, (spec.vocab_size, spec.hidden_size)), ck.info(lm).dtype, dev)]
+    return [to_device(*weight_view(ck, norm, (spec.hidden_size,), "", spec.dtype), dev),
+            to_device(*weight_view(ck, lm, (spec.vocab_size, spec.hidden_size), spec.head_type, spec.dtype), dev)]

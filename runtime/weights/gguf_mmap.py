@@ -126,3 +126,11 @@ class GGUFCheckpoint:
         except BufferError:
             pass          # views handed out are still alive: the mapping goes with the last of them
         self._file.close()
+
+
+def dequantize_rows(rows: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+    """float32 [S, cols] of S quantized rows (uint8 [S, row_bytes]), by the gguf package's own dequantizer:
+    the embedding gathers a few rows per step, so only those are ever dequantized."""
+    import gguf
+    out = gguf.quants.dequantize(np.ascontiguousarray(rows), gguf.GGMLQuantizationType[qtype.upper()])
+    return np.ascontiguousarray(out.reshape(rows.shape[0], cols), dtype=np.float32)   # [S, row_bytes] -> [S, cols]

@@ -43,15 +43,7 @@ def default_tiling(isa: VectorIsa) -> GemmTiling:
 def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTiling | None = None) -> tirx.PrimFunc:
     """The token count is a symbolic dimension of x and y, so one kernel serves every prompt length."""
     check_weight_dtype(weight_dtype)
-    t = tiling or default_tiling(isa)
-    lanes = isa.fp32_lanes
-    k_vec = (k // lanes) * lanes          # columns covered by vector steps
-    k_tail = k - k_vec
-    kc = _block_dividing(k_vec, t.kc, lanes)
-    k_blocks = k_vec // kc if k_vec else 0
-    mr, nr, rows_per_task = t.mr, t.nr, t.rows_per_task
-    tasks = -(-n // rows_per_task)
-    f16c = not isa.is_slow_fallback
+    body = gemm_body(n, k, weight_dtype, isa, tiling)
     wdt = load_dtype(weight_dtype)
 
     @T.prim_func
@@ -61,6 +53,27 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
         x = T.match_buffer(var_x, (tokens, k), "float32")
         y = T.match_buffer(var_y, (tokens, n), "float32")
         wl = T.decl_buffer((n, k), wdt, data=w.data)
+        body(x, wl, y, tokens)
+
+    name = f"helmc_gemm_{short_dtype(weight_dtype)}_n{n}_k{k}"
+    return gemm.with_attr("global_symbol", name)
+
+
+def gemm_body(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTiling | None = None):
+    """The GEMM's loop nest as a TIR macro body(x, wl, y, tokens) over a weight `wl` [n, k] in
+    load_dtype(weight_dtype): make_gemm's whole body, and the second phase of the quantized prefill GEMM."""
+    t = tiling or default_tiling(isa)
+    lanes = isa.fp32_lanes
+    k_vec = (k // lanes) * lanes          # columns covered by vector steps
+    k_tail = k - k_vec
+    kc = _block_dividing(k_vec, t.kc, lanes)
+    k_blocks = k_vec // kc if k_vec else 0
+    mr, nr, rows_per_task = t.mr, t.nr, t.rows_per_task
+    tasks = -(-n // rows_per_task)
+    f16c = not isa.is_slow_fallback
+
+    @T.macro
+    def body(x, wl, y, tokens):
         for task in T.parallel(tasks):
             for kb in T.serial(k_blocks):
                 for mo in T.serial((tokens + (mr - 1)) // mr):
@@ -103,8 +116,7 @@ def make_gemm(n: int, k: int, weight_dtype: str, isa: VectorIsa, tiling: GemmTil
                                     wl[task * rows_per_task + row, k_vec + kt], weight_dtype, f16c)
                             y[tok, task * rows_per_task + row] = tail[0]
 
-    name = f"helmc_gemm_{short_dtype(weight_dtype)}_n{n}_k{k}"
-    return gemm.with_attr("global_symbol", name)
+    return body
 
 
 def _block_dividing(k_vec: int, target: int, lanes: int) -> int:

@@ -18,7 +18,7 @@ import struct
 import numpy as np
 import pytest
 
-from helmc.compiler.compile_gpu_stage import compile_gpu_stage, find_nvcc, rewrite_matmuls_fp32_accumulate
+from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, find_nvcc, rewrite_matmuls_fp32_accumulate
 from helmc.errors import HelmcError
 
 try:  # the TVM compiler; absent where only the runtime-only TVM is (the GPU machine)
@@ -77,7 +77,7 @@ def test_rewrite_reads_weights_in_stored_dtype():
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 def test_nvcc_failure_is_a_clear_error(tmp_path):
-    from helmc.compiler.compile_gpu_stage import compile_cuda_source
+    from helmc.compiler.passes.compile_gpu_stage import compile_cuda_source
 
     with pytest.raises(HelmcError, match="nvcc failed for sm_90"):
         compile_cuda_source('extern "C" __global__ void k() { undeclared_name = 1; }', "sm_90", str(tmp_path / "k.cubin"))
@@ -201,7 +201,7 @@ def test_runs_on_gpu_against_numpy(tmp_path):
 def test_paged_attention_is_built_ahead_of_time(tmp_path):
     """The KV cache's decode kernels are a cubin of the bundle, specialised for the model's head_dim and group;
     a shape the kernel does not support is refused before nvcc runs."""
-    from helmc.compiler.compile_gpu_stage import compile_paged_attention
+    from helmc.compiler.passes.compile_gpu_stage import compile_paged_attention
     from helmc.runtime.kv.cuda_ops import PAGED_ATTENTION_CUBIN
 
     name = compile_paged_attention(128, 4, "sm_90", str(tmp_path))

@@ -14,7 +14,7 @@ from tvm import relax  # noqa: E402
 from tvm.script import relax as R  # noqa: E402
 
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
-from helmc.compiler.schedule_cpu_stage import cpu_stage_pipeline, llvm_target  # noqa: E402
+from helmc.compiler.passes.schedule_cpu_stage import cpu_stage_pipeline, llvm_target  # noqa: E402
 
 
 @tvm.script.ir_module

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(missing_flags(AVX2, host_cpu_flags()) != (), rea
 
 @pytest.fixture(scope="module")
 def block():
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
     # Odd-ish sizes: hidden 192 and ffn 328 are multiples of 8 but not of the 32-wide GEMV chunk.
     spec = qwen3_spec("8b", "bfloat16", hidden_size=192, intermediate_size=328, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32)
@@ -45,7 +45,7 @@ def block():
 
 def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
     from tvm import relax
-    from helmc.compiler.lower_linear import lower_linear_with_report
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
     spec, _, mod = block
     lowered, report = lower_linear_with_report(mod, AVX2)
     per_function = {}
@@ -81,8 +81,8 @@ def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
 
 def test_compiled_stage_matches_default_pipeline_and_torch(block):
     from tvm import relax
-    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage
-    from helmc.compiler.lower_linear import lower_linear  # noqa: F401  (compile_cpu_stage applies it)
+    from helmc.compiler.passes.schedule_cpu_stage import compile_cpu_stage
+    from helmc.compiler.passes.lower_linear import lower_linear  # noqa: F401  (compile_cpu_stage applies it)
     spec, exported, mod = block
     dev = tvm.cpu()
     vm = relax.VirtualMachine(compile_cpu_stage(mod, AVX2), dev)
@@ -126,7 +126,7 @@ def test_compiled_stage_matches_default_pipeline_and_torch(block):
 
 
 def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
-    from helmc.compiler.lower_linear import lower_linear_with_report
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
     spec, _, mod = block
     amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
     _, report = lower_linear_with_report(mod, amx)
@@ -155,7 +155,7 @@ def test_fp32_prefill_activations_build_the_split_amx_gemms(block):
     """--prefill-activations fp32: every bf16 AMX GEMM is the hi + lo kernel ("_xsplit"); "model" none of them;
     decode GEMVs are the same kernels either way; anything else is refused, naming the choices."""
     from helmc.errors import HelmcError
-    from helmc.compiler.lower_linear import lower_linear_with_report
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
     _, _, mod = block
     amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
     model = {i.kernel for i in lower_linear_with_report(mod, amx)[1]}
@@ -169,8 +169,8 @@ def test_fp32_prefill_activations_build_the_split_amx_gemms(block):
 
 
 def amx_block(hidden, ffn, heads, kv_heads, head_dim, dtype="bfloat16"):
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
     spec = qwen3_spec("8b", dtype, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=head_dim)
     return import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))
@@ -180,7 +180,7 @@ def test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_b
     """All tile-aligned: q/k/v -> one 3-weight AMX launch, gate/up -> one 2-weight launch (both outputs),
     o and down alone. Blocking per launch from gemm_amx.blocking_for(summed N, K, dtype), unless the
     benchmark override is set."""
-    from helmc.compiler.lower_linear import lower_linear_with_report
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
     from helmc.schedules.cpu import gemm_amx
     mod = amx_block(128, 320, 2, 1, 64)
     amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
@@ -205,10 +205,10 @@ def test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_b
 
 def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():
     """Cross-compile only (this CPU may lack AMX): an fp16 block must get fp16 AMX kernels, not bf16 ones."""
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions
-    from helmc.compiler.lower_linear import lower_linear_with_report
-    from helmc.compiler.schedule_cpu_stage import compile_cpu_stage
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
+    from helmc.compiler.passes.schedule_cpu_stage import compile_cpu_stage
     spec = qwen3_spec("8b", "float16", hidden_size=64, intermediate_size=96, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32)
     mod = import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))

@@ -16,8 +16,8 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_block_and_head_bytes_match_relax_params(tmp_path, arch):
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions, relax_param_shapes
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions, relax_param_shapes
     from helmc.testing import tiny_config
     cfg = tiny_config(arch, dtype="float16").to_dict()
     cfg["architectures"] = ["Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"]

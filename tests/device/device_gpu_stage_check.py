@@ -4,10 +4,10 @@
 Two modes:
 
   --build DIR [--arch sm_90]   (here, with the compiler venv) builds the GPU stage of a tiny Qwen3
-      exactly as helmc does (helmc.compiler.export_block + import_relax: torch -> ONNX -> Relax, fp16
+      exactly as helmc does (helmc.compiler.passes.export_block + import_relax: torch -> ONNX -> Relax, fp16
       activations, fp16 weights as graph inputs in HF [out, in] layout), adds two speed probes at
       Qwen3-8B's MLP shape (decode GEMV 1x4096 @ 4096->12288, prefill 128x4096 @ 4096->12288),
-      compiles everything with helmc.compiler.compile_gpu_stage for `arch`, and writes DIR/refs.npz: the
+      compiles everything with helmc.compiler.passes.compile_gpu_stage for `arch`, and writes DIR/refs.npz: the
       inputs and the outputs of the same torch modules in fp32. Regenerate by running --build again.
 
   DIR [--out FILE]   (GPU machine, TVM_USE_RUNTIME_LIB=1, PYTHONPATH=<checkout>:.devrt/site) loads
@@ -44,7 +44,7 @@ TOLERANCE = 1e-2   # max |diff| / max |ref| against torch in fp32: the stage kee
 # Build side (torch, onnx, TVM compiler)
 # ----------------------------------------------------------------------------------------------
 def _example_args(spec, rng):
-    """Inputs per function, in helmc.compiler.export_block's argument order; weights fp16, x in ACT_DTYPE."""
+    """Inputs per function, in helmc.compiler.passes.export_block's argument order; weights fp16, x in ACT_DTYPE."""
 
     H, D = spec.hidden_size, spec.head_dim
     shapes = dict(spec.block_weight_shapes())
@@ -76,10 +76,10 @@ def _example_args(spec, rng):
 
 
 def _fp32_references(spec, args):
-    """The same functions in torch with fp32 activations (helmc.compiler.export_block's own modules)."""
+    """The same functions in torch with fp32 activations (helmc.compiler.passes.export_block's own modules)."""
     import torch
 
-    from helmc.compiler.export_block import _modules
+    from helmc.compiler.passes.export_block import _modules
 
     mods = dict(zip(("pre_attn", "post_attn", "head"), _modules(spec, "float32")))
     refs = {}
@@ -120,8 +120,8 @@ def build_module(work_dir: str, rng, with_probes: bool = True):
     activations), plus the probes; and the fp32 torch references."""
     import tvm
 
-    from helmc.compiler.export_block import export_functions
-    from helmc.compiler.import_relax import import_functions
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
     from helmc.model.spec import ModelSpec
 
     spec = ModelSpec.from_hf_config(TINY_QWEN3)
@@ -139,7 +139,7 @@ def build_module(work_dir: str, rng, with_probes: bool = True):
 
 
 def build(out_dir: str, arch: str) -> None:
-    from helmc.compiler.compile_gpu_stage import compile_gpu_stage
+    from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()

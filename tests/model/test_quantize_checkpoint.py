@@ -1,4 +1,4 @@
-"""helmc.model.quantize_checkpoint: tiny HF models (qwen3, qwen2, llama) -> GGUF, read back with gguf's reader.
+"""helmc.compiler.quantize_checkpoint: tiny HF models (qwen3, qwen2, llama) -> GGUF, read back with gguf's reader.
 
 The tiny models are 256 wide (ffn 512, head_dim 64) so that every linear is a whole number of q4_k blocks.
 Checked once against llama.cpp 0c1e570 during development (not repeated here: it needs a llama.cpp build):
@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-import helmc.model.quantize_checkpoint as qc
+import helmc.compiler.quantize_checkpoint as qc
 from helmc.errors import HelmcError
 from helmc.model.quant_formats import dequantize, quantize
 from helmc.testing import make_tiny_model

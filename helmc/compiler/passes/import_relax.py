@@ -6,7 +6,7 @@ shape arithmetic per step).
 """
 from __future__ import annotations
 
-from helmc.compiler.export_block import ExportedFunction
+from helmc.compiler.passes.export_block import ExportedFunction
 
 FUNCTION_NAMES = ("pre_attn", "post_attn", "head")
 

@@ -28,6 +28,12 @@ shape on the target), unless gemm_amx.BLOCKING_OVERRIDE is set (benchmarks compa
 GEMMs take their activations at the build's `prefill_activations` precision (PREFILL_ACTIVATIONS): "model"
 rounds them to bf16 for bf16 weights, as HF's bf16 linears do; "fp32" splits them into bf16 hi + lo (two tile
 products, ~1e-5 of an fp32 GEMM). fp16 weights always split.
+
+Quantized weights (`weight_types`: a GGUF file or `helmc build --quant`): the weight parameter becomes its raw
+blocks, uint8 [N, row bytes] as the file stores them, and its linear calls the quantized kernels
+(schedules/cpu/gemv_quant.py, quant/gemm.py): decode (one token) a GEMV that dequantizes in registers; other
+token counts one kernel that dequantizes the weight to an fp16 scratch and runs the fp16 GEMM's loop nest on it.
+Quantized linears are not fused.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ from helmc.schedules.cpu.gemm_amx import AmxBlocking, amx_gemm_applies, make_gem
 from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv
 from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, make_gemv_swiglu
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
+from helmc.schedules.cpu.quant.gemm import make_gemm_quant
+from helmc.schedules.cpu.gemv_quant import make_gemv_quant, quant_row_bytes
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
 
 
@@ -74,15 +82,17 @@ def check_prefill_activations(value: str) -> None:
 
 
 def lower_linear(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None,
-                 prefill_activations: str = "model") -> tvm.IRModule:
+                 prefill_activations: str = "model", weight_types: dict | None = None) -> tvm.IRModule:
     """Every astype/permute_dims/matmul linear in every Relax function -> call_tir to a CPU kernel.
     `cores`: the target CPU's cores, the AMX prefill GEMM's parallel task count (default: its blocking's).
-    `prefill_activations`: one of PREFILL_ACTIVATIONS (the AMX GEMM's activation precision)."""
-    return lower_linear_with_report(mod, features, cores, prefill_activations)[0]
+    `prefill_activations`: one of PREFILL_ACTIVATIONS (the AMX GEMM's activation precision).
+    `weight_types`: {function name: {weight parameter name: quantized type}} (quantize_functions)."""
+    return lower_linear_with_report(mod, features, cores, prefill_activations, weight_types)[0]
 
 
 def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores: int | None = None,
-                             prefill_activations: str = "model") -> tuple[tvm.IRModule, tuple[LoweredLinear, ...]]:
+                             prefill_activations: str = "model", weight_types: dict | None = None,
+                             ) -> tuple[tvm.IRModule, tuple[LoweredLinear, ...]]:
     check_prefill_activations(prefill_activations)
     rewriter = _LinearRewriter(mod, select_isa(features), cores, prefill_activations == "fp32")
     for gvar, func in list(mod.functions_items()):
@@ -92,13 +102,34 @@ def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores
         # Fresh variables per function: a decode variant made by binding `seq` in the prefill function
         # shares its parameter Vars, which Relax's FuseOps rejects ("appears at multiple definition sites").
         fresh = copy_with_new_vars(func)
-        rewriter.plan = _plan_fusion(fresh, rewriter.isa)
-        new_func = rewriter.visit_expr(fresh)
-        rewriter.builder_.update_func(gvar, relax.analysis.remove_all_unused(new_func))
+        rewriter.quantized = _quantized_params(fresh, (weight_types or {}).get(gvar.name_hint, {}))
+        rewriter.plan = _plan_fusion(fresh, rewriter.isa, frozenset(rewriter.quantized))
+        new_func = relax.analysis.remove_all_unused(rewriter.visit_expr(fresh))
+        if rewriter.quantized:
+            # The float weight parameters are unused now (their astype/permute bindings went with the matmul):
+            # the function takes the raw blocks in their place.
+            params = [rewriter.quantized[p][1] if p in rewriter.quantized else p for p in fresh.params]
+            leftover = [str(p.name) for p in rewriter.quantized if p in set(relax.analysis.free_vars(new_func.body))]
+            assert not leftover, f"{gvar.name_hint}: quantized weights {leftover} are used other than by a linear"
+            new_func = relax.Function(params, new_func.body, new_func.ret_ty, new_func.is_pure, new_func.attrs)
+        rewriter.builder_.update_func(gvar, new_func)
     out = rewriter.builder_.get()
     for lowered in rewriter.lowered:
         assert lowered.kernel in {g.name_hint for g in out.get_global_vars()}, lowered
     return out, tuple(rewriter.lowered)
+
+
+def _quantized_params(func: relax.Function, types: dict) -> dict:
+    """{float weight param: (quantized type, its uint8 [N, row bytes] replacement param)} for `types`."""
+    out = {}
+    for p in func.params:
+        qtype = types.get(str(p.name))
+        if qtype:
+            n, k = (int(d) for d in p.ty.shape.values)
+            out[p] = (qtype, relax.Var(str(p.name), relax.TensorType([n, quant_row_bytes(qtype, k)], "uint8")))
+    unknown = set(types) - {str(p.name) for p in func.params}
+    assert not unknown, f"weight types name parameters {sorted(unknown)} the function does not have"
+    return out
 
 
 def _dtype_name(ty) -> str:
@@ -163,9 +194,9 @@ class _FusionPlan:
     dropped: frozenset                # vars whose bindings the group replaces
 
 
-def _plan_fusion(func: relax.Function, isa: VectorIsa) -> _FusionPlan:
+def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: frozenset = frozenset()) -> _FusionPlan:
     """Find the decode GEMV linears that share x, gate/up pairs used only as g * sigmoid(g) * u, and the
-    prefill linears on AMX that share x."""
+    prefill linears on AMX that share x. Linears of `quantized` weights stay unfused."""
     if not isinstance(func.body, relax.SeqExpr):
         return _FusionPlan({}, frozenset())
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
@@ -185,7 +216,8 @@ def _plan_fusion(func: relax.Function, isa: VectorIsa) -> _FusionPlan:
         if not (isinstance(b.value, relax.Call) and isinstance(b.var, relax.DataflowVar)):
             continue
         matched = match_linear(b.value, resolve)
-        if matched is None or not isinstance(matched[0], relax.Var) or matched[0].ty.ndim != 2:
+        if matched is None or not isinstance(matched[0], relax.Var) or matched[0].ty.ndim != 2 \
+                or matched[1] in quantized:
             continue
         m = _static_int(matched[0].ty.shape.values[0])
         dtype = _dtype_name(matched[1].ty)
@@ -259,6 +291,7 @@ class _LinearRewriter(PyExprMutator):
         self.lowered: list[LoweredLinear] = []
         self.function_name = ""
         self.plan = _FusionPlan({}, frozenset())
+        self.quantized: dict = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # noqa: N802 (TVM's visitor name)
         if binding.var in self.plan.dropped:
@@ -347,6 +380,35 @@ class _LinearRewriter(PyExprMutator):
         if len(x_dims) != 2:
             x2d = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([tokens, k])))  # (..., K) -> (T, K)
         static_tokens = _static_int(tokens)
+        if weight in self.quantized:
+            out = self._emit_quantized(x2d, static_tokens, tokens, n, k, *self.quantized[weight])
+        else:
+            out, gvar = self._emit_float(x2d, static_tokens, tokens, n, k, weight, dtype)
+            self.lowered.append(LoweredLinear(self.function_name, gvar.name_hint, str(tokens), n, k, dtype))
+        if len(x_dims) != 2:
+            out = self.builder_.emit(out)
+            return relax.op.reshape(out, relax.ShapeExpr(tokens_dims + [n]))  # (T, N) -> (..., N)
+        return out
+
+    def _kernel(self, key: tuple, make) -> relax.GlobalVar:
+        if key not in self.kernels:
+            prim = make()
+            self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))
+        return self.kernels[key]
+
+    def _emit_quantized(self, x2d, static_tokens, tokens, n: int, k: int, qtype: str, blocks: relax.Var):
+        if static_tokens == 1:
+            gvar = self._kernel(("gemv_quant", qtype, n, k), lambda: make_gemv_quant(qtype, n, k, self.isa))
+            x1 = self.builder_.emit(relax.op.reshape(x2d, relax.ShapeExpr([k])))          # (1, K) -> (K,)
+            y = self.builder_.emit(relax.call_tir(gvar, [x1, blocks], relax.TensorType([n], "float32")))
+            out = relax.op.reshape(y, relax.ShapeExpr([1, n]))                               # (N,) -> (1, N)
+        else:
+            gvar = self._kernel(("gemm_quant", qtype, n, k), lambda: make_gemm_quant(qtype, n, k, self.isa))
+            out = relax.call_tir(gvar, [x2d, blocks], relax.TensorType([tokens, n], "float32"))
+        self.lowered.append(LoweredLinear(self.function_name, gvar.name_hint, str(tokens), n, k, qtype))
+        return out
+
+    def _emit_float(self, x2d, static_tokens, tokens, n: int, k: int, weight, dtype: str):
         if static_tokens is not None and static_tokens <= GEMV_MAX_ROWS:
             key = ("gemv", static_tokens, n, k, dtype)
             make = lambda: make_gemv(static_tokens, n, k, dtype, self.isa)  # noqa: E731
@@ -357,13 +419,5 @@ class _LinearRewriter(PyExprMutator):
                 key = ("gemm_amx", n, k, dtype)
                 make = lambda: make_gemm_amx(n, k, dtype, blocking=self._amx_blocking(n, k, dtype),  # noqa: E731
                                              split_activations=self._amx_split(dtype))
-        if key not in self.kernels:
-            prim = make()
-            self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))
-        gvar = self.kernels[key]
-        out = relax.call_tir(gvar, [x2d, weight], relax.TensorType([tokens, n], "float32"))
-        self.lowered.append(LoweredLinear(self.function_name, gvar.name_hint, str(tokens), n, k, dtype))
-        if len(x_dims) != 2:
-            out = self.builder_.emit(out)
-            return relax.op.reshape(out, relax.ShapeExpr(tokens_dims + [n]))  # (T, N) -> (..., N)
-        return out
+        gvar = self._kernel(key, make)
+        return relax.call_tir(gvar, [x2d, weight], relax.TensorType([tokens, n], "float32")), gvar

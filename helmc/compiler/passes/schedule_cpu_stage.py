@@ -21,8 +21,8 @@ import logging
 import tvm
 from tvm import relax
 
-from helmc.compiler.expand_sigmoid import expand_sigmoid
-from helmc.compiler.lower_linear import lower_linear
+from helmc.compiler.passes.expand_sigmoid import expand_sigmoid
+from helmc.compiler.passes.lower_linear import lower_linear
 from helmc.model.spec import ModelSpec
 from helmc.schedules.cpu.decode_attention import default_max_splits, make_decode_attention
 from helmc.schedules.cpu.elementwise import schedule_elementwise
@@ -81,7 +81,11 @@ def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: 
 def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelSpec | None = None,
                       cores: int = 0, prefill_activations: str = "model") -> tvm.runtime.Executable:
     target = llvm_target(features)
-    lowered = lower_linear(mod, features, cores or None, prefill_activations)
+    weight_types = {}
+    if spec is not None and spec.quantized:
+        from helmc.compiler.passes.quantize_functions import quantize_functions
+        mod, weight_types = quantize_functions(mod, spec)
+    lowered = lower_linear(mod, features, cores or None, prefill_activations, weight_types)
     if spec is not None:
         for name, func in decode_attention_kernels(spec, features, cores).items():
             lowered[name] = func

@@ -48,12 +48,13 @@ from helmc.model.quant_formats import quant_type, quantize
 from helmc.model.spec import ModelSpec
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
-CHECKPOINT_QUANTS = ("q8_0", "q4_0", "q4_k")
+CHECKPOINT_QUANTS = ("q8_0", "q4_0", "q4_k", "q4_k_m")
 FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
 # HF architecture -> general.architecture; llama.cpp's converter writes Mistral as llama.
 _GGUF_ARCH = {**{hf: g for g, hf in GGUF_ARCHITECTURES.items()}, "MistralForCausalLM": "llama"}
-_FILE_TYPE = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+_FILE_TYPE = {"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
               "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}       # "mostly Q4_K": display only in llama.cpp
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -107,10 +108,31 @@ def cache_key(model_dir: str, ckpt: Checkpoint, quant: str) -> str:
 
 # ---- what goes in the file ----------------------------------------------------------------------
 
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's Q4_K_M rule (llama-quant.cpp): these blocks keep attn_v and ffn_down in Q6_K."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def mixed_type(quant: str, hf: str, n_layers: int) -> str:
+    """The block type of linear `hf` under `quant`: itself, or for q4_k_m llama.cpp's mix (q4_k; q6_k for the
+    lm_head and, in use_more_bits blocks, for v and down)."""
+    if quant != "q4_k_m":
+        return quant
+    if hf == "lm_head.weight":
+        return "q6_k"
+    layer, _, local = hf.removeprefix("model.layers.").partition(".")
+    more = local in ("self_attn.v_proj.weight", "mlp.down_proj.weight") and use_more_bits(int(layer), n_layers)
+    return "q6_k" if more else "q4_k"
+
+
 def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -> list[tuple[str, str, str, tuple]]:
     """[(GGUF name, HF source name, helmc type name, logical shape)] in file order; the row permutation of
     llama's q/k is applied when the tensor is written."""
     def linear_type(hf: str, shape) -> str:
+        quant_here = mixed_type(quant, hf, spec.num_layers)
+        return fitting_type(hf, shape, quant_here)
+
+    def fitting_type(hf: str, shape, quant: str) -> str:
         k = shape[-1]
         for t in (quant, "q8_0"):
             if k % quant_type(t).block_weights == 0:

@@ -1,0 +1,48 @@
+"""Relax pass for quantized weights: one copy of the block functions per type signature, and which of each
+function's weight parameters are quantized (to what), for lower_linear.
+
+A GGUF file may mix types per block (Q4_K_M keeps attn_v and ffn_down of some blocks in Q6_K); a compiled
+function's weight parameters have one type each, so each distinct signature (ModelSpec.block_signatures(),
+two for Q4_K_M, one otherwise) gets its own pre_attn/post_attn pair, named by
+runtime.stage.block_function_name. Build cost grows with the number of signatures, not with depth.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from helmc.model.spec import ModelSpec
+from helmc.runtime.stage import block_function_name
+
+_PHASES = ("prefill", "decode")
+
+
+def weight_param_name(i: int) -> str:
+    """The Relax parameter of a function's i-th weight (export_block names the ONNX inputs w0, w1, ...)."""
+    return f"w{i}"
+
+
+def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule, dict]:
+    """(module with a pre_attn/post_attn pair per signature, {function: {weight param: quantized type}})."""
+    if not spec.quantized:
+        return mod, {}
+    funcs = {g.name_hint: f for g, f in mod.functions_items()}
+    weight_types: dict = {}
+    parts = (("pre_attn", spec.pre_attn_weight_names()), ("post_attn", spec.post_attn_weight_names()))
+    for j, signature in enumerate(spec.block_signatures()):
+        layer = spec.layer_types.index(signature) if spec.layer_types else 0
+        for part, names in parts:
+            types = {weight_param_name(i): spec.weight_type(layer, n) for i, n in enumerate(names)}
+            types = {p: t for p, t in types.items() if t}
+            for phase in _PHASES:
+                name = block_function_name(part, phase, j)
+                if name not in funcs:   # signature 0 is the exported function itself
+                    base = funcs[block_function_name(part, phase)]
+                    funcs[name] = relax.utils.copy_with_new_vars(base).with_attr("global_symbol", name)
+                if types:
+                    weight_types[name] = types
+    head_type = spec.head_type
+    if head_type:
+        for phase in _PHASES:
+            weight_types[f"head_{phase}"] = {weight_param_name(1): head_type}   # (norm, lm_head)
+    return tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), weight_types

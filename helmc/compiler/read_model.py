@@ -1,0 +1,70 @@
+"""Phase 1 of a build: the model, from a Hugging Face directory or a GGUF file, as a ModelSource.
+
+- a Hugging Face directory: config.json -> ModelSpec; the weights stay in its safetensors;
+- the same with `quant` (q8_0 | q4_0 | q4_k): its weights quantized once into a GGUF file in the weights
+  cache (quantize_checkpoint; streamed tensor by tensor), which the bundle then reads like any GGUF;
+- a GGUF file: architecture, hyper-parameters, per-tensor types and the tokenizer from the file.
+Only headers are read here (and, with `quant`, the weights once); weights bind at run time.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+from helmc.errors import HelmcError
+from helmc.model.load import is_gguf, load_spec
+from helmc.model.spec import ModelSpec
+
+_HASHED_HEADER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: ModelSpec                   # with the tensors' quantized types when the weights are quantized
+    config_sha256: str                # of config.json, or of a GGUF file's first MiB and size
+    weights: str                      # a directory of safetensors or a .gguf file
+    tokenizer_dir: str = ""           # where tokenizer.json & co. are (a Hugging Face directory), or ""
+    tokenizer_json: str = ""          # the tokenizer read from a GGUF file, when there is no tokenizer_dir
+    chat_template: str = ""
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.weights.endswith(".gguf")
+
+
+def read_model(path: str, quant: str = "", cache_dir: str | None = None, progress=lambda m: None) -> ModelSource:
+    if is_gguf(path):
+        if quant:
+            raise HelmcError(f"--quant: expected a Hugging Face model directory to quantize, found the file {path} "
+                             "(a GGUF file is already quantized: build it without --quant)")
+        return _read_gguf(path)
+    spec = ModelSpec.from_model_dir(path)
+    config = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(config, "rb") as f:
+        config_sha = hashlib.sha256(f.read()).hexdigest()
+    model_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    if not quant:
+        return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
+    from helmc.compiler.artifact_cache import default_cache_dir
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)
+    source = _read_gguf(gguf, with_tokenizer=False)
+    return ModelSource(source.spec, config_sha, gguf, tokenizer_dir=model_dir)
+
+
+def _read_gguf(path: str, with_tokenizer: bool = True) -> ModelSource:
+    from helmc.model.gguf_spec import read_gguf_tokenizer
+    spec = load_spec(path)
+    h = hashlib.sha256(str(os.path.getsize(path)).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_HASHED_HEADER_BYTES))
+    tokenizer_json, template = "", ""
+    if with_tokenizer:
+        try:
+            tokenizer_json, template = read_gguf_tokenizer(path)
+        except HelmcError as e:       # a file without a usable tokenizer still runs from token ids
+            if "no tokenizer" not in str(e):
+                raise
+    return ModelSource(spec, h.hexdigest(), os.path.abspath(path), tokenizer_json=tokenizer_json,
+                       chat_template=template or "")

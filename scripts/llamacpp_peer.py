@@ -1,0 +1,35 @@
+"""llama.cpp as the peer in bench_decode.py: `llama-bench` on the same GGUF file, in the same run.
+
+    from llamacpp_peer import llama_bench
+    llama_bench("/tmp/lc/build/bin/llama-bench", "model.gguf", ngl=0, prompt_len=128, new_tokens=64)
+
+Build the binary with ../shared/peers/build_llamacpp.sh (with CUDA on the GPU machine). `-ngl N` keeps the
+last N blocks on the GPU (0: all on the CPU, 99: all on the GPU); llama-bench's own JSON output is parsed,
+never its table. TTFT is taken as prompt_len / prompt tok/s (llama-bench times the prompt alone).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+
+def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int, reps: int = 3,
+                threads: int | None = None, extra: tuple[str, ...] = ()) -> dict:
+    if not os.path.isfile(binary):
+        raise FileNotFoundError(f"llama-bench: expected the binary at {binary} (../shared/peers/build_llamacpp.sh)")
+    cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(new_tokens), "-r", str(reps), "-ngl", str(ngl),
+           "-o", "json", *extra]
+    if threads:
+        cmd += ["-t", str(threads)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
+    rows = json.loads(proc.stdout)
+    prompt = next(r for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0)
+    gen = next(r for r in rows if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0)
+    return {"system": "llama.cpp", "ngl": ngl, "command": " ".join(cmd), "threads": gen.get("n_threads"),
+            "prompt_tok_s": prompt["avg_ts"], "decode_tok_s_p50": gen["avg_ts"], "decode_tok_s_stdev": gen.get("stddev_ts"),
+            "ttft_ms_p50": 1000.0 * prompt_len / prompt["avg_ts"], "per_token_ms_p50": 1000.0 / gen["avg_ts"],
+            "model_size_bytes": gen.get("model_size"), "build": gen.get("build_commit"),
+            "backends": gen.get("backends")}

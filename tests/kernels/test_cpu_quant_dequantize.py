@@ -1,0 +1,42 @@
+"""schedules/cpu/quant/dequantize.py (the quantized prefill path) against the gguf package's own NumPy
+dequantizers: bit-exact in fp32 (the same formulas, one rounding each), fp16 output within fp16 rounding.
+Weights come from helmc's quantizers (byte-identical to ggml's); nothing is stored."""
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+tvm = pytest.importorskip("tvm")
+
+from helmc.errors import HelmcError  # noqa: E402
+
+
+def _run(qtype, n, k, out_dtype, raw):
+    from helmc.schedules.cpu.quant.gemm import make_dequantize
+    lib = tvm.compile(tvm.IRModule({"main": make_dequantize(qtype, n, k, out_dtype)}),
+                      target=tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"}))
+    out = tvm.runtime.tensor(np.zeros((n, k), out_dtype))
+    lib["main"](tvm.runtime.tensor(raw), out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("out_dtype", ["float32", "float16"])
+def test_dequantize_matches_gguf(qtype, out_dtype):
+    from helmc.model.quant_formats import quantize
+    rng = np.random.default_rng(1)
+    n, k = 7, 768
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
+    raw = quantize(w, qtype)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype.upper()]).astype(np.float32)
+    got = _run(qtype, n, k, out_dtype, raw).astype(np.float32)
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    print(f"\n{qtype} -> {out_dtype}: max relative difference {err:.2e} vs gguf.quants.dequantize")
+    assert err == 0.0 if out_dtype == "float32" else err < 2 ** -10
+
+
+def test_bad_shapes_are_refused():
+    from helmc.schedules.cpu.quant.gemm import make_dequantize
+    with pytest.raises(HelmcError, match="multiple of its 256-weight block, found k=300"):
+        make_dequantize("q4_k", 4, 300)
+    with pytest.raises(HelmcError, match="out dtype expected one of"):
+        make_dequantize("q8_0", 4, 64, "bfloat16")
