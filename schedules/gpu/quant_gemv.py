@@ -1,0 +1,370 @@
+"""CUDA kernels (scheduled TIR) over llama.cpp's quantized weights: decode GEMV and dequantize, for the GPU stage.
+
+W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks along k in ggml's block layouts:
+    q8_0 (34 B / 32 w):   d fp16, 32 x int8                                  w = d * q
+    q4_0 (18 B / 32 w):   d fp16, 16 B nibbles (w[i] low, w[i+16] high)     w = d * (q - 8)
+    q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
+                          (32-byte chunk c: low nibbles are sub-block 2c, high ones 2c+1)   w = d*sc_j*q - dmin*m_j
+    q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
+                          (weight 128h + 32c + l: nibble c//2 of ql[64h + 32(c%2) + l], bits 2c of qh[32h + l])
+                          w = d * sc_j * (q - 32)
+(the formulas of ggml's dequantize_row_*, as in schedules/cpu/quant/dequantize.py).
+
+make_gpu_gemv_quant: y[1, n] fp16 = x[1, k] fp16 @ dequant(W)^T, summed in fp32 and rounded once to fp16 at the
+end: what the GPU stage's decode matmuls compute (rewrite_matmuls_fp32_accumulate: fp16 activations, fp32
+accumulation, the cast back fused into the matmul).
+make_gpu_dequantize: out[n, k] fp16 = dequant(W), for the prefill path (dequantize, then the fp16 matmul).
+
+Work split (both kernels): each block of a row is read by TPB threads (FORMATS below); thread t of a block
+owns `groups` runs of `run` consecutive weights (8 or 16: one or two 16-byte loads of x, or stores of the
+output), each run under one scale. Neighbouring threads read neighbouring bytes of the same block, and a
+warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in a few 32-byte sectors.
+- Loads are as wide as the block's alignment allows: q4_k blocks (144 B) are 16-byte aligned in every row,
+  so its quants and its header are one 16-byte load each; q8_0 / q4_0 / q6_k blocks (34, 18, 210 B) are
+  only 2-byte aligned (odd blocks of a row start at 2 mod 4), so they are read as uint16 (llama.cpp's
+  get_int_b2 does the same).
+- A quant becomes an fp32 by the exponent trick: the integer (or int8 + 128) is OR-ed into the mantissa of
+  2^23 and 2^23 (+ the format's offset) is subtracted: one or two integer ops and one FADD, exact. A CUDA
+  int-to-float convert (I2F) per weight would run on the conversion unit, listed at 16 results / clock / SM
+  in the CUDA guide's throughput table against 128 FP32 ops: ~3.7e12 / s on an H100, a cap near 2 TB/s of
+  4-bit weights.
+- GEMV: a warp owns ROWS_PER_WARP rows and reads x once per step for all of them (x is read from L1/L2 once
+  per row group, not once per row, and converted to fp32 once); per run, part = sum x*q (fp32), then
+  acc += scale * part (q4_k also - dmin*m_j * sum x, that sum shared by the rows). The warp's lanes are
+  summed with 5 shuffles per row. No shared memory, so nothing limits occupancy but registers.
+- Dequantize: one thread per (row, block, t), consecutive threads on consecutive pieces of a block.
+- Every load and store is in bounds: the last row group clamps its row index for loads and skips stores.
+Results: GEMV differs from a float64 reference by fp32 summation (~1e-6 relative) and the final fp16
+rounding of y (<= 2^-11 of |y|); dequantize by fp16 rounding of each weight only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.errors import HelmcError
+
+
+@dataclass(frozen=True)
+class _Format:
+    weights: int     # weights per block (along k)
+    bytes: int       # bytes per block
+    threads: int     # TPB: threads sharing one block
+    groups: int      # runs per thread, each under one scale
+    run: int         # weights per run: a multiple of 8 (16-byte x loads and output stores)
+    word: str        # dtype of the view the block's bytes are loaded through
+
+    @property
+    def per_thread(self) -> int:
+        return self.groups * self.run
+
+
+# TPB trades load width against how many blocks (and 32-byte sectors) one warp load touches: 8 threads per
+# q4_k / q6_k block and 4 per q8_0 block keep a warp step inside 4-8 consecutive blocks (136-840 bytes).
+FORMATS = {"q8_0": _Format(32, 34, 4, 1, 8, "uint16"), "q4_0": _Format(32, 18, 2, 2, 8, "uint16"),
+           "q4_k": _Format(256, 144, 8, 2, 16, "uint32"), "q6_k": _Format(256, 210, 8, 4, 8, "uint16")}
+WARP = 32
+WARPS = 4              # warps per thread block of the GEMV (128 threads)
+ROWS_PER_WARP = 2      # rows one warp reduces at once: x reuse vs. warps in flight (4096 rows -> 15 warps/SM)
+UNROLL = 2             # steps along k issued together, so each warp has 2 steps of loads in flight
+DEQUANT_THREADS = 256  # threads per thread block of the dequantizer
+_INDEX_LIMIT = 2 ** 31  # TIR indexes with int32 here; every flat byte or element index must fit
+
+_F32 = "float32"
+
+
+def gpu_quant_row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one GGUF row of k weights in `qtype`, after checking that k is whole blocks."""
+    fmt = _check(qtype, 1, k)
+    return k // fmt.weights * fmt.bytes
+
+
+def gemv_symbol(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+                unroll: int = UNROLL) -> str:
+    """The PrimFunc's global symbol (tuning other than the defaults appended); its CUDA kernel is this + "_kernel"."""
+    tuned = (rows_per_warp, warps, unroll) != (ROWS_PER_WARP, WARPS, UNROLL)
+    tail = f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else ""
+    return f"helmc_gpu_gemv_{qtype}_n{n}_k{k}{tail}"
+
+
+def dequantize_symbol(qtype: str, n: int, k: int) -> str:
+    return f"helmc_gpu_dequantize_{qtype}_n{n}_k{k}"
+
+
+def _check(qtype: str, n: int, k: int) -> _Format:
+    if qtype not in FORMATS:
+        raise HelmcError(f"GPU quantized kernel: weight type expected one of {tuple(FORMATS)}, found {qtype!r}")
+    fmt = FORMATS[qtype]
+    if k < 1 or k % fmt.weights:
+        raise HelmcError(f"GPU quantized kernel: {qtype} k expected a positive multiple of its {fmt.weights}-weight "
+                         f"block, found k={k}")
+    if n < 1:
+        raise HelmcError(f"GPU quantized kernel: n expected >= 1, found n={n}")
+    if n * (k // fmt.weights * fmt.bytes) >= _INDEX_LIMIT or n * k >= _INDEX_LIMIT:
+        raise HelmcError(f"GPU quantized kernel: n * k expected < 2^31 (int32 indexing), found n={n}, k={k}")
+    return fmt
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Quant -> fp32 (see the module docstring: exponent trick, no I2F)
+# ------------------------------------------------------------------------------------------------------------
+def _u32(v):
+    return v if getattr(v, "dtype", None) == "uint32" else tirx.Cast("uint32", v)
+
+
+def _field(word, shift, mask: int):
+    """(word >> shift) & mask as uint32; shift a Python int or a runtime expression."""
+    sh = T.uint32(shift) if isinstance(shift, int) else _u32(shift)
+    return T.bitwise_and(T.shift_right(_u32(word), sh), T.uint32(mask))
+
+
+def _unsigned(bits, offset: int):
+    """float(bits - offset) for 0 <= bits < 2^23: bits in the mantissa of 2^23, then 2^23 + offset taken off."""
+    return T.reinterpret(_F32, T.bitwise_or(bits, T.uint32(0x4B000000))) - T.float32(8388608.0 + offset)
+
+
+def _signed_byte(byte):
+    """float(int8 of byte) for 0 <= byte < 256: flipping bit 7 maps int8 q to q + 128 (as XOR with 2^23's bits)."""
+    return T.reinterpret(_F32, T.bitwise_xor(byte, T.uint32(0x4B000080))) - T.float32(8388608.0 + 128)
+
+
+def _half(bits):
+    """fp32 of the fp16 whose bits are the low 16 of `bits`."""
+    return T.Cast(_F32, T.reinterpret("float16", T.Cast("uint16", bits)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Per format: where thread t's runs sit in the block, and the macro that decodes them.
+# decode(wv, base, t, q, scale, offset): wv is the row bytes' `word` view, base the block's first index in it;
+# q[per_thread] gets the quants as fp32 (offsets -8 / -32 already applied), scale[g] / offset[g] the run's
+# w = scale * q - offset (offset only for q4_k).
+# ------------------------------------------------------------------------------------------------------------
+def _run_start(qtype: str, t, g: int):
+    """Position in the block (along k) of thread t's run g."""
+    if qtype == "q8_0":
+        return 8 * t
+    if qtype == "q4_0":
+        return 16 * g + 8 * t                          # byte 8t + i: low nibble weight 8t+i, high 8t+i+16
+    if qtype == "q4_k":
+        return 64 * (t // 2) + 32 * g + 16 * (t % 2)   # chunk t//2, its bytes 16(t%2)..+16, nibble g
+    return 128 * (t // 4) + 32 * g + 8 * (t % 4)      # q6_k: half t//4, quarter g, positions 8(t%4)..+8
+
+
+def _decode_q8_0():
+    @T.macro
+    def decode(wv, base, t, q, scale, offset):
+        u = T.alloc_buffer((4,), "uint16", scope="local")
+        for j in T.unroll(4):
+            u[j] = wv[base + 1 + 4 * t + j]                        # bytes 2 + 8t + 2j, 2j + 1
+        for e in T.unroll(8):
+            q[e] = _signed_byte(_field(u[e // 2], 8 * (e % 2), 0xFF))
+        scale[0] = _half(wv[base])
+
+    return decode
+
+
+def _decode_q4_0():
+    @T.macro
+    def decode(wv, base, t, q, scale, offset):
+        u = T.alloc_buffer((4,), "uint16", scope="local")
+        for j in T.unroll(4):
+            u[j] = wv[base + 1 + 4 * t + j]                        # quant bytes 8t + 2j, 2j + 1
+        for g in T.unroll(2):
+            for i in T.unroll(8):
+                q[g * 8 + i] = _unsigned(_field(u[i // 2], 8 * (i % 2) + 4 * g, 0xF), 8)
+        scale[0] = _half(wv[base])
+        scale[1] = scale[0]
+
+    return decode
+
+
+def _q4_k_scale_min(head, t, g, word: int, nibble: int):
+    """ggml's get_scale_min_k4 for thread t's sub-block j = 2(t//2) + g: its scale (word 1, nibble 0) or its
+    min (word 2, nibble 4). The 12 scale bytes are head[1..3]; byte j % 4 of each sits at shift 8 (j % 4).
+    j < 4 (t < 4): 6 low bits of byte j (scale) / j + 4 (min); j >= 4: the low / high nibble of byte j + 4
+    (head[3]) and, above it, the top 2 bits of byte j - 4 (scale) / j (min)."""
+    sh = 8 * (2 * ((t // 2) % 2) + g)
+    low = _field(head[word], sh, 63)
+    high = T.bitwise_or(_field(head[3], sh + nibble, 0xF), T.shift_left(_field(head[word], sh + 6, 3), T.uint32(4)))
+    return T.if_then_else(t < 4, low, high)
+
+
+def _decode_q4_k():
+    @T.macro
+    def decode(wv, base, t, q, scale, offset):
+        head = T.alloc_buffer((4,), "uint32", scope="local")       # d | dmin << 16, then the 12 scale bytes
+        qs = T.alloc_buffer((4,), "uint32", scope="local")         # quant bytes 32(t//2) + 16(t%2) .. + 16
+        for v in T.vectorized(4):
+            head[v] = wv[base + v]
+        for v in T.vectorized(4):
+            qs[v] = wv[base + 4 + 8 * (t // 2) + 4 * (t % 2) + v]
+        for g in T.unroll(2):
+            for i in T.unroll(16):
+                q[g * 16 + i] = _unsigned(_field(qs[i // 4], 8 * (i % 4) + 4 * g, 0xF), 0)
+        for g in T.unroll(2):
+            scale[g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
+            offset[g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
+
+    return decode
+
+
+def _decode_q6_k():
+    @T.macro
+    def decode(wv, base, t, q, scale, offset):
+        ql = T.alloc_buffer((8,), "uint16", scope="local")     # ql bytes 64h + l0 .. +8, then 64h + 32 + l0 .. +8
+        qh = T.alloc_buffer((4,), "uint16", scope="local")     # qh bytes 32h + l0 .. +8
+        sc = T.alloc_buffer((4,), "uint16", scope="local")     # scale pairs 8h + 2c, + 1 for c = 0..3
+        for s in T.unroll(2):
+            for j in T.unroll(4):
+                ql[s * 4 + j] = wv[base + 32 * (t // 4) + 16 * s + 4 * (t % 4) + j]
+        for j in T.unroll(4):
+            qh[j] = wv[base + 64 + 16 * (t // 4) + 4 * (t % 4) + j]
+        for c in T.unroll(4):
+            sc[c] = wv[base + 96 + 4 * (t // 4) + c]
+        for c in T.unroll(4):
+            for i in T.unroll(8):
+                q[c * 8 + i] = _unsigned(T.bitwise_or(
+                    _field(ql[(c % 2) * 4 + i // 2], 8 * (i % 2) + 4 * (c // 2), 0xF),
+                    T.shift_left(_field(qh[i // 2], 8 * (i % 2) + 2 * c, 3), T.uint32(4))), 32)
+            # positions l0 = 8(t%4) < 16 use the first scale of the pair, l0 >= 16 the second
+            scale[c] = _half(wv[base + 104]) * _signed_byte(_field(sc[c], 8 * ((t % 4) // 2), 0xFF))
+
+    return decode
+
+
+_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q4_k": _decode_q4_k, "q6_k": _decode_q6_k}
+
+
+def _view_width(fmt: _Format) -> int:
+    return 4 if fmt.word == "uint32" else 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------------------
+def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP,
+                        warps: int = WARPS, unroll: int = UNROLL) -> tirx.PrimFunc:
+    """PrimFunc(x: float16[1, k], w: uint8[n, row_bytes], y: float16[1, n]) with y = x @ dequant(w)^T (fp32 sums).
+
+    qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
+    along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
+    x, w and y must be 16-byte aligned (TVM and CuPy allocations are).
+    """
+    fmt = _check(qtype, n, k)
+    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP:
+        raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32 expected, "
+                         f"found {rows_per_warp}, {unroll}, {warps}")
+    blocks = k // fmt.weights
+    row_bytes = blocks * fmt.bytes
+    tpb, groups, run, ept, weights = fmt.threads, fmt.groups, fmt.run, fmt.per_thread, fmt.weights
+    per_step = WARP // tpb                          # blocks of a row one warp covers per step
+    outer = -(-blocks // (per_step * unroll))       # lanes past the row end in the last steps skip them
+    rows, width = rows_per_warp, _view_width(fmt)
+    row_words, block_words = row_bytes // width, fmt.bytes // width
+    grid = -(-n // (rows * warps))
+    has_offset = qtype == "q4_k"
+    decode = _DECODERS[qtype]()
+
+    @T.macro
+    def block_step(x, wv, acc, first_row, block, t, xh, xf, xsum, q, scale, offset, part):
+        """acc[r] += row (first_row + r)'s block `block`, the runs of thread t, for every row of the group."""
+        for g in T.unroll(groups):                  # x of this thread's runs: once for all rows of the group
+            for v8 in T.unroll(run // 8):
+                for v in T.vectorized(8):
+                    xh[g * run + v8 * 8 + v] = x[0, block * weights + _run_start(qtype, t, g) + v8 * 8 + v]
+        for e in T.unroll(ept):
+            xf[e] = T.Cast(_F32, xh[e])
+        if has_offset:
+            for g in T.unroll(groups):
+                xsum[g] = T.float32(0)
+                for i in T.unroll(run):
+                    xsum[g] = xsum[g] + xf[g * run + i]
+        for r in T.unroll(rows):
+            decode(wv, T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset)
+            for g in T.unroll(groups):
+                part[0] = T.float32(0)
+                for i in T.unroll(run):
+                    part[0] = part[0] + xf[g * run + i] * q[g * run + i]
+                if has_offset:
+                    acc[r] = acc[r] + (scale[g] * part[0] - offset[g] * xsum[g])
+                else:
+                    acc[r] = acc[r] + scale[g] * part[0]
+
+    @T.prim_func
+    def gemv(x: T.Buffer((1, k), "float16"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((1, n), "float16")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        wv = T.decl_buffer((n * row_words,), fmt.word, data=w.data)       # [n * row_bytes / width]
+        for bx in T.thread_binding(grid, thread="blockIdx.x"):
+            for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    acc = T.alloc_buffer((rows,), _F32, scope="local")
+                    xh = T.alloc_buffer((ept,), "float16", scope="local")
+                    xf = T.alloc_buffer((ept,), _F32, scope="local")
+                    xsum = T.alloc_buffer((groups,), _F32, scope="local")
+                    q = T.alloc_buffer((ept,), _F32, scope="local")
+                    scale = T.alloc_buffer((groups,), _F32, scope="local")
+                    offset = T.alloc_buffer((groups,), _F32, scope="local")
+                    part = T.alloc_buffer((1,), _F32, scope="local")
+                    for r in T.unroll(rows):
+                        acc[r] = T.float32(0)
+                    for so in T.serial(outer):
+                        for si in T.unroll(unroll):
+                            if (so * unroll + si) * per_step + tx // tpb < blocks:
+                                block_step(x, wv, acc, (bx * warps + ty) * rows,
+                                           (so * unroll + si) * per_step + tx // tpb, tx % tpb,
+                                           xh, xf, xsum, q, scale, offset, part)
+                    for r in T.unroll(rows):
+                        for s in T.unroll(5):                 # butterfly: every lane ends with the warp's sum
+                            acc[r] = acc[r] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[r], 16 >> s,
+                                                                     WARP, WARP)
+                        if tx == r % WARP and (bx * warps + ty) * rows + r < n:
+                            y[0, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[r])
+
+    return gemv.with_attr("global_symbol", gemv_symbol(qtype, n, k, rows_per_warp, warps, unroll))
+
+
+def make_gpu_dequantize(qtype: str, n: int, k: int) -> tirx.PrimFunc:
+    """PrimFunc(w: uint8[n, row_bytes], out: float16[n, k]) with out = the weights the blocks encode."""
+    fmt = _check(qtype, n, k)
+    blocks = k // fmt.weights
+    row_bytes = blocks * fmt.bytes
+    tpb, groups, run, ept = fmt.threads, fmt.groups, fmt.run, fmt.per_thread
+    width = _view_width(fmt)
+    row_words, block_words = row_bytes // width, fmt.bytes // width
+    units = n * blocks * tpb                        # one thread per (row, block, t)
+    grid = -(-units // DEQUANT_THREADS)
+    has_offset = qtype == "q4_k"
+    decode = _DECODERS[qtype]()
+
+    @T.prim_func
+    def dequantize(w: T.Buffer((n, row_bytes), "uint8"), out: T.Buffer((n, k), "float16")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        wv = T.decl_buffer((n * row_words,), fmt.word, data=w.data)       # [n * row_bytes / width]
+        for bx in T.thread_binding(grid, thread="blockIdx.x"):
+            for tx in T.thread_binding(DEQUANT_THREADS, thread="threadIdx.x"):
+                q = T.alloc_buffer((ept,), _F32, scope="local")
+                scale = T.alloc_buffer((groups,), _F32, scope="local")
+                offset = T.alloc_buffer((groups,), _F32, scope="local")
+                oh = T.alloc_buffer((ept,), "float16", scope="local")
+                if bx * DEQUANT_THREADS + tx < units:
+                    # unit u = (row * blocks + block) * tpb + t
+                    decode(wv, (bx * DEQUANT_THREADS + tx) // tpb * block_words, (bx * DEQUANT_THREADS + tx) % tpb,
+                           q, scale, offset)
+                    for g in T.unroll(groups):
+                        for i in T.unroll(run):
+                            if has_offset:
+                                oh[g * run + i] = T.Cast("float16", scale[g] * q[g * run + i] - offset[g])
+                            else:
+                                oh[g * run + i] = T.Cast("float16", scale[g] * q[g * run + i])
+                    for g in T.unroll(groups):
+                        for v8 in T.unroll(run // 8):
+                            for v in T.vectorized(8):
+                                out[(bx * DEQUANT_THREADS + tx) // (tpb * blocks),
+                                    (bx * DEQUANT_THREADS + tx) // tpb % blocks * fmt.weights
+                                    + _run_start(qtype, (bx * DEQUANT_THREADS + tx) % tpb, g) + v8 * 8 + v] = \
+                                    oh[g * run + v8 * 8 + v]
+
+    return dequantize.with_attr("global_symbol", dequantize_symbol(qtype, n, k))
