@@ -101,7 +101,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
              f"{'weights ' + types if spec.quantized else spec.dtype}")
     if spec.quantized and hardware.gpu is not None and plan is None:
         progress("search_plan: quantized weights run on the CPU stage only in this version: planning without the GPU")
-        hardware = dataclasses.replace(hardware, gpu=None)
+        hardware = dataclasses.replace(hardware, gpu=None, link=None)
     plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 

@@ -38,7 +38,7 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
         if quant:
             raise HelmcError(f"--quant: expected a Hugging Face model directory to quantize, found the file {path} "
                              "(a GGUF file is already quantized: build it without --quant)")
-        return _read_gguf(path)
+        return _read_gguf(path, progress=progress)
     spec = ModelSpec.from_model_dir(path)
     config = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(config, "rb") as f:
@@ -53,7 +53,7 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     return ModelSource(source.spec, config_sha, gguf, tokenizer_dir=model_dir)
 
 
-def _read_gguf(path: str, with_tokenizer: bool = True) -> ModelSource:
+def _read_gguf(path: str, with_tokenizer: bool = True, progress=lambda m: None) -> ModelSource:
     from helmc.model.gguf_spec import read_gguf_tokenizer
     spec = load_spec(path)
     h = hashlib.sha256(str(os.path.getsize(path)).encode())
@@ -63,8 +63,7 @@ def _read_gguf(path: str, with_tokenizer: bool = True) -> ModelSource:
     if with_tokenizer:
         try:
             tokenizer_json, template = read_gguf_tokenizer(path)
-        except HelmcError as e:       # a file without a usable tokenizer still runs from token ids
-            if "no tokenizer" not in str(e):
-                raise
+        except HelmcError as e:       # the weights still run, from token ids (helmc run --prompt-ids)
+            progress(f"read_model: no tokenizer in the bundle: {e}; run it with --prompt-ids")
     return ModelSource(spec, h.hexdigest(), os.path.abspath(path), tokenizer_json=tokenizer_json,
                        chat_template=template or "")

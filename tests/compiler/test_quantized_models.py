@@ -86,7 +86,7 @@ def compare(session, ref, label: str):
 @pytest.fixture(scope="module")
 def cpu_hardware(host_hardware):
     import dataclasses
-    return dataclasses.replace(host_hardware, gpu=None)
+    return dataclasses.replace(host_hardware, gpu=None, link=None)
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),

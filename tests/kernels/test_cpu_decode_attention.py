@@ -19,7 +19,7 @@ tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.kv.cache_cpu import KVCacheCPU, bf16_bits, find_decode_kernel  # noqa: E402
 from helmc.runtime.kv.paged_attention import full_attention  # noqa: E402
-from helmc.compiler.schedule_cpu_stage import llvm_target  # noqa: E402
+from helmc.compiler.passes.schedule_cpu_stage import llvm_target  # noqa: E402
 from helmc.schedules.cpu.decode_attention import make_decode_attention  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
 
@@ -144,7 +144,7 @@ def test_bf16_append_rounds_to_nearest_even():
 def test_kernel_ships_in_the_executable_and_is_found_by_name(tmp_path):
     from tvm import relax
     from tvm.script import relax as R
-    from helmc.compiler.schedule_cpu_stage import decode_attention_kernels
+    from helmc.compiler.passes.schedule_cpu_stage import decode_attention_kernels
     from qwen3_configs import qwen3_spec
 
     @tvm.script.ir_module

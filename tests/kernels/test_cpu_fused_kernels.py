@@ -16,7 +16,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits, tensor_from_numpy  # noqa: E402
-from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
+from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
 from helmc.schedules.cpu.gemm_amx import (BLOCKING_VARIANTS, MEASURED_BLOCKING, AmxBlocking,  # noqa: E402
                                           amx_gemm_applies, blocking_for, blocking_named, k_block_dividing,
                                           make_gemm_amx, make_gemm_amx_multi)

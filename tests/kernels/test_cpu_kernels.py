@@ -16,7 +16,7 @@ tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.tvm_tensors import (bf16_bits_from_float32, float32_from_bf16_bits, numpy_from_tensor,  # noqa: E402
                                        tensor_from_numpy)
-from helmc.compiler.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
+from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features  # noqa: E402
 from helmc.schedules.cpu.gemm import GemmTiling, make_gemm  # noqa: E402
 from helmc.schedules.cpu.gemv import make_gemv  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
