@@ -84,3 +84,31 @@ def hf_prompt_reference(model, prompt: list[int], new_tokens: int):
         logits = model(ids).logits[0, -1].float().numpy()
         greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)[0, len(prompt):]
     return logits, greedy.numpy()
+
+
+def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
+    """The transformers model of `model_dir` in fp32 with every weight replaced by the gguf package's own
+    dequantization of `gguf_path`'s tensor (the reference for quantized bundles; not helmc's dequantizers)."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ck = GGUFCheckpoint(gguf_path)
+    params = dict(model.named_parameters())
+    for name in ck.names():
+        info = ck.info(name)
+        w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
+        w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(info.shape))
+        if name == "lm_head.weight" and name not in params:          # tied in HF, its own tensor in the file
+            model.lm_head.weight = torch.nn.Parameter(w)
+            continue
+        with torch.no_grad():
+            params[name].copy_(w)
+    if "lm_head.weight" in params and "lm_head.weight" in ck.names():
+        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr() or \
+            np.array_equal(ck.raw_hf("lm_head.weight"), ck.raw_hf("model.embed_tokens.weight"))
+    ck.close()
+    return model

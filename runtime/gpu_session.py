@@ -121,7 +121,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
         # The loan the plan counted: the streamed prefill of a prompt of the plan's length.
-        loan = (streamed_prefill_bytes(arenas[0].nbytes, plan.batch * plan.prompt_len, spec)
+        loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), plan.batch * plan.prompt_len, spec)
                 if plan.prefill_on_gpu else 0)
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the

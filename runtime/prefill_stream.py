@@ -30,31 +30,38 @@ from helmc.model.spec import ModelSpec
 
 from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
-from helmc.runtime.stage import StageBinding
+from helmc.runtime.stage import StageBinding, block_function_name
+from helmc.runtime.weights.bind import weight_view
 
 ARENA_ALIGN = 256                       # TVM and DLPack want aligned tensor data; 256 also suits DMA
-_NUMPY_OF = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
+_NUMPY_OF = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16, "uint8": np.uint8}
 
 
 @dataclass(frozen=True)
 class ArenaSlot:
     name: str
-    dtype: str                          # checkpoint dtype; bfloat16 travels as uint16 bits
+    dtype: str                          # the compiled function's: bfloat16 travels as uint16 bits, quantized as uint8
     shape: tuple[int, ...]
     offset: int                         # bytes from the arena start, a multiple of ARENA_ALIGN
     nbytes: int
 
 
-def arena_layout(spec: ModelSpec, dtypes: dict[str, str]) -> tuple[tuple[ArenaSlot, ...], int]:
-    """Slots of one block's weights in the compiled functions' order (pre_attn's, then post_attn's),
-    and the arena size. Every block of a model has the same layout."""
+def block_views(ck, spec: ModelSpec, layer: int) -> list[tuple[str, np.ndarray, str]]:
+    """(name, host array, dtype) of one block's weights as its compiled functions take them, in their order
+    (pre_attn's, then post_attn's): quantized weights as raw blocks (weights.bind.weight_view)."""
     shapes = spec.block_weight_shapes()
+    return [(name, *weight_view(ck, f"model.layers.{layer}.{name}", shapes[name], spec.weight_type(layer, name),
+                                spec.dtype))
+            for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names())]
+
+
+def arena_layout(views: list[tuple[str, np.ndarray, str]]) -> tuple[tuple[ArenaSlot, ...], int]:
+    """Slots of one block's weights (block_views) and the arena size. Blocks of one type signature
+    (ModelSpec.block_signatures) share a layout."""
     slots, off = [], 0
-    for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
-        dt = dtypes[name]
-        n = int(np.prod(shapes[name])) * np.dtype(_NUMPY_OF[dt]).itemsize
-        slots.append(ArenaSlot(name, dt, tuple(shapes[name]), off, n))
-        off += aligned_bytes(n)
+    for name, array, dt in views:
+        slots.append(ArenaSlot(name, dt, tuple(array.shape), off, array.nbytes))
+        off += aligned_bytes(array.nbytes)
     return tuple(slots), off
 
 
@@ -73,15 +80,15 @@ class PinnedBlockArena:
 
     Invariant: `host` is pinned and never reallocated, so a DMA may read it while the CPU computes."""
 
-    def __init__(self, ck: Checkpoint, spec: ModelSpec, layer: int, slots: tuple[ArenaSlot, ...], nbytes: int):
+    def __init__(self, views: list, spec: ModelSpec, layer: int):
         import cupyx
         import tvm.runtime
 
+        slots, nbytes = arena_layout(views)
         self.layer, self.slots, self.nbytes = layer, slots, nbytes
         self.host = cupyx.empty_pinned((nbytes,), np.uint8)
         tensors = []
-        for s, view in zip(slots, _views(self.host, slots)):
-            src = ck.view(f"model.layers.{layer}.{s.name}", s.shape)
+        for s, view, (_, src, _) in zip(slots, _views(self.host, slots), views):
             np.copyto(view, src.view(view.dtype) if src.dtype != view.dtype else src)
             t = tvm.runtime.from_dlpack(view)
             tensors.append(t._create_view(s.shape, "bfloat16") if s.dtype == "bfloat16" else t)
@@ -90,11 +97,9 @@ class PinnedBlockArena:
 
 def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=lambda m: None):
     """CPU-stage weights of `layers` in pinned arenas: (bindings for the CPU stage, arenas)."""
-    dtypes = {name: ck.info(f"model.layers.{layers[0]}.{name}").dtype for name in spec.block_weight_shapes()}
-    slots, nbytes = arena_layout(spec, dtypes)
     arenas = []
     for n, i in enumerate(layers):
-        arenas.append(PinnedBlockArena(ck, spec, i, slots, nbytes))
+        arenas.append(PinnedBlockArena(block_views(ck, spec, i), spec, i))
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound (pinned, streams to the GPU for prefill)")
     return [a.binding for a in arenas], arenas
 
@@ -127,17 +132,23 @@ class StreamedPrefill:
         self.to_tvm, self.to_cupy = cupy_to_tvm, tvm_to_cupy
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.score_budget_bytes, self.block_tokens = score_budget_bytes, block_tokens
-        self.pre, self.post = vm["pre_attn_prefill"], vm["post_attn_prefill"]
+        # Per type signature (one for unquantized models): its prefill functions.
+        self.fns = {j: (vm[block_function_name("pre_attn", "prefill", j)], vm[block_function_name("post_attn", "prefill", j)])
+                    for j in {spec.signature_index(a.layer) for a in arenas}}
         self.lend = lend
         self.bytes_streamed = 0
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
     def buffer_bytes(self, S: int) -> int:
         """VRAM one run() over S tokens needs (block arena + prompt buffers, each ARENA_ALIGN-aligned)."""
-        return streamed_prefill_bytes(self.arenas[0].nbytes, S, self.spec)
+        return streamed_prefill_bytes(self.arena_bytes, S, self.spec)
+
+    @property
+    def arena_bytes(self) -> int:
+        return max(a.nbytes for a in self.arenas)
 
     def _buffer_sizes(self, S: int) -> tuple[int, ...]:
-        return (self.arenas[0].nbytes,
+        return (self.arena_bytes,
                 *prompt_buffer_sizes(S, self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim))
 
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -158,8 +169,11 @@ class StreamedPrefill:
             parts.append(buf[off:off + n])
             off += aligned_bytes(n)
         device, xb, kvb, cb, sb = parts
-        binding = _binding([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
-                            for sl, v in zip(self.arenas[0].slots, _views(device, self.arenas[0].slots))], self.spec)
+        bindings = {}            # one per arena layout (type signature), all over the same device buffer
+        for a in self.arenas:
+            if a.slots not in bindings:
+                bindings[a.slots] = _binding([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
+                                              for sl, v in zip(a.slots, _views(device, a.slots))], self.spec)
         xg = xb.view(cp.float16).reshape(S, H)                              # [S*H*2 bytes] -> [S, H]
         scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)              # this block's K, V of the whole prompt
         cos_g = cb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
@@ -173,19 +187,21 @@ class StreamedPrefill:
             cp.cuda.runtime.memcpyAsync(device.data.ptr, arena.host.ctypes.data, arena.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             self.bytes_streamed += arena.nbytes
+            fns = self.fns[self.spec.signature_index(arena.layer)]
             for c0 in range(0, S, self.chunk):
                 c1 = min(S, c0 + self.chunk)
-                xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0, binding)
+                xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0, bindings[arena.slots], fns)
             kv = scratch.get()                                              # [2, h_kv, S, d] fp16 on the host
             self.cpu_kv.append(local, kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2))   # [h_kv,S,d] -> [S,h_kv,d]
         self.cpu_kv.advance(S)
         return xg.get()                                                     # synchronous: the loan ends here
 
-    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding):
+    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns):
         cp, n = self.cp, x.shape[0]
+        pre, post = fns
         to_tvm, to_cupy = self.to_tvm, self.to_cupy
         xt = to_tvm(cp.ascontiguousarray(x))
-        q, k, v = self.pre(xt, to_tvm(cp.ascontiguousarray(cos)), to_tvm(cp.ascontiguousarray(sin)), *binding.pre)
+        q, k, v = pre(xt, to_tvm(cp.ascontiguousarray(cos)), to_tvm(cp.ascontiguousarray(sin)), *binding.pre)
         h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
         scratch[0, :, c0:c0 + n] = to_cupy(k).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         scratch[1, :, c0:c0 + n] = to_cupy(v).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
@@ -194,7 +210,7 @@ class StreamedPrefill:
         o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, self.spec.sliding_window or 0, np.float32,
                           self.score_budget_bytes)
         attn = to_tvm(cp.ascontiguousarray(o.reshape(n, self.spec.q_dim)))              # [n, h_a, d] -> [n, h_a*d]
-        return to_cupy(self.post(xt, attn, *binding.post))
+        return to_cupy(post(xt, attn, *binding.post))
 
 
 def aligned_bytes(n: int) -> int:

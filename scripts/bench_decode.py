@@ -314,7 +314,8 @@ def main(argv=None) -> int:
         report["llamacpp"] = []
         for ngl in (int(n) for n in a.llama_ngl.split(",")):
             r = llama_bench(a.llama_bench, a.model, ngl, a.prompt_len, a.new_tokens, threads=a.threads)
-            log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s")
+            vram = f", peak VRAM {r['peak_vram_gib']:.2f} GiB" if r.get("peak_vram_gib") is not None else ""
+            log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s{vram}")
             report["llamacpp"].append(r)
             for h in report["helmc"]:
                 h[f"decode_ratio_vs_llamacpp_ngl{ngl}"] = h["decode_tok_s_p50"] / r["decode_tok_s_p50"]
@@ -340,7 +341,8 @@ def main(argv=None) -> int:
         print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
               f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
     for r in report.get("llamacpp", []):
-        print(f"| llama.cpp | -ngl {r['ngl']} | {r['decode_tok_s_p50']:.2f} | {r['ttft_ms_p50']:.0f} | "
+        vram = f" ({r['peak_vram_gib']:.2f} GiB VRAM)" if r.get("peak_vram_gib") is not None else ""
+        print(f"| llama.cpp | -ngl {r['ngl']}{vram} | {r['decode_tok_s_p50']:.2f} | {r['ttft_ms_p50']:.0f} | "
               f"{r['per_token_ms_p50']:.1f} | - | - | - | - |")
     for h in report["helmc"]:
         for k, v in h.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 
@@ -22,7 +23,9 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
            "-o", "json", *extra]
     if threads:
         cmd += ["-t", str(threads)]
+    baseline, sampler = _gpu_memory_mib(), _start_sampling()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = _stop_sampling(sampler)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
     rows = json.loads(proc.stdout)
@@ -32,4 +35,30 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
             "prompt_tok_s": prompt["avg_ts"], "decode_tok_s_p50": gen["avg_ts"], "decode_tok_s_stdev": gen.get("stddev_ts"),
             "ttft_ms_p50": 1000.0 * prompt_len / prompt["avg_ts"], "per_token_ms_p50": 1000.0 / gen["avg_ts"],
             "model_size_bytes": gen.get("model_size"), "build": gen.get("build_commit"),
-            "backends": gen.get("backends")}
+            "backends": gen.get("backends"),
+            "peak_vram_gib": (peak - baseline) / 1024 if peak is not None and baseline is not None else None}
+
+
+def _gpu_memory_mib() -> int | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         stdout=subprocess.PIPE, text=True).stdout.split()
+    return int(out[0]) if out else None
+
+
+def _start_sampling():
+    """nvidia-smi printing the GPU's used memory every 100 ms while llama-bench runs (its VRAM is not in its
+    output): the peak over the run, less the memory in use before it, is what llama.cpp held."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    return subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0",
+                             "-lms", "100"], stdout=subprocess.PIPE, text=True)
+
+
+def _stop_sampling(sampler) -> int | None:
+    if sampler is None:
+        return None
+    sampler.terminate()
+    values = [int(v) for v in sampler.communicate()[0].split() if v.isdigit()]
+    return max(values) if values else None

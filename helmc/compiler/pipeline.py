@@ -13,7 +13,6 @@ Compile cost does not grow with depth: one block function per device serves ever
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -80,7 +79,9 @@ def compile_cpu(mod, hw: HardwareProfile, out_path: str, spec: ModelSpec | None 
 def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tuple[str, ...]:
     """The GPU stage's library and cubins, and the paged decode attention kernels for its KV pages."""
     from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, compile_paged_attention
-    stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage")
+    from helmc.compiler.passes.quantize_functions import quantize_functions
+    mod, weight_types = quantize_functions(mod, spec)
+    stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage", weight_types=weight_types)
     return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
 
 
@@ -99,9 +100,6 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
-    if spec.quantized and hardware.gpu is not None and plan is None:
-        progress("search_plan: quantized weights run on the CPU stage only in this version: planning without the GPU")
-        hardware = dataclasses.replace(hardware, gpu=None, link=None)
     plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
@@ -109,9 +107,6 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     need_gpu = plan.uses_gpu
     if need_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
-    if need_gpu and spec.quantized:
-        raise HelmcError(f"plan {plan.describe()}: quantized weights run on the CPU stage only in this version; "
-                         "expected a plan without GPU units (profile without a GPU, or a hardware.json whose gpu is null)")
     cache = ArtifactCache(cache_dir, enabled=use_cache)
     jobs = {}
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())

@@ -17,33 +17,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from helmc.testing import hf_on_dequantized_weights  # noqa: E402
+
 PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
 DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 NEW_TOKENS = 16
-
-
-def dequantized_reference(model_dir: str, gguf_path: str):
-    """The HF model in fp32 with every weight replaced by gguf's dequantization of the file's tensor."""
-    from transformers import AutoModelForCausalLM
-
-    from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ck = GGUFCheckpoint(gguf_path)
-    params = dict(model.named_parameters())
-    for name in ck.names():
-        info = ck.info(name)
-        w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
-        w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(info.shape))
-        if name == "lm_head.weight" and name not in params:          # tied in HF, its own tensor in the file
-            model.lm_head.weight = torch.nn.Parameter(w)
-            continue
-        with torch.no_grad():
-            params[name].copy_(w)
-    if "lm_head.weight" in params and "lm_head.weight" in ck.names():
-        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr() or \
-            np.array_equal(ck.raw_hf("lm_head.weight"), ck.raw_hf("model.embed_tokens.weight"))
-    ck.close()
-    return model
 
 
 def _bundle_weights(bundle_dir: str) -> str:
@@ -104,7 +82,7 @@ def test_quant_at_build_matches_transformers(arch, quant, tmp_path, cpu_hardware
     assert r.bundle_dir and os.path.samefile(path, _bundle_weights(r.bundle_dir))
     if quant == "q4_k_m":        # llama.cpp's mix: two block signatures, the lm_head in q6_k
         assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
-    compare(Session.load(r.bundle_dir), dequantized_reference(model_dir, path), f"{arch} --quant {quant}")
+    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
 def test_gguf_file_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
@@ -120,4 +98,4 @@ def test_gguf_file_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
     assert r.spec.layer_types[0] == ("q4_k",) * 7 and r.spec.head_type == "q4_k"
     s = Session.load(r.bundle_dir)
     assert s.tokenizer is not None and s.tokenizer.encode("helmc compiles").ids     # read from the GGUF file
-    compare(s, dequantized_reference(model_dir, path), "qwen3 GGUF q4_k")
+    compare(s, hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF q4_k")

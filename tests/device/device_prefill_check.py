@@ -9,6 +9,10 @@
   DIR [--out FILE]   (GPU machine, runtime-only TVM) loads each bundle, compares the prompt's logits with
       the reference (max |diff| / max |ref|) and its greedy tokens with HF's (identical, or HF's token in
       helmc's top-5 at the first divergence), and split_stream's tokens with split_cpu's. Exits 1 on a mismatch.
+  --build DIR --quant q4_k_m   the same three plans for quantized weights: a tiny Qwen3 (hidden 256, ffn 512)
+      quantized to a GGUF file (helmc's quantize-at-build; q4_k_m mixes Q4_K and Q6_K: two block signatures),
+      bundles built from that file, references from transformers in fp32 on the gguf package's dequantization
+      of the same file (helmc.testing.hf_on_dequantized_weights).
 """
 from __future__ import annotations
 
@@ -28,19 +32,24 @@ LOGIT_TOLERANCE = 2e-2          # fp16 activations on the GPU against an fp32 re
 BUNDLES = ("split_stream", "split_cpu", "all_gpu")
 
 
-def build(out_dir: str) -> None:
-    import torch
-
-    from helmc.hardware.profile import load_hardware
-    from helmc.model.spec import ModelSpec
+def build(out_dir: str, quant: str = "") -> None:
     from helmc.compiler.pipeline import build as build_bundle
+    from helmc.hardware.profile import load_hardware
+    from helmc.model.load import load_spec
     from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan
     from helmc.testing import hf_prompt_reference, make_tiny_model
 
     model_dir = os.path.join(out_dir, "model")
-    model = make_tiny_model(model_dir, "qwen3", num_layers=4, head_dim=32, dtype="float16", seed=7,
-                            hidden_size=128, intermediate_size=384).float()
-    spec = ModelSpec.from_model_dir(model_dir)
+    dims = dict(head_dim=64, hidden_size=256, intermediate_size=512) if quant else \
+        dict(head_dim=32, hidden_size=128, intermediate_size=384)
+    model = make_tiny_model(model_dir, "qwen3", num_layers=4, dtype="float16", seed=7, **dims).float()
+    source = model_dir
+    if quant:
+        from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+        from helmc.testing import hf_on_dequantized_weights
+        source = quantize_checkpoint(model_dir, quant, os.path.join(out_dir, "gguf"))
+        model = hf_on_dequantized_weights(model_dir, source)
+    spec = load_spec(source)
     hw = load_hardware(os.path.join(_ROOT, "artifacts/profiles/h100-sxm-measured.json"))
     rng = np.random.default_rng(3)
     prompt = rng.integers(1, spec.vocab_size, PROMPT_LEN).tolist()
@@ -52,7 +61,7 @@ def build(out_dir: str) -> None:
         "all_gpu": Plan(cpu_units=0, prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20, **common),
     }
     for name, plan in plans.items():
-        build_bundle(model_dir, hw, os.path.join(out_dir, name), plan=plan, copy_weights=True, quiet=True)
+        build_bundle(source, hw, os.path.join(out_dir, name), plan=plan, copy_weights=True, quiet=True)
     logits, greedy = hf_prompt_reference(model, prompt, NEW_TOKENS)
     np.savez(os.path.join(out_dir, "refs.npz"), prompt=np.array(prompt), logits=logits, greedy=greedy)
     print(f"wrote {', '.join(BUNDLES)} and refs.npz under {out_dir}")
@@ -114,10 +123,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
     ap.add_argument("--build", action="store_true", help="build the bundles and references into DIR (here)")
+    ap.add_argument("--quant", default="", help="with --build: quantize the model (q8_0 | q4_0 | q4_k | q4_k_m)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.build:
-        build(a.dir)
+        build(a.dir, a.quant)
         return 0
     return check(a.dir, a.out)
 

@@ -215,7 +215,8 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
 
 
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
-                      fp32_accumulate: bool = True, host_mcpu: str | None = None) -> tuple[str, ...]:
+                      fp32_accumulate: bool = True, host_mcpu: str | None = None,
+                      weight_types: dict | None = None) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
     Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
@@ -238,6 +239,9 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     # keeps dlight's choices independent of the build machine (which has no GPU to ask).
     target = tvm.target.Target({"kind": "cuda", "arch": arch, "max_shared_memory_per_block": 49152,
                                 "max_threads_per_block": 1024, "thread_warp_size": 32}, host=host)
+    if weight_types:        # quantized weights: raw blocks in, their own kernels (lower_quantized_gpu)
+        from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
+        mod = lower_quantized_gpu(mod, weight_types)
     if fp32_accumulate:
         mod = rewrite_matmuls_fp32_accumulate(mod)
     ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))

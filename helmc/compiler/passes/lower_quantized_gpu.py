@@ -1,0 +1,119 @@
+"""Relax pass: the GPU stage's quantized weights as their raw GGUF blocks (uint8 [N, row bytes]).
+
+For each function with quantized weight parameters (quantize_functions gives which, per function):
+- decode (one token): every linear over a quantized weight becomes a call to the fused dequantize-GEMV
+  (schedules/gpu/quant_gemv.make_gpu_gemv_quant: the weight is read once, as stored, at HBM speed);
+- prefill: the weight is dequantized to fp16 once per call (make_gpu_dequantize) and the graph is left as it
+  was, so the prompt's matmuls keep dlight's tensor-core-free SIMT schedule (compile_gpu_stage). The
+  dequantize calls are bound before the function's dataflow block: one buffer of [N, K] fp16 per weight lives
+  for the call (the largest is the lm_head's, when it is quantized and on the GPU).
+Runs before compile_gpu_stage's fp32-accumulation rewrite, which then sees only unquantized matmuls.
+"""
+from __future__ import annotations
+
+import re
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.utils import copy_with_new_vars
+
+from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes, make_gpu_dequantize, make_gpu_gemv_quant
+
+
+_DECODE = re.compile(r"_decode(_t\d+)?$")      # runtime.stage.block_function_name's decode functions
+
+
+def lower_quantized_gpu(mod: tvm.IRModule, weight_types: dict) -> tvm.IRModule:
+    """`weight_types`: {function name: {weight parameter name: quantized type}} (quantize_functions)."""
+    rewriter = _QuantizedLinears(mod)
+    for gvar, func in list(mod.functions_items()):
+        types = weight_types.get(gvar.name_hint, {})
+        if not isinstance(func, relax.Function) or not types:
+            continue
+        fresh = copy_with_new_vars(func)
+        quantized = {}
+        for p in fresh.params:
+            qtype = types.get(str(p.name))
+            if qtype:
+                n, k = (int(d) for d in p.ty.shape.values)
+                quantized[p] = (qtype, relax.Var(str(p.name), relax.TensorType([n, gpu_quant_row_bytes(qtype, k)], "uint8")))
+        assert len(quantized) == len(types), f"{gvar.name_hint}: weight types name parameters it does not have"
+        params = [quantized[p][1] if p in quantized else p for p in fresh.params]
+        if _DECODE.search(gvar.name_hint):
+            rewriter.quantized = quantized
+            body = rewriter.visit_expr(fresh.body)
+            new = relax.analysis.remove_all_unused(relax.Function(params, body, fresh.ret_ty, fresh.is_pure, fresh.attrs))
+            left = [str(p.name) for p in quantized if p in set(relax.analysis.free_vars(new))]
+            assert not left, f"{gvar.name_hint}: quantized weights {left} are used other than by a linear"
+        else:
+            new = _dequantize_first(rewriter, fresh, params, quantized)
+        rewriter.builder_.update_func(gvar, new)
+    return rewriter.builder_.get()
+
+
+def _dequantize_first(rewriter, func: relax.Function, params: list, quantized: dict) -> relax.Function:
+    """func with each quantized weight dequantized to fp16 in a binding block ahead of its dataflow."""
+    bindings, remap = [], {}
+    for p, (qtype, blocks) in quantized.items():
+        n, k = (int(d) for d in p.ty.shape.values)
+        gvar = rewriter.kernel(("dequantize", qtype, n, k), lambda: make_gpu_dequantize(qtype, n, k))
+        w16 = relax.Var(f"{p.name}_fp16", relax.TensorType([n, k], "float16"))
+        bindings.append(relax.VarBinding(w16, relax.call_tir(gvar, [blocks], relax.TensorType([n, k], "float16"))))
+        remap[p] = w16
+    body = _Substitute(remap).visit_expr(func.body)
+    body = relax.SeqExpr([relax.BindingBlock(bindings)] + list(body.blocks), body.body)
+    return relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+@mutator
+class _Substitute(PyExprMutator):
+    def __init__(self, mapping: dict):
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var):  # noqa: N802 (TVM's visitor name)
+        return self.mapping.get(var, var)
+
+
+@mutator
+class _QuantizedLinears(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.kernels: dict = {}
+        self.quantized: dict = {}
+
+    def kernel(self, key: tuple, make) -> relax.GlobalVar:
+        if key not in self.kernels:
+            prim = make()
+            self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))
+        return self.kernels[key]
+
+    def _weight(self, expr):
+        """The quantized parameter under permute_dims(astype?(w)), or None."""
+        bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if not (isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.permute_dims")):
+            return None
+        w = bound.args[0]
+        inner = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+        if isinstance(inner, relax.Call) and inner.op == tvm.ir.Op.get("relax.astype"):
+            w = inner.args[0]
+        return w if w in self.quantized else None
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 (TVM's visitor name)
+        call = self.visit_expr_post_order(call)
+        if call.op != tvm.ir.Op.get("relax.matmul"):
+            return call
+        w = self._weight(call.args[1])
+        if w is None:
+            return call
+        qtype, blocks = self.quantized[w]
+        x = call.args[0]
+        n, k = (int(d) for d in w.ty.shape.values)
+        assert [int(d) for d in x.ty.shape.values] == [1, k], f"decode linear expected x of shape [1, {k}]"
+        gvar = self.kernel(("gemv", qtype, n, k), lambda: make_gpu_gemv_quant(qtype, n, k))
+        if str(x.ty.dtype) != "float16":
+            x = self.builder_.emit(relax.op.astype(x, "float16"))
+        y = relax.call_tir(gvar, [x, blocks], relax.TensorType([1, n], "float16"))
+        out_dtype = str(call.ty.dtype)
+        return y if out_dtype == "float16" else relax.op.astype(self.builder_.emit(y), out_dtype)
