@@ -157,3 +157,46 @@ def test_prefill_activations_outside_the_choices(tmp_path, tiny, hw_file):
     assert not (tmp_path / "b").exists()
     with open(os.path.join(tiny.bundle("qwen3"), MANIFEST_NAME)) as f:
         assert BundleManifest.from_json(f.read()).prefill_activations == "model"
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny Qwen3 quantized to q8_0 by helmc's quantize-at-build (a valid GGUF to damage)."""
+    pytest.importorskip("gguf")
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.testing import make_tiny_model
+    d = tmp_path_factory.mktemp("gguf")
+    make_tiny_model(str(d / "model"), "qwen3", dtype="float16", hidden_size=64, intermediate_size=128)
+    return quantize_checkpoint(str(d / "model"), "q8_0", str(d / "cache"))
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("truncate", "truncated"),
+    ("magic", "GGUF"),
+    ("text", "GGUF"),
+])
+def test_bad_gguf_is_refused_and_nothing_written(tmp_path, hw_file, tiny_gguf, damage, expected):
+    data = open(tiny_gguf, "rb").read()
+    bad = tmp_path / "bad.gguf"
+    if damage == "truncate":
+        bad.write_bytes(data[:-100])                 # the last tensor's data ends past the end of the file
+    elif damage == "magic":
+        bad.write_bytes(b"GGUX" + data[4:])
+    else:
+        bad.write_bytes(b"this is not a model file\n" * 100)
+    r = cli("build", bad, hw_file, "-o", tmp_path / "bundle")
+    assert_clean_error(r, expected)
+    assert not (tmp_path / "bundle").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no half-written temp dir
+
+
+def test_quant_of_a_gguf_file_is_refused(tmp_path, hw_file, tiny_gguf):
+    r = cli("build", tiny_gguf, hw_file, "-o", tmp_path / "bundle", "--quant", "q4_k")
+    assert_clean_error(r, "--quant", "GGUF file is already quantized")
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_plan_of_a_gguf_shows_the_weights_format(tiny_gguf, hw_file):
+    r = cli("plan", tiny_gguf, hw_file)
+    assert r.exit_code == 0, r.output
+    assert "weights: embedding float16, 2 blocks q8_0, head q8_0;" in r.output, r.output

@@ -213,3 +213,34 @@ def test_paged_attention_is_built_ahead_of_time(tmp_path):
         compile_paged_attention(80, 4, "sm_90", str(tmp_path / "bad"))
     with pytest.raises(HelmcError, match="expected a CUDA arch"):
         compile_paged_attention(128, 4, "sm_91", str(tmp_path / "bad"))
+
+
+@needs_nvcc
+def test_quantized_gpu_stage_builds_with_its_kernels(tmp_path):
+    """A Q4_K_M-like spec (a second block signature with down_proj in q6_k; lm_head q6_k): every decode linear
+    is a fused dequantize-GEMV on the raw blocks, every prefill weight one dequantize, in one cubin."""
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
+    from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
+    from helmc.compiler.passes.quantize_functions import quantize_functions
+    from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
+    from helmc.testing import tiny_config
+
+    cfg = tiny_config("qwen3", num_layers=3, head_dim=64, dtype="float16", tie=False, hidden_size=256,
+                      intermediate_size=512).to_dict()
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    types = {f"model.layers.{i}.{n}": "q4_k" for i in range(3) for n in LINEAR_NAMES}
+    types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"
+    spec = with_weight_types(ModelSpec.from_hf_config(cfg), types)
+    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
+    lowered = lower_quantized_gpu(mod, weight_types)
+    down = [p for p in lowered["post_attn_decode_t1"].params if str(p.name) == "w4"][0]
+    assert str(down.ty.dtype) == "uint8" and [int(d) for d in down.ty.shape.values] == [256, 420]   # 2 q6_k blocks
+    decode = lowered["post_attn_decode_t1"].script()
+    assert "helmc_gpu_gemv_q6_k_n256_k512" in decode and "R.matmul" not in decode
+    assert "helmc_gpu_dequantize_q6_k_n256_k512" in lowered["post_attn_prefill_t1"].script()
+    files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
+    source = (tmp_path / "gpu_stage.cu").read_text()
+    for kernel in ("gemv_q4_k_n128_k256", "gemv_q6_k_n256_k512", "gemv_q6_k_n512_k256", "dequantize_q4_k_n512_k256"):
+        assert f"helmc_gpu_{kernel}" in source, kernel
+    assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
