@@ -21,6 +21,9 @@ from tvm.relax.utils import copy_with_new_vars
 from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes, make_gpu_dequantize, make_gpu_gemv_quant
 
 
+# (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
+# session 7's device call 5 (tests/device/device_quant_gpu_check.py; artifacts/bench/device-2026-11-24-s7/call5).
+GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": (1, 4, 4)}
 _DECODE = re.compile(r"_decode(_t\d+)?$")      # runtime.stage.block_function_name's decode functions
 
 
@@ -111,7 +114,7 @@ class _QuantizedLinears(PyExprMutator):
         x = call.args[0]
         n, k = (int(d) for d in w.ty.shape.values)
         assert [int(d) for d in x.ty.shape.values] == [1, k], f"decode linear expected x of shape [1, {k}]"
-        gvar = self.kernel(("gemv", qtype, n, k), lambda: make_gpu_gemv_quant(qtype, n, k))
+        gvar = self.kernel(("gemv", qtype, n, k), lambda: make_gpu_gemv_quant(qtype, n, k, *GEMV_TUNING[qtype]))
         if str(x.ty.dtype) != "float16":
             x = self.builder_.emit(relax.op.astype(x, "float16"))
         y = relax.call_tir(gvar, [x, blocks], relax.TensorType([1, n], "float16"))
