@@ -32,7 +32,8 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = ""):
     """model_dir: a Hugging Face model directory or a GGUF file. quant: "" (the checkpoint's weights as stored) or
-    q8_0 | q4_0 | q4_k (a Hugging Face checkpoint quantized once into the weights cache).
+    q8_0 | q4_0 | q4_k | q4_k_m (a Hugging Face checkpoint quantized once into the weights cache; q4_k_m is
+    llama.cpp's mix: q6_k for the lm_head and, in some blocks, v and down).
     prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
     bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only."""
     from helmc.compiler.pipeline import build as run_pipeline

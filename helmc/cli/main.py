@@ -42,7 +42,7 @@ def main():
 @click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default="model", show_default=True,
               help="AMX prefill GEMM inputs: rounded to the model's bf16 (as HF's bf16 model; fastest) or fp32 "
                    "(bf16 hi + lo, ~1e-5 of an fp32 GEMM, 1.3-1.6x the GEMM time)")
-@click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k"]), default=None,
+@click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k", "q4_k_m"]), default=None,
               help="quantize a Hugging Face checkpoint's linear weights to this llama.cpp block format (once, into "
                    "the weights cache); a GGUF file keeps its own types")
 def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
