@@ -46,6 +46,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants as gguf_quants
 
 from helmc.errors import HelmcError
+from helmc.model.spec import QUANT_BLOCKS
 
 _EPS = np.float32(1e-15)      # ggml's GROUP_MAX_EPS: a group whose absmax is below it is all zeros
 _CHUNK_WEIGHTS = 1 << 16      # weights per vectorised chunk: 256 KiB of float32 per temporary, cache-sized
@@ -74,10 +75,10 @@ class QuantType:
 
 
 QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
-    QuantType("q8_0", GGMLType.Q8_0, 32, 34),
-    QuantType("q4_0", GGMLType.Q4_0, 32, 18),
-    QuantType("q4_k", GGMLType.Q4_K, 256, 144),
-    QuantType("q6_k", GGMLType.Q6_K, 256, 210),
+    QuantType("q8_0", GGMLType.Q8_0, *QUANT_BLOCKS["q8_0"]),
+    QuantType("q4_0", GGMLType.Q4_0, *QUANT_BLOCKS["q4_0"]),
+    QuantType("q4_k", GGMLType.Q4_K, *QUANT_BLOCKS["q4_k"]),
+    QuantType("q6_k", GGMLType.Q6_K, *QUANT_BLOCKS["q6_k"]),
     QuantType("f16", GGMLType.F16, 1, 2),
     QuantType("bf16", GGMLType.BF16, 1, 2),
     QuantType("f32", GGMLType.F32, 1, 4),

@@ -45,6 +45,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from helmc.errors import HelmcError
+from helmc.model.spec import QUANT_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,10 @@ class _Format:
 
 # TPB trades load width against how many blocks (and 32-byte sectors) one warp load touches: 8 threads per
 # q4_k / q6_k block and 4 per q8_0 block keep a warp step inside 4-8 consecutive blocks (136-840 bytes).
-FORMATS = {"q8_0": _Format(32, 34, 4, 1, 8, "uint16"), "q4_0": _Format(32, 18, 2, 2, 8, "uint16"),
-           "q4_k": _Format(256, 144, 8, 2, 16, "uint32"), "q6_k": _Format(256, 210, 8, 4, 8, "uint16")}
+FORMATS = {"q8_0": _Format(*QUANT_BLOCKS["q8_0"], 4, 1, 8, "uint16"),
+           "q4_0": _Format(*QUANT_BLOCKS["q4_0"], 2, 2, 8, "uint16"),
+           "q4_k": _Format(*QUANT_BLOCKS["q4_k"], 8, 2, 16, "uint32"),
+           "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16")}
 WARP = 32
 WARPS = 4              # warps per thread block of the GEMV (128 threads)
 ROWS_PER_WARP = 2      # rows one warp reduces at once: x reuse vs. warps in flight (4096 rows -> 15 warps/SM)
