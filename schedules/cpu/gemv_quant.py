@@ -10,21 +10,29 @@ ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, neve
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
 
-Why this loop (the decode step is only worth running on the CPU at the DRAM ceiling, and a quantized weight
-is 2-4x fewer bytes than fp16, so the decode arithmetic per byte is 2-4x higher than gemv.py's):
-- parallel over groups of QUANT_ROWS rows, each row one contiguous stream of blocks (as gemv.py);
-- the quants of one (sub-)block are widened to fp32 in registers and multiplied by x into a block-local
-  partial sum, vectorised over the sub-block's weights; the block's scale (fp16, converted the way fp16
-  weights are: weight_load.widen) is applied once per (sub-)block with one FMA into the row's accumulator,
-  so the inner loop is widen + FMA per vector, and no per-element scale multiply;
-- the constant offsets (q4_0's -8, q6_k's -32) are subtracted in int8 before widening (one byte op per 16
-  or 32 weights); q4_k's per-sub-block min is applied as dmin * m_j * sum(x over the sub-block), that sum
-  computed once per block for all rows of the group;
-- every fp16 field sits at an even byte offset of the row (all block sizes are even), so the scales are read
-  through a float16 view of the same buffer and the int8 quants through an int8 view;
-- each block step software-prefetches PREFETCH_BYTES ahead in every row (one prefetch per 64-byte line of a
-  block), running into the next group's rows past the row end, as gemv.prefetch_ahead does.
-Accumulation is fp32 throughout; results differ from a float64 reference by fp32 rounding only (~1e-6).
+Why this loop: a quantized weight is 2-4x fewer bytes than fp16, so the decode arithmetic per byte is 2-4x
+gemv.py's, and on the GPU machine's Xeon (16 cores, 2.4 GHz) the first, plainly widening version of these
+kernels was bound by the vector ports, not DRAM: one core decoded q4_0 at 6.6 cycles per 32 weights, and 16
+cores reached 45 GB/s (q4_0), 37 (q4_k), 49 (q6_k) where the fp16 GEMV reads 107. Every step is therefore
+made cheap:
+- parallel over groups of `rows` rows, each row one contiguous stream of blocks (as gemv.py);
+- each vector of quants becomes fp32 in registers and is multiplied by x into a (sub-)block-local partial
+  sum; the (sub-)block's scale is applied once, as one FMA into the row's accumulator;
+- 4-bit fields become floats by a 16-entry table lookup: on AVX-512 one vpermps per 16 weights, which reads
+  only the low 4 bits of each index lane, so a nibble needs no mask and no convert, and the table holds the
+  offset too (q4_0's q - 8, q6_k's high bits * 16 - 32); AVX2 and SSE2 mask and convert;
+- the K-quants read their quant bytes as int32 words (one plain vector load; byte j of each word is picked by
+  a shift in 32-bit lanes, where widening bytes would cost a shuffle each), so the lanes hold weights in a
+  strided order; x is permuted once per call to match (xp), and sub-block scales reach their lanes by one
+  permute per vector of partial sums;
+- q4_k's mins: sum_j dmin * m_j * sum(x over sub-block j) is one 8-lane FMA per block and row against
+  per-sub-block sums of x (xsum), formed once per call before the parallel loop;
+- every fp16 field sits at an even byte offset of the row (all block sizes are even), so scales are read
+  through a float16 view of the same buffer (converted as fp16 weights are: weight_load.widen), int8 quants
+  through an int8 view;
+- software prefetch `prefetch_bytes` ahead in every row, one per 64-byte line, past the row end into the same
+  row of the next group (the rows a thread reads next: its parallel steps are contiguous).
+Accumulation is fp32 throughout; results differ from a float64 reference by fp32 rounding only (~1e-7).
 """
 from __future__ import annotations
 
@@ -46,13 +54,24 @@ class QuantBlock:
 QUANT_BLOCKS = {"q8_0": QuantBlock(32, 34), "q4_0": QuantBlock(32, 18),
                 "q4_k": QuantBlock(256, 144), "q6_k": QuantBlock(256, 210)}
 
-# Rows per parallel step: 4 independent DRAM streams and accumulator chains per thread, as gemv.gemv_blocking
-# chose for m = 1 (its measurement: 4 rows ran 15-17 GB/s where 1 row ran 11-13 GB/s on the 2-core EPYC).
-QUANT_ROWS = 4
-# Software prefetch distance in bytes of each row (0: none). gemv.py's 16 steps are 512 B (AVX2) to 1 KiB
-# (AVX-512) of fp16 ahead; a quantized row is the same stream of bytes, so the same distance in bytes.
-PREFETCH_BYTES = 1024
 _LINE = 64
+
+
+@dataclass(frozen=True)
+class QuantGemvTuning:
+    # Rows per parallel step: independent DRAM streams and accumulator chains per thread; 4 as
+    # gemv.gemv_blocking chose for m = 1 (4 rows ran 15-17 GB/s where 1 row ran 11-13 GB/s on the 2-core EPYC).
+    rows: int = 4
+    # Software prefetch distance along each row in bytes (0: none).
+    prefetch_bytes: int = 2048
+    # llvm.prefetch locality: 3 = prefetcht0 (into L1), 2 = t1 (L2), 1 = t2.
+    prefetch_locality: int = 3
+
+    def __post_init__(self):
+        assert self.rows >= 1 and self.prefetch_bytes >= 0 and self.prefetch_locality in (1, 2, 3), self
+
+
+DEFAULT_TUNING = QuantGemvTuning()
 
 
 def quant_row_bytes(qtype: str, k: int) -> int:
@@ -74,201 +93,320 @@ def _check(qtype: str, n: int, k: int) -> QuantBlock:
     return fmt
 
 
-def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa, prefetch_bytes: int | None = None) -> tirx.PrimFunc:
+def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
+                    tuning: QuantGemvTuning = DEFAULT_TUNING) -> tirx.PrimFunc:
     """PrimFunc(x: float32[k], w: uint8[n, row_bytes], y: float32[n]) with y = dequant(w) @ x.
 
     qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
-    prefetch_bytes overrides PREFETCH_BYTES (benchmarks).
     """
     fmt = _check(qtype, n, k)
-    rows, lanes = QUANT_ROWS, isa.fp32_lanes
+    vec = _Vectors(isa)
+    rows, lanes = tuning.rows, vec.lanes
     blocks = k // fmt.weights
     row_bytes = blocks * fmt.bytes
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
-    block_dot = _BLOCK_DOT[qtype](rows, lanes, not isa.is_slow_fallback)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, PREFETCH_BYTES if prefetch_bytes is None else prefetch_bytes)
+    block_dot, order = _BLOCK_DOT[qtype](vec, rows)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
+    mins = qtype == "q4_k"
+    subs = k // 32 if mins else 1  # sub-blocks of 32 whose x sums q4_k's mins need
+    permuted = order is not None   # the K-quants read x in the lane order of their quant words (xp)
 
     @T.prim_func
     def gemv(x: T.Buffer((k,), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((n,), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         wi = T.decl_buffer((n, row_bytes), "int8", data=w.data)
         wh = T.decl_buffer((n, row_bytes // 2), "float16", data=w.data)   # [n, row_bytes / 2]: fp16 fields
+        wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)        # [n * row_bytes]: prefetch addresses
+        xsum = T.alloc_buffer((subs,), "float32")
+        xp = T.alloc_buffer((k if permuted else 1,), "float32")
+        if mins:
+            for j in T.serial(subs):
+                xsum[j] = _hsum(_sum([x[vec.at(j * 32 + vo * lanes)] for vo in range(32 // lanes)]))
+        if permuted:
+            for b in T.serial(blocks):
+                for g in T.serial(256 // lanes):
+                    for i in T.vectorized(lanes):
+                        xp[b * 256 + g * lanes + i] = x[b * 256 + order(g, i)]
         for step in T.parallel(steps):
             acc = T.alloc_buffer((rows, lanes), "float32", scope="global", annotations=STACK)
+            accm = T.alloc_buffer((rows, 8), "float32", scope="global", annotations=STACK)   # q4_k mins
             for r in T.unroll(rows):
-                for v in T.vectorized(lanes):
-                    acc[r, v] = T.float32(0)
+                acc[r, vec.at(0)] = vec.bcast(T.float32(0))
+                accm[r, vec.at(0, 8)] = vec.bcast(T.float32(0), 8)
             for b in T.serial(blocks):
-                prefetch(w, n, step * rows, b)
-                block_dot(x, w, wi, wh, acc, n, step * rows, b)
+                prefetch(wf, step * rows, b)
+                block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, step * rows, b)
             for r in T.unroll(rows):
                 if step * rows + r < n:
-                    total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
-                    total[0] = T.float32(0)
-                    for v in T.unroll(lanes):
-                        total[0] = total[0] + acc[r, v]
-                    y[step * rows + r] = total[0]
+                    if mins:
+                        y[step * rows + r] = _hsum(acc[r, vec.at(0)]) - _hsum(accm[r, vec.at(0, 8)])
+                    else:
+                        y[step * rows + r] = _hsum(acc[r, vec.at(0)])
 
     return gemv.with_attr("global_symbol", f"helmc_gemv_{qtype}_n{n}_k{k}")
 
 
-def _prefetch(rows: int, block_bytes: int, row_bytes: int, ahead: int):
-    """Macro prefetch(w, n, first, b): the lines of block b's bytes `ahead` further along each row, or past the
-    row end that offset of the next group's row (clamped to row n - 1), so DRAM requests keep running across
-    4 KiB page ends where the hardware prefetchers stop. Nothing when ahead is 0."""
-    lines = -(-block_bytes // _LINE)     # gaps between consecutive prefetched addresses stay <= one line
+def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning):
+    """Macro prefetch(wf, first, b), wf the flat byte view of W: the bytes `ahead` further along each row of the
+    group than block b, or past the row end the same place in the same row of the next group (the rows the
+    thread reads next); ahead is capped at one row, so one wrap covers it, and the address at the buffer's
+    last byte. One prefetch per 64-byte line: blocks under half a line prefetch every `every` blocks.
+    Nothing when prefetch_bytes is 0."""
+    ahead, locality = min(tuning.prefetch_bytes, row_bytes), tuning.prefetch_locality
+    every = max(1, _LINE // block_bytes)
+    lines = -(-block_bytes * every // _LINE)   # consecutive prefetched addresses stay <= one line apart
 
     @T.macro
-    def prefetch(w, n, first, b):
+    def prefetch(wf, first, b):
         if ahead > 0:
-            for r in T.unroll(rows):
-                for line in T.unroll(lines):
-                    T.evaluate(T.call_llvm_intrin(
-                        "void", "llvm.prefetch", T.address_of(w[
-                            T.min(T.if_then_else(b * block_bytes + line * _LINE + ahead < row_bytes,
-                                                 first + r, first + rows + r), n - 1),
-                            T.if_then_else(b * block_bytes + line * _LINE + ahead < row_bytes,
-                                           b * block_bytes + line * _LINE + ahead,
-                                           T.min(b * block_bytes + line * _LINE + ahead - row_bytes, row_bytes - 1))]),
-                        T.int32(0), T.int32(3), T.int32(1)))
+            if b % every == 0:
+                for r in T.unroll(rows):
+                    for line in T.unroll(lines):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wf[T.min(
+                            (first + r) * row_bytes + b * block_bytes + ahead + line * _LINE + T.if_then_else(
+                                b * block_bytes + ahead + line * _LINE >= row_bytes, (rows - 1) * row_bytes, 0),
+                            wf.shape[0] - 1)]), T.int32(0), T.int32(locality), T.int32(1)))
 
     return prefetch
 
 
+class _Vectors:
+    """Explicit vector expressions of the isa's fp32 width (TIR Ramp loads, Broadcast scalars)."""
+
+    def __init__(self, isa: VectorIsa):
+        self.lanes = isa.fp32_lanes
+        self.f16c = not isa.is_slow_fallback
+        self.vpermps16 = isa.tier == "avx512"   # a 16-entry table lookup is one vpermps
+
+    def at(self, base, lanes: int | None = None):
+        return tirx.Ramp(base, 1, lanes or self.lanes)
+
+    def bcast(self, scalar, lanes: int | None = None):
+        return tirx.Broadcast(scalar, lanes or self.lanes)
+
+    def bytes(self, w, row, off, lanes: int | None = None):
+        """lanes consecutive bytes of the uint8 view from w[row, off], zero-extended to int32 lanes."""
+        return tirx.Cast(f"int32x{lanes or self.lanes}", w[row, self.at(off, lanes)])
+
+    def words(self, w, row, off, lanes: int | None = None):
+        """4 * lanes bytes from w[row, off] as int32 lanes: lane i holds bytes 4i..4i+3, byte 4i+j at bit 8j
+        (one plain vector load at any alignment; the shifts that pick a byte stay in 32-bit lanes)."""
+        lanes = lanes or self.lanes
+        return tirx.reinterpret(f"int32x{lanes}", w[row, self.at(off, 4 * lanes)])
+
+    def permute(self, table, index):
+        """table[index[i]] per lane; 16 lanes need AVX-512, 8 lanes AVX2."""
+        name = {16: "llvm.x86.avx512.permvar.sf.512", 8: "llvm.x86.avx2.permps"}[_lanes(index)]
+        return tirx.call_llvm_pure_intrin(f"float32x{_lanes(index)}", name, table, index)
+
+    def shr(self, v, bits):
+        return tirx.shift_right(v, tirx.Broadcast(tirx.Cast("int32", bits), _lanes(v)))
+
+    def scale(self, wh, row, half_index):
+        """fp16 field at wh[row, half_index] as fp32, broadcast."""
+        return self.bcast(widen(wh[row, half_index], "float16", self.f16c))
+
+    def lookup(self, index, table):
+        """table(i) for i = the low 4 bits of each int32 lane of `index` (higher bits ignored); `table` maps an
+        int32 vector of indices to the float32 vector of entries."""
+        if self.vpermps16:
+            return self.permute(table(tirx.Ramp(tirx.const(0, "int32"), 1, 16)), index)   # table constant-folded
+        return table(tirx.bitwise_and(index, tirx.Broadcast(tirx.const(15, "int32"), _lanes(index))))
+
+
+def _lanes(v) -> int:
+    return v.ty.dtype.lanes
+
+
 def _f32(v):
-    return tirx.Cast("float32", v)
+    lanes = _lanes(v)
+    return tirx.Cast("float32" if lanes == 1 else f"float32x{lanes}", v)
 
 
-def _q8_0(rows: int, lanes: int, f16c: bool):
+def _ints(value, like):
+    return tirx.Broadcast(tirx.const(value, "int32"), _lanes(like))
+
+
+def _sum(terms):
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _hsum(v):
+    """Sum of the lanes of a float32 vector expression (once per row, after the K loop)."""
+    return _sum([tirx.Shuffle([v], [i]) for i in range(_lanes(v))])
+
+
+def _nibble_value(offset: float):
+    return lambda i: _f32(i) + tirx.Broadcast(tirx.const(offset, "float32"), _lanes(i))
+
+
+def _q8_0(vec: _Vectors, rows: int):
     """Block b of each row: acc += d * sum_i x_i * q_i, the 32 int8 quants at byte 2 of the block."""
-    vecs = 32 // lanes
+    lanes = vec.lanes
+
+    def dot(x, wi, row, b):
+        return _sum([x[vec.at(b * 32 + vo * lanes)] * _f32(wi[row, vec.at(b * 34 + 2 + vo * lanes)])
+                     for vo in range(32 // lanes)])
 
     @T.macro
-    def block_dot(x, w, wi, wh, acc, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
         for r in T.unroll(rows):
-            part = T.alloc_buffer((lanes,), "float32", scope="global", annotations=STACK)
-            for v in T.vectorized(lanes):
-                part[v] = T.float32(0)
-            for vo in T.unroll(vecs):
-                for v in T.vectorized(lanes):
-                    part[v] = part[v] + x[b * 32 + vo * lanes + v] * _f32(
-                        wi[T.min(first + r, n - 1), b * 34 + 2 + vo * lanes + v])
-            d = widen(wh[T.min(first + r, n - 1), b * 17], "float16", f16c)
-            for v in T.vectorized(lanes):
-                acc[r, v] = acc[r, v] + d * part[v]
+            row = T.min(first + r, n - 1)
+            acc[r, vec.at(0)] = acc[r, vec.at(0)] + vec.scale(wh, row, b * 17) * dot(x, wi, row, b)
 
-    return block_dot
+    return block_dot, None
 
 
-def _q4_0(rows: int, lanes: int, f16c: bool):
+def _q4_0(vec: _Vectors, rows: int):
     """Block b of each row: acc += d * sum_i x_i * (q_i - 8); byte i of the 16 at byte 2 holds weight i in its
-    low nibble and weight i + 16 in its high one. The -8 is applied to the nibble as an int8."""
-    vecs = 16 // lanes if lanes <= 16 else 1
-    width = min(lanes, 16)
+    low nibble and weight i + 16 in its high one. The table holds q - 8."""
+    lanes = vec.lanes
+    value = _nibble_value(-8.0)
+
+    def dot(x, w, row, b):
+        terms = []
+        for vo in range(16 // lanes):       # lanes <= 16 on every tier
+            q = vec.bytes(w, row, b * 18 + 2 + vo * lanes)
+            terms.append(x[vec.at(b * 32 + vo * lanes)] * vec.lookup(q, value))
+            terms.append(x[vec.at(b * 32 + 16 + vo * lanes)] * vec.lookup(vec.shr(q, 4), value))
+        return _sum(terms)
 
     @T.macro
-    def block_dot(x, w, wi, wh, acc, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
         for r in T.unroll(rows):
-            part = T.alloc_buffer((width,), "float32", scope="global", annotations=STACK)
-            for v in T.vectorized(width):
-                part[v] = T.float32(0)
-            for half in T.unroll(2):
-                for vo in T.unroll(vecs):
-                    for v in T.vectorized(width):
-                        part[v] = part[v] + x[b * 32 + half * 16 + vo * width + v] * _f32(
-                            tirx.Cast("int8", T.bitwise_and(T.shift_right(
-                                w[T.min(first + r, n - 1), b * 18 + 2 + vo * width + v],
-                                tirx.Cast("uint8", half * 4)), T.uint8(15))) - T.int8(8))
-            d = widen(wh[T.min(first + r, n - 1), b * 9], "float16", f16c)
-            for v in T.vectorized(width):
-                acc[r, v] = acc[r, v] + d * part[v]
+            row = T.min(first + r, n - 1)
+            acc[r, vec.at(0)] = acc[r, vec.at(0)] + vec.scale(wh, row, b * 9) * dot(x, w, row, b)
 
-    return block_dot
+    return block_dot, None
 
 
-def _q4_k_scale_min(w, row, base, j):
-    """(scale, min) 6-bit values of sub-block j from the 12 packed bytes at w[row, base..]: j < 4 keep their
-    low 6 bits in bytes j (scale) and j + 4 (min); j >= 4 have their low 4 bits in byte j + 4 (scale low
-    nibble, min high nibble) and their top 2 bits in the top bits of bytes j - 4 (scale) and j (min)."""
-    u8 = lambda v: T.uint8(v)
-    scale = T.if_then_else(
-        j < 4, T.bitwise_and(w[row, base + j], u8(63)),
-        T.bitwise_or(T.bitwise_and(w[row, base + j + 4], u8(15)),
-                     T.shift_left(T.shift_right(w[row, base + j - 4], u8(6)), u8(4))))
-    minimum = T.if_then_else(
-        j < 4, T.bitwise_and(w[row, base + j + 4], u8(63)),
-        T.bitwise_or(T.shift_right(w[row, base + j + 4], u8(4)),
-                     T.shift_left(T.shift_right(w[row, base + j], u8(6)), u8(4))))
-    return _f32(scale), _f32(minimum)
+def _lane_index(base, lanes: int, shift: int, step: int):
+    """int32 vector base + (i >> shift) * step over lanes i: which table entry each lane reads."""
+    ramp = tirx.Ramp(tirx.const(0, "int32"), 1, lanes)
+    return tirx.Broadcast(tirx.Cast("int32", base), lanes) \
+        + tirx.shift_right(ramp, _ints(shift, ramp)) * _ints(step, ramp)
 
 
-def _q4_k(rows: int, lanes: int, f16c: bool):
-    """Block b: for each sub-block j of 32, acc += d * sc_j * sum x*q - dmin * m_j * sum x. sum x over the
-    sub-block (xs) is the same for every row, so it is summed once per group of rows."""
-    vecs = 32 // lanes
+def _q4_k(vec: _Vectors, rows: int):
+    """Block b: for each sub-block j of 32, acc += d * sc_j * sum x*q, and accm += dmin * m_j * sum x (the
+    kernel subtracts accm at the end). The 12 scale bytes s[0..12) hold, for i < 4: sc_i = s[i] & 63,
+    m_i = s[4+i] & 63, sc_{4+i} = (s[8+i] & 15) | (s[i] >> 6) << 4, m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4;
+    they are decoded as four 4-lane vectors per block and row into sm = [d*sc_0..7, dmin*m_0..7].
+    The 128 quant bytes are read as int32 words, `span` bytes per vector: lane i of the vector for window u
+    and byte j of each word holds byte p = span*u + 4i + j, whose low (t = 0) / high (t = 1) nibble is weight
+    p % 32 of sub-block 2 * (p // 32) + t. x is read permuted to match (xp, `order`)."""
+    lanes = vec.lanes
+    span = 4 * lanes
+    value = _nibble_value(0.0)
+
+    def order(g, i):
+        """Block-relative weight in lane i of vector g = (u * 2 + t) * 4 + j."""
+        j, t, u = g % 4, g // 4 % 2, g // 8
+        p = span * u + 4 * i + j
+        return p // 32 * 64 + t * 32 + p % 32
+
+    def scale_vector(w, row, b, d, dmin, part):
+        """sm[r, 4 * part: 4 * part + 4] (part unrolled): d * sc_0..3, d * sc_4..7, dmin * m_0..3, dmin * m_4..7."""
+        lo, mid, hi = (vec.bytes(w, row, b * 144 + 4 + 4 * i, 4) for i in range(3))   # s[0:4], s[4:8], s[8:12]
+        top = lambda v: tirx.shift_left(vec.shr(v, 6), _ints(4, v))
+        low6 = lambda v: tirx.bitwise_and(v, _ints(63, v))
+        scale_hi = tirx.bitwise_or(tirx.bitwise_and(hi, _ints(15, hi)), top(lo))
+        min_hi = tirx.bitwise_or(vec.shr(hi, 4), top(mid))
+        pick = lambda a, b2, c, e: tirx.if_then_else(part == 0, a, tirx.if_then_else(
+            part == 1, b2, tirx.if_then_else(part == 2, c, e)))
+        return pick(vec.bcast(d, 4), vec.bcast(d, 4), vec.bcast(dmin, 4), vec.bcast(dmin, 4)) * _f32(
+            pick(low6(lo), scale_hi, low6(mid), min_hi))
+
+    def lane_scales(sm, r, u, t):
+        if lanes == 16:   # lanes 0-7 lie in chunk 2u, lanes 8-15 in chunk 2u + 1
+            return vec.permute(sm[r, vec.at(0, 16)], _lane_index(4 * u + t, 16, 3, 2))
+        return vec.bcast(sm[r, span * u // 32 * 2 + t])
+
+    def dot(xp, w, row, b, u, t):
+        words = vec.words(w, row, b * 144 + 16 + span * u)
+        return _sum([xp[vec.at(b * 256 + ((u * 2 + t) * 4 + j) * lanes)] * vec.lookup(
+            vec.shr(words, j * 8 + t * 4), value) for j in range(4)])
 
     @T.macro
-    def block_dot(x, w, wi, wh, acc, n, first, b):
-        for c in T.unroll(4):
-            for half in T.unroll(2):
-                xs = T.alloc_buffer((lanes,), "float32", scope="global", annotations=STACK)
-                for v in T.vectorized(lanes):
-                    xs[v] = T.float32(0)
-                for vo in T.unroll(vecs):
-                    for v in T.vectorized(lanes):
-                        xs[v] = xs[v] + x[b * 256 + (c * 2 + half) * 32 + vo * lanes + v]
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+        # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
+        sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)
+        for r in T.unroll(rows):
+            d = widen(wh[T.min(first + r, n - 1), b * 72], "float16", vec.f16c)
+            dmin = widen(wh[T.min(first + r, n - 1), b * 72 + 1], "float16", vec.f16c)
+            for part in T.unroll(4):
+                sm[r, vec.at(part * 4, 4)] = scale_vector(w, T.min(first + r, n - 1), b, d, dmin, part)
+            accm[r, vec.at(0, 8)] = accm[r, vec.at(0, 8)] + sm[r, vec.at(8, 8)] * xsum[vec.at(b * 8, 8)]
+        for u in T.unroll(128 // span):
+            for t in T.unroll(2):
                 for r in T.unroll(rows):
-                    part = T.alloc_buffer((lanes,), "float32", scope="global", annotations=STACK)
-                    for v in T.vectorized(lanes):
-                        part[v] = T.float32(0)
-                    for vo in T.unroll(vecs):
-                        for v in T.vectorized(lanes):
-                            part[v] = part[v] + x[b * 256 + (c * 2 + half) * 32 + vo * lanes + v] * _f32(
-                                T.bitwise_and(T.shift_right(
-                                    w[T.min(first + r, n - 1), b * 144 + 16 + c * 32 + vo * lanes + v],
-                                    tirx.Cast("uint8", half * 4)), T.uint8(15)))
-                    sc, mn = _q4_k_scale_min(w, T.min(first + r, n - 1), b * 144 + 4, c * 2 + half)
-                    scale = widen(wh[T.min(first + r, n - 1), b * 72], "float16", f16c) * sc
-                    offset = widen(wh[T.min(first + r, n - 1), b * 72 + 1], "float16", f16c) * mn
-                    for v in T.vectorized(lanes):
-                        acc[r, v] = acc[r, v] + scale * part[v] - offset * xs[v]
+                    acc[r, vec.at(0)] = acc[r, vec.at(0)] + lane_scales(sm, r, u, t) * dot(
+                        xp, w, T.min(first + r, n - 1), b, u, t)
 
-    return block_dot
+    return block_dot, order
 
 
-def _q6_k(rows: int, lanes: int, f16c: bool):
+def _q6_k(vec: _Vectors, rows: int):
     """Block b: weight 128h + 32c + l (half h, quarter c, l < 32) is q = ql | qh << 4 - 32 with ql the nibble
-    4*(c // 2) of byte 64h + 32(c % 2) + l and qh bits 2c..2c+1 of byte 128 + 32h + l; sub-block j = (weight
-    // 16) has the int8 scale at byte 192 + j, d (fp16) is at byte 208. acc += d * sc_j * sum x*q per j."""
-    width = min(lanes, 16)
-    vecs = 16 // width
+    c // 2 of byte 64h + 32(c % 2) + l and qh bits 2c..2c+1 of byte 128 + 32h + l; sub-block j = weight // 16
+    has the int8 scale at byte 192 + j, d (fp16) is at byte 208. acc += d * sc_j * sum x*q per sub-block
+    (sm = d * sc as one 16-lane vector per block and row). q is two table lookups: ql, (qh & 3) * 16 - 32.
+    ql is read as int32 words, `span` bytes per vector: lane i of window u, byte j, nibble t is byte
+    p = span*u + 4i + j of the half, weight 128h + 64t + p; x is read permuted to match (xp, `order`)."""
+    lanes = vec.lanes
+    span = 4 * lanes
+    windows = 64 // span             # ql vectors per half and nibble
+    low = _nibble_value(0.0)
+
+    def high(i):
+        return _f32(tirx.bitwise_and(i, _ints(3, i))) * tirx.Broadcast(tirx.const(16.0, "float32"), _lanes(i)) \
+            - tirx.Broadcast(tirx.const(32.0, "float32"), _lanes(i))
+
+    def order(g, i):
+        """Block-relative weight in lane i of vector g = ((h * 2 + t) * windows + u) * 4 + j."""
+        j, u, t, h = g % 4, g // 4 % windows, g // (4 * windows) % 2, g // (8 * windows)
+        return h * 128 + t * 64 + span * u + 4 * i + j
+
+    def qh_words(w, row, b, h, t, u, j):
+        """The qh bits of the lanes' weights, shifted to bit 0: byte p % 32 of the half's 32, bits 2c with
+        c = 2t + p // 32."""
+        if span == 64:    # lanes 0-7 and 8-15 read the same 32 bytes, at bits 4t and 4t + 2
+            half = vec.words(w, row, b * 210 + 128 + h * 32, 8)
+            return tirx.shift_right(tirx.Shuffle([half, half], list(range(16))), _lane_index(j * 8 + t * 4, 16, 3, 2))
+        return vec.shr(vec.words(w, row, b * 210 + 128 + h * 32 + span * u % 32), j * 8 + (t * 2 + span * u // 32) * 2)
+
+    def lane_scales(sm, r, h, t, u):
+        """d * sc of each lane's sub-block 8h + 4t + (span*u + 4i) // 16."""
+        if lanes == 16:
+            return vec.permute(sm[r, vec.at(0, 16)], _lane_index(h * 8 + t * 4, 16, 2, 1))
+        if lanes == 8:
+            return vec.permute(sm[r, vec.at(h * 8, 8)], _lane_index(t * 4 + u * 2, 8, 2, 1))
+        return vec.bcast(sm[r, h * 8 + t * 4 + u])
+
+    def dot(xp, w, row, b, h, t, u):
+        ql = vec.words(w, row, b * 210 + h * 64 + span * u)
+        return _sum([xp[vec.at(b * 256 + (((h * 2 + t) * windows + u) * 4 + j) * lanes)] * (
+            vec.lookup(vec.shr(ql, j * 8 + t * 4), low) + vec.lookup(qh_words(w, row, b, h, t, u, j), high))
+            for j in range(4)])
 
     @T.macro
-    def block_dot(x, w, wi, wh, acc, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+        # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
+        sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)   # d * sc_j
+        for r in T.unroll(rows):
+            sm[r, vec.at(0, 16)] = vec.bcast(widen(wh[T.min(first + r, n - 1), b * 105 + 104], "float16", vec.f16c),
+                                             16) * _f32(wi[T.min(first + r, n - 1), vec.at(b * 210 + 192, 16)])
         for h in T.unroll(2):
-            for c in T.unroll(4):
-                for s in T.unroll(2):
+            for t in T.unroll(2):
+                for u in T.unroll(windows):
                     for r in T.unroll(rows):
-                        part = T.alloc_buffer((width,), "float32", scope="global", annotations=STACK)
-                        for v in T.vectorized(width):
-                            part[v] = T.float32(0)
-                        for vo in T.unroll(vecs):
-                            for v in T.vectorized(width):
-                                part[v] = part[v] + x[b * 256 + h * 128 + c * 32 + s * 16 + vo * width + v] * _f32(
-                                    tirx.Cast("int8", T.bitwise_or(
-                                        T.bitwise_and(T.shift_right(
-                                            w[T.min(first + r, n - 1),
-                                              b * 210 + h * 64 + (c % 2) * 32 + s * 16 + vo * width + v],
-                                            tirx.Cast("uint8", (c // 2) * 4)), T.uint8(15)),
-                                        T.shift_left(T.bitwise_and(T.shift_right(
-                                            w[T.min(first + r, n - 1), b * 210 + 128 + h * 32 + s * 16 + vo * width + v],
-                                            tirx.Cast("uint8", c * 2)), T.uint8(3)), T.uint8(4)))) - T.int8(32))
-                        scale = widen(wh[T.min(first + r, n - 1), b * 105 + 104], "float16", f16c) * _f32(
-                            wi[T.min(first + r, n - 1), b * 210 + 192 + h * 8 + c * 2 + s])
-                        for v in T.vectorized(width):
-                            acc[r, v] = acc[r, v] + scale * part[v]
+                        acc[r, vec.at(0)] = acc[r, vec.at(0)] + lane_scales(sm, r, h, t, u) * dot(
+                            xp, w, T.min(first + r, n - 1), b, h, t, u)
 
-    return block_dot
+    return block_dot, order
 
 
 _BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k}

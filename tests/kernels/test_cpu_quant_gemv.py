@@ -1,0 +1,121 @@
+"""Quantized decode GEMVs (schedules/cpu/gemv_quant.py) against gguf's NumPy dequantizer in float64.
+
+Weights: Q8_0 / Q4_0 quantized from Gaussian rows with gguf.quants.quantize; Q4_K / Q6_K (gguf cannot
+quantize those) are random bytes, every byte pattern a valid quant or packed scale, with the fp16 scale
+fields overwritten by small finite values so no block decodes to inf/NaN. Reference: dequantize(raw) in
+float64 @ x in float64. Shapes: one block row (k = 256), a 4096-long row with few rows, and row counts that
+are not multiples of the kernel's 4-row step. Tolerance: max |y - ref| / max |ref| < 1e-3, the CPU kernels'
+bound; they dequantize exactly and accumulate in fp32, so they land near 1e-7.
+Every ISA tier is compiled and run where this CPU can execute it (AVX-512 cross-compiled otherwise).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+gguf_quants = pytest.importorskip("gguf.quants")
+
+from gguf import GGMLQuantizationType as GGMLType  # noqa: E402
+
+from helmc.errors import HelmcError  # noqa: E402
+from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
+from helmc.schedules.cpu.gemv_quant import (QUANT_BLOCKS, QuantGemvTuning, make_gemv_quant,  # noqa: E402
+                                            quant_row_bytes)
+from helmc.schedules.cpu.isa import VectorIsa, missing_flags, select_isa  # noqa: E402
+
+AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
+AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
+TIERS = {"avx512": AVX512, "avx2": AVX2, "sse2": ("sse2",)}
+GGML = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K}
+# Byte offsets of the fp16 scale fields inside a K-quant block (ggml-common.h block_q4_K / block_q6_K).
+FP16_FIELDS = {"q4_k": (0, 2), "q6_k": (208,)}
+
+
+def runnable(tier: str) -> bool:
+    return missing_flags(select_isa(TIERS[tier]).required_flags, host_cpu_flags()) == ()
+
+
+def target(isa: VectorIsa) -> tvm.target.Target:
+    # What the CPU stage compiles with (compiler passes' llvm_target): generic x86-64 plus the tier's features.
+    spec: dict = {"kind": "llvm", "mcpu": isa.llvm_mcpu}
+    if isa.llvm_mattr:
+        spec["mattr"] = list(isa.llvm_mattr)
+    return tvm.target.Target(spec)
+
+
+def random_quant_weight(rng, qtype: str, n: int, k: int) -> np.ndarray:
+    """Raw GGUF rows, uint8 [n, row_bytes]."""
+    if qtype in ("q8_0", "q4_0"):
+        return gguf_quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGML[qtype])
+    fmt = QUANT_BLOCKS[qtype]
+    raw = rng.integers(0, 256, (n, k // fmt.weights, fmt.bytes), dtype=np.uint8)   # [n, blocks, block bytes]
+    for at in FP16_FIELDS[qtype]:
+        scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])
+        raw[:, :, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # [n, blocks, 2]
+    return raw.reshape(n, -1)                                                             # [n, row_bytes]
+
+
+def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
+             tuning: QuantGemvTuning = QuantGemvTuning()) -> np.ndarray:
+    n, k = raw.shape[0], x.shape[0]
+    isa = select_isa(TIERS[tier])
+    func = make_gemv_quant(qtype, n, k, isa, tuning)
+    lib = tvm.compile(func, target=target(isa))
+    y = tvm.runtime.empty((n,), "float32", tvm.cpu())
+    lib[str(func.attrs["global_symbol"])](tvm.runtime.tensor(x), tvm.runtime.tensor(raw), y)
+    return y.numpy()
+
+
+def check_against_float64(qtype, tier, n, k, tuning=QuantGemvTuning()):
+    rng = np.random.default_rng(n * 7919 + k)
+    raw = random_quant_weight(rng, qtype, n, k)
+    assert raw.shape == (n, quant_row_bytes(qtype, k))
+    x = rng.standard_normal(k).astype(np.float32)
+    ref = gguf_quants.dequantize(raw, GGML[qtype]).astype(np.float64) @ x.astype(np.float64)
+    got = run_gemv(qtype, tier, raw, x, tuning)
+    diff = float(np.abs(got - ref).max())
+    err = diff / float(np.abs(ref).max())
+    print(f"{qtype} {tier} n={n} k={k} {tuning}: max |diff| {diff:.3e}, rel err {err:.2e}")
+    assert err < 1e-3
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+@pytest.mark.parametrize("n,k", [(37, 256), (6, 4096), (64, 1024)])
+def test_quant_gemv_matches_float64(qtype, tier, n, k):
+    if not runnable(tier):
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    check_against_float64(qtype, tier, n, k)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+@pytest.mark.parametrize("tuning", [QuantGemvTuning(rows=3, prefetch_bytes=0),
+                                    QuantGemvTuning(rows=1, prefetch_bytes=1 << 20, prefetch_locality=1)])
+def test_quant_gemv_tunings(qtype, tuning):
+    """Other row counts (19 rows: a partial last group) and prefetch settings (none; further than a row)."""
+    tier = next(t for t in TIERS if runnable(t))
+    check_against_float64(qtype, tier, 19, 512, tuning)
+
+
+def test_avx512_tier_cross_compiles_to_zmm():
+    """The AVX-512 kernels must use 512-bit registers even when built on a machine without AVX-512, the 4-bit
+    ones their vpermps nibble tables (LLVM may print the integer twin vpermd), and all of them prefetch."""
+    isa = select_isa(AVX512)
+    for qtype in QUANT_BLOCKS:
+        asm = tvm.compile(make_gemv_quant(qtype, 8, 512, isa), target=target(isa)).mod.inspect_source("asm")
+        assert "zmm" in asm and "prefetcht0" in asm, qtype
+        if qtype != "q8_0":
+            assert re.search(r"vperm(ps|d)\s[^\n]*zmm", asm), qtype
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+def test_bad_shape_is_refused(qtype):
+    block = QUANT_BLOCKS[qtype].weights
+    expected = rf"expected a positive multiple of its {block}-weight block, found k={block + 16}"
+    with pytest.raises(HelmcError, match=expected):
+        make_gemv_quant(qtype, 8, block + 16, select_isa(AVX2))
+    with pytest.raises(HelmcError, match=r"expected one of .*found 'q5_k'"):
+        make_gemv_quant("q5_k", 8, 256, select_isa(AVX2))
