@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.weight_load import STACK, widen
 
@@ -51,8 +52,7 @@ class QuantBlock:
     bytes: int       # bytes per block
 
 
-QUANT_BLOCKS = {"q8_0": QuantBlock(32, 34), "q4_0": QuantBlock(32, 18),
-                "q4_k": QuantBlock(256, 144), "q6_k": QuantBlock(256, 210)}
+QUANT_BLOCKS = {name: QuantBlock(*size) for name, size in MODEL_QUANT_BLOCKS.items()}   # one table: model.spec
 
 _LINE = 64
 
