@@ -43,7 +43,8 @@ import gguf
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.gguf_spec import GGUF_ARCHITECTURES, PRE_TOKENIZERS, gguf_name, permuted_heads, qk_rows_to_gguf
+from helmc.model.gguf_spec import GGUF_ARCHITECTURES, gguf_name, permuted_heads, qk_rows_to_gguf
+from helmc.model.gguf_tokenizer import PRE_TOKENIZERS
 from helmc.model.quant_formats import quant_type, quantize
 from helmc.model.spec import ModelSpec
 from helmc.runtime.weights.safetensors_mmap import Checkpoint

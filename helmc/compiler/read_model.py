@@ -54,7 +54,7 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
 
 
 def _read_gguf(path: str, with_tokenizer: bool = True, progress=lambda m: None) -> ModelSource:
-    from helmc.model.gguf_spec import read_gguf_tokenizer
+    from helmc.model.gguf_tokenizer import read_gguf_tokenizer
     spec = load_spec(path)
     h = hashlib.sha256(str(os.path.getsize(path)).encode())
     with open(path, "rb") as f:

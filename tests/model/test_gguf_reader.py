@@ -13,7 +13,8 @@ from gguf import TokenType  # noqa: E402
 
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.gguf_spec import (expected_hf_tensors, gguf_name, gguf_tensor_types, hf_name,  # noqa: E402
-                                   qk_rows_to_gguf, qk_rows_to_hf, read_gguf_spec, read_gguf_tokenizer)
+                                   qk_rows_to_gguf, qk_rows_to_hf, read_gguf_spec)
+from helmc.model.gguf_tokenizer import read_gguf_tokenizer  # noqa: E402
 from helmc.model.spec import ModelSpec  # noqa: E402
 from helmc.runtime.weights.bind import expected_tensors  # noqa: E402
 from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint  # noqa: E402

@@ -209,7 +209,8 @@ def test_helmc_gguf_reader_reads_back_the_spec_and_tokenizer(models, tmp_path, a
 
     from tokenizers import Tokenizer
 
-    from helmc.model.gguf_spec import read_gguf_spec, read_gguf_tokenizer
+    from helmc.model.gguf_spec import read_gguf_spec
+    from helmc.model.gguf_tokenizer import read_gguf_tokenizer
     from helmc.model.spec import ModelSpec
 
     model_dir, _ = models[arch]
