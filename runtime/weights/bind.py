@@ -45,10 +45,10 @@ def weight_view(ck, name: str, shape: tuple[int, ...], qtype: str, dtype: str) -
     view, stored = ck.view(name, shape), ck.info(name).dtype
     if stored == dtype:
         return view, dtype
-    from helmc.runtime.tvm_tensors import float32_from_bf16_bits, bf16_bits_from_float32
-    values = float32_from_bf16_bits(view) if stored == "bfloat16" else np.asarray(view, dtype=np.float32)
     if stored not in ("float32", "float16", "bfloat16"):
         raise HelmcError(f"weights: {name} expected a float tensor, found {stored}")
+    from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits
+    values = float32_from_bf16_bits(view) if stored == "bfloat16" else np.asarray(view, dtype=np.float32)
     return (bf16_bits_from_float32(values) if dtype == "bfloat16" else values.astype(dtype)), dtype
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
