@@ -18,7 +18,6 @@ TVM runtime and, for a GPU stage, CuPy: this runs with TVM_USE_RUNTIME_LIB=1.
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -28,10 +27,11 @@ from typing import Optional
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.spec import DTYPE_BYTES, ModelSpec
+from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 
 from helmc.runtime.rope import RopeTables
+from helmc.runtime.weights.bind import Embedding, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
 
@@ -111,10 +111,10 @@ def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None) -> tuple[
     """Spec, plan and checkpoint of a verified bundle (verification before any library loads)."""
     from helmc.runtime.session import read_bundle
     _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
-    if not os.path.isdir(wdir):
-        raise HelmcError(f"calibrate: expected the model's weights in a directory, found nothing at {wdir} "
-                         f"(pass --weights MODEL_DIR)")
-    return spec, plan, Checkpoint(wdir), wdir
+    if not os.path.exists(wdir):
+        raise HelmcError(f"calibrate: expected the model's weights (a directory or a GGUF file), found nothing at "
+                         f"{wdir} (pass --weights MODEL_DIR)")
+    return spec, plan, open_checkpoint(wdir, spec), wdir
 
 
 def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple[str, ...] | None = None,
@@ -169,21 +169,15 @@ class _Context:
         self.total = fill + warmup + steps
         self.cpu_cache_bytes = cpu_cache_bytes
         self.rope = RopeTables(spec.rope, spec.head_dim)
-        self.embed_view = ck.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
-        self.embed_bf16 = ck.info("model.embed_tokens.weight").dtype == "bfloat16"
+        self.embed_rows = Embedding(ck, spec)
         self.rng = np.random.default_rng(0)
         self.token = int(self.rng.integers(3, spec.vocab_size))
         self.sampler = Sampler(SamplingParams(0.0))
-        shapes = spec.block_weight_shapes().values()
-        self.block_bytes = sum(math.prod(s) for s in shapes) * DTYPE_BYTES[spec.dtype]
+        self.block_bytes = max(spec.block_weight_bytes(i) for i in range(spec.num_layers))   # as stored
 
     def embed(self, token: int) -> np.ndarray:
         """As Session.embed: one row gathered from the mmapped checkpoint, float32 [1, H]."""
-        rows = self.embed_view[np.array([token])]
-        if self.embed_bf16:
-            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
-            rows = float32_from_bf16_bits(rows)
-        return np.ascontiguousarray(rows, dtype=np.float32)
+        return self.embed_rows(np.array([token]))
 
     def distinct(self, blocks: int, cache_bytes: int) -> int:
         want = max(MIN_DISTINCT_BLOCKS, -(-2 * cache_bytes // max(1, self.block_bytes)))

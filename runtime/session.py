@@ -23,7 +23,7 @@ from helmc.runtime.bundle.plan import Plan
 
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.rope import RopeTables
-from helmc.runtime.weights.bind import check_checkpoint, open_checkpoint
+from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
 
@@ -61,8 +61,7 @@ class Session:
         self.tokenizer = tokenizer
         self.gpu = gpu
         self.rope = RopeTables(spec.rope, spec.head_dim)
-        self._embed = (checkpoint.raw("model.embed_tokens.weight") if spec.embed_type else
-                       checkpoint.view("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size)))
+        self._embed = Embedding(checkpoint, spec)
         self.position = 0
         self.kv_capacity = None          # KVCapacity of the last request (generate)
         self._kv_tokens_touched = 0      # KV positions earlier requests wrote: memory the caches already hold
@@ -93,14 +92,7 @@ class Session:
             self.gpu.reset()
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        rows = self._embed[ids]                                   # gather only S rows from the mmap
-        if self.spec.embed_type:                                  # quantized rows: dequantize just these
-            from helmc.runtime.weights.gguf_mmap import dequantize_rows
-            return dequantize_rows(rows, self.spec.embed_type, self.spec.hidden_size)  # [S, row bytes] -> [S, H]
-        if self.checkpoint.info("model.embed_tokens.weight").dtype == "bfloat16":
-            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
-            rows = float32_from_bf16_bits(rows)
-        return np.ascontiguousarray(rows, dtype=np.float32)       # [S, H]
+        return self._embed(ids)                                   # [S, H] float32
 
     def forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run len(ids) new tokens at the current position; returns logits [S or 1, V] float32."""

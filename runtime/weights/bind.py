@@ -90,3 +90,25 @@ def bind_head(ck: Checkpoint, spec: ModelSpec, dev, to_device: Callable = tensor
     norm, lm = spec.head_weight_names()
     return [to_device(*weight_view(ck, norm, (spec.hidden_size,), "", spec.dtype), dev),
             to_device(*weight_view(ck, lm, (spec.vocab_size, spec.hidden_size), spec.head_type, spec.dtype), dev)]
+
+
+class Embedding:
+    """The token embedding's rows for a step's ids, float32 [S, H]: only those S rows are read from the mmapped
+    checkpoint; bf16 rows are widened, quantized rows dequantized (by the gguf package's own code)."""
+
+    NAME = "model.embed_tokens.weight"
+
+    def __init__(self, ck, spec: ModelSpec):
+        self.qtype, self.hidden = spec.embed_type, spec.hidden_size
+        self.table = ck.raw(self.NAME) if self.qtype else ck.view(self.NAME, (spec.vocab_size, spec.hidden_size))
+        self.bf16 = not self.qtype and ck.info(self.NAME).dtype == "bfloat16"
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        rows = self.table[ids]                                    # [S, H] (or [S, row bytes] quantized)
+        if self.qtype:
+            from helmc.runtime.weights.gguf_mmap import dequantize_rows
+            return dequantize_rows(rows, self.qtype, self.hidden)  # [S, row bytes] -> [S, H]
+        if self.bf16:
+            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+            rows = float32_from_bf16_bits(rows)
+        return np.ascontiguousarray(rows, dtype=np.float32)

@@ -134,3 +134,22 @@ def test_llama_quantize_q4_k_m_file_matches(tmp_path, cpu_hardware, cache_dir):
           f"{len(r.spec.block_signatures())} block signatures")
     assert "q4_k" in kinds and "q6_k" in kinds and len(r.spec.block_signatures()) >= 2
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), "llama-quantize Q4_K_M")
+
+
+def test_calibrate_measures_a_quantized_bundle(tmp_path, cpu_hardware, cache_dir):
+    """helmc calibrate on a GGUF bundle: its stages bind the raw blocks and the embedding dequantizes its rows
+    (runtime/weights/bind.Embedding), and the fit comes out finite and positive."""
+    import math
+
+    from helmc import api
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.planner.calibrate import calibrate
+    from helmc.testing import make_tiny_model
+    make_tiny_model(str(tmp_path / "model"), "qwen3", num_layers=2, head_dim=64, dtype="float16", **DIMS)
+    path = quantize_checkpoint(str(tmp_path / "model"), "q4_k", str(tmp_path / "gguf"))
+    r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+    result = calibrate(r.bundle_dir, cpu_hardware, steps=4)
+    f = result.fits[0]
+    print(result.summary())
+    assert f.device == "cpu" and f.blocks == 2 and f.measured_step_ms > f.roofline_step_ms > 0
+    assert math.isfinite(f.block_overhead_ms) and f.block_overhead_ms > 0
