@@ -12,14 +12,15 @@ Checked once against llama.cpp 0c1e570 during development (not repeated here: it
 import json
 import os
 
-import gguf
 import numpy as np
 import pytest
 
-import helmc.compiler.quantize_checkpoint as qc
-from helmc.errors import HelmcError
-from helmc.model.quant_formats import dequantize, quantize
-from helmc.testing import make_tiny_model
+gguf = pytest.importorskip("gguf")   # the GPU machine runs pytest -m gpu without it
+
+import helmc.compiler.quantize_checkpoint as qc  # noqa: E402
+from helmc.errors import HelmcError  # noqa: E402
+from helmc.model.quant_formats import dequantize, quantize  # noqa: E402
+from helmc.testing import make_tiny_model  # noqa: E402
 
 DIMS = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 QUANTS = ("q8_0", "q4_0", "q4_k")
