@@ -20,8 +20,21 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # The block's linear weights, in the order ModelSpec.layer_types lists their types.
 LINEAR_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-# Bytes of one block of each quantized type and the weights it holds (llama.cpp's formats, GGUF).
+# Weights of one block of each quantized type and its bytes (llama.cpp's formats, GGUF).
 QUANT_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
+
+
+def check_quant_shape(qtype: str, n: int, k: int, who: str) -> tuple[int, int]:
+    """(weights, bytes) of `qtype`'s block, after checking that an [n, k] weight is whole blocks along k: the
+    kernels' one check, its HelmcError prefixed by `who`."""
+    if qtype not in QUANT_BLOCKS:
+        raise HelmcError(f"{who}: weight type expected one of {tuple(QUANT_BLOCKS)}, found {qtype!r}")
+    weights, nbytes = QUANT_BLOCKS[qtype]
+    if k < 1 or k % weights:
+        raise HelmcError(f"{who}: {qtype} k expected a positive multiple of its {weights}-weight block, found k={k}")
+    if n < 1:
+        raise HelmcError(f"{who}: n expected >= 1, found n={n}")
+    return weights, nbytes
 _TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                       "bfloat16": "bfloat16"}
 

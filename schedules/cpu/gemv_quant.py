@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS
+from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS, check_quant_shape
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.weight_load import STACK, widen
 
@@ -81,16 +81,7 @@ def quant_row_bytes(qtype: str, k: int) -> int:
 
 
 def _check(qtype: str, n: int, k: int) -> QuantBlock:
-    from helmc.errors import HelmcError
-    if qtype not in QUANT_BLOCKS:
-        raise HelmcError(f"quantized GEMV: weight type expected one of {tuple(QUANT_BLOCKS)}, found {qtype!r}")
-    fmt = QUANT_BLOCKS[qtype]
-    if k < 1 or k % fmt.weights:
-        raise HelmcError(f"quantized GEMV: {qtype} k expected a positive multiple of its {fmt.weights}-weight "
-                         f"block, found k={k}")
-    if n < 1:
-        raise HelmcError(f"quantized GEMV: n expected >= 1, found n={n}")
-    return fmt
+    return QuantBlock(*check_quant_shape(qtype, n, k, "quantized GEMV"))
 
 
 def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,

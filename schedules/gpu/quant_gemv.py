@@ -45,7 +45,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from helmc.errors import HelmcError
-from helmc.model.spec import QUANT_BLOCKS
+from helmc.model.spec import QUANT_BLOCKS, check_quant_shape
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,8 @@ def dequantize_symbol(qtype: str, n: int, k: int) -> str:
 
 
 def _check(qtype: str, n: int, k: int) -> _Format:
-    if qtype not in FORMATS:
-        raise HelmcError(f"GPU quantized kernel: weight type expected one of {tuple(FORMATS)}, found {qtype!r}")
+    check_quant_shape(qtype, n, k, "GPU quantized kernel")
     fmt = FORMATS[qtype]
-    if k < 1 or k % fmt.weights:
-        raise HelmcError(f"GPU quantized kernel: {qtype} k expected a positive multiple of its {fmt.weights}-weight "
-                         f"block, found k={k}")
-    if n < 1:
-        raise HelmcError(f"GPU quantized kernel: n expected >= 1, found n={n}")
     if n * (k // fmt.weights * fmt.bytes) >= _INDEX_LIMIT or n * k >= _INDEX_LIMIT:
         raise HelmcError(f"GPU quantized kernel: n * k expected < 2^31 (int32 indexing), found n={n}, k={k}")
     return fmt
