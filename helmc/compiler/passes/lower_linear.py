@@ -50,9 +50,10 @@ from helmc.schedules.cpu import gemm_amx
 from helmc.schedules.cpu.gemm_amx import AmxBlocking, amx_gemm_applies, make_gemm_amx, make_gemm_amx_multi
 from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv
 from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, make_gemv_swiglu
+from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
 from helmc.schedules.cpu.quant.gemm import make_gemm_quant
-from helmc.schedules.cpu.gemv_quant import make_gemv_quant, quant_row_bytes
+from helmc.schedules.cpu.gemv_quant import make_gemv_quant
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
 
 
@@ -102,7 +103,7 @@ def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores
         # Fresh variables per function: a decode variant made by binding `seq` in the prefill function
         # shares its parameter Vars, which Relax's FuseOps rejects ("appears at multiple definition sites").
         fresh = copy_with_new_vars(func)
-        rewriter.quantized = _quantized_params(fresh, (weight_types or {}).get(gvar.name_hint, {}))
+        rewriter.quantized = raw_weight_params(fresh, (weight_types or {}).get(gvar.name_hint, {}))
         rewriter.plan = _plan_fusion(fresh, rewriter.isa, frozenset(rewriter.quantized))
         new_func = relax.analysis.remove_all_unused(rewriter.visit_expr(fresh))
         if rewriter.quantized:
@@ -117,19 +118,6 @@ def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores
     for lowered in rewriter.lowered:
         assert lowered.kernel in {g.name_hint for g in out.get_global_vars()}, lowered
     return out, tuple(rewriter.lowered)
-
-
-def _quantized_params(func: relax.Function, types: dict) -> dict:
-    """{float weight param: (quantized type, its uint8 [N, row bytes] replacement param)} for `types`."""
-    out = {}
-    for p in func.params:
-        qtype = types.get(str(p.name))
-        if qtype:
-            n, k = (int(d) for d in p.ty.shape.values)
-            out[p] = (qtype, relax.Var(str(p.name), relax.TensorType([n, quant_row_bytes(qtype, k)], "uint8")))
-    unknown = set(types) - {str(p.name) for p in func.params}
-    assert not unknown, f"weight types name parameters {sorted(unknown)} the function does not have"
-    return out
 
 
 def _dtype_name(ty) -> str:

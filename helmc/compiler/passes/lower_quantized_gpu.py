@@ -18,7 +18,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.utils import copy_with_new_vars
 
-from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes, make_gpu_dequantize, make_gpu_gemv_quant
+from helmc.compiler.passes.quantize_functions import raw_weight_params
+from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
 
 
 # (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
@@ -35,13 +36,7 @@ def lower_quantized_gpu(mod: tvm.IRModule, weight_types: dict) -> tvm.IRModule:
         if not isinstance(func, relax.Function) or not types:
             continue
         fresh = copy_with_new_vars(func)
-        quantized = {}
-        for p in fresh.params:
-            qtype = types.get(str(p.name))
-            if qtype:
-                n, k = (int(d) for d in p.ty.shape.values)
-                quantized[p] = (qtype, relax.Var(str(p.name), relax.TensorType([n, gpu_quant_row_bytes(qtype, k)], "uint8")))
-        assert len(quantized) == len(types), f"{gvar.name_hint}: weight types name parameters it does not have"
+        quantized = raw_weight_params(fresh, types)
         params = [quantized[p][1] if p in quantized else p for p in fresh.params]
         if _DECODE.search(gvar.name_hint):
             rewriter.quantized = quantized

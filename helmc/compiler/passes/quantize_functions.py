@@ -11,7 +11,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from helmc.model.spec import ModelSpec
+from helmc.model.spec import ModelSpec, check_quant_shape
 from helmc.runtime.stage import block_function_name
 
 _PHASES = ("prefill", "decode")
@@ -46,3 +46,18 @@ def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule
         for phase in _PHASES:
             weight_types[f"head_{phase}"] = {weight_param_name(1): head_type}   # (norm, lm_head)
     return tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), weight_types
+
+
+def raw_weight_params(func: relax.Function, types: dict) -> dict:
+    """{float weight param of `func`: (quantized type, the uint8 [N, row bytes] param that replaces it)} for
+    `types` ({param name: type}, from quantize_functions): the raw GGUF blocks the lowering passes take."""
+    out = {}
+    for p in func.params:
+        qtype = types.get(str(p.name))
+        if qtype:
+            n, k = (int(d) for d in p.ty.shape.values)
+            weights, nbytes = check_quant_shape(qtype, n, k, f"weight {p.name}")
+            out[p] = (qtype, relax.Var(str(p.name), relax.TensorType([n, k // weights * nbytes], "uint8")))
+    unknown = set(types) - {str(p.name) for p in func.params}
+    assert not unknown, f"weight types name parameters {sorted(unknown)} the function does not have"
+    return out
