@@ -53,13 +53,23 @@ class Stage:
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
+        x = self.run_blocks(x, cos, sin, phase)
+        self.kv.advance(x.shape[0])
+        return x
+
+    def run_blocks(self, x, cos, sin, phase: str, attn_out=None):
+        """The blocks of forward() without committing the KV step. attn_out: (array, the same memory as a
+        device tensor [1, h_a*D]) that decode attention writes into, so a captured step converts no array."""
         S = x.shape[0]
         for local, binding in enumerate(self.bindings):
             j = self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             self.kv.append(local, self.to_array(k), self.to_array(v))
-            o = self.kv.attend(local, self.to_array(q), self.scale)          # [S, h_a, D]
-            attn = self.from_array(o.reshape(S, self.spec.q_dim))            # [S, h_a, D] -> [S, h_a*D]
+            if attn_out is not None:
+                self.kv.attend(local, self.to_array(q), self.scale, out=attn_out[0])
+                attn = attn_out[1]
+            else:
+                o = self.kv.attend(local, self.to_array(q), self.scale)      # [S, h_a, D]
+                attn = self.from_array(o.reshape(S, self.spec.q_dim))        # [S, h_a, D] -> [S, h_a*D]
             x = self._post[(phase, j)](x, attn, *binding.post)
-        self.kv.advance(S)
         return x

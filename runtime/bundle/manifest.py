@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, to_dict
 
-BUNDLE_FORMAT_VERSION = 2              # 2: the paged attention kernels are a prebuilt cubin in the bundle
+BUNDLE_FORMAT_VERSION = 3              # 2: paged attention kernels prebuilt in the bundle; 3: they read the step from device memory
 MANIFEST_NAME = "manifest.json"
 
 

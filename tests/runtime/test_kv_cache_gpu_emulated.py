@@ -23,9 +23,13 @@ def make(offload=True, delay=False, **kw):
                       offload=offload, staging_pages=4, ops=EmulatedOps(num_sms=2, delay_events=delay), **kw)
 
 
+DECODE_TOL = 2e-3    # decode reads fp16 queries and writes fp16 outputs (2^-11 relative rounding), as on the GPU
+
+
 def drive(caches, steps, seed, window=0, q_dtype=np.float32):
-    """Feed identical rows to every cache; return max relative error vs full softmax and whether all
-    decode outputs were bitwise equal across caches."""
+    """Feed identical rows to every cache; return max relative error vs full softmax (prefill steps, and
+    decode steps against the reference over the fp16-rounded query divided by DECODE_TOL / 1e-5, so that one
+    bound of 1e-5 checks both) and whether all decode outputs were bitwise equal across caches."""
     rng = np.random.default_rng(seed)
     L = caches[0].L
     hist = [[np.zeros((0, H_KV, D), np.float16)] * 2 for _ in range(L)]
@@ -41,10 +45,12 @@ def drive(caches, steps, seed, window=0, q_dtype=np.float32):
                 assert c.pool.staged() == {}, "every staging slot is released after attention"
             hist[layer] = [np.concatenate([hist[layer][0], k.astype(np.float16)]),
                            np.concatenate([hist[layer][1], v.astype(np.float16)])]
-            ref = full_attention(q, hist[layer][0], hist[layer][1], 0.2, window=window)
+            q_ref = q.astype(np.float16) if S == 1 else q
+            ref = full_attention(q_ref, hist[layer][0], hist[layer][1], 0.2, window=window)
+            scale = 1e-5 / DECODE_TOL if S == 1 and q_dtype != np.float16 else 1.0
             for o in outs:
                 assert o.shape == (S, H_KV * GROUP, D) and o.dtype == q_dtype
-                worst = max(worst, float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max()))
+                worst = max(worst, scale * float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max()))
             if S == 1:
                 identical &= all(np.array_equal(outs[0], o) for o in outs[1:])
         for c in caches:
