@@ -116,10 +116,9 @@ class StopText:
         if self.tokenizer is None or self.stopped:
             return ""
         full = self.tokenizer.decode(self.ids)
-        for s in self.stop:
-            cut = full.find(s, max(0, len(self.text) - len(s) + 1))
-            if cut >= 0:
-                full, self.stopped = full[:cut], True
+        cuts = [c for s in self.stop if (c := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+        if cuts:                                  # the earliest stop string wins
+            full, self.stopped = full[:min(cuts)], True
         if not self.stopped:
             if full.endswith("\ufffd"):
                 return ""

@@ -10,6 +10,7 @@ import sys
 import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
+from helmc.cli.serve_chat import chat_command, serve_command
 from helmc.errors import HelmcError
 
 
@@ -125,6 +126,8 @@ def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json):
 
 main.add_command(profile_command, "profile")
 main.add_command(plan_command, "plan")
+main.add_command(serve_command, "serve")
+main.add_command(chat_command, "chat")
 
 if __name__ == "__main__":
     main()
