@@ -12,8 +12,9 @@ def test_greedy_and_penalties():
     assert Sampler(SamplingParams())(logits) == 1
     s = Sampler(SamplingParams(frequency_penalty=0.2))
     assert [s(logits) for _ in range(3)] == [1, 2, 1]        # 3.0-0.2 < 2.9; then 2.9-0.2 < 2.8
-    s = Sampler(SamplingParams(presence_penalty=2.05))
-    assert [s(logits) for _ in range(5)] == [1, 2, 4, 1, 1]  # once seen, minus 2.05 however often (1 stays 0.95)
+    s = Sampler(SamplingParams(presence_penalty=2.0))
+    row = logits + [0, 0, 0, 0, 0.2]
+    assert [s(row) for _ in range(5)] == [1, 2, 4, 1, 1]     # once seen, minus 2 however often (1 stays at 1.0)
     # transformers' repetition penalty: prompt tokens too; a positive logit divided, a negative one multiplied
     s = Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[1])
     assert s(logits) == 2
