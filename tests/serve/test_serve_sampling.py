@@ -19,8 +19,9 @@ def test_greedy_and_penalties():
     s = Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[1])
     assert s(logits) == 2
     s = Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[1, 2, 4])
-    assert s(np.array([-0.6, 1.0, 1.0, -1.0, 0.4])) == 0      # -0.6 * 2 = -1.2 > -1.0 * 1 ... others 0.5, 0.5, 0.2
-    assert s.counts == {0: 1}
+    assert s(np.array([0.8, 1.0, 1.5, -1.0, -0.1])) == 0      # 1.0 -> 0.5, 1.5 -> 0.75: 0.8 is the top
+    assert s(np.array([-0.3, -0.2, -5, -5, -5])) == 1          # 0 now generated: -0.3 -> -0.6 below -0.2 -> -0.4
+    assert s.counts == {0: 1, 1: 1}
 
 
 def test_seed_repeats_and_cuts_hold():
