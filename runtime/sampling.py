@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # transformers': logits of prompt and generated tokens divided (or times) by it
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False   # run to max_tokens whatever the model says (benchmarks; vLLM's option)
 
     def __post_init__(self):
         checks = (("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0"),

@@ -44,6 +44,7 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens)
     name = model_name or os.path.basename(os.path.normpath(bundle_dir))
     state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
+    metrics.watch(engine)
     engine.start()
 
     def ready(actual_port):

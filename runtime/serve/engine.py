@@ -134,7 +134,7 @@ class Engine:
 
     def _accept(self, r: _Running, tok: int) -> None:
         r.tokens.append(tok)
-        eos = tok in self.eos
+        eos = tok in self.eos and not r.req.params.ignore_eos
         delta = r.text.flush() if eos else r.text.add(tok)       # EOS is no text: release what was held back
         if eos or r.text.stopped:
             reason = "stop"

@@ -19,6 +19,14 @@ class Metrics:
         self.rate = Histogram("helmc_decode_tokens_per_second", "Per request, tokens after the first per second",
                               buckets=RATE_BUCKETS, registry=r)
 
+    def watch(self, engine) -> None:
+        """Gauges read from the engine when scraped: KV pages its slot caches hold and the scheduler has reserved."""
+        from prometheus_client import Gauge
+        Gauge("helmc_kv_pages_in_use", "KV pages held by the slot caches", registry=self.registry).set_function(
+            engine.model.pages_in_use)
+        Gauge("helmc_kv_pages_reserved", "KV pages reserved by running requests", registry=self.registry).set_function(
+            lambda: engine.scheduler.pages_in_use)
+
     def finished(self, reason: str, n_tokens: int, t_first: float, t_end: float) -> None:
         self.finished_requests.labels(reason).inc()
         self.tokens.inc(n_tokens)

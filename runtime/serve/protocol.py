@@ -89,10 +89,11 @@ _TYPES = {  # field -> (check, what the error says it expected)
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
     "chat_template_kwargs": (lambda v: v is None or isinstance(v, dict), "an object"),
+    "ignore_eos": (lambda v: v is None or isinstance(v, bool), "a boolean"),
 }
 _COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "seed", "stream", "stream_options", "stop", "n",
-                      "user", "logprobs", "echo", "best_of", "logit_bias", "suffix", "model"}
+                      "user", "logprobs", "echo", "best_of", "logit_bias", "suffix", "model", "ignore_eos"}
 _CHAT_FIELDS = (_COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "tools", "tool_choice",
     "parallel_tool_calls", "response_format", "chat_template_kwargs"}
@@ -142,7 +143,7 @@ def parse_body(raw: bytes, kind: str) -> ParsedRequest:
         raise OpenAIError(f"max_tokens: expected >= 1, found {max_tokens}", param="max_tokens")
     stop = body.get("stop")
     sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                                     "repetition_penalty", "seed") if body.get(k) is not None}
+                                     "repetition_penalty", "seed", "ignore_eos") if body.get(k) is not None}
     sampling.setdefault("temperature", 1.0)        # OpenAI's default
     if stop:
         sampling["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)

@@ -32,13 +32,14 @@ class Scheduler:
         self.running: dict[str, int] = {}          # request_id -> slot
         self._pages: dict[str, int] = {}           # request_id -> pages held
         self._free_slots = list(range(max_batch))
+        self._used = 0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
 
     @property
     def pages_in_use(self) -> int:
-        return sum(self._pages.values())
+        return self._used       # a count, not a sum over _pages: other threads read it (/health, /metrics)
 
     @property
     def free_slots(self) -> int:
@@ -79,6 +80,7 @@ class Scheduler:
             slot = self._free_slots.pop(self._free_slots.index(min(self._free_slots)))
             self.running[req.request_id] = slot
             self._pages[req.request_id] = need
+            self._used += need
             out.append((req, slot))
         return out
 
@@ -86,7 +88,7 @@ class Scheduler:
         """A request is done or cancelled: its slot (None if it was still waiting, or unknown) and pages go back."""
         if request_id in self.running:
             slot = self.running.pop(request_id)
-            del self._pages[request_id]
+            self._used -= self._pages.pop(request_id)
             self._free_slots.append(slot)
             return slot
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)

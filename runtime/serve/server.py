@@ -61,7 +61,9 @@ def make_app(state: ServeState):
     from starlette.routing import Route
 
     async def health(request):
-        return JSONResponse({"status": "ok"})
+        eng = state.engine           # read across threads: plain counts, good enough for a health probe
+        return JSONResponse({"status": "ok", "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+                             "kv_pages_in_use": eng.model.pages_in_use(), "kv_pages_reserved": eng.scheduler.pages_in_use})
 
     async def metrics(request):
         body, ctype = state.metrics.text()
@@ -107,7 +109,12 @@ async def _generate(state: ServeState, request, kind: str):
         except RuntimeError:                     # the event loop is gone: nobody is listening
             state.engine.cancel(rid)
 
-    state.engine.submit(req, sink)
+    try:
+        state.engine.submit(req, sink)
+    except OpenAIError as e:
+        if e.param == "messages" and kind == "completion":
+            e.param = "prompt"
+        raise
     fmt = _Format(kind, rid, state.model_name)
     if p.stream:
         return _EngineStream(_sse(fmt, chunks, p.include_usage), on_close=lambda: state.engine.cancel(rid))
