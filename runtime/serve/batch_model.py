@@ -30,6 +30,10 @@ class BatchModel:
         stage = session.cpu_stage
         self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
         gstage = getattr(session.gpu, "stage", None)
+        if session.gpu is not None:
+            # Prompts run through Stage.forward_batch on each slot's caches; the streamed prefill works on the
+            # session's own CPU cache and borrows its GPU pool, so it goes (and its hold on that pool with it).
+            session.gpu.streamed_prefill = None
         self.gpu_caches = _gpu_caches(gstage, max_batch, kv_watermark) if gstage is not None else None
         self.page_tokens = (stage.kv.page_tokens if stage else gstage.kv.T)
         # The GPU stage takes a prompt this many rows at a time (the plan counted one chunk of activations).

@@ -31,14 +31,17 @@ def cli(*args, **kw):
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, host_hardware):
-    from helmc import api
     from helmc.testing import make_tiny_model
     d = str(tmp_path_factory.mktemp("serve") / "qwen3-chat")
     make_tiny_model(d, "qwen3")
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": QWEN3, "eos_token": "<|endoftext|>", "bos_token": None}, f)
-    out = d + ".bundle"
-    api.build(d, host_hardware, out, cache_dir=str(tmp_path_factory.mktemp("cache")), quiet=True, batch=MAX_BATCH)
+    out, hw = d + ".bundle", d + "-hardware.json"
+    host_hardware.save(hw)
+    r = cli("build", d, hw, "-o", out, "--max-batch", str(MAX_BATCH), "--no-cache")
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "plan.json")) as f:
+        assert json.load(f)["batch"] == MAX_BATCH                  # the plan is made for the server's batch
     return out
 
 
