@@ -165,6 +165,28 @@ class GpuParts:
         logits = self.head_fns[phase](to_tvm(cp.ascontiguousarray(xg)), *self.head_weights)
         return cp.asnumpy(self.tvm_to_cupy(logits))               # [S or 1, V] float32 back to the host
 
+    def forward_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
+                      rows: list[int]) -> np.ndarray:
+        """Several sequences in one step (runtime/serve/batch_model.py): x [S, H], cos/sin [S, D] on the host,
+        sequence b owns the next rows[b] rows and the caches cpu_caches[b] / gpu_caches[b]. Both stages run
+        Stage.forward_batch; one crossing for all rows; the head on each sequence's last row. Logits [B, V]."""
+        import cupy as cp
+        import tvm.runtime
+        if cpu_stage is not None and len(cpu_stage.bindings):
+            dev = tvm.cpu()
+            x = cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                        tvm.runtime.tensor(sin, dev), cpu_caches, rows).numpy()   # [S, H] float32
+        to_tvm = self.cupy_to_tvm
+        xg = cp.asarray(np.ascontiguousarray(x, self.act_dtype))                 # the host-to-device crossing
+        if self.stage is not None:
+            xg = self.tvm_to_cupy(self.stage.forward_batch(to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos))),
+                                                           to_tvm(cp.asarray(np.ascontiguousarray(sin))), gpu_caches, rows))
+        last = np.cumsum(rows) - 1
+        if xg.shape[0] != len(rows):
+            xg = cp.ascontiguousarray(xg[cp.asarray(last)])                     # [S, H] -> [B, H]: last rows sample
+        logits = self.head_fns["decode" if len(rows) == 1 else "prefill"](to_tvm(xg), *self.head_weights)
+        return cp.asnumpy(self.tvm_to_cupy(logits))                              # [B, V] float32 back to the host
+
 
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
     import cupy as cp
