@@ -170,6 +170,11 @@ class GpuParts:
         """Several sequences in one step (runtime/serve/batch_model.py): x [S, H], cos/sin [S, D] on the host,
         sequence b owns the next rows[b] rows and the caches cpu_caches[b] / gpu_caches[b]. Both stages run
         Stage.forward_batch; one crossing for all rows; the head on each sequence's last row. Logits [B, V]."""
+        from helmc.runtime.cuda_runtime import tvm_stream
+        with self.stream, tvm_stream(self.stream):
+            return self._forward_batch(x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows)
+
+    def _forward_batch(self, x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows):
         import cupy as cp
         import tvm.runtime
         if cpu_stage is not None and len(cpu_stage.bindings):
