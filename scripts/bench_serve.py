@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="the GGUF file llama-batched-bench runs (the same model)")
     ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's -ngl (layers on the GPU)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
     if a.llama_batched_bench and not a.gguf:
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
 
     from helmc.runtime.serve.load import load_engine
     t = time.perf_counter()
-    engine, _ = load_engine(a.bundle, a.concurrency, quiet=False)
+    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False)
     print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {engine.model.session.plan.describe()}, "
           f"max batch {engine.model.max_batch}, context {engine.model.max_context}", file=sys.stderr)
     rng = np.random.default_rng(a.seed)
