@@ -38,7 +38,7 @@ def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages
     out = cp.empty((h_kv * group, d), np.float16)
     scale = 1 / np.sqrt(d)
     step = cp.asarray(np.array([n_tokens, 0], np.int32))
-    ops.decode_partial(cp.asarray(q), ptrs, page_tokens, step, pages_per_split, 0, n_splits, h_kv, d, scale,
+    ops.decode_partial(cp.asarray(q), ptrs, page_tokens, step, pages_per_split * page_tokens, 0, n_splits, h_kv, d, scale,
                        pm, ps, po)
     ops.decode_merge(pm, ps, po, 0, n_splits, h_kv * group, d, group, out)
     got = cp.asnumpy(out).astype(np.float64)                  # fp16 output: relative rounding up to 2^-11

@@ -232,14 +232,14 @@ class EmulatedOps:
         sl[0, :, row] = np.asarray(k).reshape(num_kv_heads, head_dim)
         sl[1, :, row] = np.asarray(v).reshape(num_kv_heads, head_dim)
 
-    def decode_partial(self, q, page_ptrs, page_tokens, step, pages_per_split, split_base,
+    def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,
                        n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):
         self.kernel_launches += 1
         n_tokens, t_begin = self._step(step)
         q = np.asarray(q, np.float32)
         h_a = q.shape[0]
         g = h_a // num_kv_heads
-        span = pages_per_split * page_tokens
+        span = split_tokens
         po = part_o.reshape(-1, h_a, head_dim)                             # [rows*d] -> [splits, h_a, d]
         pm = part_m.reshape(-1, h_a)
         ps = part_s.reshape(-1, h_a)

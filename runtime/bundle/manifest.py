@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, to_dict
 
-BUNDLE_FORMAT_VERSION = 3              # 2: paged attention kernels prebuilt in the bundle; 3: they read the step from device memory
+BUNDLE_FORMAT_VERSION = 4              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens
 MANIFEST_NAME = "manifest.json"
 
 

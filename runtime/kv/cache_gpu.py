@@ -308,26 +308,39 @@ class KVCacheGPU:
 
     # ------------------------------------------------------------------ decode
     def _split_plan(self, table):
-        """Pages per split, splits, and for host pages their staging slot; cached per page layout."""
-        n_pages = table.n_pages
+        """Tokens per split, splits, which splits read a host page, the staging chunks and each host page's
+        staging slot; cached per page layout. Splits are p whole pages, or at short contexts (fewer pages
+        than ~4 blocks per SM need) 1/c of a page (c a power of two, >= 32 tokens), so a short sequence
+        still spreads over the SMs. Both depend on the page count alone: offload never changes a split."""
+        n_pages, T = table.n_pages, self.T
         target = max(1, 4 * self.num_sms // self.h_kv)
         p = max(1, min(-(-n_pages // target), self.staging_pages // 2))
-        key = (self.pool.version, n_pages, p)
+        cut = 1
+        while p == 1 and 2 * cut * n_pages <= target and T % (2 * cut) == 0 and T // (2 * cut) >= 32:
+            cut *= 2
+        key = (self.pool.version, n_pages, p, cut)
         if key != self._plan_key:
-            n_splits = -(-n_pages // p)
-            host_split = [any(not table.on_device(i) for i in range(sp * p, min(n_pages, (sp + 1) * p)))
-                          for sp in range(n_splits)]
-            per_chunk = max(1, (self.staging_pages // 2) // p)
+            span = p * T // cut
+            n_splits = -(-n_pages * cut // p)
+
+            def pages_of(sp):
+                return range(sp * span // T, min(n_pages, -(-(sp + 1) * span // T)))
+
+            host_split = [any(not table.on_device(i) for i in pages_of(sp)) for sp in range(n_splits)]
             hosts = [sp for sp in range(n_splits) if host_split[sp]]
+            half = self.staging_pages // 2
+            # A chunk stages at most `half` pages, and every split reading one of them: whole pages per chunk.
+            host_pages = sorted({i for sp in hosts for i in pages_of(sp) if not table.on_device(i)})
             chunks, stage_of = [], {}
-            for c, c0 in enumerate(range(0, len(hosts), per_chunk)):
-                splits = hosts[c0:c0 + per_chunk]
-                pages = [i for sp in splits for i in range(sp * p, min(n_pages, (sp + 1) * p))
-                         if not table.on_device(i)]
+            groups = ([host_pages[c0:c0 + half] for c0 in range(0, len(host_pages), half)] if cut > 1 else
+                      [[i for sp in hosts[c0:c0 + max(1, half // p)] for i in pages_of(sp) if not table.on_device(i)]
+                       for c0 in range(0, len(hosts), max(1, half // p))])
+            for c, pages in enumerate(groups):
+                splits = [sp for sp in hosts if any(i in pages for i in pages_of(sp))]
                 for j, i in enumerate(pages):
-                    stage_of[i] = (c % 2) * (self.staging_pages // 2) + j
+                    stage_of[i] = (c % 2) * half + j
                 chunks.append((splits, pages))
-            self._plan = (p, n_splits, host_split, chunks, stage_of)
+            self._plan = (span, n_splits, host_split, chunks, stage_of)
             self._plan_key = key
             self._ptr_tables.clear()
         return self._plan
@@ -350,9 +363,9 @@ class KVCacheGPU:
         h_a = q.shape[1]
         n = self.length + 1
         table = self._table()
-        p, n_splits, host_split, chunks, stage_of = self._split_plan(table)
+        span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
         ptrs = self._page_ptrs(layer, table, stage_of)
-        first = (max(0, n - self.window) // (p * self.T)) if self.window else 0
+        first = (max(0, n - self.window) // span) if self.window else 0
         if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
             rows = max(n_splits, 64) * h_a
             self._parts = (xp.empty(rows, np.float32), xp.empty(rows, np.float32),
@@ -362,7 +375,7 @@ class KVCacheGPU:
         compute = ops.current_stream()
 
         def launch(s0, s1):
-            ops.decode_partial(q16, ptrs, self.T, self._step_dev, p, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
+            ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
 
         run = None
         for sp in range(first, n_splits + 1):                            # resident splits: no waiting

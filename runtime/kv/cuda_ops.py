@@ -105,14 +105,14 @@ class CudaOps:
         values = np.ascontiguousarray(values, np.int32)
         self.cp.cuda.runtime.memcpyAsync(step.data.ptr, values.ctypes.data, values.nbytes, H2D, stream.ptr)
 
-    def decode_partial(self, q, page_ptrs, page_tokens: int, step, pages_per_split: int, split_base: int,
+    def decode_partial(self, q, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
                        n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o) -> None:
         """q [h_a, d] fp16; step: device int32 [n_tokens, t_begin]."""
         group = q.shape[0] // num_kv_heads
         partial, _, _ = self._functions(head_dim, group)
         i32 = np.int32
         partial((num_kv_heads, n_splits), (WARPS * 32,),
-                (q, page_ptrs, i32(page_tokens), step, i32(pages_per_split), i32(split_base), i32(num_kv_heads),
+                (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(num_kv_heads),
                  np.float32(scale), part_m, part_s, part_o))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,

@@ -1,8 +1,8 @@
 """CUDA side of streaming paged attention: the decode kernels' source.
 
 Decode attention (one query row per head) over a page table, split-K over pages:
-  paged_decode_partial  grid (h_kv, splits): block (kv head j, split i) reads the tokens of pages
-                        [i*p, (i+1)*p) for the GROUP query heads sharing KV head j, with the online
+  paged_decode_partial  grid (h_kv, splits): block (kv head j, split i) reads tokens [i*span, (i+1)*span)
+                        (p whole pages, or 1/c of one page at short contexts) for the GROUP query heads sharing KV head j, with the online
                         softmax of eqs. 4.18-4.20 per warp, merges its 4 warps, and writes (m, s, o)
                         unnormalised. fp16 K/V, fp32 accumulation. Pages are found through a table
                         of addresses, so a resident page (pool slot) and a prefetched one (staging
@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP, HEAD_DIM] fp16
                      const long long* __restrict__ page_ptrs,   // [n_pages] address of each page's layer slice
                      int page_tokens, const int* __restrict__ step,   // [n_tokens, t_begin]
-                     int pages_per_split, int split_base, int num_kv_heads, float scale,
+                     int split_tokens, int split_base, int num_kv_heads, float scale,
                      float* __restrict__ part_m,                // [splits, h_a]
                      float* __restrict__ part_s,                // [splits, h_a]
                      float* __restrict__ part_o)                // [splits, h_a, HEAD_DIM]
@@ -82,7 +82,7 @@ paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int num_heads = num_kv_heads * GROUP;
     const int n_tokens = step[0], t_begin = step[1];
-    const int span = pages_per_split * page_tokens;
+    const int span = split_tokens;                      // whole pages, or a page cut in equal parts
     const int t_end = min(n_tokens, (split + 1) * span);
     const int t_start = max(split * span, t_begin);
 

@@ -82,7 +82,7 @@ def kernel_time_us(cp, n_tokens: int, reps: int = 50) -> float:
     step_dev = cp.asarray(np.array([n_tokens, 0], np.int32))
 
     def step():
-        ops.decode_partial(q, ptrs, T, step_dev, p, 0, n_splits, H_KV, D, 0.088, pm, ps, po)
+        ops.decode_partial(q, ptrs, T, step_dev, p * T, 0, n_splits, H_KV, D, 0.088, pm, ps, po)
         ops.decode_merge(pm, ps, po, 0, n_splits, H_A, D, H_A // H_KV, out)
     for _ in range(3):
         step()

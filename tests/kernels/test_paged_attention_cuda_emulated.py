@@ -71,10 +71,10 @@ template <class F> static void launch(int gx, int gy, int threads, F body) {
         for (auto* b : wbs) delete b;
     }
 }
-extern "C" void run_partial(const unsigned short* q, const long long* ptrs, int T, const int* step, int pps,
+extern "C" void run_partial(const unsigned short* q, const long long* ptrs, int T, const int* step, int span,
                             int split_base, int n_splits, int h_kv, float scale, float* pm, float* ps, float* po) {
     launch(h_kv, n_splits, WARPS * 32, [&] {
-        paged_decode_partial(q, ptrs, T, step, pps, split_base, h_kv, scale, pm, ps, po); });
+        paged_decode_partial(q, ptrs, T, step, span, split_base, h_kv, scale, pm, ps, po); });
 }
 extern "C" void run_merge(const float* pm, const float* ps, const float* po, int b, int e, int heads,
                           unsigned short* out) {
@@ -97,12 +97,13 @@ def build(tmp_path, head_dim, group):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("h_kv,group,d,T,n,pps,t_begin,cut", [
-    (2, 4, 128, 16, 45, 1, 0, 1),      # last page partly filled; splits launched as [0,1) then [1,3)
-    (1, 8, 64, 8, 40, 2, 0, 2),        # two pages per split
-    (2, 1, 96, 5, 23, 1, 9, 3),        # head_dim 96 (3 values per lane), a sliding window start
+@pytest.mark.parametrize("h_kv,group,d,T,n,span,t_begin,cut", [
+    (2, 4, 128, 16, 45, 16, 0, 1),     # last page partly filled; splits launched as [0,1) then [1,3)
+    (1, 8, 64, 8, 40, 16, 0, 2),       # two pages per split
+    (2, 1, 96, 5, 23, 5, 9, 3),        # head_dim 96 (3 values per lane), a sliding window start
+    (2, 4, 64, 16, 45, 4, 0, 5),       # a quarter page per split (short contexts), empty splits past n
 ])
-def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, pps, t_begin, cut):
+def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, span, t_begin, cut):
     lib = build(tmp_path, d, group)
     rng = np.random.default_rng(d + group)
     n_pages = -(-n // T)
@@ -110,14 +111,14 @@ def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, pps, t_beg
     slots = rng.permutation(n_pages + 2)[:n_pages]
     ptrs = np.array([pool.ctypes.data + int(s) * pool[0].nbytes for s in slots], np.int64)
     q = rng.standard_normal((h_kv * group, d)).astype(np.float16)
-    h_a, n_splits = h_kv * group, -(-n_pages // pps)
+    h_a, n_splits = h_kv * group, -(-n_pages * T // span)
     pm, ps = np.full(n_splits * h_a, np.nan, np.float32), np.full(n_splits * h_a, np.nan, np.float32)
     po, out = np.full(n_splits * h_a * d, np.nan, np.float32), np.zeros((h_a, d), np.float16)
-    first = t_begin // (pps * T)
+    first = t_begin // span
     step = np.array([n, t_begin], np.int32)                  # read by the kernel from memory, as on the GPU
     fp, ip, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for s0, s1 in ((first, cut), (cut, n_splits)):           # two launches: split_base is honoured
-        lib.run_partial(fp(q.ctypes.data), fp(ptrs.ctypes.data), ip(T), fp(step.ctypes.data), ip(pps), ip(s0),
+        lib.run_partial(fp(q.ctypes.data), fp(ptrs.ctypes.data), ip(T), fp(step.ctypes.data), ip(span), ip(s0),
                         ip(s1 - s0), ip(h_kv), f(0.3), fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data))
     lib.run_merge(fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data), ip(first), ip(n_splits), ip(h_a),
                   fp(out.ctypes.data))

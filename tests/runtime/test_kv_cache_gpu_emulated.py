@@ -127,3 +127,21 @@ def test_empty_pool_is_lent_to_the_streamed_prefill_and_only_while_empty():
     assert kv.lend_empty_pool(16) is None                               # the pool holds pages now
     kv.reset()
     assert kv.lend_empty_pool(16) is not None                           # a new request: empty again
+
+
+def test_short_context_splits_cut_pages_and_stay_bitwise_equal():
+    """With fewer pages than ~4 blocks per SM need, a split is part of a page (here: 128-token pages, 3 pages,
+    32 splits wanted, a quarter page each): the split plan still depends on the page count alone, host pages are staged whole
+    for the splits that share them, and decode equals the cache that never offloads, bit for bit."""
+    def cache(**kw):
+        return KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=128, max_tokens=1024,
+                          staging_pages=4, ops=EmulatedOps(num_sms=16), **kw)
+    off, full = cache(gpu_pages=3, watermark=0.5), cache(offload=False)
+    worst, identical = drive([off, full], [300] + [1] * 12, seed=7)
+    span, n_splits = off._split_plan(off._table())[:2]
+    t = off.pool.page_table(off._seq)
+    on_host = sum(not t.on_device(i) for i in range(t.n_pages))
+    print(f"\ncut pages: {t.n_pages} pages ({on_host} on the host), {n_splits} splits of {span} tokens; "
+          f"max relative error {worst:.2e}; bitwise equal: {identical}")
+    assert (span, n_splits) == (32, 12) and on_host >= 1                 # 4 splits per page
+    assert worst < 1e-5 and identical
