@@ -27,10 +27,11 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
 
     use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
     single_threaded_blas()                     # KV attention threads its own NumPy calls
-    from helmc.runtime.stage import Stage
+    from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_layers, bind_head
 
     dev = tvm.cpu()
+    batches = decode_batch_sizes(plan.batch)      # the bundle's batched decode variants (import_relax)
     layers = plan.cpu_layers
     stage = None
     if len(layers):
@@ -43,11 +44,11 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim, spec.dtype))
         stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
-                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev), batch_sizes=batches)
     head = None
     if not plan.head_on_gpu:
         hw = bind_head(checkpoint, spec, dev)
-        fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
+        fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(batch_phase(b) for b in batches)}
 
         def head(x, phase, all_logits):
             if not all_logits and x.shape[0] > 1:

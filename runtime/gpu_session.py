@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.stage import batch_phase
 
 GPU_LIB = "gpu_stage.so"
 GPU_CUBIN_INDEX = "gpu_stage.cubins.json"
@@ -186,6 +187,9 @@ class GpuParts:
         if self.stage is not None:
             xg = self.tvm_to_cupy(self.stage.forward_batch(to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos))),
                                                            to_tvm(cp.asarray(np.ascontiguousarray(sin))), gpu_caches, rows))
+        if len(rows) > 1 and all(n == 1 for n in rows):    # a batched decode step: its variant's head, padding dropped
+            logits = self.head_fns[batch_phase(xg.shape[0])](to_tvm(xg), *self.head_weights)
+            return cp.asnumpy(self.tvm_to_cupy(logits)[:len(rows)])              # [padded, V] -> [B, V] on the host
         last = np.cumsum(rows) - 1
         if xg.shape[0] != len(rows):
             xg = cp.ascontiguousarray(xg[cp.asarray(last)])                     # [S, H] -> [B, H]: last rows sample
@@ -203,7 +207,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import streamed_prefill_bytes
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
-    from helmc.runtime.stage import Stage
+    from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_head, bind_layers
 
     free, total = cp.cuda.runtime.memGetInfo()
@@ -253,10 +257,11 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
                         sliding_window=spec.sliding_window or None, loan_bytes=loan,
                         ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
-        stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm)
+        stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
+                      batch_sizes=decode_batch_sizes(plan.batch))
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
-    head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode")}
+    head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}
     streamed = None
     if plan.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill

@@ -24,6 +24,37 @@ def block_function_name(part: str, phase: str, signature: int = 0) -> str:
     return f"{part}_{phase}" if signature == 0 else f"{part}_{phase}_t{signature}"
 
 
+def batch_phase(batch: int) -> str:
+    """The phase of the decode step of `batch` sequences, one token each: "decode" for one, else the batched
+    decode variant "decode_b{batch}" (static rows: each row's result bit-identical to its own one-token decode,
+    as the GEMVs are batch-invariant; import_relax makes the variants)."""
+    return "decode" if batch == 1 else f"decode_b{batch}"
+
+
+def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes > 1 that get a batched decode variant for a plan of `max_batch` sequences: powers of two
+    below it and itself (8 -> 2, 4, 8); a step of b sequences runs the smallest of them >= b on padded rows.
+    Few variants keep the build short (one compile per size, whatever the depth), and a padded row costs a
+    memory-bound step little."""
+    sizes = {max_batch} if max_batch > 1 else set()
+    b = 2
+    while b < max_batch:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
+
+
+def decode_step_rows(rows: list[int], sizes: tuple[int, ...]) -> int:
+    """Rows a step of sequences with rows[b] new tokens each runs on: a batched decode step (every sequence one
+    token, several sequences) pads to the smallest of `sizes` (decode_batch_sizes) that holds them; any other
+    step runs on its own rows."""
+    if len(rows) > 1 and all(n == 1 for n in rows):
+        fits = [b for b in sizes if b >= len(rows)]
+        assert fits, f"a batched decode step of {len(rows)} sequences, compiled for {sizes}"
+        return fits[0]
+    return sum(rows)
+
+
 @dataclass
 class StageBinding:
     """Weights of one block, already on the stage's device, in the compiled functions' order."""
@@ -33,7 +64,7 @@ class StageBinding:
 
 class Stage:
     def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv, bindings: list[StageBinding],
-                 to_array: Callable[[Any], Any], from_array: Callable[[Any], Any]):
+                 to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = ()):
         assert len(bindings) == len(layers), "one weight binding per block of the stage"
         self.name = name
         self.vm = vm
@@ -46,10 +77,10 @@ class Stage:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         # Per block of the stage, its signature's functions: (phase, signature) -> PackedFunc.
         self._signature = [spec.signature_index(i) for i in layers]
-        self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in ("prefill", "decode")
-                     for j in set(self._signature)}
-        self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in ("prefill", "decode")
-                      for j in set(self._signature)}
+        self.batch_sizes = tuple(batch_sizes)    # the batched decode variants the bundle holds (decode_batch_sizes)
+        phases = ("prefill", "decode") + tuple(batch_phase(b) for b in self.batch_sizes)
+        self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in phases for j in set(self._signature)}
+        self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
@@ -75,13 +106,17 @@ class Stage:
         return x
 
     def forward_batch(self, x, cos, sin, caches: list, rows: list[int]):
-        """Several sequences in one step: x [sum(rows), H], cos/sin [sum(rows), D] (each row at its own sequence's
-        position); sequence b owns the next rows[b] rows and its own KV cache caches[b]. The compiled functions are
+        """Several sequences in one step: x [S, H], cos/sin [S, D] (each row at its own sequence's position);
+        sequence b owns the next rows[b] rows and its own KV cache caches[b]. The compiled functions are
         position-wise, so one call per block serves every row (each weight read once per step for all sequences)
-        and only attention runs per sequence, on its own cache. rows of 1 each: a batched decode step."""
+        and only attention runs per sequence, on its own cache.
+        rows of 1 each, several sequences: a batched decode step on the decode_b{S} variant, S =
+        decode_step_rows(rows, batch_sizes) >= len(rows); rows past the sequences' are padding (no attention,
+        no KV; the caller drops their outputs). Each real row's result is bit-identical to its one-token decode.
+        Otherwise S = sum(rows) on the prefill variant (any number of rows), or decode for one row."""
         S = x.shape[0]
-        assert len(caches) == len(rows) and sum(rows) == S, (len(caches), rows, S)
-        phase = "decode" if S == 1 else "prefill"          # the prefill variants take any number of rows
+        assert len(caches) == len(rows) and decode_step_rows(rows, self.batch_sizes) == S, (len(caches), rows, S)
+        phase = batch_phase(S) if len(rows) > 1 and all(n == 1 for n in rows) else "decode" if S == 1 else "prefill"
         starts = [sum(rows[:b]) for b in range(len(rows))]
         for local, binding in enumerate(self.bindings):
             j = self._signature[local]
@@ -91,6 +126,8 @@ class Stage:
             for kv, a, n in zip(caches, starts, rows):
                 kv.append(local, k[a:a + n], v[a:a + n])
                 outs.append(kv.attend(local, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
+            if S > sum(rows):                                # padding rows of a batched decode step attend nothing
+                outs.append(_array_module(outs[0]).zeros((S - sum(rows), self.spec.q_dim), outs[0].dtype))
             o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]
             x = self._post[(phase, j)](x, self.from_array(o), *binding.post)
         for kv, n in zip(caches, rows):

@@ -4,7 +4,7 @@
                      a Hugging Face checkpoint once into the weights cache)
   2. search_plan     ModelSpec x HardwareProfile -> Plan (thesis Algorithm 1)
   3. export_onnx     pre_attn / post_attn / head through torch.onnx.export(dynamo=True)
-  4. import_relax    ONNX -> one Relax IRModule (prefill and decode variants)
+  4. import_relax    ONNX -> one Relax IRModule (prefill, decode and batched decode variants)
   5. compile_cpu     LLVM for the profile's CPU features          (cached)
   6. compile_gpu     CUDA for the profile's GPU arch, to cubin     (cached; only if the plan uses a GPU)
   7. write_bundle    libraries, plan, spec, tokenizer, manifest with sha256 of every file
@@ -108,14 +108,17 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     if need_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     cache = ArtifactCache(cache_dir, enabled=use_cache)
+    from helmc.runtime.stage import decode_batch_sizes
+    batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds
+    batch_key = f"|batch={','.join(map(str, batches))}" if batches else ""
     jobs = {}
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
     if need_cpu:
         # cores set the kernels' parallel split counts, so they are part of what the library was made for
         jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
-                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={prefill_activations}")
+                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={prefill_activations}{batch_key}")
     if need_gpu:
-        jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch)
+        jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch + batch_key)
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
     reused = tuple(stage for stage, d in hits.items() if d)
     for stage, d in hits.items():
@@ -127,15 +130,16 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
             from helmc.compiler.passes.export_block import export_functions
             from helmc.compiler.passes.import_relax import import_functions
             if need_cpu and not hits["cpu"]:
-                mod = import_functions(export_functions(spec, act_dtype="float32"))
+                mod = import_functions(export_functions(spec, act_dtype="float32"), batches)
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
-                progress("import_relax: 6 functions (prefill + decode variants)")
+                progress(f"import_relax: {len(mod.functions)} functions (prefill, decode"
+                         f"{', batched decode for ' + '/'.join(map(str, batches)) + ' sequences' if batches else ''})")
                 lib = os.path.join(work, CPU_LIB)
                 compile_cpu(mod, hardware, lib, spec, prefill_activations)
                 hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
                 progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
             if need_gpu and not hits["gpu"]:
-                mod = import_functions(export_functions(spec, act_dtype="float16"))
+                mod = import_functions(export_functions(spec, act_dtype="float16"), batches)
                 progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
                 gdir = os.path.join(work, "gpu")
                 os.makedirs(gdir)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, to_dict
 
-BUNDLE_FORMAT_VERSION = 4              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens
+BUNDLE_FORMAT_VERSION = 5              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens;
+                                       # 5: batched decode variants (decode_b{B}) for plans of batch > 1
 MANIFEST_NAME = "manifest.json"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.stage import batch_phase, decode_batch_sizes, decode_step_rows
 
 
 class BatchModel:
@@ -82,6 +83,14 @@ class BatchModel:
         positions = np.concatenate([np.arange(self.length(s), self.length(s) + n) for s, n in zip(slots, rows)])
         cos, sin = self.session.rope.cos_sin(positions)                          # [S, D] each, per row's position
         x = self.session.embed(np.asarray([t for r in ids for t in r], dtype=np.int64))   # [S, H]
+        # A batched decode step runs the compiled variant for the next batch size up, on zero rows past the
+        # sequences' (Stage.forward_batch gives them no attention and no KV; their logits are dropped here).
+        padded = decode_step_rows(rows, decode_batch_sizes(self.session.plan.batch))
+        if padded > len(x):
+            pad = padded - len(x)
+            x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])         # [B, H] -> [padded, H]
+            cos = np.concatenate([cos, np.zeros((pad, cos.shape[1]), cos.dtype)])  # [B, D] -> [padded, D]
+            sin = np.concatenate([sin, np.zeros((pad, sin.shape[1]), sin.dtype)])  # [B, D] -> [padded, D]
         last = np.cumsum(rows) - 1                                               # each sequence's last row
         cpu = [self.cpu_caches[s] for s in slots] if self.cpu_caches else None
         if self.session.gpu is not None:
@@ -91,6 +100,8 @@ class BatchModel:
         dev = tvm.cpu()
         xt = self.session.cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
                                                   tvm.runtime.tensor(sin, dev), cpu, rows)
+        if len(rows) > 1 and all(n == 1 for n in rows):                         # a batched decode step
+            return self.session.head(xt, batch_phase(padded), True)[:len(slots)]  # [padded, V] -> [B, V]
         if len(slots) == 1:
             return self.session.head(xt, "prefill" if rows[0] > 1 else "decode", False)
         xs = xt.numpy()[last] if xt.shape[0] != len(slots) else xt                # [S, H] -> [B, H]

@@ -6,7 +6,16 @@ for a 128-token prefill each is a pass over 2-6 MB on one core while the rest of
 fuse what inlines (one pass over memory instead of one per op: the SwiGLU's sigmoid, multiply and
 multiply become a single loop), then run each remaining block's spatial loops in parallel, with the
 innermost chunk vectorised for purely elementwise blocks. Functions whose every spatial domain is static
-and small are left alone: a thread-pool launch would cost more than the loop.
+and small are inlined but stay serial: a thread-pool launch would cost more than the loop.
+
+BATCH INVARIANCE (issue 19): a batched decode step must give each row the bits its one-row decode gives, and
+TVM's LLVM target fuses any multiply and add that meet in one basic block into an FMA (AllowFPOpFusion::Fast).
+Left as separate loop nests over intermediate buffers, a small function (one row: the buffers on the stack)
+had LLVM forward the products into the adds and fuse them (RoPE's q*cos + rot(q)*sin), a larger one (several
+rows: the buffers in the workspace) kept them apart, and the rows differed in their last bit. So every
+function, small or not, has its injective producers inlined first: each element is then one expression,
+whose a*b + c terms TVM's LowerIntrin makes explicit FMAs, the same for every row count; what stays a separate
+block (a reduction) meets its consumers through a division or a square root, never a multiply-add.
 """
 from __future__ import annotations
 
@@ -45,9 +54,9 @@ class ParallelLoops(CPUScheduleRule):
         if not infos:
             return None
         extents = [_spatial_extent(info) for info in infos]
-        if all(e is not None and e < PARALLEL_MIN_ELEMENTS for e in extents):
-            return None
         infos = try_inline(sch, infos)
+        if all(e is not None and e < PARALLEL_MIN_ELEMENTS for e in extents):
+            return sch      # inlined (see BATCH INVARIANCE below), serial: a launch would cost more than the loop
         reductions = []
         for info in infos:
             block = info.block_rv

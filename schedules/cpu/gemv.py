@@ -5,6 +5,12 @@ Why this shape of loop (thesis 4.1.5: the CPU stage is only worth having at the 
   hardware prefetchers follow best; HF's row-major [N, K] layout is already that, so no repacking.
 - a few rows per step (gemv_blocking), each vectorised along K with `chunk` = 2 registers of fp32 lanes:
   rows x 2 independent FMA chains cover FMA latency and keep several DRAM streams in flight per core.
+- batch invariance (issue 19: a batched decode step must give each sequence the bits its single decode gives):
+  every token's y[t, n] is summed the same way whatever m is -- lane v of the `chunk` accumulates
+  x[t, k] * W[n, k] for k = v mod chunk in K order, the lanes are added 0..chunk-1, then the K tail in order --
+  so `chunk` is the same for every m and only rows per step and tokens per pass (`group`) change with m.
+  Tokens beyond a pass's `group` (the accumulators must stay in registers) run in further passes over the
+  same rows, which then come from L1/L2; every weight byte still comes from DRAM once per call.
 - weights widened to fp32 in registers (weight_load.widen), accumulation in fp32 throughout.
 - K % chunk leftovers go through a scalar tail loop, so any K is exact.
 - each K step software-prefetches every row PREFETCH_STEPS steps ahead (then the next rows), so DRAM
@@ -28,26 +34,36 @@ GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symb
 PREFETCH_STEPS = 16
 
 
-def gemv_blocking(isa: VectorIsa, m: int) -> tuple[int, int]:
-    """(weight rows per step, fp32 elements per row per step).
+# Weight rows per step when m > 1 (benchmarks may set it; see gemv_blocking).
+BATCH_ROWS = 2
+
+
+def gemv_blocking(isa: VectorIsa, m: int) -> tuple[int, int, int]:
+    """(weight rows per step, fp32 elements per row per step, tokens per pass over the step's rows).
 
     Several weight rows per step means several independent DRAM streams per thread and fewer horizontal
     sums; measured on the 2-core EPYC (AVX2, shared machine, best of 10 interleaved passes), 4 rows x 2
-    vectors ran 15-17 GB/s where 1 row x 4 vectors ran 11-13 GB/s. The m x rows x chunk accumulators must
-    stay in registers next to the widened weights, so more tokens get fewer rows.
+    vectors ran 15-17 GB/s where 1 row x 4 vectors ran 11-13 GB/s. The chunk is 2 vectors for every m (batch
+    invariance, see the module docstring); the group x rows x 2 accumulators must stay in registers next to
+    the widened weights and x, so at most half the vector registers hold accumulators, and more tokens get
+    fewer rows per pass or more passes.
     """
+    chunk = 2 * isa.fp32_lanes
     if m == 1:
-        return 4, 2 * isa.fp32_lanes
-    return 2, isa.fp32_lanes
+        return 4, chunk, 1
+    budget = isa.vector_registers // 2          # accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16
+    rows = max(1, min(BATCH_ROWS, budget // 2))
+    passes = -(-m // max(1, budget // (2 * rows)))
+    return rows, chunk, -(-m // passes)         # tokens split evenly over the passes
 
 
 def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS, m
     assert n >= 1 and k >= 1, (n, k)
-    rows, chunk = gemv_blocking(isa, m)
+    rows, chunk, group = gemv_blocking(isa, m)
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
-    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback)
+    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback, group)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
@@ -59,37 +75,42 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
     return gemv.with_attr("global_symbol", f"helmc_gemv_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
 
 
-def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bool):
+def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bool, group: int = 0):
     """Macro: rows [first, first + rows) of one weight (clamped loads, skipped stores past n); K in full
-    chunks, then the leftover elements one by one. Shared by make_gemv and gemv_fused.make_gemv_multi."""
+    chunks, then the leftover elements one by one; the m tokens in passes of `group` (default all), a last
+    partial pass clamping its token index for loads and skipping its stores. Shared by make_gemv and
+    gemv_fused.make_gemv_multi. Token t's arithmetic is the same for every m, group and rows."""
     k_main, k_tail = k // chunk, k - (k // chunk) * chunk
     prefetch = prefetch_ahead(k_main, rows, chunk)
+    group = group or m
+    passes = -(-m // group)
 
     @T.macro
     def block(x, wl, y, n, first):
-        acc = T.alloc_buffer((m, rows, chunk), "float32", scope="global", annotations=STACK)
-        for t in T.unroll(m):
-            for r in T.unroll(rows):
-                for v in T.vectorized(chunk):
-                    acc[t, r, v] = T.float32(0)
-        for ko in T.serial(k_main):
-            prefetch(wl, n, first, ko)
-            for t in T.unroll(m):
+        for p in T.serial(passes):
+            acc = T.alloc_buffer((group, rows, chunk), "float32", scope="global", annotations=STACK)
+            for t in T.unroll(group):
                 for r in T.unroll(rows):
                     for v in T.vectorized(chunk):
-                        acc[t, r, v] = acc[t, r, v] + x[t, ko * chunk + v] * widen(
-                            wl[T.min(first + r, n - 1), ko * chunk + v], weight_dtype, f16c)
-        for t in T.unroll(m):
-            for r in T.unroll(rows):
-                if first + r < n:
-                    total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
-                    total[0] = T.float32(0)
-                    for v in T.unroll(chunk):
-                        total[0] = total[0] + acc[t, r, v]
-                    for kt in T.serial(k_tail):
-                        total[0] = total[0] + x[t, k_main * chunk + kt] * widen(
-                            wl[first + r, k_main * chunk + kt], weight_dtype, f16c)
-                    y[t, first + r] = total[0]
+                        acc[t, r, v] = T.float32(0)
+            for ko in T.serial(k_main):
+                prefetch(wl, n, first, ko)
+                for t in T.unroll(group):
+                    for r in T.unroll(rows):
+                        for v in T.vectorized(chunk):
+                            acc[t, r, v] = acc[t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] * widen(
+                                wl[T.min(first + r, n - 1), ko * chunk + v], weight_dtype, f16c)
+            for t in T.unroll(group):
+                for r in T.unroll(rows):
+                    if first + r < n and p * group + t < m:
+                        total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
+                        total[0] = T.float32(0)
+                        for v in T.unroll(chunk):
+                            total[0] = total[0] + acc[t, r, v]
+                        for kt in T.serial(k_tail):
+                            total[0] = total[0] + x[p * group + t, k_main * chunk + kt] * widen(
+                                wl[first + r, k_main * chunk + kt], weight_dtype, f16c)
+                        y[p * group + t, first + r] = total[0]
 
     return block
 

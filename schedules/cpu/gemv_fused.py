@@ -30,9 +30,9 @@ def make_gemv_multi(m: int, ns: tuple[int, ...], k: int, weight_dtype: str, isa:
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS, m
     assert 2 <= len(ns) <= MULTI_MAX_WEIGHTS and all(n >= 1 for n in ns) and k >= 1, (ns, k)
-    rows, chunk = gemv_blocking(isa, m)
+    rows, chunk, group = gemv_blocking(isa, m)
     steps = [-(-n // rows) for n in ns]
-    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback)
+    block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback, group)
     ldt = load_dtype(weight_dtype)
     n0, n1 = ns[0], ns[1]
     s0, s01 = steps[0], steps[0] + steps[1]
@@ -80,9 +80,12 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
     """y[t, r] = g * sigmoid(g) * u with g = x[t] . Wg[r], u = x[t] . Wu[r], fp32 throughout."""
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS and n >= 1 and k >= 1, (m, n, k)
-    rows, chunk = gemv_blocking(isa, m)
+    rows, chunk, _ = gemv_blocking(isa, m)
     pairs = max(1, rows // 2)        # gate rows per step; as many up rows: the same number of DRAM streams
     steps = -(-n // pairs)
+    # Tokens per pass: the group x 2 x pairs x 2-vector accumulators in half the registers, as gemv_blocking.
+    passes = 1 if m == 1 else -(-m // max(1, isa.vector_registers // 2 // (4 * pairs)))
+    group = -(-m // passes)
     k_main, k_tail = k // chunk, k - (k // chunk) * chunk
     f16c = not isa.is_slow_fallback
     ldt = load_dtype(weight_dtype)
@@ -95,36 +98,37 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
         wgl = T.decl_buffer((n, k), ldt, data=wg.data)
         wul = T.decl_buffer((n, k), ldt, data=wu.data)
         for step in T.parallel(steps):
-            acc = T.alloc_buffer((2, m, pairs, chunk), "float32", scope="global", annotations=STACK)
-            for h in T.unroll(2):
-                for t in T.unroll(m):
+            for p in T.serial(passes):
+                acc = T.alloc_buffer((2, group, pairs, chunk), "float32", scope="global", annotations=STACK)
+                for h in T.unroll(2):
+                    for t in T.unroll(group):
+                        for r in T.unroll(pairs):
+                            for v in T.vectorized(chunk):
+                                acc[h, t, r, v] = T.float32(0)
+                for ko in T.serial(k_main):
+                    prefetch(wgl, n, step * pairs, ko)
+                    prefetch(wul, n, step * pairs, ko)
+                    for t in T.unroll(group):
+                        for r in T.unroll(pairs):
+                            for v in T.vectorized(chunk):
+                                acc[0, t, r, v] = acc[0, t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
+                                    * widen(wgl[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
+                            for v in T.vectorized(chunk):
+                                acc[1, t, r, v] = acc[1, t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
+                                    * widen(wul[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
+                for t in T.unroll(group):
                     for r in T.unroll(pairs):
-                        for v in T.vectorized(chunk):
-                            acc[h, t, r, v] = T.float32(0)
-            for ko in T.serial(k_main):
-                prefetch(wgl, n, step * pairs, ko)
-                prefetch(wul, n, step * pairs, ko)
-                for t in T.unroll(m):
-                    for r in T.unroll(pairs):
-                        for v in T.vectorized(chunk):
-                            acc[0, t, r, v] = acc[0, t, r, v] + x[t, ko * chunk + v] * widen(
-                                wgl[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
-                        for v in T.vectorized(chunk):
-                            acc[1, t, r, v] = acc[1, t, r, v] + x[t, ko * chunk + v] * widen(
-                                wul[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
-            for t in T.unroll(m):
-                for r in T.unroll(pairs):
-                    if step * pairs + r < n:
-                        total = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)
-                        for h in T.unroll(2):
-                            total[h] = T.float32(0)
-                            for v in T.unroll(chunk):
-                                total[h] = total[h] + acc[h, t, r, v]
-                        for kt in T.serial(k_tail):
-                            total[0] = total[0] + x[t, k_main * chunk + kt] * widen(
-                                wgl[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
-                            total[1] = total[1] + x[t, k_main * chunk + kt] * widen(
-                                wul[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
-                        y[t, step * pairs + r] = total[0] * T.sigmoid(total[0]) * total[1]
+                        if step * pairs + r < n and p * group + t < m:
+                            total = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)
+                            for h in T.unroll(2):
+                                total[h] = T.float32(0)
+                                for v in T.unroll(chunk):
+                                    total[h] = total[h] + acc[h, t, r, v]
+                            for kt in T.serial(k_tail):
+                                total[0] = total[0] + x[p * group + t, k_main * chunk + kt] * widen(
+                                    wgl[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
+                                total[1] = total[1] + x[p * group + t, k_main * chunk + kt] * widen(
+                                    wul[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
+                            y[p * group + t, step * pairs + r] = total[0] * T.sigmoid(total[0]) * total[1]
 
     return swiglu.with_attr("global_symbol", f"helmc_gemv_swiglu_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")

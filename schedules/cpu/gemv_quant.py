@@ -32,6 +32,11 @@ made cheap:
   through an int8 view;
 - software prefetch `prefetch_bytes` ahead in every row, one per 64-byte line, past the row end into the same
   row of the next group (the rows a thread reads next: its parallel steps are contiguous).
+- m tokens (a batched decode step, issue 19): x is [m, k], y [m, n]; each block's quants are decoded once per
+  row and multiplied into every token's accumulators, so the decode work is shared by the batch. Token t's
+  sums are formed the same way for every m (the same lanes, block order, scale FMAs and lane sums), so its
+  y[t] is bit-identical to the m = 1 kernel's on that token alone; m only changes rows per step and how many
+  tokens one pass over K carries (quant_blocking).
 Accumulation is fp32 throughout; results differ from a float64 reference by fp32 rounding only (~1e-7).
 """
 from __future__ import annotations
@@ -84,57 +89,82 @@ def _check(qtype: str, n: int, k: int) -> QuantBlock:
     return QuantBlock(*check_quant_shape(qtype, n, k, "quantized GEMV"))
 
 
+def quant_blocking(qtype: str, m: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> tuple[int, int]:
+    """(weight rows per step, tokens per pass over K). One token: tuning.rows. More: fewer rows, so the
+    group x rows accumulators (two per token and row for q4_k's mins) fit in half the vector registers and
+    every token rides one pass (a second pass would decode the quants again)."""
+    if m == 1:
+        return tuning.rows, 1
+    per_token = 2 if qtype == "q4_k" else 1
+    rows = max(1, tuning.rows // m)
+    group = max(1, min(m, isa.vector_registers // 2 // (rows * per_token)))
+    return rows, -(-m // -(-m // group))       # tokens split evenly over the passes
+
+
+def gemv_quant_symbol(qtype: str, n: int, k: int, m: int = 1) -> str:
+    return f"helmc_gemv_{qtype}_n{n}_k{k}" if m == 1 else f"helmc_gemv_{qtype}_m{m}_n{n}_k{k}"
+
+
 def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
-                    tuning: QuantGemvTuning = DEFAULT_TUNING) -> tirx.PrimFunc:
-    """PrimFunc(x: float32[k], w: uint8[n, row_bytes], y: float32[n]) with y = dequant(w) @ x.
+                    tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
+    """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]) with y = x @ dequant(w)^T.
 
     qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)
+    assert m >= 1, m
     vec = _Vectors(isa)
-    rows, lanes = tuning.rows, vec.lanes
+    rows, group = quant_blocking(qtype, m, isa, tuning)
+    lanes = vec.lanes
+    passes = -(-m // group)
     blocks = k // fmt.weights
     row_bytes = blocks * fmt.bytes
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
-    block_dot, order = _BLOCK_DOT[qtype](vec, rows)
+    block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
     prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
     mins = qtype == "q4_k"
     subs = k // 32 if mins else 1  # sub-blocks of 32 whose x sums q4_k's mins need
     permuted = order is not None   # the K-quants read x in the lane order of their quant words (xp)
 
     @T.prim_func
-    def gemv(x: T.Buffer((k,), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((n,), "float32")):
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         wi = T.decl_buffer((n, row_bytes), "int8", data=w.data)
         wh = T.decl_buffer((n, row_bytes // 2), "float16", data=w.data)   # [n, row_bytes / 2]: fp16 fields
         wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)        # [n * row_bytes]: prefetch addresses
-        xsum = T.alloc_buffer((subs,), "float32")
-        xp = T.alloc_buffer((k if permuted else 1,), "float32")
-        if mins:
-            for j in T.serial(subs):
-                xsum[j] = _hsum(_sum([x[vec.at(j * 32 + vo * lanes)] for vo in range(32 // lanes)]))
-        if permuted:
-            for b in T.serial(blocks):
-                for g in T.serial(256 // lanes):
-                    for i in T.vectorized(lanes):
-                        xp[b * 256 + g * lanes + i] = x[b * 256 + order(g, i)]
+        xsum = T.alloc_buffer((m, subs), "float32")
+        xp = T.alloc_buffer((m, k if permuted else 1), "float32")
+        for t in T.serial(m):
+            if mins:
+                for j in T.serial(subs):
+                    xsum[t, j] = _hsum(_sum([x[t, vec.at(j * 32 + vo * lanes)] for vo in range(32 // lanes)]))
+            if permuted:
+                for b in T.serial(blocks):
+                    for g in T.serial(256 // lanes):
+                        for i in T.vectorized(lanes):
+                            xp[t, b * 256 + g * lanes + i] = x[t, b * 256 + order(g, i)]
         for step in T.parallel(steps):
-            acc = T.alloc_buffer((rows, lanes), "float32", scope="global", annotations=STACK)
-            accm = T.alloc_buffer((rows, 8), "float32", scope="global", annotations=STACK)   # q4_k mins
-            for r in T.unroll(rows):
-                acc[r, vec.at(0)] = vec.bcast(T.float32(0))
-                accm[r, vec.at(0, 8)] = vec.bcast(T.float32(0), 8)
-            for b in T.serial(blocks):
-                prefetch(wf, step * rows, b)
-                block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, step * rows, b)
-            for r in T.unroll(rows):
-                if step * rows + r < n:
-                    if mins:
-                        y[step * rows + r] = _hsum(acc[r, vec.at(0)]) - _hsum(accm[r, vec.at(0, 8)])
-                    else:
-                        y[step * rows + r] = _hsum(acc[r, vec.at(0)])
+            for p in T.serial(passes):
+                acc = T.alloc_buffer((group, rows, lanes), "float32", scope="global", annotations=STACK)
+                accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)   # q4_k mins
+                for t in T.unroll(group):
+                    for r in T.unroll(rows):
+                        acc[t, r, vec.at(0)] = vec.bcast(T.float32(0))
+                        accm[t, r, vec.at(0, 8)] = vec.bcast(T.float32(0), 8)
+                for b in T.serial(blocks):
+                    prefetch(wf, step * rows, b)
+                    block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, step * rows, b, p)
+                for t in T.unroll(group):
+                    for r in T.unroll(rows):
+                        if step * rows + r < n and p * group + t < m:
+                            if mins:
+                                y[p * group + t, step * rows + r] = _hsum(acc[t, r, vec.at(0)]) - _hsum(
+                                    accm[t, r, vec.at(0, 8)])
+                            else:
+                                y[p * group + t, step * rows + r] = _hsum(acc[t, r, vec.at(0)])
 
-    return gemv.with_attr("global_symbol", f"helmc_gemv_{qtype}_n{n}_k{k}")
+    return gemv.with_attr("global_symbol", gemv_quant_symbol(qtype, n, k, m))
 
 
 def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning):
@@ -234,42 +264,49 @@ def _nibble_value(offset: float):
     return lambda i: _f32(i) + tirx.Broadcast(tirx.const(offset, "float32"), _lanes(i))
 
 
-def _q8_0(vec: _Vectors, rows: int):
+def _token(p, t, group: int, m: int):
+    """Token of pass p's t-th accumulator set, clamped for loads (a partial last pass skips its stores)."""
+    return T.min(p * group + t, m - 1)
+
+
+def _q8_0(vec: _Vectors, rows: int, group: int, m: int):
     """Block b of each row: acc += d * sum_i x_i * q_i, the 32 int8 quants at byte 2 of the block."""
     lanes = vec.lanes
 
-    def dot(x, wi, row, b):
-        return _sum([x[vec.at(b * 32 + vo * lanes)] * _f32(wi[row, vec.at(b * 34 + 2 + vo * lanes)])
+    def dot(x, wi, row, b, tok):
+        return _sum([x[tok, vec.at(b * 32 + vo * lanes)] * _f32(wi[row, vec.at(b * 34 + 2 + vo * lanes)])
                      for vo in range(32 // lanes)])
 
     @T.macro
-    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
         for r in T.unroll(rows):
-            row = T.min(first + r, n - 1)
-            acc[r, vec.at(0)] = acc[r, vec.at(0)] + vec.scale(wh, row, b * 17) * dot(x, wi, row, b)
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 17) * dot(
+                    x, wi, T.min(first + r, n - 1), b, _token(p, t, group, m))
 
     return block_dot, None
 
 
-def _q4_0(vec: _Vectors, rows: int):
+def _q4_0(vec: _Vectors, rows: int, group: int, m: int):
     """Block b of each row: acc += d * sum_i x_i * (q_i - 8); byte i of the 16 at byte 2 holds weight i in its
     low nibble and weight i + 16 in its high one. The table holds q - 8."""
     lanes = vec.lanes
     value = _nibble_value(-8.0)
 
-    def dot(x, w, row, b):
+    def dot(x, w, row, b, tok):
         terms = []
         for vo in range(16 // lanes):       # lanes <= 16 on every tier
             q = vec.bytes(w, row, b * 18 + 2 + vo * lanes)
-            terms.append(x[vec.at(b * 32 + vo * lanes)] * vec.lookup(q, value))
-            terms.append(x[vec.at(b * 32 + 16 + vo * lanes)] * vec.lookup(vec.shr(q, 4), value))
+            terms.append(x[tok, vec.at(b * 32 + vo * lanes)] * vec.lookup(q, value))
+            terms.append(x[tok, vec.at(b * 32 + 16 + vo * lanes)] * vec.lookup(vec.shr(q, 4), value))
         return _sum(terms)
 
     @T.macro
-    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
         for r in T.unroll(rows):
-            row = T.min(first + r, n - 1)
-            acc[r, vec.at(0)] = acc[r, vec.at(0)] + vec.scale(wh, row, b * 9) * dot(x, w, row, b)
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 9) * dot(
+                    x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
 
     return block_dot, None
 
@@ -281,7 +318,7 @@ def _lane_index(base, lanes: int, shift: int, step: int):
         + tirx.shift_right(ramp, _ints(shift, ramp)) * _ints(step, ramp)
 
 
-def _q4_k(vec: _Vectors, rows: int):
+def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
     """Block b: for each sub-block j of 32, acc += d * sc_j * sum x*q, and accm += dmin * m_j * sum x (the
     kernel subtracts accm at the end). The 12 scale bytes s[0..12) hold, for i < 4: sc_i = s[i] & 63,
     m_i = s[4+i] & 63, sc_{4+i} = (s[8+i] & 15) | (s[i] >> 6) << 4, m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4;
@@ -316,13 +353,13 @@ def _q4_k(vec: _Vectors, rows: int):
             return vec.permute(sm[r, vec.at(0, 16)], _lane_index(4 * u + t, 16, 3, 2))
         return vec.bcast(sm[r, span * u // 32 * 2 + t])
 
-    def dot(xp, w, row, b, u, t):
+    def dot(xp, w, row, b, u, t, tok):
         words = vec.words(w, row, b * 144 + 16 + span * u)
-        return _sum([xp[vec.at(b * 256 + ((u * 2 + t) * 4 + j) * lanes)] * vec.lookup(
+        return _sum([xp[tok, vec.at(b * 256 + ((u * 2 + t) * 4 + j) * lanes)] * vec.lookup(
             vec.shr(words, j * 8 + t * 4), value) for j in range(4)])
 
     @T.macro
-    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
         # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
         sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)
         for r in T.unroll(rows):
@@ -330,17 +367,20 @@ def _q4_k(vec: _Vectors, rows: int):
             dmin = widen(wh[T.min(first + r, n - 1), b * 72 + 1], "float16", vec.f16c)
             for part in T.unroll(4):
                 sm[r, vec.at(part * 4, 4)] = scale_vector(w, T.min(first + r, n - 1), b, d, dmin, part)
-            accm[r, vec.at(0, 8)] = accm[r, vec.at(0, 8)] + sm[r, vec.at(8, 8)] * xsum[vec.at(b * 8, 8)]
+            for s in T.unroll(group):
+                accm[s, r, vec.at(0, 8)] = accm[s, r, vec.at(0, 8)] + sm[r, vec.at(8, 8)] * xsum[
+                    _token(p, s, group, m), vec.at(b * 8, 8)]
         for u in T.unroll(128 // span):
             for t in T.unroll(2):
                 for r in T.unroll(rows):
-                    acc[r, vec.at(0)] = acc[r, vec.at(0)] + lane_scales(sm, r, u, t) * dot(
-                        xp, w, T.min(first + r, n - 1), b, u, t)
+                    for s in T.unroll(group):
+                        acc[s, r, vec.at(0)] = acc[s, r, vec.at(0)] + lane_scales(sm, r, u, t) * dot(
+                            xp, w, T.min(first + r, n - 1), b, u, t, _token(p, s, group, m))
 
     return block_dot, order
 
 
-def _q6_k(vec: _Vectors, rows: int):
+def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     """Block b: weight 128h + 32c + l (half h, quarter c, l < 32) is q = ql | qh << 4 - 32 with ql the nibble
     c // 2 of byte 64h + 32(c % 2) + l and qh bits 2c..2c+1 of byte 128 + 32h + l; sub-block j = weight // 16
     has the int8 scale at byte 192 + j, d (fp16) is at byte 208. acc += d * sc_j * sum x*q per sub-block
@@ -377,14 +417,14 @@ def _q6_k(vec: _Vectors, rows: int):
             return vec.permute(sm[r, vec.at(h * 8, 8)], _lane_index(t * 4 + u * 2, 8, 2, 1))
         return vec.bcast(sm[r, h * 8 + t * 4 + u])
 
-    def dot(xp, w, row, b, h, t, u):
+    def dot(xp, w, row, b, h, t, u, tok):
         ql = vec.words(w, row, b * 210 + h * 64 + span * u)
-        return _sum([xp[vec.at(b * 256 + (((h * 2 + t) * windows + u) * 4 + j) * lanes)] * (
+        return _sum([xp[tok, vec.at(b * 256 + (((h * 2 + t) * windows + u) * 4 + j) * lanes)] * (
             vec.lookup(vec.shr(ql, j * 8 + t * 4), low) + vec.lookup(qh_words(w, row, b, h, t, u, j), high))
             for j in range(4)])
 
     @T.macro
-    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b):
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
         # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
         sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)   # d * sc_j
         for r in T.unroll(rows):
@@ -394,8 +434,9 @@ def _q6_k(vec: _Vectors, rows: int):
             for t in T.unroll(2):
                 for u in T.unroll(windows):
                     for r in T.unroll(rows):
-                        acc[r, vec.at(0)] = acc[r, vec.at(0)] + lane_scales(sm, r, h, t, u) * dot(
-                            xp, w, T.min(first + r, n - 1), b, h, t, u)
+                        for s in T.unroll(group):
+                            acc[s, r, vec.at(0)] = acc[s, r, vec.at(0)] + lane_scales(sm, r, h, t, u) * dot(
+                                xp, w, T.min(first + r, n - 1), b, h, t, u, _token(p, s, group, m))
 
     return block_dot, order
 

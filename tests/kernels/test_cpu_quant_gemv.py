@@ -64,9 +64,9 @@ def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
     isa = select_isa(TIERS[tier])
     func = make_gemv_quant(qtype, n, k, isa, tuning)
     lib = tvm.compile(func, target=target(isa))
-    y = tvm.runtime.empty((n,), "float32", tvm.cpu())
-    lib[str(func.attrs["global_symbol"])](tvm.runtime.tensor(x), tvm.runtime.tensor(raw), y)
-    return y.numpy()
+    y = tvm.runtime.empty((1, n), "float32", tvm.cpu())
+    lib[str(func.attrs["global_symbol"])](tvm.runtime.tensor(x.reshape(1, k)), tvm.runtime.tensor(raw), y)  # [k] -> [1, k]
+    return y.numpy().reshape(n)                                                                              # [1, n] -> [n]
 
 
 def check_against_float64(qtype, tier, n, k, tuning=QuantGemvTuning()):

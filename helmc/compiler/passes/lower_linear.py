@@ -9,7 +9,9 @@ runs an unscheduled matmul over it. This pass rewrites `y` to `R.call_tir(kernel
 kernel reads `w` in its stored dtype and accumulates in fp32 (schedules/cpu/gemv.py, gemm.py), and removes
 the then-unused astype/permute_dims bindings, so no fp32 copy of a weight ever exists.
 
-Kernel choice per call: a static token count <= GEMV_MAX_ROWS (decode) -> GEMV specialised to that count;
+Kernel choice per call: a static token count <= GEMV_MAX_ROWS (decode, and the batched decode variants of
+import_relax: one row per sequence) -> GEMV specialised to that count, whose rows are each bit-identical to
+the one-token GEMV on that row alone (gemv.py, gemv_quant.py: batch invariance);
 a symbolic or larger count (prefill) -> GEMM with a symbolic token dimension (on AMX tiles for bf16 weights
 when the target's features list amx_tile + amx_bf16, gemm_amx.py).
 
@@ -31,8 +33,8 @@ products, ~1e-5 of an fp32 GEMM). fp16 weights always split.
 
 Quantized weights (`weight_types`: a GGUF file or `helmc build --quant`): the weight parameter becomes its raw
 blocks, uint8 [N, row bytes] as the file stores them, and its linear calls the quantized kernels
-(schedules/cpu/gemv_quant.py, quant/gemm.py): decode (one token) a GEMV that dequantizes in registers; other
-token counts one kernel that dequantizes the weight to an fp16 scratch and runs the fp16 GEMM's loop nest on it.
+(schedules/cpu/gemv_quant.py, quant/gemm.py): decode (a static count of tokens <= GEMV_MAX_ROWS: one token, or
+one per sequence of a batched decode step) a GEMV that dequantizes in registers; other token counts one kernel that dequantizes the weight to an fp16 scratch and runs the fp16 GEMM's loop nest on it.
 Quantized linears are not fused.
 """
 from __future__ import annotations
@@ -385,11 +387,10 @@ class _LinearRewriter(PyExprMutator):
         return self.kernels[key]
 
     def _emit_quantized(self, x2d, static_tokens, tokens, n: int, k: int, qtype: str, blocks: relax.Var):
-        if static_tokens == 1:
-            gvar = self._kernel(("gemv_quant", qtype, n, k), lambda: make_gemv_quant(qtype, n, k, self.isa))
-            x1 = self.builder_.emit(relax.op.reshape(x2d, relax.ShapeExpr([k])))          # (1, K) -> (K,)
-            y = self.builder_.emit(relax.call_tir(gvar, [x1, blocks], relax.TensorType([n], "float32")))
-            out = relax.op.reshape(y, relax.ShapeExpr([1, n]))                               # (N,) -> (1, N)
+        if static_tokens is not None and static_tokens <= GEMV_MAX_ROWS:
+            m = static_tokens
+            gvar = self._kernel(("gemv_quant", qtype, m, n, k), lambda: make_gemv_quant(qtype, n, k, self.isa, m=m))
+            out = relax.call_tir(gvar, [x2d, blocks], relax.TensorType([m, n], "float32"))
         else:
             gvar = self._kernel(("gemm_quant", qtype, n, k), lambda: make_gemm_quant(qtype, n, k, self.isa))
             out = relax.call_tir(gvar, [x2d, blocks], relax.TensorType([tokens, n], "float32"))

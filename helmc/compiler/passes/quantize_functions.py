@@ -14,7 +14,6 @@ from tvm import relax
 from helmc.model.spec import ModelSpec, check_quant_shape
 from helmc.runtime.stage import block_function_name
 
-_PHASES = ("prefill", "decode")
 
 
 def weight_param_name(i: int) -> str:
@@ -27,6 +26,8 @@ def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule
     if not spec.quantized:
         return mod, {}
     funcs = {g.name_hint: f for g, f in mod.functions_items()}
+    # prefill, decode and the batched decode variants (import_relax), as signature 0's functions name them
+    phases = [name[len("pre_attn_"):] for name in funcs if name.startswith("pre_attn_")]
     weight_types: dict = {}
     parts = (("pre_attn", spec.pre_attn_weight_names()), ("post_attn", spec.post_attn_weight_names()))
     for j, signature in enumerate(spec.block_signatures()):
@@ -34,7 +35,7 @@ def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule
         for part, names in parts:
             types = {weight_param_name(i): spec.weight_type(layer, n) for i, n in enumerate(names)}
             types = {p: t for p, t in types.items() if t}
-            for phase in _PHASES:
+            for phase in phases:
                 name = block_function_name(part, phase, j)
                 if name not in funcs:   # signature 0 is the exported function itself
                     base = funcs[block_function_name(part, phase)]
@@ -43,7 +44,7 @@ def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule
                     weight_types[name] = types
     head_type = spec.head_type
     if head_type:
-        for phase in _PHASES:
+        for phase in phases:
             weight_types[f"head_{phase}"] = {weight_param_name(1): head_type}   # (norm, lm_head)
     return tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), weight_types
 
