@@ -10,8 +10,8 @@ W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks alon
                           w = d * sc_j * (q - 32)
 (the formulas of ggml's dequantize_row_*, as in schedules/cpu/quant/dequantize.py).
 
-make_gpu_gemv_quant: y[1, n] fp16 = x[1, k] fp16 @ dequant(W)^T, summed in fp32 and rounded once to fp16 at the
-end: what the GPU stage's decode matmuls compute (rewrite_matmuls_fp32_accumulate: fp16 activations, fp32
+make_gpu_gemv_quant: y[m, n] fp16 = x[m, k] fp16 @ dequant(W)^T, summed in fp32 and rounded once to fp16 at the
+end (m = 1 for a decode step, the sequences of a batched one; row t bit-identical to a 1-row call on x[t]): what the GPU stage's decode matmuls compute (rewrite_matmuls_fp32_accumulate: fp16 activations, fp32
 accumulation, the cast back fused into the matmul).
 make_gpu_dequantize: out[n, k] fp16 = dequant(W), for the prefill path (dequantize, then the fp16 matmul).
 
@@ -28,10 +28,11 @@ warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in 
   int-to-float convert (I2F) per weight would run on the conversion unit, listed at 16 results / clock / SM
   in the CUDA guide's throughput table against 128 FP32 ops: ~3.7e12 / s on an H100, a cap near 2 TB/s of
   4-bit weights.
-- GEMV: a warp owns ROWS_PER_WARP rows and reads x once per step for all of them (x is read from L1/L2 once
-  per row group, not once per row, and converted to fp32 once); per run, part = sum x*q (fp32), then
-  acc += scale * part (q4_k also - dmin*m_j * sum x, that sum shared by the rows). The warp's lanes are
-  summed with 5 shuffles per row. No shared memory, so nothing limits occupancy but registers.
+- GEMV: a warp owns ROWS_PER_WARP rows; per step it decodes its rows' quants once, then reads each row of x
+  once for all of them (x is read from L1/L2 once per row group, not once per row, and converted to fp32
+  once); per run, part = sum x*q (fp32), then acc += scale * part (q4_k also - dmin*m_j * sum x, that sum
+  shared by the rows). The warp's lanes are summed with 5 shuffles per row. No shared memory, so nothing
+  limits occupancy but registers.
 - Dequantize: one thread per (row, block, t), consecutive threads on consecutive pieces of a block.
 - Every load and store is in bounds: the last row group clamps its row index for loads and skips stores.
 Results: GEMV differs from a float64 reference by fp32 summation (~1e-6 relative) and the final fp16
@@ -85,10 +86,11 @@ def gpu_quant_row_bytes(qtype: str, k: int) -> int:
 
 
 def gemv_symbol(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                unroll: int = UNROLL) -> str:
-    """The PrimFunc's global symbol (tuning other than the defaults appended); its CUDA kernel is this + "_kernel"."""
+                unroll: int = UNROLL, m: int = 1) -> str:
+    """The PrimFunc's global symbol (rows of x other than 1 and a tuning other than the defaults appended); its
+    CUDA kernel is this + "_kernel"."""
     tuned = (rows_per_warp, warps, unroll) != (ROWS_PER_WARP, WARPS, UNROLL)
-    tail = f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else ""
+    tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else "")
     return f"helmc_gpu_gemv_{qtype}_n{n}_k{k}{tail}"
 
 
@@ -134,9 +136,9 @@ def _half(bits):
 
 # ------------------------------------------------------------------------------------------------------------
 # Per format: where thread t's runs sit in the block, and the macro that decodes them.
-# decode(wv, base, t, q, scale, offset): wv is the row bytes' `word` view, base the block's first index in it;
-# q[per_thread] gets the quants as fp32 (offsets -8 / -32 already applied), scale[g] / offset[g] the run's
-# w = scale * q - offset (offset only for q4_k).
+# decode(wv, base, t, q, scale, offset, r): wv is the row bytes' `word` view, base the block's first index in it;
+# q[r, per_thread] gets the quants as fp32 (offsets -8 / -32 already applied), scale[r, g] / offset[r, g] the
+# run's w = scale * q - offset (offset only for q4_k); r picks the row of the caller's buffers.
 # ------------------------------------------------------------------------------------------------------------
 def _run_start(qtype: str, t, g: int):
     """Position in the block (along k) of thread t's run g."""
@@ -151,28 +153,28 @@ def _run_start(qtype: str, t, g: int):
 
 def _decode_q8_0():
     @T.macro
-    def decode(wv, base, t, q, scale, offset):
+    def decode(wv, base, t, q, scale, offset, r):
         u = T.alloc_buffer((4,), "uint16", scope="local")
         for j in T.unroll(4):
             u[j] = wv[base + 1 + 4 * t + j]                        # bytes 2 + 8t + 2j, 2j + 1
         for e in T.unroll(8):
-            q[e] = _signed_byte(_field(u[e // 2], 8 * (e % 2), 0xFF))
-        scale[0] = _half(wv[base])
+            q[r, e] = _signed_byte(_field(u[e // 2], 8 * (e % 2), 0xFF))
+        scale[r, 0] = _half(wv[base])
 
     return decode
 
 
 def _decode_q4_0():
     @T.macro
-    def decode(wv, base, t, q, scale, offset):
+    def decode(wv, base, t, q, scale, offset, r):
         u = T.alloc_buffer((4,), "uint16", scope="local")
         for j in T.unroll(4):
             u[j] = wv[base + 1 + 4 * t + j]                        # quant bytes 8t + 2j, 2j + 1
         for g in T.unroll(2):
             for i in T.unroll(8):
-                q[g * 8 + i] = _unsigned(_field(u[i // 2], 8 * (i % 2) + 4 * g, 0xF), 8)
-        scale[0] = _half(wv[base])
-        scale[1] = scale[0]
+                q[r, g * 8 + i] = _unsigned(_field(u[i // 2], 8 * (i % 2) + 4 * g, 0xF), 8)
+        scale[r, 0] = _half(wv[base])
+        scale[r, 1] = scale[r, 0]
 
     return decode
 
@@ -190,7 +192,7 @@ def _q4_k_scale_min(head, t, g, word: int, nibble: int):
 
 def _decode_q4_k():
     @T.macro
-    def decode(wv, base, t, q, scale, offset):
+    def decode(wv, base, t, q, scale, offset, r):
         head = T.alloc_buffer((4,), "uint32", scope="local")       # d | dmin << 16, then the 12 scale bytes
         qs = T.alloc_buffer((4,), "uint32", scope="local")         # quant bytes 32(t//2) + 16(t%2) .. + 16
         for v in T.vectorized(4):
@@ -199,17 +201,17 @@ def _decode_q4_k():
             qs[v] = wv[base + 4 + 8 * (t // 2) + 4 * (t % 2) + v]
         for g in T.unroll(2):
             for i in T.unroll(16):
-                q[g * 16 + i] = _unsigned(_field(qs[i // 4], 8 * (i % 4) + 4 * g, 0xF), 0)
+                q[r, g * 16 + i] = _unsigned(_field(qs[i // 4], 8 * (i % 4) + 4 * g, 0xF), 0)
         for g in T.unroll(2):
-            scale[g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
-            offset[g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
+            scale[r, g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
+            offset[r, g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
 
     return decode
 
 
 def _decode_q6_k():
     @T.macro
-    def decode(wv, base, t, q, scale, offset):
+    def decode(wv, base, t, q, scale, offset, r):
         ql = T.alloc_buffer((8,), "uint16", scope="local")     # ql bytes 64h + l0 .. +8, then 64h + 32 + l0 .. +8
         qh = T.alloc_buffer((4,), "uint16", scope="local")     # qh bytes 32h + l0 .. +8
         sc = T.alloc_buffer((4,), "uint16", scope="local")     # scale pairs 8h + 2c, + 1 for c = 0..3
@@ -222,11 +224,11 @@ def _decode_q6_k():
             sc[c] = wv[base + 96 + 4 * (t // 4) + c]
         for c in T.unroll(4):
             for i in T.unroll(8):
-                q[c * 8 + i] = _unsigned(T.bitwise_or(
+                q[r, c * 8 + i] = _unsigned(T.bitwise_or(
                     _field(ql[(c % 2) * 4 + i // 2], 8 * (i % 2) + 4 * (c // 2), 0xF),
                     T.shift_left(_field(qh[i // 2], 8 * (i % 2) + 2 * c, 3), T.uint32(4))), 32)
             # positions l0 = 8(t%4) < 16 use the first scale of the pair, l0 >= 16 the second
-            scale[c] = _half(wv[base + 104]) * _signed_byte(_field(sc[c], 8 * ((t % 4) // 2), 0xFF))
+            scale[r, c] = _half(wv[base + 104]) * _signed_byte(_field(sc[c], 8 * ((t % 4) // 2), 0xFF))
 
     return decode
 
@@ -242,18 +244,21 @@ def _view_width(fmt: _Format) -> int:
 # Kernels
 # ------------------------------------------------------------------------------------------------------------
 def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP,
-                        warps: int = WARPS, unroll: int = UNROLL) -> tirx.PrimFunc:
-    """PrimFunc(x: float16[1, k], w: uint8[n, row_bytes], y: float16[1, n]) with y = x @ dequant(w)^T (fp32 sums).
+                        warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
+    """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
     qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
+    m: rows of x (a batched decode step's sequences). Each block's quants are decoded once per thread and used
+    for all m rows; row t's sums are formed as the m = 1 kernel forms them (the same lanes, runs, scale FMAs and
+    butterfly, whatever m and the tuning), so y[t] is bit-identical to a 1-row call on x[t] alone.
     x, w and y must be 16-byte aligned (TVM and CuPy allocations are).
     """
     fmt = _check(qtype, n, k)
-    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP:
-        raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32 expected, "
-                         f"found {rows_per_warp}, {unroll}, {warps}")
+    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1:
+        raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
+                         f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
     blocks = k // fmt.weights
     row_bytes = blocks * fmt.bytes
     tpb, groups, run, ept, weights = fmt.threads, fmt.groups, fmt.run, fmt.per_thread, fmt.weights
@@ -267,60 +272,65 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
 
     @T.macro
     def block_step(x, wv, acc, first_row, block, t, xh, xf, xsum, q, scale, offset, part):
-        """acc[r] += row (first_row + r)'s block `block`, the runs of thread t, for every row of the group."""
-        for g in T.unroll(groups):                  # x of this thread's runs: once for all rows of the group
-            for v8 in T.unroll(run // 8):
-                for v in T.vectorized(8):
-                    xh[g * run + v8 * 8 + v] = x[0, block * weights + _run_start(qtype, t, g) + v8 * 8 + v]
-        for e in T.unroll(ept):
-            xf[e] = T.Cast(_F32, xh[e])
-        if has_offset:
-            for g in T.unroll(groups):
-                xsum[g] = T.float32(0)
-                for i in T.unroll(run):
-                    xsum[g] = xsum[g] + xf[g * run + i]
+        """acc[tok, r] += row (first_row + r)'s block `block` . x[tok], the runs of thread t, for every row of the
+        group and every row tok of x: the group's quants first, then x's runs row by row (each read once)."""
         for r in T.unroll(rows):
-            decode(wv, T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset)
+            decode(wv, T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset, r)
+        for tok in T.unroll(m):
             for g in T.unroll(groups):
-                part[0] = T.float32(0)
-                for i in T.unroll(run):
-                    part[0] = part[0] + xf[g * run + i] * q[g * run + i]
-                if has_offset:
-                    acc[r] = acc[r] + (scale[g] * part[0] - offset[g] * xsum[g])
-                else:
-                    acc[r] = acc[r] + scale[g] * part[0]
+                for v8 in T.unroll(run // 8):
+                    for v in T.vectorized(8):
+                        xh[g * run + v8 * 8 + v] = x[tok, block * weights + _run_start(qtype, t, g) + v8 * 8 + v]
+            for e in T.unroll(ept):
+                xf[e] = T.Cast(_F32, xh[e])
+            if has_offset:
+                for g in T.unroll(groups):
+                    xsum[g] = T.float32(0)
+                    for i in T.unroll(run):
+                        xsum[g] = xsum[g] + xf[g * run + i]
+            for r in T.unroll(rows):
+                for g in T.unroll(groups):
+                    part[0] = T.float32(0)
+                    for i in T.unroll(run):
+                        part[0] = part[0] + xf[g * run + i] * q[r, g * run + i]
+                    if has_offset:
+                        acc[tok, r] = acc[tok, r] + (scale[r, g] * part[0] - offset[r, g] * xsum[g])
+                    else:
+                        acc[tok, r] = acc[tok, r] + scale[r, g] * part[0]
 
     @T.prim_func
-    def gemv(x: T.Buffer((1, k), "float16"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((1, n), "float16")):
+    def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float16")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         wv = T.decl_buffer((n * row_words,), fmt.word, data=w.data)       # [n * row_bytes / width]
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                    acc = T.alloc_buffer((rows,), _F32, scope="local")
+                    acc = T.alloc_buffer((m, rows), _F32, scope="local")
                     xh = T.alloc_buffer((ept,), "float16", scope="local")
                     xf = T.alloc_buffer((ept,), _F32, scope="local")
                     xsum = T.alloc_buffer((groups,), _F32, scope="local")
-                    q = T.alloc_buffer((ept,), _F32, scope="local")
-                    scale = T.alloc_buffer((groups,), _F32, scope="local")
-                    offset = T.alloc_buffer((groups,), _F32, scope="local")
+                    q = T.alloc_buffer((rows, ept), _F32, scope="local")
+                    scale = T.alloc_buffer((rows, groups), _F32, scope="local")
+                    offset = T.alloc_buffer((rows, groups), _F32, scope="local")
                     part = T.alloc_buffer((1,), _F32, scope="local")
-                    for r in T.unroll(rows):
-                        acc[r] = T.float32(0)
+                    for tok in T.unroll(m):
+                        for r in T.unroll(rows):
+                            acc[tok, r] = T.float32(0)
                     for so in T.serial(outer):
                         for si in T.unroll(unroll):
                             if (so * unroll + si) * per_step + tx // tpb < blocks:
                                 block_step(x, wv, acc, (bx * warps + ty) * rows,
                                            (so * unroll + si) * per_step + tx // tpb, tx % tpb,
                                            xh, xf, xsum, q, scale, offset, part)
-                    for r in T.unroll(rows):
-                        for s in T.unroll(5):                 # butterfly: every lane ends with the warp's sum
-                            acc[r] = acc[r] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[r], 16 >> s,
-                                                                     WARP, WARP)
-                        if tx == r % WARP and (bx * warps + ty) * rows + r < n:
-                            y[0, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[r])
+                    for tok in T.unroll(m):
+                        for r in T.unroll(rows):
+                            for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
+                                acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
+                                    T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
+                            if tx == (tok * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
+                                y[tok, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
 
-    return gemv.with_attr("global_symbol", gemv_symbol(qtype, n, k, rows_per_warp, warps, unroll))
+    return gemv.with_attr("global_symbol", gemv_symbol(qtype, n, k, rows_per_warp, warps, unroll, m))
 
 
 def make_gpu_dequantize(qtype: str, n: int, k: int) -> tirx.PrimFunc:
@@ -342,20 +352,20 @@ def make_gpu_dequantize(qtype: str, n: int, k: int) -> tirx.PrimFunc:
         wv = T.decl_buffer((n * row_words,), fmt.word, data=w.data)       # [n * row_bytes / width]
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for tx in T.thread_binding(DEQUANT_THREADS, thread="threadIdx.x"):
-                q = T.alloc_buffer((ept,), _F32, scope="local")
-                scale = T.alloc_buffer((groups,), _F32, scope="local")
-                offset = T.alloc_buffer((groups,), _F32, scope="local")
+                q = T.alloc_buffer((1, ept), _F32, scope="local")
+                scale = T.alloc_buffer((1, groups), _F32, scope="local")
+                offset = T.alloc_buffer((1, groups), _F32, scope="local")
                 oh = T.alloc_buffer((ept,), "float16", scope="local")
                 if bx * DEQUANT_THREADS + tx < units:
                     # unit u = (row * blocks + block) * tpb + t
                     decode(wv, (bx * DEQUANT_THREADS + tx) // tpb * block_words, (bx * DEQUANT_THREADS + tx) % tpb,
-                           q, scale, offset)
+                           q, scale, offset, 0)
                     for g in T.unroll(groups):
                         for i in T.unroll(run):
                             if has_offset:
-                                oh[g * run + i] = T.Cast("float16", scale[g] * q[g * run + i] - offset[g])
+                                oh[g * run + i] = T.Cast("float16", scale[0, g] * q[0, g * run + i] - offset[0, g])
                             else:
-                                oh[g * run + i] = T.Cast("float16", scale[g] * q[g * run + i])
+                                oh[g * run + i] = T.Cast("float16", scale[0, g] * q[0, g * run + i])
                     for g in T.unroll(groups):
                         for v8 in T.unroll(run // 8):
                             for v in T.vectorized(8):

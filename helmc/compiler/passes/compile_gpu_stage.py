@@ -242,6 +242,8 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     if weight_types:        # quantized weights: raw blocks in, their own kernels (lower_quantized_gpu)
         from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
         mod = lower_quantized_gpu(mod, weight_types)
+    from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv
+    mod = lower_decode_gemv(mod)   # decode linears over fp16/bf16 weights: helmc's m-row GEMV (batch invariant)
     if fp32_accumulate:
         mod = rewrite_matmuls_fp32_accumulate(mod)
     ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))

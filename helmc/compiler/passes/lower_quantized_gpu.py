@@ -1,8 +1,10 @@
 """Relax pass: the GPU stage's quantized weights as their raw GGUF blocks (uint8 [N, row bytes]).
 
 For each function with quantized weight parameters (quantize_functions gives which, per function):
-- decode (one token): every linear over a quantized weight becomes a call to the fused dequantize-GEMV
-  (schedules/gpu/quant_gemv.make_gpu_gemv_quant: the weight is read once, as stored, at HBM speed);
+- decode (one token, or one per sequence in the batched decode_b{B} variants): every linear over a quantized
+  weight becomes a call to the fused dequantize-GEMV for that many rows (schedules/gpu/quant_gemv.
+  make_gpu_gemv_quant: the weight is read once, as stored, at HBM speed, and each row's sums are formed as in
+  the one-row kernel, so a batched step gives each sequence its own decode's bits);
 - prefill: the weight is dequantized to fp16 once per call (make_gpu_dequantize) and the graph is left as it
   was, so the prompt's matmuls keep dlight's tensor-core-free SIMT schedule (compile_gpu_stage). The
   dequantize calls are bound before the function's dataflow block: one buffer of [N, K] fp16 per weight lives
@@ -25,7 +27,7 @@ from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_qu
 # (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
 # session 7's device call 5 (tests/device/device_quant_gpu_check.py; artifacts/bench/device-2026-11-24-s7/call5).
 GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": (1, 4, 4)}
-_DECODE = re.compile(r"_decode(_t\d+)?$")      # runtime.stage.block_function_name's decode functions
+_DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
 
 def lower_quantized_gpu(mod: tvm.IRModule, weight_types: dict) -> tvm.IRModule:
@@ -108,10 +110,12 @@ class _QuantizedLinears(PyExprMutator):
         qtype, blocks = self.quantized[w]
         x = call.args[0]
         n, k = (int(d) for d in w.ty.shape.values)
-        assert [int(d) for d in x.ty.shape.values] == [1, k], f"decode linear expected x of shape [1, {k}]"
-        gvar = self.kernel(("gemv", qtype, n, k), lambda: make_gpu_gemv_quant(qtype, n, k, *GEMV_TUNING[qtype]))
+        m = int(x.ty.shape.values[0])
+        assert [int(d) for d in x.ty.shape.values] == [m, k], f"decode linear expected x of shape [m, {k}]"
+        gvar = self.kernel(("gemv", qtype, m, n, k),
+                           lambda: make_gpu_gemv_quant(qtype, n, k, *GEMV_TUNING[qtype], m=m))
         if str(x.ty.dtype) != "float16":
             x = self.builder_.emit(relax.op.astype(x, "float16"))
-        y = relax.call_tir(gvar, [x, blocks], relax.TensorType([1, n], "float16"))
+        y = relax.call_tir(gvar, [x, blocks], relax.TensorType([m, n], "float16"))
         out_dtype = str(call.ty.dtype)
         return y if out_dtype == "float16" else relax.op.astype(self.builder_.emit(y), out_dtype)

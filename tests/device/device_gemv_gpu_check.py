@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Check the GPU stage's m-row decode GEMVs on the GPU machine: batch invariance, error and speed (issue 19).
+
+Kernels: schedules/gpu/gemv.py (fp16 and bf16 weights) and quant_gemv.py (q8_0, q4_0, q4_k, q6_k) at Qwen3-8B's
+projection shapes (and its lm_head for fp16), for m = 1 (a decode step) and m = 2, 4, 8 (batched decode steps).
+
+  --build DIR [--arch sm_90]   (here: compiler venv, gguf, nvcc) one library of every kernel (helmc's
+      compile_gpu_stage), and per k: x [8, k] fp16 and UNIQUE_ROWS random weight rows per type (a weight of n
+      rows repeats them, as device_quant_gpu_check.py does; DIR stays small).
+  DIR [--out FILE]   (GPU machine, runtime-only TVM) per kernel:
+      - bitwise: row t of the m-row call equals the 1-row kernel's y on x[t] alone, every t < m, every bit;
+      - error: max |y - ref| / max |ref| against float64 (numpy) <= TOLERANCE;
+      - speed: median time per call (device_quant_gpu_check's timer: launches queued behind a copy, weights
+        rotated over copies larger than L2) and GB/s of weight bytes, so m = 8 against m = 1 shows what the
+        extra rows cost at the HBM ceiling.
+      Exits 1 if any kernel fails either check.
+
+  There (device tool, carry [".devrt/site", ".devrt/gemv_gpu_check"]):
+    bash scripts/device_run.sh py=tests/device/device_gemv_gpu_check.py,.devrt/gemv_gpu_check,--out,$OUT/gemv.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+for p in (_ROOT, _HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import device_quant_gpu_check as dq  # noqa: E402  (its data makers, timer and error measure)
+
+FLOAT_SHAPES = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (151936, 4096))
+QUANT_SHAPES = ((4096, 4096), (4096, 12288))
+ROWS = (1, 2, 4, 8)
+UNIQUE_ROWS = 61      # distinct weight rows per type and k (prime: a kernel reading a wrong row still differs)
+TOLERANCE = 2e-3     # fp32 sums and one fp16 rounding of y (device_quant_gpu_check's reasoning)
+LIB = "gemv_kernels"
+
+
+def kernel_entries() -> list[dict]:
+    from helmc.schedules.gpu.gemv import gemv_symbol
+    from helmc.schedules.gpu.quant_gemv import gemv_symbol as quant_symbol
+
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        for n, k in FLOAT_SHAPES if dtype == "float16" else FLOAT_SHAPES[:4]:
+            out += [{"type": dtype, "n": n, "k": k, "m": m, "symbol": gemv_symbol(m, n, k, dtype)} for m in ROWS]
+    for qtype in dq.QTYPES:
+        for n, k in QUANT_SHAPES:
+            out += [{"type": qtype, "n": n, "k": k, "m": m, "symbol": quant_symbol(qtype, n, k, m=m)} for m in ROWS]
+    return out
+
+
+def build(out_dir: str, arch: str) -> None:
+    import tvm
+
+    from helmc.compiler.passes.lower_quantized_gpu import GEMV_TUNING
+    from helmc.schedules.gpu.gemv import make_gpu_gemv
+    from helmc.schedules.gpu.quant_gemv import gemv_symbol as quant_symbol, make_gpu_gemv_quant
+
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    entries = kernel_entries()
+    funcs = {}
+    for e in entries:
+        if e["type"] in ("float16", "bfloat16"):
+            funcs[e["symbol"]] = make_gpu_gemv(e["m"], e["n"], e["k"], e["type"])
+        else:      # the tuning the GPU stage uses (lower_quantized_gpu), under the default symbol of the check
+            f = make_gpu_gemv_quant(e["type"], e["n"], e["k"], *GEMV_TUNING[e["type"]], m=e["m"])
+            e["tuning"] = list(GEMV_TUNING[e["type"]])
+            e["symbol"] = quant_symbol(e["type"], e["n"], e["k"], *GEMV_TUNING[e["type"]], m=e["m"])
+            funcs[e["symbol"]] = f
+    files = dq._compile_gpu_stage()(tvm.IRModule(funcs), arch, out_dir, name=LIB)
+    t1 = time.time()
+    rng = np.random.default_rng(0)
+    for k in sorted({e["k"] for e in entries}):
+        x = rng.standard_normal((max(ROWS), k)).astype(np.float16)
+        np.save(os.path.join(out_dir, f"x_k{k}.npy"), x)
+        w = (0.05 * rng.standard_normal((UNIQUE_ROWS, k))).astype(np.float32)
+        bits = w.view(np.uint32)                                          # bf16: round to nearest even
+        stored = {"float16": w.astype(np.float16),
+                  "bfloat16": ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)}
+        dense = {"float16": stored["float16"].astype(np.float64),
+                 "bfloat16": (stored["bfloat16"].astype(np.uint32) << 16).view(np.float32).astype(np.float64)}
+        for qtype in dq.QTYPES:
+            stored[qtype] = dq.random_quant_rows(qtype, UNIQUE_ROWS, k, rng)
+            dense[qtype] = dq.dequantize_reference(qtype, stored[qtype]).astype(np.float64)
+        for t in stored:      # the weights as stored, and x @ their float64 values: [8, UNIQUE_ROWS]
+            np.save(os.path.join(out_dir, f"w_{t}_k{k}.npy"), stored[t])
+            np.save(os.path.join(out_dir, f"ref_{t}_k{k}.npy"), x.astype(np.float64) @ dense[t].T)
+    os.remove(os.path.join(out_dir, f"{LIB}.cu"))           # the source, for reading only: less to carry
+    manifest = {"arch": arch, "library": f"{LIB}.so", "cubin_index": f"{LIB}.cubins.json", "unique_rows": UNIQUE_ROWS,
+                "tolerance": TOLERANCE, "kernels": entries}
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    size = sum(os.path.getsize(os.path.join(out_dir, p)) for p in os.listdir(out_dir))
+    print(f"built {len(funcs)} kernels {files} for {arch}: compile+nvcc {t1 - t0:.1f}s, {size / 2**20:.1f} MiB")
+
+
+def _check_group(mod, d: str, dtype: str, n: int, k: int, entries: list[dict], timer) -> list[dict]:
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import cupy_to_tvm
+
+    pick = np.arange(n) % UNIQUE_ROWS
+    w_host = np.ascontiguousarray(np.load(os.path.join(d, f"w_{dtype}_k{k}.npy"))[pick])   # [n, k] or [n, row bytes]
+    x_host = np.load(os.path.join(d, f"x_k{k}.npy"))                                         # [8, k] fp16
+    ref = np.load(os.path.join(d, f"ref_{dtype}_k{k}.npy"))[:, pick]                         # [8, n] float64
+    copies = max(2, -(-dq.L2_DEFEAT_BYTES // w_host.nbytes))
+    w_dev = [cp.asarray(w_host)]
+    if dtype == "bfloat16":
+        w_dev[0] = w_dev[0].view(cp.uint16)
+    for _ in range(copies - 1):
+        w_dev.append(w_dev[0].copy())
+    as_tvm = (lambda a: cupy_to_tvm(a, "bfloat16")) if dtype == "bfloat16" else cupy_to_tvm
+    w_tvm = [as_tvm(w) for w in w_dev]
+    one = mod[next(e["symbol"] for e in entries if e["m"] == 1)]
+    singles = []
+    for t in range(max(ROWS)):                       # each row of x alone through the 1-row kernel
+        y = cp.zeros((1, n), cp.float16)
+        one(cupy_to_tvm(cp.asarray(x_host[t:t + 1])), w_tvm[0], cupy_to_tvm(y))
+        singles.append(cp.asnumpy(y)[0])
+    results = []
+    for e in entries:
+        m, f = e["m"], mod[e["symbol"]]
+        x_tvm = cupy_to_tvm(cp.asarray(np.ascontiguousarray(x_host[:m])))
+        y_dev = cp.zeros((m, n), cp.float16)
+        y_tvm = cupy_to_tvm(y_dev)
+        f(x_tvm, w_tvm[0], y_tvm)
+        y = cp.asnumpy(y_dev)
+        bitwise = all(np.array_equal(y[t].view(np.uint16), singles[t].view(np.uint16)) for t in range(m))
+        err = dq._rel(y, ref[:m])
+        sec, queued = timer(lambda i: f(x_tvm, w_tvm[i % copies], y_tvm))
+        r = dict(e, bitwise=bitwise, max_rel_err=err, us=sec * 1e6, weight_gbs=w_host.nbytes / sec / 1e9,
+                 queued=queued, ok=bool(bitwise and err <= TOLERANCE))
+        print(f"{dtype:8s} {n}x{k} m={m}: rows {'bit-identical to 1-row' if bitwise else 'DIFFER from 1-row'}, "
+              f"max rel err {err:.2e}, {sec * 1e6:.1f} us, {r['weight_gbs']:.0f} GB/s of weights"
+              + ("" if queued else " (launch-bound)"), flush=True)
+        results.append(r)
+    del w_dev, w_tvm
+    cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def check(d: str, out_path: str | None) -> int:
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import load_gpu_executable
+
+    with open(os.path.join(d, "manifest.json")) as f:
+        manifest = json.load(f)
+    mod = load_gpu_executable(os.path.join(d, manifest["library"]), os.path.join(d, manifest["cubin_index"]))
+    device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    timer = dq._Timer()
+    groups: dict[tuple, list[dict]] = {}
+    for e in manifest["kernels"]:
+        groups.setdefault((e["type"], e["n"], e["k"]), []).append(e)
+    results = []
+    for (dtype, n, k), entries in groups.items():
+        results += _check_group(mod, d, dtype, n, k, entries, timer)
+    ok = all(r["ok"] for r in results)
+    print(f"\n{'type':8s} {'n x k':>12s} | " + " | ".join(f"m={m}: us  GB/s" for m in ROWS) + "   on " + device)
+    for key, entries in groups.items():
+        mine = {r["m"]: r for r in results if (r["type"], r["n"], r["k"]) == key}
+        flags = "" if all(r["ok"] for r in mine.values()) else "  FAIL"
+        print(f"{key[0]:8s} {key[1]:>6d}x{key[2]:<5d} | " + " | ".join(
+            f"{mine[m]['us']:7.1f} {mine[m]['weight_gbs']:5.0f}" for m in ROWS) + flags)
+    print(f"bitwise: every row of every m-row call equals the 1-row call on it; tolerance {TOLERANCE:g}; "
+          f"{'OK' if ok else 'FAILED'}")
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"device": device, "ok": ok, "results": results}, f, indent=1)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("--build", action="store_true", help="build DIR here (needs the compiler venv, gguf and nvcc)")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    return build(a.dir, a.arch) or 0 if a.build else check(a.dir, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

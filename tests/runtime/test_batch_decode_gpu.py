@@ -1,0 +1,55 @@
+"""Batch-invariant batched decode through a CPU + GPU split on the GPU (issue 19): every sequence of a batched
+decode step (BatchModel: the CPU stage's and the GPU stage's decode_b{B} variants on padded rows, the head's on
+the GPU) gets logits bit-identical to its single-request run (Session.forward, the captured decode graph), for
+fp16, bf16, Q4_K_M and Q8_0 weights: the GPU stage's own m-row GEMVs (schedules/gpu/gemv.py, quant_gemv.py)
+form every row as their one-row calls do.
+
+The bundles (tiny Qwen3, split cpu(2) -> cuda(rest), --max-batch 4) are built on the compiler machine by
+    python tests/device/build_batch_session_bundles.py .devrt/batch_session
+and carried to the GPU machine; the test looks in $HELMC_GPU_BATCH_BUNDLES (default .devrt/batch_session).
+Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from batch_decode_checks import batched_runs, compare, prompts, single_runs
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_DIR = os.path.join(ROOT, ".devrt", "batch_session")
+STEPS = 16
+
+
+def bundle(name: str) -> str:
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as e:                      # no driver
+        pytest.skip(f"no usable CUDA device: {e}")
+    path = os.path.join(os.environ.get("HELMC_GPU_BATCH_BUNDLES", DEFAULT_DIR), name, "bundle")
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        pytest.skip(f"no GPU test bundle at {path}: build it on the compiler machine with "
+                    "`python tests/device/build_batch_session_bundles.py .devrt/batch_session` and carry .devrt")
+    return path
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0"])
+def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
+    from helmc.runtime.session import Session
+    s = Session.load(bundle(name))
+    assert s.gpu is not None and s.gpu.stage is not None and s.cpu_stage is not None, "expected a CPU + GPU split"
+    assert s.plan.batch == 4 and s.gpu.stage.batch_sizes == (2, 4)
+    ps = prompts(s.spec.vocab_size, 6)
+    singles = single_runs(s, ps, STEPS)
+    graph = s.gpu.decode_graph
+    assert graph is None or graph.replays > 0, "the single runs were expected to replay the decode graph"
+    batched, sizes = batched_runs(s, ps, STEPS, max_batch=4, stagger=1)
+    assert {1, 2, 3, 4} <= set(sizes), sizes
+    compare(singles, batched, f"{name} on the GPU")
+    print(f"{name}: {len(ps)} sequences, batched decode steps of {sorted(set(sizes))} sequences, "
+          f"every logit bit-identical to the single runs")
