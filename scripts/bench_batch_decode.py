@@ -146,8 +146,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     ap.add_argument("--quant", default="q4_k,q8_0", help="quantized types of the gemv part ('' for none)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch-rows", type=int, default=None,
+                    help="weight rows per step of the float GEMVs for m > 1 (default: gemv.BATCH_ROWS)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.batch_rows is not None:     # benchmark-only switch (schedules/cpu/gemv.py)
+        from helmc.schedules.cpu import gemv as gemv_module
+        gemv_module.BATCH_ROWS = a.batch_rows
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     report = {}
     if "gemv" in a.what:

@@ -1,0 +1,72 @@
+"""Batch invariance of the CPU stage's decode GEMVs (issue 19): row t of an m-row call must be bit-identical to
+the 1-row kernel on x[t] alone, for every m up to GEMV_MAX_ROWS, every kernel kind (plain, q/k/v multi-output,
+SwiGLU, the four quantized types) and every ISA tier this CPU runs (AVX-512 token passes differ from AVX2's).
+Odd shapes: n = 37 leaves a partial last row step, k = 4099 a scalar K tail (float kernels)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
+from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy  # noqa: E402
+from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv  # noqa: E402
+from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
+from helmc.schedules.cpu.gemv_quant import QUANT_BLOCKS, make_gemv_quant  # noqa: E402
+from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
+from test_cpu_quant_gemv import TIERS, random_quant_weight, target  # noqa: E402
+
+ROWS = (2, 3, 5, GEMV_MAX_ROWS)
+
+
+def _tier(name):
+    isa = select_isa(TIERS[name])
+    if missing_flags(isa.required_flags, host_cpu_flags()):
+        pytest.skip(f"this CPU cannot run the {name} tier")
+    return isa
+
+
+def _rows_equal_single(make, inputs, x, n_outs, isa):
+    """make(m) -> PrimFunc(x[m, k], *inputs, *outs[m, n_i]); every row of every m equals the 1-row call's bits."""
+    def call(m, xm):
+        f = make(m)
+        lib = tvm.compile(f, target=target(isa))
+        outs = [tvm.runtime.empty((m, n), "float32", tvm.cpu()) for n in n_outs]
+        lib[str(f.attrs["global_symbol"])](tvm.runtime.tensor(np.ascontiguousarray(xm)), *inputs, *outs)
+        return [o.numpy() for o in outs]
+    singles = [call(1, x[t:t + 1]) for t in range(GEMV_MAX_ROWS)]
+    for m in ROWS:
+        got = call(m, x[:m])
+        for t in range(m):
+            for i in range(len(n_outs)):
+                assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (m, t, i)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_float_gemvs_rows_are_single_rows(tier, dtype):
+    isa = _tier(tier)
+    rng = np.random.default_rng(11)
+    k, ns = 4099, (37, 16, 16)
+    ws = [rng.standard_normal((n, k)).astype(np.float32) for n in ns]
+    if dtype == "bfloat16":
+        tensors = [tensor_from_numpy(bf16_bits_from_float32(w), "bfloat16", tvm.cpu()) for w in ws]
+    else:
+        tensors = [tvm.runtime.tensor(w.astype(dtype)) for w in ws]
+    x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
+    _rows_equal_single(lambda m: make_gemv(m, ns[0], k, dtype, isa), tensors[:1], x, ns[:1], isa)
+    _rows_equal_single(lambda m: make_gemv_multi(m, ns, k, dtype, isa), tensors, x, ns, isa)
+    _rows_equal_single(lambda m: make_gemv_swiglu(m, 37, k, dtype, isa), tensors[:1] * 2, x, (37,), isa)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+def test_quant_gemv_rows_are_single_rows(tier, qtype):
+    pytest.importorskip("gguf")
+    isa = _tier(tier)
+    rng = np.random.default_rng(13)
+    n, k = 37, 512
+    w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
+    x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
+    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
