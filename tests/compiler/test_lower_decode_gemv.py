@@ -1,0 +1,79 @@
+"""lower_decode_gemv / lower_quantized_gpu on a GPU stage with batched decode variants (issue 19): every linear of
+every decode function (decode, decode_b2, decode_b4; each weight signature; the head) becomes helmc's m-row GEMV
+for its row count -- fp16 / bf16 weights schedules/gpu/gemv.py, quantized ones quant_gemv.py -- and prefill keeps
+its matmuls; the stage builds to one sm_90 cubin holding those kernels (nvcc, no GPU)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("tvm.relax")
+
+from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, find_nvcc  # noqa: E402
+from helmc.compiler.passes.export_block import export_functions  # noqa: E402
+from helmc.compiler.passes.import_relax import import_functions  # noqa: E402
+from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv  # noqa: E402
+from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu  # noqa: E402
+from helmc.compiler.passes.quantize_functions import quantize_functions  # noqa: E402
+from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types  # noqa: E402
+from helmc.testing import tiny_config  # noqa: E402
+
+BATCHES = (2, 4)
+
+
+def _spec(dtype: str, quantized: bool) -> ModelSpec:
+    cfg = tiny_config("qwen3", num_layers=3, head_dim=64, dtype=dtype, tie=False, hidden_size=256,
+                      intermediate_size=512).to_dict()
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    spec = ModelSpec.from_hf_config(cfg)
+    if not quantized:
+        return spec
+    types = {f"model.layers.{i}.{n}": "q4_k" for i in range(3) for n in LINEAR_NAMES}
+    types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"     # a second signature
+    return with_weight_types(spec, types)
+
+
+def _rows_of(kernel: str) -> int:
+    """The row count m in a GEMV's symbol (gemv.gemv_symbol: _m{m}_n..; quant_gemv.gemv_symbol: .._k{k}_m{m}, none
+    for m = 1)."""
+    found = re.search(r"_m(\d+)_n", kernel) or re.search(r"_k\d+_m(\d+)", kernel)
+    return int(found.group(1)) if found else 1
+
+
+def _lowered(spec):
+    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+    if weight_types:
+        mod = lower_quantized_gpu(mod, weight_types)
+    return lower_decode_gemv(mod), weight_types
+
+
+@pytest.mark.parametrize("dtype,quantized", [("float16", False), ("bfloat16", False), ("float16", True)])
+def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
+    spec = _spec(dtype, quantized)
+    mod, _ = _lowered(spec)
+    names = {g.name_hint for g in mod.get_global_vars()}
+    decode = sorted(n for n in names if re.search(r"_decode(_b\d+)?(_t\d+)?$", n))
+    assert len(decode) == (3 * len(spec.block_signatures()) - (len(spec.block_signatures()) - 1)) * (1 + len(BATCHES))
+    for name in decode:
+        m = int(re.search(r"_decode(?:_b(\d+))?", name).group(1) or 1)
+        script = mod[name].script()
+        assert "R.matmul" not in script, name
+        kernels = set(re.findall(r"helmc_gpu_gemv_\w+", script))
+        assert kernels and all(_rows_of(k) == m for k in kernels), (name, kernels)
+        short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        assert quantized or all(f"helmc_gpu_gemv_{short}_" in k for k in kernels), (name, kernels)
+    assert "R.matmul" in mod["post_attn_prefill"].script() or quantized
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+def test_batched_stage_builds_to_one_cubin(tmp_path):
+    spec = _spec("float16", True)
+    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+    files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
+    source = (tmp_path / "gpu_stage.cu").read_text()
+    for kernel in ("gemv_q4_k_n128_k256_r2w4u4", "gemv_q4_k_n128_k256_m4_r2w4u4", "gemv_q6_k_n256_k512_m2_r1w4u4",
+                   "gemv_q6_k_n512_k256_m4_r1w4u4"):
+        assert f"helmc_gpu_{kernel}_kernel" in source, kernel
+    assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
