@@ -77,6 +77,12 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
     return gemv.with_attr("global_symbol", f"helmc_gemv_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
 
 
+# ACC_SPLIT_WHY: an accumulator buffer of 1 KiB or more (16 AVX-512 vectors: 4 tokens x 2 rows x 2 vectors) became
+# a TVMBackendAllocWorkspace buffer despite the STACK annotation, and every FMA's result was stored to it (seen in
+# the assembly at m = 2, 4, 7, 8: 16 vector stores per K step); two buffers of half the lanes each stay in
+# registers. Lane v's sum is the same either way, and the lanes are still added in order 0..chunk-1.
+
+
 def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bool, group: int = 0):
     """Macro: rows [first, first + rows) of one weight (clamped loads, skipped stores past n); K in full
     chunks, then the leftover elements one by one; the m tokens in passes of `group` (default all), a last
@@ -87,28 +93,38 @@ def row_block(m: int, k: int, rows: int, chunk: int, weight_dtype: str, f16c: bo
     group = group or m
     passes = -(-m // group)
 
+    half = chunk // 2      # the accumulators in two buffers of < 1 KiB each, see ACC_SPLIT_WHY
+    assert 2 * half == chunk, chunk
+
     @T.macro
     def block(x, wl, y, n, first):
         for p in T.serial(passes):
-            acc = T.alloc_buffer((group, rows, chunk), "float32", scope="global", annotations=STACK)
+            acc = T.alloc_buffer((group, rows, half), "float32", scope="global", annotations=STACK)   # lanes 0..
+            acc2 = T.alloc_buffer((group, rows, half), "float32", scope="global", annotations=STACK)  # lanes half..
             for t in T.unroll(group):
                 for r in T.unroll(rows):
-                    for v in T.vectorized(chunk):
+                    for v in T.vectorized(half):
                         acc[t, r, v] = T.float32(0)
+                        acc2[t, r, v] = T.float32(0)
             for ko in T.serial(k_main):
                 prefetch(wl, n, first, ko)
                 for t in T.unroll(group):
                     for r in T.unroll(rows):
-                        for v in T.vectorized(chunk):
+                        for v in T.vectorized(half):
                             acc[t, r, v] = acc[t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] * widen(
                                 wl[T.min(first + r, n - 1), ko * chunk + v], weight_dtype, f16c)
+                        for v in T.vectorized(half):
+                            acc2[t, r, v] = acc2[t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + half + v] \
+                                * widen(wl[T.min(first + r, n - 1), ko * chunk + half + v], weight_dtype, f16c)
             for t in T.unroll(group):
                 for r in T.unroll(rows):
                     if first + r < n and p * group + t < m:
                         total = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
                         total[0] = T.float32(0)
-                        for v in T.unroll(chunk):
+                        for v in T.unroll(half):
                             total[0] = total[0] + acc[t, r, v]
+                        for v in T.unroll(half):
+                            total[0] = total[0] + acc2[t, r, v]
                         for kt in T.serial(k_tail):
                             total[0] = total[0] + x[p * group + t, k_main * chunk + kt] * widen(
                                 wl[first + r, k_main * chunk + kt], weight_dtype, f16c)

@@ -99,31 +99,35 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
         wul = T.decl_buffer((n, k), ldt, data=wu.data)
         for step in T.parallel(steps):
             for p in T.serial(passes):
-                acc = T.alloc_buffer((2, group, pairs, chunk), "float32", scope="global", annotations=STACK)
-                for h in T.unroll(2):
-                    for t in T.unroll(group):
-                        for r in T.unroll(pairs):
-                            for v in T.vectorized(chunk):
-                                acc[h, t, r, v] = T.float32(0)
+                # gate and up sums in buffers of their own: < 1 KiB each stays in registers (gemv.ACC_SPLIT_WHY)
+                accg = T.alloc_buffer((group, pairs, chunk), "float32", scope="global", annotations=STACK)
+                accu = T.alloc_buffer((group, pairs, chunk), "float32", scope="global", annotations=STACK)
+                for t in T.unroll(group):
+                    for r in T.unroll(pairs):
+                        for v in T.vectorized(chunk):
+                            accg[t, r, v] = T.float32(0)
+                            accu[t, r, v] = T.float32(0)
                 for ko in T.serial(k_main):
                     prefetch(wgl, n, step * pairs, ko)
                     prefetch(wul, n, step * pairs, ko)
                     for t in T.unroll(group):
                         for r in T.unroll(pairs):
                             for v in T.vectorized(chunk):
-                                acc[0, t, r, v] = acc[0, t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
+                                accg[t, r, v] = accg[t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
                                     * widen(wgl[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
                             for v in T.vectorized(chunk):
-                                acc[1, t, r, v] = acc[1, t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
+                                accu[t, r, v] = accu[t, r, v] + x[T.min(p * group + t, m - 1), ko * chunk + v] \
                                     * widen(wul[T.min(step * pairs + r, n - 1), ko * chunk + v], weight_dtype, f16c)
                 for t in T.unroll(group):
                     for r in T.unroll(pairs):
                         if step * pairs + r < n and p * group + t < m:
                             total = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)
-                            for h in T.unroll(2):
-                                total[h] = T.float32(0)
-                                for v in T.unroll(chunk):
-                                    total[h] = total[h] + acc[h, t, r, v]
+                            total[0] = T.float32(0)
+                            total[1] = T.float32(0)
+                            for v in T.unroll(chunk):
+                                total[0] = total[0] + accg[t, r, v]
+                            for v in T.unroll(chunk):
+                                total[1] = total[1] + accu[t, r, v]
                             for kt in T.serial(k_tail):
                                 total[0] = total[0] + x[p * group + t, k_main * chunk + kt] * widen(
                                     wgl[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
