@@ -43,15 +43,19 @@ def _layout(d: int) -> tuple[int, int, int]:
     return vec, threads, min(threads, WARP)
 
 
-def norm_symbol(kind: str, shape: tuple[int, ...]) -> str:
-    return f"helmc_gpu_{kind}_{'x'.join(str(s) for s in shape)}"
+def norm_symbol(kind: str, shape: tuple) -> str:
+    """The PrimFunc's global symbol; a symbolic token count (prefill) is spelled n."""
+    return f"helmc_gpu_{kind}_{'x'.join(str(s) if isinstance(s, int) else 'n' for s in shape)}"
 
 
-def _check(shape: tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) < 2 or any(not isinstance(s, int) or s < 1 for s in shape):
-        raise HelmcError(f"GPU norm kernel: a static shape of rank >= 2 expected, found {shape}")
+def _check(shape: tuple):
+    """(rows, d): rows an int, or an expression of the symbolic token count shape[0] (a tirx.Var)."""
+    fixed = shape[1:]
+    if len(shape) < 2 or any(not isinstance(s, int) or s < 1 for s in fixed) or \
+            not (isinstance(shape[0], tirx.Var) or (isinstance(shape[0], int) and shape[0] >= 1)):
+        raise HelmcError(f"GPU norm kernel: a shape of rank >= 2, static but for the first axis, expected, found {shape}")
     d = shape[-1]
-    return math.prod(shape) // d, d
+    return shape[0] * (math.prod(fixed) // d), d
 
 
 def _row_mean_square(vec: int, threads: int, width: int, d: int):

@@ -44,16 +44,31 @@ def _op(name: str):
     return tvm.ir.Op.get(f"relax.{name}")
 
 
-def _static_shape(expr) -> tuple[int, ...] | None:
+def _static_shape(expr) -> tuple | None:
+    """The shape with int dims, the first one possibly a symbolic token count (its tirx.Var, the same object
+    wherever the function uses it), or None for anything else."""
     shape = getattr(expr.ty, "shape", None)
     if shape is None or not hasattr(shape, "values"):
         return None
     dims = []
-    for d in shape.values:
-        if not isinstance(d, (int, tvm.tirx.IntImm)):
+    for i, d in enumerate(shape.values):
+        if isinstance(d, (int, tvm.tirx.IntImm)):
+            dims.append(int(d))
+        elif i == 0 and isinstance(d, tvm.tirx.Var):
+            dims.append(d)
+        else:
             return None
-        dims.append(int(d))
     return tuple(dims)
+
+
+def _same(a, b) -> bool:
+    """Shape equality that compares symbolic dims by identity (== on a tirx.Var builds an expression)."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) != isinstance(y, int) or (x != y if isinstance(x, int) else not x.same_as(y)):
+            return False
+    return True
 
 
 def _dtype(expr) -> str:
@@ -92,7 +107,7 @@ class _Fuser(PyExprMutator):
         for out, (x, w, eps) in self.rms.items():
             add = self._call(x, "add")
             if add is not None and _dtype(x) == "float16" and x not in self.add_rms and \
-                    all(_static_shape(a) == _static_shape(x) and _dtype(a) == "float16" for a in add.args):
+                    all(_same(_static_shape(a), _static_shape(x)) and _dtype(a) == "float16" for a in add.args):
                 self.add_rms[x] = (add.args[0], add.args[1], out)
         for var in self.bound:
             found = self._match_rope(var)
@@ -123,7 +138,7 @@ class _Fuser(PyExprMutator):
                 eps = self._inverse_rms_eps(inv, xf)
                 shape = _static_shape(out)
                 if x is not None and eps is not None and _dtype(x) == "float16" and shape and len(shape) >= 2 \
-                        and _static_shape(x) == shape and _static_shape(w) == (shape[-1],):
+                        and _same(_static_shape(x), shape) and _same(_static_shape(w), (shape[-1],)):
                     return x, w, eps
         return None
 
@@ -186,7 +201,7 @@ class _Fuser(PyExprMutator):
                     d = _static_shape(q)[-1]
                     if neg_in is not None and self._slice(neg_in.args[0], q, d // 2, d) and \
                             self._slice(lo, q, 0, d // 2) and \
-                            _static_shape(cos) == _static_shape(sin) == (_static_shape(q)[0], d):
+                            _same(_static_shape(cos), (_static_shape(q)[0], d)) and _same(_static_shape(sin), (_static_shape(q)[0], d)):
                         x, w, eps = self.rms[q]
                         return x, w, eps, cos, sin
         return None
