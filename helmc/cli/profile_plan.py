@@ -29,7 +29,7 @@ def summarize_profile(hw: HardwareProfile) -> str:
     lines = [f"cpu: {c.name}, {c.cores} cores / {c.threads} threads, L3 {c.l3_bytes / 2**20:.0f} MiB, "
              f"RAM {c.ram_free_bytes / GIB:.1f} of {c.ram_total_bytes / GIB:.1f} GiB free",
              f"     DRAM {c.dram_gbs:.1f} GB/s (helmc's stream read), helmc's decode GEMVs read {c.host_read_gbs:.1f} GB/s "
-             f"(fp16; the cost model's M), L3 {c.l3_gbs:.1f} GB/s, sgemm {c.fp32_gflops:.0f} GFLOP/s; "
+             f"(fp16; the cost model's M), L3 {c.l3_gbs:.1f} GB/s, GEMM {c.fp32_gflops:.0f} GFLOP/s; "
              f"avx2 {c.has('avx2')}, f16c {c.has('f16c')}, avx512f {c.has('avx512f')}"]
     if reads:
         lines.append(f"     GEMV reads by weight type (GB/s): {reads}")

@@ -102,6 +102,9 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
     read_bytes = QUICK_READ_BYTES if target.quick else max(READ_MIN_BYTES, 4 * target.l3_bytes)
     read_n = stream_read_elements(read_bytes, isa)
     l3_n = stream_read_elements(max(1 << 20, target.l3_bytes // 2), isa)
+    from helmc.schedules.cpu.gemm import make_gemm
+    gemm = make_gemm(target.block.ffn, target.block.hidden, "float16", isa)
+    funcs[str(gemm.attrs["global_symbol"])] = gemm
     funcs["helmc_stream_read"] = make_stream_read(read_n, isa)
     funcs["helmc_stream_read_l3"] = make_stream_read(l3_n, isa).with_attr("global_symbol", "helmc_stream_read_l3")
     progress(f"profile kit: compiling {len(funcs)} kernels for {isa.tier}")
@@ -115,7 +118,8 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
     kit = ProfileKit(format_version=KIT_FORMAT_VERSION, isa=isa.tier, required_flags=tuple(isa.required_flags),
                      l3_bytes=target.l3_bytes, cores=target.cores, block=target.block, read_elements=read_n,
                      l3_read_elements=l3_n, read_name="helmc_stream_read", l3_read_name="helmc_stream_read_l3",
-                     kernels=tuple(kernels), cpu_bundle="cpu_bundle" if stages else "",
+                     kernels=tuple(kernels), gemm_name=str(gemm.attrs["global_symbol"]),
+                     cpu_bundle="cpu_bundle" if stages else "",
                      gpu_bundle="gpu_bundle" if target.gpu_arch else "",
                      gpu_arch=target.gpu_arch, synthetic_layers=target.layers, quick=target.quick)
     kit.save(out_dir)

@@ -5,7 +5,8 @@
   gemv_reads     per weight type: one decode step's GEMV launches over a transformer block, as the CPU stage makes
                  them (fused q/k/v, o, fused gate/up SwiGLU, down; quantized types one launch per linear), over
                  copies of the block's weights whose total is >= 4 x L3, so every pass reads DRAM;
-  host_read_gbs  the fp16 one: M of the cost model (what a CPU block streams).
+  host_read_gbs  the fp16 one: M of the cost model (what a CPU block streams);
+  gemm_gflops    helmc's prefill GEMM over a 128-token chunk: P on the CPU (the cost model's compute term).
 
 The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
 allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
@@ -149,11 +150,15 @@ def median_gbs(nbytes: int, fn, passes: int) -> tuple[float, list[float]]:
     return statistics.median(rates), rates
 
 
+GEMM_TOKENS = 128                 # a prompt chunk: the GEMM's rate at the size prefill runs it
+
+
 @dataclass(frozen=True)
 class HostReads:
     dram_gbs: float
     l3_gbs: float
     gemv_reads: tuple[KernelRead, ...]
+    gemm_gflops: float                # helmc's prefill GEMM (fp16 weights) on every core; 0: not in the kit
     notes: tuple[str, ...]
 
     @property
@@ -192,4 +197,16 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     notes.append("cpu: decode GEMV reads (fused q/k/v, o, SwiGLU, down as the CPU stage launches them; "
                  f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass): "
                  + ", ".join(f"{r.weight_type} {r.gbs:.1f} GB/s" for r in reads))
-    return HostReads(dram_gbs=round(dram, 2), l3_gbs=round(l3, 2), gemv_reads=tuple(reads), notes=tuple(notes))
+    gflops = 0.0
+    if kit.gemm_name:
+        n, k = kit.block.ffn, kit.block.hidden
+        arena.reset()
+        w = arena.tensor((n, k), "float16")
+        x, y = lib.vector((GEMM_TOKENS, k)), lib.vector((GEMM_TOKENS, n), 0.0)
+        gemm = lib.lib[kit.gemm_name]
+        flops = 2 * GEMM_TOKENS * n * k
+        gflops, _ = median_gbs(flops, lambda: gemm(x, w, y), passes)          # "GB/s" of flops: GFLOP/s
+        notes.append(f"cpu: fp32_gflops {gflops:.0f} from helmc's prefill GEMM ({GEMM_TOKENS} tokens x [{n}, {k}] "
+                     f"fp16 weights, fp32 accumulation)")
+    return HostReads(dram_gbs=round(dram, 2), l3_gbs=round(l3, 2), gemv_reads=tuple(reads), gemm_gflops=round(gflops, 1),
+                     notes=tuple(notes))

@@ -6,7 +6,8 @@ compiled CPU and GPU stages on a synthetic model, whose per-block overhead is fi
 real bundle's. A kit directory holds them:
 
     profile_kit.json       ProfileKit: target, block shape, kernel names, buffer sizes
-    profile_kernels.so     the stream reads and every decode GEMV (per weight type) for the target's CPU features
+    profile_kernels.so     the stream reads, every decode GEMV (per weight type) and a prefill GEMM, for the target's
+                           CPU features
     cpu_bundle/            a bundle of the synthetic model with every unit on the CPU (plan all-CPU)
     gpu_bundle/            the same model with every unit on the GPU (only when built for a GPU arch)
 
@@ -91,6 +92,7 @@ class ProfileKit:
     read_name: str
     l3_read_name: str
     kernels: tuple[KitKernel, ...]
+    gemm_name: str = ""              # helmc's prefill GEMM, fp16 weights [ffn, hidden], symbolic tokens: P on the CPU
     cpu_bundle: str = ""             # directory in the kit ("" : none)
     gpu_bundle: str = ""
     gpu_arch: str = ""               # what gpu_bundle was compiled for

@@ -5,7 +5,7 @@ CPU (helmc's own compiled kernels from a profile kit, helmc/hardware/kit.py; hos
   host_read_gbs     helmc's fp16 decode GEMVs on every core over block-shaped weights >= 4 x L3, launched as the CPU
                     stage launches them (the cost model's M); gemv_reads the same per weight type;
   l3_gbs            the stream read re-reading half the L3;
-  fp32_gflops       numpy (BLAS) sgemm (P_dec; decode is memory-bound, the figure only bounds attention).
+  fp32_gflops       helmc's prefill GEMM, 128 tokens, on every core (P on the CPU: the compute term).
   Cores, features, L3 size and free RAM come from /sys, /proc/cpuinfo, /proc/meminfo and cgroups.
 GPU (measure_gpu.py; cupy, else torch.cuda; HELMC_GPU_BACKEND=cupy|torch|none forces one): name, arch, free VRAM,
 HBM bandwidth, P_pre, pinned host<->device bandwidth and l_link; with CuPy, the DRAM + PCIe window
@@ -172,8 +172,11 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
         notes.append(f"cpu: the kit was built for {kit.cores} cores and an L3 of {kit.l3_bytes >> 20} MiB, this CPU "
                      f"has {facts.cores} and {facts.l3_bytes >> 20} MiB: its reads may be sized for another cache")
     reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress)
-    gflops = sgemm_gflops(512 if kit.quick else 2048, reps=3)
-    notes += list(reads.notes) + [f"cpu: sgemm {gflops:.0f} GFLOP/s (numpy {np.__version__})"]
+    gflops = reads.gemm_gflops
+    notes += list(reads.notes)
+    if not gflops:          # a kit without the GEMM: numpy's (BLAS) sgemm, as format 1 measured it
+        gflops = sgemm_gflops(512 if kit.quick else 2048, reps=3)
+        notes.append(f"cpu: fp32_gflops {gflops:.0f} from numpy's sgemm (the kit has no helmc GEMM)")
     if kit.quick:
         notes.append("quick mode: small buffers and a small block; the figures are not fit for planning")
     cpu = CpuProfile(name=facts.name, cores=facts.cores, threads=facts.threads, features=facts.features,

@@ -98,10 +98,12 @@ def hybrid_lines(plan: Plan) -> list[str]:
                  f"of the copy time is hidden; per token the CPU reads {cpu_bytes / 1e9:.2f} GB and PCIe carries "
                  f"{copied / 1e9:.2f} GB in those {plan.t_cpu_ms:.2f} ms ({(cpu_bytes + copied) / plan.t_cpu_ms / 1e6:.1f} GB/s "
                  f"of host memory)")
-    lines.append("hybrid layouts, the best per pair count: " + "; ".join(
-        f"{'>' if c.key() == (plan.cpu_units, pairs, len(plan.streamed_layers)) else ''}{c.pairs} x "
-        f"({c.streamed_blocks} streamed of {c.cpu_units - 1} host blocks) {c.t_plan_ms:.2f} ms"
-        for c in plan.hybrid_candidates))
+    lines.append(f"hybrid layouts tried, the best per pair count ('>' chosen):")
+    lines.append(f"    {'pairs':>5} {'streamed':>8} {'host blocks':>11} {'ring GiB':>8} {'T_plan':>9}")
+    for c in plan.hybrid_candidates:
+        mark = ">" if c.key() == (plan.cpu_units, pairs, len(plan.streamed_layers)) else " "
+        lines.append(f"  {mark} {c.pairs:>5} {c.streamed_blocks:>8} {c.cpu_units - 1:>11} {c.ring_bytes / gib:>8.2f} "
+                     f"{c.t_plan_ms:>9.2f}")
     return lines
 
 

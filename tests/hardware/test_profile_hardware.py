@@ -36,6 +36,7 @@ def test_quick_profile_on_this_machine(tmp_path):
     assert c.block_overhead_ms is None                                      # overheads=False: not measured
     assert any(u.startswith("gpu, link: HELMC_GPU_BACKEND=none") for u in hw.unmeasured)
     assert any("quick mode" in n for n in hw.notes) and any("decode GEMV reads" in n for n in hw.notes)
+    assert any(n.startswith("cpu: fp32_gflops") and "helmc's prefill GEMM" in n for n in hw.notes)
     path = tmp_path / "hardware.json"
     hw.save(str(path))
     assert HardwareProfile.load(str(path)) == hw
