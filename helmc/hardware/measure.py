@@ -201,7 +201,7 @@ def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
         try:
             lib = KitLibrary(kit_dir, kit)
             gemv = GemvPass(lib, Arena(arena_bytes(kit)), "float16")
-            r = measure_concurrent(be, gemv, m.link.h2d_gbs, seconds=0.3 if kit.quick else 1.5,
+            r = measure_concurrent(be, gemv, m.link.h2d_gbs, seconds=0.3 if kit.quick else 1.0,
                                    chunk=(16 if kit.quick else 256) << 20, host_bytes=(64 << 20) if kit.quick else GIB,
                                    progress=progress)
         except Exception as e:                       # a failed window is said, not invented
