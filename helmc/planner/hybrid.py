@@ -15,9 +15,11 @@ Cost per token (each term from cost_model, the same rates as a plain split):
 
     T = sum_i [ overlap(C_i, copy S_i) + T_gpu(S_i) ] + T_gpu(resident) + crossings
 
-overlap() is max(T_cpu(C_i), T_copy(S_i)) under contention: both read host DRAM, so while both run they move at
-the rates `helmc profile` measured running together (link.cpu_read_concurrent_gbs, link.h2d_concurrent_gbs),
-each slower than alone by M / M' and B / B'; when one finishes, the other goes on at its own rate alone.
+overlap() is max(T_cpu(C_i), T_copy(S_i)) under contention: both read host DRAM, and `helmc profile` measured
+what helmc's fp16 GEMVs and the copies get running together (link.cpu_read_concurrent_gbs, h2d_concurrent_gbs).
+While both run, each is slower than alone by its share of what their demand exceeds that combined rate
+(Contention.of: for fp16 weights exactly the window's M / M' and B / B'); when one finishes, the other goes on
+alone.
 Crossings: the token ids back, the activation to the GPU before each S_i and back after each S_i but the last
 (eq. 4.15 each: latency + bytes / bandwidth). Streamed blocks' KV is the GPU cache's, as a GPU block's.
 
@@ -35,8 +37,9 @@ from helmc.planner.cost_model import (DeviceRates, StageTime, Workload, comm_tim
 from helmc.hardware.profile import HardwareProfile
 from helmc.runtime.bundle.plan import HybridCandidate, PlanGroup
 
-# Each pair costs two crossings and a GPU launch sequence of its own; beyond a few pairs the ring they save
-# (one block each) is worth less than that, and the search stays ~O(L^2).
+# The model charges a pair its two crossings only (eq. 4.15 each); what the executor will spend per pair beyond
+# them (a GPU stage call, an event wait) is not measured yet, so the layouts stay within a few pairs per ten blocks,
+# and the search ~O(L^2).
 MAX_PAIRS = 16
 
 
@@ -48,10 +51,26 @@ class Contention:
 
     @classmethod
     def of(cls, hw: HardwareProfile, cpu_rates: DeviceRates) -> "Contention":
+        """From the profile's window, where helmc's fp16 GEMVs (alone M_f = host_read_gbs) and the copies (alone
+        B = h2d_gbs) got M' and B', together C = M' + B'. A model whose GEMVs read M (cpu_rates.mem_gbs: its weight
+        types' mix) demands M + B; what exceeds C is lost by each side in the shares the window showed (for fp16
+        weights: exactly M_f / M' and B / B'); a demand within C (e.g. quantized GEMVs that decode at well under
+        DRAM speed) loses nothing."""
         link = hw.link
-        cpu_alone = hw.cpu.host_read_gbs or hw.cpu.stream_gbs       # the figure the concurrent one was taken beside
-        return cls(cpu_slowdown=max(1.0, cpu_alone / link.cpu_read_concurrent_gbs),
-                   copy_slowdown=max(1.0, link.h2d_gbs / link.h2d_concurrent_gbs))
+        m_f = hw.cpu.host_read_gbs or hw.cpu.stream_gbs            # the figure the window's CPU rate was taken beside
+        b = link.h2d_gbs
+        capacity = link.cpu_read_concurrent_gbs + link.h2d_concurrent_gbs
+        m = cpu_rates.mem_gbs
+        excess = m + b - capacity
+        if excess <= 0:
+            return cls(1.0, 1.0)
+        cpu_lost, copy_lost = max(0.0, m_f - link.cpu_read_concurrent_gbs), max(0.0, b - link.h2d_concurrent_gbs)
+        if cpu_lost + copy_lost <= 0:              # the window lost nothing, this demand exceeds it: share by demand
+            cpu_lost, copy_lost = m, b
+        cpu_share = cpu_lost / (cpu_lost + copy_lost)
+        m_left = max(m - excess * cpu_share, 1e-9 * m)
+        b_left = max(b - excess * (1 - cpu_share), 1e-9 * b)
+        return cls(cpu_slowdown=m / m_left, copy_slowdown=b / b_left)
 
 
 def overlapped_ms(cpu: StageTime, copy_ms: float, c: Contention) -> float:
@@ -110,10 +129,9 @@ def evaluate_layout(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int
 
     n = a.num_units
     assert sum(c + s for c, s in pairs) == k - 1 and all(c >= 1 and s >= 1 for c, s in pairs), (k, pairs)
-    loads, unit = [], 1
-    for i, (c, s) in enumerate(pairs):
-        cpu_load = a.stage(0 if i == 0 else unit, unit + c)              # C_0 holds the embedding
-        loads.append((unit, c, cpu_load, a.stage(unit + c, unit + c + s)))
+    loads, unit = [], 1                      # (first unit of the CPU group, its blocks, the streamed group's load)
+    for c, s in pairs:
+        loads.append((unit, c, a.stage(unit + c, unit + c + s)))
         unit += c + s
     streamed = StageLoad()
     for *_, s_load in loads:
@@ -128,8 +146,8 @@ def evaluate_layout(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int
         share = min(1.0, gpu_kv_resident_bytes(gpu_need) / kv_all) if kv_all else 1.0
     contention = Contention.of(hw, cpu_rates)
     groups, t_cpu, t_gpu, t_copy = [], 0.0, 0.0, 0.0
-    for first_unit, c, cpu_load, s_load in loads:
-        tc = timed("cpu", 0 if first_unit == 1 else first_unit, first_unit + c, None)
+    for first_unit, c, s_load in loads:
+        tc = timed("cpu", 0 if first_unit == 1 else first_unit, first_unit + c, None)    # C_0 holds the embedding
         ts = timed("gpu", first_unit + c, first_unit + c + s_load.blocks, share)
         t_move = copy_ms(s_load.stored_bytes, hw)
         both = overlapped_ms(tc, t_move, contention)

@@ -281,3 +281,21 @@ def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
     d = json.loads(r.output)
     assert d["plan"].startswith("cpu(26) -> cuda(12), hybrid") and len(d["groups"]) == 16
     assert d["staging_ring_bytes"] == BLOCK and d["t_copy_ms"] > 0
+
+
+def test_contention_follows_the_demand_on_dram():
+    """The window (fp16 GEMVs 92 -> 80 GB/s, copies 54 -> 40: 120 of 146 demanded) gives fp16 weights exactly its
+    own slowdowns; GEMVs that demand less (quantized kernels decoding below DRAM speed) lose less, and a demand
+    within the 120 GB/s loses nothing."""
+    hw = gpu_machine(cpu_while_copying=80.0, pcie_while_reading=40.0)
+    fp16 = Contention.of(hw, DeviceRates(mem_gbs=92.0, compute_gflops=0.0))
+    assert fp16.cpu_slowdown == pytest.approx(92 / 80) and fp16.copy_slowdown == pytest.approx(54 / 40)
+    # 26 GB/s over capacity at fp16 split 12 : 14; a 80 GB/s demand is 14 over: the CPU loses 14 x 12/26.
+    q = Contention.of(hw, DeviceRates(mem_gbs=80.0, compute_gflops=0.0))
+    assert q.cpu_slowdown == pytest.approx(80 / (80 - 14 * 12 / 26)) and q.copy_slowdown == pytest.approx(54 / (54 - 14 * 14 / 26))
+    assert Contention.of(hw, DeviceRates(mem_gbs=60.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
+    # A window that lost nothing: no contention up to its capacity, beyond it shared by demand.
+    free = gpu_machine()
+    assert Contention.of(free, DeviceRates(mem_gbs=92.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
+    over = Contention.of(free, DeviceRates(mem_gbs=100.0, compute_gflops=0.0))
+    assert over.cpu_slowdown == pytest.approx(100 / (100 - 8 * 100 / 154))
