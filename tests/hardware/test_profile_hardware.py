@@ -152,3 +152,32 @@ def test_real_gpu_profile():
     assert hw.link.h2d_gbs > 1 and hw.link.d2h_gbs > 1 and 0 < hw.link.latency_us < 1000
     assert hw.link.has_concurrent and 0 < hw.link.h2d_concurrent_gbs <= 1.2 * hw.link.h2d_gbs
     assert hw.gpu.block_overhead_ms is not None and hw.cpu.block_overhead_ms is not None
+
+
+def test_format_2_fields_and_their_refusals():
+    import dataclasses
+    import json
+    from helmc.errors import HelmcError
+    from helmc.hardware.profile import KernelRead, LinkProfile, load_hardware
+    hw = load_hardware("h100-sxm-measured")
+    raw = json.loads(hw.to_json())
+    raw["format_version"] = 1
+    with pytest.raises(HelmcError, match=r"format_version expected 2, found 1 \(a profile of an older helmc: run "
+                                         r"`helmc profile` again\)"):
+        HardwareProfile.from_json(json.dumps(raw))
+    raw["format_version"] = 2
+    raw["cpu"]["dram_strided_gbs"] = 142.79                      # format 1's field is gone, not silently ignored
+    with pytest.raises(HelmcError, match=r"unknown key\(s\) \['dram_strided_gbs'\]"):
+        HardwareProfile.from_json(json.dumps(raw))
+    # The preset kept format 1's inference-like figure as its M, so its plans are what they were.
+    assert hw.cpu.host_read_gbs == hw.cpu.stream_gbs == 142.79 and not hw.link.has_concurrent
+    with pytest.raises(HelmcError, match="expected both > 0 \\(measured together\\) or both 0, found 40.0, 0.0"):
+        LinkProfile(54.0, 54.0, 8.0, h2d_concurrent_gbs=40.0)
+    with pytest.raises(HelmcError, match="one entry per weight type"):
+        dataclasses.replace(hw.cpu, gemv_reads=(KernelRead("q4_k", 30.0), KernelRead("q4_k", 31.0)))
+    cpu = dataclasses.replace(hw.cpu, host_read_gbs=92.0, gemv_reads=(KernelRead("float16", 92.0), KernelRead("q4_k", 37.0)))
+    assert cpu.read_gbs("q4_k") == 37.0 and cpu.read_gbs("q6_k") == 92.0        # unmeasured type: the fp16 figure
+    link = LinkProfile(54.0, 54.0, 8.0, h2d_concurrent_gbs=40.0, cpu_read_concurrent_gbs=80.0)
+    assert link.has_concurrent and link.combined_gbs == 120.0
+    again = dataclasses.replace(hw, cpu=cpu, link=link)
+    assert HardwareProfile.from_json(again.to_json()) == again
