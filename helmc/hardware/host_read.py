@@ -67,11 +67,19 @@ def arena_bytes(kit: ProfileKit) -> int:
 
 
 class Arena:
-    """One allocation for the DRAM read and every weight copy, placed from the start, 4 KiB-aligned."""
+    """One allocation for the DRAM read and every weight copy, placed from the start, 4 KiB-aligned.
 
-    def __init__(self, nbytes: int):
-        from helmc.runtime.weights.host_memory import huge_page_buffer
-        self.region = huge_page_buffer(nbytes, advise=False)    # the runtime's weights sit on ordinary pages
+    pinned: page-locked memory (CuPy), where the runtime keeps CPU blocks when a GPU is present (their prefill and
+    hybrid decode stream them to the GPU); else ordinary anonymous pages, as the runtime's CPU-only weights."""
+
+    def __init__(self, nbytes: int, pinned: bool = False):
+        if pinned:
+            import cupyx
+            self.region = cupyx.empty_pinned((nbytes,), np.uint8)
+        else:
+            from helmc.runtime.weights.host_memory import huge_page_buffer
+            self.region = huge_page_buffer(nbytes, advise=False)
+        self.pinned = pinned
         self.region.fill(FILL)                                  # every page touched before any timing
         self.used = 0
 
@@ -166,9 +174,10 @@ class HostReads:
         return next((r.gbs for r in self.gemv_reads if r.weight_type == "float16"), 0.0)
 
 
-def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None) -> HostReads:
+def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None,
+                       pinned: bool = False) -> HostReads:
     lib = KitLibrary(kit_dir, kit)
-    arena = Arena(arena_bytes(kit))
+    arena = Arena(arena_bytes(kit), pinned)
     read = lib.lib[kit.read_name]
     partial = lib.vector((1024,), 0.0)
     from helmc.runtime.weights.host_memory import cpu_tensor_over
@@ -185,7 +194,7 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     l3, _ = median_gbs(kit.l3_read_elements * 4 * inner, l3_pass, passes)
     reads, notes = [], [f"cpu: dram_gbs {dram:.1f} from helmc's stream-read kernel over {kit.read_elements * 4 >> 20} "
                         f"MiB, l3_gbs {l3:.1f} re-reading {kit.l3_read_elements * 4 >> 20} MiB; {kit.isa} kernels, "
-                        f"every core; each the median of {passes} passes"]
+                        f"every core, {'pinned' if pinned else 'pageable'} memory; each the median of {passes} passes"]
     for t in kit.weight_types:
         g = GemvPass(lib, arena, t)
         progress(f"host read: helmc's {t} decode GEMVs over {g.copies} block copies ({g.nbytes >> 20} MiB)")

@@ -163,15 +163,17 @@ def sgemm_gflops(n: int, reps: int) -> float:
     return 2 * n ** 3 / t / 1e9
 
 
-def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda m: None) -> tuple[CpuProfile, list[str]]:
-    """The CPU part of the profile: facts plus helmc's kernels' read rates (kit built for this CPU's flags)."""
+def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda m: None,
+                pinned: bool = False) -> tuple[CpuProfile, list[str]]:
+    """The CPU part of the profile: facts plus helmc's kernels' read rates (kit built for this CPU's flags), over
+    pinned memory where the runtime would pin the CPU blocks (a GPU is present)."""
     from helmc.hardware.host_read import measure_host_reads
     check_kit_runs_here(kit, facts.features)
     notes = list(facts.notes)
     if kit.l3_bytes < facts.l3_bytes or kit.cores != facts.cores:
         notes.append(f"cpu: the kit was built for {kit.cores} cores and an L3 of {kit.l3_bytes >> 20} MiB, this CPU "
                      f"has {facts.cores} and {facts.l3_bytes >> 20} MiB: its reads may be sized for another cache")
-    reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress)
+    reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress, pinned=pinned)
     gflops = reads.gemm_gflops
     notes += list(reads.notes)
     if not gflops:          # a kit without the GEMM: numpy's (BLAS) sgemm, as format 1 measured it
@@ -200,7 +202,7 @@ def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
         from helmc.hardware.host_read import Arena, GemvPass, KitLibrary, arena_bytes
         try:
             lib = KitLibrary(kit_dir, kit)
-            gemv = GemvPass(lib, Arena(arena_bytes(kit)), "float16")
+            gemv = GemvPass(lib, Arena(arena_bytes(kit), pinned=True), "float16")   # as hybrid decode's blocks
             r = measure_concurrent(be, gemv, m.link.h2d_gbs, seconds=0.3 if kit.quick else 1.0,
                                    chunk=(16 if kit.quick else 256) << 20, host_bytes=(64 << 20) if kit.quick else GIB,
                                    progress=progress)
@@ -219,12 +221,17 @@ def profile(kit_dir: str, quick: bool = False, gpu_backend: str | None = None, p
             facts: CpuFacts | None = None) -> HardwareProfile:
     """Measure this machine with the kit in kit_dir (rates only: per-block overheads are
     planner.calibrate.synthetic_overheads'). quick: a quick kit's small sizes, and quick GPU sizes."""
+    from helmc.hardware.measure_gpu import open_backend
     facts = facts or cpu_facts()
     kit = ProfileKit.load(kit_dir)
-    cpu, notes = measure_cpu(kit_dir, kit, facts, progress)
+    backend = gpu_backend or os.environ.get("HELMC_GPU_BACKEND")
+    be, _ = open_backend(backend)
+    pinned = be is not None and be.name == "cupy"      # the runtime pins CPU blocks (with CuPy) beside a GPU
+    if be is not None:
+        be.release()
+    cpu, notes = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
     progress("gpu: HBM, fp16 matmul, the link, then the DRAM + PCIe window")
-    g: GpuMeasurement = measure_gpu(quick, gpu_backend or os.environ.get("HELMC_GPU_BACKEND"),
-                                    then=_concurrent_step(kit_dir, kit, progress))
+    g: GpuMeasurement = measure_gpu(quick, backend, then=_concurrent_step(kit_dir, kit, progress))
     return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link, source="measured",
                            unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes)
 
