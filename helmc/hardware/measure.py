@@ -230,7 +230,8 @@ def profile(kit_dir: str, quick: bool = False, gpu_backend: str | None = None, p
     if be is not None:
         be.release()
     cpu, notes = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
-    progress("gpu: HBM, fp16 matmul, the link, then the DRAM + PCIe window")
+    if be is not None:
+        progress(f"gpu: HBM, fp16 matmul and the link ({be.name})" + (", then the DRAM + PCIe window" if pinned else ""))
     g: GpuMeasurement = measure_gpu(quick, backend, then=_concurrent_step(kit_dir, kit, progress))
     return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link, source="measured",
                            unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes)
