@@ -208,16 +208,21 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
     out, memo = [], {}
     for r in range(1, L):
         ring = r * block_bytes
-        k = next((k for k in range(r + 2, L + 2) if _fits_with_ring(a, hw, w, k, r, ring)), None)
-        if k is None:
+        k0 = next((k for k in range(r + 2, L + 2) if _fits_with_ring(a, hw, w, k, r, ring)), None)
+        if k0 is None:
             continue
-        h = k - 1                                                       # host-resident blocks
         for m in range(1, MAX_PAIRS + 1):
-            for s in range((r - 1) * m + 1, r * m + 1):
-                if s < m or h - s < m:
-                    continue
-                pairs = tuple(zip(even_split(h - s, m), even_split(s, m)))
-                out.append(evaluate_layout(a, hw, w, k, pairs, cpu_rates, gpu_rates, memo=memo))
+            for s in range(max(m, (r - 1) * m + 1), r * m + 1):
+                # k0 fits the ring beside the resident part. With KV offloaded the streamed blocks' KV is host
+                # memory wherever they are, so k0 is exact; without, their KV takes VRAM: fewer resident units.
+                for k in range(k0, L + 2 if not w.kv_offload else k0 + 1):
+                    if k - 1 - s < m:
+                        break
+                    pairs = tuple(zip(even_split(k - 1 - s, m), even_split(s, m)))
+                    e = evaluate_layout(a, hw, w, k, pairs, cpu_rates, gpu_rates, memo=memo)
+                    out.append(e)
+                    if e.candidate.feasible:
+                        break
     return out
 
 

@@ -299,3 +299,27 @@ def test_contention_follows_the_demand_on_dram():
     assert Contention.of(free, DeviceRates(mem_gbs=92.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
     over = Contention.of(free, DeviceRates(mem_gbs=100.0, compute_gflops=0.0))
     assert over.cpu_slowdown == pytest.approx(100 / (100 - 8 * 100 / 154))
+
+
+def test_q4_k_m_streams_more_because_its_gemvs_decode_below_dram_speed():
+    """Qwen3-8B in Q4_K_M's mix (q6_k v and down in every other block) under 3 GiB, with the CPU's quantized GEMVs
+    at 37 (q4_k) and 49 (q6_k) GB/s as measured on the GPU machine's Xeon (they decode, not stream, at that
+    rate): a CPU block costs as long as copying ~1.3 blocks, so 4 pairs of (3 CPU, 4 streamed) blocks; their
+    demand on DRAM stays within the window's capacity, so no contention slows either."""
+    from helmc.hardware.profile import KernelRead
+    hw = gpu_machine()
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, gemv_reads=(
+        KernelRead("float16", 92.0), KernelRead("q4_k", 37.0), KernelRead("q6_k", 49.0))))
+    mix_a = ("q4_k",) * 2 + ("q6_k",) + ("q4_k",) * 3 + ("q6_k",)
+    spec = qwen3_spec("Qwen3-8B")
+    spec = dataclasses.replace(spec, layer_types=tuple(mix_a if i % 2 == 0 else ("q4_k",) * 7 for i in range(36)),
+                               head_type="q6_k", embed_type="q4_k")
+    p = plan(spec, hw, gpu_budget_gib=3)
+    split = plan(spec, hw, gpu_budget_gib=3, hybrid=False)
+    print(f"\nQ4_K_M under 3 GiB: {p.describe()} {p.t_plan_ms:.2f} ms, plain {split.describe()} {split.t_plan_ms:.2f} ms")
+    assert split.describe() == "cpu(25) -> cuda(13)"
+    assert p.cpu_units == 29 and _layout(p) == _pairs_of(3, 4, cpu=3, streamed=4)
+    a = analyze_program(spec)
+    assert Contention.of(hw, DeviceRates.of_device(hw, "cpu", analysis=a)) == Contention(1.0, 1.0)
+    assert all(g.t_overlap_ms == max(c.t_compute_ms, g.t_copy_ms) for c, g in zip(p.groups[::2], p.groups[1::2]))
+    assert split.t_plan_ms / p.t_plan_ms > 1.5
