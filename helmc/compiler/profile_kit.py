@@ -155,11 +155,15 @@ def ensure_kit(target: KitTarget, cache_dir: str | None = None, use_cache: bool 
         raise HelmcError(f"helmc profile compiles its kernels with the TVM compiler, found none here ({e}); install "
                          f"helmc[compile], or measure with a kit built elsewhere: helmc profile --kit DIR") from None
     cache = ArtifactCache(cache_dir, enabled=use_cache)
-    key = cache_key("profile-kit", "kit", json.dumps(dataclasses.asdict(target), sort_keys=True))
+    key = cache_key("profile-kit", f"kit-{KIT_FORMAT_VERSION}", json.dumps(dataclasses.asdict(target), sort_keys=True))
     hit = cache.lookup(key)
     if hit:
-        progress(f"profile kit: reusing {os.path.relpath(hit)}")
-        return hit
+        try:
+            ProfileKit.load(hit)                       # an entry written by another helmc: rebuilt, never half-read
+            progress(f"profile kit: reusing {os.path.relpath(hit)}")
+            return hit
+        except HelmcError:
+            pass
     with tempfile.TemporaryDirectory(prefix="helmc-kit-") as work:
         kit_dir = os.path.join(work, "kit")
         build_kit(kit_dir, target, cache_dir=cache.root, progress=progress)

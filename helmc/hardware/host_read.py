@@ -166,7 +166,7 @@ class HostReads:
     dram_gbs: float
     l3_gbs: float
     gemv_reads: tuple[KernelRead, ...]
-    gemm_gflops: float                # helmc's prefill GEMM (fp16 weights) on every core; 0: not in the kit
+    gemm_gflops: float                # helmc's prefill GEMM (fp16 weights) on every core
     notes: tuple[str, ...]
 
     @property
@@ -206,16 +206,13 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     notes.append("cpu: decode GEMV reads (fused q/k/v, o, SwiGLU, down as the CPU stage launches them; "
                  f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass): "
                  + ", ".join(f"{r.weight_type} {r.gbs:.1f} GB/s" for r in reads))
-    gflops = 0.0
-    if kit.gemm_name:
-        n, k = kit.block.ffn, kit.block.hidden
-        arena.reset()
-        w = arena.tensor((n, k), "float16")
-        x, y = lib.vector((GEMM_TOKENS, k)), lib.vector((GEMM_TOKENS, n), 0.0)
-        gemm = lib.lib[kit.gemm_name]
-        flops = 2 * GEMM_TOKENS * n * k
-        gflops, _ = median_gbs(flops, lambda: gemm(x, w, y), passes)          # "GB/s" of flops: GFLOP/s
-        notes.append(f"cpu: fp32_gflops {gflops:.0f} from helmc's prefill GEMM ({GEMM_TOKENS} tokens x [{n}, {k}] "
-                     f"fp16 weights, fp32 accumulation)")
+    n, k = kit.block.ffn, kit.block.hidden
+    arena.reset()
+    w = arena.tensor((n, k), "float16")
+    x, y = lib.vector((GEMM_TOKENS, k)), lib.vector((GEMM_TOKENS, n), 0.0)
+    gemm = lib.lib[kit.gemm_name]
+    gflops, _ = median_gbs(2 * GEMM_TOKENS * n * k, lambda: gemm(x, w, y), passes)     # "GB/s" of flops: GFLOP/s
+    notes.append(f"cpu: fp32_gflops {gflops:.0f} from helmc's prefill GEMM ({GEMM_TOKENS} tokens x [{n}, {k}] "
+                 f"fp16 weights, fp32 accumulation)")
     return HostReads(dram_gbs=round(dram, 2), l3_gbs=round(l3, 2), gemv_reads=tuple(reads), gemm_gflops=round(gflops, 1),
                      notes=tuple(notes))

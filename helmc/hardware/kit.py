@@ -92,7 +92,7 @@ class ProfileKit:
     read_name: str
     l3_read_name: str
     kernels: tuple[KitKernel, ...]
-    gemm_name: str = ""              # helmc's prefill GEMM, fp16 weights [ffn, hidden], symbolic tokens: P on the CPU
+    gemm_name: str                   # helmc's prefill GEMM, fp16 weights [ffn, hidden], symbolic tokens: P on the CPU
     cpu_bundle: str = ""             # directory in the kit ("" : none)
     gpu_bundle: str = ""
     gpu_arch: str = ""               # what gpu_bundle was compiled for

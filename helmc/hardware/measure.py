@@ -24,10 +24,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-
 from helmc.hardware.kit import ProfileKit, check_kit_runs_here
-from helmc.hardware.measure_gpu import GpuMeasurement, measure_gpu, wall_median_s
+from helmc.hardware.measure_gpu import GpuMeasurement, measure_gpu
 from helmc.hardware.profile import PROFILE_FORMAT_VERSION, CpuProfile, HardwareProfile
 
 MIB = 1024 ** 2
@@ -156,13 +154,6 @@ def cpu_facts() -> CpuFacts:
                     tuple(unmeasured), (note,))
 
 
-def sgemm_gflops(n: int, reps: int) -> float:
-    a = np.ones((n, n), np.float32)
-    b = np.ones((n, n), np.float32)
-    t = wall_median_s(lambda: a @ b, reps)
-    return 2 * n ** 3 / t / 1e9
-
-
 def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda m: None,
                 pinned: bool = False) -> tuple[CpuProfile, list[str]]:
     """The CPU part of the profile: facts plus helmc's kernels' read rates (kit built for this CPU's flags), over
@@ -174,16 +165,12 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
         notes.append(f"cpu: the kit was built for {kit.cores} cores and an L3 of {kit.l3_bytes >> 20} MiB, this CPU "
                      f"has {facts.cores} and {facts.l3_bytes >> 20} MiB: its reads may be sized for another cache")
     reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress, pinned=pinned)
-    gflops = reads.gemm_gflops
     notes += list(reads.notes)
-    if not gflops:          # a kit without the GEMM: numpy's (BLAS) sgemm, as format 1 measured it
-        gflops = sgemm_gflops(512 if kit.quick else 2048, reps=3)
-        notes.append(f"cpu: fp32_gflops {gflops:.0f} from numpy's sgemm (the kit has no helmc GEMM)")
     if kit.quick:
         notes.append("quick mode: small buffers and a small block; the figures are not fit for planning")
     cpu = CpuProfile(name=facts.name, cores=facts.cores, threads=facts.threads, features=facts.features,
                      l3_bytes=facts.l3_bytes, dram_gbs=reads.dram_gbs, host_read_gbs=reads.host_read_gbs,
-                     gemv_reads=reads.gemv_reads, l3_gbs=reads.l3_gbs, fp32_gflops=round(gflops, 1),
+                     gemv_reads=reads.gemv_reads, l3_gbs=reads.l3_gbs, fp32_gflops=reads.gemm_gflops,
                      ram_total_bytes=facts.ram_total_bytes, ram_free_bytes=facts.ram_free_bytes)
     return cpu, notes
 
