@@ -196,10 +196,10 @@ class Plan:
         if over or self.staging_ring_bytes <= 0:
             raise HelmcError(f"plan: streamed groups expected to fit the staging ring of {self.staging_ring_bytes} B, "
                              f"found groups at blocks {over} larger")
-        overlapped = sum(g.t_overlap_ms for g in self.groups)
-        if abs(overlapped - self.t_cpu_ms) > 1e-6 * max(1.0, self.t_cpu_ms):
-            raise HelmcError(f"plan: t_cpu_ms of a hybrid plan expected the groups' overlapped time {overlapped}, "
-                             f"found {self.t_cpu_ms}")
+        for name, total, found in (("t_cpu_ms", sum(g.t_overlap_ms for g in self.groups), self.t_cpu_ms),
+                                   ("t_copy_ms", sum(g.t_copy_ms for g in self.groups), self.t_copy_ms)):
+            if abs(total - found) > 1e-6 * max(1.0, found):
+                raise HelmcError(f"plan: {name} of a hybrid plan expected the groups' sum {total}, found {found}")
 
     def _chosen_row(self) -> "Candidate | HybridCandidate":
         if not self.groups:

@@ -207,8 +207,10 @@ def test_bad_hybrid_plans_are_refused(q8):
         _replace_groups(p, g[:-2] + [dataclasses.replace(g[-2], num_layers=1), dataclasses.replace(g[-1], first_layer=23)])
     with pytest.raises(HelmcError, match=r"fit the staging ring of 385892864 B, found groups at blocks \[3\] larger"):
         _replace_groups(p, [g[0], dataclasses.replace(g[1], weight_bytes=BLOCK + 1)] + g[2:])
-    with pytest.raises(HelmcError, match="t_cpu_ms of a hybrid plan expected the groups' overlapped time"):
+    with pytest.raises(HelmcError, match="t_cpu_ms of a hybrid plan expected the groups' sum"):
         dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + 1, t_plan_ms=p.t_plan_ms + 1)
+    with pytest.raises(HelmcError, match="t_copy_ms of a hybrid plan expected the groups' sum"):
+        dataclasses.replace(p, t_copy_ms=p.t_copy_ms / 2)
     with pytest.raises(HelmcError, match="the chosen hybrid layout .* expected among hybrid_candidates"):
         dataclasses.replace(p, hybrid_candidates=p.hybrid_candidates[:1])
     with pytest.raises(HelmcError, match="embedding on the CPU and the head on the GPU"):
