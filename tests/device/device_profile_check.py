@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """`helmc profile` on the GPU machine (issue 17), with a profile kit built here, then plans from what it measured.
 
-Two modes:
+Three modes:
 
-  DIR --build [--hardware PRESET_OR_JSON] [--quick]   (here, with the compiler venv and nvcc) builds the profile kit
-      for the machine the hardware profile describes (default the h100-sxm-measured preset: the GPU machine's
-      /proc/cpuinfo flags, 16 cores, 300 MiB L3, sm_90): helmc's stream read and decode GEMVs per weight type for its
-      CPU, the synthetic Qwen3-8B-block model's CPU stage (LLVM) and GPU stage (sm_90). A few MiB: carry .devrt.
+  --target-out FILE   (GPU machine) writes what a kit for this machine is compiled for: CPU flags, cores, L3, the
+      GPU's arch (a small JSON; needs no kit and no compiler), for --build --target FILE here.
+
+  DIR --build [--hardware PRESET_OR_JSON | --target FILE] [--quick]   (here, with the compiler venv and nvcc) builds
+      the profile kit for that machine (default the h100-sxm-measured preset: the GPU machine's /proc/cpuinfo flags,
+      16 cores, 300 MiB L3, sm_90): helmc's stream read, decode GEMVs per weight type and prefill GEMM for its CPU,
+      the synthetic Qwen3-8B-block model's CPU stage (LLVM) and GPU stage. ~4 MiB: carry .devrt.
 
   DIR [--out OUTDIR]   (GPU machine, TVM_USE_RUNTIME_LIB=1, PYTHONPATH=<checkout>:.devrt/site) measures:
       - the CPU: helmc's stream read and fp16/bf16/q8_0/q4_0/q4_k/q6_k decode GEMVs on every core (host_read_gbs is
@@ -40,10 +43,27 @@ for p in (_ROOT, os.path.join(_ROOT, "tests")):
 PLANS = (("Qwen3-8B", 7.0), ("Qwen3-14B", 12.0), ("Qwen3-32B", 24.0))
 
 
-def build(kit_dir: str, hardware: str, quick: bool) -> None:
+def target_out(path: str) -> int:
+    from helmc.hardware.measure import cpu_facts
+    from helmc.hardware.measure_gpu import probe_arch
+    f = cpu_facts()
+    arch, why = probe_arch("cupy")
+    t = {"features": list(f.features), "l3_bytes": f.l3_bytes, "cores": f.cores, "gpu_arch": arch}
+    with open(path, "w") as fh:
+        json.dump(t, fh, indent=1)
+    print(f"{path}: {f.name}, {f.cores} cores, L3 {f.l3_bytes >> 20} MiB, GPU {arch or 'none (' + why + ')'}")
+    return 0 if arch else 1
+
+
+def build(kit_dir: str, hardware: str, quick: bool, target_file: str | None = None) -> None:
     from helmc.compiler.profile_kit import KitTarget, build_kit
     from helmc.hardware.profile import load_hardware
-    target = KitTarget.of_profile(load_hardware(hardware), quick=quick)
+    if target_file:
+        with open(target_file) as fh:
+            t = json.load(fh)
+        target = KitTarget(tuple(t["features"]), int(t["l3_bytes"]), int(t["cores"]), t.get("gpu_arch", ""), quick)
+    else:
+        target = KitTarget.of_profile(load_hardware(hardware), quick=quick)
     t0 = time.perf_counter()
     kit = build_kit(kit_dir, target, progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(kit_dir) for f in fs)
@@ -120,7 +140,9 @@ def check(kit_dir: str, out_dir: str, gpu_backend: str = "cupy") -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("dir", help="the profile kit directory")
+    ap.add_argument("dir", nargs="?", help="the profile kit directory")
+    ap.add_argument("--target-out", help="write this machine's kit target (flags, cores, L3, GPU arch) here")
+    ap.add_argument("--target", help="--build: a kit target written by --target-out on the machine")
     ap.add_argument("--build", action="store_true", help="build the kit here (needs the compiler venv and nvcc)")
     ap.add_argument("--hardware", default="h100-sxm-measured", help="--build: the machine's hardware.json or preset")
     ap.add_argument("--quick", action="store_true", help="--build: a small block and small buffers (smoke test)")
@@ -128,8 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-backend", default="cupy", choices=["cupy", "torch", "none"],
                     help="none: the CPU part only (a smoke test where there is no GPU)")
     a = ap.parse_args(argv)
+    if a.target_out:
+        return target_out(a.target_out)
+    if not a.dir:
+        ap.error("expected the profile kit directory")
     if a.build:
-        build(a.dir, a.hardware, a.quick)
+        build(a.dir, a.hardware, a.quick, a.target)
         return 0
     return check(a.dir, a.out, a.gpu_backend)
 
