@@ -34,7 +34,7 @@ from helmc.errors import HelmcError
 
 from helmc.runtime.kv.pages import PagePool, PoolExhausted
 from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
-from helmc.runtime.kv.cuda_ops import D2H, H2D
+from helmc.runtime.kv.cuda_ops import D2H, H2D, PREFILL_MAX_TOKENS
 
 
 class KVCacheGPU:
@@ -431,6 +431,12 @@ class KVCacheGPU:
     def _prefill(self, layer: int, q, scale: float):
         xp, ops = self.xp, self.ops
         start, T = self.length, self.T
+        if start == 0 and q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16:
+            # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
+            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, S, d]
+            out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
+            ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
+            return out
         table = self._table()
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
