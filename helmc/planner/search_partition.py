@@ -14,7 +14,7 @@ from helmc.planner.cost_model import (DeviceRates, Workload, comm_time_ms, gpu_k
                          max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, shortfall_text, stage_time)
 from helmc.errors import HelmcError
 from helmc.planner.hybrid import best_per_pair_count, search_hybrid
-from helmc.hardware.profile import GIB, HardwareProfile, load_hardware
+from helmc.hardware.profile import HardwareProfile, load_hardware
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
 
