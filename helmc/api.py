@@ -16,16 +16,40 @@ def _hardware(hardware) -> HardwareProfile:
     raise HelmcError(f"hardware: expected a HardwareProfile or a path to hardware.json, found {type(hardware).__name__}")
 
 
-def profile(quick: bool = False) -> HardwareProfile:
-    from helmc.hardware.measure import profile as measure
-    return measure(quick=quick)
+def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | None = None, overheads: bool = True,
+            cache_dir: str | None = None, use_cache: bool = True, progress=None) -> HardwareProfile:
+    """Measure this machine with the code helmc runs on it: the profile kit (helmc/hardware/kit.py) for this CPU's
+    features and this GPU's arch, built (or taken from the artifact cache) here unless `kit_dir` gives one built
+    elsewhere; then the rates (hardware/measure.py) and, with `overheads`, each device's per-block overhead on the
+    kit's compiled stages (planner/calibrate.synthetic_overheads). quick: small sizes, for tests."""
+    import os
+    import sys
+    import time
+
+    from helmc.hardware.measure import cpu_facts, profile as measure
+
+    t0 = time.perf_counter()
+    progress = progress or (lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}", file=sys.stderr, flush=True))
+    backend = gpu_backend or os.environ.get("HELMC_GPU_BACKEND")
+    facts = cpu_facts()
+    if kit_dir is None:
+        from helmc.compiler.profile_kit import KitTarget, ensure_kit
+        from helmc.hardware.measure_gpu import probe_arch
+        arch, _ = probe_arch(backend)
+        target = KitTarget(facts.features, facts.l3_bytes, facts.cores, arch, quick)
+        kit_dir = ensure_kit(target, cache_dir=cache_dir, use_cache=use_cache, progress=progress)
+    hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
+    if overheads:
+        from helmc.planner.calibrate import synthetic_overheads
+        hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress)
+    return hw
 
 
 def plan(model_dir_or_config: str, hardware, prompt_len: int = 128, output_len: int = 128, batch: int = 1,
-         objective: str = "decode", gpu_budget_gib: float | None = None, kv_offload: bool = True):
+         objective: str = "decode", gpu_budget_gib: float | None = None, kv_offload: bool = True, hybrid: bool = True):
     from helmc.planner.search_partition import plan as search
     return search(model_dir_or_config, _hardware(hardware), prompt_len=prompt_len, output_len=output_len, batch=batch,
-                  objective=objective, gpu_budget_gib=gpu_budget_gib, kv_offload=kv_offload)
+                  objective=objective, gpu_budget_gib=gpu_budget_gib, kv_offload=kv_offload, hybrid=hybrid)
 
 
 def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, copy_weights: bool = False,

@@ -128,6 +128,30 @@ def register_cubin_index(index_path: str) -> dict:
     return index
 
 
+PREFILL_GEMM_FUNC = "helmc.gemm_nt_f16"     # compiler.passes.dispatch_prefill_gemm.GEMM_FUNC
+_gemm_registered = False
+
+
+def _gemm_nt_f16(x, w, y) -> None:
+    """y[seq, N] = x[seq, K] @ w[N, K]^T in fp16 with fp32 sums: cuBLAS's tensor-core GEMM through CuPy, on CuPy's
+    current stream (the session runs TVM and CuPy work on one stream). The prefill functions call it per linear."""
+    import cupy as cp
+
+    xa, wa, ya = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(y)
+    cp.matmul(xa, wa.T, out=ya)                  # w.T is a view: cuBLAS reads w as stored (op T)
+
+
+def register_prefill_gemm() -> None:
+    """Make helmc.gemm_nt_f16 known to TVM before a GPU stage that calls it is loaded."""
+    global _gemm_registered
+    with _lock:
+        if not _gemm_registered:
+            import tvm_ffi
+
+            tvm_ffi.register_global_func(PREFILL_GEMM_FUNC, _gemm_nt_f16, override=True)
+            _gemm_registered = True
+
+
 def check_device_arch(arch: str, device_id: int = 0) -> None:
     """A cubin runs only on its own major.minor: fail clearly instead of at the first launch."""
     import tvm.runtime
@@ -147,6 +171,7 @@ def load_gpu_executable(lib_path: str, cubin_index_path: str, device_id: int = 0
     import tvm.runtime
 
     ensure_cuda_backend()
+    register_prefill_gemm()
     index = register_cubin_index(cubin_index_path)
     check_device_arch(index["arch"], device_id)
     if not os.path.isfile(lib_path):

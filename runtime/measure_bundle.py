@@ -180,8 +180,7 @@ class _Context:
         return self.embed_rows(np.array([token]))
 
     def distinct(self, blocks: int, cache_bytes: int) -> int:
-        want = max(MIN_DISTINCT_BLOCKS, -(-2 * cache_bytes // max(1, self.block_bytes)))
-        return max(1, min(blocks, want, self.spec.num_layers))
+        return distinct_blocks(blocks, cache_bytes, self.block_bytes, self.spec.num_layers)
 
     def random_kv(self, dtype) -> tuple[np.ndarray, np.ndarray]:
         shape = (self.fill, self.spec.num_kv_heads, self.spec.head_dim)          # [S, h_kv, d]
@@ -196,6 +195,12 @@ class _Context:
             if i >= self.warmup:
                 times.append(ms)
         return tuple(times)
+
+
+def distinct_blocks(blocks: int, cache_bytes: int, block_bytes: int, num_layers: int) -> int:
+    """Blocks of distinct weights a timed step cycles over: twice the cache's bytes, never fewer than two."""
+    want = max(MIN_DISTINCT_BLOCKS, -(-2 * cache_bytes // max(1, block_bytes)))
+    return max(1, min(blocks, want, num_layers))
 
 
 def _source_layers(plan_layers: range, n: int) -> range:

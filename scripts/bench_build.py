@@ -34,7 +34,7 @@ with tempfile.TemporaryDirectory() as tmp:
     hw = a.hardware
     if hw is None:
         hw = os.path.join(tmp, "hardware.json")
-        subprocess.run([sys.executable, "-c", f"from helmc.hardware.measure import profile; profile(quick=True).save({hw!r})"], check=True)
+        subprocess.run([sys.executable, "-c", f"from helmc.api import profile; profile(quick=True, overheads=False).save({hw!r})"], check=True)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "helmc.cli.main", "build", model, hw, "-o", os.path.join(tmp, "bundle"), "--no-cache",
                         ], capture_output=True, text=True)

@@ -110,7 +110,10 @@ def main(argv=None) -> int:
           f"{report['stream_ms_per_step']:.3f} ms on the stream; graph {report['graph']}", flush=True)
     del s
     if a.ncu:
-        cmd = [a.ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--metrics",
+        # no clock locking or cache flushing: the kernels run as in the timed step (ncu's defaults lock the
+        # clocks to base and flush caches between kernels, which inflated session 8's first table by ~30%)
+        cmd = [a.ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--clock-control", "none",
+               "--cache-control", "none", "--metrics",
                "gpu__time_duration.sum", "--csv", sys.executable, os.path.abspath(__file__), a.bundle,
                "--weights", a.weights, "--prompt-len", str(a.prompt_len), "--inner"]
         p = subprocess.run(cmd, capture_output=True, text=True)

@@ -48,8 +48,10 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture(scope="session")
 def host_hardware():
-    from helmc.hardware.measure import profile
-    return profile(quick=True)
+    # Quick sizes, no per-block overheads: a compile target and rough rates for the tests' tiny builds. The
+    # profile kit it measures with is cached in the artifact cache, so later sessions compile nothing.
+    from helmc.api import profile
+    return profile(quick=True, overheads=False, progress=lambda m: None)
 
 
 @pytest.fixture(scope="session")

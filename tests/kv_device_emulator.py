@@ -232,6 +232,23 @@ class EmulatedOps:
         sl[0, :, row] = np.asarray(k).reshape(num_kv_heads, head_dim)
         sl[1, :, row] = np.asarray(v).reshape(num_kv_heads, head_dim)
 
+    def prefill_causal(self, q, kv, num_kv_heads, head_dim, window, scale, out):
+        """The kernel's contract: causal (windowed) softmax attention of S fresh rows over their own K/V."""
+        self.kernel_launches += 1
+        for a, w in ((q, False), (kv, False), (out, True)):
+            self.access(self._compute, a, write=w)
+        S, h_a, d = q.shape
+        g = h_a // num_kv_heads
+        k = np.repeat(np.asarray(kv[0], np.float64), g, axis=0)            # [h_kv, S, d] -> [h_a, S, d]
+        v = np.repeat(np.asarray(kv[1], np.float64), g, axis=0)
+        e = np.einsum("shd,htd->hst", np.asarray(q, np.float64), k) * scale   # [h_a, S, S]
+        t = np.arange(S)
+        visible = (t[None, :] <= t[:, None]) & ((t[None, :] > t[:, None] - window) if window else True)
+        e = np.where(visible[None], e, -np.inf)
+        p = np.exp(e - e.max(-1, keepdims=True))
+        o = np.einsum("hst,htd->shd", p / p.sum(-1, keepdims=True), v)
+        np.ndarray.__setitem__(out, Ellipsis, o.astype(np.float16))
+
     def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,
                        n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):
         self.kernel_launches += 1

@@ -25,32 +25,57 @@ def _fail(e: HelmcError) -> None:
 
 def summarize_profile(hw: HardwareProfile) -> str:
     c = hw.cpu
+    reads = ", ".join(f"{r.weight_type} {r.gbs:.1f}" for r in c.gemv_reads)
     lines = [f"cpu: {c.name}, {c.cores} cores / {c.threads} threads, L3 {c.l3_bytes / 2**20:.0f} MiB, "
              f"RAM {c.ram_free_bytes / GIB:.1f} of {c.ram_total_bytes / GIB:.1f} GiB free",
-             f"     DRAM {c.dram_gbs:.1f} GB/s contiguous, {c.dram_strided_gbs:.1f} GB/s inference-like, "
-             f"L3 {c.l3_gbs:.1f} GB/s, sgemm {c.fp32_gflops:.0f} GFLOP/s; "
+             f"     DRAM {c.dram_gbs:.1f} GB/s (helmc's stream read), helmc's decode GEMVs read {c.host_read_gbs:.1f} GB/s "
+             f"(fp16; the cost model's M), L3 {c.l3_gbs:.1f} GB/s, GEMM {c.fp32_gflops:.0f} GFLOP/s; "
              f"avx2 {c.has('avx2')}, f16c {c.has('f16c')}, avx512f {c.has('avx512f')}"]
+    if reads:
+        lines.append(f"     GEMV reads by weight type (GB/s): {reads}")
+    lines.append(f"     per-block overhead {_ms(c.block_overhead_ms)}, per-token tail {_ms(c.step_overhead_ms)}")
     if hw.gpu is not None and hw.link is not None:
         g, l = hw.gpu, hw.link
         lines += [f"gpu: {g.name} ({g.arch}), VRAM {g.vram_free_bytes / GIB:.1f} of {g.vram_total_bytes / GIB:.1f} GiB free, "
-                  f"HBM {g.hbm_gbs:.0f} GB/s, fp16 {g.fp16_tflops:.1f} TFLOP/s",
-                  f"link: H2D {l.h2d_gbs:.1f} GB/s, D2H {l.d2h_gbs:.1f} GB/s, latency {l.latency_us:.1f} us; "
-                  f"per-block overhead delta: CPU {hw.block_overhead_on('cpu'):.3f} ms, GPU {hw.block_overhead_on('gpu'):.3f} ms"
-                  f"{' (calibrated)' if hw.source == 'calibrated' else ''}"]
+                  f"HBM {g.hbm_gbs:.0f} GB/s, fp16 {g.fp16_tflops:.1f} TFLOP/s; per-block overhead "
+                  f"{_ms(g.block_overhead_ms)}, per-token tail {_ms(g.step_overhead_ms)}",
+                  f"link: H2D {l.h2d_gbs:.1f} GB/s, D2H {l.d2h_gbs:.1f} GB/s, latency {l.latency_us:.1f} us"]
+        if l.has_concurrent:
+            lines.append(f"DRAM + PCIe at once: the GEMVs {l.cpu_read_concurrent_gbs:.1f} GB/s + copies "
+                         f"{l.h2d_concurrent_gbs:.1f} GB/s = {l.combined_gbs:.1f} GB/s of host memory")
+    if hw.block_overhead_ms:
+        lines.append(f"profile-wide per-block overhead {hw.block_overhead_ms:.3f} ms (devices without their own)")
     lines += [f"unmeasured: {u}" for u in hw.unmeasured]
     return "\n".join(lines)
 
 
+def _ms(value) -> str:
+    return "not measured" if value is None else f"{value:+.3f} ms"
+
+
 @click.command("profile")
 @click.option("-o", "--output", default="hardware.json", show_default=True, help="where to write the profile")
-@click.option("--quick", is_flag=True, help="small buffers (seconds; figures not fit for planning)")
+@click.option("--quick", is_flag=True, help="small buffers and a small block (seconds; figures not fit for planning)")
 @click.option("--gpu-backend", type=click.Choice(["cupy", "torch", "none"]), default=None,
               help="force a GPU backend (default: cupy, else torch)")
-def profile_command(output: str, quick: bool, gpu_backend: str | None) -> None:
-    """Measure this machine's CPU, GPU and link into a hardware profile (thesis 4.1.2)."""
-    from helmc.hardware.measure import profile
+@click.option("--kit", "kit_dir", type=click.Path(), default=None,
+              help="measure with this profile kit (built elsewhere by --build-kit): no compiler needed here")
+@click.option("--build-kit", "build_kit_dir", type=click.Path(), default=None,
+              help="only build a profile kit into this directory (for --for's machine, default this one)")
+@click.option("--for", "for_hardware", type=click.Path(), default=None,
+              help="with --build-kit: a hardware.json or preset of the machine the kit is for")
+@click.option("--no-overheads", is_flag=True, help="skip the per-block overheads on the kit's compiled stages")
+def profile_command(output: str, quick: bool, gpu_backend: str | None, kit_dir: str | None, build_kit_dir: str | None,
+                    for_hardware: str | None, no_overheads: bool) -> None:
+    """Measure this machine's CPU, GPU and link with the code helmc runs on them (thesis 4.1.2, issue 17)."""
+    from helmc import api
     try:
-        hw = profile(quick=quick, gpu_backend=gpu_backend)
+        if for_hardware and not build_kit_dir:
+            raise HelmcError("--for expected with --build-kit, found it alone")
+        if build_kit_dir:
+            _build_kit(build_kit_dir, for_hardware, quick, gpu_backend)
+            return
+        hw = api.profile(quick=quick, gpu_backend=gpu_backend, kit_dir=kit_dir, overheads=not no_overheads)
         hw.save(output)
     except HelmcError as e:
         _fail(e)
@@ -58,10 +83,32 @@ def profile_command(output: str, quick: bool, gpu_backend: str | None) -> None:
     click.echo(f"wrote {output}")
 
 
+def _build_kit(out_dir: str, for_hardware: str | None, quick: bool, gpu_backend: str | None) -> None:
+    from helmc.compiler.profile_kit import KitTarget, build_kit
+    from helmc.hardware.profile import load_hardware
+    if for_hardware:
+        target = KitTarget.of_profile(load_hardware(for_hardware), quick=quick)
+    else:
+        from helmc.hardware.measure import cpu_facts
+        from helmc.hardware.measure_gpu import probe_arch
+        f = cpu_facts()
+        target = KitTarget(f.features, f.l3_bytes, f.cores, probe_arch(gpu_backend)[0], quick)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise HelmcError(f"--build-kit expected a new or empty directory, found {out_dir} with files in it")
+    kit = build_kit(out_dir, target, progress=lambda m: click.echo(m, err=True))
+    click.echo(f"built a profile kit in {out_dir}: {kit.isa} kernels for {target.cores} cores, L3 "
+               f"{target.l3_bytes >> 20} MiB{', GPU stage for ' + target.gpu_arch if target.gpu_arch else ''}; "
+               f"measure there with: helmc profile --kit {out_dir}  (or python -m helmc.hardware.measure --kit ...)")
+
+
 def plan_json(plan: Plan) -> dict:
-    return {"cpu_units": plan.cpu_units, "gpu_units": plan.gpu_units, "t_plan_ms": plan.t_plan_ms,
-            "plan": plan.describe(), "max_context": plan.max_context,
-            "candidates": [to_dict(c) for c in plan.candidates]}
+    out = {"cpu_units": plan.cpu_units, "gpu_units": plan.gpu_units, "t_plan_ms": plan.t_plan_ms,
+           "plan": plan.describe(), "max_context": plan.max_context,
+           "candidates": [to_dict(c) for c in plan.candidates]}
+    if plan.is_hybrid:
+        out.update(groups=[to_dict(g) for g in plan.groups], staging_ring_bytes=plan.staging_ring_bytes,
+                   t_copy_ms=plan.t_copy_ms, hybrid_candidates=[to_dict(c) for c in plan.hybrid_candidates])
+    return out
 
 
 def plot_plan(plan: Plan, path: str) -> None:
@@ -115,19 +162,23 @@ def plot_plan(plan: Plan, path: str) -> None:
               help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2)")
 @click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
               help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
+@click.option("--hybrid/--no-hybrid", default=True, show_default=True,
+              help="let decode stream some host blocks to the GPU while the CPU computes others, where that is "
+                   "predicted faster (needs a profile with the DRAM + PCIe concurrent rates)")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="weight dtype (default: the checkpoint's)")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and all candidates as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="draw T_plan against k into a PNG")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write the Plan JSON here")
 def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, stream_prefill,
-                 dtype, as_json, plot, output) -> None:
+                 hybrid, dtype, as_json, plot, output) -> None:
     """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1)."""
     from helmc.planner.search_partition import load_spec, plan
     try:
         spec = load_spec(model)
         p = plan(spec, hardware, prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective,
-                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype, stream_prefill=stream_prefill)
+                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype, stream_prefill=stream_prefill,
+                 hybrid=hybrid)
         if plot:
             plot_plan(p, plot)
         if output:

@@ -80,12 +80,22 @@ class ArtifactCache:
             return d
         return None
 
+    def store_tree(self, key: str, src_dir: str, meta: dict) -> str:
+        """Copy the directory `src_dir` (subdirectories too) into a new entry; returns the entry directory."""
+        files = {}
+        for d, _, names in os.walk(src_dir):
+            for n in names:
+                path = os.path.join(d, n)
+                files[os.path.relpath(path, src_dir)] = path
+        return self.store(key, files, meta)
+
     def store(self, key: str, files: dict[str, str], meta: dict) -> str:
         """Copy `files` (name -> source path) into a new entry; returns the entry directory."""
         os.makedirs(self.root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{key}-", dir=self.root)
         try:
             for name, src in files.items():
+                os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
                 shutil.copy2(src, os.path.join(tmp, name))
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)

@@ -55,10 +55,17 @@ def read_config(model_dir: str) -> tuple[ModelSpec, str]:
     return source.spec, source.config_sha256
 
 
+# Hybrid decode (planner/hybrid.py) is planned by `helmc plan`; a bundle keeps the plain split until runtime/
+# executes streamed groups (issue 17's executor): a hybrid plan run as a plain split would put one more block on
+# the CPU (the ring's VRAM) than the best split, and predict a token the runtime does not deliver.
+BUILD_HYBRID = False
+
+
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
-                stream_prefill: bool = True, batch: int = 1) -> Plan:
+                stream_prefill: bool = True, batch: int = 1, hybrid: bool = BUILD_HYBRID) -> Plan:
     from helmc.planner.search_partition import plan as search
-    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill, batch=batch)
+    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill, batch=batch,
+                  hybrid=hybrid)
 
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:

@@ -1,22 +1,20 @@
-"""Hardware profiling (thesis 4.1.2): measure the machine the plan is made for.
+"""Hardware profiling (thesis 4.1.2): measure the machine the plan is made for, with the code helmc runs there.
 
-CPU (numpy, one thread per usable hardware thread, each reducing its own part of memory):
-  dram_gbs          one buffer >= 8 x L3, each thread reading a contiguous slice;
-  dram_strided_gbs  the inference-like pattern: many separately allocated matrices shaped like a
-                    transformer block's weights, visited in order, each read by all threads in
-                    interleaved 16-row tiles (the TLB and allocation effects thesis 7.1 says a
-                    single 64 MB copy misses);
-  l3_gbs            each thread re-reading a slice that fits in its share of L3;
-  fp32_gflops       numpy (BLAS) sgemm.
+CPU (helmc's own compiled kernels from a profile kit, helmc/hardware/kit.py; host_read.py):
+  dram_gbs          helmc's stream-read kernel on every core over a buffer >= 4 x L3;
+  host_read_gbs     helmc's fp16 decode GEMVs on every core over block-shaped weights >= 4 x L3, launched as the CPU
+                    stage launches them (the cost model's M); gemv_reads the same per weight type;
+  l3_gbs            the stream read re-reading half the L3;
+  fp32_gflops       helmc's prefill GEMM, 128 tokens, on every core (P on the CPU: the compute term).
   Cores, features, L3 size and free RAM come from /sys, /proc/cpuinfo, /proc/meminfo and cgroups.
-GPU (cupy, else torch.cuda; HELMC_GPU_BACKEND=cupy|torch|none forces one): name, arch, free VRAM,
-HBM bandwidth (fp16 GEMV over a large matrix, the decode pattern), P_pre ((128,4096) x (4096,4096)
-fp16 matmul), pinned host<->device bandwidth (256 MiB) and l_link (8 KB copies), and the
-per-block overhead delta of thesis 6.4.4: a Qwen3-8B-shaped decode block run op by op, minus its
-roofline time at the measured HBM bandwidth.
+GPU (measure_gpu.py; cupy, else torch.cuda; HELMC_GPU_BACKEND=cupy|torch|none forces one): name, arch, free VRAM,
+HBM bandwidth, P_pre, pinned host<->device bandwidth and l_link; with CuPy, the DRAM + PCIe window
+(concurrent.py): copies to the GPU while helmc's GEMVs run on every core, both rates from one window.
+Per-block overheads come from helmc's compiled stages on the kit's synthetic model (planner/calibrate.py,
+synthetic_overheads); helmc.api.profile runs everything in order and builds the kit where the compiler is.
 
 What cannot be measured is listed in `unmeasured` with the reason, never guessed.
-Run alone: python -m helmc.hardware.measure -o hardware.json [--quick]
+Run alone (TVM runtime only): python -m helmc.hardware.measure --kit KIT_DIR -o hardware.json [--quick]
 """
 from __future__ import annotations
 
@@ -24,11 +22,10 @@ import argparse
 import glob
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-import numpy as np
-
-from helmc.hardware.measure_gpu import GpuMeasurement, measure_gpu, wall_median_s
+from helmc.hardware.kit import ProfileKit, check_kit_runs_here
+from helmc.hardware.measure_gpu import GpuMeasurement, measure_gpu
 from helmc.hardware.profile import PROFILE_FORMAT_VERSION, CpuProfile, HardwareProfile
 
 MIB = 1024 ** 2
@@ -118,82 +115,24 @@ def ram_bytes() -> tuple[int, int, str]:
     return total, avail, where
 
 
-# ---- CPU bandwidth -------------------------------------------------------------------------------
+# ---- CPU ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the CPU is, before anything is timed (what a kit is compiled for)."""
+    name: str
+    features: tuple[str, ...]
+    cores: int
+    threads: int
+    l3_bytes: int
+    l3_instances: int
+    ram_total_bytes: int
+    ram_free_bytes: int
+    unmeasured: tuple[str, ...]
+    notes: tuple[str, ...]
 
 
-def _filled(nbytes: int) -> np.ndarray:
-    a = np.empty(nbytes // 4, np.float32)
-    a.fill(1.0)                                   # touch every page before timing
-    return a
-
-
-def contiguous_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int, reps: int) -> float:
-    buf = _filled(nbytes)
-    parts = np.array_split(buf, threads)
-    t = wall_median_s(lambda: list(pool.map(np.maximum.reduce, parts)), reps)
-    return buf.nbytes / t / 1e9
-
-
-def block_shaped_matrices(nbytes: int, hidden: int) -> list[np.ndarray]:
-    """Separately allocated fp32 matrices in the proportions of a Qwen3 block (q, k, v, o, gate,
-    up, down with kv = hidden/4, ffn = 3 hidden), as many blocks as fit in nbytes."""
-    shapes = [(hidden, hidden), (hidden // 4, hidden), (hidden // 4, hidden), (hidden, hidden),
-              (3 * hidden, hidden), (3 * hidden, hidden), (hidden, 3 * hidden)]
-    per_block = sum(r * c for r, c in shapes) * 4
-    mats = []
-    for _ in range(max(1, nbytes // per_block)):
-        for r, c in shapes:
-            m = np.empty((r, c), np.float32)      # one allocation each, as checkpoints load them
-            m.fill(1.0)
-            mats.append(m)
-    return mats
-
-
-def interleaved_tiles(m: np.ndarray, threads: int, tile_rows: int) -> list[np.ndarray]:
-    """Thread i's rows of m: tiles i, i+T, i+2T, ... as one strided view (no copy)."""
-    rows, cols = m.shape
-    usable = rows // (tile_rows * threads) * tile_rows * threads
-    if usable == 0:
-        return [m] if threads == 1 else list(np.array_split(m, threads))
-    tiled = m[:usable].reshape(-1, threads, tile_rows, cols)     # [n_tiles / T, T, tile_rows, cols]
-    return [tiled[:, i] for i in range(threads)]                  # each [n_tiles / T, tile_rows, cols]
-
-
-def inference_like_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int, reps: int,
-                            hidden: int = 1024, tile_rows: int = 16) -> float:
-    mats = block_shaped_matrices(nbytes, hidden)
-    tiles = [interleaved_tiles(m, threads, tile_rows) for m in mats]
-    per_thread = [[t[i] for t in tiles] for i in range(threads)]     # thread i: its tiles of every matrix, in order
-
-    def walk(views):
-        # No barrier between matrices: a Python fork-join per matrix would cost more than a native
-        # kernel's and measure the interpreter, not the memory.
-        for v in views:
-            np.maximum.reduce(v, axis=None)
-    t = wall_median_s(lambda: list(pool.map(walk, per_thread)), reps)
-    return sum(m.nbytes for m in mats) / t / 1e9
-
-
-def cache_read_gbs(pool: ThreadPoolExecutor, threads: int, nbytes: int, inner: int, reps: int) -> float:
-    buf = _filled(nbytes)
-    parts = np.array_split(buf, threads)
-
-    def reread(p):
-        for _ in range(inner):
-            np.maximum.reduce(p)
-    t = wall_median_s(lambda: list(pool.map(reread, parts)), reps)
-    return buf.nbytes * inner / t / 1e9
-
-
-def sgemm_gflops(n: int, reps: int) -> float:
-    a = np.ones((n, n), np.float32)
-    b = np.ones((n, n), np.float32)
-    t = wall_median_s(lambda: a @ b, reps)
-    return 2 * n ** 3 / t / 1e9
-
-
-def measure_cpu(quick: bool = False) -> tuple[CpuProfile, list[str], list[str]]:
-    unmeasured, notes = [], []
+def cpu_facts() -> CpuFacts:
+    unmeasured = []
     cpuinfo = _read("/proc/cpuinfo") or ""
     name = _cpuinfo_field(cpuinfo, "model name") or _cpuinfo_field(cpuinfo, "Model name") or "unknown CPU"
     flags = (_cpuinfo_field(cpuinfo, "flags") or _cpuinfo_field(cpuinfo, "Features") or "").split()
@@ -209,53 +148,91 @@ def measure_cpu(quick: bool = False) -> tuple[CpuProfile, list[str], list[str]]:
     if not l3:
         unmeasured.append("cpu.l3_bytes: no L3 in /sys/devices/system/cpu/*/cache or sysconf")
     total, avail, ram_where = ram_bytes()
-    notes.append(f"cpu: {threads} hardware threads, {cores} cores, L3 {l3 / MIB:.0f} MiB in {l3_instances} "
-                 f"instance(s); free RAM from {ram_where}")
-
-    big = 64 * MIB if quick else int(min(2 * GIB, max(512 * MIB, 8 * l3), avail // 8))
-    reps = 3 if quick else 5
-    with ThreadPoolExecutor(threads) as pool:
-        dram = contiguous_read_gbs(pool, threads, big, reps)
-        strided = inference_like_read_gbs(pool, threads, big, reps, hidden=512 if quick else 2048)
-        l3_gbs = 0.0
-        if l3:
-            per_instance = l3 // max(1, l3_instances)
-            # Half of each thread's share of its L3 instance, so the slice stays cached between passes.
-            slice_bytes = max(64 * 1024, per_instance // max(1, threads // max(1, l3_instances)) // 2)
-            l3_gbs = cache_read_gbs(pool, threads, slice_bytes * threads, inner=10 if quick else 50, reps=reps)
-        else:
-            unmeasured.append("cpu.l3_gbs: L3 size unknown")
-    gflops = sgemm_gflops(512 if quick else 2048, reps=3)
-    notes.append(f"cpu: dram {dram:.1f} GB/s over one {big / MIB:.0f} MiB buffer; inference-like {strided:.1f} GB/s "
-                 f"over the same volume of block-shaped matrices; L3 {l3_gbs:.1f} GB/s; sgemm "
-                 f"{gflops:.0f} GFLOP/s (numpy {np.__version__}); each the median of {reps} passes")
-    if quick:
-        notes.append("quick mode: small buffers; the bandwidth figures are not fit for planning")
-    cpu = CpuProfile(name=name, cores=cores, threads=threads, features=tuple(flags), l3_bytes=l3, dram_gbs=round(dram, 2),
-                     dram_strided_gbs=round(strided, 2), l3_gbs=round(l3_gbs, 2), fp32_gflops=round(gflops, 1),
-                     ram_total_bytes=total, ram_free_bytes=max(1, min(avail, total)))
-    return cpu, unmeasured, notes
+    note = (f"cpu: {threads} hardware threads, {cores} cores, L3 {l3 / MIB:.0f} MiB in {l3_instances} instance(s); "
+            f"free RAM from {ram_where}")
+    return CpuFacts(name, tuple(flags), cores, threads, l3, l3_instances, total, max(1, min(avail, total)),
+                    tuple(unmeasured), (note,))
 
 
-# ---- the whole profile ---------------------------------------------------------------------------
-def profile(quick: bool = False, gpu_backend: str | None = None) -> HardwareProfile:
-    """Measure this machine. quick: small buffers (tests; under ~3 s on a CPU-only machine)."""
-    cpu, unmeasured, notes = measure_cpu(quick)
-    g: GpuMeasurement = measure_gpu(quick, gpu_backend or os.environ.get("HELMC_GPU_BACKEND"))
-    unmeasured += g.unmeasured
-    notes += g.notes
-    return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link,
-                           block_overhead_ms=g.block_overhead_ms, source="measured",
-                           unmeasured=tuple(unmeasured), notes=tuple(notes))
+def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda m: None,
+                pinned: bool = False) -> tuple[CpuProfile, list[str]]:
+    """The CPU part of the profile: facts plus helmc's kernels' read rates (kit built for this CPU's flags), over
+    pinned memory where the runtime would pin the CPU blocks (a GPU is present)."""
+    from helmc.hardware.host_read import measure_host_reads
+    check_kit_runs_here(kit, facts.features)
+    notes = list(facts.notes)
+    if kit.l3_bytes < facts.l3_bytes or kit.cores != facts.cores:
+        notes.append(f"cpu: the kit was built for {kit.cores} cores and an L3 of {kit.l3_bytes >> 20} MiB, this CPU "
+                     f"has {facts.cores} and {facts.l3_bytes >> 20} MiB: its reads may be sized for another cache")
+    reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress, pinned=pinned)
+    notes += list(reads.notes)
+    if kit.quick:
+        notes.append("quick mode: small buffers and a small block; the figures are not fit for planning")
+    cpu = CpuProfile(name=facts.name, cores=facts.cores, threads=facts.threads, features=facts.features,
+                     l3_bytes=facts.l3_bytes, dram_gbs=reads.dram_gbs, host_read_gbs=reads.host_read_gbs,
+                     gemv_reads=reads.gemv_reads, l3_gbs=reads.l3_gbs, fp32_gflops=reads.gemm_gflops,
+                     ram_total_bytes=facts.ram_total_bytes, ram_free_bytes=facts.ram_free_bytes)
+    return cpu, notes
+
+
+# ---- the whole profile ---------------------------------------------------------------------------------
+def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
+    """measure_gpu's `then`: the DRAM + PCIe window on the open backend (CuPy only)."""
+    import dataclasses
+
+    def then(be, m: GpuMeasurement) -> GpuMeasurement:
+        if not hasattr(be, "queue_h2d"):
+            return dataclasses.replace(m, unmeasured=m.unmeasured + (
+                f"link.h2d_concurrent_gbs, link.cpu_read_concurrent_gbs: the {be.name} backend cannot queue "
+                f"copies with events (CuPy can)",))
+        from helmc.hardware.concurrent import measure_concurrent
+        from helmc.hardware.host_read import Arena, GemvPass, KitLibrary, arena_bytes
+        try:
+            lib = KitLibrary(kit_dir, kit)
+            gemv = GemvPass(lib, Arena(arena_bytes(kit), pinned=True), "float16")   # as hybrid decode's blocks
+            r = measure_concurrent(be, gemv, m.link.h2d_gbs, seconds=0.3 if kit.quick else 1.0,
+                                   chunk=(16 if kit.quick else 256) << 20, host_bytes=(64 << 20) if kit.quick else GIB,
+                                   progress=progress)
+        except Exception as e:                       # a failed window is said, not invented
+            return dataclasses.replace(m, unmeasured=m.unmeasured + (
+                f"link.h2d_concurrent_gbs, link.cpu_read_concurrent_gbs: failed ({type(e).__name__}: {e})",))
+        link = dataclasses.replace(m.link, h2d_concurrent_gbs=r.h2d_gbs, cpu_read_concurrent_gbs=r.cpu_gbs)
+        note = (f"DRAM + PCIe at once ({r.window_s:.2f} s window, median of 3): helmc's fp16 GEMVs read "
+                f"{r.cpu_gbs:.1f} GB/s (alone {r.cpu_alone_gbs:.1f}) while copies to the GPU moved {r.h2d_gbs:.1f} "
+                f"GB/s (alone {r.h2d_alone_gbs:.1f}): {r.combined_gbs:.1f} GB/s of host memory together")
+        return dataclasses.replace(m, link=link, notes=m.notes + (note,))
+    return then
+
+
+def profile(kit_dir: str, quick: bool = False, gpu_backend: str | None = None, progress=lambda m: None,
+            facts: CpuFacts | None = None) -> HardwareProfile:
+    """Measure this machine with the kit in kit_dir (rates only: per-block overheads are
+    planner.calibrate.synthetic_overheads'). quick: a quick kit's small sizes, and quick GPU sizes."""
+    from helmc.hardware.measure_gpu import open_backend
+    facts = facts or cpu_facts()
+    kit = ProfileKit.load(kit_dir)
+    backend = gpu_backend or os.environ.get("HELMC_GPU_BACKEND")
+    be, _ = open_backend(backend)
+    pinned = be is not None and be.name == "cupy"      # the runtime pins CPU blocks (with CuPy) beside a GPU
+    if be is not None:
+        be.release()
+    cpu, notes = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
+    if be is not None:
+        progress(f"gpu: HBM, fp16 matmul and the link ({be.name})" + (", then the DRAM + PCIe window" if pinned else ""))
+    g: GpuMeasurement = measure_gpu(quick, backend, then=_concurrent_step(kit_dir, kit, progress))
+    return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link, source="measured",
+                           unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m helmc.hardware.measure", description=__doc__.splitlines()[0])
+    ap.add_argument("--kit", required=True, help="a profile kit directory (helmc profile --build-kit DIR)")
     ap.add_argument("-o", "--output", default="hardware.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gpu-backend", choices=["cupy", "torch", "none"])
     args = ap.parse_args(argv)
-    hw = profile(quick=args.quick, gpu_backend=args.gpu_backend)
+    hw = profile(args.kit, quick=args.quick, gpu_backend=args.gpu_backend,
+                 progress=lambda m: print(m, file=sys.stderr, flush=True))
     hw.save(args.output)
     print(hw.to_json())
     return 0

@@ -1,9 +1,11 @@
-"""GPU and link micro-benchmarks for `helmc profile` (thesis 4.1.2 (i)-(iii) and the delta of 6.4.4).
+"""GPU and link micro-benchmarks for `helmc profile` (thesis 4.1.2 (i)-(iii)).
 
 Runs through CuPy where importable, else torch.cuda; both behind one small backend interface so
 the same measurement code runs on either (and, in the tests, on numpy or torch CPU arrays, which
 checks the arithmetic without a GPU). Every figure that fails is listed as unmeasured with the
 exception text; a GPU whose HBM bandwidth or link cannot be measured is left out of the profile.
+The GPU's per-block overhead comes from helmc's compiled GPU stage (planner/calibrate.py, synthetic_overheads),
+not from array-library ops (their launches are not the stage's); the DRAM + PCIe rates from concurrent.py.
 """
 from __future__ import annotations
 
@@ -34,29 +36,8 @@ class DeviceInfo:
 class GpuMeasurement:
     gpu: Optional[GpuProfile] = None
     link: Optional[LinkProfile] = None
-    block_overhead_ms: float = 0.0
     unmeasured: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """A decode block to calibrate delta on; the default is Qwen3-8B's."""
-    hidden: int = 4096
-    ffn: int = 12288
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    context: int = 192              # mean decode context of the default workload (128 + 128 / 2)
-
-    @property
-    def weight_bytes(self) -> int:
-        H, Q, KV = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * (2 * H * Q + 2 * H * KV + 3 * H * self.ffn + 2 * H + 2 * self.head_dim)
-
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * 2 * self.kv_heads * self.context * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -67,13 +48,9 @@ class BenchSizes:
     matmul_inner: int = 50
     matmul_m: int = 128             # thesis 4.1.2 (ii): (128, H) x (H, H)
     matmul_h: int = 4096
-    block: BlockShape = BlockShape()
-    blocks: int = 20
 
 
-QUICK_SIZES = BenchSizes(gemv_bytes=64 * MIB, link_bytes=16 * MIB, latency_reps=20, matmul_inner=5,
-                         block=BlockShape(hidden=1024, ffn=3072, heads=8, kv_heads=2, head_dim=128, context=64),
-                         blocks=4)
+QUICK_SIZES = BenchSizes(gemv_bytes=64 * MIB, link_bytes=16 * MIB, latency_reps=20, matmul_inner=5)
 
 
 # ---- backends --------------------------------------------------------------------------------------
@@ -149,6 +126,33 @@ class CupyBackend(ArrayBackend):
 
     def d2h(self, host, dev, nbytes: int):
         self.rt.memcpy(host.ptr, dev.data.ptr, nbytes, getattr(self.rt, "memcpyDeviceToHost", 2))
+
+    def queue_h2d(self, dev, host, host_bytes: int, chunk: int, count: int):
+        """`count` async copies of `chunk` bytes from successive offsets of pinned `host` into `dev`, each followed
+        by an event, on a stream of their own; returns a handle for copy_end_times. Nothing here waits for them."""
+        cp, rt = self.cp, self.rt
+        stream = cp.cuda.Stream(non_blocking=True)
+        e0 = cp.cuda.Event()
+        e0.record(stream)
+        e0.synchronize()
+        t0 = time.perf_counter()                 # the host time of e0 (an idle stream records it at once)
+        events, slots = [], max(1, host_bytes // chunk)
+        kind = getattr(rt, "memcpyHostToDevice", 1)
+        for i in range(count):
+            rt.memcpyAsync(dev.data.ptr, host.ptr + (i % slots) * chunk, chunk, kind, stream.ptr)
+            e = cp.cuda.Event()
+            e.record(stream)
+            events.append(e)
+        return (stream, t0, e0, events)
+
+    def copies_done(self, handle) -> bool:
+        return handle[3][-1].done                 # cudaEventQuery: no wait
+
+    def copy_end_times(self, handle) -> list[float]:
+        """Host-clock time (perf_counter) at which each queued copy finished; waits for all of them."""
+        stream, t0, e0, events = handle
+        stream.synchronize()
+        return [t0 + self.cp.cuda.get_elapsed_time(e0, e) * 1e-3 for e in events]
 
     def release(self):
         self.cp.get_default_memory_pool().free_all_blocks()
@@ -312,47 +316,6 @@ def link_figures(be, nbytes: int, latency_reps: int) -> tuple[LinkProfile, str]:
     return LinkProfile(h2d_gbs=round(h2d, 2), d2h_gbs=round(d2h, 2), latency_us=round(latency_us, 2)), note
 
 
-def decode_block_ms(be, shape: BlockShape, blocks: int) -> float:
-    """Wall time on the device timeline of one decode block run op by op (norms, q/k/v, q/k norm,
-    RoPE, KV append, GQA attention, o, residual, SwiGLU MLP, residual), per block."""
-    H, D, I = shape.hidden, shape.head_dim, shape.ffn
-    Q, KV, g = shape.heads * D, shape.kv_heads * D, shape.heads // shape.kv_heads
-    f16 = "float16"
-    w = {"ln1": be.full((H,), 1.0, f16), "q": be.full((H, Q), 0.001, f16), "k": be.full((H, KV), 0.001, f16),
-         "v": be.full((H, KV), 0.001, f16), "qn": be.full((D,), 1.0, f16), "kn": be.full((D,), 1.0, f16),
-         "o": be.full((Q, H), 0.001, f16), "ln2": be.full((H,), 1.0, f16), "gate": be.full((H, I), 0.001, f16),
-         "up": be.full((H, I), 0.001, f16), "down": be.full((I, H), 0.001, f16)}
-    k_cache = be.full((shape.kv_heads, shape.context, D), 0.01, f16)   # [kvh, ctx, D]
-    v_cache = be.full((shape.kv_heads, shape.context, D), 0.01, f16)   # [kvh, ctx, D]
-    cos, sin = be.full((D,), 1.0, f16), be.full((D,), 0.0, f16)
-    pos = shape.context - 1
-    scale = 1.0 / D ** 0.5
-
-    def block(x):                                                      # x: [1, H]
-        h = be.rms(x, w["ln1"])
-        q = be.rms(be.matmul(h, w["q"]).reshape(shape.heads, D), w["qn"])       # [heads, D]
-        k = be.rms(be.matmul(h, w["k"]).reshape(shape.kv_heads, D), w["kn"])    # [kvh, D]
-        v = be.matmul(h, w["v"]).reshape(shape.kv_heads, D)                     # [kvh, D]
-        q = q * cos + be.rotate_half(q) * sin
-        k = k * cos + be.rotate_half(k) * sin
-        k_cache[:, pos] = k
-        v_cache[:, pos] = v
-        scores = be.matmul(q.reshape(shape.kv_heads, g, D), be.transpose_last(k_cache)) * scale  # [kvh, g, ctx]
-        att = be.matmul(be.softmax(scores), v_cache).reshape(1, Q)                # [kvh, g, D] -> [1, Q]
-        x = x + be.matmul(att, w["o"])                                           # [1, H]
-        h = be.rms(x, w["ln2"])
-        a = be.silu(be.matmul(h, w["gate"])) * be.matmul(h, w["up"])            # [1, I]
-        return x + be.matmul(a, w["down"])                                       # [1, H]
-
-    x0 = be.full((1, H), 0.1, f16)
-
-    def run():
-        x = x0
-        for _ in range(blocks):
-            x = block(x)
-    return _median_ms(be, run, inner=1) / blocks
-
-
 def run_gpu_benchmarks(be, sizes: BenchSizes) -> GpuMeasurement:
     info = be.info()
     unmeasured, notes = [], [f"gpu: measured with {be.name}; {info.name}, compute capability {info.major}.{info.minor}, "
@@ -361,8 +324,8 @@ def run_gpu_benchmarks(be, sizes: BenchSizes) -> GpuMeasurement:
     try:
         hbm = gemv_gbs(be, big)
     except Exception as e:
-        return GpuMeasurement(unmeasured=(f"gpu, link: HBM benchmark failed ({type(e).__name__}: {e})",
-                                          "block_overhead_ms: needs the GPU figures"), notes=tuple(notes))
+        return GpuMeasurement(unmeasured=(f"gpu, link: HBM benchmark failed ({type(e).__name__}: {e})",),
+                              notes=tuple(notes))
     notes.append(f"gpu: hbm_gbs {hbm:.0f} from an fp16 GEMV over {big / MIB:.0f} MiB of weights (median of 3 x 10 calls)")
     try:
         notes.append(f"gpu: device copy {copy_gbs(be, big):.0f} GB/s counting read + write (not used by the cost model)")
@@ -379,32 +342,35 @@ def run_gpu_benchmarks(be, sizes: BenchSizes) -> GpuMeasurement:
         link, note = link_figures(be, sizes.link_bytes, latency_reps=sizes.latency_reps)
         notes.append(note)
     except Exception as e:
-        return GpuMeasurement(unmeasured=tuple(unmeasured) + (f"gpu, link: link benchmark failed ({type(e).__name__}: {e})",
-                                                              "block_overhead_ms: needs the GPU figures"),
+        return GpuMeasurement(unmeasured=tuple(unmeasured) + (f"gpu, link: link benchmark failed ({type(e).__name__}: {e})",),
                               notes=tuple(notes))
-    delta = 0.0
-    shape = sizes.block
-    try:
-        per_block = decode_block_ms(be, shape, blocks=sizes.blocks)
-        roofline = (shape.weight_bytes + shape.kv_bytes) / (hbm * 1e9) * 1e3
-        delta = max(0.0, per_block - roofline)
-        notes.append(f"block_overhead_ms: a {shape.hidden}x{shape.ffn} decode block run op by op with {be.name} took "
-                     f"{per_block:.3f} ms against {roofline:.3f} ms of roofline at {hbm:.0f} GB/s; the difference "
-                     f"is launch latency, small ops and GEMV shortfall (thesis 6.4.4). An uncalibrated stand-in for both "
-                     f"devices: `helmc calibrate BUNDLE` fits each device's delta on helmc's own compiled stages")
-    except Exception as e:
-        unmeasured.append(f"block_overhead_ms: block benchmark failed ({type(e).__name__}: {e})")
     gpu = GpuProfile(name=info.name, arch=f"sm_{info.major}{info.minor}", vram_total_bytes=info.total_bytes,
                      vram_free_bytes=info.free_bytes, hbm_gbs=round(hbm, 1), fp16_tflops=round(tflops, 2))
-    return GpuMeasurement(gpu=gpu, link=link, block_overhead_ms=round(delta, 4), unmeasured=tuple(unmeasured),
-                          notes=tuple(notes))
+    return GpuMeasurement(gpu=gpu, link=link, unmeasured=tuple(unmeasured), notes=tuple(notes))
 
 
-def measure_gpu(quick: bool = False, backend: str | None = None) -> GpuMeasurement:
+def probe_arch(backend: str | None = None) -> tuple[str, str]:
+    """(CUDA arch like "sm_90", "") of this machine's GPU, or ("", why there is none): what a kit is compiled for."""
     be, why = open_backend(backend)
     if be is None:
-        return GpuMeasurement(unmeasured=(f"gpu, link: {why}", "block_overhead_ms: needs a GPU"))
+        return "", why
     try:
-        return run_gpu_benchmarks(be, QUICK_SIZES if quick else BenchSizes())
+        info = be.info()
+        return f"sm_{info.major}{info.minor}", ""
+    except Exception as e:                           # a driver that lists a device it cannot open
+        return "", f"{type(e).__name__}: {e}"
+    finally:
+        be.release()
+
+
+def measure_gpu(quick: bool = False, backend: str | None = None, then=None) -> GpuMeasurement:
+    """The GPU and link figures; then(backend, measurement) -> measurement runs further measurements on the
+    open backend (the DRAM + PCIe window) before it is released."""
+    be, why = open_backend(backend)
+    if be is None:
+        return GpuMeasurement(unmeasured=(f"gpu, link: {why}",))
+    try:
+        m = run_gpu_benchmarks(be, QUICK_SIZES if quick else BenchSizes())
+        return then(be, m) if then is not None and m.gpu is not None else m
     finally:
         be.release()

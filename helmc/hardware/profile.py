@@ -18,7 +18,9 @@ from typing import Optional
 from helmc.errors import HelmcError
 from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 
-PROFILE_FORMAT_VERSION = 1
+# 2: the CPU's read rates come from helmc's own compiled kernels (host_read_gbs, gemv_reads replace numpy's
+# dram_strided_gbs) and the link carries the DRAM + PCIe rates measured at once (issue 17).
+PROFILE_FORMAT_VERSION = 2
 GIB = 1024 ** 3
 # Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime"; the thesis's units are
 # decimal (its 386 MB block is 385.9e6 bytes), so 1e9 bytes. Kept per profile because the context
@@ -49,21 +51,37 @@ def _check_eta(where: str, eta_compute: float, eta_memory: float) -> None:
 
 
 @dataclass(frozen=True)
+class KernelRead:
+    """What one of helmc's decode GEMVs reads from DRAM on every core: weights of one type (a float dtype or a
+    QUANT_BLOCKS key) in the shapes of a transformer block, cycled over more than the L3 holds."""
+    weight_type: str                 # "float16", "bfloat16", "float32", "q8_0", "q4_0", "q4_k", "q6_k"
+    gbs: float
+
+    def __post_init__(self):
+        _require(bool(self.weight_type) and self.gbs > 0,
+                 f"cpu.gemv_reads expected a weight type and gbs > 0, found {self.weight_type!r}, {self.gbs}")
+
+
+@dataclass(frozen=True)
 class CpuProfile:
     name: str
     cores: int                       # physical cores this process may run on
     features: tuple[str, ...]        # /proc/cpuinfo flag names: avx2, f16c, fma, avx512f, avx512_bf16, ...
     l3_bytes: int                    # C_L3, summed over the L3 instances this process may use
-    dram_gbs: float                  # M: sustained read bandwidth over one buffer >> L3
+    dram_gbs: float                  # sustained read over one buffer >> L3, every core (helmc's stream-read kernel)
     ram_total_bytes: int
     ram_free_bytes: int
-    dram_strided_gbs: float = 0.0    # inference-like pattern (many separate matrices, row tiles per thread); 0 = not measured
+    # M of the cost model: what helmc's CPU stage reads, its fp16 decode GEMVs (fused q/k/v, o, SwiGLU, down) on
+    # every core over block-shaped weights >> L3. 0 = not measured (the cost model then uses dram_gbs).
+    host_read_gbs: float = 0.0
+    gemv_reads: tuple[KernelRead, ...] = ()   # the same per weight type (quantized models' M)
     l3_gbs: float = 0.0              # B_L3; 0 = not measured (cost model then uses 3 x M, as the thesis)
     fp32_gflops: float = 0.0         # P_dec on the CPU; 0 = not measured (thesis sets P_dec = M)
     threads: int = 0                 # hardware threads this process may run on; 0 = not known
     eta_compute: float = 1.0         # eta_c of eq. 4.10; 1: the measured rates are already sustained rates
     eta_memory: float = 1.0          # eta_m of eq. 4.10
-    # Thesis 6.4.4 deltas measured by `helmc calibrate` on helmc's own CPU stage (None: not calibrated).
+    # Thesis 6.4.4 deltas of helmc's own CPU stage: `helmc profile` on a synthetic block, `helmc calibrate` on a
+    # bundle (None: not measured).
     block_overhead_ms: Optional[float] = None   # per block per token beyond its roofline; None: the profile-wide figure
     step_overhead_ms: Optional[float] = None    # per token beyond the lm_head's roofline when the head runs here
                                                 # (embedding gather, RoPE tables, head, logits out, sampling); None: 0
@@ -73,8 +91,10 @@ class CpuProfile:
         _require(self.dram_gbs > 0, f"cpu.dram_gbs expected > 0, found {self.dram_gbs}")
         _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
                  f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
-        _require(min(self.l3_bytes, self.dram_strided_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
+        _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
+        types = [r.weight_type for r in self.gemv_reads]
+        _require(len(set(types)) == len(types), f"cpu.gemv_reads expected one entry per weight type, found {types}")
         _check_eta("cpu", self.eta_compute, self.eta_memory)
         _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
 
@@ -83,9 +103,13 @@ class CpuProfile:
 
     @property
     def stream_gbs(self) -> float:
-        """M used by the cost model: the inference-like figure where measured (thesis 7.1: one
-        contiguous copy overestimates what scattered weight matrices get), else the plain one."""
-        return self.dram_strided_gbs if self.dram_strided_gbs > 0 else self.dram_gbs
+        """M used by the cost model: what helmc's GEMVs read where measured (thesis 7.1: one contiguous
+        read overestimates what a block's separate weight matrices get), else the plain read."""
+        return self.host_read_gbs if self.host_read_gbs > 0 else self.dram_gbs
+
+    def read_gbs(self, weight_type: str) -> float:
+        """M for weights of one type: its GEMV's measured rate, else stream_gbs."""
+        return next((r.gbs for r in self.gemv_reads if r.weight_type == weight_type), self.stream_gbs)
 
 
 @dataclass(frozen=True)
@@ -115,14 +139,32 @@ class GpuProfile:
 
 @dataclass(frozen=True)
 class LinkProfile:
-    h2d_gbs: float                   # B_link, pinned host -> device
+    h2d_gbs: float                   # B_link, pinned host -> device, alone
     d2h_gbs: float
     latency_us: float                # l_link: one small (8 KB) copy including its synchronisation
+    # DRAM and PCIe at once (hybrid decode): host -> device copies from pinned memory while helmc's fp16 GEMVs
+    # run on every core, both rates over the same window. They share the host's memory controllers, so neither
+    # alone-figure (h2d_gbs, cpu.host_read_gbs) holds while the other runs. 0 = not measured.
+    h2d_concurrent_gbs: float = 0.0
+    cpu_read_concurrent_gbs: float = 0.0
 
     def __post_init__(self):
         _require(self.h2d_gbs > 0 and self.d2h_gbs > 0 and self.latency_us >= 0,
                  f"link expected h2d_gbs > 0, d2h_gbs > 0, latency_us >= 0, found "
                  f"{self.h2d_gbs}, {self.d2h_gbs}, {self.latency_us}")
+        _require((self.h2d_concurrent_gbs > 0) == (self.cpu_read_concurrent_gbs > 0)
+                 and min(self.h2d_concurrent_gbs, self.cpu_read_concurrent_gbs) >= 0,
+                 f"link.h2d_concurrent_gbs and link.cpu_read_concurrent_gbs expected both > 0 (measured together) "
+                 f"or both 0, found {self.h2d_concurrent_gbs}, {self.cpu_read_concurrent_gbs}")
+
+    @property
+    def has_concurrent(self) -> bool:
+        return self.h2d_concurrent_gbs > 0
+
+    @property
+    def combined_gbs(self) -> float:
+        """Host memory read by the CPU and the DMA engine together in the measured window (0: not measured)."""
+        return self.h2d_concurrent_gbs + self.cpu_read_concurrent_gbs
 
 
 @dataclass(frozen=True)
@@ -133,8 +175,8 @@ class HardwareProfile:
     gpu: Optional[GpuProfile] = None
     link: Optional[LinkProfile] = None
     gpu_budget_bytes: int = 0        # 0: no cap; else the plan may use at most this much VRAM (reserve included)
-    # Delta of thesis 6.4.4 for every device without a calibrated one of its own (cpu/gpu
-    # .block_overhead_ms): `helmc profile`'s op-by-op estimate, or 0. Kept so older profiles read the same.
+    # Delta of thesis 6.4.4 for every device without one of its own (cpu/gpu.block_overhead_ms, which `helmc
+    # profile` measures on helmc's compiled stages): a preset's thesis figure, or 0.
     block_overhead_ms: float = 0.0
     gpu_reserve_bytes: int = DEFAULT_GPU_RESERVE_BYTES    # VRAM kept back for the CUDA context and runtime
     host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES  # host RAM kept back for the runtime process
@@ -144,7 +186,9 @@ class HardwareProfile:
 
     def __post_init__(self):
         if self.format_version != PROFILE_FORMAT_VERSION:
-            raise HelmcError(f"hardware profile: format_version expected {PROFILE_FORMAT_VERSION}, found {self.format_version}")
+            again = " (a profile of an older helmc: run `helmc profile` again)" if self.format_version < PROFILE_FORMAT_VERSION else ""
+            raise HelmcError(f"hardware profile: format_version expected {PROFILE_FORMAT_VERSION}, found "
+                             f"{self.format_version}{again}")
         if (self.gpu is None) != (self.link is None):
             raise HelmcError("hardware profile: gpu and link must be both present or both absent")
         _require(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes expected >= 0, found {self.gpu_budget_bytes}")

@@ -11,10 +11,11 @@ the partition search stays O(L).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
-from helmc.model.spec import DTYPE_BYTES, ModelSpec
+from helmc.model.spec import DTYPE_BYTES, LINEAR_NAMES, ModelSpec
 
 UNIT_KINDS = ("embedding", "block", "head")
 # The runtime attends over KV in tiles of this many keys during prefill (the KV page size of thesis
@@ -68,13 +69,13 @@ class StageLoad:
     attn_flops_per_context_token: int = 0
 
     def __add__(self, other: "StageLoad") -> "StageLoad":
-        return StageLoad(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return StageLoad(*(a + b for a, b in zip(_load_values(self), _load_values(other))))
 
     def __sub__(self, other: "StageLoad") -> "StageLoad":
-        out = StageLoad(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-        if min(dataclasses.astuple(out)) < 0:
+        values = tuple(a - b for a, b in zip(_load_values(self), _load_values(other)))
+        if min(values) < 0:
             raise HelmcError("stage load: subtracting a larger stage (prefix sums out of order)")
-        return out
+        return StageLoad(*values)
 
     @classmethod
     def of(cls, unit: PartitionUnit) -> "StageLoad":
@@ -86,6 +87,11 @@ class StageLoad:
                    head_flops_per_token=unit.proj_flops_per_token if head else 0,
                    kv_bytes_per_token=unit.kv_bytes_per_token,
                    attn_flops_per_context_token=unit.attn_flops_per_context_token)
+
+
+# The fields in order, read without dataclasses.astuple's deep copy: the hybrid search adds and subtracts
+# thousands of loads per plan.
+_load_values = operator.attrgetter(*(f.name for f in dataclasses.fields(StageLoad)))
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,9 @@ class ProgramAnalysis:
     max_position_embeddings: int
     units: tuple[PartitionUnit, ...]
     prefix: tuple[StageLoad, ...]     # prefix[i] = sum of units[:i]; len = num_units + 1
+    # Bytes of every block's linear weights per stored type ("float16", "q4_k", ...), summed over the blocks:
+    # the CPU's GEMV read rate differs by type (quantized kernels decode more per byte), so M is their mix.
+    linear_bytes_by_type: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if len(self.units) != self.num_layers + 2 or len(self.prefix) != len(self.units) + 1:
@@ -196,6 +205,13 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
     units.append(PartitionUnit(index=spec.num_layers + 1, kind="head", param_bytes=head_bytes,
                                gather_bytes_per_token=0, stored_bytes=head_bytes, proj_flops_per_token=2 * H * V,
                                kv_bytes_per_token=0, attn_flops_per_context_token=0, act_bytes_per_token=0))
+    by_type: dict[str, int] = {}
+    for i in range(spec.num_layers):
+        for name in LINEAR_NAMES:
+            qtype = spec.weight_type(i, name) if dtype == spec.dtype else ""
+            shape = spec.block_weight_shapes()[name]
+            by_type[qtype or dtype] = by_type.get(qtype or dtype, 0) + (
+                spec.tensor_bytes(shape, qtype) if qtype else _shape_elems(shape) * d)
     prefix = [StageLoad()]
     for u in units:
         prefix.append(prefix[-1] + StageLoad.of(u))
@@ -204,4 +220,5 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab_size=V,
         dtype=dtype, dtype_bytes=d, tied_embeddings=spec.tie_word_embeddings, tied_matrix_bytes=embed_bytes,
         sliding_window=spec.sliding_window,
-        max_position_embeddings=spec.max_position_embeddings, units=tuple(units), prefix=tuple(prefix))
+        max_position_embeddings=spec.max_position_embeddings, units=tuple(units), prefix=tuple(prefix),
+        linear_bytes_by_type=tuple(sorted(by_type.items())))

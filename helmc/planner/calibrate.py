@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from helmc.planner.analyze_program import ProgramAnalysis, analyze_program
@@ -103,7 +104,7 @@ class CalibrationResult:
 def decode_workload(plan: Plan) -> Workload:
     """The workload a bundle's plan was made for, scored as decode."""
     return Workload(prompt_len=plan.prompt_len, output_len=plan.output_len, batch=plan.batch, objective="decode",
-                    kv_offload=plan.kv_offload)
+                    kv_offload=plan.kv_offload, hybrid=plan.is_hybrid)
 
 
 def _with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
@@ -127,17 +128,33 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len:
     if plan.uses_gpu and hw.gpu is None:
         raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
     hw = _with_plan_budget(hw, plan)
-    cpu = DeviceRates.of_device(hw, "cpu")
+    cpu = DeviceRates.of_device(hw, "cpu", analysis=a)
     gpu = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
     w = decode_workload(plan)
     w = dataclasses.replace(w, prompt_len=prompt_len or w.prompt_len, output_len=output_len or w.output_len)
+    if plan.is_hybrid:
+        return _predict_hybrid(a, hw, w, plan, cpu, gpu)
     cand, _ = evaluate_split(a, hw, w, plan.cpu_units, cpu, gpu)
     return cand
 
 
+def _predict_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, plan: Plan, cpu: DeviceRates,
+                    gpu: DeviceRates) -> Candidate:
+    """A hybrid plan's own layout and ring scored on `hw`, as a Candidate row of its split."""
+    from helmc.planner.hybrid import evaluate_layout
+    if hw.link is None or not hw.link.has_concurrent:
+        raise HelmcError(f"predict: the plan {plan.describe()} streams blocks during decode; the hardware profile "
+                         f"expected the DRAM + PCIe concurrent rates, found none (measure them with helmc profile)")
+    pairs = tuple((c.num_layers, s.num_layers) for c, s in zip(plan.groups[::2], plan.groups[1::2]))
+    h = evaluate_layout(a, hw, w, plan.cpu_units, pairs, cpu, gpu, ring_bytes=plan.staging_ring_bytes).candidate
+    return Candidate(cpu_units=h.cpu_units, gpu_units=a.num_units - h.cpu_units, t_cpu_ms=h.t_cpu_ms,
+                     t_gpu_ms=h.t_gpu_ms, t_comm_ms=h.t_comm_ms, t_plan_ms=h.t_plan_ms, gpu_bytes=h.gpu_bytes,
+                     cpu_bytes=h.cpu_bytes, feasible=h.feasible, why=h.why, max_context=h.max_context)
+
+
 def fit_device(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, device: str, stage=None, tail=None) -> DeviceFit:
     """Set a device's measured stage and tail (runtime.calibrate timings) beside the bare roofline."""
-    rates = DeviceRates.of_device(hw, device, with_overheads=False)
+    rates = DeviceRates.of_device(hw, device, with_overheads=False, analysis=a)
     blend = device == "cpu"
     fit = DeviceFit(device=device)
     if stage is not None:
@@ -155,8 +172,8 @@ def fit_device(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, device: str
     return fit
 
 
-def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str) -> HardwareProfile:
-    """hw with each fitted device's delta / sigma set (others unchanged), marked calibrated."""
+def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str, source: str = "calibrated") -> HardwareProfile:
+    """hw with each fitted device's delta / sigma set (others unchanged), its source `source`."""
     devices = {"cpu": hw.cpu, "gpu": hw.gpu}
     for f in fits:
         changes = {}
@@ -165,8 +182,9 @@ def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str) -> Hardwar
         if f.has_tail:
             changes["step_overhead_ms"] = round(f.step_overhead_ms, 5)
         devices[f.device] = dataclasses.replace(devices[f.device], **changes)
-    origin = () if hw.source == SOURCE else (f"calibrate: the rates are those of a profile whose source was {hw.source!r}",)
-    return dataclasses.replace(hw, cpu=devices["cpu"], gpu=devices["gpu"], source=SOURCE,
+    origin = () if hw.source in (SOURCE, source) else (
+        f"calibrate: the rates are those of a profile whose source was {hw.source!r}",)
+    return dataclasses.replace(hw, cpu=devices["cpu"], gpu=devices["gpu"], source=source,
                                notes=tuple(hw.notes) + origin + (note,))
 
 
@@ -226,3 +244,57 @@ def _merge(old: DeviceFit | None, new: DeviceFit) -> DeviceFit:
         return new
     take = (_BLOCK_FIELDS if new.blocks else ()) + (_TAIL_FIELDS if new.has_tail else ())
     return dataclasses.replace(old, **{k: getattr(new, k) for k in take})
+
+
+def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: int = 3,
+                   progress=lambda m: None) -> tuple[list[DeviceFit], str, tuple[str, ...]]:
+    """(fits, note, unmeasured) of `helmc profile`'s per-device delta and sigma: calibrate's fit on the profile kit's
+    synthetic bundles (helmc's compiled CPU stage, and GPU stage where the kit has one for this GPU), with random
+    weights written for the blocks a timed step binds, against hw's rates."""
+    import tempfile
+
+    from helmc.hardware.kit import ProfileKit, write_synthetic_weights
+    from helmc.runtime.measure_bundle import distinct_blocks, measure_bundle
+
+    kit = ProfileKit.load(kit_dir)
+    if not kit.cpu_bundle:
+        raise HelmcError(f"profile: the kit in {kit_dir} has no compiled stages (built with stages=False); expected "
+                         f"a kit from `helmc profile --build-kit`")
+    bundles = [os.path.join(kit_dir, kit.cpu_bundle)]
+    skipped = ()
+    if kit.gpu_bundle and hw.gpu is not None and hw.gpu.arch == kit.gpu_arch:
+        bundles.append(os.path.join(kit_dir, kit.gpu_bundle))
+    elif hw.gpu is not None:
+        skipped = (f"gpu.block_overhead_ms, gpu.step_overhead_ms: the kit has no GPU stage for {hw.gpu.arch} "
+                   f"(found {kit.gpu_arch or 'none'})",)
+    spec = ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers), "synthetic model")
+    block = spec.block_weight_bytes(0)
+    layers = max(2, distinct_blocks(kit.synthetic_layers, hw.cpu.l3_bytes, block, kit.synthetic_layers))
+    fits, used, w = [], [], None
+    with tempfile.TemporaryDirectory(prefix="helmc-synthetic-weights-") as weights:
+        progress(f"overheads: writing {layers} synthetic blocks of {kit.block.hidden}x{kit.block.ffn} "
+                 f"({layers * block >> 20} MiB)")
+        write_synthetic_weights(weights, kit.block, layers)
+        for bundle in bundles:
+            progress(f"overheads: {steps} decode steps through {os.path.basename(bundle)} ({kit.synthetic_layers} blocks)")
+            t = measure_bundle(bundle, weights, steps=steps, warmup=warmup, cpu_cache_bytes=hw.cpu.l3_bytes)
+            a, w = analyze_program(t.spec), decode_workload(t.plan)
+            for device in ("cpu", "gpu"):
+                stage, tail = t.stage(device), t.tail(device)
+                if stage is not None or tail is not None:
+                    fits.append(fit_device(a, hw, w, device, stage, tail))
+            used.append(os.path.basename(bundle))
+    parts = [f"{f.device} delta {f.block_overhead_ms:+.4f} ms/block (measured {f.measured_step_ms / f.blocks:.4f}, "
+             f"roofline {f.roofline_step_ms / f.blocks:.4f}), sigma {f.step_overhead_ms:+.4f} ms/token" for f in fits]
+    note = (f"overheads: {'; '.join(parts)}: helmc's compiled stages ({', '.join(used)}) on a synthetic "
+            f"{kit.block.hidden}x{kit.block.ffn} Qwen3 block, {steps} steps at mean context {w.decode_context:g}, "
+            f"against this profile's rates (helmc calibrate refines them on a real bundle)")
+    return fits, note, skipped
+
+
+def synthetic_overheads(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: int = 3,
+                        progress=lambda m: None) -> HardwareProfile:
+    """hw with each device's delta and sigma from synthetic_fits; the rates are hw's own, its source unchanged."""
+    fits, note, skipped = synthetic_fits(hw, kit_dir, steps, warmup, progress)
+    out = apply_fits(hw, fits, note, source=hw.source)
+    return dataclasses.replace(out, unmeasured=out.unmeasured + skipped)

@@ -50,6 +50,7 @@ class Workload:
     objective: str = "decode"
     kv_offload: bool = True
     stream_prefill: bool = True     # prefill CPU blocks on the GPU, their weights streamed over PCIe
+    hybrid: bool = True             # decode may stream some host blocks to the GPU while the CPU computes others
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.output_len < 1 or self.batch < 1:
@@ -82,9 +83,14 @@ class DeviceRates:
     step_overhead_ms: float = 0.0  # sigma: per token, charged to the stage that holds the lm_head
 
     @classmethod
-    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
-        """block_overhead_ms: the profile-wide delta, used where the CPU has no calibrated one."""
+    def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0,
+               weight_bytes: tuple[tuple[str, int], ...] = ()) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the CPU has no calibrated one.
+        weight_bytes: the model's linear bytes per stored type (ProgramAnalysis.linear_bytes_by_type): M is
+        then the rate at which helmc's GEMVs read that mix, sum(bytes) / sum(bytes / M_type)."""
         M = cpu.stream_gbs
+        if weight_bytes and sum(n for _, n in weight_bytes) > 0:
+            M = sum(n for _, n in weight_bytes) / sum(n / cpu.read_gbs(t) for t, n in weight_bytes)
         return cls(mem_gbs=M, compute_gflops=cpu.fp32_gflops if cpu.fp32_gflops > 0 else M,
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
                    l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
@@ -100,10 +106,14 @@ class DeviceRates:
                    step_overhead_ms=gpu.step_overhead_ms or 0.0)
 
     @classmethod
-    def of_device(cls, hw: HardwareProfile, name: str, with_overheads: bool = True) -> "DeviceRates":
-        """Rates of hw's "cpu" or "gpu" with that device's own deltas (or none: the bare roofline)."""
-        make = cls.of_cpu if name == "cpu" else cls.of_gpu
-        rates = make(hw.device(name), hw.block_overhead_ms)
+    def of_device(cls, hw: HardwareProfile, name: str, with_overheads: bool = True,
+                  analysis: ProgramAnalysis | None = None) -> "DeviceRates":
+        """Rates of hw's "cpu" or "gpu" with that device's own deltas (or none: the bare roofline); with
+        `analysis`, the CPU's M for that model's weight types."""
+        if name == "cpu":
+            rates = cls.of_cpu(hw.cpu, hw.block_overhead_ms, analysis.linear_bytes_by_type if analysis else ())
+        else:
+            rates = cls.of_gpu(hw.device(name), hw.block_overhead_ms)
         if with_overheads:
             return rates
         return dataclasses.replace(rates, block_overhead_ms=0.0, step_overhead_ms=0.0)
@@ -116,10 +126,13 @@ def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
         out.append("CPU P_dec = M (fp32 rate not measured; thesis 4.1.2)")
     if hw.cpu.l3_gbs <= 0:
         out.append("CPU B_L3 = 3 M (L3 bandwidth not measured; thesis 4.1.2)")
-    if hw.cpu.dram_strided_gbs <= 0:
-        out.append("CPU M from one contiguous buffer (inference-like pattern not measured)")
+    if hw.cpu.host_read_gbs <= 0:
+        out.append("CPU M from one contiguous buffer (helmc's GEMV read rate not measured)")
     if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
         out.append("GPU compute term dropped (fp16 rate not measured)")
+    if hw.link is not None and not hw.link.has_concurrent:
+        out.append("no hybrid decode considered: the profile has no DRAM + PCIe concurrent rate (helmc profile "
+                   "measures it on the machine)")
     for name, dev in (("CPU", hw.cpu), ("GPU", hw.gpu)):
         if dev is not None and dev.block_overhead_ms is None:
             out.append(f"{name} per-block overhead delta = {hw.block_overhead_ms:g} ms, the profile-wide figure "
@@ -230,6 +243,17 @@ class MemoryNeed:
         return self.total <= self.available
 
 
+def shortfall_text(host: MemoryNeed, dev: MemoryNeed) -> str:
+    """What is missing where, e.g. 'VRAM short by 1.20 GiB (needs 8.20 GiB, usable 7.00 GiB)'."""
+    gib = lambda n: f"{n / 2 ** 30:.2f} GiB"                           # noqa: E731
+    parts = []
+    if dev.shortfall:
+        parts.append(f"VRAM short by {gib(dev.shortfall)} (needs {gib(dev.total)}, usable {gib(dev.available)})")
+    if host.shortfall:
+        parts.append(f"host RAM short by {gib(host.shortfall)} (needs {gib(host.total)}, free {gib(host.available)})")
+    return "; ".join(parts)
+
+
 def kv_staging_bytes(a: ProgramAnalysis, gpu: StageLoad, batch: int) -> int:
     """Offloaded KV still needs VRAM beyond its page pool: the GPU cache's own workspace (staging for
     pages read back from the host, split partials, prefill score tiles), as runtime/kv/cache_gpu.py
@@ -278,18 +302,25 @@ def whole_pages(tokens: int) -> int:
 
 
 def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload,
-                 context: int | None = None) -> tuple[MemoryNeed, MemoryNeed]:
+                 context: int | None = None, streamed: StageLoad | None = None,
+                 ring_bytes: int = 0) -> tuple[MemoryNeed, MemoryNeed]:
     """(host, gpu) needs of a split at `context` tokens (default: the workload's S + T) in whole KV
-    pages, eq. 4.16 extended with workspace, reserves and the host side."""
+    pages, eq. 4.16 extended with workspace, reserves and the host side.
+
+    Hybrid decode: `streamed` are the blocks of the host-resident `cpu` that the GPU computes from a staging
+    ring of `ring_bytes` in VRAM. Their weights stay in host RAM (counted in `cpu`); their KV is the GPU
+    cache's, as a GPU block's."""
+    s = streamed or StageLoad()
     c = whole_pages(w.total_context if context is None else context)
     B = w.batch
-    kv_gpu_blocks = B * c * gpu.kv_bytes_per_token
-    host_kv = B * c * cpu.kv_bytes_per_token + (kv_gpu_blocks if w.kv_offload else 0)
+    kv_gpu_blocks = B * c * (gpu.kv_bytes_per_token + s.kv_bytes_per_token)
+    host_kv = B * c * (cpu.kv_bytes_per_token - s.kv_bytes_per_token) + (kv_gpu_blocks if w.kv_offload else 0)
     host = MemoryNeed(weights=a.held_bytes(cpu), kv=host_kv, workspace=a.workspace_bytes(cpu, B, w.prompt_len),
                       reserve=hw.host_reserve_bytes, available=hw.cpu.ram_free_bytes)
     if gpu.units == 0:
         return host, MemoryNeed(available=hw.usable_vram_bytes)
-    gpu_ws = a.workspace_bytes(gpu, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, gpu, B)
+    computed = gpu + s                        # every block the GPU runs, resident or streamed
+    gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
     lent = prefill_lent_bytes(a, cpu, gpu, w)
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
     if gpu.blocks:
@@ -301,21 +332,24 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     return host, dev
 
 
-def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
-    """Longest prompt + output the split can hold: KV of CPU blocks in host RAM; KV of GPU blocks in
-    pinned host RAM when offloaded, else in VRAM; in whole pages; capped at max_position_embeddings.
-    0: not even the weights fit."""
-    host0, gpu0 = memory_needs(a, hw, cpu, gpu, w, context=0)
+def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload,
+                streamed: StageLoad | None = None, ring_bytes: int = 0) -> int:
+    """Longest prompt + output the split can hold: KV of CPU blocks in host RAM; KV of GPU blocks (and
+    streamed ones) in pinned host RAM when offloaded, else in VRAM; in whole pages; capped at
+    max_position_embeddings. 0: not even the weights fit."""
+    s = streamed or StageLoad()
+    host0, gpu0 = memory_needs(a, hw, cpu, gpu, w, context=0, streamed=s, ring_bytes=ring_bytes)
     B = w.batch
     fit = None
-    host_per_token = B * (cpu.kv_bytes_per_token + (gpu.kv_bytes_per_token if w.kv_offload else 0))
+    gpu_kv_tok = gpu.kv_bytes_per_token + s.kv_bytes_per_token
+    host_per_token = B * (cpu.kv_bytes_per_token - s.kv_bytes_per_token + (gpu_kv_tok if w.kv_offload else 0))
     if host0.total > host0.available or gpu0.total > gpu0.available:
         return 0
     if host_per_token:
         fit = (host0.available - host0.total) // host_per_token
-    if gpu.units and not w.kv_offload and gpu.kv_bytes_per_token:
+    if gpu.units and not w.kv_offload and gpu_kv_tok:
         # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits.
-        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv)) // (B * gpu.kv_bytes_per_token)
+        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv)) // (B * gpu_kv_tok)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:
         return a.max_position_embeddings

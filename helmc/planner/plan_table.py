@@ -32,19 +32,27 @@ def format_plan_table(plan: Plan, spec=None) -> str:
               f"{'T_plan':>9} {'VRAM GiB':>9} {'host GiB':>9}  feasible")
     lines += [f"times in {unit}", header]
     for c in plan.candidates:
-        mark = ">" if c.cpu_units == plan.cpu_units else " "
+        mark = ">" if c.cpu_units == plan.cpu_units and not plan.is_hybrid else " "
         if not c.feasible:
             feas = f"no: {c.why}"
         else:
             feas = "yes" if mark == ">" else f"yes, +{c.t_plan_ms - plan.t_plan_ms:.2f} ms"
+            feas += ", the hybrid layout's host part" if plan.is_hybrid and c.cpu_units == plan.cpu_units else ""
         lines.append(f"{mark} {c.cpu_units:>3} {_units_text(0, c.cpu_units, plan.num_layers):<12} "
                      f"{_units_text(c.cpu_units, plan.num_units, plan.num_layers):<12} {c.t_cpu_ms:>9.2f} "
                      f"{c.t_gpu_ms:>9.2f} {c.t_comm_ms:>8.4f} {c.t_plan_ms:>9.2f} {c.gpu_bytes / gib:>9.2f} "
                      f"{c.cpu_bytes / gib:>9.2f}  {feas}")
+    if plan.is_hybrid:
+        split = plan.candidates[plan.cpu_units].t_plan_ms if plan.candidates else 0.0
+        best_split = min((c.t_plan_ms for c in plan.candidates if c.feasible), default=0.0)
+        lines.append(f"hybrid decode beats every split: {plan.t_plan_ms:.2f} ms against {best_split:.2f} ms for the "
+                     f"fastest ({best_split / plan.t_plan_ms:.2f}x); its host part alone as a split: {split:.2f} ms")
     lines.append(f"chosen: {plan.describe()}  T_plan {plan.t_plan_ms:.2f} ms (T_cpu {plan.t_cpu_ms:.2f} + "
                  f"T_gpu {plan.t_gpu_ms:.2f} + T_comm {plan.t_comm_ms:.4f}); weights CPU "
                  f"{plan.cpu_weight_bytes / gib:.2f} GiB, GPU {plan.gpu_weight_bytes / gib:.2f} GiB; "
                  f"max context {plan.max_context} tokens")
+    if plan.is_hybrid:
+        lines += hybrid_lines(plan)
     if plan.prefill_on_gpu:
         lines.append(f"prefill: the {len(plan.cpu_layers)} CPU blocks run the prompt on the GPU, each block's weights "
                      f"streamed over PCIe ({plan.prefill_staging_bytes / gib:.2f} GiB of VRAM staging), "
@@ -57,6 +65,46 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     for f in plan.fallbacks:
         lines.append(f"note: {f}")
     return "\n".join(lines)
+
+
+def _blocks_text(first: int, count: int, with_embedding: bool) -> str:
+    blocks = f"{first}" if count == 1 else f"{first}-{first + count - 1}"
+    return ("emb+" if with_embedding else "") + blocks
+
+
+def hybrid_lines(plan: Plan) -> list[str]:
+    """Hybrid decode's order of groups with each pair's predicted CPU, copy and overlapped times, the share of
+    the copies hidden behind the CPU, and the layouts tried per pair count."""
+    gib = 1024 ** 3
+    pairs = len(plan.groups) // 2
+    lines = [f"decode order (hybrid): {pairs} pairs of a CPU group and a streamed group, then the GPU-resident "
+             f"blocks; staging ring {plan.staging_ring_bytes / gib:.2f} GiB of VRAM; the copy of each streamed group "
+             f"is issued when the CPU group before it starts",
+             f"  {'#':>3} {'kind':<9} {'blocks':<10} {'GiB':>6} {'CPU ms':>8} {'copy ms':>8} {'both ms':>8} {'GPU ms':>8}"]
+    cpu_alone = 0.0
+    for i, g in enumerate(plan.groups):
+        where = _blocks_text(g.first_layer, g.num_layers, i == 0)
+        if g.kind == "cpu":
+            cpu_alone += g.t_compute_ms
+            lines.append(f"  {i + 1:>3} {'cpu':<9} {where:<10} {g.weight_bytes / gib:>6.2f} {g.t_compute_ms:>8.2f}")
+        else:
+            lines.append(f"  {i + 1:>3} {'streamed':<9} {where:<10} {g.weight_bytes / gib:>6.2f} {'':>8} "
+                         f"{g.t_copy_ms:>8.2f} {g.t_overlap_ms:>8.2f} {g.t_compute_ms:>8.2f}")
+    hidden = (cpu_alone + plan.t_copy_ms - plan.t_cpu_ms) / plan.t_copy_ms if plan.t_copy_ms else 0.0
+    cpu_bytes = sum(g.weight_bytes for g in plan.groups if g.kind == "cpu")
+    copied = sum(g.weight_bytes for g in plan.groups if g.kind == "streamed")
+    lines.append(f"predicted overlap: the copies take {plan.t_copy_ms:.2f} ms alone and the CPU groups "
+                 f"{cpu_alone:.2f} ms alone; together {plan.t_cpu_ms:.2f} ms, so {100 * max(0.0, min(1.0, hidden)):.0f}% "
+                 f"of the copy time is hidden; per token the CPU reads {cpu_bytes / 1e9:.2f} GB and PCIe carries "
+                 f"{copied / 1e9:.2f} GB in those {plan.t_cpu_ms:.2f} ms ({(cpu_bytes + copied) / plan.t_cpu_ms / 1e6:.1f} GB/s "
+                 f"of host memory)")
+    lines.append(f"hybrid layouts tried, the best per pair count ('>' chosen):")
+    lines.append(f"    {'pairs':>5} {'streamed':>8} {'host blocks':>11} {'ring GiB':>8} {'T_plan':>9}")
+    for c in plan.hybrid_candidates:
+        mark = ">" if c.key() == (plan.cpu_units, pairs, len(plan.streamed_layers)) else " "
+        lines.append(f"  {mark} {c.pairs:>5} {c.streamed_blocks:>8} {c.cpu_units - 1:>11} {c.ring_bytes / gib:>8.2f} "
+                     f"{c.t_plan_ms:>9.2f}")
+    return lines
 
 
 def weights_line(spec) -> str:

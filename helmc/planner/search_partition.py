@@ -1,5 +1,6 @@
 """Partition search (thesis 4.1.3, Algorithm 1): every split k over all partition units, scored
-with the roofline cost model, infeasible ones marked, the fastest feasible one chosen.
+with the roofline cost model, infeasible ones marked, the fastest feasible one chosen; then hybrid decode's
+layouts (planner/hybrid.py), chosen over the splits only where one predicts a faster token.
 
 k is the number of units on the CPU (0 = all on the GPU, num_units = all on the CPU). Each
 candidate's stages come from prefix sums (`ProgramAnalysis.stage`), so the search is O(L).
@@ -8,30 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from helmc.planner.analyze_program import ProgramAnalysis, analyze_program
+from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_program
 from helmc.planner.cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
-                         max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, stage_time)
+                         max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, shortfall_text, stage_time)
 from helmc.errors import HelmcError
-from helmc.hardware.profile import GIB, HardwareProfile, load_hardware
+from helmc.planner.hybrid import best_per_pair_count, search_hybrid
+from helmc.hardware.profile import HardwareProfile, load_hardware
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
 
 
 class InfeasibleError(HelmcError):
     """No split fits; the message names the device(s) and how much memory is missing."""
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-def _shortfall_text(host, dev) -> str:
-    parts = []
-    if dev.shortfall:
-        parts.append(f"VRAM short by {_gib(dev.shortfall)} (needs {_gib(dev.total)}, usable {_gib(dev.available)})")
-    if host.shortfall:
-        parts.append(f"host RAM short by {_gib(host.shortfall)} (needs {_gib(host.total)}, free {_gib(host.available)})")
-    return "; ".join(parts)
 
 
 def evaluate_split(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int,
@@ -58,25 +47,27 @@ def evaluate_split(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int,
     assert not feasible or limit >= w.total_context, (k, limit, w.total_context)
     cand = Candidate(cpu_units=k, gpu_units=n - k, t_cpu_ms=t_cpu, t_gpu_ms=t_gpu, t_comm_ms=t_comm,
                      t_plan_ms=t_cpu + t_gpu + t_comm, gpu_bytes=gpu_need.total, cpu_bytes=host_need.total,
-                     feasible=feasible, why="" if feasible else _shortfall_text(host_need, gpu_need),
+                     feasible=feasible, why="" if feasible else shortfall_text(host_need, gpu_need),
                      t_overhead_ms=t_over, max_context=limit)
     return cand, host_need.shortfall + gpu_need.shortfall
 
 
-def _explain(c: Candidate, best: Candidate) -> str:
-    if c.cpu_units == best.cpu_units:
+def _explain(c, best, hybrid: bool = False) -> str:
+    if not hybrid and c.cpu_units == best.cpu_units:
         return "chosen: fastest feasible split"
-    return (f"slower by {c.t_plan_ms - best.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms - best.t_cpu_ms:+.2f}, "
+    than = " than the hybrid layout" if hybrid else ""
+    return (f"slower by {c.t_plan_ms - best.t_plan_ms:.2f} ms{than} (T_cpu {c.t_cpu_ms - best.t_cpu_ms:+.2f}, "
             f"T_gpu {c.t_gpu_ms - best.t_gpu_ms:+.2f}, T_comm {c.t_comm_ms - best.t_comm_ms:+.4f})")
 
 
 def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Plan:
-    """Algorithm 1 over k = 0..num_units; raises InfeasibleError when no split fits."""
+    """Algorithm 1 over k = 0..num_units, then the hybrid layouts (planner/hybrid.py); raises InfeasibleError
+    when no split fits. A hybrid layout is chosen only where it predicts a faster token than every split."""
     if w.total_context > a.max_position_embeddings:
         raise HelmcError(f"workload: prompt + output expected <= max_position_embeddings "
                          f"({a.max_position_embeddings}), found {w.total_context}")
-    cpu_rates = DeviceRates.of_cpu(hw.cpu, hw.block_overhead_ms)
-    gpu_rates = DeviceRates.of_gpu(hw.gpu, hw.block_overhead_ms) if hw.gpu is not None else None
+    cpu_rates = DeviceRates.of_device(hw, "cpu", analysis=a)
+    gpu_rates = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
     rows, shortfalls = [], []
     for k in range(a.num_units + 1):
         cand, short = evaluate_split(a, hw, w, k, cpu_rates, gpu_rates)
@@ -89,20 +80,36 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
             f"the model fits on no split of this hardware for context {w.total_context} at batch {w.batch}: "
             f"the closest, {describe_split(closest, a.num_units)}, has {rows[closest].why}")
     best = min(feasible, key=lambda c: (c.t_plan_ms, c.cpu_units))     # ties: fewer units on the CPU
-    rows = [dataclasses.replace(c, why=_explain(c, best)) if c.feasible else c for c in rows]
-    cpu, gpu = a.stage(0, best.cpu_units), a.stage(best.cpu_units, a.num_units)
-    _, gpu_need = memory_needs(a, hw, cpu, gpu, w)
+    layouts = best_per_pair_count(search_hybrid(a, hw, w, cpu_rates, gpu_rates)) if gpu_rates else []
+    hybrid = min(layouts, key=lambda e: (e.candidate.t_plan_ms, e.candidate.pairs), default=None)
+    if hybrid is not None and hybrid.candidate.t_plan_ms >= best.t_plan_ms:
+        hybrid = None                                                   # ties and losses: the plain split
+    chosen = hybrid.candidate if hybrid else best
+    rows = [dataclasses.replace(c, why=_explain(c, chosen, hybrid is not None)) if c.feasible else c for c in rows]
+    cpu, gpu = a.stage(0, chosen.cpu_units), a.stage(chosen.cpu_units, a.num_units)
+    if hybrid:
+        streamed = StageLoad()
+        for g in hybrid.groups:
+            if g.kind == "streamed":
+                streamed = streamed + a.stage(g.first_layer + 1, g.first_layer + 1 + g.num_layers)
+        _, gpu_need = memory_needs(a, hw, cpu, gpu, w, streamed=streamed, ring_bytes=chosen.ring_bytes)
+        extra = dict(groups=hybrid.groups, staging_ring_bytes=chosen.ring_bytes, t_copy_ms=chosen.t_copy_ms,
+                     hybrid_candidates=tuple(e.candidate for e in layouts))
+    else:
+        _, gpu_need = memory_needs(a, hw, cpu, gpu, w)
+        extra = {}
     staging = prefill_staging_bytes(a, cpu, gpu, w)
     kv_pool = kv_page_pool_bytes(gpu_need) if gpu.units else 0
-    return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=a.num_layers, cpu_units=best.cpu_units,
-                t_cpu_ms=best.t_cpu_ms, t_gpu_ms=best.t_gpu_ms, t_comm_ms=best.t_comm_ms, t_plan_ms=best.t_plan_ms,
-                cpu_bytes=best.cpu_bytes, gpu_bytes=best.gpu_bytes, max_context=best.max_context,
-                objective=w.objective, prompt_len=w.prompt_len, output_len=w.output_len, batch=w.batch,
-                candidates=tuple(rows), kv_offload=w.kv_offload, cpu_weight_bytes=a.held_bytes(cpu),
-                gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0, usable_vram_bytes=hw.usable_vram_bytes,
-                ram_free_bytes=hw.cpu.ram_free_bytes, hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw),
-                prefill_on_gpu=staging > 0, prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0,
-                prefill_staging_bytes=staging, gpu_kv_pool_bytes=kv_pool if gpu.units else 0)
+    return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=a.num_layers, cpu_units=chosen.cpu_units,
+                t_cpu_ms=chosen.t_cpu_ms, t_gpu_ms=chosen.t_gpu_ms, t_comm_ms=chosen.t_comm_ms,
+                t_plan_ms=chosen.t_plan_ms, cpu_bytes=chosen.cpu_bytes, gpu_bytes=chosen.gpu_bytes,
+                max_context=chosen.max_context, objective=w.objective, prompt_len=w.prompt_len,
+                output_len=w.output_len, batch=w.batch, candidates=tuple(rows), kv_offload=w.kv_offload,
+                cpu_weight_bytes=a.held_bytes(cpu), gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0,
+                usable_vram_bytes=hw.usable_vram_bytes, ram_free_bytes=hw.cpu.ram_free_bytes,
+                hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw), prefill_on_gpu=staging > 0,
+                prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0, prefill_staging_bytes=staging,
+                gpu_kv_pool_bytes=kv_pool if gpu.units else 0, **extra)
 
 
 def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
@@ -114,12 +121,12 @@ def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
 
 def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfile", prompt_len: int = 128,
          output_len: int = 128, batch: int = 1, objective: str = "decode", gpu_budget_gib: float | None = None,
-         kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True) -> Plan:
+         kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True, hybrid: bool = True) -> Plan:
     """The partition plan for a model (a directory or config.json, a GGUF file, or a ModelSpec) on a hardware
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
     hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)
     w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
-                 stream_prefill=stream_prefill)
+                 stream_prefill=stream_prefill, hybrid=hybrid)
     p = search_partition(analyze_program(spec, dtype), hw, w)
     return dataclasses.replace(p, architecture_hash=spec.architecture_hash())

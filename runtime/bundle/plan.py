@@ -4,9 +4,17 @@ Partition units, in order: unit 0 = embedding, units 1..L = transformer blocks 0
 final norm + lm_head. A plan puts the first `cpu_units` units on the CPU and the rest on the GPU;
 the token loop reads these numbers and makes no placement decision of its own.
 
+Hybrid decode (issue 17): `groups` orders the host-resident blocks (cpu_layers) into CPU groups and streamed
+groups, alternating, CPU first: the CPU computes a CPU group while the weights of the streamed group after it are
+copied over PCIe into a staging ring of `staging_ring_bytes` in VRAM (the copy of streamed group i is issued when
+CPU group i starts), then the GPU computes that streamed group from the ring; the GPU-resident blocks and the head
+follow the last streamed group. Prefill is unchanged (the CPU blocks' prefill streams to the GPU as before). A
+plan without groups is the plain split, and serializes without the hybrid keys, exactly as before them.
+
 Invariants (checked on construction, the only way to make one): 0 <= cpu_units <= num_units;
 t_plan = t_cpu + t_gpu + t_comm; when candidates are present there is one per split k = 0..num_units,
-in order, the chosen one is feasible and no feasible candidate is faster.
+in order, the chosen one is feasible and no feasible candidate (split or hybrid layout) is faster; groups
+alternate, CPU first, cover cpu_layers in order, and every streamed group fits the ring.
 """
 from __future__ import annotations
 
@@ -41,6 +49,67 @@ class Candidate:
                              f"{self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms}, found {self.t_plan_ms}")
 
 
+GROUP_KINDS = ("cpu", "streamed")
+# Keys a plan without streamed groups leaves out of its JSON, so it reads exactly as plans before issue 17.
+_HYBRID_KEYS = ("groups", "staging_ring_bytes", "t_copy_ms", "hybrid_candidates")
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """A run of host-resident blocks in hybrid decode's order, with its predicted times per token."""
+    kind: str                        # "cpu": the CPU computes it; "streamed": copied to the ring, the GPU computes it
+    first_layer: int
+    num_layers: int
+    weight_bytes: int = 0            # its blocks' weights as stored (streamed: bytes copied per token)
+    t_compute_ms: float = 0.0        # cpu: on the CPU alone; streamed: on the GPU from the ring
+    t_copy_ms: float = 0.0           # streamed: its copy over PCIe alone
+    t_overlap_ms: float = 0.0        # streamed: its copy and the CPU group before it, run together (DRAM shared)
+
+    def __post_init__(self):
+        if self.kind not in GROUP_KINDS:
+            raise HelmcError(f"plan group: kind expected one of {GROUP_KINDS}, found {self.kind!r}")
+        if self.first_layer < 0 or self.num_layers < 1 or self.weight_bytes < 0:
+            raise HelmcError(f"plan group: expected first_layer >= 0, num_layers >= 1, weight_bytes >= 0, found "
+                             f"{self.first_layer}, {self.num_layers}, {self.weight_bytes}")
+        if self.kind == "cpu" and (self.t_copy_ms or self.t_overlap_ms):
+            raise HelmcError("plan group: a cpu group expected no copy or overlap time, found some")
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclass(frozen=True)
+class HybridCandidate:
+    """One hybrid layout the search scored: `pairs` (CPU group, streamed group) pairs over the host-resident
+    units [0, cpu_units), `streamed_blocks` of them streamed, the ring holding the largest streamed group."""
+    cpu_units: int
+    pairs: int
+    streamed_blocks: int
+    ring_bytes: int
+    t_cpu_ms: float                  # the CPU groups with their copies running (the overlapped phases)
+    t_gpu_ms: float                  # streamed groups and the GPU-resident stage
+    t_comm_ms: float                 # every crossing: activations both ways between the pairs, the token ids back
+    t_plan_ms: float
+    gpu_bytes: int
+    cpu_bytes: int
+    feasible: bool
+    why: str = ""
+    t_copy_ms: float = 0.0           # the streamed groups' copies alone, summed (hidden in t_cpu_ms where they overlap)
+    max_context: int = 0
+
+    def __post_init__(self):
+        if abs(self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms - self.t_plan_ms) > 1e-6 * max(1.0, self.t_plan_ms):
+            raise HelmcError(f"hybrid candidate k={self.cpu_units}, {self.pairs} pairs: t_plan_ms expected "
+                             f"t_cpu + t_gpu + t_comm, found {self.t_plan_ms}")
+        if self.pairs < 1 or self.streamed_blocks < self.pairs or self.ring_bytes <= 0:
+            raise HelmcError(f"hybrid candidate: expected pairs >= 1, streamed_blocks >= pairs and ring_bytes > 0, "
+                             f"found {self.pairs}, {self.streamed_blocks}, {self.ring_bytes}")
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.cpu_units, self.pairs, self.streamed_blocks)
+
+
 @dataclass(frozen=True)
 class Plan:
     format_version: int
@@ -70,6 +139,11 @@ class Plan:
     prefill_chunk_tokens: int = 0    # the GPU runs a prompt this many tokens at a time (0: all at once)
     prefill_staging_bytes: int = 0   # VRAM holding the streamed CPU block's weights during prefill
     gpu_kv_pool_bytes: int = 0       # VRAM left for GPU-layer KV pages after weights, workspace, reserve
+    # Hybrid decode (see the module docstring); all empty / 0 for a plain split.
+    groups: tuple[PlanGroup, ...] = ()
+    staging_ring_bytes: int = 0
+    t_copy_ms: float = 0.0           # the streamed groups' copies alone, summed (overlapped inside t_cpu_ms)
+    hybrid_candidates: tuple[HybridCandidate, ...] = ()   # the best layout per pair count
 
     def __post_init__(self):
         if self.format_version != PLAN_FORMAT_VERSION:
@@ -78,25 +152,83 @@ class Plan:
             raise HelmcError(f"plan: cpu_units expected 0..{self.num_units}, found {self.cpu_units}")
         if abs(self.t_cpu_ms + self.t_gpu_ms + self.t_comm_ms - self.t_plan_ms) > 1e-6 * max(1.0, self.t_plan_ms):
             raise HelmcError(f"plan: t_plan_ms expected t_cpu + t_gpu + t_comm, found {self.t_plan_ms}")
+        self._check_groups()
         if self.candidates:
             ks = [c.cpu_units for c in self.candidates]
             if ks != list(range(self.num_units + 1)):
                 raise HelmcError(f"plan: candidates expected for k = 0..{self.num_units} in order, found {ks}")
-            chosen = self.candidates[self.cpu_units]
+            chosen = self._chosen_row()
             if not chosen.feasible:
-                raise HelmcError(f"plan: the chosen split k={self.cpu_units} is marked infeasible")
-            best = min(c.t_plan_ms for c in self.candidates if c.feasible)
+                raise HelmcError(f"plan: the chosen {self.describe()} is marked infeasible")
+            best = min(c.t_plan_ms for c in self.candidates + self.hybrid_candidates if c.feasible)
             if chosen.t_plan_ms > best + _TIME_TOLERANCE_MS:
-                raise HelmcError(f"plan: the chosen split takes {chosen.t_plan_ms:.3f} ms, a feasible one {best:.3f} ms")
+                raise HelmcError(f"plan: the chosen {self.describe()} takes {chosen.t_plan_ms:.3f} ms, a feasible "
+                                 f"one {best:.3f} ms")
         if self.prefill_on_gpu and not (len(self.cpu_layers) and self.uses_gpu and self.prefill_staging_bytes > 0):
             raise HelmcError("plan: prefill_on_gpu expected only with CPU blocks, a GPU stage and VRAM to stage a "
                              f"block, found {len(self.cpu_layers)} CPU blocks, staging {self.prefill_staging_bytes} B")
         if min(self.prefill_chunk_tokens, self.prefill_staging_bytes, self.gpu_kv_pool_bytes) < 0:
             raise HelmcError("plan: prefill_chunk_tokens, prefill_staging_bytes and gpu_kv_pool_bytes expected >= 0")
 
+    def _check_groups(self) -> None:
+        if not self.groups:
+            if self.staging_ring_bytes or self.t_copy_ms:
+                raise HelmcError("plan: staging_ring_bytes and t_copy_ms expected 0 without streamed groups, found "
+                                 f"{self.staging_ring_bytes}, {self.t_copy_ms}")
+            return
+        kinds = [g.kind for g in self.groups]
+        want = [GROUP_KINDS[i % 2] for i in range(len(kinds))]
+        if kinds != want or kinds[-1] != "streamed":
+            raise HelmcError(f"plan: groups expected to alternate cpu, streamed, ..., ending with a streamed group, "
+                             f"found {kinds}")
+        if not (1 <= self.cpu_units <= self.num_layers + 1):
+            raise HelmcError(f"plan: hybrid decode expected the embedding on the CPU and the head on the GPU "
+                             f"(cpu_units 1..{self.num_layers + 1}), found cpu_units {self.cpu_units}")
+        at = 0
+        for g in self.groups:
+            if g.first_layer != at:
+                raise HelmcError(f"plan: {g.kind} group expected to start at block {at}, found {g.first_layer}")
+            at += g.num_layers
+        if at != len(self.cpu_layers):
+            raise HelmcError(f"plan: groups expected to cover the {len(self.cpu_layers)} host-resident blocks, found "
+                             f"{at}")
+        over = [g.first_layer for g in self.groups if g.kind == "streamed" and g.weight_bytes > self.staging_ring_bytes]
+        if over or self.staging_ring_bytes <= 0:
+            raise HelmcError(f"plan: streamed groups expected to fit the staging ring of {self.staging_ring_bytes} B, "
+                             f"found groups at blocks {over} larger")
+        for name, total, found in (("t_cpu_ms", sum(g.t_overlap_ms for g in self.groups), self.t_cpu_ms),
+                                   ("t_copy_ms", sum(g.t_copy_ms for g in self.groups), self.t_copy_ms)):
+            if abs(total - found) > 1e-6 * max(1.0, found):
+                raise HelmcError(f"plan: {name} of a hybrid plan expected the groups' sum {total}, found {found}")
+
+    def _chosen_row(self) -> "Candidate | HybridCandidate":
+        if not self.groups:
+            return self.candidates[self.cpu_units]
+        key = (self.cpu_units, len(self.groups) // 2, len(self.streamed_layers))
+        row = next((c for c in self.hybrid_candidates if c.key() == key), None)
+        if row is None:
+            raise HelmcError(f"plan: the chosen hybrid layout {key} expected among hybrid_candidates, found "
+                             f"{[c.key() for c in self.hybrid_candidates]}")
+        return row
+
     @property
     def num_units(self) -> int:
         return self.num_layers + 2
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def streamed_layers(self) -> tuple[int, ...]:
+        """Host-resident blocks the GPU computes in decode, their weights copied over PCIe each token."""
+        return tuple(i for g in self.groups if g.kind == "streamed" for i in g.layers)
+
+    @property
+    def cpu_compute_layers(self) -> tuple[int, ...]:
+        """Blocks the CPU computes in decode: the host-resident ones that are not streamed."""
+        streamed = set(self.streamed_layers)
+        return tuple(i for i in self.cpu_layers if i not in streamed)
 
     @property
     def gpu_units(self) -> int:
@@ -112,7 +244,8 @@ class Plan:
 
     @property
     def cpu_layers(self) -> range:
-        """Transformer blocks on the CPU: unit i (1..L) is block i-1."""
+        """Host-resident transformer blocks (unit i (1..L) is block i-1): the CPU computes all of them in a plain
+        split; in hybrid decode it computes cpu_compute_layers and the GPU the streamed_layers."""
         return range(0, max(0, min(self.cpu_units - 1, self.num_layers)))
 
     @property
@@ -128,10 +261,18 @@ class Plan:
         return 1e3 * self.batch / self.t_plan_ms if self.t_plan_ms > 0 else 0.0
 
     def describe(self) -> str:
-        return describe_split(self.cpu_units, self.num_units)
+        split = describe_split(self.cpu_units, self.num_units)
+        if not self.groups:
+            return split
+        return f"{split}, hybrid decode: {len(self.groups) // 2} x (cpu + streamed), {len(self.streamed_layers)} blocks streamed"
 
     def to_json(self) -> str:
-        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+        d = to_dict(self)
+        if not self.groups:
+            for key in _HYBRID_KEYS:
+                if d[key] in ([], 0, 0.0):
+                    del d[key]
+        return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

@@ -14,9 +14,11 @@ import numpy as np
 from helmc.errors import HelmcError
 
 H2D, D2H, D2D = 1, 2, 3          # cudaMemcpyKind
+# prefill_causal's warp walks every key of its row, O(S) per row: longer fresh prompts go to attend_blocks' tiles
+PREFILL_MAX_TOKENS = 4096
 WARPS = 4                        # = schedules/gpu/paged_attention.WARPS, the block size the cubin was built for
 PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
-_KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode")
+_KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
 
 
 def bundle_cuda_ops(bundle_dir: str, head_dim: int, group: int) -> "CudaOps":
@@ -109,7 +111,7 @@ class CudaOps:
                        n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o) -> None:
         """q [h_a, d] fp16; step: device int32 [n_tokens, t_begin]."""
         group = q.shape[0] // num_kv_heads
-        partial, _, _ = self._functions(head_dim, group)
+        partial = self._functions(head_dim, group)[0]
         i32 = np.int32
         partial((num_kv_heads, n_splits), (WARPS * 32,),
                 (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(num_kv_heads),
@@ -118,7 +120,7 @@ class CudaOps:
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:
         """out [h_a, d] fp16."""
-        _, merge, _ = self._functions(head_dim, group)
+        merge = self._functions(head_dim, group)[1]
         merge((num_heads,), (head_dim,),
               (part_m, part_s, part_o, np.int32(split_begin), np.int32(split_end), np.int32(num_heads), out))
 
@@ -126,5 +128,12 @@ class CudaOps:
         """k, v [h_kv, d] fp16 contiguous -> row step[0]-1 of their page (page_ptrs: this layer's slices).
         The kernel does not depend on the query group: any cubin built for this head_dim has it."""
         group = next((g for d, g in sorted(self._cubins) if d == head_dim), 0)
-        _, _, append = self._functions(head_dim, group)
+        append = self._functions(head_dim, group)[2]
         append((num_kv_heads, 2), (head_dim,), (k, v, page_ptrs, np.int32(page_tokens), np.int32(num_kv_heads), step))
+
+    def prefill_causal(self, q, kv, num_kv_heads: int, head_dim: int, window: int, scale: float, out) -> None:
+        """A fresh prompt's causal attention: q, out [S, h_a, d] fp16, kv [2, h_kv, S, d] fp16, all contiguous."""
+        S, h_a = q.shape[0], q.shape[1]
+        kernel = self._functions(head_dim, h_a // num_kv_heads)[3]
+        kernel((-(-S // WARPS), num_kv_heads), (WARPS * 32,),
+               (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))

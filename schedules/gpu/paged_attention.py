@@ -10,6 +10,10 @@ Decode attention (one query row per head) over a page table, split-K over pages:
                         lives, decides the arithmetic, and offload does not change a single bit.
   paged_decode_merge    grid (h_a): combines splits [begin, end) into o = sum(a_i o_i) / sum(a_i s_i), fp16.
   paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
+  prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
+                        walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
+                        reading the step's own K/V [2, h_kv, S, HEAD_DIM]; one launch per layer where the
+                        CuPy tiles of attend_blocks took ~20 (session 9: TTFT was launches, not FLOPs).
 The decode step's token count and window start are read from device memory (`step`: [n_tokens, t_begin]),
 not passed by value, so one captured CUDA graph of the whole decode step replays at every position of a
 page table (runtime/gpu_session.py); the host writes `step` once per step.
@@ -24,11 +28,12 @@ from __future__ import annotations
 from helmc.errors import HelmcError
 
 WARPS = 4                        # warps per block of paged_decode_partial; the source #defines the same
-KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode")
+KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
 
 DECODE_SOURCE = r"""
 // Compile with -DHEAD_DIM=<d> -DGROUP=<h_a / h_kv>.  HEAD_DIM must be a multiple of 32 and <= 256.
 #define WARPS 4
+#define LOOKAHEAD 4                 // tokens per warp whose K/V rows are in flight together
 #define VEC (HEAD_DIM / 32)
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -99,27 +104,41 @@ paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP
     }
     const long long k_off = (long long)kvh * page_tokens * HEAD_DIM + lane * VEC;
     const long long v_off = (long long)num_kv_heads * page_tokens * HEAD_DIM;
-    for (int t = t_start + warp; t < t_end; t += WARPS) {
-        const int page = t / page_tokens;
-        const unsigned short* kp = reinterpret_cast<const unsigned short*>(page_ptrs[page])
-                                   + k_off + (long long)(t - page * page_tokens) * HEAD_DIM;
-        float kf[VEC], vf[VEC];
-        load_row(kp, kf);
-        load_row(kp + v_off, vf);
+    // A warp's tokens t_start + warp, + WARPS, ... in that order; LOOKAHEAD of them are loaded (page address,
+    // then K and V rows) before any is used, so their memory latencies overlap instead of adding up (at short
+    // contexts a warp has a handful of tokens and the loop was two dependent loads per token). Same order of
+    // operations as one token at a time: the same bits.
+    for (int t0 = t_start + warp; t0 < t_end; t0 += WARPS * LOOKAHEAD) {
+        float kf[LOOKAHEAD][VEC], vf[LOOKAHEAD][VEC];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float e = 0.f;
+        for (int u = 0; u < LOOKAHEAD; ++u) {
+            const int t = t0 + u * WARPS;
+            if (t < t_end) {
+                const int page = t / page_tokens;
+                const unsigned short* kp = reinterpret_cast<const unsigned short*>(page_ptrs[page])
+                                           + k_off + (long long)(t - page * page_tokens) * HEAD_DIM;
+                load_row(kp, kf[u]);
+                load_row(kp + v_off, vf[u]);
+            }
+        }
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) e = fmaf(qr[g][i], kf[i], e);
+        for (int u = 0; u < LOOKAHEAD; ++u) {
+            if (t0 + u * WARPS >= t_end) break;
 #pragma unroll
-            for (int sh = 16; sh > 0; sh >>= 1) e += __shfl_xor_sync(0xffffffffu, e, sh);
-            const float m_new = fmaxf(m[g], e);                 // eq. 4.18
-            const float r = expf(m[g] - m_new);                 // 0 on the first token (m = -inf)
-            const float w = expf(e - m_new);
-            s[g] = s[g] * r + w;                                // eq. 4.19
+            for (int g = 0; g < GROUP; ++g) {
+                float e = 0.f;
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) o[g][i] = o[g][i] * r + w * vf[i];   // eq. 4.20
-            m[g] = m_new;
+                for (int i = 0; i < VEC; ++i) e = fmaf(qr[g][i], kf[u][i], e);
+#pragma unroll
+                for (int sh = 16; sh > 0; sh >>= 1) e += __shfl_xor_sync(0xffffffffu, e, sh);
+                const float m_new = fmaxf(m[g], e);                 // eq. 4.18
+                const float r = expf(m[g] - m_new);                 // 0 on the first token (m = -inf)
+                const float w = expf(e - m_new);
+                s[g] = s[g] * r + w;                                // eq. 4.19
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[g][i] = o[g][i] * r + w * vf[u][i];   // eq. 4.20
+                m[g] = m_new;
+            }
         }
     }
 
@@ -174,6 +193,59 @@ paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ p
         }
     }
     out[h * HEAD_DIM + c] = f2h(O / S);
+}
+
+// Causal attention of S fresh query rows (positions 0..S-1) over the same rows' K/V; window > 0 keeps keys
+// t > row - window. q, out [S, h_kv * GROUP, HEAD_DIM] fp16; kv [2, h_kv, S, HEAD_DIM] fp16.
+// grid (ceil(S / WARPS), h_kv), block WARPS * 32: warp w of block x owns row x * WARPS + w. No block barrier,
+// so a warp past the last row returns at once.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+prefill_causal(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv, int S,
+               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out)
+{
+    const int kvh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * WARPS + warp;
+    if (r >= S) return;
+    const int num_heads = num_kv_heads * GROUP;
+    float qr[GROUP][VEC], o[GROUP][VEC], m[GROUP], s[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = NEG_INF;
+        s[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            qr[g][i] = h2f(q[((long long)r * num_heads + kvh * GROUP + g) * HEAD_DIM + lane * VEC + i]) * scale;
+            o[g][i] = 0.f;
+        }
+    }
+    const unsigned short* kp = kv + (long long)kvh * S * HEAD_DIM + lane * VEC;
+    const long long v_off = (long long)num_kv_heads * S * HEAD_DIM;
+    for (int t = window > 0 ? max(0, r - window + 1) : 0; t <= r; ++t) {
+        float kf[VEC], vf[VEC];
+        load_row(kp + (long long)t * HEAD_DIM, kf);
+        load_row(kp + v_off + (long long)t * HEAD_DIM, vf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float e = 0.f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) e = fmaf(qr[g][i], kf[i], e);
+#pragma unroll
+            for (int sh = 16; sh > 0; sh >>= 1) e += __shfl_xor_sync(0xffffffffu, e, sh);
+            const float m_new = fmaxf(m[g], e);
+            const float a = expf(m[g] - m_new);
+            const float w = expf(e - m_new);
+            s[g] = s[g] * a + w;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) o[g][i] = o[g][i] * a + w * vf[i];
+            m[g] = m_new;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+            out[((long long)r * num_heads + kvh * GROUP + g) * HEAD_DIM + lane * VEC + i] = f2h(o[g][i] / s[g]);
 }
 
 // One decode step's K and V rows of one layer ([h_kv, HEAD_DIM] fp16 each) into row step[0]-1 of their page.

@@ -1,6 +1,7 @@
-"""`helmc profile`'s measurements: the CPU side on this machine (quick mode), the GPU side's
-arithmetic through stand-in backends (numpy and torch on the CPU), and the real GPU where there is
-one (pytest -m gpu; skipped without CuPy or a GPU)."""
+"""`helmc profile`'s measurements: the CPU side on this machine with helmc's own kernels (quick kit), the GPU
+side's arithmetic through stand-in backends (numpy and torch on the CPU), and the real GPU where there is one
+(pytest -m gpu; skipped without CuPy or a GPU). The DRAM + PCIe window and the kernels' read against
+scripts/bench_cpu_gemv.py are in test_host_read.py."""
 import time
 
 import numpy as np
@@ -8,28 +9,34 @@ import pytest
 
 from helmc.hardware import measure_gpu as mg
 from helmc.hardware.profile import HardwareProfile
-from helmc.hardware.measure import (_parse_size, block_shaped_matrices, interleaved_tiles, l3_total_bytes, profile,
-                                    ram_bytes)
+from helmc.hardware.measure import _parse_size, l3_total_bytes, ram_bytes
 
 TINY = mg.BenchSizes(gemv_bytes=2 * mg.MIB, link_bytes=4 * mg.MIB, latency_reps=5, matmul_inner=1, matmul_m=16,
-                     matmul_h=256, block=mg.BlockShape(hidden=256, ffn=768, heads=4, kv_heads=2, head_dim=64, context=32),
-                     blocks=2)
+                     matmul_h=256)
+WEIGHT_TYPES = ("float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q6_k")
 
 
 def test_quick_profile_on_this_machine(tmp_path):
+    from helmc.api import profile
+    profile(quick=True, gpu_backend="none", overheads=False, progress=lambda m: None)   # the kit, cached
     t0 = time.perf_counter()
-    hw = profile(quick=True, gpu_backend="none")
+    hw = profile(quick=True, gpu_backend="none", overheads=False, progress=lambda m: None)
     elapsed = time.perf_counter() - t0
     c = hw.cpu
-    print(f"\nquick profile in {elapsed:.2f} s: dram {c.dram_gbs} GB/s, inference-like {c.dram_strided_gbs} GB/s, "
-          f"L3 {c.l3_gbs} GB/s, sgemm {c.fp32_gflops} GFLOP/s, {c.cores} cores, L3 {c.l3_bytes >> 20} MiB")
-    assert elapsed < 3.0
-    assert c.dram_gbs > 0.5 and c.dram_strided_gbs > 0.1 and c.fp32_gflops > 0.5
+    print(f"\nquick profile in {elapsed:.2f} s (kit cached): dram {c.dram_gbs} GB/s, GEMV {c.host_read_gbs} GB/s, "
+          f"L3 {c.l3_gbs} GB/s, sgemm {c.fp32_gflops} GFLOP/s, {c.cores} cores, L3 {c.l3_bytes >> 20} MiB; "
+          + ", ".join(f"{r.weight_type} {r.gbs}" for r in c.gemv_reads))
+    assert elapsed < 15.0                                                   # a second profile compiles nothing
+    assert c.dram_gbs > 0.5 and c.host_read_gbs > 0.5 and c.fp32_gflops > 0.5 and c.l3_gbs > 0.5
+    assert tuple(r.weight_type for r in c.gemv_reads) == WEIGHT_TYPES
+    assert c.host_read_gbs == c.read_gbs("float16") == c.stream_gbs
     assert c.cores >= 1 and c.threads >= c.cores
     assert 0 < c.ram_free_bytes <= c.ram_total_bytes
     assert hw.gpu is None and hw.link is None and hw.block_overhead_ms == 0.0
+    assert c.block_overhead_ms is None                                      # overheads=False: not measured
     assert any(u.startswith("gpu, link: HELMC_GPU_BACKEND=none") for u in hw.unmeasured)
-    assert any("quick mode" in n for n in hw.notes)
+    assert any("quick mode" in n for n in hw.notes) and any("decode GEMV reads" in n for n in hw.notes)
+    assert any(n.startswith("cpu: fp32_gflops") and "helmc's prefill GEMM" in n for n in hw.notes)
     path = tmp_path / "hardware.json"
     hw.save(str(path))
     assert HardwareProfile.load(str(path)) == hw
@@ -44,23 +51,6 @@ def test_cpu_facts_from_linux_files():
     l3, instances = l3_total_bytes([0])
     assert (l3 > 0) == (instances > 0)
     assert _parse_size("32768K") == 32 * 2 ** 20 and _parse_size("2M") == 2 * 2 ** 20 and _parse_size("512") == 512
-
-
-def test_interleaved_tiles_cover_each_row_once():
-    m = np.arange(96 * 8, dtype=np.float32).reshape(96, 8)
-    parts = interleaved_tiles(m, threads=3, tile_rows=4)
-    seen = np.concatenate([p.reshape(-1, 8) for p in parts])               # [rows, 8]
-    assert len(parts) == 3 and sorted(seen[:, 0].tolist()) == m[:, 0].tolist()
-    assert all(p.base is not None for p in parts)                           # views, not copies
-    assert parts[1][0, 0, 0] == m[4, 0]                                      # thread 1 starts at tile 1
-
-
-def test_block_shaped_matrices_are_separate_allocations():
-    mats = block_shaped_matrices(8 * 2 ** 20, hidden=128)
-    assert len(mats) % 7 == 0 and len(mats) >= 7
-    assert [m.shape for m in mats[:7]] == [(128, 128), (32, 128), (32, 128), (128, 128), (384, 128), (384, 128),
-                                           (128, 384)]
-    assert len({m.ctypes.data for m in mats}) == len(mats)
 
 
 class NumpyDevice(mg.ArrayBackend):
@@ -110,8 +100,7 @@ def test_gpu_benchmarks_arithmetic_on_a_stand_in():
     assert m.gpu.name == "Stand-in GPU" and m.gpu.arch == "sm_90"
     assert m.gpu.vram_free_bytes == 2 * mg.GIB and m.gpu.hbm_gbs > 0
     assert m.link.h2d_gbs > 0 and m.link.d2h_gbs > 0 and m.link.latency_us >= 0
-    assert m.block_overhead_ms >= 0 and not m.unmeasured
-    assert any(n.startswith("block_overhead_ms:") for n in m.notes)
+    assert not m.link.has_concurrent and not m.unmeasured                   # the window is measure.py's step
 
 
 def test_gpu_failures_are_listed_not_invented():
@@ -143,15 +132,52 @@ def test_backend_selection_without_a_gpu():
 
 @pytest.mark.gpu
 def test_real_gpu_profile():
+    """The whole profile on a GPU machine, with the kit in HELMC_PROFILE_KIT (built elsewhere for this machine by
+    `helmc profile --build-kit DIR --for hardware.json`; tests/device/device_profile_check.py runs more)."""
+    import os
     cupy = pytest.importorskip("cupy")
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             pytest.skip("no CUDA device")
     except Exception as e:  # noqa: BLE001 - no driver
         pytest.skip(f"no CUDA device: {e}")
-    hw = profile(quick=True, gpu_backend="cupy")
+    kit = os.environ.get("HELMC_PROFILE_KIT")
+    if not kit:
+        pytest.skip("HELMC_PROFILE_KIT names no profile kit for this machine")
+    from helmc.api import profile
+    hw = profile(quick=True, gpu_backend="cupy", kit_dir=kit, progress=print)
     print("\n" + hw.to_json())
     assert hw.gpu is not None and hw.gpu.arch.startswith("sm_")
     assert hw.gpu.hbm_gbs > 100 and hw.gpu.fp16_tflops > 1
     assert hw.link.h2d_gbs > 1 and hw.link.d2h_gbs > 1 and 0 < hw.link.latency_us < 1000
-    assert hw.block_overhead_ms >= 0
+    assert hw.link.has_concurrent and 0 < hw.link.h2d_concurrent_gbs <= 1.2 * hw.link.h2d_gbs
+    assert hw.gpu.block_overhead_ms is not None and hw.cpu.block_overhead_ms is not None
+
+
+def test_format_2_fields_and_their_refusals():
+    import dataclasses
+    import json
+    from helmc.errors import HelmcError
+    from helmc.hardware.profile import KernelRead, LinkProfile, load_hardware
+    hw = load_hardware("h100-sxm-measured")
+    raw = json.loads(hw.to_json())
+    raw["format_version"] = 1
+    with pytest.raises(HelmcError, match=r"format_version expected 2, found 1 \(a profile of an older helmc: run "
+                                         r"`helmc profile` again\)"):
+        HardwareProfile.from_json(json.dumps(raw))
+    raw["format_version"] = 2
+    raw["cpu"]["dram_strided_gbs"] = 142.79                      # format 1's field is gone, not silently ignored
+    with pytest.raises(HelmcError, match=r"unknown key\(s\) \['dram_strided_gbs'\]"):
+        HardwareProfile.from_json(json.dumps(raw))
+    # The preset kept format 1's inference-like figure as its M, so its plans are what they were.
+    assert hw.cpu.host_read_gbs == hw.cpu.stream_gbs == 142.79 and not hw.link.has_concurrent
+    with pytest.raises(HelmcError, match="expected both > 0 \\(measured together\\) or both 0, found 40.0, 0.0"):
+        LinkProfile(54.0, 54.0, 8.0, h2d_concurrent_gbs=40.0)
+    with pytest.raises(HelmcError, match="one entry per weight type"):
+        dataclasses.replace(hw.cpu, gemv_reads=(KernelRead("q4_k", 30.0), KernelRead("q4_k", 31.0)))
+    cpu = dataclasses.replace(hw.cpu, host_read_gbs=92.0, gemv_reads=(KernelRead("float16", 92.0), KernelRead("q4_k", 37.0)))
+    assert cpu.read_gbs("q4_k") == 37.0 and cpu.read_gbs("q6_k") == 92.0        # unmeasured type: the fp16 figure
+    link = LinkProfile(54.0, 54.0, 8.0, h2d_concurrent_gbs=40.0, cpu_read_concurrent_gbs=80.0)
+    assert link.has_concurrent and link.combined_gbs == 120.0
+    again = dataclasses.replace(hw, cpu=cpu, link=link)
+    assert HardwareProfile.from_json(again.to_json()) == again

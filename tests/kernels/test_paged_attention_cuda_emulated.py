@@ -80,6 +80,10 @@ extern "C" void run_merge(const float* pm, const float* ps, const float* po, int
                           unsigned short* out) {
     launch(heads, 1, HEAD_DIM, [&] { paged_decode_merge(pm, ps, po, b, e, heads, out); });
 }
+extern "C" void run_prefill(const unsigned short* q, const unsigned short* kv, int S, int h_kv, int window,
+                            float scale, unsigned short* out) {
+    launch((S + WARPS - 1) / WARPS, h_kv, WARPS * 32, [&] { prefill_causal(q, kv, S, h_kv, window, scale, out); });
+}
 extern "C" void run_append(const unsigned short* k, const unsigned short* v, const long long* ptrs, int T, int h_kv,
                            const int* step) {
     launch(h_kv, 2, HEAD_DIM, [&] { paged_append_decode(k, v, ptrs, T, h_kv, step); });
@@ -155,3 +159,34 @@ def test_append_kernel_writes_one_row_of_its_page(tmp_path, n):
     expect = before.copy()
     expect[slots[page], 0, :, row], expect[slots[page], 1, :, row] = k, v
     assert np.array_equal(pool, expect)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("h_kv,group,d,S,window", [
+    (2, 4, 128, 7, 0),      # the last block's warps past row 6 return at once
+    (1, 2, 64, 13, 5),      # a sliding window
+    (2, 1, 96, 4, 0),       # head_dim 96: 3 values per lane
+])
+def test_prefill_kernel_on_cpu_threads(tmp_path, h_kv, group, d, S, window):
+    """prefill_causal (a fresh prompt, keys = its own rows) against causal softmax attention in float64."""
+    lib = build(tmp_path, d, group)
+    rng = np.random.default_rng(S + d)
+    h_a = h_kv * group
+    q = rng.standard_normal((S, h_a, d)).astype(np.float16)
+    kv = rng.standard_normal((2, h_kv, S, d)).astype(np.float16)
+    out = np.full((S, h_a, d), np.nan, np.float16)
+    fp, ip = ctypes.c_void_p, ctypes.c_int
+    lib.run_prefill(fp(q.ctypes.data), fp(kv.ctypes.data), ip(S), ip(h_kv), ip(window), ctypes.c_float(0.3),
+                    fp(out.ctypes.data))
+    k = np.repeat(kv[0].astype(np.float64), group, axis=0)                  # [h_kv, S, d] -> [h_a, S, d]
+    v = np.repeat(kv[1].astype(np.float64), group, axis=0)
+    e = np.einsum("shd,htd->hst", q.astype(np.float64), k) * 0.3            # [h_a, S, S]
+    t = np.arange(S)
+    visible = (t[None, :] <= t[:, None]) & ((t[None, :] > t[:, None] - window) if window else True)
+    e = np.where(visible[None], e, -np.inf)
+    p = np.exp(e - e.max(-1, keepdims=True))
+    ref = np.einsum("hst,htd->shd", p / p.sum(-1, keepdims=True), v)
+    err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+    print(f"\nprefill_causal on CPU threads, h_kv={h_kv} group={group} d={d} S={S} window={window}: "
+          f"max relative error {err:.2e}")
+    assert err < 1e-3

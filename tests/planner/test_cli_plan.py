@@ -97,3 +97,28 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["gpu_units"] == 0 and d["candidates"][-1]["t_comm_ms"] == 0.0
+
+
+def test_profile_kit_built_here_measures_there(tmp_path):
+    """`helmc profile --build-kit DIR` (where the compiler is), then `helmc profile --kit DIR` (which needs only the
+    TVM runtime): the profile is measured with that kit's kernels and stages, and bad uses say what they expected."""
+    kit = tmp_path / "kit"
+    r = CliRunner().invoke(profile_command, ["--build-kit", str(kit), "--quick", "--gpu-backend", "none"])
+    assert r.exit_code == 0, r.output
+    assert "built a profile kit in" in r.output and (kit / "profile_kit.json").exists() and (kit / "cpu_bundle").is_dir()
+    out = tmp_path / "hw.json"
+    r = CliRunner().invoke(profile_command, ["--kit", str(kit), "-o", str(out), "--gpu-backend", "none"])
+    assert r.exit_code == 0, r.output
+    hw = HardwareProfile.load(str(out))
+    assert hw.cpu.host_read_gbs > 0 and hw.cpu.block_overhead_ms is not None
+    assert any(n.startswith("overheads: cpu delta") for n in hw.notes)
+    for args, message in ((["--for", "rtx4060-laptop"], "--for expected with --build-kit, found it alone"),
+                          (["--build-kit", str(kit), "--quick"], "expected a new or empty directory"),
+                          (["--kit", str(tmp_path / "none"), "-o", str(out)], "expected profile_kit.json in")):
+        r = CliRunner().invoke(profile_command, args + ["--gpu-backend", "none"])
+        assert r.exit_code == 2 and message in r.output, r.output
+    # A kit for another CPU (the laptop preset: AVX2, no AVX-512) builds here and runs only on such a CPU.
+    other = tmp_path / "laptop-kit"
+    r = CliRunner().invoke(profile_command, ["--build-kit", str(other), "--for", "rtx4060-laptop", "--quick"])
+    assert r.exit_code == 0, r.output
+    assert "avx2 kernels for 14 cores" in r.output and "GPU stage for sm_89" in r.output

@@ -212,3 +212,24 @@ def test_workload_validation():
     with pytest.raises(HelmcError, match="expected >= 1"):
         Workload(batch=0)
     assert Workload(prompt_len=100, output_len=50).decode_context == 125
+
+
+def test_cpu_m_is_the_gemv_read_of_the_model_weight_types(laptop):
+    """A quantized model's CPU blocks stream at its kernels' measured rates (helmc profile's gemv_reads): M is
+    sum(bytes) / sum(bytes / M_type) over its linears; a type not measured reads at host_read_gbs."""
+    from helmc.hardware.profile import KernelRead
+    from helmc.model.spec import LINEAR_NAMES
+    mix = ("q4_k",) * 2 + ("q6_k",) + ("q4_k",) * 3 + ("q6_k",)             # q, k, v, o, gate, up, down
+    spec = dataclasses.replace(qwen3_spec("Qwen3-8B"), layer_types=(mix,) * 36, head_type="q6_k", embed_type="q4_k")
+    a = analyze_program(spec)
+    by_type = dict(a.linear_bytes_by_type)
+    assert set(by_type) == {"q4_k", "q6_k"} and len(mix) == len(LINEAR_NAMES)
+    cpu = dataclasses.replace(laptop.cpu, host_read_gbs=90.0,
+                              gemv_reads=(KernelRead("float16", 90.0), KernelRead("q4_k", 36.0), KernelRead("q6_k", 48.0)))
+    rates = DeviceRates.of_cpu(cpu, 0.0, a.linear_bytes_by_type)
+    assert rates.mem_gbs == pytest.approx(sum(by_type.values()) / (by_type["q4_k"] / 36.0 + by_type["q6_k"] / 48.0))
+    assert 36.0 < rates.mem_gbs < 48.0
+    # Unquantized weights of a type the profile has no figure for: host_read_gbs (the fp16 GEMV) is M.
+    assert DeviceRates.of_cpu(cpu, 0.0, analyze_program(qwen3_spec("Qwen3-8B")).linear_bytes_by_type).mem_gbs == \
+        pytest.approx(90.0)
+    assert DeviceRates.of_cpu(cpu, 0.0).mem_gbs == 90.0

@@ -216,7 +216,8 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
 
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
                       fp32_accumulate: bool = True, host_mcpu: str | None = None,
-                      weight_types: dict | None = None) -> tuple[str, ...]:
+                      weight_types: dict | None = None, fuse_norms: bool = True,
+                      prefill_cublas: bool = True) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
     Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
@@ -246,6 +247,12 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     mod = lower_decode_gemv(mod)   # decode linears over fp16/bf16 weights: helmc's m-row GEMV (batch invariant)
     if fp32_accumulate:
         mod = rewrite_matmuls_fp32_accumulate(mod)
+    if fuse_norms:          # RMSNorm, residual add + RMSNorm, q/k norm + RoPE: one kernel each
+        from helmc.compiler.passes.fuse_gpu_norms import fuse_gpu_norms
+        mod = fuse_gpu_norms(mod)
+    if prefill_cublas:      # prefill linears on tensor cores: cuBLAS through the runtime's CuPy
+        from helmc.compiler.passes.dispatch_prefill_gemm import dispatch_prefill_gemm
+        mod = dispatch_prefill_gemm(mod)
     ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
 
     sources = _collect_cuda_sources(ex.mod)

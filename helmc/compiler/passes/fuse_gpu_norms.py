@@ -1,0 +1,248 @@
+"""Relax pass: the GPU stage's RMSNorms, residual adds and RoPE as one hand-scheduled kernel each.
+
+The exported block spells RMSNorm as ten Relax ops (astype, x*x, mean, +eps, sqrt, 1/., astype(w), two
+multiplies, astype back), the q/k norm + RoPE as twenty more, and the residual add as its own op before the
+norm that reads it. TVM's FuseOps leaves these in ~20 kernels per layer (the cast that two consumers read and
+the square ahead of the reduction stay apart), each a few microseconds in a decode step whose GEMVs take
+tens: session 8's per-kernel table of the all-GPU Qwen3-8B Q4_K step put ~2 ms of 6.4 in them. This pass
+finds the three graphs in every function with static shapes (the decode variants) and calls
+schedules/gpu/norm_rope.py's kernels, which compute the same ops in the same precisions:
+
+  rms_norm       astype(w*(xf * 1/sqrt(mean(xf*xf) + eps)), f16), xf = astype(x, f32)  -> rms_norm(x, w)
+  add_rms_norm   s = add(a, b) (fp16) whose rms_norm is taken          -> (s, rms_norm(s, w)) in one kernel
+  rms_norm_rope  q16*c16 + concat(-q16[..., D/2:], q16[..., :D/2])*s16, q16 an rms_norm of [S, heads, D],
+                 c16/s16 = astype(expand_dims(cos|sin, 1), f16)         -> rms_norm_rope(x, w, cos, sin)
+
+A graph that does not match exactly (other ops, other axes, symbolic shapes) is left to TVM. Runs after
+lower_quantized_gpu and the fp32-accumulation rewrite, before legalization.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from helmc.schedules.gpu.norm_rope import make_rms_norm, make_rms_norm_rope
+
+_BIG = 2 ** 62          # a slice's "to the end" bound as the ONNX import spells it (INT64_MAX)
+
+
+def fuse_gpu_norms(mod: tvm.IRModule) -> tvm.IRModule:
+    fuser = _Fuser(mod)
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function):
+            continue
+        fuser.analyze(func)
+        if not fuser.rms:
+            continue
+        new = relax.analysis.remove_all_unused(fuser.visit_expr(func))
+        fuser.builder_.update_func(gvar, new)
+    return fuser.builder_.get()
+
+
+def _op(name: str):
+    return tvm.ir.Op.get(f"relax.{name}")
+
+
+def _static_shape(expr) -> tuple | None:
+    """The shape with int dims, the first one possibly a symbolic token count (its tirx.Var, the same object
+    wherever the function uses it), or None for anything else."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None or not hasattr(shape, "values"):
+        return None
+    dims = []
+    for i, d in enumerate(shape.values):
+        if isinstance(d, (int, tvm.tirx.IntImm)):
+            dims.append(int(d))
+        elif i == 0 and isinstance(d, tvm.tirx.Var):
+            dims.append(d)
+        else:
+            return None
+    return tuple(dims)
+
+
+def _same(a, b) -> bool:
+    """Shape equality that compares symbolic dims by identity (== on a tirx.Var builds an expression)."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) != isinstance(y, int) or (x != y if isinstance(x, int) else not x.same_as(y)):
+            return False
+    return True
+
+
+def _dtype(expr) -> str:
+    return str(getattr(expr.ty, "dtype", ""))
+
+
+def _scalar(expr) -> float | None:
+    if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+def _ints(expr) -> list[int]:
+    """The integers of a Relax tuple of PrimValues (or a shape)."""
+    items = expr.fields if isinstance(expr, relax.Tuple) else expr.values
+    return [int(getattr(v, "value", v)) for v in items]
+
+
+@mutator
+class _Fuser(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.kernels: dict = {}
+
+    # -------------------------------------------------------------- matching
+    def analyze(self, func: relax.Function) -> None:
+        """Find the graphs in func: rms {out var: (x, w, eps)}, add_rms {sum var: (a, b, out var)},
+        rope {result var: (x, w, eps, cos, sin)}."""
+        self.bound = {b.var: b.value for blk in func.body.blocks for b in blk.bindings
+                      if isinstance(b, relax.VarBinding)}
+        self.rms, self.add_rms, self.rope, self.pending = {}, {}, {}, {}
+        for var in self.bound:
+            found = self._match_rms(var)
+            if found:
+                self.rms[var] = found
+        for out, (x, w, eps) in self.rms.items():
+            add = self._call(x, "add")
+            if add is not None and _dtype(x) == "float16" and x not in self.add_rms and \
+                    all(_same(_static_shape(a), _static_shape(x)) and _dtype(a) == "float16" for a in add.args):
+                self.add_rms[x] = (add.args[0], add.args[1], out)
+        for var in self.bound:
+            found = self._match_rope(var)
+            if found:
+                self.rope[var] = found
+
+    def _call(self, expr, op: str):
+        value = self.bound.get(expr) if isinstance(expr, relax.Var) else None
+        return value if isinstance(value, relax.Call) and value.op == _op(op) else None
+
+    def _astype_of(self, expr, dtype: str):
+        """The input of astype(input, dtype) bound to expr, or None."""
+        c = self._call(expr, "astype")
+        return c.args[0] if c is not None and str(c.attrs.dtype) == dtype else None
+
+    def _match_rms(self, out):
+        y = self._astype_of(out, "float16")
+        mul = self._call(y, "multiply") if y is not None else None
+        if mul is None:
+            return None
+        for wf, n in (mul.args, mul.args[::-1]):
+            w = self._astype_of(wf, "float32")
+            norm = self._call(n, "multiply")
+            if w is None or norm is None or _dtype(w) != "float16" or len(_static_shape(w) or ()) != 1:
+                continue
+            for xf, inv in (norm.args, norm.args[::-1]):
+                x = self._astype_of(xf, "float32")
+                eps = self._inverse_rms_eps(inv, xf)
+                shape = _static_shape(out)
+                if x is not None and eps is not None and _dtype(x) == "float16" and shape and len(shape) >= 2 \
+                        and _same(_static_shape(x), shape) and _same(_static_shape(w), (shape[-1],)):
+                    return x, w, eps
+        return None
+
+    def _inverse_rms_eps(self, inv, xf) -> float | None:
+        """eps if inv = 1 / sqrt(mean(xf * xf, axis=-1, keepdims) + eps), else None."""
+        div = self._call(inv, "divide")
+        if div is None or _scalar(div.args[0]) != 1.0:
+            return None
+        sqrt = self._call(div.args[1], "sqrt")
+        add = self._call(sqrt.args[0], "add") if sqrt is not None else None
+        if add is None:
+            return None
+        mean = self._call(add.args[0], "mean")
+        eps = _scalar(add.args[1])
+        if mean is None or eps is None or not mean.attrs.keepdims:
+            return None
+        rank = int(getattr(xf.ty, "ndim", -1))
+        if rank < 1 or [int(a) % rank for a in mean.attrs.axis] != [rank - 1]:
+            return None
+        sq = self._call(mean.args[0], "multiply")
+        return eps if sq is not None and sq.args[0].same_as(xf) and sq.args[1].same_as(xf) else None
+
+    def _cos_sin(self, expr):
+        """The f32 [S, D] table under astype(expand_dims(table, axis=[1]), f16), or None."""
+        e = self._astype_of(expr, "float16")
+        ex = self._call(e, "expand_dims") if e is not None else None
+        if ex is None or [int(a) for a in ex.attrs.axis] != [1] or _dtype(ex.args[0]) != "float32":
+            return None
+        return ex.args[0]
+
+    def _slice(self, expr, q, begin: int, end: int) -> bool:
+        s = self._call(expr, "strided_slice")
+        if s is None or not s.args[0].same_as(q):
+            return False
+        axes, begins, ends = (_ints(s.args[i]) for i in (1, 2, 3))
+        strides = _ints(s.args[4]) if len(s.args) > 4 else [1]
+        rank = len(_static_shape(q) or ())
+        return rank > 0 and [a % rank for a in axes] == [rank - 1] and begins == [begin] and strides == [1] and \
+            (ends[0] == end or (end == _static_shape(q)[-1] and ends[0] >= _BIG))
+
+    def _match_rope(self, var):
+        add = self._call(var, "add")
+        if add is None:
+            return None
+        for m1, m2 in (add.args, add.args[::-1]):
+            p1, p2 = self._call(m1, "multiply"), self._call(m2, "multiply")
+            if p1 is None or p2 is None:
+                continue
+            for q, c16 in (p1.args, p1.args[::-1]):
+                if q not in self.rms or _static_shape(q) is None or len(_static_shape(q)) != 3:
+                    continue
+                cos = self._cos_sin(c16)
+                for cat, s16 in (p2.args, p2.args[::-1]):
+                    sin = self._cos_sin(s16)
+                    concat = self._call(cat, "concat")
+                    if cos is None or sin is None or concat is None or len(concat.args[0].fields) != 2:
+                        continue
+                    neg, lo = concat.args[0].fields
+                    neg_in = self._call(neg, "negative")
+                    d = _static_shape(q)[-1]
+                    if neg_in is not None and self._slice(neg_in.args[0], q, d // 2, d) and \
+                            self._slice(lo, q, 0, d // 2) and \
+                            _same(_static_shape(cos), (_static_shape(q)[0], d)) and _same(_static_shape(sin), (_static_shape(q)[0], d)):
+                        x, w, eps = self.rms[q]
+                        return x, w, eps, cos, sin
+        return None
+
+    # -------------------------------------------------------------- rewriting
+    def _kernel(self, key: tuple, make) -> relax.GlobalVar:
+        if key not in self.kernels:
+            prim = make()
+            self.kernels[key] = self.builder_.add_func(prim, str(prim.attrs["global_symbol"]))
+        return self.kernels[key]
+
+    def _rebind(self, var, value) -> None:
+        """var = value in the block being built (the same var: later uses need no remapping)."""
+        self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(value)))
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # noqa: N802 (TVM's visitor name)
+        var = binding.var
+        if var in self.add_rms:
+            a, b, out = self.add_rms[var]
+            _, w, eps = self.rms[out]
+            shape = _static_shape(var)
+            gvar = self._kernel(("add_rms_norm", shape, eps), lambda: make_rms_norm(shape, eps, add=True))
+            ty = relax.TensorType(list(shape), "float16")
+            both = self.builder_.emit(relax.call_tir(gvar, [self.visit_expr(a), self.visit_expr(b), w],
+                                                     [ty, ty]))
+            self.pending[out] = both
+            self._rebind(var, relax.TupleGetItem(both, 0))
+        elif var in self.pending:
+            self._rebind(var, relax.TupleGetItem(self.pending.pop(var), 1))
+        elif var in self.rope:
+            x, w, eps, cos, sin = self.rope[var]
+            shape = _static_shape(var)
+            gvar = self._kernel(("rms_norm_rope", shape, eps), lambda: make_rms_norm_rope(shape, eps))
+            call = relax.call_tir(gvar, [self.visit_expr(x), w, self.visit_expr(cos), self.visit_expr(sin)],
+                                  relax.TensorType(list(shape), "float16"))
+            self._rebind(var, call)
+        elif var in self.rms:
+            x, w, eps = self.rms[var]
+            shape = _static_shape(var)
+            gvar = self._kernel(("rms_norm", shape, eps), lambda: make_rms_norm(shape, eps))
+            call = relax.call_tir(gvar, [self.visit_expr(x), w], relax.TensorType(list(shape), "float16"))
+            self._rebind(var, call)
+        else:
+            super().visit_var_binding_(binding)

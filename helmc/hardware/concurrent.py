@@ -1,0 +1,90 @@
+"""DRAM and PCIe at once: the rates hybrid decode gets when the CPU and the DMA engine read host memory together.
+
+Hybrid decode copies streamed blocks' weights from pinned host memory to the GPU while helmc's CPU stage reads its
+own blocks. Both streams come out of the same memory controllers, so the rates measured alone (cpu.host_read_gbs,
+link.h2d_gbs) do not add up: what each gets while the other runs is measured here, in one window.
+
+  1. alone: helmc's fp16 decode GEMVs (host_read.GemvPass) with nothing else; the copies with nothing else;
+  2. together: host -> device copies of `chunk` bytes (rotating over a pinned buffer larger than the L3) are queued
+     on a stream of their own, an event after each, and the GEMV passes run on every core until the last copy is
+     done. The window is [first GEMV pass start, min(last copy end, last GEMV pass end)]; each side's rate is its
+     bytes wholly inside the window over the span they took (copy end times come from the events, placed on the
+     host clock by an event recorded on the idle stream just before).
+
+The median of `trials` windows (by combined rate) is kept. Needs CuPy (the backend's queue_h2d), the TVM runtime
+and the profile kit; the arithmetic (window_rates) is plain Python.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConcurrentRates:
+    cpu_alone_gbs: float
+    h2d_alone_gbs: float
+    cpu_gbs: float                    # the GEMVs' read rate while the copies run
+    h2d_gbs: float                    # the copies' rate while the GEMVs run
+    window_s: float
+
+    @property
+    def combined_gbs(self) -> float:
+        return self.cpu_gbs + self.h2d_gbs
+
+
+def window_rates(passes: list[tuple[float, float]], pass_bytes: int, copy_start: float, copy_ends: list[float],
+                 chunk: int) -> tuple[float, float, float]:
+    """(CPU GB/s, copy GB/s, window seconds) over the window where both ran.
+
+    passes: (start, end) host times of the GEMV passes, in order; copy_ends: host times at which each copy ended,
+    in order, the first having started at copy_start. Raises ValueError when the window holds fewer than two
+    passes or three copies (too short to say anything)."""
+    if not passes or not copy_ends:
+        raise ValueError("concurrent window: expected GEMV passes and copies, found none")
+    start = passes[0][0]
+    end = min(copy_ends[-1], passes[-1][1])
+    inside = [(s, e) for s, e in passes if e <= end]
+    starts = [copy_start] + copy_ends[:-1]
+    copies = [(s, e) for s, e in zip(starts, copy_ends) if s >= start and e <= inside[-1][1]] if inside else []
+    if len(inside) < 2 or len(copies) < 3:
+        raise ValueError(f"concurrent window: expected >= 2 GEMV passes and >= 3 copies while both ran, found "
+                         f"{len(inside)} and {len(copies)} (the copies or the passes were too short)")
+    cpu = len(inside) * pass_bytes / (inside[-1][1] - start) / 1e9
+    h2d = len(copies) * chunk / (copies[-1][1] - copies[0][0]) / 1e9
+    return cpu, h2d, inside[-1][1] - start
+
+
+def _copies_alone_gbs(be, dev, host, host_bytes: int, chunk: int, count: int) -> float:
+    handle = be.queue_h2d(dev, host, host_bytes, chunk, count)
+    ends = be.copy_end_times(handle)
+    return (count - 1) * chunk / (ends[-1] - ends[0]) / 1e9
+
+
+def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chunk: int = 256 << 20,
+                       host_bytes: int = 1 << 30, trials: int = 3, progress=lambda m: None) -> ConcurrentRates:
+    """gemv: an object with run() (one pass of helmc's fp16 decode GEMVs) and nbytes; h2d_gbs_hint: the link's
+    rate alone, to size the queue of copies to about `seconds`."""
+    from helmc.hardware.host_read import median_gbs
+    host = be.pinned(host_bytes)
+    dev = be.full((chunk,), 0, "uint8")
+    # The copies are queued longer than the GEMVs need (contention slows them), each trial at least `seconds`.
+    count = max(8, int(1.5 * seconds * h2d_gbs_hint * 1e9 / chunk))
+    cpu_alone, _ = median_gbs(gemv.nbytes, gemv.run, 5)
+    h2d_alone = _copies_alone_gbs(be, dev, host, host_bytes, chunk, max(8, count // 4))
+    progress(f"DRAM + PCIe: alone the GEMVs read {cpu_alone:.1f} GB/s and the copies move {h2d_alone:.1f} GB/s; "
+             f"{trials} windows of both at once")
+    results = []
+    for _ in range(trials):
+        handle = be.queue_h2d(dev, host, host_bytes, chunk, count)
+        copy_start = handle[1]
+        passes = []
+        while not be.copies_done(handle) or len(passes) < 2:
+            t = time.perf_counter()
+            gemv.run()
+            passes.append((t, time.perf_counter()))
+        ends = be.copy_end_times(handle)
+        results.append(window_rates(passes, gemv.nbytes, copy_start, ends, chunk))
+    cpu, h2d, window = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
+    return ConcurrentRates(round(cpu_alone, 2), round(h2d_alone, 2), round(cpu, 2), round(h2d, 2), round(window, 3))
+

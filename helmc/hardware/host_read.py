@@ -1,0 +1,218 @@
+"""Host-memory reads with helmc's own compiled kernels, on every core (the profile kit's profile_kernels.so).
+
+  dram_gbs       helmc's stream-read kernel (schedules/cpu/stream_read.py) over a buffer >= 4 x L3;
+  l3_gbs         the same kernel re-reading half the L3;
+  gemv_reads     per weight type: one decode step's GEMV launches over a transformer block, as the CPU stage makes
+                 them (fused q/k/v, o, fused gate/up SwiGLU, down; quantized types one launch per linear), over
+                 copies of the block's weights whose total is >= 4 x L3, so every pass reads DRAM;
+  host_read_gbs  the fp16 one: M of the cost model (what a CPU block streams);
+  gemm_gflops    helmc's prefill GEMM over a 128-token chunk: P on the CPU (the cost model's compute term).
+
+The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
+allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
+bf16 and the quantized blocks' scales that is a normal number, so no pass runs into denormals. Each figure is
+the median of the timed passes after one warm-up (a shared machine's best pass says what it did once).
+Needs NumPy and the TVM runtime only.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from helmc.hardware.kit import FLOAT_ROLES, FLOAT_TYPES, KERNELS_LIB, QUANT_ROLES, ProfileKit
+from helmc.hardware.profile import KernelRead
+
+ALIGN = 4096
+FILL = 0x3C
+MIN_CYCLE_BYTES = 256 << 20       # weight copies per pass at least this, and at least 4 x L3
+
+
+def quant_row_bytes(qtype: str, k: int) -> int:
+    from helmc.model.spec import QUANT_BLOCKS
+    weights, nbytes = QUANT_BLOCKS[qtype]
+    return k // weights * nbytes
+
+
+def weight_bytes(kit: ProfileKit, weight_type: str) -> dict[str, tuple[tuple[int, int], str]]:
+    """role -> ((rows, bytes per row), storage dtype) of one block's linears in `weight_type`."""
+    out = {}
+    for role, (n, k) in kit.block.linear_shapes().items():
+        if weight_type in FLOAT_TYPES:
+            out[role] = ((n, k), weight_type)
+        else:
+            out[role] = ((n, quant_row_bytes(weight_type, k)), "uint8")
+    return out
+
+
+def block_bytes(kit: ProfileKit, weight_type: str) -> int:
+    return sum(n * (k * 2 if dt != "uint8" else k) for (n, k), dt in weight_bytes(kit, weight_type).values())
+
+
+def cycle_bytes(kit: ProfileKit) -> int:
+    """Weight bytes each pass reads: enough that the L3 holds under a quarter of them."""
+    return max(MIN_CYCLE_BYTES if not kit.quick else 0, 4 * kit.l3_bytes)
+
+
+def copies(kit: ProfileKit, weight_type: str) -> int:
+    return max(1, -(-cycle_bytes(kit) // block_bytes(kit, weight_type)))
+
+
+def arena_bytes(kit: ProfileKit) -> int:
+    per_type = [copies(kit, t) * (block_bytes(kit, t) + 8 * ALIGN) for t in kit.weight_types]
+    return max([kit.read_elements * 4] + per_type)
+
+
+class Arena:
+    """One allocation for the DRAM read and every weight copy, placed from the start, 4 KiB-aligned.
+
+    pinned: page-locked memory (CuPy), where the runtime keeps CPU blocks when a GPU is present (their prefill and
+    hybrid decode stream them to the GPU); else ordinary anonymous pages, as the runtime's CPU-only weights."""
+
+    def __init__(self, nbytes: int, pinned: bool = False):
+        if pinned:
+            import cupyx
+            self.region = cupyx.empty_pinned((nbytes,), np.uint8)
+        else:
+            from helmc.runtime.weights.host_memory import huge_page_buffer
+            self.region = huge_page_buffer(nbytes, advise=False)
+        self.pinned = pinned
+        self.region.fill(FILL)                                  # every page touched before any timing
+        self.used = 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def tensor(self, shape: tuple[int, ...], dtype: str):
+        from helmc.runtime.weights.host_memory import cpu_tensor_over, tensor_bytes
+        start = -(-self.used // ALIGN) * ALIGN
+        self.used = start + tensor_bytes(shape, dtype)
+        if self.used > self.region.nbytes:
+            raise ValueError(f"profile arena: {self.used} bytes expected to fit, found {self.region.nbytes}")
+        return cpu_tensor_over(self.region[start:], shape, dtype)
+
+
+class KitLibrary:
+    """profile_kernels.so loaded, with the small input and output vectors the GEMVs need."""
+
+    def __init__(self, kit_dir: str, kit: ProfileKit):
+        import tvm.runtime
+        from helmc.runtime.tvm_tensors import available_cpu_count, use_cpu_threads
+        use_cpu_threads(available_cpu_count())       # every core, as the session; TVM's default is half on x86
+        self.kit = kit
+        self.lib = tvm.runtime.load_module(os.path.join(kit_dir, KERNELS_LIB))
+        self.dev = tvm.runtime.cpu()
+
+    def vector(self, shape: tuple[int, ...], value: float = 0.01):
+        from helmc.runtime.tvm_tensors import tensor_from_numpy
+        return tensor_from_numpy(np.full(shape, value, np.float32), "float32", self.dev)
+
+
+class GemvPass:
+    """One decode step's GEMV launches over every copy of a block's weights of one type; run() is one pass."""
+
+    def __init__(self, lib: KitLibrary, arena: Arena, weight_type: str):
+        kit, b = lib.kit, lib.kit.block
+        H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
+        arena.reset()
+        layout = weight_bytes(kit, weight_type)
+        self.copies = copies(kit, weight_type)
+        self.nbytes = self.copies * block_bytes(kit, weight_type)
+        self.weight_type = weight_type
+        blocks = [{role: arena.tensor(shape, dt) for role, (shape, dt) in layout.items()} for _ in range(self.copies)]
+        calls = []
+        if weight_type in FLOAT_TYPES:
+            f = {role: lib.lib[kit.kernel(weight_type, role)] for role in FLOAT_ROLES}
+            x, xq, xi = lib.vector((1, H)), lib.vector((1, Q)), lib.vector((1, I))
+            yq, yk, yv, yh, yi = (lib.vector((1, n), 0.0) for n in (Q, KV, KV, H, I))
+            for w in blocks:
+                calls += [(f["qkv"], (x, w["q"], w["k"], w["v"], yq, yk, yv)), (f["o"], (xq, w["o"], yh)),
+                          (f["swiglu"], (x, w["gate"], w["up"], yi)), (f["down"], (xi, w["down"], yh))]
+        else:
+            f = {role: lib.lib[kit.kernel(weight_type, role)] for role in QUANT_ROLES}
+            x, xq, xi = lib.vector((H,)), lib.vector((Q,)), lib.vector((I,))
+            ys = {role: lib.vector((n,), 0.0) for role, (n, _) in kit.block.linear_shapes().items()}
+            inputs = {"q": x, "k": x, "v": x, "o": xq, "gate": x, "up": x, "down": xi}
+            for w in blocks:
+                calls += [(f[role], (inputs[role], w[role], ys[role])) for role in QUANT_ROLES]
+        self.calls = calls
+        self.blocks = blocks                          # role -> weight tensor, per copy
+        self.check = (yh if weight_type in FLOAT_TYPES else ys["down"])
+
+    def run(self) -> None:
+        for fn, args in self.calls:
+            fn(*args)
+
+
+def median_gbs(nbytes: int, fn, passes: int) -> tuple[float, list[float]]:
+    """(median GB/s, every pass's GB/s) of `passes` timed calls after one warm-up."""
+    fn()
+    rates = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        fn()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates), rates
+
+
+GEMM_TOKENS = 128                 # a prompt chunk: the GEMM's rate at the size prefill runs it
+
+
+@dataclass(frozen=True)
+class HostReads:
+    dram_gbs: float
+    l3_gbs: float
+    gemv_reads: tuple[KernelRead, ...]
+    gemm_gflops: float                # helmc's prefill GEMM (fp16 weights) on every core
+    notes: tuple[str, ...]
+
+    @property
+    def host_read_gbs(self) -> float:
+        return next((r.gbs for r in self.gemv_reads if r.weight_type == "float16"), 0.0)
+
+
+def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None,
+                       pinned: bool = False) -> HostReads:
+    lib = KitLibrary(kit_dir, kit)
+    arena = Arena(arena_bytes(kit), pinned)
+    read = lib.lib[kit.read_name]
+    partial = lib.vector((1024,), 0.0)
+    from helmc.runtime.weights.host_memory import cpu_tensor_over
+    buf = cpu_tensor_over(arena.region, (kit.read_elements,), "float32")
+    progress(f"host read: helmc's stream read over {kit.read_elements * 4 >> 20} MiB on {kit.cores} cores")
+    dram, _ = median_gbs(kit.read_elements * 4, lambda: read(buf, partial), passes)
+    l3_fn = lib.lib[kit.l3_read_name]
+    l3_buf = cpu_tensor_over(arena.region, (kit.l3_read_elements,), "float32")
+    inner = 20                          # repeated reads of one cached buffer per timed pass
+
+    def l3_pass():
+        for _ in range(inner):
+            l3_fn(l3_buf, partial)
+    l3, _ = median_gbs(kit.l3_read_elements * 4 * inner, l3_pass, passes)
+    reads, notes = [], [f"cpu: dram_gbs {dram:.1f} from helmc's stream-read kernel over {kit.read_elements * 4 >> 20} "
+                        f"MiB, l3_gbs {l3:.1f} re-reading {kit.l3_read_elements * 4 >> 20} MiB; {kit.isa} kernels, "
+                        f"every core, {'pinned' if pinned else 'pageable'} memory; each the median of {passes} passes"]
+    for t in kit.weight_types:
+        g = GemvPass(lib, arena, t)
+        progress(f"host read: helmc's {t} decode GEMVs over {g.copies} block copies ({g.nbytes >> 20} MiB)")
+        gbs, _ = median_gbs(g.nbytes, g.run, passes)
+        if not np.isfinite(g.check.numpy()).all():
+            raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong shapes?)")
+        reads.append(KernelRead(t, round(gbs, 2)))
+        del g
+    notes.append("cpu: decode GEMV reads (fused q/k/v, o, SwiGLU, down as the CPU stage launches them; "
+                 f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass): "
+                 + ", ".join(f"{r.weight_type} {r.gbs:.1f} GB/s" for r in reads))
+    n, k = kit.block.ffn, kit.block.hidden
+    arena.reset()
+    w = arena.tensor((n, k), "float16")
+    x, y = lib.vector((GEMM_TOKENS, k)), lib.vector((GEMM_TOKENS, n), 0.0)
+    gemm = lib.lib[kit.gemm_name]
+    gflops, _ = median_gbs(2 * GEMM_TOKENS * n * k, lambda: gemm(x, w, y), passes)     # "GB/s" of flops: GFLOP/s
+    notes.append(f"cpu: fp32_gflops {gflops:.0f} from helmc's prefill GEMM ({GEMM_TOKENS} tokens x [{n}, {k}] "
+                 f"fp16 weights, fp32 accumulation)")
+    return HostReads(dram_gbs=round(dram, 2), l3_gbs=round(l3, 2), gemv_reads=tuple(reads), gemm_gflops=round(gflops, 1),
+                     notes=tuple(notes))

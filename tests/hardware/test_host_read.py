@@ -1,0 +1,233 @@
+"""helmc profile's CPU part on this machine (issue 17): its host read is what helmc's GEMVs read, as
+scripts/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the profile
+kit's JSON; the synthetic model's weights and the per-block overheads fitted on its compiled CPU stage."""
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helmc.errors import HelmcError
+from helmc.hardware import host_read as hr
+from helmc.hardware.concurrent import measure_concurrent, window_rates
+from helmc.hardware.kit import BlockShape, ProfileKit, check_kit_runs_here, synthetic_tensors, write_synthetic_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_cpu_gemv", os.path.join(ROOT, "scripts", "bench_cpu_gemv.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _here():
+    from helmc.compiler.profile_kit import KitTarget
+    from helmc.hardware.measure import cpu_facts
+    f = cpu_facts()
+    return KitTarget(f.features, f.l3_bytes, f.cores)
+
+
+@pytest.fixture(scope="module")
+def full_kit(tmp_path_factory):
+    """The kernels of a full (Qwen3-8B-block) kit for this CPU, without the synthetic stages."""
+    from helmc.compiler.profile_kit import build_kit
+    d = str(tmp_path_factory.mktemp("kit"))
+    return d, build_kit(d, _here(), stages=False)
+
+
+def test_host_read_is_what_bench_cpu_gemv_measures(full_kit, tmp_path):
+    """The profile's fp16 pass (helmc's fused decode GEMVs, as the CPU stage launches them) against
+    scripts/bench_cpu_gemv.py's GEMV kernels (one per projection shape) on the very same weight copies, in
+    interleaved rounds: the two must read at nearly the same rate. numpy's reads, which issue 17 found at 36.8 GB/s
+    where helmc read 92, would fail this; so would a pass whose byte count is not the weights it reads."""
+    import tvm.runtime
+    bench = _bench_module()
+    kit_dir, kit = full_kit
+    b = kit.block
+    lib = hr.KitLibrary(kit_dir, kit)
+    g = hr.GemvPass(lib, hr.Arena(hr.arena_bytes(kit)), "float16")
+    # The pass reads exactly the Qwen3-8B block's linear weights per copy: the bytes the cost model divides by M.
+    from helmc.planner.analyze_program import analyze_program
+    from qwen3_configs import qwen3_spec
+    q8 = analyze_program(qwen3_spec("Qwen3-8B", torch_dtype="float16"))
+    assert g.nbytes == g.copies * dict(q8.linear_bytes_by_type)["float16"] // q8.num_layers
+    assert g.nbytes >= hr.cycle_bytes(kit) and g.nbytes >= 4 * kit.l3_bytes
+
+    out = str(tmp_path / "bench")
+    bench.build(out, tuple(_here().features), ["8b"], 64 << 20, [])
+    names = {(tuple(k["shape"]), k["dtype"]): k["name"]
+             for k in json.load(open(os.path.join(out, bench.MANIFEST)))["kernels"]}
+    blib = tvm.runtime.load_module(os.path.join(out, "gemv_bench.so"))
+    xs = {k: lib.vector((1, k)) for k in {b.hidden, b.q_dim, b.ffn}}
+    calls = []
+    for w in g.blocks:
+        for role, (n, k) in b.linear_shapes().items():
+            calls.append((blib[names[((n, k), "float16")]], (xs[k], w[role], lib.vector((1, n), 0.0))))
+
+    def bench_pass():
+        for fn, args in calls:
+            fn(*args)
+    times = bench.timed_rounds({"profile": g.run, "bench": bench_pass}, rounds=7)
+    ratios = [tb / tp for tp, tb in zip(times["profile"], times["bench"])]    # profile GB/s over bench GB/s, per round
+    rates = [g.nbytes / t / 1e9 for t in times["profile"]]
+    print(f"\nprofile fp16 pass {statistics.median(rates):.1f} GB/s; profile / bench per round "
+          f"{[round(r, 2) for r in ratios]}")
+    assert 0.75 < statistics.median(ratios) < 1.33
+
+
+def test_measured_reads_are_consistent(full_kit):
+    """The profile's own figures against each other: every GEMV's read rate is finite and positive, one per
+    weight type, and none beats the stream read of the same allocation by a multiple (a GEMV cannot read DRAM
+    faster than a plain read; one that seemed to would be reading cache or counting copies it never read). The
+    margin is wide because the figures are taken one after another on a machine shared with other work."""
+    kit_dir, kit = full_kit
+    r = hr.measure_host_reads(kit_dir, kit, passes=3)
+    print(f"\nstream read {r.dram_gbs} GB/s, L3 {r.l3_gbs}; " + ", ".join(f"{k.weight_type} {k.gbs}" for k in r.gemv_reads))
+    assert [k.weight_type for k in r.gemv_reads] == list(kit.weight_types)
+    assert r.host_read_gbs == r.gemv_reads[0].gbs > 0
+    assert all(0 < k.gbs <= 3 * r.dram_gbs for k in r.gemv_reads)
+
+
+def test_window_rates_arithmetic():
+    # GEMV passes of 1 GB: 10 ms each from t=1.000; copies of 0.1 GB, 5 ms each from t=0.998.
+    passes = [(1.0 + 0.01 * i, 1.0 + 0.01 * (i + 1)) for i in range(5)]
+    ends = [0.998 + 0.005 * (i + 1) for i in range(12)]
+    cpu, h2d, window = window_rates(passes, 10 ** 9, 0.998, ends, 10 ** 8)
+    # The copies end at 1.058, after the passes (1.05): the window is the 5 passes; the copies inside it are
+    # those starting at >= 1.0 and ending <= 1.05: (1.003, 1.008] ... (1.043, 1.048], 9 of them.
+    assert window == pytest.approx(0.05)
+    assert cpu == pytest.approx(5 * 1e9 / 0.05 / 1e9)
+    assert h2d == pytest.approx(9 * 1e8 / (1.048 - 1.003) / 1e9)
+    with pytest.raises(ValueError, match="expected >= 2 GEMV passes and >= 3 copies"):
+        window_rates(passes[:1], 10 ** 9, 0.998, ends, 10 ** 8)
+    with pytest.raises(ValueError, match="found 2 and 1"):           # the copies end at 1.02
+        window_rates(passes, 10 ** 9, 0.998, [1.001, 1.02], 10 ** 8)
+
+
+class ThreadCopies:
+    """Copies on a host thread standing in for the DMA engine: checks measure_concurrent's loop and window."""
+    name = "thread stand-in"
+
+    def pinned(self, nbytes):
+        return np.ones(nbytes, np.uint8)
+
+    def full(self, shape, value, dtype):
+        return np.full(shape, value, dtype)
+
+    def queue_h2d(self, dev, host, host_bytes, chunk, count):
+        ends, t0 = [], time.perf_counter()
+
+        def copy():
+            for i in range(count):
+                off = (i % max(1, host_bytes // chunk)) * chunk
+                np.copyto(dev, host[off:off + chunk])          # numpy lets the GIL go for the copy
+                ends.append(time.perf_counter())
+        th = threading.Thread(target=copy)
+        th.start()
+        return (th, t0, ends, count)
+
+    def copies_done(self, handle):
+        return len(handle[2]) == handle[3]
+
+    def copy_end_times(self, handle):
+        handle[0].join()
+        return list(handle[2])
+
+
+class SumPass:
+    def __init__(self, nbytes):
+        self.buf = np.ones(nbytes // 4, np.float32)
+        self.nbytes = self.buf.nbytes
+
+    def run(self):
+        self.buf.sum()
+
+
+def test_concurrent_window_on_a_stand_in():
+    r = measure_concurrent(ThreadCopies(), SumPass(8 << 20), h2d_gbs_hint=2.0, seconds=0.2, chunk=4 << 20,
+                           host_bytes=16 << 20, trials=3)
+    print(f"\nstand-in: alone {r.cpu_alone_gbs} + {r.h2d_alone_gbs}; together {r.cpu_gbs} + {r.h2d_gbs} GB/s "
+          f"over {r.window_s} s")
+    assert r.cpu_gbs > 0 and r.h2d_gbs > 0 and r.window_s > 0 and r.cpu_alone_gbs > 0 and r.h2d_alone_gbs > 0
+    assert r.combined_gbs == pytest.approx(r.cpu_gbs + r.h2d_gbs)
+
+
+def test_kit_json_round_trip_and_refusals(full_kit):
+    kit_dir, kit = full_kit
+    assert ProfileKit.load(kit_dir) == kit
+    raw = json.loads(kit.to_json())
+    raw["read_elementz"] = 1
+    (path := os.path.join(kit_dir, "bad")) and os.makedirs(path, exist_ok=True)
+    open(os.path.join(path, "profile_kit.json"), "w").write(json.dumps(raw))
+    with pytest.raises(HelmcError, match=r"unknown key\(s\) \['read_elementz'\]"):
+        ProfileKit.load(path)
+    with pytest.raises(HelmcError, match="expected profile_kit.json in"):
+        ProfileKit.load(os.path.join(kit_dir, "nowhere"))
+    with pytest.raises(HelmcError, match=r"compiled for CPU flags \[.*\] that this CPU lacks"):
+        check_kit_runs_here(kit, ("sse2",))
+    with pytest.raises(HelmcError, match="expected a role of 'float16' weights"):
+        dataclasses.replace(kit, kernels=(dataclasses.replace(kit.kernels[0], role="gate"),))
+    assert not kit.cpu_bundle and kit.synthetic_layers > 0 and not kit.quick
+
+
+def test_synthetic_weights_are_what_the_stage_binds(tmp_path):
+    from helmc.model.spec import ModelSpec
+    from helmc.runtime.weights.bind import open_checkpoint
+    block = BlockShape(hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64)
+    write_synthetic_weights(str(tmp_path), block, layers=2, vocab=128)
+    spec = ModelSpec.from_hf_config(block.hf_config(layers=6, vocab=128))
+    ck = open_checkpoint(str(tmp_path), spec)
+    for i in range(2):
+        for name, shape in spec.block_weight_shapes().items():
+            v = np.asarray(ck.view(f"model.layers.{i}.{name}", shape), np.float32)
+            assert v.shape == shape and np.isfinite(v).all()
+            assert (abs(v.mean() - 1) < 0.1) if name.endswith("norm.weight") else (abs(v.std() - 0.02) < 0.005)
+    for name, shape in synthetic_tensors(block, 2, 128)[:1] + synthetic_tensors(block, 2, 128)[-2:]:
+        assert tuple(ck.info(name).shape) == shape
+    with pytest.raises(Exception):
+        ck.info("model.layers.2.self_attn.q_proj.weight")          # only the blocks a step binds are written
+
+
+def test_synthetic_overheads_reproduce_the_measured_step():
+    """The per-block overhead helmc profile fits on its synthetic CPU stage makes the cost model predict that very
+    step: roofline of the profile's own rates (the fp16 GEMV read as M) + blocks x delta = measured, and
+    the head's roofline + sigma = the measured tail. A fit against other rates than the planner's would not."""
+    from helmc.api import profile
+    from helmc.hardware.kit import ProfileKit
+    from helmc.planner.analyze_program import analyze_program
+    from helmc.planner.calibrate import apply_fits, synthetic_fits
+    from helmc.planner.cost_model import DeviceRates, Workload, stage_time
+    from helmc.compiler.profile_kit import ensure_kit
+    from helmc.model.spec import ModelSpec
+    target = dataclasses.replace(_here(), quick=True)
+    kit_dir = ensure_kit(target, progress=lambda m: None)
+    hw = profile(quick=True, gpu_backend="none", kit_dir=kit_dir, overheads=False, progress=lambda m: None)
+    fits, note, skipped = synthetic_fits(hw, kit_dir, steps=6, warmup=2)
+    (f,) = fits
+    assert f.device == "cpu" and f.blocks == ProfileKit.load(kit_dir).synthetic_layers and f.has_tail and not skipped
+    assert math.isfinite(f.block_overhead_ms) and math.isfinite(f.step_overhead_ms) and f.measured_step_ms > 0
+    fitted = apply_fits(hw, fits, note, source=hw.source)
+    assert fitted.source == "measured" and note in fitted.notes
+    kit = ProfileKit.load(kit_dir)
+    a = analyze_program(ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers)))
+    rates = DeviceRates.of_device(fitted, "cpu", analysis=a)
+    assert rates.mem_gbs == pytest.approx(hw.cpu.host_read_gbs, rel=1e-12)   # fp16 weights: M is the fp16 GEMV read
+    w = Workload()
+    step = stage_time(a, a.stage(1, 1 + f.blocks), rates, w, blend_l3=True).total_ms
+    tail = stage_time(a, a.stage(a.num_units - 1, a.num_units), rates, w, blend_l3=True).total_ms
+    assert step == pytest.approx(f.measured_step_ms, rel=1e-4)         # the note rounds delta to 5 decimals
+    assert tail == pytest.approx(f.measured_tail_ms, rel=1e-3, abs=1e-4)
+    # A profile whose machine has a GPU the kit has no stage for says so instead of inventing its overheads.
+    from helmc.hardware.profile import GpuProfile, LinkProfile
+    with_gpu = dataclasses.replace(hw, gpu=GpuProfile("x", "sm_90", 1 << 30, 1 << 30, 1000.0),
+                                   link=LinkProfile(50.0, 50.0, 8.0))
+    _, _, skipped = synthetic_fits(with_gpu, kit_dir, steps=2, warmup=0)
+    assert skipped and "no GPU stage for sm_90" in skipped[0]
