@@ -59,7 +59,7 @@ def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
         m = int(re.search(r"_decode(?:_b(\d+))?", name).group(1) or 1)
         script = mod[name].script()
         assert "R.matmul" not in script, name
-        kernels = set(re.findall(r"helmc_gpu_gemv_\w+", script))
+        kernels = set(re.findall(r"helmc_gpu_gemv8?_\w+", script))
         assert kernels and all(_rows_of(k) == m for k in kernels), (name, kernels)
         short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
         assert quantized or all(f"helmc_gpu_gemv_{short}_" in k for k in kernels), (name, kernels)
@@ -73,7 +73,7 @@ def test_batched_stage_builds_to_one_cubin(tmp_path):
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
-    for kernel in ("gemv_q4_k_n128_k256_r2w4u4", "gemv_q4_k_n128_k256_m4_r2w4u4", "gemv_q6_k_n256_k512_m2_r1w4u4",
-                   "gemv_q6_k_n512_k256_m4_r1w4u4"):
+    for kernel in ("gemv8_q4_k_n128_k256", "gemv8_q4_k_n128_k256_m4", "gemv8_q6_k_n256_k512_m2",
+                   "gemv8_q6_k_n512_k256_m4"):
         assert f"helmc_gpu_{kernel}_kernel" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Check the GPU stage's m-row decode GEMVs on the GPU machine: batch invariance, error and speed (issue 19).
 
-Kernels: schedules/gpu/gemv.py (fp16 and bf16 weights) and quant_gemv.py (q8_0, q4_0, q4_k, q6_k) at Qwen3-8B's
+Kernels: schedules/gpu/gemv.py (fp16 and bf16 weights), quant_gemv.py (q8_0, q4_0) and quant_gemv_int8.py (q4_k,
+q6_k: int8 activations, so their error bound is device_quant_gpu_check's INT8_TOLERANCE) at Qwen3-8B's
 projection shapes (and its lm_head for fp16), for m = 1 (a decode step) and m = 2, 4, 8 (batched decode steps).
 
   --build DIR [--arch sm_90]   (here: compiler venv, gguf, nvcc) one library of every kernel (helmc's
@@ -61,9 +62,10 @@ def kernel_entries() -> list[dict]:
 def build(out_dir: str, arch: str) -> None:
     import tvm
 
-    from helmc.compiler.passes.lower_quantized_gpu import GEMV_TUNING
+    from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_TUNING, GEMV_TUNING
     from helmc.schedules.gpu.gemv import make_gpu_gemv
     from helmc.schedules.gpu.quant_gemv import gemv_symbol as quant_symbol, make_gpu_gemv_quant
+    from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, gemv_int8_symbol, make_gpu_gemv_int8
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
@@ -72,6 +74,10 @@ def build(out_dir: str, arch: str) -> None:
     for e in entries:
         if e["type"] in ("float16", "bfloat16"):
             funcs[e["symbol"]] = make_gpu_gemv(e["m"], e["n"], e["k"], e["type"])
+        elif e["type"] in INT8_TYPES:     # the kernel and tuning the GPU stage uses (lower_quantized_gpu)
+            e["tuning"] = list(GEMV_INT8_TUNING[e["type"]])
+            e["symbol"] = gemv_int8_symbol(e["type"], e["n"], e["k"], *e["tuning"], m=e["m"])
+            funcs[e["symbol"]] = make_gpu_gemv_int8(e["type"], e["n"], e["k"], *e["tuning"], m=e["m"])
         else:      # the tuning the GPU stage uses (lower_quantized_gpu), under the default symbol of the check
             f = make_gpu_gemv_quant(e["type"], e["n"], e["k"], *GEMV_TUNING[e["type"]], m=e["m"])
             e["tuning"] = list(GEMV_TUNING[e["type"]])
@@ -139,7 +145,8 @@ def _check_group(mod, d: str, dtype: str, n: int, k: int, entries: list[dict], t
         err = dq._rel(y, ref[:m])
         sec, queued = timer(lambda i: f(x_tvm, w_tvm[i % copies], y_tvm))
         r = dict(e, bitwise=bitwise, max_rel_err=err, us=sec * 1e6, weight_gbs=w_host.nbytes / sec / 1e9,
-                 queued=queued, ok=bool(bitwise and err <= TOLERANCE))
+                 queued=queued, ok=bool(bitwise and err <= (dq.INT8_TOLERANCE if e["symbol"].startswith(
+                     "helmc_gpu_gemv8_") else TOLERANCE)))
         print(f"{dtype:8s} {n}x{k} m={m}: rows {'bit-identical to 1-row' if bitwise else 'DIFFER from 1-row'}, "
               f"max rel err {err:.2e}, {sec * 1e6:.1f} us, {r['weight_gbs']:.0f} GB/s of weights"
               + ("" if queued else " (launch-bound)"), flush=True)

@@ -47,6 +47,9 @@ SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))      # Qwen3-8B's q/o, gat
 # GEMV tunings (rows_per_warp, warps, unroll) timed beside the default (2, 4, 2), at a short and a long row
 VARIANT_SHAPES = ((4096, 4096), (4096, 12288))
 VARIANTS = ((1, 4, 4), (2, 4, 4), (4, 4, 2))
+# the int8-activation GEMV (quant_gemv_int8.py, q4_k / q6_k): its default (2, 4, 2) and these, at every shape
+INT8_VARIANTS = ((4, 4, 2), (2, 8, 2), (4, 8, 1), (1, 4, 4), (8, 4, 1))
+INT8_TOLERANCE = 2e-2     # against the fp16-x reference: the int8 activations' own ~0.5% (emulated tests: 2e-3)
 UNIQUE_ROWS = 251
 CHECK_ROWS = 8            # rows of the dequantizer's output compared element by element
 TOLERANCE = 2e-3
@@ -102,10 +105,15 @@ def _compile_gpu_stage():
 
 def kernel_entries() -> list[dict]:
     from helmc.schedules.gpu.quant_gemv import dequantize_symbol, gemv_symbol
+    from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, gemv_int8_symbol
 
     out = []
     for qtype in QTYPES:
         for n, k in SHAPES:
+            if qtype in INT8_TYPES:
+                for tuning in (None,) + INT8_VARIANTS:
+                    out.append({"kind": "gemv8", "qtype": qtype, "n": n, "k": k, "tuning": tuning and list(tuning),
+                                "symbol": gemv_int8_symbol(qtype, n, k, *(tuning or ()))})
             out.append({"kind": "gemv", "qtype": qtype, "n": n, "k": k, "tuning": None,
                         "symbol": gemv_symbol(qtype, n, k)})
             out.append({"kind": "dequantize", "qtype": qtype, "n": n, "k": k, "tuning": None,
@@ -120,6 +128,7 @@ def build(out_dir: str, arch: str) -> None:
     import tvm
 
     from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
+    from helmc.schedules.gpu.quant_gemv_int8 import make_gpu_gemv_int8
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
@@ -128,6 +137,8 @@ def build(out_dir: str, arch: str) -> None:
     for e in entries:
         if e["kind"] == "gemv":
             funcs[e["symbol"]] = make_gpu_gemv_quant(e["qtype"], e["n"], e["k"], *(e["tuning"] or ()))
+        elif e["kind"] == "gemv8":
+            funcs[e["symbol"]] = make_gpu_gemv_int8(e["qtype"], e["n"], e["k"], *(e["tuning"] or ()))
         else:
             funcs[e["symbol"]] = make_gpu_dequantize(e["qtype"], e["n"], e["k"])
     files = _compile_gpu_stage()(tvm.IRModule(funcs), arch, out_dir, name=LIB)
@@ -143,10 +154,12 @@ def build(out_dir: str, arch: str) -> None:
             np.save(os.path.join(out_dir, f"w_{qtype}_k{k}.npy"), rows)
             np.save(os.path.join(out_dir, f"ref_{qtype}_k{k}.npy"), dense.astype(np.float64) @ x.astype(np.float64))
             np.save(os.path.join(out_dir, f"dense_{qtype}_k{k}.npy"), dense[:CHECK_ROWS])
+    from helmc.schedules.gpu import quant_gemv_int8 as i8
     from helmc.schedules.gpu.quant_gemv import ROWS_PER_WARP, UNROLL, WARPS
 
     manifest = {"arch": arch, "library": f"{LIB}.so", "cubin_index": f"{LIB}.cubins.json",
                 "default_tuning": [ROWS_PER_WARP, WARPS, UNROLL],
+                "int8_default_tuning": [i8.ROWS_PER_WARP, i8.WARPS, i8.UNROLL],
                 "unique_rows": UNIQUE_ROWS, "check_rows": CHECK_ROWS, "tolerance": TOLERANCE, "kernels": entries}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -217,7 +230,7 @@ def _check_group(mod, d: str, manifest: dict, qtype: str, n: int, k: int, entrie
     results = []
     for e in entries:
         f = mod[e["symbol"]]
-        if e["kind"] == "gemv":
+        if e["kind"] in ("gemv", "gemv8"):
             y_dev = cp.zeros((1, n), cp.float16)
             y_tvm = cupy_to_tvm(y_dev)
             f(x_tvm, w_tvm[0], y_tvm)
@@ -237,7 +250,7 @@ def _check_group(mod, d: str, manifest: dict, qtype: str, n: int, k: int, entrie
             moved = w_bytes + 2 * n * k
             del outs, out_dev
         r = dict(e, max_rel_err=err, us=sec * 1e6, quant_gbs=w_bytes / sec / 1e9, moved_gbs=moved / sec / 1e9,
-                 queued=queued, ok=bool(err <= TOLERANCE))
+                 queued=queued, ok=bool(err <= (INT8_TOLERANCE if e["kind"] == "gemv8" else TOLERANCE)))
         tune = "" if e["tuning"] is None else " r{}w{}u{}".format(*e["tuning"])
         print(f"{e['kind']:10s} {qtype} {n}x{k}{tune}: max rel err {err:.2e} {'ok' if r['ok'] else 'FAIL'}, "
               f"{sec * 1e6:.1f} us, {r['quant_gbs']:.0f} GB/s of quantized bytes"
@@ -275,13 +288,18 @@ def check(d: str, out_path: str | None) -> int:
         mine = [r for r in results if (r["qtype"], r["n"], r["k"]) == key]
         gemv = next(r for r in mine if r["kind"] == "gemv" and r["tuning"] is None)
         deq = next(r for r in mine if r["kind"] == "dequantize")
-        tuned = [r for r in mine if r["tuning"] is not None]
+        tuned = [r for r in mine if r["tuning"] is not None and r["kind"] == "gemv"]
+        int8 = sorted((r for r in mine if r["kind"] == "gemv8"), key=lambda r: -r["quant_gbs"])
+        int8_s = ("  int8 x: default {:.1f} us {:.0f} GB/s, best {} {:.1f} us {:.0f} GB/s".format(
+            next(r for r in int8 if r["tuning"] is None)["us"], next(r for r in int8 if r["tuning"] is None)["quant_gbs"],
+            "r{}w{}u{}".format(*(int8[0]["tuning"] or manifest["int8_default_tuning"])), int8[0]["us"],
+            int8[0]["quant_gbs"]) if int8 else "")
         best = max(tuned, key=lambda r: r["quant_gbs"]) if tuned else None
         best_s = "r{}w{}u{} ".format(*best["tuning"]) + f"{best['quant_gbs']:.0f}" if best else "-"
         flags = ("" if all(r["ok"] for r in mine) else "  FAIL") + ("" if all(r["queued"] for r in mine) else "  *")
         print(f"{key[0]:5s} {key[1]:>5d}x{key[2]:<5d} {max(r['max_rel_err'] for r in mine):8.1e} | "
               f"{gemv['us']:7.1f} {gemv['quant_gbs']:5.0f} {best_s:>17s} | "
-              f"{deq['us']:7.1f} {deq['quant_gbs']:5.0f} {deq['moved_gbs']:8.0f}{flags}")
+              f"{deq['us']:7.1f} {deq['quant_gbs']:5.0f} {deq['moved_gbs']:8.0f}{flags}{int8_s}")
     print("default tuning r{}w{}u{} (rows_per_warp, warps, unroll); ".format(*manifest["default_tuning"])
           + f"tolerance {TOLERANCE:g} (max |y - ref| / max |ref|); "
           f"* = some timing launch-bound; {'OK' if ok else 'FAILED'}")

@@ -3,8 +3,9 @@
 For each function with quantized weight parameters (quantize_functions gives which, per function):
 - decode (one token, or one per sequence in the batched decode_b{B} variants): every linear over a quantized
   weight becomes a call to the fused dequantize-GEMV for that many rows (schedules/gpu/quant_gemv.
-  make_gpu_gemv_quant: the weight is read once, as stored, at HBM speed, and each row's sums are formed as in
-  the one-row kernel, so a batched step gives each sequence its own decode's bits);
+  make_gpu_gemv_quant; for q4_k / q6_k quant_gemv_int8.make_gpu_gemv_int8, over int8 activations as llama.cpp's
+  CUDA decode: the weight is read once, as stored, and each row's sums are formed as in the one-row kernel, so
+  a batched step gives each sequence its own decode's bits);
 - prefill: the weight is dequantized to fp16 once per call (make_gpu_dequantize) and the graph is left as it
   was, so the prompt's matmuls keep dlight's tensor-core-free SIMT schedule (compile_gpu_stage). The
   dequantize calls are bound before the function's dataflow block: one buffer of [N, K] fp16 per weight lives
@@ -22,11 +23,15 @@ from tvm.relax.utils import copy_with_new_vars
 
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
+from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, make_gpu_gemv_int8
 
 
 # (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
 # session 7's device call 5 (tests/device/device_quant_gpu_check.py; artifacts/bench/device-2026-11-24-s7/call5).
 GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": (1, 4, 4)}
+# q4_k / q6_k decode GEMVs take int8 activations (quant_gemv_int8: dp4a, ~1 issue slot per weight instead of
+# ~5.5); (rows per warp, warps, unroll) per type.
+GEMV_INT8_TUNING = {"q4_k": (2, 4, 2), "q6_k": (2, 4, 2)}
 _DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
 
@@ -112,8 +117,12 @@ class _QuantizedLinears(PyExprMutator):
         n, k = (int(d) for d in w.ty.shape.values)
         m = int(x.ty.shape.values[0])
         assert [int(d) for d in x.ty.shape.values] == [m, k], f"decode linear expected x of shape [m, {k}]"
-        gvar = self.kernel(("gemv", qtype, m, n, k),
-                           lambda: make_gpu_gemv_quant(qtype, n, k, *GEMV_TUNING[qtype], m=m))
+        if qtype in INT8_TYPES:
+            gvar = self.kernel(("gemv8", qtype, m, n, k),
+                               lambda: make_gpu_gemv_int8(qtype, n, k, *GEMV_INT8_TUNING[qtype], m=m))
+        else:
+            gvar = self.kernel(("gemv", qtype, m, n, k),
+                               lambda: make_gpu_gemv_quant(qtype, n, k, *GEMV_TUNING[qtype], m=m))
         if str(x.ty.dtype) != "float16":
             x = self.builder_.emit(relax.op.astype(x, "float16"))
         y = relax.call_tir(gvar, [x, blocks], relax.TensorType([m, n], "float16"))

@@ -1,0 +1,263 @@
+"""Decode GEMV over q4_k / q6_k weights against int8 activations (dp4a): llama.cpp's mmvq arithmetic, in TIR.
+
+Why not quant_gemv.py's fp32 path for these types: it turns every quant into an fp32 (2-3 integer ops and an
+FADD) and every activation into an fp32 (a conversion-unit op: 16 results / clock / SM on an H100 against 128
+FP32 ops), about 5.5 issue slots per weight; a Qwen3-8B Q4_K_M token then needs ~1.4 ms of issue per SM beside
+~1.6 ms of HBM reads, and the two overlap badly (measured: 1.3 TB/s on its largest GEMV). Here a weight costs
+about one slot: four nibbles are masked out of a 32-bit word at once and one dp4a multiplies them with four int8
+activations and adds.
+
+Activations: each CTA quantizes x[m, k] into shared memory, per 32 consecutive values (ggml's q8_1 block):
+dx = amax / 127, xq = rint(x * 127 / amax) (the rounding by adding 1.5 * 2^23: the int8 is the low byte of the
+sum's bits). x is read from L2 once per CTA (a CTA holds warps * rows_per_warp weight rows). Shared memory is
+static and below 48 KiB, so x goes through in chunks of whole 1024-weight spans when m * k is large (a batched
+step); a lane's blocks and the order it adds them are the same for every chunking, so row t of y is bit-identical
+to a 1-row call on x[t] (batch invariance, issue 19).
+
+Weights: the raw GGUF rows, uint8 [n, row_bytes] (formats in quant_gemv.py). Lane t of the 8 that share a block:
+- q4_k (16-byte aligned blocks): 16 quant bytes, 4 words, = positions 64(t//2) + 16(t%2) + [0, 16) of sub-block
+  pair t//2: low nibbles sub-block 2(t//2), high ones 2(t//2) + 1. dot = dx * (d*sc * sum(q*xq) - dmin*m * sum(xq))
+  over each run of 16 (q in 0..15).
+- q6_k (2-byte aligned blocks: read as uint16 and paired into words): 4 runs of 8 positions 128(t//4) + 32c +
+  8(t%4), q = low nibble | 2 high bits << 4 (0..63): dot = dx * d*sc * (sum(q*xq) - 32 * sum(xq)).
+dp4a sums stay below 2^22, so they become fp32 exactly by the same 1.5 * 2^23 trick (no I2F).
+Results: y = x_q @ dequant(W)^T with x_q the int8 activations times dx, summed in fp32 (the reference the tests
+use); against fp16 x the int8 rounding adds ~0.5% of |y| (what llama.cpp's CUDA decode computes too).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.errors import HelmcError
+from helmc.schedules.gpu.quant_gemv import (FORMATS, WARP, _check, _field, _half, _q4_k_scale_min, _signed_byte,
+                                            _unsigned)
+
+INT8_TYPES = ("q4_k", "q6_k")
+X_BLOCK = 32                # activations per int8 scale (ggml's q8_1 block)
+PIECE = 8                   # activations one thread quantizes: one 16-byte load
+SPAN = 1024                 # chunks of x are whole spans: 4 blocks of 256 per warp step
+SMEM_BUDGET = 40 * 1024     # static shared memory of a CTA (CUDA's static limit is 48 KiB)
+ROWS_PER_WARP, WARPS, UNROLL = 2, 4, 2
+_MAGIC = 12582912.0         # 1.5 * 2^23: for |v| < 2^22, v + MAGIC holds rint(v) in its low mantissa bits
+_MAGIC_BITS = 0x4B400000
+_ONES = 0x01010101
+_F32 = "float32"
+
+
+def gemv_int8_symbol(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+                     unroll: int = UNROLL, m: int = 1) -> str:
+    tuned = (rows_per_warp, warps, unroll) != (ROWS_PER_WARP, WARPS, UNROLL)
+    tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else "")
+    return f"helmc_gpu_gemv8_{qtype}_n{n}_k{k}{tail}"
+
+
+def x_chunk(m: int, k: int) -> int:
+    """Activations per row of x held in shared memory at once: all of k when m * k fits, else whole SPANs."""
+    per_value = 1 + 4 / X_BLOCK                     # an int8 and a share of its block's fp32 scale
+    if m * k * per_value <= SMEM_BUDGET:
+        return k
+    chunk = int(SMEM_BUDGET / (m * per_value)) // SPAN * SPAN
+    if chunk < SPAN:
+        raise HelmcError(f"GPU int8 GEMV: m * 1024 activations must fit {SMEM_BUDGET} bytes of shared memory, "
+                         f"found m={m}")
+    return chunk
+
+
+def _to_float(i):
+    """fp32 of an int32 |i| < 2^22, exactly, with an integer add and an FADD."""
+    return T.reinterpret(_F32, T.int32(_MAGIC_BITS) + i) - T.float32(_MAGIC)
+
+
+def _dp4a(a, b, c):
+    return T.call_pure_extern("int32", "__dp4a", a, b, c)
+
+
+def _i32(word):
+    return T.reinterpret("int32", word)
+
+
+def _pair(lo, hi):
+    """uint32 of two uint16 halves."""
+    return T.bitwise_or(T.Cast("uint32", lo), T.shift_left(T.Cast("uint32", hi), T.uint32(16)))
+
+
+def _decode_q4_k():
+    @T.macro
+    def decode(wv, base, t, qw, s1, s2, r):
+        """qw[r, 0..4): the lane's 16 quant bytes; s1[r, g] = d*sc, s2[r, g] = dmin*m of sub-block 2(t//2) + g."""
+        head = T.alloc_buffer((4,), "uint32", scope="local")
+        for v in T.vectorized(4):
+            head[v] = wv[base + v]
+        for v in T.vectorized(4):
+            qw[r, v] = wv[base + 4 + 8 * (t // 2) + 4 * (t % 2) + v]
+        for g in T.unroll(2):
+            s1[r, g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
+            s2[r, g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
+
+    return decode
+
+
+def _decode_q6_k():
+    @T.macro
+    def decode(wv, base, t, qw, s1, s2, r):
+        """qw[r, 2c + j]: run c's quants 4j..4j+3 as bytes 0..63; s1[r, c] = d * sc of run c."""
+        ql = T.alloc_buffer((8,), "uint16", scope="local")     # ql bytes 64h + 8(t%4) .. +8, then +32 .. +8
+        qh = T.alloc_buffer((4,), "uint16", scope="local")     # qh bytes 32h + 8(t%4) .. +8
+        sc = T.alloc_buffer((4,), "uint16", scope="local")     # scale pairs 8h + 2c, + 1 for c = 0..3
+        for s in T.unroll(2):
+            for j in T.unroll(4):
+                ql[s * 4 + j] = wv[base + 32 * (t // 4) + 16 * s + 4 * (t % 4) + j]
+        for j in T.unroll(4):
+            qh[j] = wv[base + 64 + 16 * (t // 4) + 4 * (t % 4) + j]
+        for c in T.unroll(4):
+            sc[c] = wv[base + 96 + 4 * (t // 4) + c]
+        for c in T.unroll(4):
+            for j in T.unroll(2):
+                qw[r, 2 * c + j] = T.bitwise_or(
+                    T.bitwise_and(T.shift_right(_pair(ql[(c % 2) * 4 + 2 * j], ql[(c % 2) * 4 + 2 * j + 1]),
+                                                T.uint32(4 * (c // 2))), T.uint32(0x0F0F0F0F)),
+                    T.shift_left(T.bitwise_and(T.shift_right(_pair(qh[2 * j], qh[2 * j + 1]), T.uint32(2 * c)),
+                                               T.uint32(0x03030303)), T.uint32(4)))
+            # positions 8(t%4) < 16 use the first scale of the pair, >= 16 the second
+            s1[r, c] = _half(wv[base + 104]) * _signed_byte(_field(sc[c], 8 * ((t % 4) // 2), 0xFF))
+
+    return decode
+
+
+def make_gpu_gemv_int8(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+                       unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
+    """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
+
+    qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
+    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are)."""
+    if qtype not in INT8_TYPES:
+        raise HelmcError(f"GPU int8 GEMV: a type in {INT8_TYPES} expected, found {qtype!r}")
+    fmt = _check(qtype, n, k)
+    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1:
+        raise HelmcError(f"GPU int8 GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
+                         f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
+    tpb, weights = fmt.threads, fmt.weights
+    width = 4 if qtype == "q4_k" else 2                 # bytes per word of the weight view (block alignment)
+    blocks, row_words, block_words = k // weights, k // weights * fmt.bytes // width, fmt.bytes // width
+    per_step = WARP // tpb                              # blocks of a row a warp covers per step (4)
+    chunk = x_chunk(m, k)
+    chunks = -(-k // chunk)
+    assert chunks == 1 or chunk % (per_step * weights) == 0, (chunk, per_step)   # a lane's blocks: any chunking
+    chunk_blocks = chunk // weights
+    steps = -(-chunk_blocks // (per_step * unroll))
+    rows, threads = rows_per_warp, warps * WARP
+    pieces = m * chunk // PIECE                         # 8-value pieces of one chunk, every row of x
+    passes = -(-pieces // threads)
+    grid = -(-n // (rows * warps))
+    word_type = "uint32" if qtype == "q4_k" else "uint16"
+    nq = 4 if qtype == "q4_k" else 8                    # quant words per lane per row
+    ns = 2 if qtype == "q4_k" else 4                    # scales per lane per row
+    decode = _decode_q4_k() if qtype == "q4_k" else _decode_q6_k()
+
+    @T.macro
+    def quantize_chunk(x, xq, xd, ch, tid, tx, xh, xf, amax, inv, word):
+        """xq / xd = chunk `ch` of every row of x as int8 words and per-32 scales; 4 lanes share a 32-block."""
+        for it in T.serial(passes):
+            amax[0] = T.float32(0)
+            for v in T.unroll(PIECE):
+                xf[v] = T.float32(0)
+            if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
+                for v in T.vectorized(PIECE):
+                    xh[v] = x[(it * threads + tid) // (chunk // PIECE),
+                              ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE + v]
+                for v in T.unroll(PIECE):
+                    xf[v] = T.Cast(_F32, xh[v])
+                    amax[0] = T.max(amax[0], T.abs(xf[v]))
+            for s in T.unroll(2):
+                amax[0] = T.max(amax[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), amax[0], 1 << s, WARP, WARP))
+            if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
+                inv[0] = T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
+                for j in T.unroll(PIECE // 4):
+                    word[0] = T.uint32(0)
+                    for b in T.unroll(4):
+                        word[0] = T.bitwise_or(word[0], T.shift_left(T.bitwise_and(T.reinterpret(
+                            "uint32", xf[4 * j + b] * inv[0] + T.float32(_MAGIC)), T.uint32(0xFF)), T.uint32(8 * b)))
+                    xq[(it * threads + tid) * (PIECE // 4) + j] = _i32(word[0])
+                if tx % (X_BLOCK // PIECE) == 0:
+                    xd[(it * threads + tid) // (X_BLOCK // PIECE)] = amax[0] / T.float32(127)
+
+    @T.macro
+    def block_step(wv, xq, xd, acc, first_row, gblock, b, t, qw, s1, s2, xw, dx, sx, dot):
+        """acc[tok, r] += row (first_row + r)'s block `gblock` (chunk block b) . x_q[tok], lane t's runs."""
+        for r in T.unroll(rows):
+            decode(wv, T.min(first_row + r, n - 1) * row_words + gblock * block_words, t, qw, s1, s2, r)
+        for tok in T.unroll(m):
+            if qtype == "q4_k":
+                for g in T.unroll(2):
+                    for v in T.vectorized(4):
+                        xw[g * 4 + v] = xq[tok * (chunk // 4) + (b * 256 + 64 * (t // 2) + 32 * g + 16 * (t % 2)) // 4 + v]
+                    dx[g] = xd[tok * (chunk // X_BLOCK) + b * 8 + 2 * (t // 2) + g]
+                    sx[g] = _dp4a(xw[g * 4], T.int32(_ONES), _dp4a(xw[g * 4 + 1], T.int32(_ONES), _dp4a(
+                        xw[g * 4 + 2], T.int32(_ONES), _dp4a(xw[g * 4 + 3], T.int32(_ONES), T.int32(0)))))
+                for r in T.unroll(rows):
+                    for g in T.unroll(2):
+                        dot[0] = T.int32(0)
+                        for j in T.unroll(4):
+                            dot[0] = _dp4a(_i32(T.bitwise_and(T.shift_right(qw[r, j], T.uint32(4 * g)),
+                                                              T.uint32(0x0F0F0F0F))), xw[g * 4 + j], dot[0])
+                        acc[tok, r] = acc[tok, r] + dx[g] * (s1[r, g] * _to_float(dot[0]) - s2[r, g] * _to_float(sx[g]))
+            else:
+                for c in T.unroll(4):
+                    for v in T.vectorized(2):
+                        xw[c * 2 + v] = xq[tok * (chunk // 4) + (b * 256 + 128 * (t // 4) + 32 * c + 8 * (t % 4)) // 4 + v]
+                    dx[c] = xd[tok * (chunk // X_BLOCK) + b * 8 + 4 * (t // 4) + c]
+                    sx[c] = _dp4a(xw[c * 2], T.int32(_ONES), _dp4a(xw[c * 2 + 1], T.int32(_ONES), T.int32(0)))
+                for r in T.unroll(rows):
+                    for c in T.unroll(4):
+                        dot[0] = _dp4a(_i32(qw[r, 2 * c]), xw[c * 2], _dp4a(_i32(qw[r, 2 * c + 1]), xw[c * 2 + 1],
+                                                                             T.int32(0)))
+                        acc[tok, r] = acc[tok, r] + dx[c] * s1[r, c] * _to_float(dot[0] - 32 * sx[c])
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, k // weights * fmt.bytes), "uint8"),
+             y: T.Buffer((m, n), "float16")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        wv = T.decl_buffer((n * row_words,), word_type, data=w.data)      # [n * row_bytes / width]
+        for bx in T.thread_binding(grid, thread="blockIdx.x"):
+            for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    xq = T.alloc_buffer((m * chunk // 4,), "int32", scope="shared")        # [m, chunk / 4] int8 x4
+                    xd = T.alloc_buffer((m * chunk // X_BLOCK,), _F32, scope="shared")     # [m, chunk / 32]
+                    acc = T.alloc_buffer((m, rows), _F32, scope="local")
+                    xh = T.alloc_buffer((PIECE,), "float16", scope="local")
+                    xf = T.alloc_buffer((PIECE,), _F32, scope="local")
+                    amax = T.alloc_buffer((1,), _F32, scope="local")
+                    inv = T.alloc_buffer((1,), _F32, scope="local")
+                    word = T.alloc_buffer((1,), "uint32", scope="local")
+                    qw = T.alloc_buffer((rows, nq), "uint32", scope="local")
+                    s1 = T.alloc_buffer((rows, ns), _F32, scope="local")
+                    s2 = T.alloc_buffer((rows, ns), _F32, scope="local")
+                    xw = T.alloc_buffer((8,), "int32", scope="local")
+                    dx = T.alloc_buffer((ns,), _F32, scope="local")
+                    sx = T.alloc_buffer((ns,), "int32", scope="local")
+                    dot = T.alloc_buffer((1,), "int32", scope="local")
+                    for tok in T.unroll(m):
+                        for r in T.unroll(rows):
+                            acc[tok, r] = T.float32(0)
+                    for ch in T.serial(chunks):
+                        T.tvm_storage_sync("shared")          # the previous chunk is read by every warp
+                        quantize_chunk(x, xq, xd, ch, ty * WARP + tx, tx, xh, xf, amax, inv, word)
+                        T.tvm_storage_sync("shared")
+                        for so in T.serial(steps):
+                            for si in T.unroll(unroll):
+                                if ((so * unroll + si) * per_step + tx // tpb < chunk_blocks
+                                        and ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb < blocks):
+                                    block_step(wv, xq, xd, acc, (bx * warps + ty) * rows,
+                                               ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb,
+                                               (so * unroll + si) * per_step + tx // tpb, tx % tpb,
+                                               qw, s1, s2, xw, dx, sx, dot)
+                    for tok in T.unroll(m):
+                        for r in T.unroll(rows):
+                            for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
+                                acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
+                                    T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
+                            if tx == (tok * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
+                                y[tok, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
+
+    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, n, k, rows_per_warp, warps, unroll, m))

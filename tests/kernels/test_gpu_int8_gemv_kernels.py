@@ -1,0 +1,213 @@
+"""The int8-activation decode GEMV for q4_k / q6_k (schedules/gpu/quant_gemv_int8.py) without a GPU.
+
+The generated CUDA source is compiled with g++ against a harness (a std::thread per CUDA thread, warp shuffles and
+__syncthreads as barriers, __shared__ arrays as statics of the one block running, __dp4a on signed bytes) and run
+on small shapes with edges (a row group past n, a short last step, q6_k blocks at 2 mod 4, x in several chunks).
+References, in float64 on gguf's own dequantization of the same rows (tests/device/device_quant_gpu_check.py):
+- x quantized as the kernel does (per 32 values, dx = amax/127, round half to even): within 2e-3 of max |y|
+  (fp32 sums and y's fp16 rounding only; a rounding tie may land the other way on the GPU, where x * inv + C is
+  one FMA);
+- the fp16 x itself: within 2e-2 (the int8 activations' own error, as in llama.cpp's CUDA decode).
+Row t of a batched call equals the 1-row call on x[t] bit for bit, also when x goes through shared memory in
+chunks. To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
+"""
+import ctypes
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from helmc.errors import HelmcError  # noqa: E402
+from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes  # noqa: E402
+from helmc.schedules.gpu.quant_gemv_int8 import (  # noqa: E402
+    ROWS_PER_WARP, WARPS, gemv_int8_symbol, make_gpu_gemv_int8, x_chunk)
+from helmc.compiler.passes import compile_gpu_stage as cgs  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TUNED = (3, 2, 1)      # rows_per_warp, warps, unroll away from the defaults
+
+HARNESS = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::min; using std::max;
+#define uint unsigned int
+#define ushort unsigned short
+#define uchar unsigned char
+#define __global__
+#define __restrict__
+#define __launch_bounds__(x)
+struct Dim3 { int x = 0, y = 0, z = 0; };
+struct uint4 { unsigned int x, y, z, w; };
+struct int4 { int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
+struct int2 { int x, y; };
+struct half {
+    _Float16 v;
+    half() = default;
+    half(float f) : v((_Float16)f) {}
+    operator float() const { return (float)v; }
+};
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> 8 * i) * (int)(signed char)(b >> 8 * i);
+    return c;
+}
+thread_local Dim3 threadIdx, blockIdx;
+thread_local int linear_tid;
+static std::barrier<>* warp_barrier[32];
+static std::barrier<>* block_barrier;
+static float shfl_buf[32][32];
+inline float __shfl_xor_sync(unsigned int, float v, int lane_mask, int) {
+    int w = linear_tid >> 5, l = linear_tid & 31;
+    warp_barrier[w]->arrive_and_wait();
+    shfl_buf[w][l] = v;
+    warp_barrier[w]->arrive_and_wait();
+    return shfl_buf[w][l ^ lane_mask];
+}
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+template <class F> static void launch(int grid, int bdx, int bdy, F body) {
+    int threads = bdx * bdy;
+    for (int b = 0; b < grid; ++b) {
+        std::vector<std::barrier<>*> wbs;
+        for (int w = 0; w < (threads + 31) / 32; ++w) wbs.push_back(warp_barrier[w] = new std::barrier<>(32));
+        block_barrier = new std::barrier<>(threads);
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] {
+            threadIdx.x = t % bdx; threadIdx.y = t / bdx; blockIdx.x = b; linear_tid = t; body(); });
+        for (auto& th : ts) th.join();
+        for (auto* p : wbs) delete p;
+        delete block_barrier;
+    }
+}
+"""
+_ARG = {"x_ptr": "x", "wv_ptr": "w", "y_ptr": "y"}
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location(
+        "device_quant_gpu_check", os.path.join(ROOT, "tests", "device", "device_quant_gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _source(funcs: dict) -> str:
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 49152,
+                                "max_threads_per_block": 1024, "thread_warp_size": 32}, host={"kind": "llvm"})
+    sources = cgs._collect_cuda_sources(tvm.compile(tvm.IRModule(funcs), target=target).mod)
+    assert len(sources) == 1
+    return sources[0]
+
+
+def _emulate(tmp_path, source: str):
+    body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
+    drivers = []
+    for name, params in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', body):
+        args = []
+        for p in params.split(","):
+            ctype, pname = re.match(r"\s*(\w+)\*\s*__restrict__\s*(\w+)", p).groups()
+            args.append(f"({ctype}*){_ARG[pname]}")
+        drivers.append(f'extern "C" void run_{name}(void* x, void* w, void* y, int grid, int bdx, int bdy) {{\n'
+                       f"    launch(grid, bdx, bdy, [&] {{ {name}({', '.join(args)}); }});\n}}\n")
+    src = tmp_path / "kernels.cpp"
+    src.write_text(HARNESS + body + "".join(drivers))
+    lib = tmp_path / "kernels.so"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", str(src), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _call(lib, sym, x, w, y, n, rows, warps):
+    vp = ctypes.c_void_p
+    getattr(lib, f"run_{sym}_kernel")(vp(x.ctypes.data), vp(w.ctypes.data), vp(y.ctypes.data),
+                                      ctypes.c_int(-(-n // (rows * warps))), ctypes.c_int(32), ctypes.c_int(warps))
+
+
+def quantize_x(x: np.ndarray) -> np.ndarray:
+    """x [m, k] fp16 -> the int8 activations times their scales, as the kernel forms them (float64)."""
+    xf = x.astype(np.float32).reshape(x.shape[0], -1, 32)                          # [m, k/32, 32]
+    amax = np.abs(xf).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint((xf * inv).astype(np.float32))                                      # half to even, as the 1.5*2^23 add
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def _rel(got, ref):
+    assert np.isfinite(got).all()
+    return float(np.max(np.abs(got.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def test_symbols_chunks_and_bad_input():
+    assert gemv_int8_symbol("q4_k", 8, 256) == "helmc_gpu_gemv8_q4_k_n8_k256"
+    assert gemv_int8_symbol("q6_k", 8, 256, m=4, rows_per_warp=3) == "helmc_gpu_gemv8_q6_k_n8_k256_m4_r3w4u2"
+    assert x_chunk(1, 12288) == 12288 and x_chunk(8, 12288) == 4096 and x_chunk(8, 4096) == 4096
+    with pytest.raises(HelmcError, match="q4_k"):
+        make_gpu_gemv_int8("q8_0", 8, 256)
+    with pytest.raises(HelmcError):
+        make_gpu_gemv_int8("q4_k", 8, 300)
+    with pytest.raises(HelmcError):
+        x_chunk(64, 4096)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("qtype,n,k", [("q4_k", 13, 1280), ("q6_k", 13, 768), ("q4_k", 16, 2048), ("q6_k", 16, 2048)])
+def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
+    pytest.importorskip("gguf")
+    check = _device_check()
+    sym, tuned = gemv_int8_symbol(qtype, n, k), gemv_int8_symbol(qtype, n, k, *TUNED)
+    lib = _emulate(tmp_path, _source({sym: make_gpu_gemv_int8(qtype, n, k), tuned: make_gpu_gemv_int8(qtype, n, k, *TUNED)}))
+    rng = np.random.default_rng(7 + sum(map(ord, qtype)))
+    w = check.random_quant_rows(qtype, n, k, rng)                                   # [n, row_bytes] uint8
+    assert w.shape == (n, gpu_quant_row_bytes(qtype, k))
+    dense = check.dequantize_reference(qtype, w).astype(np.float64)                 # [n, k]
+    x = rng.standard_normal((1, k)).astype(np.float16)
+    x[0, :32] = 0                                                                   # a block of zeros: amax 0
+    ref_q, ref_16 = (quantize_x(x) @ dense.T)[0], (x.astype(np.float64) @ dense.T)[0]
+    for s, (rows, warps, _) in ((sym, (ROWS_PER_WARP, WARPS, 0)), (tuned, TUNED)):
+        y = np.full((1, n), np.nan, np.float16)
+        _call(lib, s, x, w, y, n, rows, warps)
+        err_q, err_16 = _rel(y[0], ref_q), _rel(y[0], ref_16)
+        print(f"\n{s}: max difference {err_q:.2e} of max |y| (int8 x reference), {err_16:.2e} (fp16 x)")
+        assert err_q < 2e-3 and err_16 < 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_rows_are_batch_invariant_through_chunks(tmp_path, qtype):
+    """m = 8 at k = 5120 puts x through shared memory in two chunks (4096 + 1024); m = 1 and 3 in one."""
+    pytest.importorskip("gguf")
+    n, k = 13, 5120
+    assert x_chunk(8, k) < k == x_chunk(1, k) == x_chunk(3, k)
+    check = _device_check()
+    funcs = {m: make_gpu_gemv_int8(qtype, n, k, m=m) for m in (1, 3, 8)}
+    lib = _emulate(tmp_path, _source({gemv_int8_symbol(qtype, n, k, m=m): f for m, f in funcs.items()}))
+    rng = np.random.default_rng(11)
+    w = check.random_quant_rows(qtype, n, k, rng)
+    x = rng.standard_normal((8, k)).astype(np.float16)
+    ys = {}
+    for m in (1, 3, 8):
+        rows = x[:m] if m > 1 else x[:1]
+        ys[m] = np.full((m, n), np.nan, np.float16)
+        _call(lib, gemv_int8_symbol(qtype, n, k, m=m), np.ascontiguousarray(rows), w, ys[m], n, ROWS_PER_WARP, WARPS)
+    singles = []
+    for t in range(8):
+        y1 = np.full((1, n), np.nan, np.float16)
+        _call(lib, gemv_int8_symbol(qtype, n, k), np.ascontiguousarray(x[t:t + 1]), w, y1, n, ROWS_PER_WARP, WARPS)
+        singles.append(y1[0])
+    assert np.array_equal(ys[1][0], singles[0])
+    assert np.array_equal(ys[3], np.stack(singles[:3]))
+    assert np.array_equal(ys[8], np.stack(singles))                                # chunked == whole, bit for bit
+    dense = check.dequantize_reference(qtype, w).astype(np.float64)
+    print(f"\n{qtype} m=8 in chunks: max difference {_rel(ys[8], quantize_x(x) @ dense.T):.2e} of max |y|")
+    assert _rel(ys[8], quantize_x(x) @ dense.T) < 2e-3
