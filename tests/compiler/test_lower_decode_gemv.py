@@ -73,7 +73,7 @@ def test_batched_stage_builds_to_one_cubin(tmp_path):
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
-    for kernel in ("gemv8_q4_k_n128_k256", "gemv8_q4_k_n128_k256_m4", "gemv8_q6_k_n256_k512_m2",
-                   "gemv8_q6_k_n512_k256_m4"):
+    for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_q4_k_n128_k256_m4_r2w8u2", "gemv8_q6_k_n256_k512_m2_r2w8u2",
+                   "gemv8_q6_k_n512_k256_m4_r2w8u2"):
         assert f"helmc_gpu_{kernel}_kernel" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
