@@ -133,8 +133,8 @@ class GemvPass:
                           (f["swiglu"], (x, w["gate"], w["up"], yi)), (f["down"], (xi, w["down"], yh))]
         else:
             f = {role: lib.lib[kit.kernel(weight_type, role)] for role in QUANT_ROLES}
-            x, xq, xi = lib.vector((H,)), lib.vector((Q,)), lib.vector((I,))
-            ys = {role: lib.vector((n,), 0.0) for role, (n, _) in kit.block.linear_shapes().items()}
+            x, xq, xi = lib.vector((1, H)), lib.vector((1, Q)), lib.vector((1, I))    # m-row GEMVs: one row
+            ys = {role: lib.vector((1, n), 0.0) for role, (n, _) in kit.block.linear_shapes().items()}
             inputs = {"q": x, "k": x, "v": x, "o": xq, "gate": x, "up": x, "down": xi}
             for w in blocks:
                 calls += [(f[role], (inputs[role], w[role], ys[role])) for role in QUANT_ROLES]

@@ -140,3 +140,33 @@ def test_prefill_puts_streamed_blocks_kv_in_the_gpu_cache():
 def test_prefill_stream_alignment_matches():
     from helmc.runtime.prefill_stream import ARENA_ALIGN as PREFILL_ALIGN
     assert PREFILL_ALIGN == ARENA_ALIGN
+
+
+def test_builds_search_hybrid_only_where_the_runtime_runs_it():
+    from helmc.compiler import pipeline
+    assert pipeline.BUILD_HYBRID
+    assert pipeline.hybrid_allowed(True, stream_prefill=True, batch=1)
+    assert not pipeline.hybrid_allowed(False, stream_prefill=True, batch=1)          # --no-hybrid
+    assert not pipeline.hybrid_allowed(True, stream_prefill=False, batch=1)          # prefill must stream
+    assert not pipeline.hybrid_allowed(True, stream_prefill=True, batch=4)           # serving batches: plain
+
+
+def test_bench_decode_reports_a_hybrid_bundle(tmp_path):
+    # scripts/bench_decode.hybrid_fields on a stand-in session: the ring's bytes per token, their PCIe rate, the
+    # host weights' rate and its share of the profile's DRAM + PCIe rate.
+    import json
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_decode import hybrid_fields
+
+    s = schedule_of(hybrid_plan(((1, 2), (1, 1)), num_layers=6), lambda layer: 1000)
+    (tmp_path / "hardware.json").write_text(json.dumps({"link": {"h2d_concurrent_gbs": 40.0,
+                                                                 "cpu_read_concurrent_gbs": 80.0}}))
+    session = SimpleNamespace(bundle_dir=str(tmp_path), gpu=SimpleNamespace(hybrid=SimpleNamespace(
+        schedule=s, tokens=10, backend=SimpleNamespace(bytes_copied=10 * 3000))))
+    plan = SimpleNamespace(t_copy_ms=0.5, cpu_weight_bytes=6_000_000)
+    out = hybrid_fields(session, plan, per_token_ms=0.1)
+    assert out["streamed_bytes_per_token"] == 3000 and out["hybrid_pairs"] == 2 and out["streamed_blocks"] == 3
+    assert out["pcie_gbs"] == pytest.approx(3000 / 1e-4 / 1e9)
+    assert out["host_weight_gbs"] == pytest.approx(60.0) and out["share_of_dram_pcie"] == pytest.approx(0.5)
