@@ -18,8 +18,10 @@ def progress(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, **kv_options):
-    """The CPU stage over plan.cpu_layers (None if there are none) and the head if it is on the CPU.
+def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, layers=None,
+                    **kv_options):
+    """The CPU stage over `layers` (default plan.cpu_layers; hybrid decode: plan.cpu_compute_layers, the CPU groups'
+    blocks) or None if there are none, and the head if it is on the CPU.
     `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
     import tvm.runtime
     from helmc.runtime.kv.cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
@@ -32,7 +34,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
 
     dev = tvm.cpu()
     batches = decode_batch_sizes(plan.batch)      # the bundle's batched decode variants (import_relax)
-    layers = plan.cpu_layers
+    layers = plan.cpu_layers if layers is None else layers
     stage = None
     if len(layers):
         if bindings is None:

@@ -52,6 +52,7 @@ class DecodeGraph:
         self.sin = cp.empty((1, spec.head_dim), cp.float32)
         self.attn = cp.empty((1, spec.q_dim), cp.float16)
         self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]   # made once, outside captures
+        self.kv_layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))   # the cache layers it appends
         self.graph = self.pool = self.key = self.seen = self.logits = None
         self.disabled = ""                     # why graphs are off in this session ("" while they are on)
         self.replays = self.captures = self.eager_steps = 0
@@ -61,16 +62,22 @@ class DecodeGraph:
         x = self.stage.run_blocks(x, cos, sin, "decode", attn_out=(self.attn, attn))
         return self.head_fns["decode"](x, *self.head_weights)
 
-    def step(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x [1, H], cos/sin [1, D] on the host -> logits [1, V] float32 on the host."""
+    def step(self, x, cos: np.ndarray, sin: np.ndarray, begun: bool = False) -> np.ndarray:
+        """x [1, H] on the host, or fp16 on the device (hybrid decode: the last streamed group's output), cos/sin
+        [1, D] on the host -> logits [1, V] float32 on the host. begun: the cache's step is already open (hybrid
+        decode's streamed blocks appended to it first); the graph appends only its own layers either way."""
         cp, kv = self.cp, self.stage.kv
-        self.x.set(np.ascontiguousarray(x, np.float16).reshape(self.x.shape))
+        if isinstance(x, np.ndarray):
+            self.x.set(np.ascontiguousarray(x, np.float16).reshape(self.x.shape))
+        else:
+            self.x[...] = x.reshape(self.x.shape)                  # device to device, on the compute stream
         self.cos.set(np.ascontiguousarray(cos, np.float32).reshape(self.cos.shape))
         self.sin.set(np.ascontiguousarray(sin, np.float32).reshape(self.sin.shape))
-        kv.begin_step(1)
+        if not begun:
+            kv.begin_step(1)
         key = None if self.disabled else kv.graph_key()
         if key is not None and key == self.key:
-            kv.mark_replayed()
+            kv.mark_replayed(self.kv_layers)
             self.graph.launch(self.stream)
             self.replays += 1
         elif key is not None and key == self.seen and self._capture(key):
@@ -101,7 +108,7 @@ class DecodeGraph:
             import warnings
             self.disabled = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture of the decode step failed, decoding without graphs: {self.disabled}")
-            self.stage.kv.forget_appends()
+            self.stage.kv.forget_appends(self.kv_layers)
             return False
         self.graph, self.pool, self.key, self._logits_tensor = graph, pool, key, logits
         self.logits = self.to_cupy(logits)
@@ -111,7 +118,8 @@ class DecodeGraph:
 
 class GpuParts:
     def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step,
-                 streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0, decode_graph=None, stream=None):
+                 streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0, decode_graph=None, stream=None,
+                 hybrid=None):
         self.stage = stage                      # Stage over the GPU layers, or None
         self.head_fns = head_fns
         self.head_weights = head_weights
@@ -124,14 +132,19 @@ class GpuParts:
         self.chunk = prefill_chunk_tokens       # the GPU stage runs a prompt this many tokens at a time (0: whole)
         self.decode_graph = decode_graph        # DecodeGraph, or None (no GPU blocks, or graphs turned off)
         self.stream = stream                    # every kernel and copy of a step, TVM's and CuPy's, goes here
+        self.hybrid = hybrid                    # HybridDecode (runtime/hybrid/) for a hybrid plan's decode, or None
 
     def reset(self):
         if self.stage is not None:
             self.stage.kv.reset()
+        if self.hybrid is not None:
+            self.hybrid.backend.cpu_stage.kv.reset()
 
     def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
         from helmc.runtime.cuda_runtime import tvm_stream
         with self.stream, tvm_stream(self.stream):
+            if phase == "decode" and self.hybrid is not None:
+                return self.hybrid.step(x, cos, sin)                # the plan's groups (runtime/hybrid/)
             if phase == "decode" and self.decode_graph is not None and not all_logits:
                 if self.cpu_stage_step is not None:
                     x = self.cpu_stage_step(x, cos, sin, phase)    # [1, H] float32 on the host
@@ -142,8 +155,13 @@ class GpuParts:
         """x [S, H], cos/sin [S, D] on the host. A prompt stays on the host and crosses in chunks, so
         VRAM holds one chunk's activations whatever the prompt's length (the plan counts one chunk)."""
         import cupy as cp
+        gpu_rows = {}
         if phase == "prefill" and self.streamed_prefill is not None and self.cpu_kv.length == 0:
             x = self.streamed_prefill.run(x, cos, sin)             # [S, H] fp16 back on the host
+            gpu_rows = self.streamed_prefill.take_gpu_rows()       # hybrid: the streamed blocks' K, V
+        elif self.hybrid is not None:
+            raise HelmcError("hybrid decode: a prompt runs only on an empty cache, through the streamed prefill; "
+                             f"found {self.cpu_kv.length} tokens cached")
         elif self.cpu_stage_step is not None:
             x = self.cpu_stage_step(x, cos, sin, phase)            # [S, H] float32 on the host
         to_tvm = self.cupy_to_tvm
@@ -153,6 +171,8 @@ class GpuParts:
             parts = []
             for c0 in range(0, S, step):                           # one KV step per chunk: bounded activations
                 c1 = min(S, c0 + step)
+                for layer, (k, v) in gpu_rows.items():            # same KV step as the resident blocks' rows
+                    self.stage.kv.append(layer, cp.asarray(k[c0:c1]), cp.asarray(v[c0:c1]))
                 xg = cp.asarray(np.ascontiguousarray(x[c0:c1], self.act_dtype))   # the host-to-device crossing
                 xt = self.stage.forward(to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos[c0:c1]))),
                                         to_tvm(cp.asarray(np.ascontiguousarray(sin[c0:c1]))), phase)
@@ -214,6 +234,11 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if plan.gpu_bytes and plan.gpu_bytes > free:
         raise HelmcError(f"GPU memory: the plan needs {plan.gpu_bytes / 2**30:.2f} GiB of VRAM, "
                          f"{free / 2**30:.2f} GiB is free of {total / 2**30:.2f} GiB (build with a smaller --gpu-budget)")
+    hybrid = plan.is_hybrid
+    if hybrid and not plan.prefill_on_gpu:
+        raise HelmcError("hybrid decode: expected a plan whose prefill streams the host-resident blocks to the GPU "
+                         "(prefill_on_gpu), found one without")
+    cpu_blocks = plan.cpu_compute_layers if hybrid else plan.cpu_layers    # the blocks the CPU computes in decode
     cpu_step = None
     cpu_stage = None
     if len(plan.cpu_layers):
@@ -223,7 +248,10 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         if plan.prefill_on_gpu:
             from helmc.runtime.prefill_stream import bind_pinned_layers
             pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, lambda m: progress(m, quiet))
-        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, **kv_options)
+            if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
+                pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
+        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
+                                       **kv_options)
         dev_cpu = tvm.cpu()
 
         def cpu_step(x, cos, sin, phase):
@@ -236,8 +264,13 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     uploader = PinnedUploader()
     upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
     layers = plan.gpu_layers
+    schedule = ring = None
+    if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
+        from helmc.runtime.hybrid.load import allocate_ring
+        schedule, ring = allocate_ring(plan, arenas)
+    kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
-    if len(layers):
+    if kv_layers:
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
@@ -247,30 +280,40 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
             # reserve; the pages get what it left, with the loan as their floor.
-            page_bytes = 2 * len(layers) * spec.num_kv_heads * page_tokens * spec.head_dim * 2
+            page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
             budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, loan, free_after, page_bytes)
         else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
             budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
             budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
-        kv = KVCacheGPU(len(layers), spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
+        kv = KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
                         sliding_window=spec.sliding_window or None, loan_bytes=loan,
                         ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
-                      batch_sizes=decode_batch_sizes(plan.batch))
+                      batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers))
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}
     streamed = None
     if plan.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill
+        from helmc.runtime.hybrid.load import prefill_kv_targets
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
-                                   cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None)
+                                   cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None,
+                                   kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
              if stage is not None and kv_options.get("cuda_graph", True) else None)
+    decode = None
+    if hybrid:
+        from helmc.runtime.hybrid.load import hybrid_decode
+        decode = hybrid_decode(schedule, ring, arenas, vm, spec, cpu_stage, stage, graph, head_fns, head_weights,
+                               cupy_to_tvm, tvm_to_cupy)
+        progress(f"  hybrid decode: {schedule.describe()}", quiet)
+        cpu_step = None    # the CPU stage holds only the CPU groups: decode goes through the schedule
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
-                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens, graph, stream)
+                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens, graph, stream,
+                   hybrid=decode)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
     return session

@@ -65,12 +65,12 @@ def arena_layout(views: list[tuple[str, np.ndarray, str]]) -> tuple[tuple[ArenaS
     return tuple(slots), off
 
 
-def _views(buf, slots: tuple[ArenaSlot, ...]):
+def slot_views(buf, slots: tuple[ArenaSlot, ...]):
     """Typed views [*shape] of a flat uint8 buffer (NumPy or CuPy), one per slot."""
     return [buf[s.offset:s.offset + s.nbytes].view(_NUMPY_OF[s.dtype]).reshape(s.shape) for s in slots]
 
 
-def _binding(tensors: list, spec: ModelSpec) -> StageBinding:
+def binding_of(tensors: list, spec: ModelSpec) -> StageBinding:
     n_pre = len(spec.pre_attn_weight_names())
     return StageBinding(pre=tensors[:n_pre], post=tensors[n_pre:])
 
@@ -88,11 +88,11 @@ class PinnedBlockArena:
         self.layer, self.slots, self.nbytes = layer, slots, nbytes
         self.host = cupyx.empty_pinned((nbytes,), np.uint8)
         tensors = []
-        for s, view, (_, src, _) in zip(slots, _views(self.host, slots), views):
+        for s, view, (_, src, _) in zip(slots, slot_views(self.host, slots), views):
             np.copyto(view, src.view(view.dtype) if src.dtype != view.dtype else src)
             t = tvm.runtime.from_dlpack(view)
             tensors.append(t._create_view(s.shape, "bfloat16") if s.dtype == "bfloat16" else t)
-        self.binding = _binding(tensors, spec)
+        self.binding = binding_of(tensors, spec)
 
 
 def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=lambda m: None):
@@ -120,7 +120,7 @@ class StreamedPrefill:
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
                  cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,
-                 lend=None):
+                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None):
         import cupy as cp
 
         if not arenas:
@@ -136,6 +136,14 @@ class StreamedPrefill:
         self.fns = {j: (vm[block_function_name("pre_attn", "prefill", j)], vm[block_function_name("post_attn", "prefill", j)])
                     for j in {spec.signature_index(a.layer) for a in arenas}}
         self.lend = lend
+        # Where each arena's K, V go: ("cpu", i), layer i of the CPU cache (a plain split: every arena), or
+        # ("gpu", i), layer i of the GPU cache (hybrid decode's streamed blocks: their rows wait on the host in
+        # gpu_rows until the loan of the GPU pool ends; the caller appends them, take_gpu_rows).
+        self.kv_targets = kv_targets or tuple(("cpu", n) for n in range(len(arenas)))
+        if len(self.kv_targets) != len(arenas) or {t for t, _ in self.kv_targets} - {"cpu", "gpu"}:
+            raise HelmcError(f"StreamedPrefill: expected a ('cpu' | 'gpu', layer) target per arena, found "
+                             f"{self.kv_targets} for {len(arenas)} arenas")
+        self.gpu_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.bytes_streamed = 0
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
@@ -172,8 +180,8 @@ class StreamedPrefill:
         bindings = {}            # one per arena layout (type signature), all over the same device buffer
         for a in self.arenas:
             if a.slots not in bindings:
-                bindings[a.slots] = _binding([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
-                                              for sl, v in zip(a.slots, _views(device, a.slots))], self.spec)
+                bindings[a.slots] = binding_of([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
+                                              for sl, v in zip(a.slots, slot_views(device, a.slots))], self.spec)
         xg = xb.view(cp.float16).reshape(S, H)                              # [S*H*2 bytes] -> [S, H]
         scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)              # this block's K, V of the whole prompt
         cos_g = cb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
@@ -192,9 +200,20 @@ class StreamedPrefill:
                 c1 = min(S, c0 + self.chunk)
                 xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0, bindings[arena.slots], fns)
             kv = scratch.get()                                              # [2, h_kv, S, d] fp16 on the host
-            self.cpu_kv.append(local, kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2))   # [h_kv,S,d] -> [S,h_kv,d]
+            where, layer = self.kv_targets[local]
+            k_rows, v_rows = kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2)   # [h_kv,S,d] -> [S,h_kv,d]
+            if where == "cpu":
+                self.cpu_kv.append(layer, k_rows, v_rows)
+            else:
+                self.gpu_rows[layer] = (np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows))
         self.cpu_kv.advance(S)
         return xg.get()                                                     # synchronous: the loan ends here
+
+    def take_gpu_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The last run's K, V rows [S, h_kv, d] of the arenas whose target is the GPU cache, by its layer index
+        (handed over once: the caller appends them chunk by chunk beside the resident blocks' own)."""
+        rows, self.gpu_rows = self.gpu_rows, {}
+        return rows
 
     def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns):
         cp, n = self.cp, x.shape[0]

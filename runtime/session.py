@@ -68,8 +68,15 @@ class Session:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, **kv_options) -> "Session":
-        manifest, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
+    def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, plan: Plan | None = None,
+             **kv_options) -> "Session":
+        """plan: run the bundle with this plan instead of its own (benchmarks: a hybrid bundle as a plain split;
+        the libraries hold every block function, so any split of the same model and batch runs)."""
+        manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir)
+        if plan is not None and (plan.num_layers, plan.batch) != (own.num_layers, own.batch):
+            raise HelmcError(f"plan override: expected {own.num_layers} layers and batch {own.batch} (the bundle's), "
+                             f"found {plan.num_layers} and {plan.batch}")
+        plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
         check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)

@@ -64,14 +64,19 @@ class StageBinding:
 
 class Stage:
     def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv, bindings: list[StageBinding],
-                 to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = ()):
+                 to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = (),
+                 kv_base: int = 0):
         assert len(bindings) == len(layers), "one weight binding per block of the stage"
+        assert kv_base >= 0, kv_base
         self.name = name
         self.vm = vm
         self.spec = spec
         self.layers = layers
         self.kv = kv
         self.bindings = bindings
+        # Block `local` of the stage is KV layer kv_base + local of its cache (hybrid decode: the GPU cache holds
+        # the streamed blocks first, then the resident ones; 0 otherwise).
+        self.kv_base = kv_base
         self.to_array = to_array        # device tensor -> NumPy/CuPy array (zero-copy where possible)
         self.from_array = from_array    # NumPy/CuPy array -> device tensor
         self.scale = 1.0 / math.sqrt(spec.head_dim)
@@ -88,19 +93,20 @@ class Stage:
         self.kv.advance(x.shape[0])
         return x
 
-    def run_blocks(self, x, cos, sin, phase: str, attn_out=None):
+    def run_blocks(self, x, cos, sin, phase: str, attn_out=None, blocks: range | None = None):
         """The blocks of forward() without committing the KV step. attn_out: (array, the same memory as a
-        device tensor [1, h_a*D]) that decode attention writes into, so a captured step converts no array."""
+        device tensor [1, h_a*D]) that decode attention writes into, so a captured step converts no array.
+        blocks: the stage's local blocks to run (default all; hybrid decode runs a CPU group at a time)."""
         S = x.shape[0]
-        for local, binding in enumerate(self.bindings):
-            j = self._signature[local]
+        for local in (range(len(self.bindings)) if blocks is None else blocks):
+            binding, j, layer = self.bindings[local], self._signature[local], self.kv_base + local
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
-            self.kv.append(local, self.to_array(k), self.to_array(v))
+            self.kv.append(layer, self.to_array(k), self.to_array(v))
             if attn_out is not None:
-                self.kv.attend(local, self.to_array(q), self.scale, out=attn_out[0])
+                self.kv.attend(layer, self.to_array(q), self.scale, out=attn_out[0])
                 attn = attn_out[1]
             else:
-                o = self.kv.attend(local, self.to_array(q), self.scale)      # [S, h_a, D]
+                o = self.kv.attend(layer, self.to_array(q), self.scale)      # [S, h_a, D]
                 attn = self.from_array(o.reshape(S, self.spec.q_dim))        # [S, h_a, D] -> [S, h_a*D]
             x = self._post[(phase, j)](x, attn, *binding.post)
         return x
@@ -124,8 +130,8 @@ class Stage:
             q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
             outs = []
             for kv, a, n in zip(caches, starts, rows):
-                kv.append(local, k[a:a + n], v[a:a + n])
-                outs.append(kv.attend(local, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
+                kv.append(self.kv_base + local, k[a:a + n], v[a:a + n])
+                outs.append(kv.attend(self.kv_base + local, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
             if S > sum(rows):                                # padding rows of a batched decode step attend nothing
                 outs.append(_array_module(outs[0]).zeros((S - sum(rows), self.spec.q_dim), outs[0].dtype))
             o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]

@@ -22,6 +22,10 @@ each device's per-block delta and per-token tail fitted on the bundles' own comp
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
 measured / that. The calibrated profile is written beside --out.
+A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
+groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
+and its share of the profile's DRAM + PCIe rate, and, with --llama-bench, `hybrid_decode_ratio_vs_llamacpp`
+(decode tok/s over llama.cpp's best -ngl of the run; every row gets `decode_ratio_vs_llamacpp_best`).
 Greedy tokens of the first request are compared with HF's (all on the GPU): first divergence, and
 whether helmc's token there is in HF's top 5. Results are written to --out after every system, so a
 run cut short still leaves what it measured.
@@ -139,7 +143,12 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "t_plan_ms": plan.t_plan_ms, "cpu_weight_bytes": plan.cpu_weight_bytes,
                 "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
-                "tokens_first_request": runs[0]["tokens"]})
+                "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
+    if plan.is_hybrid:
+        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"]))
+        log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
+            f"PCIe ({out['pcie_gbs']:.1f} GB/s), host weights read at {out['host_weight_gbs']:.1f} GB/s"
+            + (f", {out['share_of_dram_pcie']:.0%} of the profile's DRAM + PCIe rate" if "share_of_dram_pcie" in out else ""))
     if calibrated is not None:
         from helmc.planner.calibrate import predict_bundle
 
@@ -152,6 +161,27 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
             f"{out['measured_over_plan_calibrated']:.3f}")
     del s
     _free_gpu()
+    return out
+
+
+def hybrid_fields(s, plan, per_token_ms: float) -> dict:
+    """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
+    their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
+    the DRAM + PCIe rate the bundle's profile measured together (issue 17)."""
+    h = s.gpu.hybrid
+    per_token = h.backend.bytes_copied / max(1, h.tokens)
+    out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
+           "streamed_blocks": len(h.schedule.streamed_layers), "ring_bytes": h.schedule.ring_bytes,
+           "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
+           "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
+           "host_weight_gbs": plan.cpu_weight_bytes / (per_token_ms * 1e-3) / GB}
+    path = os.path.join(s.bundle_dir, "hardware.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            link = json.load(f).get("link") or {}
+        if link.get("h2d_concurrent_gbs"):
+            out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
+            out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
     return out
 
 
@@ -340,6 +370,12 @@ def main(argv=None) -> int:
                 h[f"decode_ratio_vs_llamacpp_ngl{ngl}"] = h["decode_tok_s_p50"] / r["decode_tok_s_p50"]
                 h[f"ttft_ratio_vs_llamacpp_ngl{ngl}"] = h["ttft_ms_p50"] / r["ttft_ms_p50"]
             save()
+        best = max(r["decode_tok_s_p50"] for r in report["llamacpp"])       # llama.cpp's best -ngl of this run
+        for h in report["helmc"]:
+            h["decode_ratio_vs_llamacpp_best"] = h["decode_tok_s_p50"] / best
+            if h.get("hybrid"):
+                h["hybrid_decode_ratio_vs_llamacpp"] = h["decode_tok_s_p50"] / best
+        save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)
         for h in report["helmc"]:
@@ -366,7 +402,7 @@ def main(argv=None) -> int:
               f"{r['per_token_ms_p50']:.1f} | - | - | - | - |")
     for h in report["helmc"]:
         for k, v in h.items():
-            if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp")):
+            if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp", "hybrid_decode_ratio")):
                 print(f"helmc {h['plan']}{'' if h.get('cuda_graph', True) else ' (no graph)'}: {k} = {v:.3f}")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
         if key in report:

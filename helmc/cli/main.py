@@ -48,15 +48,18 @@ def main():
                    "the weights cache); a GGUF file keeps its own types")
 @click.option("--max-batch", type=int, default=1, show_default=True,
               help="sequences `helmc serve` decodes at once: the plan counts their KV and activations")
+@click.option("--hybrid/--no-hybrid", default=True, show_default=True,
+              help="allow hybrid decode (host blocks in CPU groups and streamed groups) where the plan predicts it "
+                   "faster; one sequence at a time, with --stream-prefill")
 def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
-              prefill_activations, quant, max_batch):
+              prefill_activations, quant, max_batch, hybrid):
     """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
     (hardware.json) into a bundle."""
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
-                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch)
+                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, hybrid=hybrid)
     click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")

@@ -55,17 +55,23 @@ def read_config(model_dir: str) -> tuple[ModelSpec, str]:
     return source.spec, source.config_sha256
 
 
-# Hybrid decode (planner/hybrid.py) is planned by `helmc plan`; a bundle keeps the plain split until runtime/
-# executes streamed groups (issue 17's executor): a hybrid plan run as a plain split would put one more block on
-# the CPU (the ring's VRAM) than the best split, and predict a token the runtime does not deliver.
-BUILD_HYBRID = False
+# Hybrid decode (planner/hybrid.py): runtime/hybrid/ executes a plan's streamed groups (the staging ring, its
+# copies on their own stream, the crossings), so a build takes a hybrid layout where the search predicts it faster.
+BUILD_HYBRID = True
+
+
+def hybrid_allowed(hybrid: bool, stream_prefill: bool, batch: int) -> bool:
+    """Whether a build searches hybrid layouts: asked for (BUILD_HYBRID, `--hybrid`), with the host blocks' prefill
+    streamed to the GPU (runtime/hybrid keeps today's streamed prefill and refuses a plan without it), for one
+    sequence at a time (serving decodes a hybrid plan one sequence at a time: runtime/serve/batch_model)."""
+    return BUILD_HYBRID and hybrid and stream_prefill and batch == 1
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
-                stream_prefill: bool = True, batch: int = 1, hybrid: bool = BUILD_HYBRID) -> Plan:
+                stream_prefill: bool = True, batch: int = 1, hybrid: bool = True) -> Plan:
     from helmc.planner.search_partition import plan as search
     return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill, batch=batch,
-                  hybrid=hybrid)
+                  hybrid=hybrid_allowed(hybrid, stream_prefill, batch))
 
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
@@ -95,7 +101,7 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
-          prefill_activations: str = "model", quant: str = "", batch: int = 1) -> BuildResult:
+          prefill_activations: str = "model", quant: str = "", batch: int = 1, hybrid: bool = True) -> BuildResult:
     progress = Progress(quiet)
     from helmc.compiler.passes.lower_linear import check_prefill_activations
     from helmc.compiler.read_model import read_model
@@ -107,7 +113,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
-    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill, batch)
+    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill, batch, hybrid)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
     need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu

@@ -29,13 +29,16 @@ takes a layout only where it predicts a faster token than every plain split.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from helmc.planner.analyze_program import ProgramAnalysis, StageLoad
+from helmc.errors import HelmcError
+from helmc.model.spec import ModelSpec
+from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_program
 from helmc.planner.cost_model import (DeviceRates, StageTime, Workload, comm_time_ms, gpu_kv_resident_bytes,
                                       max_context, memory_needs, shortfall_text, stage_time)
 from helmc.hardware.profile import HardwareProfile
-from helmc.runtime.bundle.plan import HybridCandidate, PlanGroup
+from helmc.runtime.bundle.plan import HybridCandidate, Plan, PlanGroup
 
 # The model charges a pair its two crossings only (eq. 4.15 each); what the executor will spend per pair beyond
 # them (a GPU stage call, an event wait) is not measured yet, so the layouts stay within a few pairs per ten blocks,
@@ -234,3 +237,33 @@ def best_per_pair_count(evals: list[HybridEval]) -> list[HybridEval]:
         if c.feasible and (c.pairs not in best or c.t_plan_ms < best[c.pairs].candidate.t_plan_ms):
             best[c.pairs] = e
     return [best[m] for m in sorted(best)]
+
+
+def forced_layout(p: Plan, spec: ModelSpec, pairs: tuple[tuple[int, int], ...]) -> Plan:
+    """`p` with the given hybrid layout instead of the searched one (tests and device checks: the search puts a
+    tiny model wholly on the GPU): host units = the embedding and the `pairs` (CPU blocks, streamed blocks), the
+    other blocks and the head on the GPU; no candidates and no predicted hybrid times (the layout is given, not
+    chosen); prefill streams every host block to the GPU, as a searched split's does."""
+    if not pairs or any(c < 1 or s < 1 for c, s in pairs) or sum(c + s for c, s in pairs) > spec.num_layers:
+        raise HelmcError(f"forced hybrid layout: expected pairs of >= 1 CPU and >= 1 streamed blocks within "
+                         f"{spec.num_layers} blocks, found {pairs}")
+    a = analyze_program(spec)
+    groups, first = [], 0
+    for c, s in pairs:
+        groups += [PlanGroup("cpu", first, c, a.stage(first + 1, first + 1 + c).stored_bytes),
+                   PlanGroup("streamed", first + c, s, a.stage(first + 1 + c, first + 1 + c + s).stored_bytes)]
+        first += c + s
+    return dataclasses.replace(
+        forced_split(p, spec, first + 1), groups=tuple(groups), t_cpu_ms=0.0, t_copy_ms=0.0,
+        t_plan_ms=p.t_gpu_ms + p.t_comm_ms, staging_ring_bytes=max(g.weight_bytes for g in groups[1::2]))
+
+
+def forced_split(p: Plan, spec: ModelSpec, cpu_units: int) -> Plan:
+    """`p` as the plain split cpu(cpu_units) -> cuda(rest), its host blocks' prefill streamed to the GPU (what a
+    searched split of a model this size would do): the reference a forced hybrid layout is compared with."""
+    a = analyze_program(spec)
+    block = max(u.stored_bytes for u in a.units if u.kind == "block")
+    host_blocks = 0 < cpu_units - 1 and cpu_units < a.num_units
+    return dataclasses.replace(p, cpu_units=cpu_units, candidates=(), hybrid_candidates=(), groups=(),
+                               staging_ring_bytes=0, t_copy_ms=0.0, prefill_on_gpu=host_blocks,
+                               prefill_staging_bytes=block if host_blocks else 0)

@@ -192,15 +192,23 @@ class KVCacheGPU:
             return None
         return (self.pool.version, table.n_pages, self._plan_key)
 
-    def forget_appends(self) -> None:
-        """The appends of the open step were never run (a failed capture): keep its reservation, redo them."""
-        self._appended.clear()
-        self._pending_kv.clear()
+    def forget_appends(self, layers: range | None = None) -> None:
+        """The appends of the open step to `layers` (default all) were never run (a failed capture): keep its
+        reservation, redo them."""
+        layers = range(self.L) if layers is None else layers
+        self._appended.difference_update(layers)
+        for layer in layers:
+            self._pending_kv.pop(layer, None)
 
-    def mark_replayed(self) -> None:
-        """A replayed graph appended every layer's row of this decode step."""
-        assert self._pending == 1 and not self._appended, "mark_replayed: expected an open decode step, untouched"
-        self._appended = set(range(self.L))
+    def mark_replayed(self, layers: range | None = None) -> None:
+        """A replayed graph appended the row of this decode step of `layers` (default every layer; hybrid decode:
+        the resident blocks', after the streamed blocks appended theirs eagerly). Invariant: every layer of the
+        step is appended once, so after this the step's layers are exactly the graph's and those before it."""
+        layers = set(range(self.L) if layers is None else layers)
+        assert self._pending == 1 and not (self._appended & layers), \
+            "mark_replayed: expected an open decode step, the graph's layers untouched"
+        assert layers <= set(range(self.L)), (sorted(layers), self.L)
+        self._appended |= layers
 
     def append(self, layer: int, k, v) -> None:
         """Write this step's K, V rows [S, h_kv, d] of `layer` into their pages (GPU slot, or straight to

@@ -28,6 +28,17 @@ class BatchModel:
                              f"sequences at once (build it with `helmc build ... --max-batch {max_batch}`)")
         self.session, self.spec, self.max_batch = session, session.spec, max_batch
         self.max_context = session.plan.max_context
+        # A hybrid decode plan (runtime/hybrid/) runs one sequence through the session's own step: its CPU stage
+        # holds only the CPU groups, so the batched stages below do not apply.
+        self.hybrid = session.plan.is_hybrid
+        if self.hybrid:
+            if max_batch != 1:
+                raise HelmcError(f"--max-batch {max_batch}: a bundle with hybrid decode serves one sequence at a "
+                                 "time (build it with `helmc build ... --no-hybrid` to batch)")
+            self.cpu_caches = self.gpu_caches = None
+            self.page_tokens, self.chunk = session.gpu.stage.kv.T, 0
+            session.reset()
+            return
         stage = session.cpu_stage
         self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
         gstage = getattr(session.gpu, "stage", None)
@@ -44,19 +55,28 @@ class BatchModel:
 
     # ------------------------------------------------------------------ state
     def length(self, slot: int) -> int:
+        if self.hybrid:
+            return self.session.position
         caches = self.cpu_caches or self.gpu_caches
         return caches[slot].length
 
     def pages_in_use(self) -> int:
         """KV pages the slot caches hold (0 when every request has finished)."""
         n = 0
-        for caches in (self.cpu_caches or [], self.gpu_caches or []):
+        if self.hybrid:
+            groups = ([self.session.cpu_stage.kv], [self.session.gpu.stage.kv])
+        else:
+            groups = (self.cpu_caches or [], self.gpu_caches or [])
+        for caches in groups:
             for kv in caches:
                 pool = kv.pool
                 n += pool.host_capacity - pool.host_free + pool.gpu_capacity - pool.gpu_free
         return n
 
     def free(self, slot: int) -> None:
+        if self.hybrid:
+            self.session.reset()
+            return
         for caches in (self.cpu_caches, self.gpu_caches):
             if caches is not None:
                 caches[slot].reset()
@@ -66,6 +86,8 @@ class BatchModel:
         """The prompt of a new request into its (empty) slot; the last row's logits [V]."""
         if self.length(slot):
             raise HelmcError(f"prefill: slot {slot} expected empty, holds {self.length(slot)} tokens")
+        if self.hybrid:
+            return self.session.forward(list(ids))[-1]          # the streamed prefill, as Session.generate's
         step = self.chunk or len(ids)
         for c0 in range(0, len(ids), step):     # one KV step per chunk: activations bounded by the chunk
             logits = self._step([slot], [ids[c0:c0 + step]])
@@ -73,6 +95,8 @@ class BatchModel:
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
         """One new token for each slot's sequence, all in one step; logits [len(slots), V]."""
+        if self.hybrid:
+            return self.session.forward([tokens[0]])              # the plan's groups (runtime/hybrid/), [1, V]
         return self._step(slots, [[t] for t in tokens])
 
     def _step(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
