@@ -6,15 +6,17 @@ are fp32 and y is rounded to fp16 once, at the end: what the stage's other matmu
 B for a batched decode step of B sequences (import_relax's decode_b{B} variants), and every weight is read once
 per call whatever m is.
 
-Work split: a warp owns `rows_per_warp` consecutive rows of W; along k, lane l reads VEC = 8 consecutive weights
-(one 16-byte load) at k = 256 s + 8 l of step s, so a warp reads 512 contiguous bytes of each of its rows per
-step; `unroll` steps are loaded before any is used, so each warp has unroll x rows 16-byte loads in flight; the
-lanes' partial sums meet in a 5-step butterfly of warp shuffles. x (16-byte loads too) comes from L1/L2: every
-warp reads all of it, so rows_per_warp > 1 divides that traffic (it matters at large m).
+Work split: a thread block owns `rows_per_warp` consecutive rows of W, and its `warps` warps split k: warp w takes
+steps w, w + warps, ...; in step s lane l reads VEC = 8 consecutive weights (one 16-byte load) at k = 256 s + 8 l,
+so a warp reads 512 contiguous bytes of each row per step; `unroll` steps are loaded before any is used, so each
+warp has unroll x rows 16-byte loads in flight. A row's k is so walked by warps x 32 lanes at once (a warp owning
+whole rows was 12-20% slower at Qwen3-8B's shapes: one long chain of loads per row). The lanes' partial sums meet
+in a 5-step butterfly of warp shuffles, the warps' through shared memory, added in warp order. x (16-byte loads
+too) comes from L1/L2; rows_per_warp > 1 divides that traffic (it matters at large m).
 
 Batch invariance (issue 19): y[t, j] is formed the same way for every m, rows_per_warp, warps and unroll --
-lane l sums x[t, k] * W[j, k] over its k in step order (8 FMAs a step, in k order), then the 32 lane sums meet
-in the same butterfly -- so row t of an m-row call is bit-identical to a 1-row call on x[t] alone. The only
+lane l of warp w sums x[t, k] * W[j, k] over its k in step order (8 FMAs a step, in k order), the 32 lane sums
+meet in the same butterfly, the warps' sums are added in warp order -- so row t of an m-row call is bit-identical to a 1-row call on x[t] alone. The only
 choices left to nvcc (FMA contraction of the same expression) are the same for every (t, j).
 
 Loads go through uint32 views (two 16-bit values per word, widened exactly: fp16 by the hardware convert of
@@ -39,7 +41,8 @@ _F32 = "float32"
 def default_tuning(m: int) -> tuple[int, int, int]:
     """(rows_per_warp, warps, unroll): one row of x: 2 rows per warp, 4 warps, 4 steps in flight; more rows of
     x: 4 rows per warp (each x load serves 4 rows, see the module docstring) and 2 steps in flight, which keeps
-    the m x 4 accumulators and the staged weights in registers. Per-row bits do not depend on these."""
+    the m x 4 accumulators and the staged weights in registers. Per-row bits depend on warps only (the k split),
+    so warps is the same for every m."""
     return (2, 4, 4) if m == 1 else (4, 4, 2)
 
 
@@ -57,7 +60,7 @@ def _check(m: int, n: int, k: int, weight_dtype: str, tuning: tuple[int, int, in
         raise HelmcError(f"GPU GEMV: 1 <= m <= {MAX_ROWS}, n >= 1 and k a positive multiple of {VEC} expected, "
                          f"found m={m}, n={n}, k={k}")
     rows, warps, unroll = tuning
-    if rows < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP:
+    if rows < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m * rows > WARP:
         raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32 expected, found {tuning}")
     if n * k >= 2 ** 31:
         raise HelmcError(f"GPU GEMV: n * k expected < 2^31 (int32 indexing), found n={n}, k={k}")
@@ -82,8 +85,8 @@ def make_gpu_gemv(m: int, n: int, k: int, weight_dtype: str,
     words = VEC // 2                                # uint32 words per lane per step and row
     kw = k // 2                                     # words per row
     steps = -(-k // STEP)
-    outer = -(-steps // unroll)                     # lanes past the row end in the last steps skip them
-    grid = -(-n // (rows * warps))
+    outer = -(-steps // (warps * unroll))           # warp ty takes steps ty, ty + warps, ...; lanes past k skip
+    grid = -(-n // rows)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float16")):
@@ -93,10 +96,12 @@ def make_gpu_gemv(m: int, n: int, k: int, weight_dtype: str,
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    red = T.alloc_buffer((m * rows * warps,), _F32, scope="shared")   # [m, rows, warps]
                     acc = T.alloc_buffer((m, rows), _F32, scope="local")
                     wl = T.alloc_buffer((unroll, rows, words), "uint32", scope="local")
                     xl = T.alloc_buffer((words,), "uint32", scope="local")
                     xf = T.alloc_buffer((VEC,), _F32, scope="local")
+                    tot = T.alloc_buffer((1,), _F32, scope="local")
                     for t in T.unroll(m):
                         for r in T.unroll(rows):
                             acc[t, r] = T.float32(0)
@@ -106,13 +111,13 @@ def make_gpu_gemv(m: int, n: int, k: int, weight_dtype: str,
                         for si in T.unroll(unroll):
                             for r in T.unroll(rows):
                                 for v in T.vectorized(words):
-                                    wl[si, r, v] = wv[T.min((bx * warps + ty) * rows + r, n - 1) * kw + T.min(
-                                        ((so * unroll + si) * STEP + tx * VEC) // 2, kw - words) + v]
+                                    wl[si, r, v] = wv[T.min(bx * rows + r, n - 1) * kw + T.min(
+                                        (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2, kw - words) + v]
                         for si in T.unroll(unroll):
-                            if (so * unroll + si) * STEP + tx * VEC < k:
+                            if ((so * unroll + si) * warps + ty) * STEP + tx * VEC < k:
                                 for t in T.unroll(m):
                                     for v in T.vectorized(words):
-                                        xl[v] = xv[t * kw + ((so * unroll + si) * STEP + tx * VEC) // 2 + v]
+                                        xl[v] = xv[t * kw + (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2 + v]
                                     for e in T.unroll(VEC):
                                         xf[e] = _widen(xl[e // 2], e % 2, "float16")
                                     for r in T.unroll(rows):
@@ -124,7 +129,14 @@ def make_gpu_gemv(m: int, n: int, k: int, weight_dtype: str,
                             for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
                                 acc[t, r] = acc[t, r] + T.tvm_warp_shuffle_xor(
                                     T.uint32(0xFFFFFFFF), acc[t, r], 16 >> s, WARP, WARP)
-                            if tx == (t * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
-                                y[t, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[t, r])
+                            if tx == 0:
+                                red[(t * rows + r) * warps + ty] = acc[t, r]
+                    T.tvm_storage_sync("shared")
+                    # the warps' sums of one row of y, added in warp order by one thread per (t, r)
+                    if ty == 0 and tx < m * rows and bx * rows + tx % rows < n:
+                        tot[0] = red[tx * warps]
+                        for v in T.unroll(warps - 1):
+                            tot[0] = tot[0] + red[tx * warps + v + 1]
+                        y[tx // rows, bx * rows + tx % rows] = T.Cast("float16", tot[0])
 
     return gemv.with_attr("global_symbol", gemv_symbol(m, n, k, weight_dtype, tuning))

@@ -28,67 +28,11 @@ from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes  # noqa: E402
 from helmc.schedules.gpu.quant_gemv_int8 import (  # noqa: E402
     ROWS_PER_WARP, WARPS, gemv_int8_symbol, make_gpu_gemv_int8, x_chunk)
 from helmc.compiler.passes import compile_gpu_stage as cgs  # noqa: E402
+from test_gpu_quant_kernels import HARNESS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TUNED = (3, 2, 1)      # rows_per_warp, warps, unroll away from the defaults
 
-HARNESS = r"""
-#include <algorithm>
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <thread>
-#include <vector>
-using std::min; using std::max;
-#define uint unsigned int
-#define ushort unsigned short
-#define uchar unsigned char
-#define __global__
-#define __restrict__
-#define __launch_bounds__(x)
-struct Dim3 { int x = 0, y = 0, z = 0; };
-struct uint4 { unsigned int x, y, z, w; };
-struct int4 { int x, y, z, w; };
-struct uint2 { unsigned int x, y; };
-struct int2 { int x, y; };
-struct half {
-    _Float16 v;
-    half() = default;
-    half(float f) : v((_Float16)f) {}
-    operator float() const { return (float)v; }
-};
-inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> 8 * i) * (int)(signed char)(b >> 8 * i);
-    return c;
-}
-thread_local Dim3 threadIdx, blockIdx;
-thread_local int linear_tid;
-static std::barrier<>* warp_barrier[32];
-static std::barrier<>* block_barrier;
-static float shfl_buf[32][32];
-inline float __shfl_xor_sync(unsigned int, float v, int lane_mask, int) {
-    int w = linear_tid >> 5, l = linear_tid & 31;
-    warp_barrier[w]->arrive_and_wait();
-    shfl_buf[w][l] = v;
-    warp_barrier[w]->arrive_and_wait();
-    return shfl_buf[w][l ^ lane_mask];
-}
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-template <class F> static void launch(int grid, int bdx, int bdy, F body) {
-    int threads = bdx * bdy;
-    for (int b = 0; b < grid; ++b) {
-        std::vector<std::barrier<>*> wbs;
-        for (int w = 0; w < (threads + 31) / 32; ++w) wbs.push_back(warp_barrier[w] = new std::barrier<>(32));
-        block_barrier = new std::barrier<>(threads);
-        std::vector<std::thread> ts;
-        for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] {
-            threadIdx.x = t % bdx; threadIdx.y = t / bdx; blockIdx.x = b; linear_tid = t; body(); });
-        for (auto& th : ts) th.join();
-        for (auto* p : wbs) delete p;
-        delete block_barrier;
-    }
-}
-"""
 _ARG = {"x_ptr": "x", "wv_ptr": "w", "y_ptr": "y"}
 
 

@@ -131,9 +131,11 @@ def test_kernels_build_to_sm90_cubin(tmp_path, qtype):
 # ------------------------------------------------------------------------------------------------------------
 # The generated CUDA source on CPU threads
 # ------------------------------------------------------------------------------------------------------------
+# also the int8 and fp16 GEMV tests' harness (block barriers, __shared__ arrays as statics, __dp4a)
 HARNESS = r"""
 #include <algorithm>
 #include <barrier>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -146,16 +148,23 @@ using std::min; using std::max;
 #define __launch_bounds__(x)
 struct Dim3 { int x = 0, y = 0, z = 0; };
 struct uint4 { unsigned int x, y, z, w; };
+struct int4 { int x, y, z, w; };
 struct uint2 { unsigned int x, y; };
+struct int2 { int x, y; };
 struct half {
     _Float16 v;
     half() = default;
     half(float f) : v((_Float16)f) {}
     operator float() const { return (float)v; }
 };
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> 8 * i) * (int)(signed char)(b >> 8 * i);
+    return c;
+}
 thread_local Dim3 threadIdx, blockIdx;
 thread_local int linear_tid;
 static std::barrier<>* warp_barrier[32];
+static std::barrier<>* block_barrier;
 static float shfl_buf[32][32];
 inline float __shfl_xor_sync(unsigned int, float v, int lane_mask, int) {
     int w = linear_tid >> 5, l = linear_tid & 31;
@@ -164,16 +173,19 @@ inline float __shfl_xor_sync(unsigned int, float v, int lane_mask, int) {
     warp_barrier[w]->arrive_and_wait();
     return shfl_buf[w][l ^ lane_mask];
 }
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 template <class F> static void launch(int grid, int bdx, int bdy, F body) {
     int threads = bdx * bdy;
     for (int b = 0; b < grid; ++b) {
         std::vector<std::barrier<>*> wbs;
         for (int w = 0; w < (threads + 31) / 32; ++w) wbs.push_back(warp_barrier[w] = new std::barrier<>(32));
+        block_barrier = new std::barrier<>(threads);
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] {
             threadIdx.x = t % bdx; threadIdx.y = t / bdx; blockIdx.x = b; linear_tid = t; body(); });
         for (auto& th : ts) th.join();
         for (auto* p : wbs) delete p;
+        delete block_barrier;
     }
 }
 """
@@ -195,7 +207,7 @@ def _driver(source: str) -> str:
 
 
 def _emulate(tmp_path, source: str):
-    body = source[source.index('extern "C" __global__'):]
+    body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
     src = tmp_path / "kernels.cpp"
     src.write_text(HARNESS + body + _driver(body))
     lib = tmp_path / "kernels.so"
