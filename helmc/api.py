@@ -30,25 +30,35 @@ def plan(model_dir_or_config: str, hardware, prompt_len: int = 128, output_len: 
 
 def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
-          quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = ""):
+          quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = "",
+          sign_key: str | None = None):
     """model_dir: a Hugging Face model directory or a GGUF file. quant: "" (the checkpoint's weights as stored) or
     q8_0 | q4_0 | q4_k | q4_k_m (a Hugging Face checkpoint quantized once into the weights cache; q4_k_m is
     llama.cpp's mix: q6_k for the lm_head and, in some blocks, v and down).
     prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
-    bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only."""
+    bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only.
+    sign_key: a private key file (`helmc keygen`) to sign the bundle's manifest with; read before anything is built."""
     from helmc.compiler.pipeline import build as run_pipeline
+    signer = None
+    if sign_key is not None:
+        from helmc.runtime.bundle.signature import load_private_key
+        signer = load_private_key(sign_key)
     if not os.path.exists(model_dir):
         raise HelmcError(f"model: expected a Hugging Face model directory or a GGUF file, found nothing at {model_dir}")
     hw = _hardware(hardware).with_gpu_budget(gpu_budget_gib)
     return run_pipeline(model_dir, hw, out_dir, copy_weights=copy_weights, use_cache=use_cache, cache_dir=cache_dir,
                         prompt_len=prompt_len, output_len=output_len, quiet=quiet, stream_prefill=stream_prefill,
-                        prefill_activations=prefill_activations, quant=quant)
+                        prefill_activations=prefill_activations, quant=quant, signer=signer)
 
 
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-        weights_dir: str | None = None, on_text=None, quiet: bool = True, **kv_options):
+        weights_dir: str | None = None, on_text=None, quiet: bool = True, trusted_keys: tuple = (),
+        require_signed: bool = False, **kv_options):
+    """trusted_keys: signature.PublicKey of the keys whose signature is accepted (signature.trusted_keys(paths)
+    reads them, with HELMC_TRUSTED_KEYS); require_signed: refuse a bundle without such a signature."""
     from helmc.runtime.session import Session
-    session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, **kv_options)
+    session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
+                           require_signed=require_signed, **kv_options)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)

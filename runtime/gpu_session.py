@@ -85,7 +85,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import streamed_prefill_bytes
-    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, progress
     from helmc.runtime.stage import Stage
     from helmc.runtime.weights.bind import bind_head, bind_layers
 
@@ -96,8 +96,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     cpu_step = None
     cpu_stage = None
     if len(plan.cpu_layers):
-        lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
-        cpu_vm = VirtualMachine(lib, tvm.cpu())
+        cpu_vm = load_stage_library(bundle_dir, CPU_STAGE_LIB)
         pinned = None
         if plan.prefill_on_gpu:
             from helmc.runtime.prefill_stream import bind_pinned_layers

@@ -211,8 +211,14 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             n_tokens = len(field.data)
         if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 64:
             continue          # token lists and merges: read_gguf_tokenizer reads them when it needs them
-        metadata[key] = field_value(field)
-    if int(metadata.get("split.count", 1) or 1) > 1:
+        try:
+            metadata[key] = field_value(field)
+        except HelmcError as e:
+            raise HelmcError(f"{path}: {e}") from None
+    split = metadata.get("split.count", 1)
+    if isinstance(split, bool) or not isinstance(split, int):
+        raise HelmcError(f"{path}: split.count expected an integer, found {split!r:.40}")
+    if split > 1:
         raise HelmcError(f"{path}: expected one GGUF file, found part of a split of {metadata['split.count']}: "
                          "merge it first (llama.cpp's gguf-split --merge)")
     if not isinstance(arch := metadata.get("general.architecture"), str):

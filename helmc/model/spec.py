@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
-from helmc.jsonio import from_dict, load_json_file, to_dict
+from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -77,12 +77,28 @@ class ModelSpec:
     embed_type: str = ""
 
     def __post_init__(self):
-        if self.layer_types:
-            assert len(self.layer_types) == self.num_layers, "one type signature per block"
-            assert all(len(t) == len(LINEAR_NAMES) for t in self.layer_types), "one type per linear weight"
-            assert all(x in QUANT_BLOCKS or x == "" for t in self.layer_types for x in t), self.layer_types
-        assert self.head_type in QUANT_BLOCKS or self.head_type == "", self.head_type
-        assert self.embed_type in QUANT_BLOCKS or self.embed_type == "", self.embed_type
+        # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise HelmcError(f"model spec: {name} expected a positive integer, found {v!r}")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise HelmcError(f"model spec: num_heads ({self.num_heads}) expected a multiple of num_kv_heads "
+                             f"({self.num_kv_heads}) and head_dim ({self.head_dim}) even")
+        if self.dtype not in DTYPE_BYTES:
+            raise HelmcError(f"model spec: dtype expected one of {sorted(DTYPE_BYTES)}, found {self.dtype!r}")
+        if self.sliding_window < 0:
+            raise HelmcError(f"model spec: sliding_window expected >= 0, found {self.sliding_window}")
+        quant = set(QUANT_BLOCKS) | {""}
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(len(t) != len(LINEAR_NAMES) for t in self.layer_types)
+                                 or any(x not in quant for t in self.layer_types for x in t)):
+            raise HelmcError(f"model spec: layer_types expected {self.num_layers} lists of {len(LINEAR_NAMES)} types "
+                             f"from {sorted(quant)}, found {str(self.layer_types)[:80]}")
+        if self.head_type not in quant or self.embed_type not in quant:
+            raise HelmcError(f"model spec: head_type and embed_type expected one of {sorted(quant)}, found "
+                             f"{self.head_type!r}, {self.embed_type!r}")
 
     # ---- quantized weights ------------------------------------------------------------------
     @property
@@ -199,7 +215,7 @@ class ModelSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
-        return from_dict(cls, json.loads(text))
+        return from_dict(cls, parse_json(text, "model spec"), "model spec")
 
     # ---- reading a Hugging Face config.json ----------------------------------------------------
     @classmethod

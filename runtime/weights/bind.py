@@ -65,10 +65,11 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def tensor_to_device(view: np.ndarray, dtype: str, dev):
     """One checkpoint tensor onto a TVM device; bf16 arrives as uint16 raw bits."""
     import tvm.runtime
+    from helmc.runtime.memory.allocation import allocate
     if dtype == "bfloat16":
         from helmc.runtime.tvm_tensors import tensor_from_numpy
-        return tensor_from_numpy(view, "bfloat16", dev)
-    return tvm.runtime.tensor(np.ascontiguousarray(view), dev)
+        return allocate("weights", view.nbytes, lambda: tensor_from_numpy(view, "bfloat16", dev))
+    return allocate("weights", view.nbytes, lambda: tvm.runtime.tensor(np.ascontiguousarray(view), dev))
 
 
 def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,

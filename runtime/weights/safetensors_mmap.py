@@ -91,8 +91,11 @@ class SafetensorsFile:
         return np.frombuffer(self._map, dtype=np_dtype, count=count, offset=t.begin).reshape(t.shape)  # flat -> shape
 
     def close(self):
-        if self._map is not None:
-            self._map.close()
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass          # views handed out are still alive: the mapping goes with the last of them
         self._file.close()
 
 
