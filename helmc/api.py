@@ -31,12 +31,13 @@ def plan(model_dir_or_config: str, hardware, prompt_len: int = 128, output_len: 
 def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = "",
-          sign_key: str | None = None):
+          batch: int = 1, sign_key: str | None = None):
     """model_dir: a Hugging Face model directory or a GGUF file. quant: "" (the checkpoint's weights as stored) or
     q8_0 | q4_0 | q4_k | q4_k_m (a Hugging Face checkpoint quantized once into the weights cache; q4_k_m is
     llama.cpp's mix: q6_k for the lm_head and, in some blocks, v and down).
     prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
     bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only.
+    batch: sequences decoded at once (`helmc serve --max-batch`): the plan counts their KV and activations.
     sign_key: a private key file (`helmc keygen`) to sign the bundle's manifest with; read before anything is built."""
     from helmc.compiler.pipeline import build as run_pipeline
     signer = None
@@ -48,7 +49,7 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
     hw = _hardware(hardware).with_gpu_budget(gpu_budget_gib)
     return run_pipeline(model_dir, hw, out_dir, copy_weights=copy_weights, use_cache=use_cache, cache_dir=cache_dir,
                         prompt_len=prompt_len, output_len=output_len, quiet=quiet, stream_prefill=stream_prefill,
-                        prefill_activations=prefill_activations, quant=quant, signer=signer)
+                        prefill_activations=prefill_activations, quant=quant, batch=batch, signer=signer)
 
 
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,

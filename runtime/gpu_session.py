@@ -29,9 +29,88 @@ def kv_pool_bytes(plan_pool_bytes: int, loan_bytes: int, free_bytes: int, page_b
     return pool
 
 
+class DecodeGraph:
+    """The GPU share of a decode step (the GPU stage's blocks and the head) captured once as a CUDA graph and
+    replayed per token: one launch instead of ~20 launches and two Relax VM calls per block from Python.
+
+    The step's inputs go into static buffers first (hidden state, cos, sin here; the token count and the
+    page address tables by KVCacheGPU.begin_step); the logits come out where the capture's head wrote them.
+    A graph bakes in page addresses, so KVCacheGPU.graph_key() names what it depends on: a key seen for the
+    first time runs eagerly once (which also warms TVM's and CuPy's allocators), the second capture and
+    replay, and a step that cannot replay (a page on the host, a sliding window) runs eagerly. CuPy captures
+    the stream; TVM launches on it through tvm_ffi's environment stream; the capture's CuPy temporaries come
+    from a pool of the graph's own, so no other work is ever given memory the graph writes.
+    Eager and replayed steps run the same kernels on the same buffers: tokens do not depend on which ran."""
+
+    def __init__(self, stage, head_fns, head_weights, spec, stream, to_tvm, to_cupy):
+        import cupy as cp
+        self.cp, self.stage, self.head_fns, self.head_weights, self.stream = cp, stage, head_fns, head_weights, stream
+        self.to_cupy = to_cupy
+        self.x = cp.empty((1, spec.hidden_size), cp.float16)
+        self.cos = cp.empty((1, spec.head_dim), cp.float32)
+        self.sin = cp.empty((1, spec.head_dim), cp.float32)
+        self.attn = cp.empty((1, spec.q_dim), cp.float16)
+        self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]   # made once, outside captures
+        self.graph = self.pool = self.key = self.seen = self.logits = None
+        self.disabled = ""                     # why graphs are off in this session ("" while they are on)
+        self.replays = self.captures = self.eager_steps = 0
+
+    def _body(self):
+        x, cos, sin, attn = self.views
+        x = self.stage.run_blocks(x, cos, sin, "decode", attn_out=(self.attn, attn))
+        return self.head_fns["decode"](x, *self.head_weights)
+
+    def step(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [1, H], cos/sin [1, D] on the host -> logits [1, V] float32 on the host."""
+        cp, kv = self.cp, self.stage.kv
+        self.x.set(np.ascontiguousarray(x, np.float16).reshape(self.x.shape))
+        self.cos.set(np.ascontiguousarray(cos, np.float32).reshape(self.cos.shape))
+        self.sin.set(np.ascontiguousarray(sin, np.float32).reshape(self.sin.shape))
+        kv.begin_step(1)
+        key = None if self.disabled else kv.graph_key()
+        if key is not None and key == self.key:
+            kv.mark_replayed()
+            self.graph.launch(self.stream)
+            self.replays += 1
+        elif key is not None and key == self.seen and self._capture(key):
+            self.graph.launch(self.stream)
+        else:
+            self.seen = key
+            self.eager_steps += 1
+            logits = self.to_cupy(self._body())
+            kv.advance(1)
+            return cp.asnumpy(logits)
+        kv.advance(1)
+        return cp.asnumpy(self.logits)
+
+    def _capture(self, key) -> bool:
+        """Capture this step's work (not run yet: the caller launches the graph). False, with graphs off for
+        the session and the step's appends forgotten, if the stream cannot be captured."""
+        cp = self.cp
+        self.graph = self.logits = None                 # the old graph goes before its memory pool
+        pool = cp.cuda.MemoryPool()
+        try:
+            with cp.cuda.using_allocator(pool.malloc):
+                self.stream.begin_capture()
+                try:
+                    logits = self._body()
+                finally:
+                    graph = self.stream.end_capture()
+        except Exception as e:   # a capture that fails enqueued nothing: the step reruns eagerly
+            import warnings
+            self.disabled = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture of the decode step failed, decoding without graphs: {self.disabled}")
+            self.stage.kv.forget_appends()
+            return False
+        self.graph, self.pool, self.key, self._logits_tensor = graph, pool, key, logits
+        self.logits = self.to_cupy(logits)
+        self.captures += 1
+        return True
+
+
 class GpuParts:
     def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step,
-                 streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0):
+                 streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0, decode_graph=None, stream=None):
         self.stage = stage                      # Stage over the GPU layers, or None
         self.head_fns = head_fns
         self.head_weights = head_weights
@@ -42,12 +121,23 @@ class GpuParts:
         self.streamed_prefill = streamed_prefill  # CPU blocks' prefill on the GPU (plan.prefill_on_gpu), or None
         self.cpu_kv = cpu_kv
         self.chunk = prefill_chunk_tokens       # the GPU stage runs a prompt this many tokens at a time (0: whole)
+        self.decode_graph = decode_graph        # DecodeGraph, or None (no GPU blocks, or graphs turned off)
+        self.stream = stream                    # every kernel and copy of a step, TVM's and CuPy's, goes here
 
     def reset(self):
         if self.stage is not None:
             self.stage.kv.reset()
 
     def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
+        from helmc.runtime.cuda_runtime import tvm_stream
+        with self.stream, tvm_stream(self.stream):
+            if phase == "decode" and self.decode_graph is not None and not all_logits:
+                if self.cpu_stage_step is not None:
+                    x = self.cpu_stage_step(x, cos, sin, phase)    # [1, H] float32 on the host
+                return self.decode_graph.step(x, cos, sin)
+            return self._forward(x, cos, sin, phase, all_logits)
+
+    def _forward(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
         """x [S, H], cos/sin [S, D] on the host. A prompt stays on the host and crosses in chunks, so
         VRAM holds one chunk's activations whatever the prompt's length (the plan counts one chunk)."""
         import cupy as cp
@@ -74,6 +164,33 @@ class GpuParts:
             phase = "decode"
         logits = self.head_fns[phase](to_tvm(cp.ascontiguousarray(xg)), *self.head_weights)
         return cp.asnumpy(self.tvm_to_cupy(logits))               # [S or 1, V] float32 back to the host
+
+    def forward_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
+                      rows: list[int]) -> np.ndarray:
+        """Several sequences in one step (runtime/serve/batch_model.py): x [S, H], cos/sin [S, D] on the host,
+        sequence b owns the next rows[b] rows and the caches cpu_caches[b] / gpu_caches[b]. Both stages run
+        Stage.forward_batch; one crossing for all rows; the head on each sequence's last row. Logits [B, V]."""
+        from helmc.runtime.cuda_runtime import tvm_stream
+        with self.stream, tvm_stream(self.stream):
+            return self._forward_batch(x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows)
+
+    def _forward_batch(self, x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows):
+        import cupy as cp
+        import tvm.runtime
+        if cpu_stage is not None and len(cpu_stage.bindings):
+            dev = tvm.cpu()
+            x = cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                        tvm.runtime.tensor(sin, dev), cpu_caches, rows).numpy()   # [S, H] float32
+        to_tvm = self.cupy_to_tvm
+        xg = cp.asarray(np.ascontiguousarray(x, self.act_dtype))                 # the host-to-device crossing
+        if self.stage is not None:
+            xg = self.tvm_to_cupy(self.stage.forward_batch(to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos))),
+                                                           to_tvm(cp.asarray(np.ascontiguousarray(sin))), gpu_caches, rows))
+        last = np.cumsum(rows) - 1
+        if xg.shape[0] != len(rows):
+            xg = cp.ascontiguousarray(xg[cp.asarray(last)])                     # [S, H] -> [B, H]: last rows sample
+        logits = self.head_fns["decode" if len(rows) == 1 else "prefill"](to_tvm(xg), *self.head_weights)
+        return cp.asnumpy(self.tvm_to_cupy(logits))                              # [B, V] float32 back to the host
 
 
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
@@ -144,7 +261,10 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         from helmc.runtime.prefill_stream import StreamedPrefill
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None)
+    stream = cp.cuda.Stream(non_blocking=True)
+    graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
+             if stage is not None and kv_options.get("cuda_graph", True) else None)
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
-                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens)
+                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens, graph, stream)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
     return session

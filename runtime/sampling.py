@@ -1,4 +1,11 @@
-"""Next-token choice from one row of logits: greedy, or temperature with top-k / top-p."""
+"""Next-token choice from one row of logits, and when a request stops.
+
+SamplingParams are per request (the server takes them from an OpenAI request body): greedy or temperature
+sampling with top-k / top-p / min-p, penalties on tokens already seen, a seed, max_tokens and stop strings.
+A Sampler keeps the request's own random generator and token counts, so a request samples the same
+tokens whether it runs alone or beside others in a batch. StopText turns the token stream into text deltas,
+holding back what could still become a stop string.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,26 +21,53 @@ class SamplingParams:
     top_k: int = 0             # 0: no cut
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0         # drop tokens below min_p * the top token's probability
+    presence_penalty: float = 0.0     # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0    # OpenAI's: minus this times how often it was generated
+    repetition_penalty: float = 1.0   # transformers': logits of prompt and generated tokens divided (or times) by it
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False   # run to max_tokens whatever the model says (benchmarks; vLLM's option)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise HelmcError(f"--temperature expected >= 0, found {self.temperature}")
-        if self.top_k < 0:
-            raise HelmcError(f"--top-k expected >= 0, found {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise HelmcError(f"--top-p expected in (0, 1], found {self.top_p}")
+        checks = (("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+                  ("max_tokens", self.max_tokens >= 1, ">= 1"))
+        for name, ok, want in checks:
+            if not ok:
+                raise HelmcError(f"{name} expected {want}, found {getattr(self, name)}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise HelmcError(f"stop expected non-empty strings, found {self.stop!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """One request's sampler: call it with each step's logits row; it remembers what it chose."""
+
+    def __init__(self, params: SamplingParams, prompt_ids=()):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.counts: dict[int, int] = {}
+        self.prompt = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else set()
 
     def __call__(self, logits: np.ndarray) -> int:
+        tok = self._choose(logits)
+        self.counts[tok] = self.counts.get(tok, 0) + 1
+        return tok
+
+    def _choose(self, logits: np.ndarray) -> int:
         p = self.params
+        if p.penalized:
+            logits = self._penalize(np.array(logits, dtype=np.float64))
         if p.temperature == 0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature
+        z = np.asarray(logits, dtype=np.float64) / p.temperature
         if p.top_k and p.top_k < z.size:
             kth = np.partition(z, -p.top_k)[-p.top_k]
             z = np.where(z < kth, -np.inf, z)
@@ -47,4 +81,60 @@ class Sampler:
             mask = np.zeros_like(probs)
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
+        if p.min_p > 0:
+            probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+            probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+    def _penalize(self, z: np.ndarray) -> np.ndarray:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            seen = np.fromiter(self.prompt | set(self.counts), dtype=np.int64)
+            if seen.size:
+                z[seen] = np.where(z[seen] > 0, z[seen] / p.repetition_penalty, z[seen] * p.repetition_penalty)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts, dtype=np.int64)
+            n = np.fromiter(self.counts.values(), dtype=np.float64)
+            z[ids] -= p.frequency_penalty * n + p.presence_penalty
+        return z
+
+
+class StopText:
+    """Text of a growing token list, released in deltas: a delta never ends inside a multi-byte character
+    (the tokenizer's U+FFFD) nor in what could still be the start of a stop string; `stopped` once a stop
+    string appears, the text cut before it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""          # released so far
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The delta released by one more token ("" if nothing can be released yet)."""
+        self.ids.append(int(token))
+        if self.tokenizer is None or self.stopped:
+            return ""
+        full = self.tokenizer.decode(self.ids)
+        cuts = [c for s in self.stop if (c := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+        if cuts:                                  # the earliest stop string wins
+            full, self.stopped = full[:min(cuts)], True
+        if not self.stopped:
+            if full.endswith("\ufffd"):
+                return ""
+            hold = max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if full.endswith(s[:n])), default=0)
+            full = full[:len(full) - hold]
+        return self._release(full)
+
+    def flush(self) -> str:
+        """At the end of a request: whatever was held back (a partial stop string is text after all)."""
+        if self.tokenizer is None or self.stopped:
+            return ""
+        return self._release(self.tokenizer.decode(self.ids))
+
+    def _release(self, full: str) -> str:
+        if not full.startswith(self.text) or len(full) <= len(self.text):
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta

@@ -53,13 +53,56 @@ class Stage:
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
+        x = self.run_blocks(x, cos, sin, phase)
+        self.kv.advance(x.shape[0])
+        return x
+
+    def run_blocks(self, x, cos, sin, phase: str, attn_out=None):
+        """The blocks of forward() without committing the KV step. attn_out: (array, the same memory as a
+        device tensor [1, h_a*D]) that decode attention writes into, so a captured step converts no array."""
         S = x.shape[0]
         for local, binding in enumerate(self.bindings):
             j = self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             self.kv.append(local, self.to_array(k), self.to_array(v))
-            o = self.kv.attend(local, self.to_array(q), self.scale)          # [S, h_a, D]
-            attn = self.from_array(o.reshape(S, self.spec.q_dim))            # [S, h_a, D] -> [S, h_a*D]
+            if attn_out is not None:
+                self.kv.attend(local, self.to_array(q), self.scale, out=attn_out[0])
+                attn = attn_out[1]
+            else:
+                o = self.kv.attend(local, self.to_array(q), self.scale)      # [S, h_a, D]
+                attn = self.from_array(o.reshape(S, self.spec.q_dim))        # [S, h_a, D] -> [S, h_a*D]
             x = self._post[(phase, j)](x, attn, *binding.post)
-        self.kv.advance(S)
         return x
+
+    def forward_batch(self, x, cos, sin, caches: list, rows: list[int]):
+        """Several sequences in one step: x [sum(rows), H], cos/sin [sum(rows), D] (each row at its own sequence's
+        position); sequence b owns the next rows[b] rows and its own KV cache caches[b]. The compiled functions are
+        position-wise, so one call per block serves every row (each weight read once per step for all sequences)
+        and only attention runs per sequence, on its own cache. rows of 1 each: a batched decode step."""
+        S = x.shape[0]
+        assert len(caches) == len(rows) and sum(rows) == S, (len(caches), rows, S)
+        phase = "decode" if S == 1 else "prefill"          # the prefill variants take any number of rows
+        starts = [sum(rows[:b]) for b in range(len(rows))]
+        for local, binding in enumerate(self.bindings):
+            j = self._signature[local]
+            q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
+            q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
+            outs = []
+            for kv, a, n in zip(caches, starts, rows):
+                kv.append(local, k[a:a + n], v[a:a + n])
+                outs.append(kv.attend(local, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
+            o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]
+            x = self._post[(phase, j)](x, self.from_array(o), *binding.post)
+        for kv, n in zip(caches, rows):
+            kv.advance(n)
+        return x
+
+
+def _array_module(a):
+    """NumPy for host arrays, CuPy for device ones (imported only when a GPU stage hands us its arrays)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+        return cupy
+    import numpy
+    return numpy
+

@@ -108,11 +108,11 @@ def rss_bytes() -> dict:
 
 
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
-                calibrated=None) -> dict:
+                calibrated=None, cuda_graph: bool = True) -> dict:
     from helmc.runtime.session import Session
 
     t = time.perf_counter()
-    s = Session.load(bundle, weights_dir=model)
+    s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph)
     load_s = time.perf_counter() - t
     plan = s.plan
     log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
@@ -124,6 +124,12 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                      "per_token_ms": list(r.per_token_ms)})
         log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
     out = summarize(runs)
+    graph = getattr(s.gpu, "decode_graph", None)
+    out["cuda_graph"] = graph is not None and not graph.disabled
+    if graph is not None:
+        out["cuda_graph_steps"] = {"replays": graph.replays, "captures": graph.captures, "eager": graph.eager_steps,
+                                   "disabled": graph.disabled}
+        log(f"  CUDA graph: {out['cuda_graph_steps']}")
     out["rss_after_requests"] = rss = rss_bytes()
     log(f"  resident: anonymous {rss.get('RssAnon', 0) / 2**30:.2f} GiB, file-backed (mmapped weights) "
         f"{rss.get('RssFile', 0) / 2**30:.2f} GiB; weights as stored {(plan.cpu_weight_bytes + plan.gpu_weight_bytes) / 2**30:.2f} GiB")
@@ -274,7 +280,11 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
     ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
+    ap.add_argument("--llama-gguf", default=None,
+                    help="the GGUF file llama-bench runs (default --model; for an HF --model, the same shapes as GGUF)")
     ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
@@ -308,12 +318,21 @@ def main(argv=None) -> int:
     for bundle in a.bundle:
         report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated))
         save()
+        if a.eager_too and report["helmc"][-1].get("cuda_graph"):
+            eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False)
+            graphed = report["helmc"][-1]
+            graphed["tokens_equal_without_graph"] = eager["tokens_first_request"] == graphed["tokens_first_request"]
+            graphed["speedup_over_no_graph"] = graphed["decode_tok_s_p50"] / eager["decode_tok_s_p50"]
+            log(f"  without CUDA graphs: {eager['decode_tok_s_p50']:.2f} tok/s; graph speedup "
+                f"{graphed['speedup_over_no_graph']:.2f}x, same tokens: {graphed['tokens_equal_without_graph']}")
+            report["helmc"].append(eager)
+            save()
     if a.llama_bench:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from llamacpp_peer import llama_bench
         report["llamacpp"] = []
         for ngl in (int(n) for n in a.llama_ngl.split(",")):
-            r = llama_bench(a.llama_bench, a.model, ngl, a.prompt_len, a.new_tokens, threads=a.threads)
+            r = llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, threads=a.threads)
             vram = f", peak VRAM {r['peak_vram_gib']:.2f} GiB" if r.get("peak_vram_gib") is not None else ""
             log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s{vram}")
             report["llamacpp"].append(r)
@@ -338,7 +357,8 @@ def main(argv=None) -> int:
     for h in report["helmc"]:
         cal = (f"{h['t_plan_calibrated_ms']:.1f} | {h['measured_over_plan_calibrated']:.3f}"
                if "t_plan_calibrated_ms" in h else "- | -")
-        print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
+        graph = "" if h.get("cuda_graph", True) else " (no graph)"
+        print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))}{graph} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
               f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
     for r in report.get("llamacpp", []):
         vram = f" ({r['peak_vram_gib']:.2f} GiB VRAM)" if r.get("peak_vram_gib") is not None else ""
@@ -347,7 +367,7 @@ def main(argv=None) -> int:
     for h in report["helmc"]:
         for k, v in h.items():
             if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp")):
-                print(f"helmc {h['plan']}: {k} = {v:.3f}")
+                print(f"helmc {h['plan']}{'' if h.get('cuda_graph', True) else ' (no graph)'}: {k} = {v:.3f}")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
         if key in report:
             r = report[key]

@@ -62,3 +62,32 @@ def _stop_sampling(sampler) -> int | None:
     sampler.terminate()
     values = [int(v) for v in sampler.communicate()[0].split() if v.isdigit()]
     return max(values) if values else None
+
+
+def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int,
+                        parallel: tuple[int, ...] = (1, 8), threads: int | None = None) -> dict:
+    """llama.cpp's `llama-batched-bench -npp P -ntg T -npl 1,8`: P-token prompts (not shared) and T new tokens for
+    each of B sequences decoded together. Returns per B its S_TG (all sequences' generated tokens per second of
+    generation) and S_PP, parsed from the table it prints (columns PP TG B N_KV T_PP S_PP T_TG S_TG T S)."""
+    if not os.path.isfile(binary):
+        raise FileNotFoundError(f"llama-batched-bench: expected the binary at {binary} (../shared/peers/build_llamacpp.sh)")
+    ctx = max(parallel) * (prompt_len + new_tokens)
+    cmd = [binary, "-m", gguf, "-npp", str(prompt_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, parallel)),
+           "-ngl", str(ngl), "-c", str(ctx)]
+    if threads:
+        cmd += ["-t", str(threads)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and all(c.replace(".", "", 1).isdigit() for c in cells):
+            pp, tg, b = (int(c) for c in cells[:3])
+            rows[b] = {"pp": pp, "tg": tg, "n_kv": int(cells[3]), "t_pp_s": float(cells[4]), "prompt_tok_s": float(cells[5]),
+                       "t_tg_s": float(cells[6]), "decode_tok_s": float(cells[7])}
+    missing = [b for b in parallel if b not in rows]
+    if missing:
+        raise RuntimeError(f"llama-batched-bench: expected a row for B in {parallel}, found none for {missing}:\n"
+                           f"{proc.stdout[-2000:]}")
+    return {"system": "llama.cpp llama-batched-bench", "ngl": ngl, "command": " ".join(cmd), "by_batch": rows}

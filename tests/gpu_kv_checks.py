@@ -29,18 +29,19 @@ def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages
     n_pages = -(-n_tokens // page_tokens)
     pool = rng.standard_normal((n_pages + 3, 2, h_kv, page_tokens, d)).astype(np.float16)
     slots = rng.permutation(n_pages + 3)[:n_pages]            # logical page i lives in slot slots[i]
-    q = (rng.standard_normal((h_kv * group, d)) * 2).astype(np.float32)
+    q = (rng.standard_normal((h_kv * group, d)) * 2).astype(np.float16)
     dpool = cp.asarray(pool)
     ptrs = cp.asarray(np.array([dpool.data.ptr + int(s) * pool[0].nbytes for s in slots], np.int64))
     n_splits = -(-n_pages // pages_per_split)
     rows = n_splits * h_kv * group
     pm, ps, po = cp.empty(rows, np.float32), cp.empty(rows, np.float32), cp.empty(rows * d, np.float32)
-    out = cp.empty((h_kv * group, d), np.float32)
+    out = cp.empty((h_kv * group, d), np.float16)
     scale = 1 / np.sqrt(d)
-    ops.decode_partial(cp.asarray(q), ptrs, page_tokens, 0, n_tokens, pages_per_split, 0, n_splits, h_kv, d, scale,
+    step = cp.asarray(np.array([n_tokens, 0], np.int32))
+    ops.decode_partial(cp.asarray(q), ptrs, page_tokens, step, pages_per_split * page_tokens, 0, n_splits, h_kv, d, scale,
                        pm, ps, po)
     ops.decode_merge(pm, ps, po, 0, n_splits, h_kv * group, d, group, out)
-    got = cp.asnumpy(out)
+    got = cp.asnumpy(out).astype(np.float64)                  # fp16 output: relative rounding up to 2^-11
     pages = []
     for i, s in enumerate(slots):
         n_i = min(page_tokens, n_tokens - i * page_tokens)

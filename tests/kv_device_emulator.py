@@ -86,7 +86,7 @@ class EmulatedOps:
 
     # buffers
     def _register(self, a: np.ndarray, kind: str) -> np.ndarray:
-        a.fill(np.nan)
+        a.fill(np.nan if a.dtype.kind == "f" else -1)   # poison: a read before a write shows
         self._buffers.append((a.ctypes.data, a.ctypes.data + a.nbytes, kind, a))
         return a
 
@@ -211,12 +211,35 @@ class EmulatedOps:
         buf = (ctypes.c_char * nbytes).from_address(addr)
         return np.frombuffer(buf, dtype=np.float16).reshape(shape)
 
-    def decode_partial(self, q, page_ptrs, page_tokens, t_begin, n_tokens, pages_per_split, split_base,
+    def write_step(self, step, values, stream):
+        self.access(stream, step, write=True)
+        np.ndarray.__setitem__(step, slice(None), np.asarray(values, np.int32))
+
+    def _step(self, step) -> tuple[int, int]:
+        self.access(self._compute, step, write=False)
+        return int(np.ndarray.__getitem__(step, 0)), int(np.ndarray.__getitem__(step, 1))
+
+    def decode_append(self, k, v, page_ptrs, page_tokens, num_kv_heads, head_dim, step):
+        self.kernel_launches += 1
+        pos = self._step(step)[0] - 1
+        page, row = divmod(pos, page_tokens)
+        addr = int(page_ptrs[page])
+        nbytes = 2 * num_kv_heads * page_tokens * head_dim * 2
+        assert self.kind_of(addr, nbytes) == "device", "the append kernel may only write device memory"
+        self._touch(self._compute, addr, addr + nbytes, write=True)
+        sl = np.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=np.float16).reshape(
+            2, num_kv_heads, page_tokens, head_dim)                       # [bytes] -> [2, h_kv, T, d]
+        sl[0, :, row] = np.asarray(k).reshape(num_kv_heads, head_dim)
+        sl[1, :, row] = np.asarray(v).reshape(num_kv_heads, head_dim)
+
+    def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,
                        n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):
         self.kernel_launches += 1
+        n_tokens, t_begin = self._step(step)
+        q = np.asarray(q, np.float32)
         h_a = q.shape[0]
         g = h_a // num_kv_heads
-        span = pages_per_split * page_tokens
+        span = split_tokens
         po = part_o.reshape(-1, h_a, head_dim)                             # [rows*d] -> [splits, h_a, d]
         pm = part_m.reshape(-1, h_a)
         ps = part_s.reshape(-1, h_a)

@@ -14,6 +14,7 @@ import traceback
 import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
+from helmc.cli.serve_chat import chat_command, serve_command
 from helmc.errors import HelmcError
 
 
@@ -88,17 +89,19 @@ def main(debug):
 @click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k", "q4_k_m"]), default=None,
               help="quantize a Hugging Face checkpoint's linear weights to this llama.cpp block format (once, into "
                    "the weights cache); a GGUF file keeps its own types")
+@click.option("--max-batch", type=int, default=1, show_default=True,
+              help="sequences `helmc serve` decodes at once: the plan counts their KV and activations")
 @click.option("--sign", "sign_key", default=None, type=click.Path(),
               help="sign the bundle's manifest with this private key (from `helmc keygen`)")
 def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
-              prefill_activations, quant, sign_key):
+              prefill_activations, quant, max_batch, sign_key):
     """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
     (hardware.json) into a bundle."""
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
-                  prefill_activations=prefill_activations, quant=quant or "", sign_key=sign_key)
+                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, sign_key=sign_key)
     click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
@@ -182,6 +185,8 @@ def keygen_cmd(key_file):
 
 main.add_command(profile_command, "profile")
 main.add_command(plan_command, "plan")
+main.add_command(serve_command, "serve")
+main.add_command(chat_command, "chat")
 
 if __name__ == "__main__":
     main()

@@ -56,9 +56,9 @@ def read_config(model_dir: str) -> tuple[ModelSpec, str]:
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
-                stream_prefill: bool = True) -> Plan:
+                stream_prefill: bool = True, batch: int = 1) -> Plan:
     from helmc.planner.search_partition import plan as search
-    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill)
+    return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill, batch=batch)
 
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
@@ -88,7 +88,7 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
-          prefill_activations: str = "model", quant: str = "", signer=None) -> BuildResult:
+          prefill_activations: str = "model", quant: str = "", batch: int = 1, signer=None) -> BuildResult:
     """signer: an ed25519 private key (signature.load_private_key) to sign the manifest with, or None."""
     progress = Progress(quiet)
     from helmc.compiler.passes.lower_linear import check_prefill_activations
@@ -101,7 +101,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
-    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill)
+    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill, batch)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
     need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu
@@ -156,7 +156,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                     libraries.append((n, os.path.join(hits["gpu"], n)))
         write_bundle(BundleInputs(
             out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, weights=source.weights,
-            tokenizer_dir=source.tokenizer_dir, tokenizer_json=source.tokenizer_json,
+            tokenizer_dir=source.tokenizer_dir, tokenizer_json=source.tokenizer_json, chat_template=source.chat_template,
             model_config_sha256=config_sha, libraries=tuple(libraries),
             target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
             cpu_features_required=cpu_required, llvm_target=llvm_desc,

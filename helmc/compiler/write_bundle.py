@@ -48,10 +48,12 @@ class BundleInputs:
     prefill_activations: str = ""               # lower_linear.PREFILL_ACTIVATIONS; "" without a CPU stage
     tokenizer_dir: str = ""                     # copy TOKENIZER_FILES from here
     tokenizer_json: str = ""                    # or write this tokenizer.json (read from a GGUF file)
+    chat_template: str = ""                     # a GGUF's tokenizer.chat_template, written as chat_template.jinja
     signer: object = None                       # an ed25519 private key: write manifest.sig
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 
 
 FAULT_ENV = "HELMC_FAULT_BUILD"
@@ -100,6 +102,9 @@ def _write_bundle(b: BundleInputs, out: str):
         if b.tokenizer_json and not b.tokenizer_dir:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(b.tokenizer_json)
+        if b.chat_template and not os.path.exists(os.path.join(tmp, "chat_template.jinja")):
+            with open(os.path.join(tmp, "chat_template.jinja"), "w") as f:
+                f.write(b.chat_template)
         for name, text in (("model_spec.json", b.spec.to_json()), ("plan.json", b.plan.to_json()),
                            ("hardware.json", b.hardware.to_json())):
             with open(os.path.join(tmp, name), "w") as f:

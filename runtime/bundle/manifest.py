@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, parse_json, to_dict
 
-BUNDLE_FORMAT_VERSION = 2              # 2: the paged attention kernels are a prebuilt cubin in the bundle
+BUNDLE_FORMAT_VERSION = 4              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens
 MANIFEST_NAME = "manifest.json"
 
 

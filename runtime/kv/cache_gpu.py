@@ -20,6 +20,10 @@ Loan: while the pool holds no page (a new request), lend_empty_pool hands its VR
 prefill of the CPU blocks (prefill_stream.py), which finishes before the first append. Invariant:
 the store holds at least `loan_bytes` whenever its VRAM does, even beyond its whole slots (a loan
 that is not whole pages, a short max_tokens): the plan counts the loan as the pool's floor.
+Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append
+with one kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a
+host value that changes within a page table, so the whole step can be captured once as a CUDA graph and
+replayed while graph_key() stays the same (runtime/gpu_session.DecodeGraph).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -98,6 +102,7 @@ class KVCacheGPU:
         self._ptr_tables: dict[int, object] = {}
         self._parts = None
         self._ring_used: int | None = None
+        self._step_dev = ops.device_empty((2,), np.int32)                 # [n_tokens, t_begin] of a decode step
         self._table_key = None
         self._table_cache = None
         self.num_sms = getattr(ops, "num_sms", 132)
@@ -154,24 +159,69 @@ class KVCacheGPU:
         return flat[:nbytes]
 
     # ------------------------------------------------------------------ one step
+    def begin_step(self, S: int) -> None:
+        """Reserve the pages of this step's S rows (the first append does it if the caller did not). A
+        decode step (S = 1) also writes [n_tokens, t_begin] to the device for the kernels and uploads every
+        layer's page address table, so the layers' work needs no host value (graph_key)."""
+        if self._pending:
+            raise HelmcError(f"KVCacheGPU.begin_step: a step of {self._pending} rows is open; advance() it first")
+        if S < 1:
+            raise HelmcError("KVCacheGPU.append: expected at least one row, found 0")
+        if self.length + S > self.max_tokens:
+            raise HelmcError(f"KV cache (GPU layers): {self.length + S} tokens needed, room for {self.max_tokens}")
+        self._complete_evictions(block=False)
+        self._make_room(self.pool.gpu_slots_needed(self._seq, S))
+        self.pool.reserve(self._seq, S)
+        self._pending = S
+        if S == 1:
+            n = self.length + 1
+            t_begin = max(0, n - self.window) if self.window else 0
+            self.ops.write_step(self._step_dev, np.array([n, t_begin], np.int32), self.ops.current_stream())
+            table = self._table()
+            stage_of = self._split_plan(table)[4]
+            for layer in range(self.L):
+                self._page_ptrs(layer, table, stage_of)
+
+    def graph_key(self):
+        """In an open decode step: what a captured step baked in (page addresses, split plan), or None when
+        the step cannot replay a graph (a page on the host: its staging copies are chosen per step; a
+        sliding window: its first split moves)."""
+        if self._pending != 1 or self.window:
+            return None
+        table = self._table()
+        if not all(table.on_device(i) for i in range(table.n_pages)):
+            return None
+        return (self.pool.version, table.n_pages, self._plan_key)
+
+    def forget_appends(self) -> None:
+        """The appends of the open step were never run (a failed capture): keep its reservation, redo them."""
+        self._appended.clear()
+        self._pending_kv.clear()
+
+    def mark_replayed(self) -> None:
+        """A replayed graph appended every layer's row of this decode step."""
+        assert self._pending == 1 and not self._appended, "mark_replayed: expected an open decode step, untouched"
+        self._appended = set(range(self.L))
+
     def append(self, layer: int, k, v) -> None:
         """Write this step's K, V rows [S, h_kv, d] of `layer` into their pages (GPU slot, or straight to
         a host page for the older pages of a long prompt)."""
         xp = self.xp
         self._check_layer(layer, "append")
         S = k.shape[0]
-        if S < 1:
-            raise HelmcError("KVCacheGPU.append: expected at least one row, found 0")
         if self._pending == 0:
-            if self.length + S > self.max_tokens:
-                raise HelmcError(f"KV cache (GPU layers): {self.length + S} tokens needed, room for {self.max_tokens}")
-            self._complete_evictions(block=False)
-            self._make_room(self.pool.gpu_slots_needed(self._seq, S))
-            self.pool.reserve(self._seq, S)
-            self._pending = S
+            self.begin_step(S)
         elif S != self._pending or layer in self._appended:
             raise HelmcError(f"KVCacheGPU.append: layer {layer} expected {self._pending} new rows once per step, "
                              f"found {S}{' (second append)' if layer in self._appended else ''}")
+        if S == 1:   # decode: the new row's page is on the GPU (reserve puts the newest pages there)
+            table = self._table()
+            ptrs = self._page_ptrs(layer, table, self._split_plan(table)[4])
+            k16 = xp.ascontiguousarray(k.reshape(self.h_kv, self.d), dtype=np.float16)   # [1, h_kv*d] -> [h_kv, d]
+            v16 = xp.ascontiguousarray(v.reshape(self.h_kv, self.d), dtype=np.float16)
+            self.ops.decode_append(k16, v16, ptrs, self.T, self.h_kv, self.d, self._step_dev)
+            self._appended.add(layer)
+            return
         kv = xp.stack((k.reshape(S, self.h_kv, self.d), v.reshape(S, self.h_kv, self.d)))   # [2, S, h_kv, d]
         kv = kv.transpose(0, 2, 1, 3).astype(np.float16, order="C")                        # [2,S,h_kv,d] -> [2,h_kv,S,d]
         T, start = self.T, self.length
@@ -192,9 +242,9 @@ class KVCacheGPU:
             self._pending_kv[layer] = kv
         self._appended.add(layer)
 
-    def attend(self, layer: int, q, scale: float):
+    def attend(self, layer: int, q, scale: float, out=None):
         """Causal attention of this step's S query rows [S, h_a, d] over every cached token of `layer`;
-        returns [S, h_a, d] in q's dtype."""
+        returns [S, h_a, d] in q's dtype. A decode step writes into `out` (fp16, h_a*d elements) if given."""
         self._check_layer(layer, "attend")
         if layer not in self._appended:
             raise HelmcError(f"KVCacheGPU.attend: layer {layer} has not appended this step's rows")
@@ -203,7 +253,7 @@ class KVCacheGPU:
             raise HelmcError(f"KVCacheGPU.attend: expected {self._pending} query rows, found {S}")
         q = q.reshape(S, -1, self.d)                                      # [S, h_a*d] -> [S, h_a, d]
         if S == 1:
-            return self._decode(layer, q, scale)
+            return self._decode(layer, q, scale, out)
         return self._prefill(layer, q, scale)
 
     def advance(self, S: int) -> None:
@@ -260,26 +310,39 @@ class KVCacheGPU:
 
     # ------------------------------------------------------------------ decode
     def _split_plan(self, table):
-        """Pages per split, splits, and for host pages their staging slot; cached per page layout."""
-        n_pages = table.n_pages
+        """Tokens per split, splits, which splits read a host page, the staging chunks and each host page's
+        staging slot; cached per page layout. Splits are p whole pages, or at short contexts (fewer pages
+        than ~4 blocks per SM need) 1/c of a page (c a power of two, >= 32 tokens), so a short sequence
+        still spreads over the SMs. Both depend on the page count alone: offload never changes a split."""
+        n_pages, T = table.n_pages, self.T
         target = max(1, 4 * self.num_sms // self.h_kv)
         p = max(1, min(-(-n_pages // target), self.staging_pages // 2))
-        key = (self.pool.version, n_pages, p)
+        cut = 1
+        while p == 1 and 2 * cut * n_pages <= target and T % (2 * cut) == 0 and T // (2 * cut) >= 32:
+            cut *= 2
+        key = (self.pool.version, n_pages, p, cut)
         if key != self._plan_key:
-            n_splits = -(-n_pages // p)
-            host_split = [any(not table.on_device(i) for i in range(sp * p, min(n_pages, (sp + 1) * p)))
-                          for sp in range(n_splits)]
-            per_chunk = max(1, (self.staging_pages // 2) // p)
+            span = p * T // cut
+            n_splits = -(-n_pages * cut // p)
+
+            def pages_of(sp):
+                return range(sp * span // T, min(n_pages, -(-(sp + 1) * span // T)))
+
+            host_split = [any(not table.on_device(i) for i in pages_of(sp)) for sp in range(n_splits)]
             hosts = [sp for sp in range(n_splits) if host_split[sp]]
+            half = self.staging_pages // 2
+            # A chunk stages at most `half` pages, and every split reading one of them: whole pages per chunk.
+            host_pages = sorted({i for sp in hosts for i in pages_of(sp) if not table.on_device(i)})
             chunks, stage_of = [], {}
-            for c, c0 in enumerate(range(0, len(hosts), per_chunk)):
-                splits = hosts[c0:c0 + per_chunk]
-                pages = [i for sp in splits for i in range(sp * p, min(n_pages, (sp + 1) * p))
-                         if not table.on_device(i)]
+            groups = ([host_pages[c0:c0 + half] for c0 in range(0, len(host_pages), half)] if cut > 1 else
+                      [[i for sp in hosts[c0:c0 + max(1, half // p)] for i in pages_of(sp) if not table.on_device(i)]
+                       for c0 in range(0, len(hosts), max(1, half // p))])
+            for c, pages in enumerate(groups):
+                splits = [sp for sp in hosts if any(i in pages for i in pages_of(sp))]
                 for j, i in enumerate(pages):
-                    stage_of[i] = (c % 2) * (self.staging_pages // 2) + j
+                    stage_of[i] = (c % 2) * half + j
                 chunks.append((splits, pages))
-            self._plan = (p, n_splits, host_split, chunks, stage_of)
+            self._plan = (span, n_splits, host_split, chunks, stage_of)
             self._plan_key = key
             self._ptr_tables.clear()
         return self._plan
@@ -297,25 +360,24 @@ class KVCacheGPU:
             self._ptr_tables[layer] = self.ops.to_device(ptrs)
         return self._ptr_tables[layer]
 
-    def _decode(self, layer: int, q, scale: float):
+    def _decode(self, layer: int, q, scale: float, out=None):
         xp, ops = self.xp, self.ops
         h_a = q.shape[1]
         n = self.length + 1
         table = self._table()
-        p, n_splits, host_split, chunks, stage_of = self._split_plan(table)
+        span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
         ptrs = self._page_ptrs(layer, table, stage_of)
-        first = (max(0, n - self.window) // (p * self.T)) if self.window else 0
+        first = (max(0, n - self.window) // span) if self.window else 0
         if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
             rows = max(n_splits, 64) * h_a
             self._parts = (xp.empty(rows, np.float32), xp.empty(rows, np.float32),
                            xp.empty(rows * self.d, np.float32))
         pm, ps, po = self._parts
-        qf = xp.ascontiguousarray(q[0].astype(np.float32))               # [1, h_a, d] -> [h_a, d]
+        q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         compute = ops.current_stream()
-        t_begin = max(0, n - self.window) if self.window else 0
 
         def launch(s0, s1):
-            ops.decode_partial(qf, ptrs, self.T, t_begin, n, p, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
+            ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
 
         run = None
         for sp in range(first, n_splits + 1):                            # resident splits: no waiting
@@ -341,9 +403,10 @@ class KVCacheGPU:
             for i in pages:
                 self._slot_events[stage_of[i]] = used
                 self.pool.end_prefetch(stage_of[i])
-        out = xp.empty((h_a, self.d), np.float32)
-        ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, out)
-        return out.astype(q.dtype).reshape(1, h_a, self.d)                # [h_a, d] -> [1, h_a, d]
+        res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
+        ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
+        res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
+        return res if q.dtype == np.float16 else res.astype(q.dtype)
 
     def _stage(self, layer: int, table, pages, stage_of) -> None:
         """Copy `layer`'s slice of host pages into their staging slots on the copy stream, a run of

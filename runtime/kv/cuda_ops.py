@@ -16,7 +16,7 @@ from helmc.errors import HelmcError
 H2D, D2H, D2D = 1, 2, 3          # cudaMemcpyKind
 WARPS = 4                        # = schedules/gpu/paged_attention.WARPS, the block size the cubin was built for
 PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
-_KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge")
+_KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode")
 
 
 def bundle_cuda_ops(bundle_dir: str, head_dim: int, group: int) -> "CudaOps":
@@ -99,18 +99,32 @@ class CudaOps:
             self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES)
         return self._kernels[key]
 
-    def decode_partial(self, q, page_ptrs, page_tokens: int, t_begin: int, n_tokens: int, pages_per_split: int,
-                       split_base: int, n_splits: int, num_kv_heads: int, head_dim: int, scale: float,
-                       part_m, part_s, part_o) -> None:
+    def write_step(self, step, values: np.ndarray, stream) -> None:
+        """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
+        has read `values` when this returns, so the caller may reuse it at once)."""
+        values = np.ascontiguousarray(values, np.int32)
+        self.cp.cuda.runtime.memcpyAsync(step.data.ptr, values.ctypes.data, values.nbytes, H2D, stream.ptr)
+
+    def decode_partial(self, q, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
+                       n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o) -> None:
+        """q [h_a, d] fp16; step: device int32 [n_tokens, t_begin]."""
         group = q.shape[0] // num_kv_heads
-        partial, _ = self._functions(head_dim, group)
+        partial, _, _ = self._functions(head_dim, group)
         i32 = np.int32
         partial((num_kv_heads, n_splits), (WARPS * 32,),
-                (q, page_ptrs, i32(page_tokens), i32(t_begin), i32(n_tokens), i32(pages_per_split),
-                 i32(split_base), i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o))
+                (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(num_kv_heads),
+                 np.float32(scale), part_m, part_s, part_o))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:
-        _, merge = self._functions(head_dim, group)
+        """out [h_a, d] fp16."""
+        _, merge, _ = self._functions(head_dim, group)
         merge((num_heads,), (head_dim,),
               (part_m, part_s, part_o, np.int32(split_begin), np.int32(split_end), np.int32(num_heads), out))
+
+    def decode_append(self, k, v, page_ptrs, page_tokens: int, num_kv_heads: int, head_dim: int, step) -> None:
+        """k, v [h_kv, d] fp16 contiguous -> row step[0]-1 of their page (page_ptrs: this layer's slices).
+        The kernel does not depend on the query group: any cubin built for this head_dim has it."""
+        group = next((g for d, g in sorted(self._cubins) if d == head_dim), 0)
+        _, _, append = self._functions(head_dim, group)
+        append((num_kv_heads, 2), (head_dim,), (k, v, page_ptrs, np.int32(page_tokens), np.int32(num_kv_heads), step))

@@ -1,14 +1,18 @@
 """CUDA side of streaming paged attention: the decode kernels' source.
 
 Decode attention (one query row per head) over a page table, split-K over pages:
-  paged_decode_partial  grid (h_kv, splits): block (kv head j, split i) reads the tokens of pages
-                        [i*p, (i+1)*p) for the GROUP query heads sharing KV head j, with the online
+  paged_decode_partial  grid (h_kv, splits): block (kv head j, split i) reads tokens [i*span, (i+1)*span)
+                        (p whole pages, or 1/c of one page at short contexts) for the GROUP query heads sharing KV head j, with the online
                         softmax of eqs. 4.18-4.20 per warp, merges its 4 warps, and writes (m, s, o)
                         unnormalised. fp16 K/V, fp32 accumulation. Pages are found through a table
                         of addresses, so a resident page (pool slot) and a prefetched one (staging
                         slot) are read by the same code: the split a page falls in, not where it
                         lives, decides the arithmetic, and offload does not change a single bit.
-  paged_decode_merge    grid (h_a): combines splits [begin, end) into o = sum(a_i o_i) / sum(a_i s_i).
+  paged_decode_merge    grid (h_a): combines splits [begin, end) into o = sum(a_i o_i) / sum(a_i s_i), fp16.
+  paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
+The decode step's token count and window start are read from device memory (`step`: [n_tokens, t_begin]),
+not passed by value, so one captured CUDA graph of the whole decode step replays at every position of a
+page table (runtime/gpu_session.py); the host writes `step` once per step.
 
 Page layout per layer slice: [2 (K, V), h_kv, page_tokens, HEAD_DIM] fp16, rows contiguous.
 This module holds the source and its compile-time constants only: `helmc build` compiles it with nvcc for the
@@ -20,7 +24,7 @@ from __future__ import annotations
 from helmc.errors import HelmcError
 
 WARPS = 4                        # warps per block of paged_decode_partial; the source #defines the same
-KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge")
+KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode")
 
 DECODE_SOURCE = r"""
 // Compile with -DHEAD_DIM=<d> -DGROUP=<h_a / h_kv>.  HEAD_DIM must be a multiple of 32 and <= 256.
@@ -30,11 +34,17 @@ DECODE_SOURCE = r"""
 
 #ifdef HELMC_CPU_EMULATION          // tests/kernels/test_paged_attention_cuda_emulated.py runs this source on threads
 float h2f(unsigned short h);
+unsigned short f2h(float f);
 #else
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
 #endif
 
@@ -59,10 +69,10 @@ __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, f
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-paged_decode_partial(const float* __restrict__ q,               // [h_kv * GROUP, HEAD_DIM]
+paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP, HEAD_DIM] fp16
                      const long long* __restrict__ page_ptrs,   // [n_pages] address of each page's layer slice
-                     int page_tokens, int t_begin, int n_tokens, int pages_per_split, int split_base,
-                     int num_kv_heads, float scale,
+                     int page_tokens, const int* __restrict__ step,   // [n_tokens, t_begin]
+                     int split_tokens, int split_base, int num_kv_heads, float scale,
                      float* __restrict__ part_m,                // [splits, h_a]
                      float* __restrict__ part_s,                // [splits, h_a]
                      float* __restrict__ part_o)                // [splits, h_a, HEAD_DIM]
@@ -71,7 +81,8 @@ paged_decode_partial(const float* __restrict__ q,               // [h_kv * GROUP
     const int split = split_base + blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int num_heads = num_kv_heads * GROUP;
-    const int span = pages_per_split * page_tokens;
+    const int n_tokens = step[0], t_begin = step[1];
+    const int span = split_tokens;                      // whole pages, or a page cut in equal parts
     const int t_end = min(n_tokens, (split + 1) * span);
     const int t_start = max(split * span, t_begin);
 
@@ -82,7 +93,7 @@ paged_decode_partial(const float* __restrict__ q,               // [h_kv * GROUP
         s[g] = 0.f;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-            qr[g][i] = q[(kvh * GROUP + g) * HEAD_DIM + lane * VEC + i] * scale;
+            qr[g][i] = h2f(q[(kvh * GROUP + g) * HEAD_DIM + lane * VEC + i]) * scale;
             o[g][i] = 0.f;
         }
     }
@@ -147,7 +158,7 @@ paged_decode_partial(const float* __restrict__ q,               // [h_kv * GROUP
 extern "C" __global__ void
 paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ part_s,
                    const float* __restrict__ part_o, int split_begin, int split_end, int num_heads,
-                   float* __restrict__ out)                     // [h_a, HEAD_DIM]; grid h_a, block HEAD_DIM
+                   unsigned short* __restrict__ out)            // [h_a, HEAD_DIM] fp16; grid h_a, block HEAD_DIM
 {
     const int h = blockIdx.x, c = threadIdx.x;
     float M = NEG_INF;
@@ -162,7 +173,21 @@ paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ p
             O += a * part_o[row * HEAD_DIM + c];
         }
     }
-    out[h * HEAD_DIM + c] = O / S;
+    out[h * HEAD_DIM + c] = f2h(O / S);
+}
+
+// One decode step's K and V rows of one layer ([h_kv, HEAD_DIM] fp16 each) into row step[0]-1 of their page.
+extern "C" __global__ void
+paged_append_decode(const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
+                    const long long* __restrict__ page_ptrs, int page_tokens, int num_kv_heads,
+                    const int* __restrict__ step)               // grid (h_kv, 2), block HEAD_DIM
+{
+    const int pos = step[0] - 1;
+    const int page = pos / page_tokens, row = pos - page * page_tokens;
+    const int h = blockIdx.x, which = blockIdx.y, c = threadIdx.x;
+    const unsigned short* src = which == 0 ? k : v;
+    unsigned short* dst = reinterpret_cast<unsigned short*>(page_ptrs[page]);
+    dst[((long long)(which * num_kv_heads + h) * page_tokens + row) * HEAD_DIM + c] = src[h * HEAD_DIM + c];
 }
 """
 

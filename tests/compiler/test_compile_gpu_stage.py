@@ -208,7 +208,7 @@ def test_paged_attention_is_built_ahead_of_time(tmp_path):
     assert name == PAGED_ATTENTION_CUBIN and sorted(os.listdir(tmp_path)) == [PAGED_ATTENTION_CUBIN]
     cubin = (tmp_path / name).read_bytes()
     assert cubin[:4] == b"\x7fELF"
-    assert b"paged_decode_partial" in cubin and b"paged_decode_merge" in cubin
+    assert b"paged_decode_partial" in cubin and b"paged_decode_merge" in cubin and b"paged_append_decode" in cubin
     with pytest.raises(HelmcError, match="head_dim expected a multiple of 32 in 32..256, found 80"):
         compile_paged_attention(80, 4, "sm_90", str(tmp_path / "bad"))
     with pytest.raises(HelmcError, match="expected a CUDA arch"):

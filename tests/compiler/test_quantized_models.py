@@ -9,6 +9,7 @@ printed. References are recomputed from transformers on every run; nothing is st
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -93,11 +94,17 @@ def test_gguf_file_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
     from helmc.testing import make_tiny_model
     model_dir = str(tmp_path / "model")
     make_tiny_model(model_dir, "qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, **DIMS)
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": template}, f)
     path = quantize_checkpoint(model_dir, "q4_k", str(tmp_path / "gguf"))
     r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
     assert r.spec.layer_types[0] == ("q4_k",) * 7 and r.spec.head_type == "q4_k"
     s = Session.load(r.bundle_dir)
     assert s.tokenizer is not None and s.tokenizer.encode("helmc compiles").ids     # read from the GGUF file
+    with open(os.path.join(r.bundle_dir, "chat_template.jinja")) as f:              # the GGUF's template travels too
+        assert f.read() == template
+    assert "chat_template.jinja" in [f.path for f in s.manifest.files]
     compare(s, hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF q4_k")
 
 

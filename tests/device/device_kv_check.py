@@ -77,10 +77,12 @@ def kernel_time_us(cp, n_tokens: int, reps: int = 50) -> float:
     n_splits = -(-n_pages // p)
     pm, ps = cp.empty(n_splits * H_A, cp.float32), cp.empty(n_splits * H_A, cp.float32)
     po = cp.empty(n_splits * H_A * D, cp.float32)
-    q, out = cp.random.standard_normal((H_A, D), dtype=cp.float32), cp.empty((H_A, D), cp.float32)
+    q = cp.random.standard_normal((H_A, D), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((H_A, D), cp.float16)
+    step_dev = cp.asarray(np.array([n_tokens, 0], np.int32))
 
     def step():
-        ops.decode_partial(q, ptrs, T, 0, n_tokens, p, 0, n_splits, H_KV, D, 0.088, pm, ps, po)
+        ops.decode_partial(q, ptrs, T, step_dev, p * T, 0, n_splits, H_KV, D, 0.088, pm, ps, po)
         ops.decode_merge(pm, ps, po, 0, n_splits, H_A, D, H_A // H_KV, out)
     for _ in range(3):
         step()

@@ -1,0 +1,128 @@
+"""The model side of batched serving: a Session's stages with one KV cache per batch slot.
+
+Each slot has its own cache object per stage (KVCacheCPU for the CPU blocks, KVCacheGPU for the GPU
+blocks), made like the session's own, so a cache never holds two sequences and the caches' internals stay
+as they are. A step runs the compiled position-wise block functions once on the rows of every sequence in it
+(Stage.forward_batch: each weight read once per step for all of them) and attention per sequence on its own
+slot's cache; the head runs on the last row of each sequence.
+
+    m = BatchModel(session, max_batch=4)
+    logits = m.prefill(slot=2, ids=[...])          # [V]
+    logits = m.decode([0, 2], [tok0, tok2])        # [2, V]
+    m.free(2)                                      # the slot's pages back to its pool, at once
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from helmc.errors import HelmcError
+
+
+class BatchModel:
+    def __init__(self, session, max_batch: int, kv_watermark: float = 0.8):
+        if max_batch < 1:
+            raise HelmcError(f"--max-batch expected >= 1, found {max_batch}")
+        if max_batch > session.plan.batch:
+            raise HelmcError(f"--max-batch {max_batch}: the bundle's plan was made for at most {session.plan.batch} "
+                             f"sequences at once (build it with `helmc build ... --max-batch {max_batch}`)")
+        self.session, self.spec, self.max_batch = session, session.spec, max_batch
+        self.max_context = session.plan.max_context
+        stage = session.cpu_stage
+        self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
+        gstage = getattr(session.gpu, "stage", None)
+        if session.gpu is not None:
+            # Prompts run through Stage.forward_batch on each slot's caches; the streamed prefill works on the
+            # session's own CPU cache and borrows its GPU pool, so it goes (and its hold on that pool with it).
+            session.gpu.streamed_prefill = None
+        self.gpu_caches = _gpu_caches(gstage, max_batch, kv_watermark) if gstage is not None else None
+        self.page_tokens = (stage.kv.page_tokens if stage else gstage.kv.T)
+        # The GPU stage takes a prompt this many rows at a time (the plan counted one chunk of activations).
+        self.chunk = session.plan.prefill_chunk_tokens or (512 if session.gpu is not None else 0)
+        for slot in range(max_batch):          # slot 0 is the session's own cache: it may hold an earlier request
+            self.free(slot)
+
+    # ------------------------------------------------------------------ state
+    def length(self, slot: int) -> int:
+        caches = self.cpu_caches or self.gpu_caches
+        return caches[slot].length
+
+    def pages_in_use(self) -> int:
+        """KV pages the slot caches hold (0 when every request has finished)."""
+        n = 0
+        for caches in (self.cpu_caches or [], self.gpu_caches or []):
+            for kv in caches:
+                pool = kv.pool
+                n += pool.host_capacity - pool.host_free + pool.gpu_capacity - pool.gpu_free
+        return n
+
+    def free(self, slot: int) -> None:
+        for caches in (self.cpu_caches, self.gpu_caches):
+            if caches is not None:
+                caches[slot].reset()
+
+    # ------------------------------------------------------------------ steps
+    def prefill(self, slot: int, ids: list[int]) -> np.ndarray:
+        """The prompt of a new request into its (empty) slot; the last row's logits [V]."""
+        if self.length(slot):
+            raise HelmcError(f"prefill: slot {slot} expected empty, holds {self.length(slot)} tokens")
+        step = self.chunk or len(ids)
+        for c0 in range(0, len(ids), step):     # one KV step per chunk: activations bounded by the chunk
+            logits = self._step([slot], [ids[c0:c0 + step]])
+        return logits[0]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
+        """One new token for each slot's sequence, all in one step; logits [len(slots), V]."""
+        return self._step(slots, [[t] for t in tokens])
+
+    def _step(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
+        rows = [len(r) for r in ids]
+        for s, n in zip(slots, rows):
+            if self.length(s) + n > self.max_context:
+                raise HelmcError(f"context: {self.length(s) + n} tokens needed, the plan allows {self.max_context}")
+        positions = np.concatenate([np.arange(self.length(s), self.length(s) + n) for s, n in zip(slots, rows)])
+        cos, sin = self.session.rope.cos_sin(positions)                          # [S, D] each, per row's position
+        x = self.session.embed(np.asarray([t for r in ids for t in r], dtype=np.int64))   # [S, H]
+        last = np.cumsum(rows) - 1                                               # each sequence's last row
+        cpu = [self.cpu_caches[s] for s in slots] if self.cpu_caches else None
+        if self.session.gpu is not None:
+            gpu = [self.gpu_caches[s] for s in slots] if self.gpu_caches else None
+            return self.session.gpu.forward_batch(x, cos, sin, self.session.cpu_stage, cpu, gpu, rows)
+        import tvm.runtime
+        dev = tvm.cpu()
+        xt = self.session.cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                                  tvm.runtime.tensor(sin, dev), cpu, rows)
+        if len(slots) == 1:
+            return self.session.head(xt, "prefill" if rows[0] > 1 else "decode", False)
+        xs = xt.numpy()[last] if xt.shape[0] != len(slots) else xt                # [S, H] -> [B, H]
+        if not isinstance(xs, tvm.runtime.Tensor):
+            xs = tvm.runtime.tensor(np.ascontiguousarray(xs), dev)
+        return self.session.head(xs, "prefill", True)
+
+
+def _cpu_cache_like(stage):
+    """A KVCacheCPU made as cpu_stage.build_cpu_stage makes the stage's own (the arena commits memory only
+    as pages are written)."""
+    from helmc.runtime.kv.cache_cpu import KVCacheCPU, find_decode_kernel
+    kv, spec = stage.kv, stage.spec
+    return KVCacheCPU(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                      page_tokens=kv.page_tokens, max_tokens=kv.max_tokens, dtype=kv.kv_dtype,
+                      sliding_window=kv.window or None, threads=kv.threads,
+                      attend_kernel=find_decode_kernel(stage.vm.module, spec.num_heads, spec.num_kv_heads,
+                                                       spec.head_dim, spec.dtype) if kv.uses_kernel else None)
+
+
+def _gpu_caches(stage, max_batch: int, watermark: float) -> list:
+    """max_batch KVCacheGPUs sharing the VRAM of the stage's own page pool (each a 1/max_batch share): the
+    session's cache is dropped first so its pool's memory goes back to CuPy's allocator for theirs."""
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    kv = stage.kv
+    if max_batch == 1:
+        return [kv]
+    vram, ops = kv._store.nbytes, kv.ops
+    args = dict(num_layers=kv.L, num_kv_heads=kv.h_kv, head_dim=kv.d, page_tokens=kv.T, max_tokens=kv.max_tokens,
+                watermark=watermark, offload=kv.offload, sliding_window=kv.window or None, ops=ops)
+    stage.kv = None
+    del kv
+    caches = [KVCacheGPU(vram_bytes=vram // max_batch, **args) for _ in range(max_batch)]
+    stage.kv = caches[0]
+    return caches

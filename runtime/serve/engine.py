@@ -1,0 +1,158 @@
+"""The engine: one thread owns the model (TVM and the KV caches are not thread-safe) and runs the steps.
+
+Each step: take new requests and cancellations from the inbox; admit what the scheduler lets in (a free slot
+and the pages), prefill each new request in its slot and sample its first token; then one batched decode
+step for every running request; sample each row with the request's own Sampler; send each request its
+CompletionChunk through its sink (a callable, called on the engine thread: the server hands it to its event
+loop). A request ends at EOS (generation_config.json's, else the model spec's), a stop string, max_tokens,
+or cancellation (a client that went away): its slot's pages go back at once.
+
+    eng = Engine(batch_model, tokenizer, eos_ids)
+    eng.start()                                    # the engine thread
+    eng.submit(request, sink)                      # OpenAIError if it can never fit
+    eng.cancel(request.request_id)
+    eng.stop()
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from helmc.errors import HelmcError
+from helmc.runtime.sampling import Sampler, StopText
+from helmc.runtime.serve.protocol import CompletionChunk, Request
+from helmc.runtime.serve.scheduler import Scheduler
+
+
+@dataclass
+class _Running:
+    req: Request
+    slot: int
+    sink: Callable[[CompletionChunk], None]
+    sampler: Sampler
+    text: StopText
+    t_submit: float
+    t_first: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, eos_ids, metrics=None, pool_pages: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos = frozenset(int(t) for t in eos_ids)
+        self.metrics = metrics
+        self.scheduler = Scheduler(model.max_batch, model.page_tokens, model.max_context, pool_pages)
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[Callable, float]] = {}     # waiting request -> (sink, submit time)
+        self._running: dict[str, _Running] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+        self.decode_rows = 0                                     # sequences decoded, summed over steps
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, req: Request, sink: Callable[[CompletionChunk], None]) -> None:
+        self.scheduler.check(req)                                # raises for a request that can never fit
+        self._inbox.put(("submit", req, sink, time.perf_counter()))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="helmc-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self.step(block=True)
+            except Exception as e:          # a bug must not leave clients waiting forever: fail what runs
+                traceback.print_exc()
+                for rid in list(self._running):
+                    self._finish(rid, "error", error=f"{type(e).__name__}: {e}")
+
+    def step(self, block: bool = False) -> None:
+        """One scheduling step (the thread's loop, or a caller driving the engine itself, e.g. helmc chat)."""
+        self._drain(block and self.scheduler.idle)
+        for req, slot in self.scheduler.admit():
+            sink, t_submit = self._sinks.pop(req.request_id)
+            r = _Running(req, slot, sink, Sampler(req.params, req.prompt_ids),
+                         StopText(self.tokenizer, req.params.stop), t_submit)
+            self._running[req.request_id] = r
+            try:
+                logits = self.model.prefill(slot, list(req.prompt_ids))
+            except HelmcError as e:
+                self._finish(req.request_id, "error", error=str(e))
+                continue
+            r.t_first = time.perf_counter()
+            if self.metrics:
+                self.metrics.ttft.observe(r.t_first - r.t_submit)
+            self._accept(r, r.sampler(logits))
+        batch = list(self._running.values())
+        if self.metrics:
+            self.metrics.queue.set(len(self.scheduler.waiting))
+            self.metrics.running.set(len(batch))
+        if not batch:
+            return
+        logits = self.model.decode([r.slot for r in batch], [r.tokens[-1] for r in batch])
+        self.steps += 1
+        self.decode_rows += len(batch)
+        for r, row in zip(batch, logits):
+            self._accept(r, r.sampler(row))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg[0] == "submit":
+                _, req, sink, t = msg
+                self._sinks[req.request_id] = (sink, t)
+                self.scheduler.submit(req)
+            elif msg[0] == "cancel":
+                rid = msg[1]
+                if rid in self._running:
+                    self._finish(rid, None)
+                elif rid in self._sinks:
+                    del self._sinks[rid]
+                    self.scheduler.finish(rid)
+
+    def _accept(self, r: _Running, tok: int) -> None:
+        r.tokens.append(tok)
+        eos = tok in self.eos and not r.req.params.ignore_eos
+        delta = r.text.flush() if eos else r.text.add(tok)       # EOS is no text: release what was held back
+        if eos or r.text.stopped:
+            reason = "stop"
+        elif len(r.tokens) >= r.req.params.max_tokens:
+            reason, delta = "length", delta + r.text.flush()
+        else:
+            r.sink(CompletionChunk(r.req.request_id, (tok,), delta))
+            return
+        self._finish(r.req.request_id, reason, last=((tok,), delta))
+
+    def _finish(self, rid: str, reason: str | None, last=((), ""), error: str = "") -> None:
+        """Slot and pages back at once; the client gets its last chunk (none when it cancelled)."""
+        r = self._running.pop(rid)
+        self.model.free(r.slot)
+        self.scheduler.finish(rid)
+        if self.metrics and reason is not None:
+            t = time.perf_counter()
+            self.metrics.finished(reason, len(r.tokens), r.t_first, t)
+        if reason is not None:
+            r.sink(CompletionChunk(rid, last[0], last[1], reason, len(r.req.prompt_ids), len(r.tokens), error))
+

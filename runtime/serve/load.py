@@ -1,0 +1,43 @@
+"""A bundle made ready to serve: its Session, one KV cache per batch slot, the engine, the chat template, EOS."""
+from __future__ import annotations
+
+import json
+import os
+
+from helmc.errors import HelmcError
+
+
+def eos_token_ids(bundle_dir: str, spec) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an id or a list) when the bundle has one, else the model spec's."""
+    path = os.path.join(bundle_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            try:
+                eos = json.load(f).get("eos_token_id")
+            except ValueError as e:
+                raise HelmcError(f"{path}: expected JSON, found a parse error ({e})") from None
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            return (eos,)
+        if isinstance(eos, list) and eos and all(isinstance(t, int) for t in eos):
+            return tuple(eos)
+    return tuple(spec.eos_token_ids)
+
+
+def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str | None = None, quiet: bool = True,
+                metrics=None, **kv_options):
+    """(Engine, ChatTemplate or None) for `bundle_dir`; max_batch defaults to the batch its plan was made for."""
+    from helmc.runtime.session import Session
+    from helmc.runtime.serve.batch_model import BatchModel
+    from helmc.runtime.serve.chat_template import load_chat_template
+    from helmc.runtime.serve.engine import Engine
+    session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, **kv_options)
+    model = BatchModel(session, max_batch or session.plan.batch, kv_options.get("kv_watermark", 0.8))
+    tok = session.tokenizer
+    fallback = {}
+    if tok is not None:                       # a GGUF bundle has no tokenizer_config.json: bos/eos by id
+        for name, tid in (("bos_token", session.spec.bos_token_id), ("eos_token", (session.spec.eos_token_ids or (-1,))[0])):
+            text = tok.id_to_token(tid) if tid >= 0 else None
+            if text is not None:
+                fallback[name] = text
+    template = load_chat_template(bundle_dir, fallback)
+    return Engine(model, tok, eos_token_ids(bundle_dir, session.spec), metrics), template

@@ -1,0 +1,187 @@
+"""What flows between the HTTP side and the engine thread, and the OpenAI request bodies they come from.
+
+A request body (JSON) becomes a CompletionRequest / ChatRequest after a strict check: every field of the
+right type, no unknown field; a bad one is an OpenAIError carrying the HTTP status and OpenAI's error body
+({"error": {"message", "type", "param", "code"}}). The engine sees only a Request (token ids and
+SamplingParams) and answers with CompletionChunks, one per step of the request.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from helmc.errors import HelmcError
+from helmc.runtime.sampling import SamplingParams
+
+
+class OpenAIError(HelmcError):
+    """A request the server refuses: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: the prompt as token ids and how to sample; request_id is unique per server."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+    @property
+    def tokens(self) -> int:
+        """Context the request may fill: its prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass(frozen=True)
+class CompletionChunk:
+    """What one engine step produced for a request: new token ids and the text they released; the last chunk
+    of a request has a finish_reason ("stop" | "length" | "error") and the usage counts."""
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+# -------------------------------------------------------------------- request bodies
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_TYPES = {  # field -> (check, what the error says it expected)
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "max_tokens": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "max_completion_tokens": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "temperature": (lambda v: v is None or _number(v), "a number"),
+    "top_p": (lambda v: v is None or _number(v), "a number"),
+    "top_k": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "min_p": (lambda v: v is None or _number(v), "a number"),
+    "presence_penalty": (lambda v: v is None or _number(v), "a number"),
+    "frequency_penalty": (lambda v: v is None or _number(v), "a number"),
+    "repetition_penalty": (lambda v: v is None or _number(v), "a number"),
+    "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "stream": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "stream_options": (lambda v: v is None or (isinstance(v, dict) and set(v) <= {"include_usage", "continuous_usage_stats"}),
+                       "an object with include_usage"),
+    "stop": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+             "a string or a list of strings"),
+    "n": (lambda v: v is None or v == 1, "1 (one choice per request)"),
+    "user": (lambda v: v is None or isinstance(v, str), "a string"),
+    "logprobs": (lambda v: v is None or v is False or v == 0, "false (log-probabilities are not returned)"),
+    "top_logprobs": (lambda v: v is None or v == 0, "0"),
+    "echo": (lambda v: v is None or v is False, "false"),
+    "best_of": (lambda v: v is None or v == 1, "1"),
+    "logit_bias": (lambda v: v is None or v == {}, "no logit bias"),
+    "suffix": (lambda v: v is None, "null"),
+    "metadata": (lambda v: v is None or isinstance(v, dict), "an object"),
+    "store": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "tools": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)), "a list of objects"),
+    "tool_choice": (lambda v: v is None or isinstance(v, (str, dict)), "a string or an object"),
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
+    "chat_template_kwargs": (lambda v: v is None or isinstance(v, dict), "an object"),
+    "ignore_eos": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+}
+_COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "seed", "stream", "stream_options", "stop", "n",
+                      "user", "logprobs", "echo", "best_of", "logit_bias", "suffix", "model", "ignore_eos"}
+_CHAT_FIELDS = (_COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
+    "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A checked body: the prompt (text or token ids for completions; messages for chat) and its options."""
+    kind: str                                  # "completion" | "chat"
+    model: str
+    prompt: str | tuple[int, ...] = ""
+    messages: tuple = ()
+    tools: tuple = ()
+    template_kwargs: dict = field(default_factory=dict)
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    sampling: dict = field(default_factory=dict)   # SamplingParams fields besides max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+        except HelmcError as e:     # the message names the field first: "temperature expected >= 0, found -1"
+            raise OpenAIError(str(e), param=str(e).split(" ")[0]) from None
+
+
+def parse_body(raw: bytes, kind: str) -> ParsedRequest:
+    """A request body of /v1/completions (kind "completion") or /v1/chat/completions ("chat"), checked."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"request body: expected JSON, found a parse error ({e})") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(f"request body: expected a JSON object, found {type(body).__name__}")
+    allowed = _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    for name, value in body.items():
+        check = _TYPES.get(name)
+        if check is not None and not check[0](value):
+            raise OpenAIError(f"{name}: expected {check[1]}, found {json.dumps(value)[:60]}", param=name)
+    if "model" not in body:
+        raise OpenAIError("model: expected a model name, found none", param="model")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and max_tokens < 1:
+        raise OpenAIError(f"max_tokens: expected >= 1, found {max_tokens}", param="max_tokens")
+    stop = body.get("stop")
+    sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                     "repetition_penalty", "seed", "ignore_eos") if body.get(k) is not None}
+    sampling.setdefault("temperature", 1.0)        # OpenAI's default
+    if stop:
+        sampling["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    options = body.get("stream_options") or {}
+    common = dict(kind=kind, model=body["model"], max_tokens=max_tokens, stream=bool(body.get("stream")),
+                  include_usage=bool(options.get("include_usage")), sampling=sampling)
+    if kind == "completion":
+        return ParsedRequest(prompt=_prompt(body.get("prompt")), **common)
+    return ParsedRequest(messages=_messages(body.get("messages")), tools=tuple(body.get("tools") or ()),
+                         template_kwargs=dict(body.get("chat_template_kwargs") or {}), **common)
+
+
+def _prompt(p) -> str | tuple[int, ...]:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]                                   # a batch of one prompt
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return tuple(p)
+    raise OpenAIError(f"prompt: expected a string or a list of token ids, found {json.dumps(p)[:60]}", param="prompt")
+
+
+def _messages(ms) -> tuple:
+    if not isinstance(ms, list) or not ms:
+        raise OpenAIError(f"messages: expected a non-empty list, found {json.dumps(ms)[:60]}", param="messages")
+    out = []
+    for i, m in enumerate(ms):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise OpenAIError(f"messages[{i}]: expected an object with a role, found {json.dumps(m)[:60]}", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):          # content parts: only text ones can reach a text model
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise OpenAIError(f"messages[{i}].content: expected text parts, found {json.dumps(content)[:60]}",
+                                  param="messages")
+            content = "".join(c["text"] for c in content)
+        if content is not None and not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content: expected a string, found {json.dumps(content)[:60]}",
+                              param="messages")
+        # transformers drops None-valued keys before rendering (templates test for a key's presence)
+        out.append({**{k: v for k, v in m.items() if v is not None}, **({"content": content} if content is not None else {})})
+    return tuple(out)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP side (Starlette on uvicorn): it parses, renders the chat template, tokenizes, and
+talks to the engine thread through queues; it never touches the model.
+
+    GET  /health  /metrics  /v1/models
+    POST /v1/completions  /v1/chat/completions      (stream: server-sent events in OpenAI's chunk format)
+
+A refused request gets a 4xx with OpenAI's error body and the server goes on serving. A streaming client that
+goes away cancels its request: the engine frees its slot and pages at its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+
+from helmc.errors import HelmcError
+from helmc.runtime.serve.protocol import CompletionChunk, OpenAIError, ParsedRequest, Request, parse_body
+
+_ids = itertools.count()
+
+
+class ServeState:
+    """What the handlers share: the engine, the model's name, tokenizer and chat template, the metrics."""
+
+    def __init__(self, engine, model_name: str, tokenizer, template, metrics, vocab_size: int):
+        self.engine, self.model_name, self.tokenizer, self.template = engine, model_name, tokenizer, template
+        self.metrics, self.vocab_size = metrics, vocab_size
+        self.created = int(time.time())
+
+    def prompt_ids(self, p: ParsedRequest) -> tuple[int, ...]:
+        if p.kind == "chat":
+            if self.template is None:
+                raise OpenAIError("this model has no chat template (tokenizer_config.json / chat_template.jinja); "
+                                  "use /v1/completions", param="messages")
+            try:
+                text = self.template.render(list(p.messages), add_generation_prompt=True, tools=p.tools or None,
+                                            **p.template_kwargs)
+            except HelmcError as e:
+                raise OpenAIError(str(e), param="messages") from None
+            return tuple(self._encode(text, add_special_tokens=False))   # the template wrote the special tokens
+        if isinstance(p.prompt, tuple):
+            bad = [t for t in p.prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise OpenAIError(f"prompt: token ids expected in [0, {self.vocab_size}), found {bad[:3]}", param="prompt")
+            return p.prompt
+        return tuple(self._encode(p.prompt, add_special_tokens=True))     # as `helmc run --prompt` encodes
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("this bundle has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if not ids:
+            raise OpenAIError("prompt: expected at least one token, found none", param="prompt")
+        return ids
+
+
+def make_app(state: ServeState):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def health(request):
+        eng = state.engine           # read across threads: plain counts, good enough for a health probe
+        return JSONResponse({"status": "ok", "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+                             "kv_pages_in_use": eng.model.pages_in_use(), "kv_pages_reserved": eng.scheduler.pages_in_use})
+
+    async def metrics(request):
+        body, ctype = state.metrics.text()
+        return Response(body, media_type=ctype)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "helmc"}]})
+
+    def endpoint(kind: str, name: str):
+        async def handler(request):
+            try:
+                response = await _generate(state, request, kind)
+            except OpenAIError as e:
+                response = JSONResponse(e.body(), status_code=e.status)
+            state.metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+        return handler
+
+    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+              Route("/v1/completions", endpoint("completion", "completions"), methods=["POST"]),
+              Route("/v1/chat/completions", endpoint("chat", "chat_completions"), methods=["POST"])]
+    return Starlette(routes=routes)
+
+
+async def _generate(state: ServeState, request, kind: str):
+    from starlette.responses import JSONResponse
+    p = parse_body(await request.body(), kind)
+    if p.model != state.model_name:
+        raise OpenAIError(f"model: expected {state.model_name!r}, found {p.model!r}", status=404, param="model",
+                          code="model_not_found")
+    ids = state.prompt_ids(p)
+    room = state.engine.model.max_context - len(ids)
+    max_tokens = p.max_tokens or (16 if kind == "completion" else max(1, room))     # OpenAI's default, or the context
+    rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{next(_ids)}-{int(time.time() * 1e3)}"
+    req = Request(rid, ids, p.sampling_params(max_tokens))
+    chunks: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def sink(chunk: CompletionChunk):           # on the engine thread
+        try:
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+        except RuntimeError:                     # the event loop is gone: nobody is listening
+            state.engine.cancel(rid)
+
+    try:
+        state.engine.submit(req, sink)
+    except OpenAIError as e:
+        if e.param == "messages" and kind == "completion":
+            e.param = "prompt"
+        raise
+    fmt = _Format(kind, rid, state.model_name)
+    if p.stream:
+        return _EngineStream(_sse(fmt, chunks, p.include_usage), on_close=lambda: state.engine.cancel(rid))
+    text, last = [], None
+    try:
+        while last is None or last.finish_reason is None:
+            last = await chunks.get()
+            text.append(last.text)
+    except asyncio.CancelledError:
+        state.engine.cancel(rid)
+        raise
+    if last.finish_reason == "error":
+        raise OpenAIError(f"generation failed: {last.error}", status=500, type="server_error")
+    return JSONResponse(fmt.whole("".join(text), last))
+
+
+async def _sse(fmt: "_Format", chunks: asyncio.Queue, include_usage: bool):
+    if fmt.kind == "chat":
+        yield _event(fmt.chunk({"role": "assistant", "content": ""}, None))
+    while True:
+        c: CompletionChunk = await chunks.get()
+        if c.finish_reason == "error":
+            yield _event({"error": {"message": f"generation failed: {c.error}", "type": "server_error",
+                                    "param": None, "code": None}})
+            break
+        if c.text or c.finish_reason is None:
+            if c.text:
+                yield _event(fmt.chunk(c.text, None))
+        if c.finish_reason is not None:
+            yield _event(fmt.chunk("" if fmt.kind == "completion" else {}, c.finish_reason))
+            if include_usage:
+                yield _event({**fmt.chunk("", None), "choices": [], "usage": _usage(c)})
+            break
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(c: CompletionChunk) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+
+class _Format:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, kind: str, rid: str, model: str):
+        self.kind, self.rid, self.model, self.created = kind, rid, model, int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta, finish_reason) -> dict:
+        if self.kind == "completion":
+            return {**self._head("text_completion"),
+                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        d = delta if isinstance(delta, dict) else {"content": delta}
+        return {**self._head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def whole(self, text: str, last: CompletionChunk) -> dict:
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            return {**self._head("text_completion"), "choices": [choice], "usage": _usage(last)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(last)}
+
+
+def _EngineStream(body, on_close):
+    """A text/event-stream response that listens for the client going away whatever the ASGI version (Starlette
+    only does below 2.4) and always calls on_close when it ends (cancelling a request that already finished is
+    a no-op in the engine)."""
+    import anyio
+    from starlette.responses import StreamingResponse
+
+    class EngineStream(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                async with anyio.create_task_group() as tg:
+                    async def run():
+                        try:
+                            await self.stream_response(send)
+                        except OSError:             # the client went away while we wrote
+                            pass
+                        tg.cancel_scope.cancel()
+                    tg.start_soon(run)
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+            finally:
+                on_close()
+
+    return EngineStream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def serve(state: ServeState, host: str, port: int, log_level: str = "warning", ready=None) -> None:
+    """Run uvicorn until interrupted; `ready(port)` is called once it listens."""
+    import uvicorn
+    config = uvicorn.Config(make_app(state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    if ready is not None:
+        _orig = server.startup
+
+        async def startup(sockets=None):
+            await _orig(sockets)
+            ready(server.servers[0].sockets[0].getsockname()[1] if server.servers else port)
+        server.startup = startup
+    server.run()

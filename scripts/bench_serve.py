@@ -1,0 +1,112 @@
+"""Batched decode of `helmc serve`'s engine against llama.cpp's llama-batched-bench, in the same run.
+
+    python scripts/bench_serve.py BUNDLE [--concurrency 8] [--prompt-len 128] [--new-tokens 128] [--out serve.json]
+        [--llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf model.gguf --ngl 16]
+
+The engine runs in this process (no HTTP: what is measured is the model's batched step). Each of N random
+prompts first runs alone (decode tok/s at 1), then all N run at once (total decode tok/s at N: every
+sequence's tokens after its first, per second from the last first token to the end); greedy with EOS ignored,
+so every request makes exactly --new-tokens tokens, and each request's tokens at N must equal its tokens alone.
+The bundle's plan must be made for N (`helmc build ... --max-batch N`). llama-batched-bench runs with
+-npp/-ntg the same and -npl 1,N; `serve_decode_ratio_vs_llamacpp` is ours at N over its S_TG at N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_requests(engine, prompts, new_tokens: int, tag: str) -> list[dict]:
+    """Submit every prompt at once and drive the engine until all finish; per request its tokens and times."""
+    from helmc.runtime.sampling import SamplingParams
+    from helmc.runtime.serve.protocol import Request
+    out = []
+    for i, p in enumerate(prompts):
+        rec = {"tokens": [], "stamps": [], "t_submit": time.perf_counter(), "done": None}
+
+        def sink(c, rec=rec):
+            rec["tokens"].extend(c.token_ids)
+            rec["stamps"].append(time.perf_counter())
+            if c.finish_reason:
+                rec["done"] = c
+        engine.submit(Request(f"{tag}-{i}", tuple(p), SamplingParams(max_tokens=new_tokens, ignore_eos=True)), sink)
+        out.append(rec)
+    while any(r["done"] is None for r in out):
+        engine.step()
+    bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
+    if bad:
+        raise RuntimeError(f"bench_serve: a request ended early: {bad[0]}")
+    return out
+
+
+def decode_rate(recs: list[dict]) -> float:
+    """All sequences' tokens after their first, per second from the last first token to the last token."""
+    t0 = max(r["stamps"][0] for r in recs)
+    t1 = max(r["stamps"][-1] for r in recs)
+    n = sum(sum(1 for s in r["stamps"] if s > t0) for r in recs)
+    return n / (t1 - t0) if t1 > t0 else 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench binary")
+    ap.add_argument("--gguf", default=None, help="the GGUF file llama-batched-bench runs (the same model)")
+    ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's -ngl (layers on the GPU)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
+    ap.add_argument("--out", default=None, help="write the JSON report here")
+    a = ap.parse_args(argv)
+    if a.llama_batched_bench and not a.gguf:
+        ap.error("--llama-batched-bench needs --gguf")
+
+    from helmc.runtime.serve.load import load_engine
+    t = time.perf_counter()
+    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False)
+    print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {engine.model.session.plan.describe()}, "
+          f"max batch {engine.model.max_batch}, context {engine.model.max_context}", file=sys.stderr)
+    rng = np.random.default_rng(a.seed)
+    vocab = engine.model.spec.vocab_size
+    prompts = [[int(x) for x in rng.integers(1, min(vocab, 32000), size=a.prompt_len)] for _ in range(a.concurrency)]
+    run_requests(engine, prompts[:1], 8, "warm")                     # first-call costs out of the timings
+    singles = [run_requests(engine, [p], a.new_tokens, f"one{i}")[0] for i, p in enumerate(prompts)]
+    rate1 = [decode_rate([r]) for r in singles]
+    together = run_requests(engine, prompts, a.new_tokens, "all")
+    rate_n = decode_rate(together)
+    equal = [s["tokens"] == b["tokens"] for s, b in zip(singles, together)]
+    first_diff = [next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y), None)
+                  for s, b in zip(singles, together)]
+    report = {"bundle": os.path.abspath(a.bundle), "concurrency": a.concurrency, "prompt_len": a.prompt_len,
+              "new_tokens": a.new_tokens, "decode_tok_s_at_1": float(np.median(rate1)),
+              f"decode_tok_s_total_at_{a.concurrency}": rate_n,
+              "batch_speedup": rate_n / float(np.median(rate1)) if rate1 else None,
+              "tokens_equal_single": sum(equal), "tokens_first_difference": first_diff,
+              "ttft_ms_at_n": [1000 * (r["stamps"][0] - r["t_submit"]) for r in together]}
+    if a.llama_batched_bench:
+        from llamacpp_peer import llama_batched_bench
+        lc = llama_batched_bench(a.llama_batched_bench, a.gguf, a.ngl, a.prompt_len, a.new_tokens,
+                                 (1, a.concurrency), a.threads)
+        report["llamacpp"] = lc
+        report["serve_decode_ratio_vs_llamacpp"] = rate_n / lc["by_batch"][a.concurrency]["decode_tok_s"]
+        report["serve_decode_ratio_vs_llamacpp_at_1"] = report["decode_tok_s_at_1"] / lc["by_batch"][1]["decode_tok_s"]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if all(equal) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
