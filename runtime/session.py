@@ -68,7 +68,7 @@ class Session:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, trusted_keys: tuple = (),
+    def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, trusted_keys: tuple | None = None,
              require_signed: bool = False, **kv_options) -> "Session":
         """trusted_keys (signature.PublicKey, e.g. from signature.trusted_keys()) and require_signed: see
         signature.verify_manifest_signature; the signature is checked before any other file is read.
@@ -189,7 +189,7 @@ class Session:
 
 
 # -------------------------------------------------------------------- helpers
-def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple = (),
+def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
                 require_signed: bool = False) -> tuple[BundleManifest, ModelSpec, Plan, str]:
     """Manifest (signature and hashes verified before any library in the bundle loads), spec, plan and the
     weights directory."""

@@ -15,6 +15,7 @@ import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.serve_chat import chat_command, serve_command
+from helmc.cli.trust import trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -130,9 +131,7 @@ def _parse_ids(text: str | None):
 @click.option("--kv-watermark", type=float, default=0.8, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
-@click.option("--trust", "trust", multiple=True, type=click.Path(),
-              help="public key (KEYFILE.pub) whose signature is accepted; repeatable; also HELMC_TRUSTED_KEYS=DIR")
-@click.option("--require-signed", is_flag=True, help="refuse a bundle without a signature by a trusted key")
+@trust_options
 def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
             kv_page_tokens, kv_watermark, no_kv_offload, as_json, trust, require_signed):
     """Generate text from a bundle."""
@@ -142,11 +141,10 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):
         raise HelmcError("run: expected exactly one of --prompt or --prompt-ids")
-    from helmc.runtime.bundle.signature import trusted_keys
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_k=top_k, top_p=top_p, seed=seed, weights_dir=weights_dir, on_text=stream, quiet=as_json,
-                trusted_keys=trusted_keys(trust), require_signed=require_signed,
+                **trust_policy(trust, require_signed),
                 kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload)
     if as_json:
         click.echo(json.dumps(r.to_json_dict()))
@@ -163,12 +161,13 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
 @click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
-def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json):
+@trust_options
+def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, trust, require_signed):
     """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
     from helmc.planner.calibrate import calibrate
-    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps)
+    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
     r.profile.save(out_path)
     click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
     click.echo(f"wrote {out_path}", err=as_json)

@@ -9,6 +9,7 @@ import time
 
 import click
 
+from helmc.cli.trust import trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -32,7 +33,9 @@ def _need_serve_extra():
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
 @click.option("--kv-page-tokens", type=int, default=512, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
-def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level):
+@trust_options
+def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level, trust,
+                  require_signed):
     """Serve BUNDLE_DIR over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
@@ -40,8 +43,10 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.metrics import Metrics
     from helmc.runtime.serve.server import ServeState, serve
+    policy = trust_policy(trust, require_signed)
     metrics = Metrics()
-    engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens)
+    engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens,
+                                   **policy)
     name = model_name or os.path.basename(os.path.normpath(bundle_dir))
     state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
     metrics.watch(engine)
@@ -66,7 +71,8 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
-def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir):
+@trust_options
+def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, trust, require_signed):
     """Chat with BUNDLE_DIR in the terminal: tokens print as they come; /reset forgets the conversation,
     /stats shows the last reply's timings, /quit (or end of input) leaves."""
     from helmc.runtime.isolation import forbid_compiler_imports
@@ -78,7 +84,8 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     from helmc.runtime.sampling import SamplingParams
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.protocol import Request
-    engine, template = load_engine(bundle_dir, 1, weights_dir)
+    SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
+    engine, template = load_engine(bundle_dir, 1, weights_dir, **trust_policy(trust, require_signed))
     if template is None:
         raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
                          "found none; use helmc run --prompt")

@@ -80,13 +80,16 @@ def host_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trusted_keys: tuple = (),
+def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trusted_keys: tuple | None = None,
                   require_signed: bool = False) -> BundleManifest:
     """Every check that must pass before a library of the bundle is loaded. The signature comes first
     (signature.verify_manifest_signature: over the manifest's bytes as read here, before any other file of the
     bundle is opened); then the manifest's own checks, each listed file (inside the bundle, a regular file, its
-    size and sha256), nothing unlisted, and this CPU's features."""
-    from helmc.runtime.bundle.signature import SIGNATURE_NAME, verify_manifest_signature
+    size and sha256), nothing unlisted, and this CPU's features. trusted_keys: signature.PublicKey tuple, or
+    None for those HELMC_TRUSTED_KEYS names (signature.trusted_keys)."""
+    from helmc.runtime.bundle.signature import SIGNATURE_NAME, trusted_keys as env_keys, verify_manifest_signature
+    if trusted_keys is None:          # no keys given: those HELMC_TRUSTED_KEYS names, so every loader honours it
+        trusted_keys = env_keys()
     if not os.path.isdir(bundle_dir):
         raise HelmcError(f"bundle: expected a directory, found {'a file' if os.path.exists(bundle_dir) else 'nothing'} "
                          f"at {bundle_dir}")
