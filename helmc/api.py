@@ -54,12 +54,26 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
 
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-        weights_dir: str | None = None, on_text=None, quiet: bool = True, trusted_keys: tuple = (),
+        weights_dir: str | None = None, on_text=None, quiet: bool = True, trusted_keys: tuple | None = None,
         require_signed: bool = False, **kv_options):
     """trusted_keys: signature.PublicKey of the keys whose signature is accepted (signature.trusted_keys(paths)
     reads them, with HELMC_TRUSTED_KEYS); require_signed: refuse a bundle without such a signature."""
     from helmc.runtime.session import Session
+    check_run_arguments(max_new_tokens, temperature, top_k, top_p, seed, **kv_options)
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, **kv_options)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
+
+
+def check_run_arguments(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+                        kv_page_tokens: int = 512, kv_watermark: float = 0.8, **_):
+    """run's arguments, checked before the bundle is read: a typo costs no load (and writes nothing)."""
+    from helmc.runtime.sampling import SamplingParams
+    if max_new_tokens < 1:
+        raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
+    SamplingParams(temperature, top_k, top_p, seed)
+    if kv_page_tokens < 1:
+        raise HelmcError(f"--kv-page-tokens expected a positive integer, found {kv_page_tokens}")
+    if not 0 < kv_watermark <= 1:
+        raise HelmcError(f"--kv-watermark expected in (0, 1], found {kv_watermark}")

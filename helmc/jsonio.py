@@ -103,6 +103,12 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
     return cls(**kwargs)
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
     d = os.path.dirname(os.path.abspath(path)) or "."
@@ -111,6 +117,7 @@ def atomic_write_text(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~current_umask())      # mkstemp's 0600 would make a shared bundle unreadable to others
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -132,3 +139,5 @@ def load_json_file(path: str, what: str) -> Any:
         raise HelmcError(f"{what}: {path} is not valid JSON of reasonable depth (nesting too deep)") from None
     except IsADirectoryError:
         raise HelmcError(f"{what}: expected a file, found a directory at {path}") from None
+    except OSError as e:
+        raise HelmcError(f"{what}: could not read {path} ({e.strerror or e})") from None
