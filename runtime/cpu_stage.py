@@ -20,13 +20,18 @@ def progress(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def load_stage_library(bundle_dir: str, name: str):
-    """A VirtualMachine over the bundle's stage library `name`. Anything but a helmc stage library (a library
-    without the VM's entry points, a file of another platform) is a HelmcError, not a TVM traceback."""
+def load_stage_library(bundle_dir: str, name: str, dev=None, load=None):
+    """A VirtualMachine over the bundle's stage library `name` on `dev` (default the CPU); `load(path)` makes the
+    module (default tvm.runtime.load_module; the GPU stage's loader registers its kernels first). Anything but a
+    helmc stage library (a library without the VM's entry points, a file of another platform) is a HelmcError,
+    not a TVM traceback."""
     import tvm.runtime
     from tvm.runtime.vm import VirtualMachine
     try:
-        return VirtualMachine(tvm.runtime.load_module(os.path.join(bundle_dir, name)), tvm.cpu())
+        return VirtualMachine((load or tvm.runtime.load_module)(os.path.join(bundle_dir, name)),
+                              tvm.cpu() if dev is None else dev)
+    except HelmcError:
+        raise
     except (AttributeError, RuntimeError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HelmcError(f"bundle: {name} expected a helmc stage library (a TVM VM executable), found one that "

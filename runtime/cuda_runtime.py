@@ -29,8 +29,9 @@ _lock = threading.Lock()
 _callback_registered = False
 
 
-class CudaRuntimeError(RuntimeError):
-    """The GPU stage cannot be loaded or run here; the message names expected vs found."""
+class CudaRuntimeError(HelmcError, RuntimeError):
+    """The GPU stage cannot be loaded or run here; the message names expected vs found. A HelmcError (a wrong GPU
+    or driver is the machine's state, not a bug: one typed line from the CLI), and still a RuntimeError for callers."""
 
 
 # ------------------------------------------------------------------------------------------------

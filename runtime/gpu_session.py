@@ -196,7 +196,6 @@ class GpuParts:
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
     import cupy as cp
     import tvm.runtime
-    from tvm.runtime.vm import VirtualMachine
 
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
@@ -225,8 +224,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
                                      tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
 
-    vm = VirtualMachine(load_gpu_executable(os.path.join(bundle_dir, GPU_LIB), os.path.join(bundle_dir, GPU_CUBIN_INDEX)),
-                        tvm.cuda(0))
+    vm = load_stage_library(bundle_dir, GPU_LIB, tvm.cuda(0),
+                            lambda path: load_gpu_executable(path, os.path.join(bundle_dir, GPU_CUBIN_INDEX)))
     dev = tvm.cuda(0)
     uploader = PinnedUploader()
     upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
