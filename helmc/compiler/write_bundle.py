@@ -19,7 +19,7 @@ import fcntl
 import os
 import shutil
 import signal
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -90,7 +90,9 @@ def _write_bundle(b: BundleInputs, out: str):
     prefix = f".{os.path.basename(out)}.tmp-"
     with _parent_lock(parent):
         _remove_stale_temporaries(parent, prefix)
-    tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    # os.mkdir, not mkdtemp: the bundle gets the umask's mode (mkdtemp's 0700 would hide it from other users)
+    tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
+    os.mkdir(tmp)
     try:
         for name, src in b.libraries:
             shutil.copy2(src, os.path.join(tmp, name))
