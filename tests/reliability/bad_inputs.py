@@ -47,7 +47,7 @@ def gguf_file(kvs: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, b
     return head + b"\0" * ((-len(head)) % alignment) + data
 
 
-TINY = dict(hidden=32, heads=1, kv_heads=1, head_dim=32, inter=64, layers=1, vocab=32, context=64)
+TINY = dict(hidden=32, heads=1, kv_heads=1, head_dim=32, inter=64, layers=1, vocab=32, context=512)
 
 
 def tiny_qwen3_kvs(arch: str = "qwen3", **over) -> list[bytes]:
