@@ -35,6 +35,7 @@ from helmc.errors import HelmcError
 from helmc.runtime.kv.pages import PagePool, PoolExhausted
 from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
 from helmc.runtime.kv.cuda_ops import D2H, H2D
+from helmc.runtime.kv.decode_splits import plan_splits, runs
 from helmc.runtime.memory.allocation import allocate
 
 
@@ -310,39 +311,11 @@ class KVCacheGPU:
 
     # ------------------------------------------------------------------ decode
     def _split_plan(self, table):
-        """Tokens per split, splits, which splits read a host page, the staging chunks and each host page's
-        staging slot; cached per page layout. Splits are p whole pages, or at short contexts (fewer pages
-        than ~4 blocks per SM need) 1/c of a page (c a power of two, >= 32 tokens), so a short sequence
-        still spreads over the SMs. Both depend on the page count alone: offload never changes a split."""
-        n_pages, T = table.n_pages, self.T
-        target = max(1, 4 * self.num_sms // self.h_kv)
-        p = max(1, min(-(-n_pages // target), self.staging_pages // 2))
-        cut = 1
-        while p == 1 and 2 * cut * n_pages <= target and T % (2 * cut) == 0 and T // (2 * cut) >= 32:
-            cut *= 2
-        key = (self.pool.version, n_pages, p, cut)
+        """decode_splits.plan_splits for this page layout, cached per layout (see there)."""
+        n_pages = table.n_pages
+        key = (self.pool.version, n_pages)
         if key != self._plan_key:
-            span = p * T // cut
-            n_splits = -(-n_pages * cut // p)
-
-            def pages_of(sp):
-                return range(sp * span // T, min(n_pages, -(-(sp + 1) * span // T)))
-
-            host_split = [any(not table.on_device(i) for i in pages_of(sp)) for sp in range(n_splits)]
-            hosts = [sp for sp in range(n_splits) if host_split[sp]]
-            half = self.staging_pages // 2
-            # A chunk stages at most `half` pages, and every split reading one of them: whole pages per chunk.
-            host_pages = sorted({i for sp in hosts for i in pages_of(sp) if not table.on_device(i)})
-            chunks, stage_of = [], {}
-            groups = ([host_pages[c0:c0 + half] for c0 in range(0, len(host_pages), half)] if cut > 1 else
-                      [[i for sp in hosts[c0:c0 + max(1, half // p)] for i in pages_of(sp) if not table.on_device(i)]
-                       for c0 in range(0, len(hosts), max(1, half // p))])
-            for c, pages in enumerate(groups):
-                splits = [sp for sp in hosts if any(i in pages for i in pages_of(sp))]
-                for j, i in enumerate(pages):
-                    stage_of[i] = (c % 2) * half + j
-                chunks.append((splits, pages))
-            self._plan = (span, n_splits, host_split, chunks, stage_of)
+            self._plan = plan_splits(n_pages, self.T, self.num_sms, self.h_kv, self.staging_pages, table.on_device)
             self._plan_key = key
             self._ptr_tables.clear()
         return self._plan
@@ -396,7 +369,7 @@ class KVCacheGPU:
             ready = ops.new_event()
             ops.record(ready, self.copy_stream)
             ops.wait(compute, ready)
-            for s0, s1 in _runs(sp for sp in splits if sp >= first):
+            for s0, s1 in runs(sp for sp in splits if sp >= first):
                 launch(s0, s1)
             used = ops.new_event()
             ops.record(used, compute)
@@ -503,13 +476,3 @@ class KVCacheGPU:
                                           lambda: self.ops.pinned_empty(shape, np.float16), "KV pages offloaded to host"))
         return self.ops.ptr(self._extents[e]) + j * self.page_bytes
 
-
-def _runs(splits) -> list[tuple[int, int]]:
-    """Consecutive integers -> [(start, end)) ranges."""
-    out: list[list[int]] = []
-    for sp in splits:
-        if out and out[-1][1] == sp:
-            out[-1][1] += 1
-        else:
-            out.append([sp, sp + 1])
-    return [tuple(r) for r in out]
