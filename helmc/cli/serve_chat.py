@@ -24,6 +24,19 @@ def _need_serve_extra():
         raise HelmcError(f"serve: expected the serve extra (pip install 'helmc[serve]'), found {', '.join(missing)} missing")
 
 
+def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
+    """serve's arguments, checked before the bundle is read (a typo costs no load)."""
+    if not 0 <= port <= 65535:
+        raise HelmcError(f"--port expected in [0, 65535] (0: any free port), found {port}")
+    if max_batch is not None and max_batch < 1:
+        raise HelmcError(f"--max-batch expected >= 1 (or left out: the plan's batch), found {max_batch}")
+    if kv_page_tokens < 1:
+        raise HelmcError(f"--kv-page-tokens expected a positive integer, found {kv_page_tokens}")
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    if log_level not in levels:
+        raise HelmcError(f"--log-level expected one of {', '.join(levels)}, found {log_level!r}")
+
+
 @click.command("serve")
 @click.argument("bundle_dir", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -39,6 +52,7 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     """Serve BUNDLE_DIR over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    _check_serve_arguments(port, max_batch, kv_page_tokens, log_level)
     _need_serve_extra()
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.metrics import Metrics

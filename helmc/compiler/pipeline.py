@@ -120,7 +120,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
     for stage, key in jobs.items():
         if key in cache.corrupt:
-            progress(f"compile_{stage}: cached artifacts {key} corrupt (sha256 changed); removed, rebuilding")
+            progress(f"compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since it was "
+                     "stored); removed, rebuilding")
     reused = tuple(stage for stage, d in hits.items() if d)
     for stage, d in hits.items():
         if d:

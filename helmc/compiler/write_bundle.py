@@ -8,8 +8,10 @@ old bundle or none, and builds into one destination at once serialise their swap
 directory, so the result is one whole bundle, the last one swapped in. Temporary directories of killed
 builds (named with their process id) are removed by the next build into the same parent.
 
-Fault injection for tests: HELMC_FAULT_BUILD=POINT:kill|raise stops a build at POINT (files_copied,
-manifest_written, swapping) with SIGKILL (the process dies there) or an OSError (ENOSPC).
+Fault injection for tests: HELMC_FAULT_BUILD=POINT:kill|raise|pause stops a build at POINT (files_copied,
+manifest_written, swapping: just before the swap; swapped: just after it, the previous bundle not yet removed)
+with SIGKILL (the process dies there) or an OSError (ENOSPC), or holds it there for a second (so that two builds
+meet at that point).
 """
 from __future__ import annotations
 
@@ -66,6 +68,9 @@ def fault_point(name: str) -> None:
         return
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "pause":
+        time.sleep(1.0)
+        return
     raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
 
 
@@ -145,6 +150,7 @@ def _write_bundle(b: BundleInputs, out: str):
             if os.path.exists(out) and not os.path.isfile(os.path.join(out, MANIFEST_NAME)) and os.listdir(out):
                 raise HelmcError(f"output: {out} exists and is not a helmc bundle; refusing to replace it")
             _swap_in(tmp, out)
+        fault_point("swapped")
         shutil.rmtree(tmp, ignore_errors=True)         # the previous bundle, if there was one
         return manifest
     except BaseException:

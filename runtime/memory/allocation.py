@@ -33,10 +33,16 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
+def reset_fault_counts() -> None:
+    """Start counting HELMC_FAULT_ALLOC's N afresh (tests that set the same value twice)."""
+    _counted.clear()
+
+
 def _inject(site: str) -> None:
     value = os.environ.get(FAULT_ENV, "")
     target, _, nth = value.partition(":")
     if target != site:
+        _counted.pop(site, None)          # unset or aimed elsewhere: the next time it names this site counts from 1
         return
     seen_under, count = _counted.get(site, ("", 0))
     count = (count if seen_under == value else 0) + 1

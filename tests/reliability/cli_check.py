@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 from click.testing import CliRunner
 
 from helmc.cli.main import main
+from helmc.runtime.isolation import FORBIDDEN
 
 
-def cli(*args, env: dict | None = None):
-    r = CliRunner().invoke(main, [str(a) for a in args], env=env)
+def cli(*args, env: dict | None = None, input: str | None = None):
+    # run / serve / chat block torch and onnx in sys.modules (runtime.isolation); in this shared process a later
+    # test may need them, so what those commands changed there is put back.
+    saved = {m: sys.modules.get(m, KeyError) for m in FORBIDDEN}
+    try:
+        r = CliRunner().invoke(main, [str(a) for a in args], env=env, input=input)
+    finally:
+        for m, mod in saved.items():
+            if mod is KeyError:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = mod
     assert "Traceback" not in r.output, r.output
     return r
 

@@ -114,16 +114,6 @@ def _pack_raw(header: bytes, data: bytes) -> bytes:
     return struct.pack("<Q", len(header)) + header + data
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """An empty working directory: a command that writes a stray file there is caught."""
-    d = tmp_path / "cwd"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    monkeypatch.setenv("HELMC_LOG_DIR", str(tmp_path / "logs"))
-    return d
-
-
 @pytest.mark.parametrize("case", sorted(SAFETENSORS_CASES))
 def test_bad_safetensors_at_run(case, tiny, tmp_path, workdir):
     damage, message = SAFETENSORS_CASES[case]
@@ -232,13 +222,6 @@ GGUF_CASES = {
     "block_count_2^31": (lambda: gguf_file(_kvs(block_count=gguf_kv("qwen3.block_count", U32, 1 << 31)),
                                            tiny_qwen3_tensors()), "num_layers expected a positive integer of at most"),
 }
-
-
-@pytest.fixture
-def hw_json(tmp_path, host_hardware):
-    p = tmp_path / "hw.json"
-    host_hardware.save(str(p))
-    return p
 
 
 def test_gguf_base_file_is_accepted(tmp_path, hw_json, workdir):

@@ -1,10 +1,11 @@
-"""Fuzzers (hypothesis) over every reader of untrusted bytes: the safetensors header, the GGUF header, and the
-JSON loaders (plan, hardware profile, bundle manifest, model spec, Hugging Face config.json).
+"""Fuzzers (hypothesis) over every reader of untrusted bytes: the safetensors header, the GGUF header, the
+JSON loaders (plan, hardware profile, bundle manifest, model spec, Hugging Face config.json), and a real bundle's
+manifest.json and manifest.sig as verify_bundle reads them.
 
 Each example either reads or fails with a HelmcError: any other exception fails the test. Time is bounded per
 example (hypothesis' deadline) and memory over the whole run (the process's peak RSS may grow by at most
 MEMORY_GROWTH_LIMIT: a length field of 2^63 must never become an allocation). Counts are fixed and
-derandomized so CI runs the same ~3000 examples every time (EXAMPLES below).
+derandomized so CI runs the same ~3500 examples every time (EXAMPLES below).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import itertools
 import json
 import os
 import resource
+import shutil
 import struct
 
 import pytest
@@ -24,7 +26,8 @@ from bad_inputs import gguf_file, gguf_kv, safetensors_bytes, tiny_gguf_bytes, t
 from helmc.errors import HelmcError
 
 EXAMPLES = {"safetensors_header": 500, "safetensors_bytes": 300, "gguf_mutation": 500, "gguf_structure": 200,
-            "json_mutation": 250, "json_any": 60, "hf_config": 300}     # x5 loaders for the two json_* ones
+            "json_mutation": 250, "json_any": 60, "hf_config": 300,     # x4 and x5 loaders for the two json_* ones
+            "bundle_manifest": 200, "bundle_signature": 150}
 MEMORY_GROWTH_LIMIT = 256 << 20
 FUZZ = dict(deadline=2000, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -293,3 +296,45 @@ def test_json_loader_any_text_fuzz(documents, kind, text):
 def test_hf_config_mutation_fuzz(documents, data):
     text, loader = documents["hf_config"]
     _load(loader, json.dumps(_mutate(json.loads(text), data)))
+
+
+# ---- a real bundle's manifest and signature, through verify_bundle ---------------------------------
+@pytest.fixture(scope="module")
+def signed_copy(signed_bundle, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-bundle") / "bundle"
+    shutil.copytree(signed_bundle, d)
+    return d, (d / "manifest.json").read_text(), (d / "manifest.sig").read_text()
+
+
+@settings(max_examples=EXAMPLES["bundle_manifest"], **FUZZ)
+@given(data=st.data())
+def test_verify_bundle_manifest_fuzz(signed_copy, data):
+    """manifest.json mutated (unsigned: the signature removed): verify_bundle accepts it or raises a HelmcError."""
+    from helmc.runtime.bundle.manifest import verify_bundle
+    d, manifest, _ = signed_copy
+    (d / "manifest.sig").unlink(missing_ok=True)
+    (d / "manifest.json").write_text(json.dumps(_mutate(json.loads(manifest), data)))
+    try:
+        verify_bundle(str(d))
+    except HelmcError:
+        pass
+
+
+@settings(max_examples=EXAMPLES["bundle_signature"], **FUZZ)
+@given(data=st.data())
+def test_verify_bundle_signature_fuzz(signed_copy, keys, data):
+    """manifest.sig mutated, the owner's key trusted: refused with a HelmcError unless the signature and its key
+    are still the signer's own."""
+    from helmc.runtime.bundle.manifest import verify_bundle
+    from helmc.runtime.bundle.signature import load_public_key
+    d, manifest, sig = signed_copy
+    (d / "manifest.json").write_text(manifest)
+    doc = _mutate(json.loads(sig), data)
+    (d / "manifest.sig").write_text(json.dumps(doc) if data.draw(st.booleans()) else json.dumps(doc)[:-3])
+    try:
+        verify_bundle(str(d), trusted_keys=(load_public_key(str(keys / "owner.key.pub")),), require_signed=True)
+    except HelmcError:
+        return
+    original = json.loads(sig)
+    assert isinstance(doc, dict) and doc.get("signature") == original["signature"] \
+        and doc.get("key_fingerprint") == original["key_fingerprint"], doc
