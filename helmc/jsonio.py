@@ -104,6 +104,15 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
 
 
 def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask would set it for a moment,
+    process-wide, under other threads' feet)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from helmc.errors import HelmcError
+
 CUBIN_INDEX_FORMAT_VERSION = 1
 CUDA_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
 

@@ -155,3 +155,19 @@ def test_corrupted_cache_entry_is_detected_and_rebuilt(damage, tiny, hw_json, tm
     assert "reused cached: cpu" in again.output, again.output
     want = Session.load(tiny.bundle("qwen3")).generate(prompt_ids=[1, 2, 3], max_new_tokens=4).tokens
     assert Session.load(str(tmp_path / "bundle")).generate(prompt_ids=[1, 2, 3], max_new_tokens=4).tokens == want
+
+
+def test_bundle_is_readable_as_the_umask_allows(tiny, hw_json, tmp_path, workdir):
+    """The temporary directory and files a bundle is written through keep the umask's modes (not mkdtemp's 0700 or
+    mkstemp's 0600): a bundle on a shared drive is readable by the others who run it."""
+    import stat
+    old = os.umask(0o022)
+    try:
+        r = cli(*_build_args(tiny, hw_json, tmp_path / "bundle"))
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    b = tmp_path / "bundle"
+    assert stat.S_IMODE(os.stat(b).st_mode) == 0o755
+    modes = {n: stat.S_IMODE(os.stat(b / n).st_mode) for n in _listing(b)}
+    assert all(m & 0o044 == 0o044 for m in modes.values()), modes

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bad_inputs import gguf_file, gguf_kv, safetensors_bytes, tiny_gguf_bytes, tiny_qwen3_kvs, tiny_qwen3_tensors, \
-    tiny_safetensors, U32
+    tiny_safetensors
 from helmc.errors import HelmcError
 
 EXAMPLES = {"safetensors_header": 500, "safetensors_bytes": 300, "gguf_mutation": 500, "gguf_structure": 200,
