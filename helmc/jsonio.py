@@ -28,31 +28,61 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _found(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {str(value)[:60]!r}"
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if value is None:
-        return None
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
-    if origin in (tuple,):
-        if not isinstance(value, (list, tuple)):
-            raise HelmcError(f"{where}: expected a list, found {type(value).__name__}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
         for a in args:
             if a is type(None):
                 continue
             return _convert(a, value, where)
+    if value is None:
+        raise HelmcError(f"{where}: expected {_type_name(tp)}, found null")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin in (tuple,):
+        if not isinstance(value, (list, tuple)):
+            raise HelmcError(f"{where}: expected a list, found {_found(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise HelmcError(f"{where}: expected a list of {len(args)}, found {len(value)} items")
+        return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin is dict:
+        if not isinstance(value, dict):
+            raise HelmcError(f"{where}: expected a JSON object, found {_found(value)}")
         return dict(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp in (int, float) and isinstance(value, bool):
+        raise HelmcError(f"{where}: expected {tp.__name__}, found {_found(value)}")
+    if tp is float and isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            raise HelmcError(f"{where}: expected a float, found an integer too large for one") from None
     if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise HelmcError(f"{where}: expected {tp.__name__}, found {type(value).__name__} {value!r}")
+        raise HelmcError(f"{where}: expected {tp.__name__}, found {_found(value)}")
     return value
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """json.loads, every malformed input a HelmcError naming `what` (also nesting too deep to parse)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:           # JSONDecodeError, and UnicodeDecodeError for bytes
+        raise HelmcError(f"{what}: expected valid JSON, found {getattr(e, 'msg', None) or type(e).__name__}"
+                         f"{f' at line {e.lineno}' if hasattr(e, 'lineno') else ''}") from None
+    except RecursionError:
+        raise HelmcError(f"{what}: expected JSON of reasonable depth, found nesting too deep to parse") from None
 
 
 def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
@@ -73,6 +103,21 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
     return cls(**kwargs)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask would set it for a moment,
+    process-wide, under other threads' feet)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
     d = os.path.dirname(os.path.abspath(path)) or "."
@@ -81,6 +126,7 @@ def atomic_write_text(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~current_umask())      # mkstemp's 0600 would make a shared bundle unreadable to others
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -96,3 +142,11 @@ def load_json_file(path: str, what: str) -> Any:
         raise HelmcError(f"{what}: file not found: {path}") from None
     except json.JSONDecodeError as e:
         raise HelmcError(f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise HelmcError(f"{what}: {path} is not valid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise HelmcError(f"{what}: {path} is not valid JSON of reasonable depth (nesting too deep)") from None
+    except IsADirectoryError:
+        raise HelmcError(f"{what}: expected a file, found a directory at {path}") from None
+    except OSError as e:
+        raise HelmcError(f"{what}: could not read {path} ({e.strerror or e})") from None

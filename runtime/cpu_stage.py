@@ -2,10 +2,12 @@
 plan keeps it on the CPU. Used by Session for an all-CPU plan and by gpu_session for a split one."""
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 
+from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
@@ -16,6 +18,24 @@ CPU_STAGE_LIB = "cpu_stage.so"
 def progress(msg: str, quiet: bool):
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
+
+
+def load_stage_library(bundle_dir: str, name: str, dev=None, load=None):
+    """A VirtualMachine over the bundle's stage library `name` on `dev` (default the CPU); `load(path)` makes the
+    module (default tvm.runtime.load_module; the GPU stage's loader registers its kernels first). Anything but a
+    helmc stage library (a library without the VM's entry points, a file of another platform) is a HelmcError,
+    not a TVM traceback."""
+    import tvm.runtime
+    from tvm.runtime.vm import VirtualMachine
+    try:
+        return VirtualMachine((load or tvm.runtime.load_module)(os.path.join(bundle_dir, name)),
+                              tvm.cpu() if dev is None else dev)
+    except HelmcError:
+        raise
+    except (AttributeError, RuntimeError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HelmcError(f"bundle: {name} expected a helmc stage library (a TVM VM executable), found one that "
+                         f"does not load as such ({first[:160]})") from None
 
 
 def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, layers=None,

@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from helmc.errors import HelmcError
+
 CUBIN_INDEX_FORMAT_VERSION = 1
 CUDA_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
 
@@ -29,8 +31,9 @@ _lock = threading.Lock()
 _callback_registered = False
 
 
-class CudaRuntimeError(RuntimeError):
-    """The GPU stage cannot be loaded or run here; the message names expected vs found."""
+class CudaRuntimeError(HelmcError, RuntimeError):
+    """The GPU stage cannot be loaded or run here; the message names expected vs found. A HelmcError (a wrong GPU
+    or driver is the machine's state, not a bug: one typed line from the CLI), and still a RuntimeError for callers."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +242,9 @@ class PinnedUploader:
         self._cp = cp
         self.chunk_bytes = chunk_bytes
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
-        self._pinned = [cp.cuda.alloc_pinned_memory(chunk_bytes) for _ in range(2)]
+        from helmc.runtime.memory.allocation import allocate
+        self._pinned = [allocate("pinned", chunk_bytes, lambda: cp.cuda.alloc_pinned_memory(chunk_bytes), "upload staging")
+                        for _ in range(2)]
         self._staging = [np.frombuffer(p, np.uint8, chunk_bytes) for p in self._pinned]
         self._events = [None, None]
         self._next = 0
@@ -258,8 +263,9 @@ class PinnedUploader:
         if dev is not None and getattr(dev, "index", getattr(dev, "device_id", 0)) != cp.cuda.Device().id:
             raise CudaRuntimeError(f"PinnedUploader.upload: expected the current CUDA device {cp.cuda.Device().id}, "
                                    f"found {dev}")
+        from helmc.runtime.memory.allocation import allocate
         src = np.ascontiguousarray(src)
-        dst = cp.empty(src.shape, src.dtype)
+        dst = allocate("weights", src.nbytes, lambda: cp.empty(src.shape, src.dtype))
         self.upload_into(dst, src)
         return dst if dtype is None else cupy_to_tvm(dst, dtype)
 

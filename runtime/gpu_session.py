@@ -220,13 +220,12 @@ class GpuParts:
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
     import cupy as cp
     import tvm.runtime
-    from tvm.runtime.vm import VirtualMachine
 
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import streamed_prefill_bytes
-    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, progress
     from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_head, bind_layers
 
@@ -242,8 +241,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     cpu_step = None
     cpu_stage = None
     if len(plan.cpu_layers):
-        lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
-        cpu_vm = VirtualMachine(lib, tvm.cpu())
+        cpu_vm = load_stage_library(bundle_dir, CPU_STAGE_LIB)
         pinned = None
         if plan.prefill_on_gpu:
             from helmc.runtime.prefill_stream import bind_pinned_layers
@@ -258,8 +256,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
                                      tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
 
-    vm = VirtualMachine(load_gpu_executable(os.path.join(bundle_dir, GPU_LIB), os.path.join(bundle_dir, GPU_CUBIN_INDEX)),
-                        tvm.cuda(0))
+    vm = load_stage_library(bundle_dir, GPU_LIB, tvm.cuda(0),
+                            lambda path: load_gpu_executable(path, os.path.join(bundle_dir, GPU_CUBIN_INDEX)))
     dev = tvm.cuda(0)
     uploader = PinnedUploader()
     upload = lambda view, dtype, d: uploader.upload(view, dtype, d)

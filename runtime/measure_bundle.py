@@ -107,10 +107,11 @@ def plan_parts(plan: Plan) -> tuple[str, ...]:
     return tuple(out)
 
 
-def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None) -> tuple[ModelSpec, Plan, Checkpoint, str]:
-    """Spec, plan and checkpoint of a verified bundle (verification before any library loads)."""
+def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
+                      require_signed: bool = False) -> tuple[ModelSpec, Plan, Checkpoint, str]:
+    """Spec, plan and checkpoint of a verified bundle (verification, signature first, before any library loads)."""
     from helmc.runtime.session import read_bundle
-    _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir)
+    _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
     if not os.path.exists(wdir):
         raise HelmcError(f"calibrate: expected the model's weights (a directory or a GGUF file), found nothing at "
                          f"{wdir} (pass --weights MODEL_DIR)")
@@ -118,12 +119,13 @@ def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None) -> tuple[
 
 
 def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple[str, ...] | None = None,
-                   steps: int | None = None, warmup: int = 5, cpu_cache_bytes: int = 0) -> BundleTimings:
+                   steps: int | None = None, warmup: int = 5, cpu_cache_bytes: int = 0, trusted_keys: tuple | None = None,
+                   require_signed: bool = False) -> BundleTimings:
     """Time `parts` (default: all the plan uses, see plan_parts) of the bundle's decode step here.
 
     steps: timed decode steps per part (default: the plan's output_len); cpu_cache_bytes: the CPU's
     last-level cache, so the cycled CPU blocks are at least twice its size."""
-    spec, plan, ck, wdir = load_bundle_parts(bundle_dir, weights_dir)
+    spec, plan, ck, wdir = load_bundle_parts(bundle_dir, weights_dir, trusted_keys, require_signed)
     usable = plan_parts(plan)
     parts = usable if parts is None else tuple(parts)
     unknown = [p for p in parts if p not in usable]
@@ -211,15 +213,14 @@ def _source_layers(plan_layers: range, n: int) -> range:
 class _CpuSide:
     def __init__(self, ctx: _Context):
         import tvm.runtime
-        from tvm.runtime.vm import VirtualMachine
 
-        from helmc.runtime.cpu_stage import CPU_STAGE_LIB
+        from helmc.runtime.cpu_stage import CPU_STAGE_LIB, load_stage_library
         from helmc.runtime.tvm_tensors import available_cpu_count, use_cpu_threads
 
         self.ctx = ctx
         use_cpu_threads(available_cpu_count())     # as the session: TVM otherwise uses half the cores on x86
         self.dev = tvm.cpu()
-        self.vm = VirtualMachine(tvm.runtime.load_module(os.path.join(ctx.bundle_dir, CPU_STAGE_LIB)), self.dev)
+        self.vm = load_stage_library(ctx.bundle_dir, CPU_STAGE_LIB)
 
     def tensor(self, a: np.ndarray):
         import tvm.runtime

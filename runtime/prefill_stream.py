@@ -86,7 +86,8 @@ class PinnedBlockArena:
 
         slots, nbytes = arena_layout(views)
         self.layer, self.slots, self.nbytes = layer, slots, nbytes
-        self.host = cupyx.empty_pinned((nbytes,), np.uint8)
+        from helmc.runtime.memory.allocation import allocate
+        self.host = allocate("pinned", nbytes, lambda: cupyx.empty_pinned((nbytes,), np.uint8), f"block {layer}'s weights")
         tensors = []
         for s, view, (_, src, _) in zip(slots, slot_views(self.host, slots), views):
             np.copyto(view, src.view(view.dtype) if src.dtype != view.dtype else src)

@@ -39,6 +39,8 @@ class SamplingParams:
         for name, ok, want in checks:
             if not ok:
                 raise HelmcError(f"{name} expected {want}, found {getattr(self, name)}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise HelmcError(f"seed expected a non-negative integer, found {self.seed!r}")   # NumPy's generator's rule
         if not all(isinstance(s, str) and s for s in self.stop):
             raise HelmcError(f"stop expected non-empty strings, found {self.stop!r}")
 

@@ -27,7 +27,7 @@ from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpo
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
 
-from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, progress
+from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, progress
 
 
 @dataclass
@@ -69,24 +69,36 @@ class Session:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, bundle_dir: str, weights_dir: str | None = None, quiet: bool = True, plan: Plan | None = None,
-             **kv_options) -> "Session":
+             trusted_keys: tuple | None = None, require_signed: bool = False, **kv_options) -> "Session":
         """plan: run the bundle with this plan instead of its own (benchmarks: a hybrid bundle as a plain split;
-        the libraries hold every block function, so any split of the same model and batch runs)."""
-        manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir)
+        the libraries hold every block function, so any split of the same model and batch runs).
+        trusted_keys (signature.PublicKey, e.g. from signature.trusted_keys()) and require_signed: see
+        signature.verify_manifest_signature; the signature is checked before any other file is read.
+        On failure nothing stays held: the checkpoint is closed and the error carries no traceback into the
+        frames that held half-bound weights or KV memory, so a server that keeps the error keeps no memory."""
+        manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
         if plan is not None and (plan.num_layers, plan.batch) != (own.num_layers, own.batch):
             raise HelmcError(f"plan override: expected {own.num_layers} layers and batch {own.batch} (the bundle's), "
                              f"found {plan.num_layers} and {plan.batch}")
         plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
+        try:
+            return cls._load_parts(bundle_dir, manifest, spec, plan, checkpoint, quiet, **kv_options)
+        except HelmcError as e:
+            checkpoint.close()
+            raise e.with_traceback(None) from None
+        except BaseException:
+            checkpoint.close()
+            raise
+
+    @classmethod
+    def _load_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, quiet, **kv_options) -> "Session":
         check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
         if plan.uses_gpu:
             from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
             return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options)
-        import tvm.runtime
-        from tvm.runtime.vm import VirtualMachine
-        lib = tvm.runtime.load_module(os.path.join(bundle_dir, CPU_STAGE_LIB))
-        vm = VirtualMachine(lib, tvm.cpu())
+        vm = load_stage_library(bundle_dir, CPU_STAGE_LIB)
         cpu_stage, head = build_cpu_stage(vm, spec, plan, checkpoint, quiet, **kv_options)
         return cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, head, tokenizer)
 
@@ -183,17 +195,26 @@ class Session:
 
 
 # -------------------------------------------------------------------- helpers
-def read_bundle(bundle_dir: str, weights_dir: str | None = None) -> tuple[BundleManifest, ModelSpec, Plan, str]:
-    """Manifest (verified before any library in the bundle loads), spec, plan and the weights directory."""
-    manifest = verify_bundle(bundle_dir)
-    with open(os.path.join(bundle_dir, "model_spec.json")) as f:
-        spec = ModelSpec.from_json(f.read())
-    with open(os.path.join(bundle_dir, "plan.json")) as f:
-        plan = Plan.from_json(f.read())
+def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
+                require_signed: bool = False) -> tuple[BundleManifest, ModelSpec, Plan, str]:
+    """Manifest (signature and hashes verified before any library in the bundle loads), spec, plan and the
+    weights directory."""
+    manifest = verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
+    spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
+    plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
     wdir = weights_dir or manifest.weights_dir
     if not os.path.isabs(wdir):
         wdir = os.path.join(bundle_dir, wdir)
     return manifest, spec, plan, wdir
+
+
+def _read_text(bundle_dir: str, name: str) -> str:
+    try:
+        with open(os.path.join(bundle_dir, name), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HelmcError(f"bundle: expected {name} (UTF-8 JSON) in {bundle_dir}, could not read it "
+                         f"({getattr(e, 'strerror', None) or e})") from None
 
 
 def request_kv_capacity(session: Session, prompt_tokens: int):

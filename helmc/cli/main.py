@@ -1,16 +1,21 @@
 """The helmc command line: a thin click layer over helmc.api.
 
-Every HelmcError becomes one line on stderr and exit status 2, never a traceback.
+Every HelmcError becomes one line on stderr and exit status 2, never a traceback. Any other exception is a
+bug or a failure of the machine: one line naming it and the log file that holds its traceback, exit status 1;
+`helmc --debug ...` (or HELMC_DEBUG=1) prints the traceback instead.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 
 import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.serve_chat import chat_command, serve_command
+from helmc.cli.trust import trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -21,11 +26,50 @@ class _Group(click.Group):
         except HelmcError as e:
             click.echo(f"helmc: error: {e}", err=True)
             ctx.exit(2)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("helmc: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as e:
+            if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
+                traceback.print_exc()
+            else:
+                where = _write_crash_log(ctx)
+                click.echo(f"helmc: internal error: {type(e).__name__}: {_one_line(e)} in `helmc "
+                           f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
+                           err=True)
+            ctx.exit(1)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def _write_crash_log(ctx) -> str:
+    """The traceback of the exception being handled, in a new file under HELMC_LOG_DIR (default
+    ~/.cache/helmc/logs, else the temporary directory); returns its path."""
+    import tempfile
+    import time
+    text = f"helmc {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}"
+    for d in (os.environ.get("HELMC_LOG_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "helmc", "logs"),
+              tempfile.gettempdir()):
+        try:
+            os.makedirs(d, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix=time.strftime("helmc-%Y%m%d-%H%M%S-"), suffix=".log", dir=d)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return "no log file (could not write one; rerun with --debug)"
 
 
 @click.group(cls=_Group)
 @click.version_option(package_name="helmc")
-def main():
+@click.option("--debug", is_flag=True, help="show the traceback of an unexpected error")
+def main(debug):
     """helmc: compile a Hugging Face model for one CPU + one GPU, and run it."""
 
 
@@ -51,15 +95,18 @@ def main():
 @click.option("--hybrid/--no-hybrid", default=True, show_default=True,
               help="allow hybrid decode (host blocks in CPU groups and streamed groups) where the plan predicts it "
                    "faster; one sequence at a time, with --stream-prefill")
+@click.option("--sign", "sign_key", default=None, type=click.Path(),
+              help="sign the bundle's manifest with this private key (from `helmc keygen`)")
 def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, prompt_len, output_len, stream_prefill,
-              prefill_activations, quant, max_batch, hybrid):
+              prefill_activations, quant, max_batch, hybrid, sign_key):
     """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
     (hardware.json) into a bundle."""
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
-                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, hybrid=hybrid)
+                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, hybrid=hybrid,
+                  sign_key=sign_key)
     click.echo(format_plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
@@ -88,8 +135,9 @@ def _parse_ids(text: str | None):
 @click.option("--kv-watermark", type=float, default=0.8, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@trust_options
 def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
-            kv_page_tokens, kv_watermark, no_kv_offload, as_json):
+            kv_page_tokens, kv_watermark, no_kv_offload, as_json, trust, require_signed):
     """Generate text from a bundle."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
@@ -100,6 +148,7 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_k=top_k, top_p=top_p, seed=seed, weights_dir=weights_dir, on_text=stream, quiet=as_json,
+                **trust_policy(trust, require_signed),
                 kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload)
     if as_json:
         click.echo(json.dumps(r.to_json_dict()))
@@ -116,15 +165,25 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
 @click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
-def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json):
+@trust_options
+def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, trust, require_signed):
     """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
     from helmc.planner.calibrate import calibrate
-    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps)
+    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
     r.profile.save(out_path)
     click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
     click.echo(f"wrote {out_path}", err=as_json)
+
+
+@main.command("keygen")
+@click.argument("key_file", type=click.Path())
+def keygen_cmd(key_file):
+    """Write a new ed25519 key pair for signing bundles: KEY_FILE (private, mode 0600) and KEY_FILE.pub."""
+    from helmc.runtime.bundle.signature import generate_keypair
+    pub = generate_keypair(key_file)
+    click.echo(f"wrote {key_file} (private; keep it secret) and {pub.source} (fingerprint {pub.fingerprint})")
 
 
 main.add_command(profile_command, "profile")

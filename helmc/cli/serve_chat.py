@@ -9,6 +9,7 @@ import time
 
 import click
 
+from helmc.cli.trust import trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -23,6 +24,19 @@ def _need_serve_extra():
         raise HelmcError(f"serve: expected the serve extra (pip install 'helmc[serve]'), found {', '.join(missing)} missing")
 
 
+def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
+    """serve's arguments, checked before the bundle is read (a typo costs no load)."""
+    if not 0 <= port <= 65535:
+        raise HelmcError(f"--port expected in [0, 65535] (0: any free port), found {port}")
+    if max_batch is not None and max_batch < 1:
+        raise HelmcError(f"--max-batch expected >= 1 (or left out: the plan's batch), found {max_batch}")
+    if kv_page_tokens < 1:
+        raise HelmcError(f"--kv-page-tokens expected a positive integer, found {kv_page_tokens}")
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    if log_level not in levels:
+        raise HelmcError(f"--log-level expected one of {', '.join(levels)}, found {log_level!r}")
+
+
 @click.command("serve")
 @click.argument("bundle_dir", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -32,16 +46,21 @@ def _need_serve_extra():
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
 @click.option("--kv-page-tokens", type=int, default=512, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
-def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level):
+@trust_options
+def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level, trust,
+                  require_signed):
     """Serve BUNDLE_DIR over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    _check_serve_arguments(port, max_batch, kv_page_tokens, log_level)
     _need_serve_extra()
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.metrics import Metrics
     from helmc.runtime.serve.server import ServeState, serve
+    policy = trust_policy(trust, require_signed)
     metrics = Metrics()
-    engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens)
+    engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens,
+                                   **policy)
     name = model_name or os.path.basename(os.path.normpath(bundle_dir))
     state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
     metrics.watch(engine)
@@ -66,7 +85,8 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
-def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir):
+@trust_options
+def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, trust, require_signed):
     """Chat with BUNDLE_DIR in the terminal: tokens print as they come; /reset forgets the conversation,
     /stats shows the last reply's timings, /quit (or end of input) leaves."""
     from helmc.runtime.isolation import forbid_compiler_imports
@@ -78,7 +98,8 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     from helmc.runtime.sampling import SamplingParams
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.protocol import Request
-    engine, template = load_engine(bundle_dir, 1, weights_dir)
+    SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
+    engine, template = load_engine(bundle_dir, 1, weights_dir, **trust_policy(trust, require_signed))
     if template is None:
         raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
                          "found none; use helmc run --prompt")

@@ -101,7 +101,9 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
           use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
           plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
-          prefill_activations: str = "model", quant: str = "", batch: int = 1, hybrid: bool = True) -> BuildResult:
+          prefill_activations: str = "model", quant: str = "", batch: int = 1, hybrid: bool = True,
+          signer=None) -> BuildResult:
+    """signer: an ed25519 private key (signature.load_private_key) to sign the manifest with, or None."""
     progress = Progress(quiet)
     from helmc.compiler.passes.lower_linear import check_prefill_activations
     from helmc.compiler.read_model import read_model
@@ -133,6 +135,10 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     if need_gpu:
         jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch + batch_key)
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
+    for stage, key in jobs.items():
+        if key in cache.corrupt:
+            progress(f"compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since it was "
+                     "stored); removed, rebuilding")
     reused = tuple(stage for stage, d in hits.items() if d)
     for stage, d in hits.items():
         if d:
@@ -174,6 +180,6 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
             target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
             cpu_features_required=cpu_required, llvm_target=llvm_desc,
             cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights,
-            prefill_activations=prefill_activations if need_cpu else ""))
+            prefill_activations=prefill_activations if need_cpu else "", signer=signer))
     progress(f"write_bundle: {out_dir}")
     return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

@@ -45,12 +45,28 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
         config_sha = hashlib.sha256(f.read()).hexdigest()
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
     if not quant:
+        _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)
     source = _read_gguf(gguf, with_tokenizer=False)
     return ModelSource(source.spec, config_sha, gguf, tokenizer_dir=model_dir)
+
+
+def _check_weights(model_dir: str, spec) -> None:
+    """The safetensors' headers against config.json (headers only: no tensor is read), so a build refuses weights
+    `helmc run` would refuse, before anything is compiled or written. A directory without weights is left alone:
+    they may come at run time (helmc run --weights)."""
+    from helmc.runtime.weights.bind import check_checkpoint
+    from helmc.runtime.weights.safetensors_mmap import Checkpoint
+    if not any(os.path.exists(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+        return
+    ck = Checkpoint(model_dir)
+    try:
+        check_checkpoint(ck, spec)
+    finally:
+        ck.close()
 
 
 def _read_gguf(path: str, with_tokenizer: bool = True, progress=lambda m: None) -> ModelSource:

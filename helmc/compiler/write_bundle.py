@@ -1,14 +1,27 @@
 """Write phase: a self-describing bundle directory, complete or absent.
 
 Everything goes into a temporary directory beside the destination, the manifest (sha256 of every
-file) is written last, and the directory is renamed into place; an existing bundle at the
-destination is replaced only after the new one is complete.
+file) is written last (then its signature, with --sign), and the directory is swapped into place in one
+step (Linux renameat2 RENAME_EXCHANGE; elsewhere two renames under the same lock): an existing bundle at
+the destination is replaced only after the new one is complete, a build killed at any point leaves the
+old bundle or none, and builds into one destination at once serialise their swaps on a lock of the parent
+directory, so the result is one whole bundle, the last one swapped in. Temporary directories of killed
+builds (named with their process id) are removed by the next build into the same parent.
+
+Fault injection for tests: HELMC_FAULT_BUILD=POINT:kill|raise|pause stops a build at POINT (files_copied,
+manifest_written, swapping: just before the swap; swapped: just after it, the previous bundle not yet removed)
+with SIGKILL (the process dies there) or an OSError (ENOSPC), or holds it there for a second (so that two builds
+meet at that point).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
-import tempfile
+import signal
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -38,26 +51,57 @@ class BundleInputs:
     tokenizer_dir: str = ""                     # copy TOKENIZER_FILES from here
     tokenizer_json: str = ""                    # or write this tokenizer.json (read from a GGUF file)
     chat_template: str = ""                     # a GGUF's tokenizer.chat_template, written as chat_template.jinja
+    signer: object = None                       # an ed25519 private key: write manifest.sig
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
 
+FAULT_ENV = "HELMC_FAULT_BUILD"
+
+
+def fault_point(name: str) -> None:
+    """Tests stop a build here (see the module note); a no-op unless HELMC_FAULT_BUILD names this point."""
+    point, _, how = os.environ.get(FAULT_ENV, "").partition(":")
+    if point != name:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "pause":
+        time.sleep(1.0)
+        return
+    raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
+
+
 def write_bundle(b: BundleInputs):
+    out = os.path.abspath(b.out_dir)
+    try:
+        return _write_bundle(b, out)
+    except OSError as e:
+        raise HelmcError(f"output: could not write the bundle {out}: {e.strerror or e} "
+                         f"({e.filename or 'while swapping it in'}); any previous bundle there is unchanged") from None
+
+
+def _write_bundle(b: BundleInputs, out: str):
     from helmc.runtime.bundle.manifest import BUNDLE_FORMAT_VERSION, MANIFEST_NAME, BundleFile, BundleManifest, sha256_file
     from helmc.jsonio import atomic_write_text
 
-    out = os.path.abspath(b.out_dir)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     if os.path.exists(out) and not os.path.isfile(os.path.join(out, MANIFEST_NAME)):
-        if os.listdir(out):
+        if not os.path.isdir(out) or os.listdir(out):
             raise HelmcError(f"output: {out} exists and is not a helmc bundle; refusing to replace it")
-    tmp = tempfile.mkdtemp(prefix=".bundle-", dir=parent)
+    prefix = f".{os.path.basename(out)}.tmp-"
+    with _parent_lock(parent):
+        _remove_stale_temporaries(parent, prefix)
+    # os.mkdir, not mkdtemp: the bundle gets the umask's mode (mkdtemp's 0700 would hide it from other users)
+    tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
+    os.mkdir(tmp)
     try:
         for name, src in b.libraries:
             shutil.copy2(src, os.path.join(tmp, name))
+        fault_point("files_copied")
         for name in TOKENIZER_FILES if b.tokenizer_dir else ():
             src = os.path.join(b.tokenizer_dir, name)
             if os.path.exists(src):
@@ -98,14 +142,91 @@ def write_bundle(b: BundleInputs):
             weights_dir=weights_dir, files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time(),
             prefill_activations=b.prefill_activations)
         atomic_write_text(os.path.join(tmp, MANIFEST_NAME), manifest.to_json() + "\n")
-        old = None
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=".old-bundle-", dir=parent)
-            os.replace(out, os.path.join(old, "b"))
-        os.replace(tmp, out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        if b.signer is not None:
+            from helmc.runtime.bundle.signature import sign_manifest
+            sign_manifest(os.path.join(tmp, MANIFEST_NAME), b.signer)
+        fault_point("manifest_written")
+        with _parent_lock(parent):
+            if os.path.exists(out) and not os.path.isfile(os.path.join(out, MANIFEST_NAME)) and os.listdir(out):
+                raise HelmcError(f"output: {out} exists and is not a helmc bundle; refusing to replace it")
+            _swap_in(tmp, out)
+        fault_point("swapped")
+        shutil.rmtree(tmp, ignore_errors=True)         # the previous bundle, if there was one
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class _parent_lock:
+    """An exclusive flock on the directory itself (no lock file left behind); released when the process dies."""
+
+    def __init__(self, parent: str):
+        self.parent = parent
+
+    def __enter__(self):
+        self.fd = os.open(self.parent, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _remove_stale_temporaries(parent: str, prefix: str) -> None:
+    """Temporary directories that builds killed before their swap left beside the destination."""
+    for name in os.listdir(parent):
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix):].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _swap_in(tmp: str, out: str) -> None:
+    """Put the complete bundle `tmp` at `out`; afterwards `tmp` holds the previous bundle (or is empty)."""
+    if not os.path.exists(out):
+        fault_point("swapping")
+        os.replace(tmp, out)
+        return
+    fault_point("swapping")
+    if _exchange(tmp, out):
+        return
+    # No atomic exchange: move the old bundle aside, the new one in, and the old one back if that fails.
+    aside = tmp + ".old"
+    os.replace(out, aside)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(aside, out)
+        raise
+    os.replace(aside, tmp)

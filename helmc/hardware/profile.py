@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from helmc.errors import HelmcError
-from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
+from helmc.jsonio import atomic_write_text, from_dict, load_json_file, parse_json, to_dict
 
 # 2: the CPU's read rates come from helmc's own compiled kernels (host_read_gbs, gemv_reads replace numpy's
 # dram_strided_gbs) and the link carries the DRAM + PCIe rates measured at once (issue 17).
@@ -238,7 +238,7 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
-        return from_dict(cls, json.loads(text), "hardware profile")
+        return from_dict(cls, parse_json(text, "hardware profile"), "hardware profile")
 
     @classmethod
     def load(cls, path: str) -> "HardwareProfile":

@@ -129,6 +129,9 @@ def _gguf():
         raise HelmcError("reading GGUF files needs the gguf package (pip install 'helmc[gguf]'), not installed") from None
 
 
+MAX_ARRAY_ITEMS = 1 << 22
+
+
 class _Corrupt(Exception):
     """A structural problem found inside the reader; reported as a HelmcError with the path."""
 
@@ -138,6 +141,37 @@ def _reader_class():
     gguf = _gguf()
 
     class CheckedReader(gguf.GGUFReader):
+        # gguf's _get slices the mapping and returns a short (even empty) array past its end without a word, so
+        # an array length of 2^63 in the header becomes a loop appending empty parts until memory runs out:
+        # every read must lie inside the file, which bounds the reader's work by the file's size.
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if int(count) < 0 or end > len(self.data):
+                raise _Corrupt(f"GGUF header truncated or corrupt: a field at byte {int(offset)} needs {int(count)} "
+                               f"x {np.dtype(dtype).itemsize} bytes, past the end of the file ({len(self.data)} bytes)")
+            return super()._get(offset, dtype, count, override_order)
+
+        # gguf reads an array item by item, a NumPy object each (~100 bytes): an array length taken from the file
+        # must fit in the bytes left, and all arrays together stay under MAX_ARRAY_ITEMS, so a crafted file of a
+        # few GB cannot make the reader hold hundreds of GB of items.
+        def __init__(self, path, mode="r"):
+            self._array_items = 0
+            super().__init__(path, mode)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                item_type, n = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                least = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}.get(
+                    item_type, np.dtype(self.gguf_scalar_to_np.get(item_type, np.uint8)).itemsize)
+                if n * least > len(self.data) - orig_offs - 12:
+                    raise _Corrupt(f"GGUF header truncated or corrupt: an array at byte {orig_offs} claims {n} items, "
+                                   f"more than the {len(self.data) - orig_offs - 12} bytes left in the file hold")
+                self._array_items += n
+                if self._array_items > MAX_ARRAY_ITEMS:
+                    raise _Corrupt(f"GGUF header: expected at most {MAX_ARRAY_ITEMS} array items in all (a 262k-token "
+                                   f"vocabulary with its scores and merges has ~1.3M), found more")
+            return super()._get_field_parts(orig_offs, raw_type)
+
         # gguf's reader slices every tensor out of the mapping and fails with a bare reshape error when
         # the data runs past the end of the file; check each tensor's extent first to say which one.
         def _build_tensors(self, start_offs, fields):
@@ -179,6 +213,8 @@ def open_gguf_reader(path: str):
     except IndexError:              # gguf's reader indexes past the mapping's end: the header is cut short
         raise HelmcError(f"{path}: GGUF header truncated or corrupt: it runs past the end of the file "
                          f"({os.path.getsize(path)} bytes)") from None
+    except RecursionError:          # arrays of arrays nested thousands deep
+        raise HelmcError(f"{path}: GGUF header corrupt: arrays nested too deep to read") from None
     except (ValueError, KeyError, OverflowError, TypeError, UnicodeDecodeError) as e:
         raise HelmcError(f"{path}: GGUF header unreadable, truncated or corrupt "
                          f"(file is {os.path.getsize(path)} bytes; gguf said {type(e).__name__}: {e})") from None
@@ -211,8 +247,14 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             n_tokens = len(field.data)
         if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 64:
             continue          # token lists and merges: read_gguf_tokenizer reads them when it needs them
-        metadata[key] = field_value(field)
-    if int(metadata.get("split.count", 1) or 1) > 1:
+        try:
+            metadata[key] = field_value(field)
+        except HelmcError as e:
+            raise HelmcError(f"{path}: {e}") from None
+    split = metadata.get("split.count", 1)
+    if isinstance(split, bool) or not isinstance(split, int):
+        raise HelmcError(f"{path}: split.count expected an integer, found {split!r:.40}")
+    if split > 1:
         raise HelmcError(f"{path}: expected one GGUF file, found part of a split of {metadata['split.count']}: "
                          "merge it first (llama.cpp's gguf-split --merge)")
     if not isinstance(arch := metadata.get("general.architecture"), str):
@@ -227,6 +269,10 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             if name != "f32":
                 raise HelmcError(f"{path}: tensor 'rope_freqs.weight' expected F32, found {t.tensor_type.name}")
             rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:                    # llama.cpp lays tensors out one after another; two views of one span are corrupt
+            raise HelmcError(f"{path}: tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap in the file")
     return GGUFHeader(path, arch, metadata, tensors, n_tokens, rope_freqs)
 
 
@@ -277,7 +323,7 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
     eos = [h.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = tuple(dict.fromkeys(int(e) for e in eos if isinstance(e, int)))   # distinct, in this order
     bos = h.metadata.get("tokenizer.ggml.bos_token_id")
-    return ModelSpec(
+    fields = dict(
         architecture=GGUF_ARCHITECTURES[arch], hidden_size=H, intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         vocab_size=int(vocab), rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", kind=float)),
@@ -287,6 +333,10 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
         qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=arch == "qwen3", sliding_window=0,
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
+    try:
+        return ModelSpec(**fields)
+    except HelmcError as e:                  # ModelSpec's own checks: say which file they are about
+        raise HelmcError(f"{h.path}: {e}") from None
 
 
 def _rope(h: GGUFHeader, key, theta: float, head_dim: int) -> RopeSpec:
@@ -320,9 +370,9 @@ def _llama3_rope(path: str, factors: tuple[float, ...], theta: float, head_dim: 
     and `factor` a line fit gives a, b and low is set to 1; otherwise Llama 3.1's (1, 4, 8192) is tried.
     Whatever is chosen must reproduce every stored factor."""
     f = np.asarray(factors, dtype=np.float64)
+    if f.size != head_dim // 2:           # before sizing anything by head_dim, which a corrupt header sets at will
+        raise HelmcError(f"{path}: rope_freqs.weight expected {head_dim // 2} factors (head dim {head_dim} / 2), found {f.size}")
     freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # [D/2]
-    if f.shape != freq.shape:
-        raise HelmcError(f"{path}: rope_freqs.weight expected {freq.size} factors (head dim {head_dim} / 2), found {f.size}")
     factor = float(f.max())
     if factor <= 1.0:
         return RopeSpec(theta=theta)

@@ -13,10 +13,15 @@ import os
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
-from helmc.jsonio import from_dict, load_json_file, to_dict
+from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Far above any released model (Llama 3.1 405B: 126 blocks, hidden 16384, 128 heads; vocabularies ~256k), but
+# below what a corrupt header can ask for: the checks that list one tensor per block, or the planner's tables,
+# must never be sized by a 2^31 taken from a file.
+SIZE_LIMITS = {"hidden_size": 1 << 18, "intermediate_size": 1 << 20, "num_layers": 4096, "num_heads": 4096,
+               "num_kv_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 30}
 # The block's linear weights, in the order ModelSpec.layer_types lists their types.
 LINEAR_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -77,12 +82,27 @@ class ModelSpec:
     embed_type: str = ""
 
     def __post_init__(self):
-        if self.layer_types:
-            assert len(self.layer_types) == self.num_layers, "one type signature per block"
-            assert all(len(t) == len(LINEAR_NAMES) for t in self.layer_types), "one type per linear weight"
-            assert all(x in QUANT_BLOCKS or x == "" for t in self.layer_types for x in t), self.layer_types
-        assert self.head_type in QUANT_BLOCKS or self.head_type == "", self.head_type
-        assert self.embed_type in QUANT_BLOCKS or self.embed_type == "", self.embed_type
+        # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
+        for name, most in SIZE_LIMITS.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > most:
+                raise HelmcError(f"model spec: {name} expected a positive integer of at most {most}, found {v!r}")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise HelmcError(f"model spec: num_heads ({self.num_heads}) expected a multiple of num_kv_heads "
+                             f"({self.num_kv_heads}) and head_dim ({self.head_dim}) even")
+        if self.dtype not in DTYPE_BYTES:
+            raise HelmcError(f"model spec: dtype expected one of {sorted(DTYPE_BYTES)}, found {self.dtype!r}")
+        if self.sliding_window < 0:
+            raise HelmcError(f"model spec: sliding_window expected >= 0, found {self.sliding_window}")
+        quant = set(QUANT_BLOCKS) | {""}
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(len(t) != len(LINEAR_NAMES) for t in self.layer_types)
+                                 or any(x not in quant for t in self.layer_types for x in t)):
+            raise HelmcError(f"model spec: layer_types expected {self.num_layers} lists of {len(LINEAR_NAMES)} types "
+                             f"from {sorted(quant)}, found {str(self.layer_types)[:80]}")
+        if self.head_type not in quant or self.embed_type not in quant:
+            raise HelmcError(f"model spec: head_type and embed_type expected one of {sorted(quant)}, found "
+                             f"{self.head_type!r}, {self.embed_type!r}")
 
     # ---- quantized weights ------------------------------------------------------------------
     @property
@@ -199,7 +219,7 @@ class ModelSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
-        return from_dict(cls, json.loads(text))
+        return from_dict(cls, parse_json(text, "model spec"), "model spec")
 
     # ---- reading a Hugging Face config.json ----------------------------------------------------
     @classmethod
@@ -211,67 +231,101 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "ModelSpec":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
+        """Every value is checked for its type here: config.json comes from anywhere (a download, a hand edit)."""
+        if not isinstance(cfg, dict):
+            raise HelmcError(f"{where}: expected a JSON object, found {type(cfg).__name__}")
+        archs = cfg.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise HelmcError(f"{where}: architectures expected one of {list(SUPPORTED_ARCHITECTURES)}, found {archs or 'none'}")
+            raise HelmcError(f"{where}: architectures expected one of {list(SUPPORTED_ARCHITECTURES)}, found {archs or 'none'}"
+                             f"{_CUSTOM_CODE if cfg.get('auto_map') else ''}")
+        auto = cfg.get("auto_map")
+        if isinstance(auto, dict) and any(k in auto for k in ("AutoModel", "AutoModelForCausalLM")) or \
+                (auto is not None and not isinstance(auto, dict)):
+            raise HelmcError(f"{where}: expected a {arch} config without custom model code, found auto_map "
+                             f"{str(auto)[:80]}{_CUSTOM_CODE}")
 
-        def need(key):
-            if key not in cfg or cfg[key] is None:
-                raise HelmcError(f"{where}: required key {key!r} missing for {arch}")
-            v = cfg[key]
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise HelmcError(f"{where}: {key!r} expected a positive number, found {v!r}")
-            return v
+        def number(key, default=None, kind=int, positive=True):
+            v = cfg.get(key)
+            if v is None:
+                if default is None:
+                    raise HelmcError(f"{where}: required key {key!r} missing for {arch}")
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
+                    or (positive and v <= 0) or v != v or abs(v) == float("inf"):
+                raise HelmcError(f"{where}: {key!r} expected a {'positive ' if positive else ''}"
+                                 f"{'integer' if kind is int else 'number'}, found {v!r:.60}")
+            return kind(v)
 
-        H, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or H // heads)
+        H, heads = number("hidden_size"), number("num_attention_heads")
+        kv_heads = number("num_key_value_heads", heads)
+        head_dim = number("head_dim", max(1, H // heads))
         if heads % kv_heads:
             raise HelmcError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
         if head_dim % 2:
             raise HelmcError(f"{where}: head_dim must be even for RoPE, found {head_dim}")
         dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
         if dtype_name not in _TORCH_DTYPE_NAMES:
-            raise HelmcError(f"{where}: dtype expected float32, float16 or bfloat16, found {dtype_name!r}")
+            raise HelmcError(f"{where}: dtype expected float32, float16 or bfloat16, found {dtype_name!r:.60}")
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise HelmcError(f"{where}: eos_token_id expected an integer or a list of them, found {cfg['eos_token_id']!r:.60}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r}")
+            raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r:.60}")
         sliding = 0
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
-            sliding = int(cfg.get("sliding_window") or 0)
-        return cls(
-            architecture=arch, hidden_size=H, intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, vocab_size=int(need("vocab_size")),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=_rope_from_config(cfg, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window") is True:
+            sliding = number("sliding_window", 0, positive=False)
+        bos = cfg.get("bos_token_id")
+        fields = dict(
+            architecture=arch, hidden_size=H, intermediate_size=number("intermediate_size"),
+            num_layers=number("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, vocab_size=number("vocab_size"),
+            rms_norm_eps=number("rms_norm_eps", 1e-6, float), rope=_rope_from_config(cfg, where),
+            max_position_embeddings=number("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings") is True,
             dtype=_TORCH_DTYPE_NAMES[dtype_name],
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias") is True,
             qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
-            bos_token_id=int(cfg["bos_token_id"]) if isinstance(cfg.get("bos_token_id"), int) else -1,
-            eos_token_ids=eos_ids)
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
+            eos_token_ids=tuple(eos))
+        try:
+            return cls(**fields)
+        except HelmcError as e:              # ModelSpec's own checks (sizes, heads): say which file they are about
+            raise HelmcError(f"{where}: {e}") from None
+
+
+_CUSTOM_CODE = " (auto_map: custom model code, which helmc never imports or runs: it compiles its own implementation " \
+               "of the supported architectures)"
 
 
 def _rope_from_config(cfg: dict, where: str) -> RopeSpec:
     # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta +
     # rope_scaling. Both spellings are accepted.
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        v = cfg.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise HelmcError(f"{where}: {key} expected a JSON object, found {v!r:.60}")
+        params.update(v or {})
+
+    def num(key, default=None, d=params, kind=float):
+        v = d.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf") or v <= 0:
+            raise HelmcError(f"{where}: rope {key} expected a positive number, found "
+                             f"{'nothing' if v is None else repr(v)[:60]}")
+        return kind(v)
+    theta = num("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeSpec(theta=theta)
     if kind == "linear":
-        return RopeSpec(theta=theta, kind="linear", factor=float(params["factor"]))
+        return RopeSpec(theta=theta, kind="linear", factor=num("factor"))
     if kind == "llama3":
-        return RopeSpec(theta=theta, kind="llama3", factor=float(params["factor"]),
-                        low_freq_factor=float(params["low_freq_factor"]),
-                        high_freq_factor=float(params["high_freq_factor"]),
-                        original_max_position=int(params["original_max_position_embeddings"]))
-    raise HelmcError(f"{where}: rope type expected default, linear or llama3, found {kind!r}")
+        return RopeSpec(theta=theta, kind="llama3", factor=num("factor"), low_freq_factor=num("low_freq_factor"),
+                        high_freq_factor=num("high_freq_factor"),
+                        original_max_position=num("original_max_position_embeddings", kind=int))
+    raise HelmcError(f"{where}: rope type expected default, linear or llama3, found {kind!r:.60}")
 
 
 def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:

@@ -189,10 +189,12 @@ def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str, source: st
 
 
 def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile", weights_dir: str | None = None,
-              steps: int | None = None, warmup: int = 5) -> CalibrationResult:
+              steps: int | None = None, warmup: int = 5, trusted_keys: tuple | None = None,
+              require_signed: bool = False) -> CalibrationResult:
     """Time the decode step of one or more bundles on this machine and fit each device's delta and
     sigma against `hardware`. With several bundles each part (a device's blocks, the head's
-    device) is timed on the first bundle whose plan has it, so one profile serves them all."""
+    device) is timed on the first bundle whose plan has it, so one profile serves them all.
+    trusted_keys, require_signed: as Session.load (each bundle's signature checked before it is read)."""
     from helmc.runtime.measure_bundle import load_bundle_parts, measure_bundle, plan_parts
 
     bundles = [bundle_dirs] if isinstance(bundle_dirs, str) else list(bundle_dirs)
@@ -203,13 +205,14 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
     fits: dict[str, DeviceFit] = {}
     used, mean_context, n_steps = [], 0.0, 0
     for bundle in bundles:
-        _, plan, _, _ = load_bundle_parts(bundle, weights_dir)
+        _, plan, _, _ = load_bundle_parts(bundle, weights_dir, trusted_keys, require_signed)
         todo = tuple(p for p in plan_parts(plan) if p not in done)
         if not todo:
             continue
         if any(p.startswith("gpu") for p in todo) and hw.gpu is None:
             raise HelmcError(f"calibrate: bundle {bundle} runs a GPU stage, the hardware profile has no GPU")
-        t = measure_bundle(bundle, weights_dir, todo, steps=steps, warmup=warmup, cpu_cache_bytes=hw.cpu.l3_bytes)
+        t = measure_bundle(bundle, weights_dir, todo, steps=steps, warmup=warmup, cpu_cache_bytes=hw.cpu.l3_bytes,
+                           trusted_keys=trusted_keys, require_signed=require_signed)
         a, w = analyze_program(t.spec), decode_workload(t.plan)
         for device in ("cpu", "gpu"):
             stage, tail = t.stage(device), t.tail(device)

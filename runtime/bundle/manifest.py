@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
-from helmc.jsonio import from_dict, load_json_file, to_dict
+from helmc.jsonio import from_dict, parse_json, to_dict
 
 BUNDLE_FORMAT_VERSION = 5              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens;
                                        # 5: batched decode variants (decode_b{B}) for plans of batch > 1
@@ -56,7 +56,7 @@ class BundleManifest:
 
     @classmethod
     def from_json(cls, text: str) -> "BundleManifest":
-        return from_dict(cls, json.loads(text), "bundle manifest")
+        return from_dict(cls, parse_json(text, "bundle manifest"), "bundle manifest")
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
@@ -81,32 +81,82 @@ def host_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None) -> BundleManifest:
-    """Every check that must pass before a library of the bundle is loaded."""
+def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trusted_keys: tuple | None = None,
+                  require_signed: bool = False) -> BundleManifest:
+    """Every check that must pass before a library of the bundle is loaded. The signature comes first
+    (signature.verify_manifest_signature: over the manifest's bytes as read here, before any other file of the
+    bundle is opened); then the manifest's own checks, each listed file (inside the bundle, a regular file, its
+    size and sha256), nothing unlisted, and this CPU's features. trusted_keys: signature.PublicKey tuple, or
+    None for those HELMC_TRUSTED_KEYS names (signature.trusted_keys)."""
+    from helmc.runtime.bundle.signature import SIGNATURE_NAME, trusted_keys as env_keys, verify_manifest_signature
+    if trusted_keys is None:          # no keys given: those HELMC_TRUSTED_KEYS names, so every loader honours it
+        trusted_keys = env_keys()
     if not os.path.isdir(bundle_dir):
-        raise HelmcError(f"bundle: expected a directory, found nothing at {bundle_dir}")
-    raw = load_json_file(os.path.join(bundle_dir, MANIFEST_NAME), "bundle manifest")
+        raise HelmcError(f"bundle: expected a directory, found {'a file' if os.path.exists(bundle_dir) else 'nothing'} "
+                         f"at {bundle_dir}")
+    manifest_bytes = _read_manifest_bytes(bundle_dir)
+    verify_manifest_signature(bundle_dir, manifest_bytes, tuple(trusted_keys), require_signed)
+    try:
+        raw = json.loads(manifest_bytes)
+    except (ValueError, RecursionError) as e:
+        raise HelmcError(f"bundle manifest: {os.path.join(bundle_dir, MANIFEST_NAME)} is not valid JSON "
+                         f"({getattr(e, 'msg', type(e).__name__)})") from None
     if not isinstance(raw, dict) or raw.get("format_version") != BUNDLE_FORMAT_VERSION:
         found = raw.get("format_version") if isinstance(raw, dict) else type(raw).__name__
         raise HelmcError(f"bundle manifest: format_version expected {BUNDLE_FORMAT_VERSION}, found {found}")
     manifest = from_dict(BundleManifest, raw, "bundle manifest")
+    root = os.path.realpath(bundle_dir)
     listed = set()
     for f in manifest.files:
-        if os.path.isabs(f.path) or ".." in f.path.split("/"):
-            raise HelmcError(f"bundle manifest: file path must stay inside the bundle, found {f.path!r}")
-        full = os.path.join(bundle_dir, f.path)
-        if not os.path.isfile(full):
-            raise HelmcError(f"bundle: {f.path} listed in the manifest is missing")
+        full = _listed_file(bundle_dir, root, f)
+        if os.path.getsize(full) != f.size:
+            raise HelmcError(f"bundle: {f.path} size expected {f.size} bytes, found {os.path.getsize(full)} "
+                             "(modified or corrupt; rebuild the bundle)")
         actual = sha256_file(full)
         if actual != f.sha256:
             raise HelmcError(f"bundle: {f.path} sha256 expected {f.sha256[:16]}..., found {actual[:16]}... (modified or corrupt; rebuild the bundle)")
         listed.add(f.path)
-    for name in os.listdir(bundle_dir):
-        if name.endswith((".so", ".cubin", ".json")) and name not in listed and name != MANIFEST_NAME:
-            raise HelmcError(f"bundle: {name} is not listed in the manifest; refusing a bundle with unlisted code or data")
+    for d, dirs, names in os.walk(bundle_dir):
+        for name in sorted(names + [x for x in dirs if os.path.islink(os.path.join(d, x))]):
+            rel = os.path.relpath(os.path.join(d, name), bundle_dir).replace(os.sep, "/")
+            if rel not in listed and rel not in (MANIFEST_NAME, SIGNATURE_NAME):
+                raise HelmcError(f"bundle: {rel} is not listed in the manifest; refusing a bundle with unlisted code or data")
     flags = host_cpu_flags() if cpu_flags is None else cpu_flags
     missing = [f for f in manifest.cpu_features_required if f not in flags]
     if missing:
         raise HelmcError(f"bundle: built for CPU features {list(manifest.cpu_features_required)}; this CPU lacks {missing} "
                          f"(rebuild with a hardware profile of this machine)")
     return manifest
+
+
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
+def _read_manifest_bytes(bundle_dir: str) -> bytes:
+    path = os.path.join(bundle_dir, MANIFEST_NAME)
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise HelmcError(f"bundle manifest: expected a regular file {path}, found "
+                         f"{'a link' if os.path.islink(path) else 'nothing' if not os.path.exists(path) else 'a directory'}")
+    with open(path, "rb") as f:
+        data = f.read(_MAX_MANIFEST_BYTES + 1)
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise HelmcError(f"bundle manifest: expected at most {_MAX_MANIFEST_BYTES} bytes, found a larger {path}")
+    return data
+
+
+def _listed_file(bundle_dir: str, root: str, f: BundleFile) -> str:
+    """The path of a listed file after checking that it names a regular file inside the bundle: no absolute
+    path, no `..`, no symbolic link anywhere on the way (a link could point at any file on the machine)."""
+    parts = f.path.split("/")
+    if not f.path or os.path.isabs(f.path) or "\\" in f.path or any(p in ("", ".", "..") for p in parts):
+        raise HelmcError(f"bundle manifest: file path must stay inside the bundle, found {f.path!r}")
+    full = os.path.join(bundle_dir, *parts)
+    for i in range(1, len(parts) + 1):
+        if os.path.islink(os.path.join(bundle_dir, *parts[:i])):
+            raise HelmcError(f"bundle: {f.path} is a symbolic link ({'/'.join(parts[:i])} -> "
+                             f"{os.readlink(os.path.join(bundle_dir, *parts[:i]))}); expected a regular file in the bundle")
+    if not os.path.isfile(full):
+        raise HelmcError(f"bundle: {f.path} listed in the manifest is missing")
+    if os.path.commonpath([root, os.path.realpath(full)]) != root:
+        raise HelmcError(f"bundle manifest: file path must stay inside the bundle, found {f.path!r}")
+    return full

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
-from helmc.jsonio import from_dict, to_dict
+from helmc.jsonio import from_dict, parse_json, to_dict
 
 PLAN_FORMAT_VERSION = 1
 _TIME_TOLERANCE_MS = 1e-6
@@ -276,7 +276,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return from_dict(cls, json.loads(text), "plan")
+        return from_dict(cls, parse_json(text, "plan"), "plan")
 
 
 def describe_split(cpu_units: int, num_units: int) -> str:

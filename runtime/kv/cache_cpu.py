@@ -35,6 +35,7 @@ import numpy as np
 from helmc.errors import HelmcError
 
 from helmc.runtime.kv.pages import PagePool
+from helmc.runtime.memory.allocation import allocate
 from helmc.runtime.kv.paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
                               ungroup_output)
 
@@ -90,7 +91,9 @@ class KVCacheCPU:
         self.score_budget_bytes = score_budget_bytes
         n_slots = -(-max_tokens // page_tokens)
         self.pool = PagePool(page_tokens, gpu_capacity=0, host_capacity=n_slots)
-        self._arena = _aligned_empty((num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim), self.dtype)
+        shape = (num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim)
+        self._arena = allocate("kv", int(np.prod(shape)) * np.dtype(self.dtype).itemsize,
+                               lambda: _aligned_empty(shape, self.dtype), f"{max_tokens} tokens x {num_layers} CPU layers")
         self._seq = self.pool.add_sequence()
         self._pending = 0
         self._appended: set[int] = set()

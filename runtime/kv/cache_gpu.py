@@ -36,6 +36,7 @@ from helmc.runtime.kv.pages import PagePool, PoolExhausted
 from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
 from helmc.runtime.kv.cuda_ops import D2H, H2D, PREFILL_MAX_TOKENS
 from helmc.runtime.kv.decode_splits import plan_splits, runs
+from helmc.runtime.memory.allocation import allocate
 
 
 class KVCacheGPU:
@@ -82,7 +83,8 @@ class KVCacheGPU:
         # Bytes past the `capacity` slots hold no page: they are there only for lend_empty_pool.
         room = vram_bytes if vram_bytes is not None else fit * self.page_bytes
         store_bytes = max(capacity * self.page_bytes, min(max(0, loan_bytes), room))
-        self._store = ops.device_empty((-(-store_bytes // 2),), np.float16)
+        self._store = allocate("kv", store_bytes, lambda: ops.device_empty((-(-store_bytes // 2),), np.float16),
+                               "GPU page pool")
         self.gpu_store = self._store[:capacity * self.page_bytes // 2].reshape(
             capacity, num_layers, 2, num_kv_heads, page_tokens, head_dim)          # [bytes/2] -> [C, L, 2, h_kv, T, d]
         assert self._store.nbytes >= min(loan_bytes, room), (store_bytes, loan_bytes, room)
@@ -483,7 +485,8 @@ class KVCacheGPU:
     def _host_ptr(self, slot: int) -> int:
         e, j = divmod(slot, self.extent_pages)
         while len(self._extents) <= e:                                     # pinned on first use
-            self._extents.append(self.ops.pinned_empty(
-                (self.extent_pages, self.L, 2, self.h_kv, self.T, self.d), np.float16))
+            shape = (self.extent_pages, self.L, 2, self.h_kv, self.T, self.d)
+            self._extents.append(allocate("pinned", self.extent_pages * self.page_bytes,
+                                          lambda: self.ops.pinned_empty(shape, np.float16), "KV pages offloaded to host"))
         return self.ops.ptr(self._extents[e]) + j * self.page_bytes
 

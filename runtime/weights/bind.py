@@ -27,11 +27,22 @@ def open_checkpoint(path: str, spec: ModelSpec | None = None):
 
 
 def check_checkpoint(ck, spec: ModelSpec) -> None:
-    """Every tensor the plan will read exists with the shape config.json implies, before any loading."""
-    for name, shape in expected_tensors(spec).items():
+    """Every tensor the plan will read exists with the shape config.json implies, and nothing else is there
+    (a tensor the model does not have means config.json and the weights describe different models), before
+    any loading. Harmless extras transformers also ignores are allowed: RoPE's inv_freq buffers of older
+    checkpoints, and an lm_head.weight beside tied embeddings."""
+    expected = expected_tensors(spec)
+    for name, shape in expected.items():
         found = tuple(ck.info(name).shape)
         if found != tuple(shape):
             raise HelmcError(f"weights: {name} shape expected {list(shape)}, found {list(found)}")
+    if isinstance(ck, Checkpoint):          # a GGUF file's tensors are checked when it is opened (gguf_spec)
+        extra = [n for n in ck.where if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                 and not (n == "lm_head.weight" and spec.tie_word_embeddings)]
+        if extra:
+            raise HelmcError(f"weights: expected only the tensors of this {spec.architecture} ({spec.num_layers} blocks, "
+                             f"qkv_bias={spec.qkv_bias}, tied embeddings={spec.tie_word_embeddings}), found "
+                             f"{len(extra)} more: {sorted(extra)[:3]} (config.json and the weights disagree)")
 
 
 def weight_view(ck, name: str, shape: tuple[int, ...], qtype: str, dtype: str) -> tuple[np.ndarray, str]:
@@ -65,10 +76,11 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def tensor_to_device(view: np.ndarray, dtype: str, dev):
     """One checkpoint tensor onto a TVM device; bf16 arrives as uint16 raw bits."""
     import tvm.runtime
+    from helmc.runtime.memory.allocation import allocate
     if dtype == "bfloat16":
         from helmc.runtime.tvm_tensors import tensor_from_numpy
-        return tensor_from_numpy(view, "bfloat16", dev)
-    return tvm.runtime.tensor(np.ascontiguousarray(view), dev)
+        return allocate("weights", view.nbytes, lambda: tensor_from_numpy(view, "bfloat16", dev))
+    return allocate("weights", view.nbytes, lambda: tvm.runtime.tensor(np.ascontiguousarray(view), dev))
 
 
 def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,

@@ -10,6 +10,7 @@ overlapping tensors, and byte counts that disagree with dtype x shape.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -24,6 +25,10 @@ _DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16
            "I64": (np.int64, "int64"), "I32": (np.int32, "int32"), "U8": (np.uint8, "uint8"),
            "I8": (np.int8, "int8"), "BOOL": (np.bool_, "bool")}
 _MAX_HEADER = 100 << 20
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise HelmcError(f"{path}: safetensors header is not valid JSON ({e})") from None
+            except RecursionError:
+                raise HelmcError(f"{path}: safetensors header is not valid JSON (nested too deep to parse)") from None
         if not isinstance(header, dict):
             raise HelmcError(f"{path}: safetensors header expected a JSON object")
         data_start = 8 + n
@@ -62,14 +69,18 @@ class SafetensorsFile:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            try:
-                dt, shape, (b, e) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise HelmcError(f"{path}: tensor {name!r} header entry malformed: {meta!r}") from None
-            if dt not in _DTYPES:
-                raise HelmcError(f"{path}: tensor {name!r} dtype expected one of {sorted(_DTYPES)}, found {dt!r}")
+            # Every type checked, not only the values: the header is whatever the file says.
+            meta = meta if isinstance(meta, dict) else {}
+            dt, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+            if not (isinstance(shape, list) and all(_count(d) for d in shape) and isinstance(offsets, list)
+                    and len(offsets) == 2 and all(_count(o) for o in offsets)):
+                raise HelmcError(f"{path}: tensor {name!r} header entry expected dtype, shape (a list of non-negative "
+                                 f"integers) and data_offsets [begin, end], found {str(meta)[:120]}")
+            shape, (b, e) = tuple(shape), offsets
+            if not isinstance(dt, str) or dt not in _DTYPES:
+                raise HelmcError(f"{path}: tensor {name!r} dtype expected one of {sorted(_DTYPES)}, found {dt!r:.40}")
             itemsize = np.dtype(_DTYPES[dt][0]).itemsize
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(shape)                  # Python integers: no int64 wrap-around to a matching size
             if not (0 <= b <= e) or e - b != count * itemsize:
                 raise HelmcError(f"{path}: tensor {name!r} data_offsets {[b, e]} hold {e - b} bytes, "
                                  f"expected {count * itemsize} for {dt} {list(shape)}")
@@ -91,8 +102,11 @@ class SafetensorsFile:
         return np.frombuffer(self._map, dtype=np_dtype, count=count, offset=t.begin).reshape(t.shape)  # flat -> shape
 
     def close(self):
-        if self._map is not None:
-            self._map.close()
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass          # views handed out are still alive: the mapping goes with the last of them
         self._file.close()
 
 
@@ -104,26 +118,34 @@ class Checkpoint:
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HelmcError(f"{index}: expected a JSON object with a 'weight_map', found invalid content ({e})") from None
+            from helmc.jsonio import load_json_file
+            doc = load_json_file(index, "weights index")
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise HelmcError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> shard file, "
+                                 f"found {str(doc)[:80]}")
             shards = sorted(set(weight_map.values()))
+            for shard in shards:         # a shard is a file of this directory, never a path out of it
+                if not shard or shard != os.path.basename(shard) or shard in (".", ".."):
+                    raise HelmcError(f"{index}: shard expected a file name in {model_dir}, found {shard!r}")
         elif os.path.exists(single):
             shards = ["model.safetensors"]
         else:
             raise HelmcError(f"weights: expected model.safetensors or model.safetensors.index.json in {model_dir}, found neither")
         self.files = []
         self.where: dict[str, SafetensorsFile] = {}
-        for shard in shards:
-            p = os.path.join(model_dir, shard)
-            if not os.path.exists(p):
-                raise HelmcError(f"weights: shard {shard} listed in the index is missing from {model_dir}")
-            sf = SafetensorsFile(p)
-            self.files.append(sf)
-            for name in sf.tensors:
-                self.where[name] = sf
+        try:
+            for shard in shards:
+                p = os.path.join(model_dir, shard)
+                if not os.path.isfile(p):
+                    raise HelmcError(f"weights: shard {shard} listed in the index is missing from {model_dir}")
+                sf = SafetensorsFile(p)
+                self.files.append(sf)
+                for name in sf.tensors:
+                    self.where[name] = sf
+        except BaseException:
+            self.close()              # the shards mapped before the bad one
+            raise
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.where:

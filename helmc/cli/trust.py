@@ -1,0 +1,18 @@
+"""--trust / --require-signed, shared by every command that loads a bundle (run, serve, chat, calibrate)."""
+from __future__ import annotations
+
+import click
+
+
+def trust_options(f):
+    f = click.option("--require-signed", is_flag=True,
+                     help="refuse a bundle without a valid signature by a trusted key")(f)
+    return click.option("--trust", "trust", multiple=True, type=click.Path(),
+                        help="public key (KEYFILE.pub from `helmc keygen`) whose signature is accepted; repeatable; "
+                             "also every .pub in the directory HELMC_TRUSTED_KEYS names")(f)
+
+
+def trust_policy(trust, require_signed) -> dict:
+    """Session.load's trusted_keys / require_signed, read before anything of the bundle is."""
+    from helmc.runtime.bundle.signature import trusted_keys
+    return {"trusted_keys": trusted_keys(trust), "require_signed": require_signed}
