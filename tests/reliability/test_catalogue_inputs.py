@@ -103,7 +103,7 @@ HARDWARE_CASES = {
     "unknown_key": (_hw(lambda d: d.update(cpu_count=4)), "cpu_count"),
     "unknown_nested_key": (_hw(lambda d: d["cpu"].update(dram_gbps=30)), "dram_gbps"),
     "missing_cpu": (_hw(lambda d: d.pop("cpu")), "missing required key 'cpu'"),
-    "format_version_99": (_hw(lambda d: d.update(format_version=99)), "format_version expected 1, found 99"),
+    "format_version_99": (_hw(lambda d: d.update(format_version=99)), "format_version expected 2, found 99"),
     "cores_zero": (_hw(lambda d: d["cpu"].update(cores=0)), "cpu.cores expected > 0, found 0"),
     "dram_negative": (_hw(lambda d: d["cpu"].update(dram_gbs=-1.0)), "cpu.dram_gbs expected > 0"),
     "ram_free_above_total": (_hw(lambda d: d["cpu"].update(ram_free_bytes=d["cpu"]["ram_total_bytes"] + 1)),
