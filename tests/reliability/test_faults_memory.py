@@ -21,6 +21,7 @@ from cli_check import cli, refused, tree
 from helmc.errors import HelmcError
 
 PROMPT = [1, 2, 3, 4, 5]
+UPLOAD_CHUNK = 64 << 20      # cuda_runtime.PinnedUploader's default chunk
 
 
 @pytest.fixture
@@ -49,7 +50,12 @@ def _load_fails_cleanly(load, site, which, allocations, monkeypatch):
     s = load()
     count = sum(a[0] == site for a in allocations)                        # those of the load, not of generating
     want = s.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).tokens
-    assert count >= 1 and len(_held(allocations)) == len(allocations)      # control: a live session holds them all
+    held = _held(allocations)
+    loose = [(a[0], a[1]) for a in allocations if (a[0], a[1]) not in held]
+    # control: a live session holds them all but the GPU loader's two pinned upload-staging chunks
+    # (cuda_runtime.PinnedUploader, released once the weights are on the device; measured on the H100)
+    assert count >= 1 and all(a == ("pinned", UPLOAD_CHUNK) for a in loose) and len(loose) <= 2, \
+        f"not held while the session lives: {loose}"
     del s
     allocations.clear()
     nth = {"first": 1, "middle": count // 2 + 1, "last": count}[which]
