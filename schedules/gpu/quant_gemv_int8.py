@@ -45,8 +45,10 @@ _ONES = 0x01010101
 _F32 = "float32"
 
 
-def gemv_int8_symbol(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+def gemv_int8_symbol(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
                      unroll: int = UNROLL, m: int = 1) -> str:
+    """n: the row count, or a tuple of them for a kernel over several weights of one x (n4096_1024_1024)."""
+    n = "_".join(map(str, n)) if isinstance(n, (tuple, list)) else n
     tuned = (rows_per_warp, warps, unroll) != (ROWS_PER_WARP, WARPS, UNROLL)
     tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else "")
     return f"helmc_gpu_gemv8_{qtype}_n{n}_k{k}{tail}"
@@ -125,15 +127,22 @@ def _decode_q6_k():
     return decode
 
 
-def make_gpu_gemv_int8(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
                        unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
 
     qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
-    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are)."""
+    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
+    n a tuple of 2 or 3 row counts: one launch over that many weights of the same x (q, k, v; gate, up):
+    PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each CTA works for one weight, and y_i is bit-identical to the
+    one-weight kernel's (the same lanes, blocks and order)."""
     if qtype not in INT8_TYPES:
         raise HelmcError(f"GPU int8 GEMV: a type in {INT8_TYPES} expected, found {qtype!r}")
-    fmt = _check(qtype, n, k)
+    outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
+    if not 1 <= len(outs) <= 3:
+        raise HelmcError(f"GPU int8 GEMV: 1 to 3 weights expected, found {len(outs)}")
+    for n_i in outs:
+        fmt = _check(qtype, n_i, k)
     if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1:
         raise HelmcError(f"GPU int8 GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
                          f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
@@ -149,7 +158,8 @@ def make_gpu_gemv_int8(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER
     rows, threads = rows_per_warp, warps * WARP
     pieces = m * chunk // PIECE                         # 8-value pieces of one chunk, every row of x
     passes = -(-pieces // threads)
-    grid = -(-n // (rows * warps))
+    grids = [-(-n_i // (rows * warps)) for n_i in outs]
+    grid = sum(grids)
     word_type = "uint32" if qtype == "q4_k" else "uint16"
     nq = 4 if qtype == "q4_k" else 8                    # quant words per lane per row
     ns = 2 if qtype == "q4_k" else 4                    # scales per lane per row
@@ -183,10 +193,10 @@ def make_gpu_gemv_int8(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER
                     xd[(it * threads + tid) // (X_BLOCK // PIECE)] = amax[0] / T.float32(127)
 
     @T.macro
-    def block_step(wv, xq, xd, acc, first_row, gblock, b, t, qw, s1, s2, xw, dx, sx, dot):
+    def block_step(wv, n_rows, xq, xd, acc, first_row, gblock, b, t, qw, s1, s2, xw, dx, sx, dot):
         """acc[tok, r] += row (first_row + r)'s block `gblock` (chunk block b) . x_q[tok], lane t's runs."""
         for r in T.unroll(rows):
-            decode(wv, T.min(first_row + r, n - 1) * row_words + gblock * block_words, t, qw, s1, s2, r)
+            decode(wv, T.min(first_row + r, n_rows - 1) * row_words + gblock * block_words, t, qw, s1, s2, r)
         for tok in T.unroll(m):
             if qtype == "q4_k":
                 for g in T.unroll(2):
@@ -214,50 +224,106 @@ def make_gpu_gemv_int8(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER
                                                                              T.int32(0)))
                         acc[tok, r] = acc[tok, r] + dx[c] * s1[r, c] * _to_float(dot[0] - 32 * sx[c])
 
-    @T.prim_func
-    def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, k // weights * fmt.bytes), "uint8"),
-             y: T.Buffer((m, n), "float16")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        wv = T.decl_buffer((n * row_words,), word_type, data=w.data)      # [n * row_bytes / width]
-        for bx in T.thread_binding(grid, thread="blockIdx.x"):
-            for ty in T.thread_binding(warps, thread="threadIdx.y"):
-                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                    xq = T.alloc_buffer((m * chunk // 4,), "int32", scope="shared")        # [m, chunk / 4] int8 x4
-                    xd = T.alloc_buffer((m * chunk // X_BLOCK,), _F32, scope="shared")     # [m, chunk / 32]
-                    acc = T.alloc_buffer((m, rows), _F32, scope="local")
-                    xh = T.alloc_buffer((PIECE,), "float16", scope="local")
-                    xf = T.alloc_buffer((PIECE,), _F32, scope="local")
-                    amax = T.alloc_buffer((1,), _F32, scope="local")
-                    inv = T.alloc_buffer((1,), _F32, scope="local")
-                    word = T.alloc_buffer((1,), "uint32", scope="local")
-                    qw = T.alloc_buffer((rows, nq), "uint32", scope="local")
-                    s1 = T.alloc_buffer((rows, ns), _F32, scope="local")
-                    s2 = T.alloc_buffer((rows, ns), _F32, scope="local")
-                    xw = T.alloc_buffer((8,), "int32", scope="local")
-                    dx = T.alloc_buffer((ns,), _F32, scope="local")
-                    sx = T.alloc_buffer((ns,), "int32", scope="local")
-                    dot = T.alloc_buffer((1,), "int32", scope="local")
-                    for tok in T.unroll(m):
-                        for r in T.unroll(rows):
-                            acc[tok, r] = T.float32(0)
-                    for ch in T.serial(chunks):
-                        T.tvm_storage_sync("shared")          # the previous chunk is read by every warp
-                        quantize_chunk(x, xq, xd, ch, ty * WARP + tx, tx, xh, xf, amax, inv, word)
-                        T.tvm_storage_sync("shared")
-                        for so in T.serial(steps):
-                            for si in T.unroll(unroll):
-                                if ((so * unroll + si) * per_step + tx // tpb < chunk_blocks
-                                        and ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb < blocks):
-                                    block_step(wv, xq, xd, acc, (bx * warps + ty) * rows,
-                                               ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb,
-                                               (so * unroll + si) * per_step + tx // tpb, tx % tpb,
-                                               qw, s1, s2, xw, dx, sx, dot)
-                    for tok in T.unroll(m):
-                        for r in T.unroll(rows):
-                            for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
-                                acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
-                                    T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
-                            if tx == (tok * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
-                                y[tok, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
+    @T.macro
+    def weight_rows(x, wv, y, n_rows, cta, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2, xw, dx, sx, dot):
+        """y[:, rows of CTA `cta`] for one weight of n_rows rows: x quantized chunk by chunk, the warp's rows summed."""
+        for tok in T.unroll(m):
+            for r in T.unroll(rows):
+                acc[tok, r] = T.float32(0)
+        for ch in T.serial(chunks):
+            T.tvm_storage_sync("shared")          # the previous chunk is read by every warp
+            quantize_chunk(x, xq, xd, ch, ty * WARP + tx, tx, xh, xf, amax, inv, word)
+            T.tvm_storage_sync("shared")
+            for so in T.serial(steps):
+                for si in T.unroll(unroll):
+                    if ((so * unroll + si) * per_step + tx // tpb < chunk_blocks
+                            and ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb < blocks):
+                        block_step(wv, n_rows, xq, xd, acc, (cta * warps + ty) * rows,
+                                   ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb,
+                                   (so * unroll + si) * per_step + tx // tpb, tx % tpb,
+                                   qw, s1, s2, xw, dx, sx, dot)
+        for tok in T.unroll(m):
+            for r in T.unroll(rows):
+                for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
+                    acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
+                        T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
+                if tx == (tok * rows + r) % WARP and (cta * warps + ty) * rows + r < n_rows:
+                    y[tok, (cta * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
 
-    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, n, k, rows_per_warp, warps, unroll, m))
+    @T.macro
+    def kernel_body(x, wvs, ys, bx, ty, tx):
+        xq = T.alloc_buffer((m * chunk // 4,), "int32", scope="shared")        # [m, chunk / 4] int8 x4
+        xd = T.alloc_buffer((m * chunk // X_BLOCK,), _F32, scope="shared")     # [m, chunk / 32]
+        acc = T.alloc_buffer((m, rows), _F32, scope="local")
+        xh = T.alloc_buffer((PIECE,), "float16", scope="local")
+        xf = T.alloc_buffer((PIECE,), _F32, scope="local")
+        amax = T.alloc_buffer((1,), _F32, scope="local")
+        inv = T.alloc_buffer((1,), _F32, scope="local")
+        word = T.alloc_buffer((1,), "uint32", scope="local")
+        qw = T.alloc_buffer((rows, nq), "uint32", scope="local")
+        s1 = T.alloc_buffer((rows, ns), _F32, scope="local")
+        s2 = T.alloc_buffer((rows, ns), _F32, scope="local")
+        xw = T.alloc_buffer((8,), "int32", scope="local")
+        dx = T.alloc_buffer((ns,), _F32, scope="local")
+        sx = T.alloc_buffer((ns,), "int32", scope="local")
+        dot = T.alloc_buffer((1,), "int32", scope="local")
+        # each CTA works for one weight (the CTAs of weight i follow those of weight i - 1): bx-uniform branches
+        if len(outs) == 1:
+            weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
+                        xw, dx, sx, dot)
+        elif len(outs) == 2:
+            if bx < grids[0]:
+                weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
+                            xw, dx, sx, dot)
+            else:
+                weight_rows(x, wvs[1], ys[1], outs[1], bx - grids[0], ty, tx, xq, xd, acc, xh, xf, amax, inv, word,
+                            qw, s1, s2, xw, dx, sx, dot)
+        else:
+            if bx < grids[0]:
+                weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
+                            xw, dx, sx, dot)
+            elif bx < grids[0] + grids[1]:
+                weight_rows(x, wvs[1], ys[1], outs[1], bx - grids[0], ty, tx, xq, xd, acc, xh, xf, amax, inv, word,
+                            qw, s1, s2, xw, dx, sx, dot)
+            else:
+                weight_rows(x, wvs[2], ys[2], outs[2], bx - grids[0] - grids[1], ty, tx, xq, xd, acc, xh, xf, amax,
+                            inv, word, qw, s1, s2, xw, dx, sx, dot)
+
+    rb = k // weights * fmt.bytes                       # bytes per weight row
+    if len(outs) == 1:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((outs[0], rb), "uint8"), y: T.Buffer((m, outs[0]), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            wv = T.decl_buffer((outs[0] * row_words,), word_type, data=w.data)      # [n * row_bytes / width]
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        kernel_body(x, [wv], [y], bx, ty, tx)
+    elif len(outs) == 2:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w0: T.Buffer((outs[0], rb), "uint8"),
+                 w1: T.Buffer((outs[1], rb), "uint8"), y0: T.Buffer((m, outs[0]), "float16"),
+                 y1: T.Buffer((m, outs[1]), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            wv0 = T.decl_buffer((outs[0] * row_words,), word_type, data=w0.data)
+            wv1 = T.decl_buffer((outs[1] * row_words,), word_type, data=w1.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        kernel_body(x, [wv0, wv1], [y0, y1], bx, ty, tx)
+    else:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w0: T.Buffer((outs[0], rb), "uint8"),
+                 w1: T.Buffer((outs[1], rb), "uint8"), w2: T.Buffer((outs[2], rb), "uint8"),
+                 y0: T.Buffer((m, outs[0]), "float16"), y1: T.Buffer((m, outs[1]), "float16"),
+                 y2: T.Buffer((m, outs[2]), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            wv0 = T.decl_buffer((outs[0] * row_words,), word_type, data=w0.data)
+            wv1 = T.decl_buffer((outs[1] * row_words,), word_type, data=w1.data)
+            wv2 = T.decl_buffer((outs[2] * row_words,), word_type, data=w2.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        kernel_body(x, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
+
+    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, outs, k, rows_per_warp, warps, unroll, m))

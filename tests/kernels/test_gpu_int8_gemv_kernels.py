@@ -155,3 +155,54 @@ def test_rows_are_batch_invariant_through_chunks(tmp_path, qtype):
     dense = check.dequantize_reference(qtype, w).astype(np.float64)
     print(f"\n{qtype} m=8 in chunks: max difference {_rel(ys[8], quantize_x(x) @ dense.T):.2e} of max |y|")
     assert _rel(ys[8], quantize_x(x) @ dense.T) < 2e-3
+
+
+def _call_multi(lib, sym, x, pointers, grid, warps):
+    """run_<kernel>(x, 6 more pointers: the weights then the outputs, padded, grid, 32, warps)."""
+    assert len(pointers) == 6
+    vp = ctypes.c_void_p
+    getattr(lib, f"run_{sym}_kernel")(vp(x.ctypes.data), *[vp(a.ctypes.data) for a in pointers], ctypes.c_int(grid),
+                                      ctypes.c_int(32), ctypes.c_int(warps))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("qtype,outs,m", [("q4_k", (24, 8, 8), 1), ("q6_k", (16, 13), 3)])
+def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtype, outs, m):
+    """q, k, v (or gate, up) of one x in one kernel: each y bit-identical to its own kernel's."""
+    pytest.importorskip("gguf")
+    k = 1280 if qtype == "q4_k" else 768
+    check = _device_check()
+    fused = make_gpu_gemv_int8(qtype, outs, k, m=m)
+    singles = {n: make_gpu_gemv_int8(qtype, n, k, m=m) for n in set(outs)}
+    source = _source({str(f.attrs["global_symbol"]): f for f in [fused, *singles.values()]})
+    body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
+    drivers = []
+    for name, params in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', body):
+        names = [re.match(r"\s*(\w+)\*\s*__restrict__\s*(\w+)", p).groups() for p in params.split(",")]
+        order = {"x_ptr": 0} | {f"wv{i}_ptr": 1 + i for i in range(3)} | {"wv_ptr": 1} | \
+            {f"y{i}_ptr": 1 + len(outs) + i for i in range(3)} | {"y_ptr": 2}
+        args = ", ".join(f"({c}*)a[{order[p]}]" for c, p in names)
+        drivers.append(f'extern "C" void run_{name}(void* a0, void* a1, void* a2, void* a3, void* a4, void* a5, '
+                       f'void* a6, int grid, int bdx, int bdy) {{\n    void* a[7] = {{a0, a1, a2, a3, a4, a5, a6}};\n'
+                       f"    launch(grid, bdx, bdy, [&] {{ {name}({args}); }});\n}}\n")
+    src = tmp_path / "kernels.cpp"
+    src.write_text(HARNESS + body + "".join(drivers))
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", str(src), "-o", str(tmp_path / "k.so")], check=True)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    rng = np.random.default_rng(3)
+    ws = [check.random_quant_rows(qtype, n, k, rng) for n in outs]
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    null = np.zeros(1, np.uint8)
+    ys = [np.full((m, n), np.nan, np.float16) for n in outs]
+    grid = sum(-(-n // (ROWS_PER_WARP * WARPS)) for n in outs)
+    args = ws + ys + [null] * (6 - 2 * len(outs))
+    _call_multi(lib, gemv_int8_symbol(qtype, outs, k, m=m), x, args[:6], grid, WARPS)
+    for w, y, n in zip(ws, ys, outs):
+        alone = np.full((m, n), np.nan, np.float16)
+        _call_multi(lib, gemv_int8_symbol(qtype, n, k, m=m), x, [w, alone, null, null, null, null],
+                    -(-n // (ROWS_PER_WARP * WARPS)), WARPS)
+        assert np.isfinite(y).all() and np.isfinite(alone).all()
+        assert np.array_equal(y.view(np.uint16), alone.view(np.uint16)), (n, y, alone)
+    print(f"\n{gemv_int8_symbol(qtype, outs, k, m=m)}: every output bit-identical to its own launch")
