@@ -69,6 +69,7 @@ def _one_launch_per_shared_x(mod: tvm.IRModule) -> tvm.IRModule:
     bit-identical to its own launch's, so tokens do not change."""
     bb = relax.BlockBuilder(mod)
     call_tir = tvm.ir.Op.get("relax.call_tir")
+    updated = {}
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function) or not _DECODE.search(gvar.name_hint):
             continue
@@ -108,8 +109,11 @@ def _one_launch_per_shared_x(mod: tvm.IRModule) -> tvm.IRModule:
             blocks.append(block)
         if changed:
             body = relax.SeqExpr(blocks, func.body.body)
-            bb.update_func(gvar, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
-    return bb.get()
+            updated[gvar] = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+    out = bb.get()              # the fused kernels added; the functions replaced after (no builder dedup of them)
+    for gvar, func in updated.items():
+        out[gvar] = func
+    return relax.transform.Normalize()(out)     # struct info of the new calls (later passes' builders need it)
 
 
 def _dequantize_first(rewriter, func: relax.Function, params: list, quantized: dict) -> relax.Function:
