@@ -112,6 +112,9 @@ def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
     qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
+    from helmc.schedules.cpu.gemv_quant_int8 import int8_gemv_applies, make_gemv_quant_int8   # imports this module
+    if int8_gemv_applies(qtype, isa):
+        return make_gemv_quant_int8(qtype, n, k, isa, tuning, m)
     fmt = _check(qtype, n, k)
     assert m >= 1, m
     vec = _Vectors(isa)

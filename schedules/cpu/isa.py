@@ -71,6 +71,11 @@ def select_isa(features: tuple[str, ...] | list[str]) -> VectorIsa:
                 # Generic x86-64 tuning already prefers full-width vectors; say so explicitly, because for
                 # these streaming FMA loops 512-bit registers halve the instruction count.
                 mattr += ("-prefer-256-bit",)
+                if "avx512_vnni" in used:
+                    # A tuning flag, not an instruction set: without it LLVM splits vpdpwssd into vpmaddwd +
+                    # vpaddd for the generic CPU (gemv_quant_int8's inner step; Ice Lake and later, Zen 4 run
+                    # it as one instruction).
+                    mattr += ("+fast-dpwssd",)
             return VectorIsa(tier, lanes, registers, "x86-64", mattr, used)
     return VectorIsa("sse2", 4, 16, "x86-64", (), ())
 

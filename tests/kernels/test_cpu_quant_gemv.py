@@ -5,7 +5,9 @@ quantize those) are random bytes, every byte pattern a valid quant or packed sca
 fields overwritten by small finite values so no block decodes to inf/NaN. Reference: dequantize(raw) in
 float64 @ x in float64. Shapes: one block row (k = 256), a 4096-long row with few rows, and row counts that
 are not multiples of the kernel's 4-row step. Tolerance: max |y - ref| / max |ref| < 1e-3, the CPU kernels'
-bound; they dequantize exactly and accumulate in fp32, so they land near 1e-7.
+bound; they dequantize exactly and accumulate in fp32, so they land near 1e-7. The AVX-512 tiers run Q4_K / Q6_K
+with int8 activations (gemv_quant_int8.py): their reference multiplies by x quantized the way the kernel does
+(int8_activations) and must agree to 1e-5; the difference against fp32 x (the int8 rounding, ~5e-3) is printed.
 Every ISA tier is compiled and run where this CPU can execute it (AVX-512 cross-compiled otherwise).
 """
 from __future__ import annotations
@@ -24,11 +26,12 @@ from helmc.errors import HelmcError  # noqa: E402
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
 from helmc.schedules.cpu.gemv_quant import (QUANT_BLOCKS, QuantGemvTuning, make_gemv_quant,  # noqa: E402
                                             quant_row_bytes)
+from helmc.schedules.cpu.gemv_quant_int8 import int8_gemv_applies  # noqa: E402
 from helmc.schedules.cpu.isa import VectorIsa, missing_flags, select_isa  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
-TIERS = {"avx512": AVX512, "avx2": AVX2, "sse2": ("sse2",)}
+TIERS = {"avx512_vnni": AVX512 + ("avx512_vnni",), "avx512": AVX512, "avx2": AVX2, "sse2": ("sse2",)}
 GGML = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K}
 # Byte offsets of the fp16 scale fields inside a K-quant block (ggml-common.h block_q4_K / block_q6_K).
 FP16_FIELDS = {"q4_k": (0, 2), "q6_k": (208,)}
@@ -69,16 +72,32 @@ def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
     return y.numpy().reshape(n)                                                                              # [1, n] -> [n]
 
 
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x [m, k] as gemv_quant_int8 sees it, in float64: per 256 values dx = max|x| / 127 and
+    xq = rint(x * (127 / max|x|)) in fp32 arithmetic, then xq * dx."""
+    blocks = x.reshape(x.shape[0], -1, 256)                                             # [m, k] -> [m, k / 256, 256]
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(blocks * inv)
+    return (xq.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)  # -> [m, k]
+
+
 def check_against_float64(qtype, tier, n, k, tuning=QuantGemvTuning()):
     rng = np.random.default_rng(n * 7919 + k)
     raw = random_quant_weight(rng, qtype, n, k)
     assert raw.shape == (n, quant_row_bytes(qtype, k))
     x = rng.standard_normal(k).astype(np.float32)
-    ref = gguf_quants.dequantize(raw, GGML[qtype]).astype(np.float64) @ x.astype(np.float64)
+    dequant = gguf_quants.dequantize(raw, GGML[qtype]).astype(np.float64)
+    ref = dequant @ x.astype(np.float64)
     got = run_gemv(qtype, tier, raw, x, tuning)
-    diff = float(np.abs(got - ref).max())
-    err = diff / float(np.abs(ref).max())
-    print(f"{qtype} {tier} n={n} k={k} {tuning}: max |diff| {diff:.3e}, rel err {err:.2e}")
+    err = float(np.abs(got - ref).max()) / float(np.abs(ref).max())
+    if int8_gemv_applies(qtype, select_isa(TIERS[tier])):
+        ref8 = dequant @ int8_activations(x.reshape(1, k))[0]
+        err8 = float(np.abs(got - ref8).max()) / float(np.abs(ref8).max())
+        print(f"{qtype} {tier} n={n} k={k} {tuning}: rel err {err8:.2e} against int8 x, {err:.2e} against fp32 x")
+        assert err8 < 1e-5 and err < 3e-2
+        return
+    print(f"{qtype} {tier} n={n} k={k} {tuning}: max |diff| {float(np.abs(got - ref).max()):.3e}, rel err {err:.2e}")
     assert err < 1e-3
 
 
@@ -101,14 +120,19 @@ def test_quant_gemv_tunings(qtype, tuning):
 
 
 def test_avx512_tier_cross_compiles_to_zmm():
-    """The AVX-512 kernels must use 512-bit registers even when built on a machine without AVX-512, the 4-bit
-    ones their vpermps nibble tables (LLVM may print the integer twin vpermd), and all of them prefetch."""
-    isa = select_isa(AVX512)
-    for qtype in QUANT_BLOCKS:
-        asm = tvm.compile(make_gemv_quant(qtype, 8, 512, isa), target=target(isa)).mod.inspect_source("asm")
-        assert "zmm" in asm and "prefetcht0" in asm, qtype
-        if qtype != "q8_0":
-            assert re.search(r"vperm(ps|d)\s[^\n]*zmm", asm), qtype
+    """The AVX-512 kernels must use 512-bit registers even when built on a machine without AVX-512, Q4_0 its
+    vpermps nibble table (LLVM may print the integer twin vpermd), Q4_K / Q6_K their integer dot products
+    (vpdpwssd only where the target has VNNI), and all of them prefetch."""
+    for flags in (AVX512, TIERS["avx512_vnni"]):
+        isa = select_isa(flags)
+        for qtype in QUANT_BLOCKS:
+            asm = tvm.compile(make_gemv_quant(qtype, 8, 512, isa), target=target(isa)).mod.inspect_source("asm")
+            assert "zmm" in asm and "prefetcht0" in asm, qtype
+            if int8_gemv_applies(qtype, isa):   # integer dot products: one vpdpwssd per 64 weights with VNNI
+                assert re.search(r"vpmaddubsw\s[^\n]*zmm", asm), qtype
+                assert bool(re.search(r"vpdpwssd\s[^\n]*zmm", asm)) == ("avx512_vnni" in flags), qtype
+            elif qtype != "q8_0":
+                assert re.search(r"vperm(ps|d)\s[^\n]*zmm", asm), qtype
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))

@@ -1,0 +1,274 @@
+"""Decode GEMV over Q4_K / Q6_K with int8 activations: integer dot products, as llama.cpp's CPU kernels do.
+
+Why (issue 15: each CPU GEMV type at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
+lane (table lookup + FMA per 16 weights), and on the GPU machine's Xeon that kept Q4_K at 58 and Q6_K at 65
+GB/s of quantized bytes where the DRAM read is 100: the cores, not DRAM, were the limit. Here x is quantized
+once per call to int8 (one scale per 256-weight block, llama.cpp's Q8_K), and a 64-weight slice of a row costs
+two integer instructions: vpmaddubsw (unsigned 4/6-bit quant x signed int8 x -> int16 pairs, which cannot
+saturate: 2 * 63 * 127 < 2^15) and vpdpwssd (int16 pairs x the sub-blocks' int16 scales, summed into int32
+lanes; vpmaddwd + vpaddd where the CPU lacks AVX512-VNNI, the same integers). One fp32 FMA per block and row
+then applies d * dx. Products and sums are exact integers, so the kernel equals dequant(W) @ (xq * dx) up to
+fp32 rounding of the per-block terms (~1e-7); against fp32 x the int8 rounding of x costs ~5e-3 of max |y|,
+what llama.cpp's CPU path costs too.
+
+Layouts (ggml-common.h; see gemv_quant.py): a 64-byte window of quants is four 16-lane int32 groups.
+- q4_k: window w (bytes 32w*2 .. +64 of the 128) holds chunks 2w and 2w+1; its low nibbles are sub-blocks 4w
+  (lanes 0-7) and 4w+2 (lanes 8-15), its high nibbles 4w+1 and 4w+3. x is stored permuted per block to that
+  product order (xq: [sb0 | sb2 | sb1 | sb3 | sb4 | sb6 | sb5 | sb7]). The mins term dmin * m_j * sum_j(x) uses
+  the int8 x's sums times dx (xs), one 8-lane FMA per block and row.
+- q6_k: half h's 64 ql bytes have weights 128h + 0..63 in their low nibbles and 128h + 64..127 in their high
+  ones, so x keeps its natural order; the 2-bit highs of byte l of the half's 32 qh bytes shift into place
+  with one variable 16-bit shift per product (vpsllvw / vpsrlvw). q - 32 is q * x summed, minus 32 * sc_j *
+  (sum of x over sub-block j), the latter one vpmaddwd per block and row over per-call int16 sums (xs).
+m tokens: the quants and scales of a block row are decoded once for all tokens; each token's sums are formed
+the same way for every m, so y[t] is bit-identical to the m = 1 kernel's on x[t] alone (issue 19).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _check, _hsum, _prefetch, _sum, _token,
+                                            gemv_quant_symbol, quant_blocking)
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.weight_load import STACK, widen
+
+INT8_QTYPES = ("q4_k", "q6_k")
+# 8 rows per step for one token (quant_blocking divides them among more tokens): measured on the 2-core EPYC
+# (one thread, Q4_K 512 x 4096 from cache), 8 rows ran 33-36 GB/s, 4 rows 30: the per-block chain of integer
+# steps is latency, and more rows give the core independent work.
+INT8_TUNING = QuantGemvTuning(rows=8)
+_BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
+
+
+def int8_gemv_applies(qtype: str, isa: VectorIsa) -> bool:
+    """AVX-512 (BW's byte and word instructions) runs the K-quants through int8 dot products."""
+    return isa.tier == "avx512" and qtype in INT8_QTYPES
+
+
+def _ramp(base, lanes: int):
+    return tirx.Ramp(base, 1, lanes)
+
+
+def _bcast(value, lanes: int):
+    return tirx.Broadcast(value, lanes)
+
+
+def _const(value, dtype: str, lanes: int):
+    return tirx.Broadcast(tirx.const(value, dtype), lanes)
+
+
+def _halves(first: int, second: int, dtype: str, lanes: int):
+    """A vector constant: `first` in the low half of the lanes, `second` in the high half (shift counts)."""
+    return tirx.Shuffle([_const(first, dtype, lanes // 2), _const(second, dtype, lanes // 2)], list(range(lanes)))
+
+
+def _dot_step(vnni: bool):
+    """acc (int32x16) + pairs(maddubs(u, s)) * scales: vpdpwssd, or vpmaddwd + vpaddd without VNNI."""
+    def step(acc, unsigned, signed, scales):
+        pairs = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", unsigned, signed)
+        if vnni:
+            return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpwssd.512", acc, pairs, scales)
+        return acc + tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs, scales)
+    return step
+
+
+def _hmax(v):
+    lanes = v.ty.dtype.lanes
+    total = tirx.Shuffle([v], [0])
+    for i in range(1, lanes):
+        total = tirx.max(total, tirx.Shuffle([v], [i]))
+    return total
+
+
+def _isum(v):
+    return _sum([tirx.Shuffle([v], [i]) for i in range(v.ty.dtype.lanes)])
+
+
+def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
+                         tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
+    """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]): y = (xq * dx) @ dequant(w)^T.
+
+    x is quantized per token and 256-weight block: dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an
+    all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant, which dispatches here.
+    """
+    assert int8_gemv_applies(qtype, isa), (qtype, isa.tier)
+    tuning = INT8_TUNING if tuning == DEFAULT_TUNING else tuning
+    fmt = _check(qtype, n, k)
+    assert m >= 1, m
+    rows, group = quant_blocking(qtype, m, isa, tuning)
+    passes = -(-m // group)
+    blocks = k // _BLOCK
+    row_bytes = blocks * fmt.bytes
+    steps = -(-n // rows)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
+    q4k = qtype == "q4_k"
+    sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
+    row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
+    quantize = _quantize(q4k)
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wi = T.decl_buffer((n, row_bytes), "int8", data=w.data)
+        wh = T.decl_buffer((n, row_bytes // 2), "float16", data=w.data)   # [n, row_bytes / 2]: fp16 fields
+        wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)        # [n * row_bytes]: prefetch addresses
+        wu = T.decl_buffer((n, row_bytes // 4), "uint32", data=w.data)    # [n, row_bytes / 4]: q4_k's scale words
+        xq = T.alloc_buffer((m, k), "int8")
+        dx = T.alloc_buffer((m, blocks), "float32")
+        xs = T.alloc_buffer((m, blocks * sums), "float32" if q4k else "int16")
+        for t in T.serial(m):
+            for b in T.serial(blocks):
+                quantize(x, xq, dx, xs, t, b)
+        for step in T.parallel(steps):
+            for p in T.serial(passes):
+                acc = T.alloc_buffer((group, rows, 16), "float32", scope="global", annotations=STACK)
+                accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)
+                for t in T.unroll(group):
+                    for r in T.unroll(rows):
+                        acc[t, r, _ramp(0, 16)] = _const(0.0, "float32", 16)
+                        accm[t, r, _ramp(0, 8)] = _const(0.0, "float32", 8)
+                for b in T.serial(blocks):
+                    prefetch(wf, step * rows, b)
+                    for r in T.unroll(rows):
+                        row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, T.min(step * rows + r, n - 1), r, b, p)
+                for t in T.unroll(group):
+                    for r in T.unroll(rows):
+                        if step * rows + r < n and p * group + t < m:
+                            y[p * group + t, step * rows + r] = _hsum(acc[t, r, _ramp(0, 16)]) - _hsum(
+                                accm[t, r, _ramp(0, 8)])
+
+    return gemv.with_attr("global_symbol", gemv_quant_symbol(qtype, n, k, m))
+
+
+def _q4k_slot(v: int) -> int:
+    """Position (in 16-weight vectors) of the block's x vector v in q4_k's product order: sub-block j = v // 2
+    goes to product g = 2 * (j // 4) + j % 2, half (j % 4) // 2."""
+    j, part = v // 2, v % 2
+    return (2 * (j // 4) + j % 2) * 4 + (j % 4) // 2 * 2 + part
+
+
+def _quantize(q4k: bool):
+    """Macro: token t's block b of x -> xq (int8, q4_k's product order or natural), dx, and the sums xs
+    (q4_k: dx * sum of xq per sub-block of 32, fp32; q6_k: sum of xq per 16, int16)."""
+    @T.macro
+    def quantize(x, xq, dx, xs, t, b):
+        amax = _max_tree([tirx.abs(x[t, _ramp(b * _BLOCK + v * 16, 16)]) for v in range(16)])
+        inv = T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0))
+        dx[t, b] = amax / T.float32(127)
+        for v in T.unroll(16):
+            xq[t, _ramp(b * _BLOCK + (_q4k_slot(v) if q4k else v) * 16, 16)] = tirx.Cast("int8x16", tirx.Cast(
+                "int32x16", tirx.nearbyint(x[t, _ramp(b * _BLOCK + v * 16, 16)] * _bcast(inv, 16))))
+        if q4k:
+            for j in T.unroll(8):
+                xs[t, b * 8 + j] = dx[t, b] * tirx.Cast("float32", _isum(
+                    tirx.Cast("int32x16", xq[t, _ramp(b * _BLOCK + _q4k_slot(2 * j) * 16, 16)])
+                    + tirx.Cast("int32x16", xq[t, _ramp(b * _BLOCK + _q4k_slot(2 * j + 1) * 16, 16)])))
+        else:
+            for j in T.unroll(16):
+                xs[t, b * 16 + j] = tirx.Cast("int16", _isum(tirx.Cast(
+                    "int32x16", xq[t, _ramp(b * _BLOCK + j * 16, 16)])))
+
+    return quantize
+
+
+def _max_tree(terms):
+    while len(terms) > 1:
+        terms = [tirx.max(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return _hmax(terms[0])
+
+
+def _u32(value):
+    return tirx.const(value, "uint32")
+
+
+def _top2(word):
+    """The top two bits of each byte of a 32-bit word, moved to bits 4-5 of the same byte."""
+    return tirx.shift_left(tirx.bitwise_and(tirx.shift_right(word, _u32(6)), _u32(0x03030303)), _u32(4))
+
+
+def _q4_k_row(dot_step, isa: VectorIsa, group: int, m: int):
+    """Macro: one block of one row, every token of the pass. The 12 scale bytes s[0..12) hold, for i < 4:
+    sc_i = s[i] & 63, m_i = s[4+i] & 63, sc_{4+i} = (s[8+i] & 15) | (s[i] >> 6) << 4,
+    m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4 (ggml's get_scale_min_k4)."""
+    f16c = not isa.is_slow_fallback
+
+    def nibbles(w, row, b, g):
+        window = w[row, _ramp(b * 144 + 16 + g // 2 * 64, 64)]                   # uint8x64
+        if g % 2 == 0:
+            return tirx.bitwise_and(window, _const(15, "uint8", 64))
+        return tirx.shift_right(window, _const(4, "uint8", 64))
+
+    @T.macro
+    def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
+        d = widen(wh[row, b * 72], "float16", f16c)
+        dmin = widen(wh[row, b * 72 + 1], "float16", f16c)
+        # The scales and mins come apart in 32-bit scalar words (4 fields per word, as ggml's get_scale_min_k4
+        # vectorized by llama.cpp's kmask trick): the scalar ports are idle, the vector ones are the limit.
+        u0 = wu[row, b * 36 + 1]
+        u1 = wu[row, b * 36 + 2]
+        u2 = wu[row, b * 36 + 3]
+        scales = tirx.Cast("int16x8", tirx.reinterpret("uint8x8", tirx.Shuffle([
+            tirx.bitwise_and(u0, _u32(0x3F3F3F3F)),
+            tirx.bitwise_or(tirx.bitwise_and(u2, _u32(0x0F0F0F0F)), _top2(u0))], [0, 1])))
+        mins = tirx.Cast("float32x8", tirx.reinterpret("uint8x8", tirx.Shuffle([
+            tirx.bitwise_and(u1, _u32(0x3F3F3F3F)),
+            tirx.bitwise_or(tirx.bitwise_and(tirx.shift_right(u2, _u32(4)), _u32(0x0F0F0F0F)), _top2(u1))],
+            [0, 1]))) * _bcast(dmin, 8)
+        for s in T.unroll(group):
+            acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
+                dot_step, [nibbles(w, row, b, g) for g in range(4)],
+                [xq[_token(p, s, group, m), _ramp(b * _BLOCK + g * 64, 64)] for g in range(4)],
+                [tirx.Shuffle([scales] * 4, [2 * (g // 2) * 2 + g % 2] * 16 + [2 * (g // 2) * 2 + 2 + g % 2] * 16)
+                 for g in range(4)])) * _bcast(d * dx[_token(p, s, group, m), b], 16)
+            accm[s, r, _ramp(0, 8)] = accm[s, r, _ramp(0, 8)] + mins * xs[_token(p, s, group, m), _ramp(b * 8, 8)]
+
+    return row_dot
+
+
+def _q6_k_row(dot_step, isa: VectorIsa, group: int, m: int):
+    """Macro: one block of one row, every token of the pass. Product g = 2h + t covers weights 128h + 64t
+    + 0..63: ql's nibble t of bytes 64h + 0..63, and from qh byte l = p % 32 of the half, bits 2c..2c+1 with
+    c = 2t + p // 32, moved to bits 4-5 of each byte by a 16-bit shift whose count differs between the two
+    32-byte halves of the window (the bits that cross into the neighbouring byte are masked off)."""
+    f16c = not isa.is_slow_fallback
+    left = _halves(4, 2, "uint16", 32)    # t = 0: bits 0-1 (p < 32) and 2-3 (p >= 32) -> 4-5
+    right = _halves(0, 2, "uint16", 32)   # t = 1: bits 4-5 and 6-7 -> 4-5
+
+    def quants(w, row, b, g):
+        h, t = g // 2, g % 2
+        ql = w[row, _ramp(b * 210 + h * 64, 64)]                                        # uint8x64
+        qh = w[row, _ramp(b * 210 + 128 + h * 32, 32)]                                  # uint8x32
+        both = tirx.reinterpret("uint16x32", tirx.Shuffle([qh, qh], list(range(64))))   # uint8x64 -> uint16x32
+        moved = tirx.shift_left(both, left) if t == 0 else tirx.shift_right(both, right)
+        high = tirx.bitwise_and(tirx.reinterpret("uint8x64", moved), _const(0x30, "uint8", 64))
+        low = tirx.bitwise_and(ql, _const(15, "uint8", 64)) if t == 0 else tirx.shift_right(ql, _const(4, "uint8", 64))
+        return tirx.bitwise_or(low, high)
+
+    @T.macro
+    def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
+        d = widen(wh[row, b * 105 + 104], "float16", f16c)
+        scales = tirx.Cast("int16x16", wi[row, _ramp(b * 210 + 192, 16)])
+        for s in T.unroll(group):
+            acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
+                dot_step, [quants(w, row, b, g) for g in range(4)],
+                [xq[_token(p, s, group, m), _ramp(b * _BLOCK + g * 64, 64)] for g in range(4)],
+                [tirx.Shuffle([scales] * 2, [g * 4 + lane // 8 for lane in range(32)]) for g in range(4)])
+            ) * _bcast(d * dx[_token(p, s, group, m), b], 16)
+            accm[s, r, _ramp(0, 8)] = accm[s, r, _ramp(0, 8)] + tirx.Cast("float32x8", tirx.call_llvm_pure_intrin(
+                "int32x8", "llvm.x86.avx2.pmadd.wd", scales, xs[_token(p, s, group, m), _ramp(b * 16, 16)])
+            ) * _bcast(T.float32(32) * d * dx[_token(p, s, group, m), b], 8)
+
+    return row_dot
+
+
+def _chain(dot_step, unsigned, signed, scales):
+    """The block's four 64-weight products summed as two chains of two (integer sums: the order cannot change
+    the result, and two chains halve the block's dependent vpdpwssd latency)."""
+    halves = []
+    for first in (0, 2):
+        total = _const(0, "int32", 16)
+        for g in (first, first + 1):
+            total = dot_step(total, unsigned[g], signed[g], scales[g])
+        halves.append(total)
+    return halves[0] + halves[1]
