@@ -9,8 +9,8 @@ for a GGUF file, helmc vs llama.cpp's llama-bench on the same file.
 
 Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at
 EOS. Per request: TTFT (prompt in -> first token out), decode tok/s ((n - 1) / time from the first to
-the last token) and per-token latencies; reported as the median over requests (after one short
-warm-up request). Accelerate at ~0.8 tok/s would need ~3 min per 128-token request, so its request
+the last token) and per-token latencies; reported as the median over requests (after one warm-up
+request of the same length). Accelerate at ~0.8 tok/s would need ~3 min per 128-token request, so its request
 count and length are separate (--peer-requests, --accelerate-new-tokens; decode is steady-state).
 
 Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU
@@ -21,7 +21,9 @@ With --calibrate, `helmc calibrate` runs first in the same process on the same m
 each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
-measured / that. The calibrated profile is written beside --out.
+measured / that. The calibrated profile is written beside --out. With --profile HW.json instead (what `helmc
+profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
+placement under that profile, no calibration (issue 17's check).
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate, and, with --llama-bench, `hybrid_decode_ratio_vs_llamacpp`
@@ -112,7 +114,7 @@ def rss_bytes() -> dict:
 
 
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
-                calibrated=None, cuda_graph: bool = True) -> dict:
+                calibrated=None, cuda_graph: bool = True, label: str = "calibrated") -> dict:
     from helmc.runtime.session import Session
 
     t = time.perf_counter()
@@ -120,7 +122,9 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     load_s = time.perf_counter() - t
     plan = s.plan
     log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
-    s.generate(prompt_ids=prompt, max_new_tokens=4, temperature=0.0, stop_at_eos=False)      # warm-up
+    # Warm-up as long as a request: every KV page bucket's CUDA graph is captured before timing (a 4-token warm-up
+    # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also warms up).
+    s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
     runs = []
     for i in range(requests):
         r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
@@ -153,12 +157,12 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         from helmc.planner.calibrate import predict_bundle
 
         c = predict_bundle(s.spec, plan, calibrated, prompt_len=len(prompt), output_len=new_tokens)  # these requests
-        out.update({"t_plan_calibrated_ms": c.t_plan_ms, "t_cpu_calibrated_ms": c.t_cpu_ms,
-                    "t_gpu_calibrated_ms": c.t_gpu_ms, "t_comm_calibrated_ms": c.t_comm_ms,
-                    "measured_over_plan_calibrated": out["per_token_ms_p50"] / c.t_plan_ms})
-        log(f"  T_plan (calibrated) {c.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms:.2f} + T_gpu {c.t_gpu_ms:.2f} + "
+        out.update({f"t_plan_{label}_ms": c.t_plan_ms, f"t_cpu_{label}_ms": c.t_cpu_ms,
+                    f"t_gpu_{label}_ms": c.t_gpu_ms, f"t_comm_{label}_ms": c.t_comm_ms,
+                    f"measured_over_plan_{label}": out["per_token_ms_p50"] / c.t_plan_ms})
+        log(f"  T_plan ({label}) {c.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms:.2f} + T_gpu {c.t_gpu_ms:.2f} + "
             f"T_comm {c.t_comm_ms:.4f}); measured p50 {out['per_token_ms_p50']:.2f} ms, ratio "
-            f"{out['measured_over_plan_calibrated']:.3f}")
+            f"{out[f'measured_over_plan_{label}']:.3f}")
     del s
     _free_gpu()
     return out
@@ -307,6 +311,9 @@ def main(argv=None) -> int:
                     help="run helmc calibrate on the bundles first and report T_plan (calibrated) per bundle")
     ap.add_argument("--hardware", default=None,
                     help="profile to calibrate (default: the first bundle's hardware.json)")
+    ap.add_argument("--profile", default=None,
+                    help="a profile measured in this run (`helmc profile`): each row also reports T_plan of its "
+                         "bundle's placement under it and measured / that, with no calibration step")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
     ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
@@ -341,15 +348,21 @@ def main(argv=None) -> int:
     log(f"bandwidth: host {bw['host_read_gbs']:.1f} GB/s, HBM copy {bw['hbm_copy_gbs']:.0f} GB/s, "
         f"pinned H2D {bw['h2d_pinned_gbs']:.1f} GB/s")
     save()
-    calibrated = None
+    calibrated, label = None, "calibrated"
     if a.calibrate and a.bundle:
         calibrated = run_calibration(a, report)
         save()
+    elif a.profile:       # this run's own `helmc profile`: the plan's time for each bundle's placement, no calibration
+        from helmc.hardware.profile import HardwareProfile
+        calibrated, label = HardwareProfile.load(a.profile), "profile"
+        report["profile_path"] = a.profile
     for bundle in a.bundle:
-        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated))
+        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated,
+                                           label=label))
         save()
         if a.eager_too and report["helmc"][-1].get("cuda_graph"):
-            eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False)
+            eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False,
+                                label=label)
             graphed = report["helmc"][-1]
             graphed["tokens_equal_without_graph"] = eager["tokens_first_request"] == graphed["tokens_first_request"]
             graphed["speedup_over_no_graph"] = graphed["decode_tok_s_p50"] / eager["decode_tok_s_p50"]
@@ -387,12 +400,12 @@ def main(argv=None) -> int:
                                         {0: f"{a.gpu_budget:g}GiB", "cpu": "100GiB"})
         save()
 
-    print("\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | T_plan (calibrated) ms | "
-          "measured/plan (calibrated) | roofline ms |")
+    print(f"\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | T_plan ({label}) ms | "
+          f"measured/plan ({label}) | roofline ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for h in report["helmc"]:
-        cal = (f"{h['t_plan_calibrated_ms']:.1f} | {h['measured_over_plan_calibrated']:.3f}"
-               if "t_plan_calibrated_ms" in h else "- | -")
+        cal = (f"{h[f't_plan_{label}_ms']:.1f} | {h[f'measured_over_plan_{label}']:.3f}"
+               if f"t_plan_{label}_ms" in h else "- | -")
         graph = "" if h.get("cuda_graph", True) else " (no graph)"
         print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))}{graph} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
               f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
@@ -410,10 +423,10 @@ def main(argv=None) -> int:
             print(f"| {label} | {r['modules_on_cpu']}/{r['modules']} modules on CPU | {r['decode_tok_s_p50']:.2f} | "
                   f"{r['ttft_ms_p50']:.0f} | {r['per_token_ms_p50']:.1f} | - | - | - | - |")
     for h in report["helmc"]:
-        if "measured_over_plan_calibrated" in h:
-            r = h["measured_over_plan_calibrated"]
-            print(f"helmc {h['plan']}: measured {h['per_token_ms_p50']:.2f} ms/token vs T_plan (calibrated) "
-                  f"{h['t_plan_calibrated_ms']:.2f} ms: ratio {r:.3f} ({'within' if abs(r - 1) <= 0.15 else 'outside'} 15%)")
+        if f"measured_over_plan_{label}" in h:
+            r = h[f"measured_over_plan_{label}"]
+            print(f"helmc {h['plan']}: measured {h['per_token_ms_p50']:.2f} ms/token vs T_plan ({label}) "
+                  f"{h[f't_plan_{label}_ms']:.2f} ms: ratio {r:.3f} ({'within' if abs(r - 1) <= 0.15 else 'outside'} 15%)")
     if "accelerate" in report:
         for h in report["helmc"]:
             h["speedup_vs_accelerate"] = h["decode_tok_s_p50"] / report["accelerate"]["decode_tok_s_p50"]

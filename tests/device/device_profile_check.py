@@ -74,7 +74,7 @@ def build(kit_dir: str, hardware: str, quick: bool, target_file: str | None = No
 def check(kit_dir: str, out_dir: str, gpu_backend: str = "cupy") -> int:
     from helmc.hardware.kit import ProfileKit
     from helmc.hardware.measure import profile as measure
-    from helmc.planner.calibrate import apply_fits, synthetic_fits
+    from helmc.planner.calibrate import apply_fits, clamp_negative_deltas, synthetic_fits
     from helmc.planner.plan_table import format_plan_table
     from helmc.planner.search_partition import plan
     from qwen3_configs import qwen3_spec
@@ -87,7 +87,7 @@ def check(kit_dir: str, out_dir: str, gpu_backend: str = "cupy") -> int:
     kit = ProfileKit.load(kit_dir)
     hw = measure(kit_dir, quick=kit.quick, gpu_backend=gpu_backend, progress=progress)
     fits, note, skipped = synthetic_fits(hw, kit_dir, progress=progress)
-    hw = apply_fits(hw, fits, note, source=hw.source)
+    hw = clamp_negative_deltas(apply_fits(hw, fits, note, source=hw.source))
     hw = dataclasses.replace(hw, unmeasured=hw.unmeasured + skipped)
     hw.save(os.path.join(out_dir, "hardware.json"))
     seconds = time.perf_counter() - t0

@@ -199,3 +199,19 @@ def test_calibrate_gpu_bundle_on_the_device():
     t = predict_bundle(spec, plan, r.profile).t_plan_ms
     print(f"{plan.describe()}: T_plan {plan.t_plan_ms:.2f} ms from the bundle's profile, {t:.2f} ms calibrated")
     assert math.isfinite(t) and t > 0
+
+
+def test_profile_negative_synthetic_delta_is_clamped():
+    """Session 11's profile on the GPU machine fitted -0.79 ms per CPU block (the synthetic stage partly read from
+    L3): helmc profile sets it to 0 and says so; the GPU's positive delta stays."""
+    import os
+
+    from helmc.hardware.profile import HardwareProfile
+    from helmc.planner.calibrate import clamp_negative_deltas
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    hw = HardwareProfile.load(os.path.join(root, "artifacts", "profiles", "h100-sxm-profiled-s11.json"))
+    assert hw.cpu.block_overhead_ms < 0 < hw.gpu.block_overhead_ms
+    out = clamp_negative_deltas(hw)
+    assert out.cpu.block_overhead_ms == 0.0 and out.gpu.block_overhead_ms == hw.gpu.block_overhead_ms
+    assert "the cpu delta below 0 set to 0" in out.notes[-1]
+    assert clamp_negative_deltas(out) == out

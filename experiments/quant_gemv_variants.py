@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Which row count and prefetch distance let the int8 Q4_K / Q6_K decode GEMV (schedules/cpu/gemv_quant_int8.py)
+read closest to DRAM on every core (issue 15's >= 80% bar), beside helmc's stream read in the same run.
+
+  python experiments/quant_gemv_variants.py --build-only DIR --hardware hw.json    # here, with the compiler
+  python experiments/quant_gemv_variants.py --run-only DIR                         # there: tvm.runtime only
+Each variant is timed over weight copies of >= 4x L3 (12288 x 4096, the gate/up shape), best of --rounds passes,
+interleaved with the stream read; prints GB/s of quantized bytes and the ratio to the read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from bench_cpu_gemv import built_only, experiment_parser, target_features  # noqa: E402
+
+N, K = 12288, 4096
+VARIANTS = [(rows, prefetch) for rows in (4, 8, 12) for prefetch in (0, 1024, 2048, 4096)]
+
+
+def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
+    import tvm
+    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
+    from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, make_gemv_quant
+    from helmc.schedules.cpu.isa import select_isa
+    from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
+
+    isa = select_isa(features)
+    funcs, kernels = {}, []
+    for qtype in ("q4_k", "q6_k"):
+        for rows, prefetch in VARIANTS:
+            name = f"v_{qtype}_r{rows}_p{prefetch}"
+            funcs[name] = make_gemv_quant(qtype, N, K, isa, QuantGemvTuning(rows=rows, prefetch_bytes=prefetch)
+                                          ).with_attr("global_symbol", name)
+            kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch})
+    elements = stream_read_elements(4 * l3, isa)
+    funcs["helmc_stream_read"] = make_stream_read(elements, isa)
+    lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
+    os.makedirs(out_dir, exist_ok=True)
+    lib.export_library(os.path.join(out_dir, "variants.so"))
+    with open(os.path.join(out_dir, "variants.json"), "w") as f:
+        json.dump({"kernels": kernels, "read_elements": elements, "l3": l3, "isa": isa.tier}, f, indent=1)
+
+
+def run(out_dir: str, rounds: int) -> None:
+    import tvm
+    from helmc.schedules.cpu.gemv_quant import quant_row_bytes
+
+    meta = json.load(open(os.path.join(out_dir, "variants.json")))
+    lib = tvm.runtime.load_module(os.path.join(out_dir, "variants.so"))
+    read = lib["helmc_stream_read"]
+    buf = tvm.runtime.tensor(np.full(meta["read_elements"], 1.0, np.float32))
+    partial = tvm.runtime.tensor(np.zeros(1024, np.float32))   # READ_TASKS
+
+    def read_gbs():
+        t = time.perf_counter()
+        read(buf, partial)
+        return 4 * meta["read_elements"] / (time.perf_counter() - t) / 1e9
+    rng = np.random.default_rng(0)
+    x = tvm.runtime.tensor(rng.standard_normal((1, K)).astype(np.float32))
+    y = tvm.runtime.tensor(np.zeros((1, N), np.float32))
+    results = []
+    for qtype in ("q4_k", "q6_k"):
+        row = quant_row_bytes(qtype, K)
+        copies = -(-4 * meta["l3"] // (N * row))
+        ws = [tvm.runtime.tensor(rng.integers(0, 256, (N, row), dtype=np.uint8)) for _ in range(copies)]
+        for w in ws:                                   # fp16 fields: finite scales (random bytes may be NaN / inf)
+            a = w.numpy()
+            fields = (0, 2) if qtype == "q4_k" else (208,)
+            blocks = a.reshape(N, -1, 144 if qtype == "q4_k" else 210)
+            for at in fields:
+                blocks[:, :, at:at + 2] = np.array([1e-3], np.float16).view(np.uint8)[None, None, :]
+            w.copyfrom(a)
+        for k in meta["kernels"]:
+            if k["qtype"] != qtype:
+                continue
+            f = lib[k["name"]]
+            best, best_read = 0.0, 0.0
+            for _ in range(rounds):
+                best_read = max(best_read, read_gbs())
+                t = time.perf_counter()
+                for w in ws:
+                    f(x, w, y)
+                best = max(best, copies * N * row / (time.perf_counter() - t) / 1e9)
+            results.append({**k, "gbs": round(best, 2), "read_gbs": round(best_read, 2),
+                            "ratio": round(best / best_read, 3)})
+            print(f"{k['name']:24s} {best:7.2f} GB/s  read {best_read:7.2f}  ratio {best / best_read:.3f}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", out_dir), "quant_gemv_variants.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    ap = experiment_parser(__doc__, rounds=5)
+    a = ap.parse_args()
+    if built_only(a, lambda d, features: build(d, features, target_features(a)[1])):
+        return
+    run(a.run_only, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
