@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""GPU kernel launches of one decode step of a model's GPU stage, one launch per linear against the one-launch
-forms (issue 16: a CUDA graph node costs ~1 us beside its work; experiments/graph_node_overhead.py).
+"""GPU kernel launches of one decode step of a model's GPU stage, one launch per linear against the merged
+launches (issue 16: q/k/v, gate/up + SwiGLU, down + residual add, q/k norm + RoPE one launch each; a CUDA graph
+node costs ~1 us beside its work, experiments/graph_node_overhead.py).
 
 Builds the GPU stage as `helmc build` does (export, import, quantize_functions, compile_gpu_stage's passes and
-TVM's build; no nvcc, no GPU) twice, fuse_gemvs off and on, and prints the launches of every decode function
+TVM's build; no nvcc, no GPU) twice, merge_launches off and on, and prints the launches of every decode function
 (compile_gpu_stage.kernel_launches) and per one-sequence step: blocks x (pre_attn + post_attn) + head. The paged
 attention's own kernels (outside TVM, unchanged) are not counted.
 
@@ -34,16 +35,16 @@ def main() -> None:
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
     counts = {}
     for fuse in (False, True):
-        launches = kernel_launches(build_gpu_executable(mod, a.arch, weight_types=weight_types, fuse_gemvs=fuse))
+        launches = kernel_launches(build_gpu_executable(mod, a.arch, weight_types=weight_types, merge_launches=fuse))
         decode = {f: ks for f, ks in launches.items() if "_decode" in f}
-        print(f"\nfuse_gemvs={fuse}:")
+        print(f"\nmerge_launches={fuse}:")
         for f, ks in sorted(decode.items()):
             print(f"  {f:24s} {len(ks):2d}  {' '.join(ks)}")
         blocks = sum(len(decode[block_function_name(part, "decode", spec.signature_index(layer))])
                      for layer in range(spec.num_layers) for part in ("pre_attn", "post_attn"))
         counts[fuse] = (blocks, len(decode["head_decode"]))
     for fuse, (blocks, head) in counts.items():
-        print(f"fuse_gemvs={fuse}: {spec.num_layers} blocks {blocks} launches + head {head}: {blocks + head} per "
+        print(f"merge_launches={fuse}: {spec.num_layers} blocks {blocks} launches + head {head}: {blocks + head} per "
               "one-sequence step (paged attention's kernels not counted)")
 
 

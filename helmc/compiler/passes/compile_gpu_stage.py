@@ -226,10 +226,11 @@ def _check_input(mod, arch: str) -> None:
 
 def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu: str | None = None,
                          weight_types: dict | None = None, fuse_norms: bool = True, prefill_cublas: bool = True,
-                         fuse_gemvs: bool = True):
+                         merge_launches: bool = True):
     """The GPU stage's Relax passes and TVM's build for CUDA `arch`, no nvcc: the VM executable, its kernels as
-    CUDA source (kernel_launches reads what each function launches). fuse_gemvs=False: one launch per fp16 / bf16
-    decode linear and separate elementwise kernels (lower_decode_gemv's fuse)."""
+    CUDA source (kernel_launches reads what each function launches). merge_launches=False: as before issue 16, one
+    launch per fp16 / bf16 decode linear, SwiGLU and the residual add apart, q's and k's norm + RoPE apart (the int8
+    GEMVs keep their shared-x launches)."""
     import tvm
 
     _check_input(mod, arch)
@@ -243,12 +244,12 @@ def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu
         mod = lower_quantized_gpu(mod, weight_types)
     from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv
     # decode linears over fp16/bf16 weights: helmc's m-row GEMV (batch invariant), several per launch
-    mod = lower_decode_gemv(mod, fuse=fuse_gemvs)
+    mod = lower_decode_gemv(mod, fuse=merge_launches)
     if fp32_accumulate:
         mod = rewrite_matmuls_fp32_accumulate(mod)
     if fuse_norms:          # RMSNorm, residual add + RMSNorm, q/k norm + RoPE: one kernel each
         from helmc.compiler.passes.fuse_gpu_norms import fuse_gpu_norms
-        mod = fuse_gpu_norms(mod)
+        mod = fuse_gpu_norms(mod, one_launch_qk=merge_launches)
     if prefill_cublas:      # prefill linears on tensor cores: cuBLAS through the runtime's CuPy
         from helmc.compiler.passes.dispatch_prefill_gemm import dispatch_prefill_gemm
         mod = dispatch_prefill_gemm(mod)
@@ -281,7 +282,7 @@ def kernel_launches(ex) -> dict[str, list[str]]:
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
                       fp32_accumulate: bool = True, host_mcpu: str | None = None,
                       weight_types: dict | None = None, fuse_norms: bool = True,
-                      prefill_cublas: bool = True, fuse_gemvs: bool = True) -> tuple[str, ...]:
+                      prefill_cublas: bool = True, merge_launches: bool = True) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
     Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
@@ -294,7 +295,7 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     if nvcc is None:
         raise HelmcError("compile_gpu_stage: expected nvcc on PATH or in /usr/local/cuda/bin, found none")
     ex = build_gpu_executable(mod, arch, fp32_accumulate, host_mcpu, weight_types, fuse_norms, prefill_cublas,
-                              fuse_gemvs)
+                              merge_launches)
 
     sources = _collect_cuda_sources(ex.mod)
     if len(sources) != 1:

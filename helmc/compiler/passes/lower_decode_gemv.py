@@ -63,7 +63,7 @@ def _gemv_call(value, gemvs: dict):
     return None
 
 
-def _rewrite_decode(mod: tvm.IRModule, rewrite_block) -> tvm.IRModule:
+def rewrite_decode_blocks(mod: tvm.IRModule, rewrite_block) -> tvm.IRModule:
     """Every decode function's blocks through rewrite_block(builder, function, block) -> block (the same object when
     nothing changed); PrimFuncs it adds through the builder come with the module returned."""
     bb = relax.BlockBuilder(mod)
@@ -82,7 +82,7 @@ def _rewrite_decode(mod: tvm.IRModule, rewrite_block) -> tvm.IRModule:
     return relax.transform.Normalize()(out)     # struct info of the new calls (later passes' builders need it)
 
 
-def _with_bindings(block, bindings: list):
+def with_bindings(block, bindings: list):
     return relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
 
 
@@ -123,9 +123,9 @@ def one_launch_per_shared_x(mod: tvm.IRModule, gemvs: dict, make) -> tvm.IRModul
         new = []
         for i, b in enumerate(bindings):
             new += out.get(i, [] if i in skip else [b])
-        return _with_bindings(block, new)
+        return with_bindings(block, new)
 
-    return _rewrite_decode(mod, rewrite_block)
+    return rewrite_decode_blocks(mod, rewrite_block)
 
 
 def _users(func: relax.Function) -> dict:
@@ -190,9 +190,9 @@ def fuse_gemv_epilogues(mod: tvm.IRModule, gemvs: dict) -> tvm.IRModule:
             gvar = bb.add_func(fused[0], str(fused[0].attrs["global_symbol"]))
             new.append(relax.VarBinding(b.var, relax.call_tir(gvar, fused[1], b.value.ty)))
             changed = True      # the GEMVs and elementwise ops it replaces are unused now: remove_all_unused
-        return _with_bindings(block, new) if changed else block
+        return with_bindings(block, new) if changed else block
 
-    return _rewrite_decode(mod, rewrite_block)
+    return rewrite_decode_blocks(mod, rewrite_block)
 
 
 def _static_shape(expr) -> list[int] | None:
