@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from helmc.compiler.passes.lower_decode_gemv import rewrite_decode_blocks, with_bindings
+from helmc.compiler.passes.lower_decode_gemv import local_var, rewrite_decode_blocks, with_bindings
 from helmc.schedules.gpu.norm_rope import make_rms_norm, make_rms_norm_rope
 
 _BIG = 2 ** 62          # a slice's "to the end" bound as the ONNX import spells it (INT64_MAX)
@@ -75,7 +75,7 @@ def _q_and_k_rope_in_one_launch(mod: tvm.IRModule, ropes: dict) -> tvm.IRModule:
             prim = make_rms_norm_rope(rope_of(bindings[i].value)[1], eps, shape_k=rope_of(bindings[j].value)[1])
             gvar = bb.add_func(prim, str(prim.attrs["global_symbol"]))
             outs = [bindings[i].value.ty, bindings[j].value.ty]
-            both = relax.DataflowVar(f"rope_qk{i}", relax.TupleType(outs))
+            both = local_var(block, f"rope_qk{i}", relax.TupleType(outs))
             out[i] = [relax.VarBinding(both, relax.call_tir(gvar, [xq, wq, xk, wk, cos, sin], outs)),
                       relax.VarBinding(bindings[i].var, relax.TupleGetItem(both, 0)),
                       relax.VarBinding(bindings[j].var, relax.TupleGetItem(both, 1))]

@@ -86,6 +86,11 @@ def with_bindings(block, bindings: list):
     return relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
 
 
+def local_var(block, name: str, ty):
+    """A new var for a binding inside `block` (a dataflow block's own vars are DataflowVars)."""
+    return (relax.DataflowVar if isinstance(block, relax.DataflowBlock) else relax.Var)(name, ty)
+
+
 def one_launch_per_shared_x(mod: tvm.IRModule, gemvs: dict, make) -> tvm.IRModule:
     """In every decode function, the GEMVs of one x and kind (q, k, v; gate, up) become one launch over up to
     MAX_SHARED_X weights, placed where the first of them was: two to three graph nodes go, and the small k / v
@@ -113,7 +118,7 @@ def one_launch_per_shared_x(mod: tvm.IRModule, gemvs: dict, make) -> tvm.IRModul
                 prim = make(kind, ns)
                 fused = bb.add_func(prim, str(prim.attrs["global_symbol"]))
                 outs = [bindings[i].value.ty for i in part]
-                tv = relax.DataflowVar(f"gemv_x{part[0]}", relax.TupleType(outs))
+                tv = local_var(block, f"gemv_x{part[0]}", relax.TupleType(outs))
                 call = relax.call_tir(fused, [x] + [w for _, _, w in calls], outs)
                 out[part[0]] = [relax.VarBinding(tv, call)] + [
                     relax.VarBinding(bindings[i].var, relax.TupleGetItem(tv, j)) for j, i in enumerate(part)]
