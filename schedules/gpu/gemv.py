@@ -22,6 +22,16 @@ choices left to nvcc (FMA contraction of the same expression) are the same for e
 Loads go through uint32 views (two 16-bit values per word, widened exactly: fp16 by the hardware convert of
 its bits, bf16 by a shift), so no 16-bit vector type of TVM's CUDA code generator is involved. k must be a
 multiple of 8 and x, W, y 16-byte aligned (TVM and CuPy allocations are; rows are, as k % 8 == 0).
+
+One launch, several outputs (issue 16: a decode step's graph nodes cost ~1 us each beside the GEMVs' own time):
+- several weights of one x (q, k, v; gate, up): n a tuple, PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each thread
+  block works for one weight, so the small k / v projections ride on q's launch;
+- epilogue "residual": PrimFunc(x, w, r, y), y = r + fp16(x @ w^T) added in fp16 (the block's residual add);
+- epilogue "swiglu": PrimFunc(x, wg, wu, y), y = silu(g) * u of g = fp16(x @ wg^T), u = fp16(x @ wu^T) in fp16
+  ops, the expression the stage's own elementwise kernel computes (T.sigmoid lowers as it does there); a thread
+  block sums rows_per_warp rows of both weights.
+Every row of y is summed as in the one-weight kernel (same lanes, steps, butterfly, warp order) and rounded to
+fp16 at the same point, so the outputs are bit-identical to the separate launches'.
 """
 from __future__ import annotations
 
@@ -34,23 +44,33 @@ WARP = 32
 VEC = 8                  # weights per lane per step: one 16-byte load
 STEP = WARP * VEC        # weights of a row one warp covers per step
 WEIGHT_DTYPES = ("float16", "bfloat16")
+MAX_WEIGHTS = 3          # weights of one x one launch takes (q, k, v)
+EPILOGUES = (None, "residual", "swiglu")
 MAX_ROWS = 8             # largest m (runtime.stage.decode_batch_sizes stays within it at --max-batch <= 8)
 _F32 = "float32"
 
 
-def default_tuning(m: int) -> tuple[int, int, int]:
+def default_tuning(m: int, epilogue: str | None = None) -> tuple[int, int, int]:
     """(rows_per_warp, warps, unroll): one row of x: 2 rows per warp, 4 warps, 4 steps in flight; more rows of
     x: 4 rows per warp (each x load serves 4 rows, see the module docstring) and 2 steps in flight, which keeps
     the m x 4 accumulators and the staged weights in registers. Per-row bits depend on warps only (the k split),
-    so warps is the same for every m."""
+    so warps is the same for every m. swiglu sums rows of two weights per thread block: half the rows of each
+    keeps the accumulators and loads in flight as they were."""
+    if epilogue == "swiglu":
+        return (1, 4, 4) if m == 1 else (2, 4, 2)
     return (2, 4, 4) if m == 1 else (4, 4, 2)
 
 
-def gemv_symbol(m: int, n: int, k: int, weight_dtype: str, tuning: tuple[int, int, int] | None = None) -> str:
-    """The PrimFunc's global symbol (a tuning other than default_tuning(m) appended); its kernel is + "_kernel"."""
+def gemv_symbol(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, int] | None = None,
+                epilogue: str | None = None) -> str:
+    """The PrimFunc's global symbol (a tuning other than default_tuning(m) appended); its kernel is + "_kernel".
+    n: the row count, or a tuple of them for one launch over several weights of one x (n4096_1024_1024);
+    epilogue: None, "residual" or "swiglu" (make_gpu_gemv's)."""
     short = {"float16": "f16", "bfloat16": "bf16"}[weight_dtype]
-    tail = "" if tuning is None or tuning == default_tuning(m) else "_r{}w{}u{}".format(*tuning)
-    return f"helmc_gpu_gemv_{short}_m{m}_n{n}_k{k}{tail}"
+    n = "_".join(map(str, n)) if isinstance(n, (tuple, list)) else n
+    tail = "" if tuning is None or tuning == default_tuning(m, epilogue) else "_r{}w{}u{}".format(*tuning)
+    kind = {None: "", "residual": "res_", "swiglu": "swiglu_"}[epilogue]
+    return f"helmc_gpu_gemv_{kind}{short}_m{m}_n{n}_k{k}{tail}"
 
 
 def _check(m: int, n: int, k: int, weight_dtype: str, tuning: tuple[int, int, int]) -> None:
@@ -75,68 +95,180 @@ def _widen(word, half, weight_dtype: str):
     return T.Cast(_F32, T.reinterpret("float16", T.Cast("uint16", T.bitwise_and(bits, T.uint32(0xFFFF)))))
 
 
-def make_gpu_gemv(m: int, n: int, k: int, weight_dtype: str,
-                  tuning: tuple[int, int, int] | None = None) -> tirx.PrimFunc:
+
+def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, int] | None = None,
+                  epilogue: str | None = None) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: weight_dtype[n, k], y: float16[m, n]) with y = x @ w^T (fp32 sums).
-    tuning: (rows_per_warp, warps, unroll), default default_tuning(m)."""
-    tuning = tuning or default_tuning(m)
-    _check(m, n, k, weight_dtype, tuning)
+    tuning: (rows_per_warp, warps, unroll), default default_tuning(m, epilogue). n a tuple of 2 or 3 row counts,
+    or an epilogue: the one-launch forms of the module docstring."""
+    tuning = tuning or default_tuning(m, epilogue)
+    outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
+    if epilogue not in EPILOGUES or not 1 <= len(outs) <= MAX_WEIGHTS or (epilogue and len(outs) > 1):
+        raise HelmcError(f"GPU GEMV: 1 to {MAX_WEIGHTS} weights without an epilogue, or one of {EPILOGUES[1:]} "
+                         f"over one row count expected, found n={n}, epilogue={epilogue!r}")
+    for n_i in outs:
+        _check(m, n_i, k, weight_dtype, tuning)
     rows, warps, unroll = tuning
+    span = rows * (2 if epilogue == "swiglu" else 1)     # accumulator rows of a thread: gate's, then up's
     words = VEC // 2                                # uint32 words per lane per step and row
     kw = k // 2                                     # words per row
     steps = -(-k // STEP)
     outer = -(-steps // (warps * unroll))           # warp ty takes steps ty, ty + warps, ...; lanes past k skip
-    grid = -(-n // rows)
+    grids = [-(-n_i // rows) for n_i in outs]
 
-    @T.prim_func
-    def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float16")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
-        wv = T.decl_buffer((n * kw,), "uint32", data=w.data)      # [n, k] 16-bit -> [n * k / 2] words
-        for bx in T.thread_binding(grid, thread="blockIdx.x"):
-            for ty in T.thread_binding(warps, thread="threadIdx.y"):
-                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                    red = T.alloc_buffer((m * rows * warps,), _F32, scope="shared")   # [m, rows, warps]
-                    acc = T.alloc_buffer((m, rows), _F32, scope="local")
-                    wl = T.alloc_buffer((unroll, rows, words), "uint32", scope="local")
-                    xl = T.alloc_buffer((words,), "uint32", scope="local")
-                    xf = T.alloc_buffer((VEC,), _F32, scope="local")
-                    tot = T.alloc_buffer((1,), _F32, scope="local")
-                    for t in T.unroll(m):
-                        for r in T.unroll(rows):
-                            acc[t, r] = T.float32(0)
-                    for so in T.serial(outer):
-                        # The unroll steps' weights first (in flight together), clamped to the last row and the
-                        # row's last 16 bytes for loads; their use below skips what is past n or k.
-                        for si in T.unroll(unroll):
-                            for r in T.unroll(rows):
-                                for v in T.vectorized(words):
-                                    wl[si, r, v] = wv[T.min(bx * rows + r, n - 1) * kw + T.min(
-                                        (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2, kw - words) + v]
-                        for si in T.unroll(unroll):
-                            if ((so * unroll + si) * warps + ty) * STEP + tx * VEC < k:
-                                for t in T.unroll(m):
-                                    for v in T.vectorized(words):
-                                        xl[v] = xv[t * kw + (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2 + v]
-                                    for e in T.unroll(VEC):
-                                        xf[e] = _widen(xl[e // 2], e % 2, "float16")
-                                    for r in T.unroll(rows):
-                                        for e in T.unroll(VEC):
-                                            acc[t, r] = acc[t, r] + xf[e] * _widen(wl[si, r, e // 2], e % 2,
-                                                                                   weight_dtype)
-                    for t in T.unroll(m):
-                        for r in T.unroll(rows):
-                            for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
-                                acc[t, r] = acc[t, r] + T.tvm_warp_shuffle_xor(
-                                    T.uint32(0xFFFFFFFF), acc[t, r], 16 >> s, WARP, WARP)
-                            if tx == 0:
-                                red[(t * rows + r) * warps + ty] = acc[t, r]
-                    T.tvm_storage_sync("shared")
-                    # the warps' sums of one row of y, added in warp order by one thread per (t, r)
-                    if ty == 0 and tx < m * rows and bx * rows + tx % rows < n:
-                        tot[0] = red[tx * warps]
-                        for v in T.unroll(warps - 1):
-                            tot[0] = tot[0] + red[tx * warps + v + 1]
-                        y[tx // rows, bx * rows + tx % rows] = T.Cast("float16", tot[0])
+    @T.macro
+    def load_rows(wv, n_rows, cta, wl, first, so, ty, tx):
+        # The unroll steps' weights first (in flight together), clamped to the last row and the row's last 16
+        # bytes for loads; their use below skips what is past n or k.
+        for si in T.unroll(unroll):
+            for r in T.unroll(rows):
+                for v in T.vectorized(words):
+                    wl[si, first + r, v] = wv[T.min(cta * rows + r, n_rows - 1) * kw + T.min(
+                        (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2, kw - words) + v]
 
-    return gemv.with_attr("global_symbol", gemv_symbol(m, n, k, weight_dtype, tuning))
+    @T.macro
+    def warp_sums(xv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf):
+        """red[(t * span + r) * warps + w] = warp w's sum of accumulator row r for row t of x."""
+        for t in T.unroll(m):
+            for r in T.unroll(span):
+                acc[t, r] = T.float32(0)
+        for so in T.serial(outer):
+            load_rows(wv, n_rows, cta, wl, 0, so, ty, tx)
+            if epilogue == "swiglu":
+                load_rows(wv_up, n_rows, cta, wl, rows, so, ty, tx)
+            for si in T.unroll(unroll):
+                if ((so * unroll + si) * warps + ty) * STEP + tx * VEC < k:
+                    for t in T.unroll(m):
+                        for v in T.vectorized(words):
+                            xl[v] = xv[t * kw + (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2 + v]
+                        for e in T.unroll(VEC):
+                            xf[e] = _widen(xl[e // 2], e % 2, "float16")
+                        for r in T.unroll(span):
+                            for e in T.unroll(VEC):
+                                acc[t, r] = acc[t, r] + xf[e] * _widen(wl[si, r, e // 2], e % 2, weight_dtype)
+        for t in T.unroll(m):
+            for r in T.unroll(span):
+                for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
+                    acc[t, r] = acc[t, r] + T.tvm_warp_shuffle_xor(
+                        T.uint32(0xFFFFFFFF), acc[t, r], 16 >> s, WARP, WARP)
+                if tx == 0:
+                    red[(t * span + r) * warps + ty] = acc[t, r]
+        T.tvm_storage_sync("shared")
+
+    @T.macro
+    def row_sum(red, base, tot):
+        # the warps' sums of one row of y, added in warp order
+        tot[0] = red[base]
+        for v in T.unroll(warps - 1):
+            tot[0] = tot[0] + red[base + v + 1]
+
+    @T.macro
+    def rows_of(xv, wv, wv_up, res, y, n_rows, cta, ty, tx):
+        """y[:, rows of thread block `cta`] for one weight of n_rows rows (with up's rows for swiglu)."""
+        red = T.alloc_buffer((m * span * warps,), _F32, scope="shared")   # [m, span, warps]
+        acc = T.alloc_buffer((m, span), _F32, scope="local")
+        wl = T.alloc_buffer((unroll, span, words), "uint32", scope="local")
+        xl = T.alloc_buffer((words,), "uint32", scope="local")
+        xf = T.alloc_buffer((VEC,), _F32, scope="local")
+        tot = T.alloc_buffer((1,), _F32, scope="local")
+        warp_sums(xv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf)
+        # one thread per (t, r) writes y[t, row r]
+        if ty == 0 and tx < m * rows and cta * rows + tx % rows < n_rows:
+            if epilogue == "swiglu":
+                gu = T.alloc_buffer((2,), "float16", scope="local")
+                row_sum(red, ((tx // rows) * span + tx % rows) * warps, tot)
+                gu[0] = T.Cast("float16", tot[0])
+                row_sum(red, ((tx // rows) * span + rows + tx % rows) * warps, tot)
+                gu[1] = T.Cast("float16", tot[0])
+                y[tx // rows, cta * rows + tx % rows] = gu[0] * T.sigmoid(gu[0]) * gu[1]
+            else:
+                row_sum(red, tx * warps, tot)
+                if epilogue == "residual":
+                    y[tx // rows, cta * rows + tx % rows] = res[tx // rows, cta * rows + tx % rows] + T.Cast(
+                        "float16", tot[0])
+                else:
+                    y[tx // rows, cta * rows + tx % rows] = T.Cast("float16", tot[0])
+
+    @T.macro
+    def shared_x(xv, wvs, ys, bx, ty, tx):
+        # each thread block works for one weight (those of weight i follow those of weight i - 1): bx-uniform
+        if len(outs) == 2:
+            if bx < grids[0]:
+                rows_of(xv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
+            else:
+                rows_of(xv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
+        else:
+            if bx < grids[0]:
+                rows_of(xv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
+            elif bx < grids[0] + grids[1]:
+                rows_of(xv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
+            else:
+                rows_of(xv, wvs[2], None, None, ys[2], outs[2], bx - grids[0] - grids[1], ty, tx)
+
+    n0, grid, wd = outs[0], sum(grids), weight_dtype
+    if len(outs) == 1 and epilogue is None:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n0, k), wd), y: T.Buffer((m, n0), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            wv = T.decl_buffer((n0 * kw,), "uint32", data=w.data)     # [n, k] 16-bit -> [n * k / 2] words
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        rows_of(xv, wv, None, None, y, n0, bx, ty, tx)
+    elif epilogue == "residual":
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n0, k), wd), r: T.Buffer((m, n0), "float16"),
+                 y: T.Buffer((m, n0), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            wv = T.decl_buffer((n0 * kw,), "uint32", data=w.data)     # [n, k] 16-bit -> [n * k / 2] words
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        rows_of(xv, wv, None, r, y, n0, bx, ty, tx)
+    elif epilogue == "swiglu":
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), wg: T.Buffer((n0, k), wd), wu: T.Buffer((n0, k), wd),
+                 y: T.Buffer((m, n0), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            gv = T.decl_buffer((n0 * kw,), "uint32", data=wg.data)    # [n, k] 16-bit -> [n * k / 2] words
+            uv = T.decl_buffer((n0 * kw,), "uint32", data=wu.data)    # [n, k] 16-bit -> [n * k / 2] words
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        rows_of(xv, gv, uv, None, y, n0, bx, ty, tx)
+    elif len(outs) == 2:
+        n1 = outs[1]
+
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w0: T.Buffer((n0, k), wd), w1: T.Buffer((n1, k), wd),
+                 y0: T.Buffer((m, n0), "float16"), y1: T.Buffer((m, n1), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            wv0 = T.decl_buffer((n0 * kw,), "uint32", data=w0.data)   # [n_i, k] 16-bit -> [n_i * k / 2] words
+            wv1 = T.decl_buffer((n1 * kw,), "uint32", data=w1.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        shared_x(xv, [wv0, wv1], [y0, y1], bx, ty, tx)
+    else:
+        n1, n2 = outs[1], outs[2]
+
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w0: T.Buffer((n0, k), wd), w1: T.Buffer((n1, k), wd),
+                 w2: T.Buffer((n2, k), wd), y0: T.Buffer((m, n0), "float16"), y1: T.Buffer((m, n1), "float16"),
+                 y2: T.Buffer((m, n2), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            wv0 = T.decl_buffer((n0 * kw,), "uint32", data=w0.data)   # [n_i, k] 16-bit -> [n_i * k / 2] words
+            wv1 = T.decl_buffer((n1 * kw,), "uint32", data=w1.data)
+            wv2 = T.decl_buffer((n2 * kw,), "uint32", data=w2.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        shared_x(xv, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
+
+    return gemv.with_attr("global_symbol", gemv_symbol(m, outs if len(outs) > 1 else n0, k, weight_dtype, tuning,
+                                                       epilogue))

@@ -155,50 +155,89 @@ def make_rms_norm(shape: tuple[int, ...], eps: float, add: bool = False) -> tirx
     return add_rms_norm.with_attr("global_symbol", norm_symbol("add_rms_norm", shape))
 
 
-def make_rms_norm_rope(shape: tuple[int, ...], eps: float) -> tirx.PrimFunc:
+def make_rms_norm_rope(shape: tuple[int, ...], eps: float, shape_k: tuple | None = None) -> tirx.PrimFunc:
     """PrimFunc(x f16[S, heads, D], w f16[D], cos f32[S, D], sin f32[S, D], y f16[S, heads, D]):
-    y = rope(rms_norm(x) per head), rotate-half RoPE at each token's cos/sin."""
-    if len(shape) != 3:
-        raise HelmcError(f"GPU norm+RoPE kernel: x of shape [tokens, heads, head_dim] expected, found {shape}")
+    y = rope(rms_norm(x) per head), rotate-half RoPE at each token's cos/sin.
+    shape_k [S, heads_k, D]: q and k in one launch (issue 16: a graph node per launch),
+    PrimFunc(xq, wq, xk, wk, cos, sin, yq, yk); the blocks of k's rows follow q's, each row computed as alone."""
+    shapes = (shape,) if shape_k is None else (shape, shape_k)
+    for sh in shapes:
+        if len(sh) != 3:
+            raise HelmcError(f"GPU norm+RoPE kernel: x of shape [tokens, heads, head_dim] expected, found {sh}")
     rows, d = _check(shape)
     if d % 2:
         raise HelmcError(f"GPU norm+RoPE kernel: an even head_dim expected, found {d}")
+    if shape_k is not None and (_check(shape_k)[1] != d or not _same_extent(shape_k[0], shape[0])):
+        raise HelmcError(f"GPU norm+RoPE kernel: q and k of one token count and head_dim expected, found {shape}, "
+                         f"{shape_k}")
     seq, heads, half = shape[0], shape[1], d // 2
     vec, threads, width = _layout(d)
     warps = threads // width
     reduce = _row_mean_square(vec, threads, width, d)
 
-    @T.prim_func
-    def rms_norm_rope(x: T.Buffer(shape, _F16), w: T.Buffer((d,), _F16), cos: T.Buffer((seq, d), _F32),
-                      sin: T.Buffer((seq, d), _F32), y: T.Buffer(shape, _F16)):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        xv = T.decl_buffer((rows * d,), _F16, data=x.data)              # [rows, d] flat, row = token * heads + head
-        yv = T.decl_buffer((rows * d,), _F16, data=y.data)
-        for bx in T.thread_binding(rows, thread="blockIdx.x"):
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                xh = T.alloc_buffer((vec,), _F16, scope="local")
-                xf = T.alloc_buffer((vec,), _F32, scope="local")
-                part = T.alloc_buffer((1,), _F32, scope="local")
-                inv = T.alloc_buffer((1,), _F32, scope="local")
-                red = T.alloc_buffer((warps,), _F32, scope="shared")
-                row = T.alloc_buffer((d,), _F16, scope="shared")       # the normed row, for the rotation
-                if tx * vec < d:
-                    for v in T.vectorized(vec):
-                        xh[v] = xv[bx * d + tx * vec + v]
-                    for v in T.unroll(vec):
-                        xf[v] = T.Cast(_F32, xh[v])
-                reduce(xf, part, red, inv, tx, eps)
-                if tx * vec < d:
-                    for v in T.unroll(vec):
-                        row[tx * vec + v] = T.Cast(_F16, T.Cast(_F32, w[tx * vec + v]) * (xf[v] * inv[0]))
-                T.tvm_storage_sync("shared")
-                if tx * vec < d:
-                    for v in T.unroll(vec):
-                        # q*cos + rotate_half(q)*sin, each product and the sum rounded to fp16 as exported
-                        xh[v] = row[tx * vec + v] * T.Cast(_F16, cos[bx // heads, tx * vec + v]) + T.if_then_else(
-                            tx * vec + v < half, -row[tx * vec + v + half], row[(tx * vec + v + half) % d]
-                        ) * T.Cast(_F16, sin[bx // heads, tx * vec + v])
-                    for v in T.vectorized(vec):
-                        yv[bx * d + tx * vec + v] = xh[v]
+    @T.macro
+    def norm_rope_row(xv, w, cos, sin, yv, bx, heads, tx):
+        """Row bx (token bx // heads) of xv [rows, d] into yv."""
+        xh = T.alloc_buffer((vec,), _F16, scope="local")
+        xf = T.alloc_buffer((vec,), _F32, scope="local")
+        part = T.alloc_buffer((1,), _F32, scope="local")
+        inv = T.alloc_buffer((1,), _F32, scope="local")
+        red = T.alloc_buffer((warps,), _F32, scope="shared")
+        row = T.alloc_buffer((d,), _F16, scope="shared")       # the normed row, for the rotation
+        if tx * vec < d:
+            for v in T.vectorized(vec):
+                xh[v] = xv[bx * d + tx * vec + v]
+            for v in T.unroll(vec):
+                xf[v] = T.Cast(_F32, xh[v])
+        reduce(xf, part, red, inv, tx, eps)
+        if tx * vec < d:
+            for v in T.unroll(vec):
+                row[tx * vec + v] = T.Cast(_F16, T.Cast(_F32, w[tx * vec + v]) * (xf[v] * inv[0]))
+        T.tvm_storage_sync("shared")
+        if tx * vec < d:
+            for v in T.unroll(vec):
+                # q*cos + rotate_half(q)*sin, each product and the sum rounded to fp16 as exported
+                xh[v] = row[tx * vec + v] * T.Cast(_F16, cos[bx // heads, tx * vec + v]) + T.if_then_else(
+                    tx * vec + v < half, -row[tx * vec + v + half], row[(tx * vec + v + half) % d]
+                ) * T.Cast(_F16, sin[bx // heads, tx * vec + v])
+            for v in T.vectorized(vec):
+                yv[bx * d + tx * vec + v] = xh[v]
 
-    return rms_norm_rope.with_attr("global_symbol", norm_symbol("rms_norm_rope", shape))
+    if shape_k is None:
+        @T.prim_func
+        def rms_norm_rope(x: T.Buffer(shape, _F16), w: T.Buffer((d,), _F16), cos: T.Buffer((seq, d), _F32),
+                          sin: T.Buffer((seq, d), _F32), y: T.Buffer(shape, _F16)):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((rows * d,), _F16, data=x.data)          # [rows, d] flat, row = token * heads + head
+            yv = T.decl_buffer((rows * d,), _F16, data=y.data)
+            for bx in T.thread_binding(rows, thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    norm_rope_row(xv, w, cos, sin, yv, bx, heads, tx)
+
+        return rms_norm_rope.with_attr("global_symbol", norm_symbol("rms_norm_rope", shape))
+
+    rows_k, heads_k = _check(shape_k)[0], shape_k[1]
+
+    @T.prim_func
+    def rms_norm_rope_qk(xq: T.Buffer(shape, _F16), wq: T.Buffer((d,), _F16), xk: T.Buffer(shape_k, _F16),
+                         wk: T.Buffer((d,), _F16), cos: T.Buffer((seq, d), _F32), sin: T.Buffer((seq, d), _F32),
+                         yq: T.Buffer(shape, _F16), yk: T.Buffer(shape_k, _F16)):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        qv = T.decl_buffer((rows * d,), _F16, data=xq.data)             # [rows, d] flat, row = token * heads + head
+        kv = T.decl_buffer((rows_k * d,), _F16, data=xk.data)
+        yqv = T.decl_buffer((rows * d,), _F16, data=yq.data)
+        ykv = T.decl_buffer((rows_k * d,), _F16, data=yk.data)
+        for bx in T.thread_binding(rows + rows_k, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                if bx < rows:                                           # block-uniform: q's rows, then k's
+                    norm_rope_row(qv, wq, cos, sin, yqv, bx, heads, tx)
+                else:
+                    norm_rope_row(kv, wk, cos, sin, ykv, bx - rows, heads_k, tx)
+
+    return rms_norm_rope_qk.with_attr("global_symbol", norm_symbol("rms_norm_rope_qk", shape) + "_" + norm_symbol(
+        "", shape_k).removeprefix("helmc_gpu__"))
+
+
+def _same_extent(a, b) -> bool:
+    """One token count: the same int, or the same symbolic variable."""
+    return a == b if isinstance(a, int) or isinstance(b, int) else a.same_as(b)

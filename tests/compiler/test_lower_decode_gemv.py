@@ -1,7 +1,9 @@
 """lower_decode_gemv / lower_quantized_gpu on a GPU stage with batched decode variants (issue 19): every linear of
 every decode function (decode, decode_b2, decode_b4; each weight signature; the head) becomes helmc's m-row GEMV
 for its row count -- fp16 / bf16 weights schedules/gpu/gemv.py, quantized ones quant_gemv.py -- and prefill keeps
-its matmuls; the stage builds to one sm_90 cubin holding those kernels (nvcc, no GPU)."""
+its matmuls; the stage builds to one sm_90 cubin holding those kernels (nvcc, no GPU).
+Issue 16: q, k, v are one launch, gate / up / SwiGLU one, down_proj / residual add one (and fuse_gpu_norms' q and
+k norm + RoPE one); the built stage's decode functions launch 6 kernels fewer per block than before."""
 from __future__ import annotations
 
 import re
@@ -10,7 +12,9 @@ import pytest
 
 pytest.importorskip("tvm.relax")
 
-from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, find_nvcc  # noqa: E402
+from helmc.compiler.passes.compile_gpu_stage import (  # noqa: E402
+    build_gpu_executable, compile_gpu_stage, find_nvcc, kernel_launches)
+from helmc.compiler.passes.dispatch_prefill_gemm import GEMM_FUNC  # noqa: E402
 from helmc.compiler.passes.export_block import export_functions  # noqa: E402
 from helmc.compiler.passes.import_relax import import_functions  # noqa: E402
 from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv  # noqa: E402
@@ -62,7 +66,7 @@ def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
         kernels = set(re.findall(r"helmc_gpu_gemv8?_\w+", script))
         assert kernels and all(_rows_of(k) == m for k in kernels), (name, kernels)
         short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        assert quantized or all(f"helmc_gpu_gemv_{short}_" in k for k in kernels), (name, kernels)
+        assert quantized or all(re.match(rf"helmc_gpu_gemv_(res_|swiglu_)?{short}_", k) for k in kernels), (name, kernels)
     assert "R.matmul" in mod["post_attn_prefill"].script() or quantized
 
 
@@ -77,3 +81,41 @@ def test_batched_stage_builds_to_one_cubin(tmp_path):
                    "gemv8_q6_k_n512_k256_m4_r2w8u2"):
         assert f"helmc_gpu_{kernel}_kernel" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_launch_per_shared_x_and_epilogues(dtype):
+    mod, _ = _lowered(_spec(dtype, False))
+    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for m in (1, *BATCHES):
+        tail = "" if m == 1 else f"_b{m}"
+        pre, post = mod[f"pre_attn_decode{tail}"].script(), mod[f"post_attn_decode{tail}"].script()
+        # q [256, 256], k and v [128, 256]: one launch, each output its own tuple field
+        assert re.findall(r"helmc_gpu_gemv\w+", pre) == [f"helmc_gpu_gemv_{short}_m{m}_n256_128_128_k256"], pre
+        assert re.findall(r"helmc_gpu_gemv\w+", post) == [
+            f"helmc_gpu_gemv_{short}_m{m}_n256_k256", f"helmc_gpu_gemv_swiglu_{short}_m{m}_n512_k256",
+            f"helmc_gpu_gemv_res_{short}_m{m}_n256_k512"], post
+        assert "R.sigmoid" not in post and re.search(r"\bgv = R.call_tir\(helmc_gpu_gemv_res_", post), post
+    # o_proj's residual add feeds the next RMSNorm: left for fuse_gpu_norms' add + RMSNorm
+    assert "R.add(x, lv" in mod["post_attn_decode"].script()
+    unfused, _ = quantize_functions(import_functions(export_functions(_spec(dtype, False), act_dtype="float16"), BATCHES),
+                                    _spec(dtype, False))
+    assert "n256_128_128" not in lower_decode_gemv(unfused, fuse=False)["pre_attn_decode"].script()
+
+
+@pytest.mark.slow
+def test_decode_launches_per_block_fall_from_13_to_7():
+    """The built stage's decode functions: per block 6 + 7 launches one per linear (rms_norm, q, k, v, 2 norm_rope;
+    o_proj, add_rms_norm, gate, up, SwiGLU, down, add), 3 + 4 merged (rms_norm, qkv, q/k norm_rope; o_proj,
+    add_rms_norm, gate/up/SwiGLU, down + add); prefill unchanged."""
+    spec = _spec("float16", False)
+    mod, _ = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+    before = kernel_launches(build_gpu_executable(mod, "sm_90", merge_launches=False))
+    after = kernel_launches(build_gpu_executable(mod, "sm_90"))
+    for tail in ("", *(f"_b{b}" for b in BATCHES)):
+        assert (len(before[f"pre_attn_decode{tail}"]), len(before[f"post_attn_decode{tail}"])) == (6, 7), before
+        assert (len(after[f"pre_attn_decode{tail}"]), len(after[f"post_attn_decode{tail}"])) == (3, 4), after
+        assert after[f"pre_attn_decode{tail}"][2].startswith("helmc_gpu_rms_norm_rope_qk_"), after
+        assert len(after[f"head_decode{tail}"]) == len(before[f"head_decode{tail}"])
+    for func, gemms in (("pre_attn_prefill", 3), ("post_attn_prefill", 4)):  # TVM numbers its kernels per build
+        assert len(after[func]) == len(before[func]) and after[func].count(GEMM_FUNC) == gemms, (before, after)

@@ -15,6 +15,10 @@ projection shapes (and its lm_head for fp16), for m = 1 (a decode step) and m = 
         rotated over copies larger than L2) and GB/s of weight bytes, so m = 8 against m = 1 shows what the
         extra rows cost at the HBM ceiling.
       Exits 1 if any kernel fails either check.
+  One launch, several outputs (issue 16), fp16 and bf16, every m: q/k/v (4096, 1024, 1024 rows over k 4096) in one
+  launch, gate/up + SwiGLU (12288 rows), down_proj + residual add (k 12288): each output bit-identical to the
+  separate launches (the GEMVs, then a TIR elementwise kernel of the stage's expression: T.sigmoid, fp16 ops),
+  and the time of the one launch against the separate ones queued back to back.
 
   There (device tool, carry [".devrt/site", ".devrt/gemv_gpu_check"]):
     bash scripts/device_run.sh py=tests/device/device_gemv_gpu_check.py,.devrt/gemv_gpu_check,--out,$OUT/gemv.json
@@ -45,6 +49,7 @@ FLOAT_VARIANTS = ((1, 4, 4), (2, 4, 2), (4, 4, 4), (2, 8, 2), (1, 8, 2), (4, 2, 
 UNIQUE_ROWS = 61      # distinct weight rows per type and k (prime: a kernel reading a wrong row still differs)
 TOLERANCE = 2e-3     # fp32 sums and one fp16 rounding of y (device_quant_gpu_check's reasoning)
 LIB = "gemv_kernels"
+QKV, GATE, DOWN = (4096, 1024, 1024), 12288, 4096     # Qwen3-8B's rows; k 4096, 4096 and 12288
 
 
 def kernel_entries() -> list[dict]:
@@ -62,6 +67,43 @@ def kernel_entries() -> list[dict]:
         for n, k in QUANT_SHAPES:
             out += [{"type": qtype, "n": n, "k": k, "m": m, "symbol": quant_symbol(qtype, n, k, m=m)} for m in ROWS]
     return out
+
+
+def fused_entries() -> list[dict]:
+    from helmc.schedules.gpu.gemv import gemv_symbol
+
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        for m in ROWS:
+            for kind, ns, k in (("qkv", QKV, 4096), ("swiglu", (GATE,), 4096), ("residual", (DOWN,), 12288)):
+                epilogue = None if kind == "qkv" else kind
+                out.append({"kind": kind, "type": dtype, "m": m, "n": list(ns), "k": k,
+                            "symbol": gemv_symbol(m, ns if epilogue is None else ns[0], k, dtype, epilogue=epilogue),
+                            "parts": [gemv_symbol(m, n, k, dtype) for n in ns],
+                            "ref": None if kind == "qkv" else f"ref_{kind}_{m * ns[0]}"})
+    return out
+
+
+def _elementwise(kind: str, size: int):
+    """y = a * sigmoid(a) * b (swiglu) or a + b (residual) over fp16 [size], as the stage's elementwise kernels
+    compute it (fp16 ops; T.sigmoid lowers to the same CUDA as the legalized R.sigmoid)."""
+    from tvm.script import tirx as T
+
+    threads = 256
+
+    @T.prim_func
+    def f(a: T.Buffer((size,), "float16"), b: T.Buffer((size,), "float16"), y: T.Buffer((size,), "float16")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(-(-size // threads), thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                if bx * threads + tx < size:
+                    if kind == "swiglu":
+                        y[bx * threads + tx] = a[bx * threads + tx] * T.sigmoid(a[bx * threads + tx]) * b[
+                            bx * threads + tx]
+                    else:
+                        y[bx * threads + tx] = a[bx * threads + tx] + b[bx * threads + tx]
+
+    return f
 
 
 def build(out_dir: str, arch: str) -> None:
@@ -89,6 +131,13 @@ def build(out_dir: str, arch: str) -> None:
             e["tuning"] = list(GEMV_TUNING[e["type"]])
             e["symbol"] = quant_symbol(e["type"], e["n"], e["k"], *GEMV_TUNING[e["type"]], m=e["m"])
             funcs[e["symbol"]] = f
+    fused = fused_entries()
+    for e in fused:
+        epilogue = None if e["kind"] == "qkv" else e["kind"]
+        funcs[e["symbol"]] = make_gpu_gemv(e["m"], tuple(e["n"]) if epilogue is None else e["n"][0], e["k"], e["type"],
+                                           epilogue=epilogue)
+        if e["ref"]:
+            funcs[e["ref"]] = _elementwise(e["kind"], e["m"] * e["n"][0]).with_attr("global_symbol", e["ref"])
     files = dq._compile_gpu_stage()(tvm.IRModule(funcs), arch, out_dir, name=LIB)
     t1 = time.time()
     rng = np.random.default_rng(0)
@@ -109,7 +158,8 @@ def build(out_dir: str, arch: str) -> None:
             np.save(os.path.join(out_dir, f"ref_{t}_k{k}.npy"), x.astype(np.float64) @ dense[t].T)
     os.remove(os.path.join(out_dir, f"{LIB}.cu"))           # the source, for reading only: less to carry
     manifest = {"arch": arch, "library": f"{LIB}.so", "cubin_index": f"{LIB}.cubins.json", "unique_rows": UNIQUE_ROWS,
-                "tolerance": TOLERANCE, "kernels": entries}
+                "tolerance": TOLERANCE, "kernels": entries,
+                "fused": fused}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     size = sum(os.path.getsize(os.path.join(out_dir, p)) for p in os.listdir(out_dir))
@@ -163,6 +213,68 @@ def _check_group(mod, d: str, dtype: str, n: int, k: int, entries: list[dict], t
     return results
 
 
+def _check_fused(mod, d: str, entries: list[dict], timer) -> list[dict]:
+    """Each one-launch kernel against its separate launches: bits of every output, and time."""
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import cupy_to_tvm
+
+    results = []
+    rng = np.random.default_rng(1)
+    for e in entries:
+        dtype, m, k, kind = e["type"], e["m"], e["k"], e["kind"]
+        rows = np.load(os.path.join(d, f"w_{dtype}_k{k}.npy"))
+        shapes = e["n"] * 2 if kind == "swiglu" else e["n"]                    # gate and up: two weights
+        host = [np.ascontiguousarray(rows[(np.arange(n) + 7 * i) % UNIQUE_ROWS]) for i, n in enumerate(shapes)]
+        copies = max(2, -(-dq.L2_DEFEAT_BYTES // sum(w.nbytes for w in host)))   # weight sets rotated per call
+        as_tvm = (lambda a: cupy_to_tvm(a, "bfloat16")) if dtype == "bfloat16" else cupy_to_tvm
+        w_dev = [[cp.asarray(w).view(cp.uint16) if dtype == "bfloat16" else cp.asarray(w) for w in host]]
+        w_dev += [[w.copy() for w in w_dev[0]] for _ in range(copies - 1)]
+        wt = [[as_tvm(w) for w in ws] for ws in w_dev]
+        x = cupy_to_tvm(cp.asarray(np.ascontiguousarray(np.load(os.path.join(d, f"x_k{k}.npy"))[:m])))
+        fused, parts = mod[e["symbol"]], [mod[s] for s in e["parts"]]
+        ref = mod[e["ref"]] if e["ref"] else None
+        new = lambda n: cp.full((m, n), np.nan, cp.float16)                       # noqa: E731
+        tv = lambda arrays: [cupy_to_tvm(a.reshape(-1)) for a in arrays]         # noqa: E731  [m, n] -> [m * n]
+        if kind == "qkv":
+            got, want = [new(n) for n in shapes], [new(n) for n in shapes]
+            got_t, want_t = [cupy_to_tvm(a) for a in got], [cupy_to_tvm(a) for a in want]
+            one = lambda i: fused(x, *wt[i % copies], *got_t)                     # noqa: E731
+            separate = lambda i: [parts[j](x, wt[i % copies][j], want_t[j]) for j in range(3)]  # noqa: E731
+        else:
+            n = shapes[0]
+            got, want, mid = [new(n)], [new(n)], [new(n), new(n)]
+            r = cp.asarray(rng.standard_normal((m, n)).astype(np.float16))          # the residual stream
+            got_t, mid_t = [cupy_to_tvm(got[0]), cupy_to_tvm(r)], [cupy_to_tvm(a) for a in mid]
+            want_f, mid0_f, mid1_f, r_f = tv([want[0], mid[0], mid[1], r])       # the elementwise kernels' views
+            if kind == "swiglu":
+                one = lambda i: fused(x, *wt[i % copies], got_t[0])               # noqa: E731
+
+                def separate(i):
+                    for j in range(2):
+                        parts[0](x, wt[i % copies][j], mid_t[j])
+                    ref(mid0_f, mid1_f, want_f)
+            else:
+                one = lambda i: fused(x, wt[i % copies][0], got_t[1], got_t[0])   # noqa: E731
+
+                def separate(i):
+                    parts[0](x, wt[i % copies][0], mid_t[0])
+                    ref(r_f, mid0_f, want_f)
+        one(0)
+        separate(0)
+        cp.cuda.runtime.deviceSynchronize()
+        bitwise = all(bool(cp.isfinite(a).all()) and bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+                      for a, b in zip(got, want))
+        (t_one, q1), (t_sep, q2) = timer(one), timer(separate)
+        result = dict(e, bitwise=bitwise, us=t_one * 1e6, separate_us=t_sep * 1e6, queued=q1 and q2, ok=bitwise)
+        print(f"one launch {kind:8s} {dtype:8s} m={m}: {'bit-identical to' if bitwise else 'DIFFERS from'} the "
+              f"separate launches; {t_one * 1e6:.1f} us against {t_sep * 1e6:.1f} us", flush=True)
+        results.append(result)
+        del w_dev, wt
+        cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
 def check(d: str, out_path: str | None) -> int:
     import cupy as cp
 
@@ -179,7 +291,8 @@ def check(d: str, out_path: str | None) -> int:
     results = []
     for (dtype, n, k), entries in groups.items():
         results += _check_group(mod, d, dtype, n, k, entries, timer)
-    ok = all(r["ok"] for r in results)
+    fused = _check_fused(mod, d, manifest.get("fused", []), timer)
+    ok = all(r["ok"] for r in results + fused)
     print(f"\n{'type':8s} {'n x k':>12s} | " + " | ".join(f"m={m}: us  GB/s" for m in ROWS) + "   on " + device)
     for key, entries in groups.items():
         mine = {r["m"]: r for r in results if (r["type"], r["n"], r["k"]) == key and not r.get("variant")}
@@ -189,11 +302,15 @@ def check(d: str, out_path: str | None) -> int:
             *variants[0]["variant"]) + f"{variants[0]['us']:.1f} us" if variants else "")
         print(f"{key[0]:8s} {key[1]:>6d}x{key[2]:<5d} | " + " | ".join(
             f"{mine[m]['us']:7.1f} {mine[m]['weight_gbs']:5.0f}" for m in ROWS) + flags)
+    if fused:
+        print(f"one launch: {sum(r['bitwise'] for r in fused)} of {len(fused)} bit-identical to their separate "
+              f"launches; {sum(r['separate_us'] - r['us'] for r in fused if r['m'] == 1 and r['type'] == 'float16'):.1f}"
+              " us saved per fp16 block at m=1 (queued launches, no graph)")
     print(f"bitwise: every row of every m-row call equals the 1-row call on it; tolerance {TOLERANCE:g}; "
           f"{'OK' if ok else 'FAILED'}")
     if out_path:
         with open(out_path, "w") as f:
-            json.dump({"device": device, "ok": ok, "results": results}, f, indent=1)
+            json.dump({"device": device, "ok": ok, "results": results, "fused": fused}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -16,7 +16,7 @@ tvm = pytest.importorskip("tvm")
 pytest.importorskip("tvm.script")
 
 from helmc.errors import HelmcError  # noqa: E402
-from helmc.schedules.gpu.gemv import WARP, default_tuning, gemv_symbol, make_gpu_gemv  # noqa: E402
+from helmc.schedules.gpu.gemv import WARP, WEIGHT_DTYPES, default_tuning, gemv_symbol, make_gpu_gemv  # noqa: E402
 from helmc.schedules.gpu import quant_gemv  # noqa: E402
 from test_gpu_quant_kernels import HARNESS, _cuda_source, _device_check, _rel, cgs  # noqa: E402
 
@@ -47,6 +47,11 @@ def _call(lib, sym, x, w, y, grid, warps):
     vp = ctypes.c_void_p
     getattr(lib, f"run_{sym}_kernel")(vp(x.ctypes.data), vp(w.ctypes.data), vp(y.ctypes.data),
                                       ctypes.c_int(grid), ctypes.c_int(WARP), ctypes.c_int(warps))
+
+
+def _wide(w: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 of fp16 weights or of bf16 bits (uint16)."""
+    return w.astype(np.float64) if dtype == "float16" else (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -149,3 +154,162 @@ def test_quant_gemv_on_cpu_threads_rows_bitwise(tmp_path, qtype, k):
         assert _rel(out[m], want[:len(out[m])]) < 2e-3
     for m in (3, 8):
         assert np.array_equal(out[m].view(np.uint16), out[1][:len(out[m])].view(np.uint16)), m
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One launch, several outputs (issue 16): shared x (q, k, v; gate, up), the residual add and SwiGLU epilogues.
+# Each output must be bit-identical to the separate launches' (the GEMVs, then the stage's own elementwise
+# kernels: TVM's CUDA for R.add and sigmoid-multiply-multiply, built by compile_gpu_stage's pipeline). The harness
+# rounds every fp16 operation to fp16, as the GPU's half arithmetic does, so an epilogue rounding anywhere else
+# than the elementwise kernel does would show.
+# ------------------------------------------------------------------------------------------------------------
+HALF_OPS = r"""
+#define HALF_OP(OP) inline half operator OP(half a, half b) { return half((float)a OP (float)b); }
+HALF_OP(+) HALF_OP(-) HALF_OP(*) HALF_OP(/)
+inline half __float2half_rn(float f) { return half(f); }
+inline half hexp(half a) { return half(std::exp((float)a)); }
+"""
+
+
+def _emulate_named(tmp_path, source: str):
+    """(library, {kernel: its parameter names}); run_<kernel>(void** pointers in parameter order, grid, bdx, bdy)."""
+    import ctypes
+    import subprocess
+    body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
+    drivers, params_of = [], {}
+    for name, params in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', body):
+        typed = [re.match(r"\s*(\w+)\*\s*__restrict__\s*(\w+)_ptr", q).groups() for q in params.split(",")]
+        params_of[name] = [p for _, p in typed]
+        args = ", ".join(f"({c}*)a[{i}]" for i, (c, _) in enumerate(typed))
+        drivers.append(f'extern "C" void run_{name}(void** a, int grid, int bdx, int bdy) {{\n'
+                       f"    launch(grid, bdx, bdy, [&] {{ {name}({args}); }});\n}}\n")
+    src = tmp_path / "named.cpp"
+    src.write_text(HARNESS + HALF_OPS + body + "".join(drivers))
+    lib = tmp_path / "named.so"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", str(src), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib)), params_of
+
+
+def _run_named(emulated, kernel, arrays: dict, grid, bdx, bdy):
+    """Runs `kernel` with arrays by parameter name; the one parameter not named is arrays["out"]."""
+    import ctypes
+    lib, params_of = emulated
+    names = [p if p in arrays else "out" for p in params_of[kernel]]
+    assert names.count("out") <= 1, names
+    ptrs = (ctypes.c_void_p * len(names))(*[arrays[p].ctypes.data for p in names])
+    getattr(lib, f"run_{kernel}")(ptrs, ctypes.c_int(grid), ctypes.c_int(bdx), ctypes.c_int(bdy))
+
+
+def _elementwise_source(m: int, n: int) -> str:
+    """The stage's own kernels for SwiGLU (sigmoid, multiply, multiply) and the residual add on fp16 [m, n]."""
+    from tvm import relax
+    bb = relax.BlockBuilder()
+    g, u = (relax.Var(v, relax.TensorType((m, n), "float16")) for v in ("g", "u"))
+    with bb.function("swiglu", [g, u]):
+        with bb.dataflow():
+            act = bb.emit(relax.op.multiply(g, bb.emit(relax.op.sigmoid(g))))
+            out = bb.emit_output(relax.op.multiply(act, u))
+        bb.emit_func_output(out)
+    r, y = (relax.Var(v, relax.TensorType((m, n), "float16")) for v in ("r", "y"))
+    with bb.function("resadd", [r, y]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(r, y))
+        bb.emit_func_output(out)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 49152,
+                                "max_threads_per_block": 1024, "thread_warp_size": 32}, host={"kind": "llvm"})
+    ex = tvm.compile(bb.get(), target=target, relax_pipeline=cgs._gpu_relax_pipeline(target))
+    return cgs._collect_cuda_sources(ex.mod)[0]
+
+
+def _weights(rng, dtype, n, k):
+    w32 = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    return w32.astype(np.float16) if dtype == "float16" else _bf16(w32)
+
+
+def _same_bits(a, b) -> bool:
+    assert np.isfinite(a.astype(np.float32)).all() and np.isfinite(b.astype(np.float32)).all()
+    return np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_one_launch_primfuncs_and_bad_input():
+    f = make_gpu_gemv(2, (4096, 1024, 1024), 4096, "bfloat16")
+    assert f.attrs["global_symbol"] == "helmc_gpu_gemv_bf16_m2_n4096_1024_1024_k4096"
+    assert [tuple(int(s) for s in p.shape) for p in f.params] == [(2, 4096), (4096, 4096), (1024, 4096),
+                                                                  (1024, 4096), (2, 4096), (2, 1024), (2, 1024)]
+    swiglu = make_gpu_gemv(1, 12288, 4096, "float16", epilogue="swiglu")
+    assert swiglu.attrs["global_symbol"] == "helmc_gpu_gemv_swiglu_f16_m1_n12288_k4096"
+    assert [tuple(int(s) for s in p.shape) for p in swiglu.params] == [(1, 4096), (12288, 4096), (12288, 4096),
+                                                                       (1, 12288)]
+    assert gemv_symbol(4, 64, 128, "float16", (2, 4, 2), "swiglu") == "helmc_gpu_gemv_swiglu_f16_m4_n64_k128"
+    assert gemv_symbol(4, 64, 128, "float16", (2, 4, 2), "residual") == "helmc_gpu_gemv_res_f16_m4_n64_k128_r2w4u2"
+    for bad in (dict(n=(8, 8, 8, 8)), dict(n=(8, 8), epilogue="swiglu"), dict(n=8, epilogue="gelu"),
+                dict(n=(8, 12), k=12)):
+        args = dict(n=8, k=64, epilogue=None) | bad
+        with pytest.raises(HelmcError, match="GPU GEMV"):
+            make_gpu_gemv(1, args["n"], args["k"], "float16", epilogue=args["epilogue"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("dtype,m,outs", [("float16", 1, (24, 8, 8)), ("bfloat16", 2, (13, 5)),
+                                          ("float16", 4, (16, 13, 13)), ("bfloat16", 8, (13, 40))])
+def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, dtype, m, outs):
+    k = 264                              # a last step past the row end
+    fused = make_gpu_gemv(m, outs, k, dtype)
+    alone = {n: make_gpu_gemv(m, n, k, dtype) for n in set(outs)}
+    emulated = _emulate_named(tmp_path, _cuda_source({str(f.attrs["global_symbol"]): f
+                                                      for f in [fused, *alone.values()]}))
+    rng = np.random.default_rng(m)
+    ws = [_weights(rng, dtype, n, k) for n in outs]
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    rows, warps, _ = default_tuning(m)
+    ys = [np.full((m, n), np.nan, np.float16) for n in outs]
+    named = {"xv": x} | {f"wv{i}": w for i, w in enumerate(ws)} | {f"y{i}": y for i, y in enumerate(ys)}
+    _run_named(emulated, f"{fused.attrs['global_symbol']}_kernel", named, sum(-(-n // rows) for n in outs), WARP,
+               warps)
+    for w, y, n in zip(ws, ys, outs):
+        own = np.full((m, n), np.nan, np.float16)
+        _run_named(emulated, f"{alone[n].attrs['global_symbol']}_kernel", {"xv": x, "wv": w, "y": own},
+                   -(-n // rows), WARP, warps)
+        assert _same_bits(y, own), (n, y, own)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, m):
+    """swiglu: silu(x @ wg^T) * (x @ wu^T) as gate GEMV, up GEMV, the sigmoid-multiply kernel; residual: down GEMV
+    then the add kernel; for bf16 weights too (the epilogue sees only the fp16 results)."""
+    n, k = 13, 264
+    funcs = [make_gpu_gemv(m, n, k, d, epilogue=e) for d in WEIGHT_DTYPES for e in (None, "swiglu", "residual")]
+    source = _cuda_source({str(f.attrs["global_symbol"]): f for f in funcs})
+    elementwise = _elementwise_source(m, n)
+    emulated = _emulate_named(tmp_path, source + elementwise[elementwise.index('extern "C" __global__'):])
+    assert "blockIdx" not in elementwise                    # one block of threads covers [m, n]
+    bdx = -(-m * n // WARP) * WARP
+    rng = np.random.default_rng(100 + m)
+    x = (rng.standard_normal((m, k)) * 2).astype(np.float16)
+    r = rng.standard_normal((m, n)).astype(np.float16)
+    for dtype in WEIGHT_DTYPES:
+        wg, wu = _weights(rng, dtype, n, k), _weights(rng, dtype, n, k)
+        gemv = f"{gemv_symbol(m, n, k, dtype)}_kernel"
+        rows, warps, _ = default_tuning(m)
+        g, u = (np.full((m, n), np.nan, np.float16) for _ in range(2))
+        _run_named(emulated, gemv, {"xv": x, "wv": wg, "y": g}, -(-n // rows), WARP, warps)
+        _run_named(emulated, gemv, {"xv": x, "wv": wu, "y": u}, -(-n // rows), WARP, warps)
+        want = np.full((m, n), np.nan, np.float16)
+        _run_named(emulated, "fused_tir_sigmoid_multiply_multiply_kernel", {"g": g, "u": u, "out": want}, 1, bdx, 1)
+        got = np.full((m, n), np.nan, np.float16)
+        rows_s, warps_s, _ = default_tuning(m, "swiglu")
+        _run_named(emulated, f"{gemv_symbol(m, n, k, dtype, epilogue='swiglu')}_kernel",
+                   {"xv": x, "gv": wg, "uv": wu, "y": got}, -(-n // rows_s), WARP, warps_s)
+        assert _same_bits(got, want), (dtype, got, want)
+        ref = x.astype(np.float64) @ _wide(wg, dtype).T
+        assert _rel(g, ref) < 2e-3 and len(np.unique(got)) > m * n // 2  # GEMVs right, outputs spread
+        want = np.full((m, n), np.nan, np.float16)
+        _run_named(emulated, "add_kernel", {"r": r, "y": g, "out": want}, 1, bdx, 1)
+        got = np.full((m, n), np.nan, np.float16)
+        _run_named(emulated, f"{gemv_symbol(m, n, k, dtype, epilogue='residual')}_kernel",
+                   {"xv": x, "wv": wg, "r": r, "y": got}, -(-n // rows), WARP, warps)
+        assert _same_bits(got, want), (dtype, got, want)

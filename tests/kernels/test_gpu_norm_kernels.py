@@ -209,6 +209,38 @@ def test_generated_cuda_on_cpu_threads(tmp_path):
         assert float(mismatch.max()) <= float(np.abs(ref.astype(np.float64)).max()) * 2.0 ** -9
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_q_and_k_in_one_launch_equal_their_own_launches(tmp_path):
+    """rms_norm_rope over q and k in one launch (issue 16): both outputs bit-identical to the one-tensor kernel's."""
+    pairs = [((1, 4, 24), (1, 2, 24)), ((3, 3, 128), (3, 1, 128)), ((8, 4, 6), (8, 2, 6))]
+    funcs = {}
+    for q, k in pairs:
+        for f in (make_rms_norm_rope(q, EPS, shape_k=k), make_rms_norm_rope(q, EPS), make_rms_norm_rope(k, EPS)):
+            funcs[str(f.attrs["global_symbol"])] = f
+    lib, params = _emulate(tmp_path, _source(funcs))
+    rng = np.random.default_rng(4)
+    for q, k in pairs:
+        seq, d = q[0], q[-1]
+        xq, xk = (rng.standard_normal(q) * 2).astype(np.float16), (rng.standard_normal(k) * 2).astype(np.float16)
+        wq, wk = ((1 + rng.standard_normal(d) * 0.1).astype(np.float16) for _ in range(2))
+        ang = rng.uniform(0, 6.3, (seq, d))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        yq, yk = np.full(q, np.nan, np.float16), np.full(k, np.nan, np.float16)
+        sym = str(make_rms_norm_rope(q, EPS, shape_k=k).attrs["global_symbol"])
+        assert sym == norm_symbol("rms_norm_rope_qk", q) + "_" + "x".join(map(str, k))
+        _run(lib, params, sym, {"qv": xq, "wq": wq, "kv": xk, "wk": wk, "cos": cos, "sin": sin, "yqv": yq, "ykv": yk},
+             q[0] * q[1] + k[0] * k[1], d)
+        for x, w, y, shape in ((xq, wq, yq, q), (xk, wk, yk, k)):
+            alone = np.full(shape, np.nan, np.float16)
+            _run(lib, params, norm_symbol("rms_norm_rope", shape), {"xv": x, "w": w, "cos": cos, "sin": sin,
+                                                                    "yv": alone}, shape[0] * shape[1], d)
+            assert np.isfinite(alone.astype(np.float32)).all() and np.array_equal(y.view(np.uint16),
+                                                                                  alone.view(np.uint16)), shape
+    with pytest.raises(HelmcError, match="one token count and head_dim"):
+        make_rms_norm_rope((1, 4, 24), EPS, shape_k=(1, 2, 32))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The pass
 # ------------------------------------------------------------------------------------------------------------

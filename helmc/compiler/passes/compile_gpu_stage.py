@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -214,27 +215,25 @@ def compile_cuda_source(source: str, arch: str, out_path: str, nvcc: str | None 
         shutil.move(cubin_tmp, out_path)
 
 
-def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
-                      fp32_accumulate: bool = True, host_mcpu: str | None = None,
-                      weight_types: dict | None = None, fuse_norms: bool = True,
-                      prefill_cublas: bool = True) -> tuple[str, ...]:
-    """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
-
-    Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
-    `<name>.cubins.json` (`{"format_version", "arch", "nvcc_flags", "cubins": {sha256(source): cubin
-    file}}`) and `<name>.cu` (the source, for reading).
-    Load with `helmc.runtime.cuda_runtime.load_gpu_vm(so, json)` (or load_gpu_executable + VirtualMachine).
-    """
+def _check_input(mod, arch: str) -> None:
     import tvm
 
     if arch not in SUPPORTED_ARCHS:
         raise HelmcError(f"compile_gpu_stage: expected a CUDA arch in {SUPPORTED_ARCHS}, found {arch!r}")
     if not isinstance(mod, tvm.IRModule):
         raise HelmcError(f"compile_gpu_stage: expected a tvm.IRModule, found {type(mod).__name__}")
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise HelmcError("compile_gpu_stage: expected nvcc on PATH or in /usr/local/cuda/bin, found none")
 
+
+def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu: str | None = None,
+                         weight_types: dict | None = None, fuse_norms: bool = True, prefill_cublas: bool = True,
+                         merge_launches: bool = True):
+    """The GPU stage's Relax passes and TVM's build for CUDA `arch`, no nvcc: the VM executable, its kernels as
+    CUDA source (kernel_launches reads what each function launches). merge_launches=False: as before issue 16, one
+    launch per fp16 / bf16 decode linear, SwiGLU and the residual add apart, q's and k's norm + RoPE apart (the int8
+    GEMVs keep their shared-x launches)."""
+    import tvm
+
+    _check_input(mod, arch)
     host = {"kind": "llvm"} if host_mcpu is None else {"kind": "llvm", "mcpu": host_mcpu}
     # Static shared memory without opt-in is 48 KiB on every arch we build for; naming the limits
     # keeps dlight's choices independent of the build machine (which has no GPU to ask).
@@ -244,16 +243,59 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
         from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
         mod = lower_quantized_gpu(mod, weight_types)
     from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv
-    mod = lower_decode_gemv(mod)   # decode linears over fp16/bf16 weights: helmc's m-row GEMV (batch invariant)
+    # decode linears over fp16/bf16 weights: helmc's m-row GEMV (batch invariant), several per launch
+    mod = lower_decode_gemv(mod, fuse=merge_launches)
     if fp32_accumulate:
         mod = rewrite_matmuls_fp32_accumulate(mod)
     if fuse_norms:          # RMSNorm, residual add + RMSNorm, q/k norm + RoPE: one kernel each
         from helmc.compiler.passes.fuse_gpu_norms import fuse_gpu_norms
-        mod = fuse_gpu_norms(mod)
+        mod = fuse_gpu_norms(mod, one_launch_qk=merge_launches)
     if prefill_cublas:      # prefill linears on tensor cores: cuBLAS through the runtime's CuPy
         from helmc.compiler.passes.dispatch_prefill_gemm import dispatch_prefill_gemm
         mod = dispatch_prefill_gemm(mod)
-    ex = tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
+    return tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
+
+
+def kernel_launches(ex) -> dict[str, list[str]]:
+    """{VM function: the GPU launches it makes, in order} of build_gpu_executable's executable: its calls of
+    PrimFuncs with CUDA kernels (one entry per kernel) and of the runtime's cuBLAS GEMM. The decode step's CUDA
+    graph has one node per launch (issue 16 counts them)."""
+    from helmc.compiler.passes.dispatch_prefill_gemm import GEMM_FUNC
+
+    source = "\n".join(_collect_cuda_sources(ex.mod))
+    kernels: dict[str, int] = {}
+    for name in re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\) \{', source):
+        func = re.sub(r"_kernel\d*$", "", name)
+        kernels[func] = kernels.get(func, 0) + 1
+    launches: dict[str, list[str]] = {}
+    func = None
+    for line in ex.as_text().splitlines():
+        if line.startswith("@") and line.endswith(":"):
+            func = line[1:-1]
+            launches[func] = []
+        elif func and (call := re.match(r"\s*call\s+(\S+)\s+in:", line)):
+            name = call.group(1)
+            launches[func] += [name] * (kernels.get(name, 0) + (name == GEMM_FUNC))
+    return launches
+
+
+def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
+                      fp32_accumulate: bool = True, host_mcpu: str | None = None,
+                      weight_types: dict | None = None, fuse_norms: bool = True,
+                      prefill_cublas: bool = True, merge_launches: bool = True) -> tuple[str, ...]:
+    """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
+
+    Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
+    `<name>.cubins.json` (`{"format_version", "arch", "nvcc_flags", "cubins": {sha256(source): cubin
+    file}}`) and `<name>.cu` (the source, for reading).
+    Load with `helmc.runtime.cuda_runtime.load_gpu_vm(so, json)` (or load_gpu_executable + VirtualMachine).
+    """
+    _check_input(mod, arch)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise HelmcError("compile_gpu_stage: expected nvcc on PATH or in /usr/local/cuda/bin, found none")
+    ex = build_gpu_executable(mod, arch, fp32_accumulate, host_mcpu, weight_types, fuse_norms, prefill_cublas,
+                              merge_launches)
 
     sources = _collect_cuda_sources(ex.mod)
     if len(sources) != 1:

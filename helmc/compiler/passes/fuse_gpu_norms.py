@@ -13,8 +13,10 @@ schedules/gpu/norm_rope.py's kernels, which compute the same ops in the same pre
   rms_norm_rope  q16*c16 + concat(-q16[..., D/2:], q16[..., :D/2])*s16, q16 an rms_norm of [S, heads, D],
                  c16/s16 = astype(expand_dims(cos|sin, 1), f16)         -> rms_norm_rope(x, w, cos, sin)
 
-A graph that does not match exactly (other ops, other axes, symbolic shapes) is left to TVM. Runs after
-lower_quantized_gpu and the fp32-accumulation rewrite, before legalization.
+A graph that does not match exactly (other ops, other axes, symbolic shapes) is left to TVM. In the decode
+functions the q and k norm + RoPE of one cos / sin then become one launch (issue 16: a CUDA graph node costs
+~1 us beside its work; each output bit-identical to its own launch's). Runs after lower_quantized_gpu and the
+fp32-accumulation rewrite, before legalization.
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from helmc.compiler.passes.lower_decode_gemv import local_var, rewrite_decode_blocks, with_bindings
 from helmc.schedules.gpu.norm_rope import make_rms_norm, make_rms_norm_rope
 
 _BIG = 2 ** 62          # a slice's "to the end" bound as the ONNX import spells it (INT64_MAX)
 
 
-def fuse_gpu_norms(mod: tvm.IRModule) -> tvm.IRModule:
+def fuse_gpu_norms(mod: tvm.IRModule, one_launch_qk: bool = True) -> tvm.IRModule:
     fuser = _Fuser(mod)
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
@@ -37,7 +40,51 @@ def fuse_gpu_norms(mod: tvm.IRModule) -> tvm.IRModule:
             continue
         new = relax.analysis.remove_all_unused(fuser.visit_expr(func))
         fuser.builder_.update_func(gvar, new)
-    return fuser.builder_.get()
+    if not one_launch_qk:
+        return fuser.builder_.get()
+    ropes = {gvar.name_hint: key for key, gvar in fuser.kernels.items() if key[0] == "rms_norm_rope"}
+    return _q_and_k_rope_in_one_launch(fuser.builder_.get(), ropes)
+
+
+def _q_and_k_rope_in_one_launch(mod: tvm.IRModule, ropes: dict) -> tvm.IRModule:
+    """Two rms_norm_rope calls of one cos, sin and eps in a decode function's block (q's and k's) as one
+    make_rms_norm_rope(q, eps, shape_k=k) launch where the first was. ropes: {kernel name: its kernels key}."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def rope_of(value):
+        if isinstance(value, relax.Call) and value.op == call_tir and isinstance(value.args[0], relax.GlobalVar):
+            return ropes.get(value.args[0].name_hint)
+        return None
+
+    def rewrite_block(bb, _func, block):
+        bindings = list(block.bindings)
+        bound_at = {b.var: i for i, b in enumerate(bindings)}
+        groups: dict[tuple, list[int]] = {}
+        for i, b in enumerate(bindings):
+            if (key := rope_of(b.value)) is not None:
+                x, _, cos, sin = b.value.args[1].fields
+                first = groups.get((cos, sin, key[2]), [i])[0]
+                if bound_at.get(x, -1) < first:      # k's input must be there at q's launch
+                    groups.setdefault((cos, sin, key[2]), []).append(i)
+        out, skip = {}, set()
+        for (cos, sin, eps), idx in groups.items():
+            if len(idx) < 2:
+                continue
+            i, j = idx[:2]
+            (xq, wq, *_), (xk, wk, *_) = bindings[i].value.args[1].fields, bindings[j].value.args[1].fields
+            prim = make_rms_norm_rope(rope_of(bindings[i].value)[1], eps, shape_k=rope_of(bindings[j].value)[1])
+            gvar = bb.add_func(prim, str(prim.attrs["global_symbol"]))
+            outs = [bindings[i].value.ty, bindings[j].value.ty]
+            both = local_var(block, f"rope_qk{i}", relax.TupleType(outs))
+            out[i] = [relax.VarBinding(both, relax.call_tir(gvar, [xq, wq, xk, wk, cos, sin], outs)),
+                      relax.VarBinding(bindings[i].var, relax.TupleGetItem(both, 0)),
+                      relax.VarBinding(bindings[j].var, relax.TupleGetItem(both, 1))]
+            skip.add(j)
+        if not out:
+            return block
+        return with_bindings(block, [n for k, b in enumerate(bindings) for n in out.get(k, [] if k in skip else [b])])
+
+    return rewrite_decode_blocks(mod, rewrite_block)
 
 
 def _op(name: str):

@@ -21,6 +21,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.utils import copy_with_new_vars
 
+from helmc.compiler.passes.lower_decode_gemv import one_launch_per_shared_x
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
 from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, make_gpu_gemv_int8
@@ -55,65 +56,16 @@ def lower_quantized_gpu(mod: tvm.IRModule, weight_types: dict) -> tvm.IRModule:
         else:
             new = _dequantize_first(rewriter, fresh, params, quantized)
         rewriter.builder_.update_func(gvar, new)
-    return _one_launch_per_shared_x(rewriter.builder_.get())
+    return _one_launch_per_shared_x(rewriter.builder_.get(), rewriter.kernels)
 
 
-_GEMV8 = re.compile(r"^helmc_gpu_gemv8_(q4_k|q6_k)_n(\d+)_k(\d+)(?:_m(\d+))?(?:_r(\d+)w(\d+)u(\d+))?$")
-MAX_SHARED_X = 3      # weights one int8 GEMV launch takes (q, k, v)
-
-
-def _one_launch_per_shared_x(mod: tvm.IRModule) -> tvm.IRModule:
-    """In every decode function, the int8 GEMVs of one x, type and tuning (q, k, v; gate, up) become one launch
-    over up to MAX_SHARED_X weights (make_gpu_gemv_int8 with a tuple of row counts): x is quantized once per CTA
-    for all, the small k / v projections ride on q's launch, and two to three graph nodes go. Each output is
-    bit-identical to its own launch's, so tokens do not change."""
-    bb = relax.BlockBuilder(mod)
-    call_tir = tvm.ir.Op.get("relax.call_tir")
-    updated = {}
-    for gvar, func in list(mod.functions_items()):
-        if not isinstance(func, relax.Function) or not _DECODE.search(gvar.name_hint):
-            continue
-        blocks, changed = [], False
-        for block in func.body.blocks:
-            bindings = list(block.bindings)
-            groups: dict[tuple, list[int]] = {}
-            for i, b in enumerate(bindings):
-                v = b.value
-                if isinstance(v, relax.Call) and v.op == call_tir and isinstance(v.args[0], relax.GlobalVar):
-                    found = _GEMV8.match(v.args[0].name_hint)
-                    if found:
-                        qtype, _, k, m = found.group(1), found.group(2), int(found.group(3)), int(found.group(4) or 1)
-                        tuning = tuple(int(t) for t in found.groups()[4:]) if found.group(5) else ()
-                        groups.setdefault((v.args[1].fields[0], qtype, k, m, tuning), []).append(i)
-            out, skip = {}, set()
-            for (x, qtype, k, m, tuning), idx in groups.items():
-                for part in (idx[j:j + MAX_SHARED_X] for j in range(0, len(idx), MAX_SHARED_X)):
-                    if len(part) < 2:
-                        continue
-                    calls = [bindings[i].value for i in part]
-                    ns = tuple(int(_GEMV8.match(c.args[0].name_hint).group(2)) for c in calls)
-                    prim = make_gpu_gemv_int8(qtype, ns, k, *tuning, m=m)
-                    fused = bb.add_func(prim, str(prim.attrs["global_symbol"]))
-                    outs = [relax.TensorType([m, n], "float16") for n in ns]
-                    tv = relax.DataflowVar(f"gemv8_x{part[0]}", relax.TupleType(outs))
-                    call = relax.call_tir(fused, [x] + [c.args[1].fields[1] for c in calls], outs)
-                    out[part[0]] = [relax.VarBinding(tv, call)] + [
-                        relax.VarBinding(bindings[i].var, relax.TupleGetItem(tv, j)) for j, i in enumerate(part)]
-                    skip.update(part[1:])
-            if out:
-                changed = True
-                new = []
-                for i, b in enumerate(bindings):       # the fused launch where the first of its GEMVs was
-                    new += out.get(i, [] if i in skip else [b])
-                block = relax.DataflowBlock(new) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(new)
-            blocks.append(block)
-        if changed:
-            body = relax.SeqExpr(blocks, func.body.body)
-            updated[gvar] = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
-    out = bb.get()              # the fused kernels added; the functions replaced after (no builder dedup of them)
-    for gvar, func in updated.items():
-        out[gvar] = func
-    return relax.transform.Normalize()(out)     # struct info of the new calls (later passes' builders need it)
+def _one_launch_per_shared_x(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
+    """The int8 GEMVs of one x and type (q, k, v; gate, up) as one launch over up to 3 weights (make_gpu_gemv_int8
+    with a tuple of row counts): x is quantized once per CTA for all of them, each output bit-identical to its own
+    launch's. kernels: the rewriter's {("gemv8", qtype, m, n, k): GlobalVar, ...}."""
+    gemvs = {gvar.name_hint: ((key[1], key[2], key[4]), key[3]) for key, gvar in kernels.items() if key[0] == "gemv8"}
+    return one_launch_per_shared_x(
+        mod, gemvs, lambda kind, ns: make_gpu_gemv_int8(kind[0], ns, kind[2], *GEMV_INT8_TUNING[kind[0]], m=kind[1]))
 
 
 def _dequantize_first(rewriter, func: relax.Function, params: list, quantized: dict) -> relax.Function:
