@@ -34,10 +34,13 @@ from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.weight_load import STACK, widen
 
 INT8_QTYPES = ("q4_k", "q6_k")
-# 8 rows per step for one token (quant_blocking divides them among more tokens): measured on the 2-core EPYC
-# (one thread, Q4_K 512 x 4096 from cache), 8 rows ran 33-36 GB/s, 4 rows 30: the per-block chain of integer
-# steps is latency, and more rows give the core independent work.
-INT8_TUNING = QuantGemvTuning(rows=8)
+# Rows per step for one token (quant_blocking divides them among more tokens) and prefetch distance, per type: the
+# best of experiments/quant_gemv_variants.py on the GPU machine's 16-core Xeon (session 11, call C, one run, best of
+# 5 passes, 12288 x 4096 over 4x L3 beside helmc's stream read): Q4_K 8 rows / 1 KiB 85.2 GB/s (0.76 of the read;
+# 4 rows / 2 KiB 79.1, 8 rows / 2 KiB 78.3), Q6_K 4 rows / 1 KiB 109.9 (0.96; 8 rows / 2 KiB 99.5). On the 2-core
+# EPYC (one thread, from cache) 8 rows also beat 4 for Q4_K (33-36 against 30 GB/s): more rows give the core
+# independent work beside each block's chain of integer steps.
+INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024), "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=1024)}
 _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
 
@@ -93,7 +96,7 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant, which dispatches here.
     """
     assert int8_gemv_applies(qtype, isa), (qtype, isa.tier)
-    tuning = INT8_TUNING if tuning == DEFAULT_TUNING else tuning
+    tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
     fmt = _check(qtype, n, k)
     assert m >= 1, m
     rows, group = quant_blocking(qtype, m, isa, tuning)
