@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Which row count and prefetch distance let the int8 Q4_K / Q6_K decode GEMV (schedules/cpu/gemv_quant_int8.py)
+"""Which row count and prefetch distance let the int8 Q4_K / Q6_K decode GEMV (schedules/cpu/quant/gemv_int8.py)
 read closest to DRAM on every core (issue 15's >= 80% bar), beside helmc's stream read in the same run.
 
   python experiments/quant_gemv_variants.py --build-only DIR --hardware hw.json    # here, with the compiler
@@ -26,7 +26,8 @@ VARIANTS = [(rows, prefetch) for rows in (4, 8, 12) for prefetch in (0, 1024, 20
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
     import tvm
     from helmc.compiler.passes.schedule_cpu_stage import llvm_target
-    from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, make_gemv_quant
+    from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, quant_row_bytes
+    from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
@@ -37,7 +38,8 @@ def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
             name = f"v_{qtype}_r{rows}_p{prefetch}"
             funcs[name] = make_gemv_quant(qtype, N, K, isa, QuantGemvTuning(rows=rows, prefetch_bytes=prefetch)
                                           ).with_attr("global_symbol", name)
-            kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch})
+            kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch,
+                            "row_bytes": quant_row_bytes(qtype, K)})
     elements = stream_read_elements(4 * l3, isa)
     funcs["helmc_stream_read"] = make_stream_read(elements, isa)
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
@@ -48,8 +50,7 @@ def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
 
 
 def run(out_dir: str, rounds: int) -> None:
-    import tvm
-    from helmc.schedules.cpu.gemv_quant import quant_row_bytes
+    import tvm   # runtime only there: no helmc.schedules import (it needs the TVM compiler)
 
     meta = json.load(open(os.path.join(out_dir, "variants.json")))
     lib = tvm.runtime.load_module(os.path.join(out_dir, "variants.so"))
@@ -66,7 +67,7 @@ def run(out_dir: str, rounds: int) -> None:
     y = tvm.runtime.tensor(np.zeros((1, N), np.float32))
     results = []
     for qtype in ("q4_k", "q6_k"):
-        row = quant_row_bytes(qtype, K)
+        row = next(k["row_bytes"] for k in meta["kernels"] if k["qtype"] == qtype)
         copies = -(-4 * meta["l3"] // (N * row))
         ws = [tvm.runtime.tensor(rng.integers(0, 256, (N, row), dtype=np.uint8)) for _ in range(copies)]
         for w in ws:                                   # fp16 fields: finite scales (random bytes may be NaN / inf)

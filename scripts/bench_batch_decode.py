@@ -44,7 +44,8 @@ def bench_gemv(types: list[str], rounds: int) -> dict:
     import tvm.runtime
     from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu.gemv import make_gemv
-    from helmc.schedules.cpu.gemv_quant import make_gemv_quant, quant_row_bytes
+    from helmc.schedules.cpu.gemv_quant import quant_row_bytes
+    from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 

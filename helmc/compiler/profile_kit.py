@@ -53,7 +53,7 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
     """Every decode GEMV of one block per weight type, as lower_linear emits them for one token."""
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu
-    from helmc.schedules.cpu.gemv_quant import make_gemv_quant
+    from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     b = target.block
     H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
     funcs, kernels = {}, []

@@ -105,16 +105,15 @@ def gemv_quant_symbol(qtype: str, n: int, k: int, m: int = 1) -> str:
     return f"helmc_gemv_{qtype}_n{n}_k{k}" if m == 1 else f"helmc_gemv_{qtype}_m{m}_n{n}_k{k}"
 
 
-def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
-                    tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
-    """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]) with y = x @ dequant(w)^T.
+def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
+                          tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
+    """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]) with y = x @ dequant(w)^T, every
+    weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
+    are not used).
 
     qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
-    from helmc.schedules.cpu.gemv_quant_int8 import int8_gemv_applies, make_gemv_quant_int8   # imports this module
-    if int8_gemv_applies(qtype, isa):
-        return make_gemv_quant_int8(qtype, n, k, isa, tuning, m)
     fmt = _check(qtype, n, k)
     assert m >= 1, m
     vec = _Vectors(isa)

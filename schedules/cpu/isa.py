@@ -73,7 +73,7 @@ def select_isa(features: tuple[str, ...] | list[str]) -> VectorIsa:
                 mattr += ("-prefer-256-bit",)
                 if "avx512_vnni" in used:
                     # A tuning flag, not an instruction set: without it LLVM splits vpdpwssd into vpmaddwd +
-                    # vpaddd for the generic CPU (gemv_quant_int8's inner step; Ice Lake and later, Zen 4 run
+                    # vpaddd for the generic CPU (quant/gemv_int8.py's inner step; Ice Lake and later, Zen 4 run
                     # it as one instruction).
                     mattr += ("+fast-dpwssd",)
             return VectorIsa(tier, lanes, registers, "x86-64", mattr, used)

@@ -13,7 +13,8 @@ from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy  # noqa: E402
 from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv  # noqa: E402
 from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
-from helmc.schedules.cpu.gemv_quant import QUANT_BLOCKS, make_gemv_quant  # noqa: E402
+from helmc.schedules.cpu.gemv_quant import QUANT_BLOCKS  # noqa: E402
+from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags, select_isa  # noqa: E402
 from test_cpu_quant_gemv import TIERS, random_quant_weight, target  # noqa: E402
 

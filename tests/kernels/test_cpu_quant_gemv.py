@@ -6,7 +6,7 @@ fields overwritten by small finite values so no block decodes to inf/NaN. Refere
 float64 @ x in float64. Shapes: one block row (k = 256), a 4096-long row with few rows, and row counts that
 are not multiples of the kernel's 4-row step. Tolerance: max |y - ref| / max |ref| < 1e-3, the CPU kernels'
 bound; they dequantize exactly and accumulate in fp32, so they land near 1e-7. The AVX-512 tiers run Q4_K / Q6_K
-with int8 activations (gemv_quant_int8.py): their reference multiplies by x quantized the way the kernel does
+with int8 activations (quant/gemv_int8.py): their reference multiplies by x quantized the way the kernel does
 (int8_activations) and must agree to 1e-5; the difference against fp32 x (the int8 rounding, ~5e-3) is printed.
 Every ISA tier is compiled and run where this CPU can execute it (AVX-512 cross-compiled otherwise).
 """
@@ -24,9 +24,10 @@ from gguf import GGMLQuantizationType as GGMLType  # noqa: E402
 
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
-from helmc.schedules.cpu.gemv_quant import (QUANT_BLOCKS, QuantGemvTuning, make_gemv_quant,  # noqa: E402
+from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant  # noqa: E402
+from helmc.schedules.cpu.gemv_quant import (QUANT_BLOCKS, QuantGemvTuning,  # noqa: E402
                                             quant_row_bytes)
-from helmc.schedules.cpu.gemv_quant_int8 import int8_gemv_applies  # noqa: E402
+from helmc.schedules.cpu.quant.gemv_int8 import int8_gemv_applies  # noqa: E402
 from helmc.schedules.cpu.isa import VectorIsa, missing_flags, select_isa  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
@@ -73,7 +74,7 @@ def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
 
 
 def int8_activations(x: np.ndarray) -> np.ndarray:
-    """x [m, k] as gemv_quant_int8 sees it, in float64: per 256 values dx = max|x| / 127 and
+    """x [m, k] as quant/gemv_int8.py sees it, in float64: per 256 values dx = max|x| / 127 and
     xq = rint(x * (127 / max|x|)) in fp32 arithmetic, then xq * dx."""
     blocks = x.reshape(x.shape[0], -1, 256)                                             # [m, k] -> [m, k / 256, 256]
     amax = np.abs(blocks).max(-1, keepdims=True)

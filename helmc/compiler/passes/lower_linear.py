@@ -55,7 +55,7 @@ from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, m
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
 from helmc.schedules.cpu.quant.gemm import make_gemm_quant
-from helmc.schedules.cpu.gemv_quant import make_gemv_quant
+from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
 
 

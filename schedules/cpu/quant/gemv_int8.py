@@ -93,7 +93,7 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]): y = (xq * dx) @ dequant(w)^T.
 
     x is quantized per token and 256-weight block: dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an
-    all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant, which dispatches here.
+    all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant_float (decode_gemv picks one).
     """
     assert int8_gemv_applies(qtype, isa), (qtype, isa.tier)
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
