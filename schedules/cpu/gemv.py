@@ -19,6 +19,8 @@ x (m x K fp32) is re-read for every row and stays in L1/L2; only W comes from DR
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -63,6 +65,9 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS, m
     assert n >= 1 and k >= 1, (n, k)
+    name = f"helmc_gemv_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}"
+    if m > 1:
+        return _make_gemv_tiled(m, n, k, weight_dtype, isa).with_attr("global_symbol", name)
     rows, chunk, group = gemv_blocking(isa, m)
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
     block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback, group)
@@ -74,7 +79,24 @@ def make_gemv(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx
         for step in T.parallel(steps):
             block(x, wl, y, n, step * rows)
 
-    return gemv.with_attr("global_symbol", f"helmc_gemv_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
+    return gemv.with_attr("global_symbol", name)
+
+
+def _make_gemv_tiled(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
+    tiles = TiledRows(m, k, tiled_blocking(isa, m, k), weight_dtype, not isa.is_slow_fallback)
+    accumulate, store = tiles.accumulate(), tiles.store()
+    rb, slots, chunk = tiles.tb.block_rows, tiles.token_slots, tiles.tb.chunk
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wl = T.decl_buffer((n, k), load_dtype(weight_dtype), data=w.data)
+        for step in T.parallel(-(-n // rb)):
+            accs = T.alloc_buffer((rb, slots, chunk), "float32", scope="global", annotations=STACK)
+            accumulate(x, wl, n, step * rb, accs, 0, wl, n, (step + 1) * rb)
+            store(x, wl, y, n, step * rb, accs)
+
+    return gemv
 
 
 # ACC_SPLIT_WHY: an accumulator buffer of 1 KiB or more (16 AVX-512 vectors: 4 tokens x 2 rows x 2 vectors) became
@@ -152,6 +174,144 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
                     T.int32(0), T.int32(3), T.int32(1)))
 
     return prefetch
+
+
+# m > 1 (issue 19): the tiled kernel. Why tiles: at m = 8 one step of the row-streaming loop above reads
+# m x chunk fp32 of x per chunk of 16-bit weights per row, and m rows of x (8 x 16 KiB at K = 4096, 384 KiB at
+# K = 12288) do not fit in L1, so x came from L2 at 8x the weight bytes (2 rows per step) and its misses took the
+# L1 fill buffers the weight stream needs: the 8-row call ran 2.5-3x the 1-row time on the 2-core EPYC.
+# A parallel step takes a block of TILE_BLOCK_ROWS rows and walks K in tiles of about X_TILE_BYTES of x
+# (all m tokens): for each tile, every row group of the block runs over it, so the x tile is read from L2 once
+# per block and from L1 by every row. The accumulators of the block's rows (block rows x m x chunk fp32) live in
+# memory between tiles (L1) and in registers within one (loaded and stored once per tile and row group).
+# Each lane still accumulates x * w for its k = v mod chunk in K order, from 0, lanes then added 0..chunk-1 and the
+# K tail in order: every token's sum is the m = 1 kernel's, bit for bit.
+# Software prefetch: each row's line of the next tile (one block tile ahead), or, in the last tile, the same
+# row of the next block (wnext/first_next: for the SwiGLU's gate rows the block's up rows).
+X_TILE_BYTES = 16384   # x bytes per tile (m tokens x tile K x 4): a third of a 48 KiB L1
+TILE_BLOCK_ROWS = 8    # weight rows per parallel step; x's L2 reads are 2m / 8 of the weight bytes at fp16
+TILE_PREFETCH_LOCALITY = 3   # llvm.prefetch locality of the tiled kernel (3: into L1), 0: no prefetch
+
+
+@dataclass(frozen=True)
+class TiledBlocking:
+    rows: int         # weight rows per group (their accumulators in registers together)
+    group: int        # tokens per pass over a tile (more tokens: more passes over the same L1-resident rows)
+    chunk: int        # fp32 lanes per row and K step: 2 vectors, as the m = 1 kernel (batch invariance)
+    tile_steps: int   # K steps (chunks) per tile
+    block_rows: int   # rows per parallel step (a multiple of rows)
+
+
+def tiled_blocking(isa: VectorIsa, m: int, k: int) -> TiledBlocking:
+    """Accumulators (group x rows x 2 vectors) in at most half the vector registers; as many rows as that leaves
+    for every token in one pass (up to 4: AVX-512 m = 2: 4 rows, m = 3, 4: 2, m = 5..8: 1), more passes only
+    where one row's tokens do not fit (AVX2 at m > 4)."""
+    chunk = 2 * isa.fp32_lanes
+    budget = isa.vector_registers // 2
+    rows = max(1, min(4, budget // (2 * m)))
+    passes = -(-m // max(1, budget // (2 * rows)))
+    tile_steps = max(1, X_TILE_BYTES // (m * chunk * 4))
+    block_rows = -(-TILE_BLOCK_ROWS // rows) * rows
+    return TiledBlocking(rows, -(-m // passes), chunk, tile_steps, block_rows)
+
+
+class TiledRows:
+    """The tiled m-row kernel's two macros over one weight (see X_TILE_BYTES): accumulate() a block of rows
+    into accs[slot .. slot + block_rows, token, lane], then total() one (row, token): lanes in order + K tail."""
+
+    def __init__(self, m: int, k: int, tb: TiledBlocking, weight_dtype: str, f16c: bool):
+        self.m, self.k, self.tb, self.dtype, self.f16c = m, k, tb, weight_dtype, f16c
+        self.k_main = k // tb.chunk
+        self.passes = -(-m // tb.group)
+        self.token_slots = self.passes * tb.group     # accs rows per weight row (a partial last pass's extra)
+
+    def accumulate(self):
+        m, tb, dtype, f16c = self.m, self.tb, self.dtype, self.f16c
+        k_main, passes, chunk, rows, group = self.k_main, self.passes, tb.chunk, tb.rows, tb.group
+        half, tile_steps, block_rows = chunk // 2, tb.tile_steps, tb.block_rows
+        tiles = -(-k_main // tile_steps)
+        slots = self.token_slots
+        locality = TILE_PREFETCH_LOCALITY
+
+        @T.macro
+        def accumulate(x, wl, n, first, accs, slot, wnext, n_next, first_next):
+            for r in T.serial(block_rows):
+                for t in T.serial(slots):
+                    for v in T.vectorized(chunk):
+                        accs[slot + r, t, v] = T.float32(0)
+            for kt in T.serial(tiles):
+                for rg in T.serial(T.min(block_rows // rows, (n - first + rows - 1) // rows)):
+                    for p in T.serial(passes):
+                        # two buffers of half the lanes, each < 1 KiB, stay in registers (ACC_SPLIT_WHY)
+                        acc = T.alloc_buffer((group, rows, half), "float32", scope="global", annotations=STACK)
+                        acc2 = T.alloc_buffer((group, rows, half), "float32", scope="global", annotations=STACK)
+                        for t in T.unroll(group):
+                            for r in T.unroll(rows):
+                                for v in T.vectorized(half):
+                                    acc[t, r, v] = accs[slot + rg * rows + r, p * group + t, v]
+                                    acc2[t, r, v] = accs[slot + rg * rows + r, p * group + t, half + v]
+                        for ko in T.serial(T.min(tile_steps, k_main - kt * tile_steps)):
+                            if locality > 0:
+                                for r in T.unroll(rows):
+                                    if kt + 1 < tiles:
+                                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wl[
+                                            T.min(first + rg * rows + r, n - 1),
+                                            T.min((kt + 1) * tile_steps + ko, k_main - 1) * chunk]),
+                                            T.int32(0), T.int32(locality), T.int32(1)))
+                                    else:
+                                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wnext[
+                                            T.min(first_next + rg * rows + r, n_next - 1), T.min(ko, k_main - 1) * chunk]),
+                                            T.int32(0), T.int32(locality), T.int32(1)))
+                            for t in T.unroll(group):
+                                for r in T.unroll(rows):
+                                    for v in T.vectorized(half):
+                                        acc[t, r, v] = acc[t, r, v] + x[
+                                            T.min(p * group + t, m - 1), (kt * tile_steps + ko) * chunk + v] * widen(
+                                            wl[T.min(first + rg * rows + r, n - 1), (kt * tile_steps + ko) * chunk + v],
+                                            dtype, f16c)
+                                    for v in T.vectorized(half):
+                                        acc2[t, r, v] = acc2[t, r, v] + x[
+                                            T.min(p * group + t, m - 1), (kt * tile_steps + ko) * chunk + half + v] \
+                                            * widen(wl[T.min(first + rg * rows + r, n - 1),
+                                                       (kt * tile_steps + ko) * chunk + half + v], dtype, f16c)
+                        for t in T.unroll(group):
+                            for r in T.unroll(rows):
+                                for v in T.vectorized(half):
+                                    accs[slot + rg * rows + r, p * group + t, v] = acc[t, r, v]
+                                    accs[slot + rg * rows + r, p * group + t, half + v] = acc2[t, r, v]
+
+        return accumulate
+
+    def total(self):
+        """Macro total(x, wl, row, accs, r, t, out, i): out[i] = accs[r, t] lanes 0..chunk-1 added from 0 in order,
+        then token t's K tail of weight row `row`, as row_block sums a row."""
+        chunk, k_main, dtype, f16c = self.tb.chunk, self.k_main, self.dtype, self.f16c
+        k_tail = self.k - k_main * chunk
+
+        @T.macro
+        def total(x, wl, row, accs, r, t, out, i):
+            out[i] = T.float32(0)
+            for v in T.unroll(chunk):
+                out[i] = out[i] + accs[r, t, v]
+            for kt in T.serial(k_tail):
+                out[i] = out[i] + x[t, k_main * chunk + kt] * widen(wl[row, k_main * chunk + kt], dtype, f16c)
+
+        return total
+
+    def store(self):
+        """Macro store(x, wl, y, n, first, accs): y[t, first + r] for the block's rows < n and every token."""
+        m, rb, total = self.m, self.tb.block_rows, self.total()
+
+        @T.macro
+        def store(x, wl, y, n, first, accs):
+            for r in T.serial(rb):
+                if first + r < n:
+                    for t in T.serial(m):
+                        out = T.alloc_buffer((1,), "float32", scope="global", annotations=STACK)
+                        total(x, wl, first + r, accs, r, t, out, 0)
+                        y[t, first + r] = out[0]
+
+        return store
 
 
 def short_dtype(dtype: str) -> str:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, gemv_blocking, prefetch_ahead, row_block, short_dtype
+from helmc.schedules.cpu.gemv import (GEMV_MAX_ROWS, TiledRows, gemv_blocking, prefetch_ahead, row_block, short_dtype,
+                                      tiled_blocking)
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.weight_load import STACK, check_weight_dtype, load_dtype, widen
 
@@ -30,13 +31,15 @@ def make_gemv_multi(m: int, ns: tuple[int, ...], k: int, weight_dtype: str, isa:
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS, m
     assert 2 <= len(ns) <= MULTI_MAX_WEIGHTS and all(n >= 1 for n in ns) and k >= 1, (ns, k)
+    name = f"helmc_gemv{len(ns)}_{short_dtype(weight_dtype)}_m{m}_n{'_'.join(map(str, ns))}_k{k}"
+    if m > 1:
+        return _make_gemv_multi_tiled(m, ns, k, weight_dtype, isa).with_attr("global_symbol", name)
     rows, chunk, group = gemv_blocking(isa, m)
     steps = [-(-n // rows) for n in ns]
     block = row_block(m, k, rows, chunk, weight_dtype, not isa.is_slow_fallback, group)
     ldt = load_dtype(weight_dtype)
     n0, n1 = ns[0], ns[1]
     s0, s01 = steps[0], steps[0] + steps[1]
-    name = f"helmc_gemv{len(ns)}_{short_dtype(weight_dtype)}_m{m}_n{'_'.join(map(str, ns))}_k{k}"
 
     if len(ns) == 2:
         @T.prim_func
@@ -80,6 +83,9 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
     """y[t, r] = g * sigmoid(g) * u with g = x[t] . Wg[r], u = x[t] . Wu[r], fp32 throughout."""
     check_weight_dtype(weight_dtype)
     assert 1 <= m <= GEMV_MAX_ROWS and n >= 1 and k >= 1, (m, n, k)
+    name = f"helmc_gemv_swiglu_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}"
+    if m > 1:
+        return _make_gemv_swiglu_tiled(m, n, k, weight_dtype, isa).with_attr("global_symbol", name)
     rows, chunk, _ = gemv_blocking(isa, m)
     pairs = max(1, rows // 2)        # gate rows per step; as many up rows: the same number of DRAM streams
     steps = -(-n // pairs)
@@ -135,4 +141,89 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
                                     wul[step * pairs + r, k_main * chunk + kt], weight_dtype, f16c)
                             y[p * group + t, step * pairs + r] = total[0] * T.sigmoid(total[0]) * total[1]
 
-    return swiglu.with_attr("global_symbol", f"helmc_gemv_swiglu_{short_dtype(weight_dtype)}_m{m}_n{n}_k{k}")
+    return swiglu.with_attr("global_symbol", name)
+
+
+# m > 1 (issue 19): gemv.TiledRows' blocks of rows over K tiles of x (see gemv.X_TILE_BYTES). Each parallel step
+# is one block of one weight (q/k/v: blocks never straddle two weights); the SwiGLU step accumulates a block of
+# gate rows, then the same block of up rows (its prefetch in the gate's last tile runs into those up rows), and
+# combines them row by row. Every token's sums are formed as the m = 1 kernels form them (bit-identical rows).
+
+
+def _make_gemv_multi_tiled(m: int, ns: tuple[int, ...], k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
+    tiles = TiledRows(m, k, tiled_blocking(isa, m, k), weight_dtype, not isa.is_slow_fallback)
+    accumulate, store = tiles.accumulate(), tiles.store()
+    rb, slots, chunk = tiles.tb.block_rows, tiles.token_slots, tiles.tb.chunk
+    steps = [-(-n // rb) for n in ns]
+    ldt = load_dtype(weight_dtype)
+    n0, n1 = ns[0], ns[1]
+    s0, s01 = steps[0], steps[0] + steps[1]
+
+    @T.macro
+    def run(x, wl, y, n, first):
+        accs = T.alloc_buffer((rb, slots, chunk), "float32", scope="global", annotations=STACK)
+        accumulate(x, wl, n, first, accs, 0, wl, n, first + rb)
+        store(x, wl, y, n, first, accs)
+
+    if len(ns) == 2:
+        @T.prim_func
+        def gemv2(x: T.Buffer((m, k), "float32"), w0: T.Buffer((n0, k), weight_dtype),
+                  w1: T.Buffer((n1, k), weight_dtype), y0: T.Buffer((m, n0), "float32"),
+                  y1: T.Buffer((m, n1), "float32")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+            wl0 = T.decl_buffer((n0, k), ldt, data=w0.data)
+            wl1 = T.decl_buffer((n1, k), ldt, data=w1.data)
+            for step in T.parallel(s01):
+                if step < s0:
+                    run(x, wl0, y0, n0, step * rb)
+                else:
+                    run(x, wl1, y1, n1, (step - s0) * rb)
+
+        return gemv2
+
+    n2 = ns[2]
+
+    @T.prim_func
+    def gemv3(x: T.Buffer((m, k), "float32"), w0: T.Buffer((n0, k), weight_dtype),
+              w1: T.Buffer((n1, k), weight_dtype), w2: T.Buffer((n2, k), weight_dtype),
+              y0: T.Buffer((m, n0), "float32"), y1: T.Buffer((m, n1), "float32"), y2: T.Buffer((m, n2), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wl0 = T.decl_buffer((n0, k), ldt, data=w0.data)
+        wl1 = T.decl_buffer((n1, k), ldt, data=w1.data)
+        wl2 = T.decl_buffer((n2, k), ldt, data=w2.data)
+        for step in T.parallel(s01 + steps[2]):
+            if step < s0:
+                run(x, wl0, y0, n0, step * rb)
+            elif step < s01:
+                run(x, wl1, y1, n1, (step - s0) * rb)
+            else:
+                run(x, wl2, y2, n2, (step - s01) * rb)
+
+    return gemv3
+
+
+def _make_gemv_swiglu_tiled(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) -> tirx.PrimFunc:
+    tiles = TiledRows(m, k, tiled_blocking(isa, m, k), weight_dtype, not isa.is_slow_fallback)
+    accumulate, total = tiles.accumulate(), tiles.total()
+    rb, slots, chunk = tiles.tb.block_rows, tiles.token_slots, tiles.tb.chunk
+    ldt = load_dtype(weight_dtype)
+
+    @T.prim_func
+    def swiglu(x: T.Buffer((m, k), "float32"), wg: T.Buffer((n, k), weight_dtype),
+               wu: T.Buffer((n, k), weight_dtype), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wgl = T.decl_buffer((n, k), ldt, data=wg.data)
+        wul = T.decl_buffer((n, k), ldt, data=wu.data)
+        for step in T.parallel(-(-n // rb)):
+            accs = T.alloc_buffer((2 * rb, slots, chunk), "float32", scope="global", annotations=STACK)
+            accumulate(x, wgl, n, step * rb, accs, 0, wul, n, step * rb)          # gate rows, then
+            accumulate(x, wul, n, step * rb, accs, rb, wgl, n, (step + 1) * rb)   # the same up rows
+            for r in T.serial(rb):
+                if step * rb + r < n:
+                    for t in T.serial(m):
+                        out = T.alloc_buffer((2,), "float32", scope="global", annotations=STACK)
+                        total(x, wgl, step * rb + r, accs, r, t, out, 0)
+                        total(x, wul, step * rb + r, accs, rb + r, t, out, 1)
+                        y[t, step * rb + r] = out[0] * T.sigmoid(out[0]) * out[1]
+
+    return swiglu
