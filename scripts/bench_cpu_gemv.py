@@ -1,36 +1,35 @@
 #!/usr/bin/env python3
 """Decode GEMV of the CPU stage against the DRAM ceiling and torch, for Qwen3-4B/8B/14B projection shapes.
 
-For each (out, in) projection shape and weight dtype (fp16, bf16), one run measures, interleaved:
+For each (out, in) projection shape and weight type (--types: fp16, bf16; also q8_0, q4_0, q4_k, q6_k), one
+run measures, interleaved:
   dram   -- a parallel read of an fp32 buffer >= 4x L3 (helmc's stream-read kernel and torch's sum; the
             faster counts, so the ratio below is never flattered by a weak reference)
-  helmc  -- helmc's GEMV (schedules/cpu/gemv.py), one token, fp32 accumulation
+  helmc  -- helmc's GEMV (schedules/cpu/gemv.py, quant/decode_gemv.py), one token, fp32 accumulation
+  m{m}   -- with --m 1,2,4,8: the m-row GEMV (a batched decode step, issue 19) on the same copies: GB/s of weight
+            bytes, its time over the one-token call's ("time_over_m1") and whether its rows are bit-identical
   torch  -- torch.nn.functional.linear on the same weights (same dtype, bf16/fp16 activations) and threads
 Every timed pass cycles through enough copies of the weight to read >= 4x L3, so figures are DRAM, not
-cache; helmc and torch read the very same copies (same pages), in interleaved rounds whose order alternates.
+cache; all read the very same copies (same pages), in interleaved rounds whose order alternates.
 The copies and the DRAM read's buffer share one allocation (WeightArena): the read streams the pages the
 kernels stream, since on a VM guest the speed of a buffer depends on where the host placed its pages.
-  pages  -- the same stream read over the very weight copies of the case, viewed as fp32: what the memory
-            system delivers for those pages (their physical placement differs between allocations, and on
-            the GPU machine whole cases ran 40% slower for helmc and torch alike)
+  pages  -- the same stream read over the very weight copies of the case, viewed as fp32 (placement differs
+            between allocations: on the GPU machine whole cases ran 40% slower for helmc and torch alike)
 Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
---huge-pages advises that allocation MADV_HUGEPAGE (runtime/weights/host_memory.py; the runtime itself does not
-place weights there).
+--huge-pages advises that allocation MADV_HUGEPAGE (the runtime itself does not place weights there).
 
-  python scripts/bench_cpu_gemv.py [--models 8b] [--json]                  # build and run here
+  python scripts/bench_cpu_gemv.py [--models 8b] [--m 1,2,4,8] [--types float16,q4_k] [--json]   # here
   python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
   python scripts/bench_cpu_gemv.py --run-only DIR [--json]                 # there: tvm.runtime + torch only
 The DRAM figure of each case is the best read in that case's own rounds ("dram_gbs_case"): on a shared host
 the bandwidth left to this process drifts over a run (session 5, GPU machine: 110-171 GB/s between cases read
-from the same allocation), so each kernel is judged against the memory system of its own minutes; the run's
-best read ("dram_gbs") is reported beside it.
+from the same allocation); the run's best read ("dram_gbs") is reported beside it.
 `--json` prints {"dram_gbs": .., "results": [{"shape": [N, K], "dtype": .., "helmc_gbs": .., "torch_gbs": ..,
-"dram_gbs_case": .., ...}]}.
+"dram_gbs_case": .., "m_rows": [{"m", "gbs", "time_over_m1", "rows_equal_m1"}], ...}]}.
 Built for a CPU with AMX (amx_tile + amx_bf16), the bundle also holds the prefill GEMM on AMX tiles
 (gemm_amx.py): the default blocking for every shape and the alternatives of BLOCKING_VARIANTS for the
 --amx-variants models' shapes. --run-only checks each against float64 (1 to 200 tokens) and times it on a
-128-token prompt beside torch's bf16 linear, cycling weight copies as above ("amx_gemm" in the JSON,
-one entry per shape and dtype, the variants inside).
+128-token prompt beside torch's bf16 linear ("amx_gemm" in the JSON, one entry per shape and dtype).
 """
 from __future__ import annotations
 
@@ -103,14 +102,14 @@ def built_only(args, build) -> bool:
 
 
 def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_bytes: int,
-          amx_variant_models: list[str], gemv_prefetch: int | None = None) -> None:
+          amx_variant_models: list[str], gemv_prefetch: int | None = None, types: tuple[str, ...] = DTYPES,
+          rows: tuple[int, ...] = (1,)) -> None:
     import tvm
     from helmc.compiler.passes.schedule_cpu_stage import llvm_target, required_cpu_features
-    from helmc.schedules.cpu.gemv import make_gemv
+    from helmc.schedules.cpu import gemv as gemv_module
+    from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
-
-    from helmc.schedules.cpu import gemv as gemv_module
     if gemv_prefetch is not None:   # benchmark-only switch (schedules/cpu/gemv.py)
         gemv_module.PREFETCH_STEPS = gemv_prefetch
     gemv_prefetch = gemv_module.PREFETCH_STEPS
@@ -118,11 +117,14 @@ def build(out_dir: str, features: tuple[str, ...], models: list[str], min_read_b
     shapes = sorted({s for m in models for s in projection_shapes(m)})
     funcs, kernels = {}, []
     for n, k in shapes:
-        for dtype in DTYPES:
-            f = make_gemv(1, n, k, dtype, isa)
-            name = str(f.attrs["global_symbol"])
-            funcs[name] = f
-            kernels.append({"name": name, "shape": [n, k], "dtype": dtype})
+        for dtype in types:
+            by_m = []
+            for m in sorted({1, *rows}):     # m = 1 first: the other m are timed against it
+                f = gemv_module.make_gemv(m, n, k, dtype, isa) if dtype in DTYPES else \
+                    make_gemv_quant(dtype, n, k, isa, m=m)
+                funcs[str(f.attrs["global_symbol"])] = f
+                by_m.append({"m": m, "name": str(f.attrs["global_symbol"])})
+            kernels.append({"name": by_m[0]["name"], "shape": [n, k], "dtype": dtype, "m": by_m})
     amx = []
     if isa.has_amx_bf16:  # the prefill GEMM on AMX tiles: numerics and speed are checked where AMX exists
         from helmc.schedules.cpu.gemm_amx import BLOCKING_VARIANTS, amx_gemm_applies, make_gemm_amx
@@ -215,9 +217,15 @@ def arena_bytes(read_bytes: int, case_bytes: list[int]) -> int:
 
 def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, arena: WeightArena) -> tuple[list, object]:
     """(copies of one random [n, k] weight whose total is >= min_bytes, placed from the start of `arena`,
-    float64 of its values)."""
+    float64 of its values; None for a quantized type, whose copies are valid GGUF rows, uint8 [n, row bytes])."""
     import numpy as np
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits
+    if dtype not in DTYPES:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "device"))
+        from device_quant_gpu_check import random_quant_rows
+        host = random_quant_rows(dtype, n, k, rng)
+        arena.reset()
+        return [arena.place(host, "uint8") for _ in range(max(1, -(-min_bytes // host.nbytes)))], None
     base = rng.standard_normal((n, k), dtype=np.float32) * 0.02
     if dtype == "bfloat16":
         host = bf16_bits_from_float32(base)
@@ -267,7 +275,8 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
     read_n = manifest["read_elements"]
     cases = [tuple(kern["shape"]) for kern in manifest["kernels"] + manifest.get("amx_gemm_kernels", [])
              if wanted is None or tuple(kern["shape"]) in wanted]
-    arena = WeightArena(arena_bytes(read_n * 4, [copy_count(n, k, min_bytes) * n * k * 2 for n, k in cases]),
+    # room for one more fp16 copy: a quantized type's copies may pass min_bytes by most of one
+    arena = WeightArena(arena_bytes(read_n * 4, [(copy_count(n, k, min_bytes) + 1) * n * k * 2 for n, k in cases]),
                         huge_pages)
     read_buf = cpu_tensor_over(arena.region, (read_n,), "float32")
     partial = tvm.runtime.empty((1024,), "float32", dev)
@@ -282,18 +291,24 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
         n, k = kern["shape"]
         if wanted is not None and (n, k) not in wanted:
             continue
-        dtype, nbytes = kern["dtype"], n * k * 2
+        dtype = kern["dtype"]
         weights, w64 = weight_copies(rng, n, k, dtype, min_bytes, arena)
+        nbytes, quant = weights[0].numel() * weights[0].dtype.bits // 8, w64 is None
         on_huge = anon_huge_page_bytes()
         # torch reads the same memory as helmc, and the DRAM read covers it: placement of pages favours none.
-        torch_weights = [torch.from_dlpack(w) for w in weights]
-        x32 = rng.standard_normal((1, k), dtype=np.float32)
+        torch_weights = [] if quant else [torch.from_dlpack(w) for w in weights]
+        by_m = kern.get("m", [{"m": 1, "name": kern["name"]}])
+        x_all = rng.standard_normal((by_m[-1]["m"], k), dtype=np.float32)
+        x32 = x_all[:1]                                   # the one-token call's x: row 0 of the m-row calls'
         x, y = tensor_from_numpy(x32, "float32", dev), tvm.runtime.empty((1, n), "float32", dev)
-        xt = torch.from_numpy(x32).to(torch_weights[0].dtype)
         fn = lib[kern["name"]]
         fn(x, weights[0], y)
-        ref = x32.astype(np.float64) @ w64.T
-        err = float(np.abs(y.numpy() - ref).max() / np.abs(ref).max())
+        err = None
+        if not quant:
+            ref = x32.astype(np.float64) @ w64.T
+            err = float(np.abs(y.numpy() - ref).max() / np.abs(ref).max())
+            xt = torch.from_numpy(x32).to(torch_weights[0].dtype)
+        m_calls, m_equal = m_row_calls(lib, kern["name"], by_m[1:], x_all, weights, n, dev)
 
         def helmc_pass():
             for w in weights:
@@ -303,8 +318,9 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
             for w in torch_weights:
                 torch.nn.functional.linear(xt, w)
 
-        passes = {"helmc": helmc_pass, "torch": torch_pass, "dram": lambda: read_fn(read_buf, partial)}
-        if n * k // 2 in manifest.get("page_read_elements", []):
+        passes = {"helmc": helmc_pass, "dram": lambda: read_fn(read_buf, partial), **m_calls,
+                  **({} if quant else {"torch": torch_pass})}
+        if not quant and n * k // 2 in manifest.get("page_read_elements", []):
             page_fn = lib[f"helmc_stream_read_{n * k // 2}"]
             views = [w._create_view((n * k // 2,), "float32") for w in weights]   # [n, k] 16-bit -> [n k / 2] fp32
 
@@ -312,10 +328,11 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
                 for v in views:
                     page_fn(v, partial)
             passes["pages"] = pages_pass
-        torch_pass()
+        passes.get("torch", lambda: None)()
         times = timed_rounds(passes, rounds)
         dram_all += [read_n * 4 / t / 1e9 for t in times["dram"]]
         gbs = {name: [nbytes * len(weights) / t / 1e9 for t in ts] for name, ts in times.items() if name != "dram"}
+        gbs.setdefault("torch", [float("nan")])
         dram_case = max(read_n * 4 / t / 1e9 for t in times["dram"])   # this case's rounds, same pages
         pages = {"pages_read_gbs": round(max(gbs["pages"]), 2),
                  "pages_read_gbs_median": round(float(np.median(gbs["pages"])), 2),
@@ -326,7 +343,11 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
                         "torch_gbs": round(max(gbs["torch"]), 2),
                         "helmc_gbs_median": round(float(np.median(gbs["helmc"])), 2),
                         "torch_gbs_median": round(float(np.median(gbs["torch"])), 2),
-                        "rel_err": err, "bytes_per_pass": nbytes * len(weights), "anon_huge_page_bytes": on_huge})
+                        "rel_err": err, "bytes_per_pass": nbytes * len(weights), "anon_huge_page_bytes": on_huge,
+                        "m_rows": [{"m": e["m"], "gbs": round(max(gbs[f"m{e['m']}"]), 2),
+                                    "gbs_median": round(float(np.median(gbs[f"m{e['m']}"])), 2),
+                                    "time_over_m1": round(max(gbs["helmc"]) / max(gbs[f"m{e['m']}"]), 3),
+                                    "rows_equal_m1": m_equal[e["m"]]} for e in by_m[1:]]})
         del weights, torch_weights
     amx = [amx_gemm_check(lib, entry, rounds, min_bytes, arena) for entry in manifest.get("amx_gemm_kernels", [])
            if wanted is None or tuple(entry["shape"]) in wanted]
@@ -335,6 +356,29 @@ def run(out_dir: str, threads: int, rounds: int, models: list[str] | None, huge_
             "read_bytes": read_n * 4, "statistic": f"best of {rounds} interleaved rounds (median in *_median)",
             "machine": machine_notes(), "amx_gemm": amx, "huge_pages": huge_pages,
             "placement": "one arena: the DRAM read covers the pages of every case's weight copies"}
+
+
+def m_row_calls(lib, one: str, by_m: list[dict], x_all, weights: list, n: int, dev) -> tuple[dict, dict]:
+    """For each m > 1 kernel of by_m: a pass over the weight copies ("m{m}"), and whether its rows are bit-identical
+    to the m = 1 kernel `one` on each row of x alone (batch invariance)."""
+    import numpy as np
+    import tvm.runtime
+    from helmc.runtime.tvm_tensors import tensor_from_numpy
+
+    def call(name, xm):
+        y = tvm.runtime.empty((len(xm), n), "float32", dev)
+        lib[name](tensor_from_numpy(np.ascontiguousarray(xm), "float32", dev), weights[0], y)
+        return y.numpy()
+    singles = [call(one, x_all[t:t + 1])[0] for t in range(len(x_all))]
+    calls, equal = {}, {}
+    for e in by_m:
+        m, fn = e["m"], lib[e["name"]]
+        got = call(e["name"], x_all[:m])
+        equal[m] = all(np.array_equal(got[t].view(np.uint32), singles[t].view(np.uint32)) for t in range(m))
+        x = tensor_from_numpy(np.ascontiguousarray(x_all[:m]), "float32", dev)
+        y = tvm.runtime.empty((m, n), "float32", dev)
+        calls[f"m{m}"] = lambda fn=fn, x=x, y=y: [fn(x, w, y) for w in weights]
+    return calls, equal
 
 
 def amx_gemm_check(lib, entry: dict, rounds: int, min_bytes: int, arena: WeightArena, prompt: int = 128) -> dict:
@@ -388,22 +432,19 @@ def amx_gemm_check(lib, entry: dict, rounds: int, min_bytes: int, arena: WeightA
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = experiment_parser(__doc__, 5)      # --build-only, --run-only, --hardware, --features, --rounds
     ap.add_argument("--models", default="4b,8b,14b", help="comma list of 4b, 8b, 14b")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--build-only", metavar="DIR")
-    ap.add_argument("--run-only", metavar="DIR")
-    ap.add_argument("--hardware", help="hardware.json whose CPU features to compile for (default: this CPU)")
-    ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for (default: this CPU)")
     ap.add_argument("--l3-bytes", type=int, help="size the DRAM read for this L3 (default: this machine's)")
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--huge-pages", action="store_true", help="weight copies and DRAM read in MADV_HUGEPAGE memory")
     ap.add_argument("--gemv-prefetch", type=int, default=None,
                     help="build the GEMVs with software prefetch this many K steps ahead, 0 for none "
                          "(default: gemv.PREFETCH_STEPS)")
     ap.add_argument("--amx-variants", default="8b",
                     help="models whose shapes get every AMX GEMM blocking variant (others: the default)")
+    ap.add_argument("--types", default=",".join(DTYPES), help="weight types: float16, bfloat16, q8_0, q4_0, q4_k, q6_k")
+    ap.add_argument("--m", default="1", help="rows of x (tokens) of the GEMVs, e.g. 1,2,4,8: m > 1 timed against m = 1")
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
@@ -418,7 +459,8 @@ def main() -> None:
         features, target_l3 = target_features(args)
         out_dir = args.build_only or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helmc_gemv_bench_{os.getpid()}")
         build(out_dir, features, models, 4 * (args.l3_bytes or target_l3),
-              [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3], args.gemv_prefetch)
+              [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3], args.gemv_prefetch,
+              tuple(t.strip() for t in args.types.split(",") if t.strip()), tuple(int(m) for m in args.m.split(",")))
         if args.build_only:
             print(f"built {out_dir}: run there with  python scripts/bench_cpu_gemv.py --run-only {out_dir}")
             return
@@ -435,9 +477,14 @@ def main() -> None:
         n, k = r["shape"]
         print(f"{n:>7} x {k:<7}{r['dtype']:>9} {r['helmc_gbs']:>11.1f} {r['dram_gbs_case']:>10.1f}"
               f" {100 * r['helmc_over_dram_case']:>6.0f}% {100 * r['helmc_gbs'] / report['dram_gbs']:>6.0f}%"
-              f" {r['torch_gbs']:>11.1f} {r['rel_err']:>9.1e} {r.get('pages_read_gbs', float('nan')):>11.1f}"
+              f" {r['torch_gbs']:>11.1f} {r['rel_err'] or float('nan'):>9.1e}"
+              f" {r.get('pages_read_gbs', float('nan')):>11.1f}"
               f" {100 * r.get('helmc_over_pages_read', float('nan')):>7.0f}%"
               f"   {r['helmc_gbs_median']:.1f} / {r['torch_gbs_median']:.1f}")
+        for e in r.get("m_rows", []):
+            same = "bit-identical to" if e["rows_equal_m1"] else "DIFFER from"
+            print(f"{'':>26} m={e['m']}: {e['gbs']:>6.1f} GB/s (median {e['gbs_median']:.1f}), "
+                  f"{e['time_over_m1']:.2f}x the m=1 time, rows {same} m=1")
     print("DRAM GB/s: the read over the same pages in this case's interleaved rounds (% DRAM); % best: of the "
           "run's best read")
     for r in report["amx_gemm"]:

@@ -210,14 +210,22 @@ def tiled_blocking(isa: VectorIsa, m: int, k: int) -> TiledBlocking:
     budget = isa.vector_registers // 2
     rows = max(1, min(4, budget // (2 * m)))
     passes = -(-m // max(1, budget // (2 * rows)))
-    tile_steps = max(1, X_TILE_BYTES // (m * chunk * 4))
+    tile_steps = balanced_tile(k // chunk, X_TILE_BYTES // (m * chunk * 4))
     block_rows = -(-TILE_BLOCK_ROWS // rows) * rows
     return TiledBlocking(rows, -(-m // passes), chunk, tile_steps, block_rows)
 
 
+def balanced_tile(steps: int, most: int) -> int:
+    """Steps per tile: as few tiles of at most `most` steps as cover `steps`, of equal size but the last (so the
+    prefetch one tile ahead lands on what the next tile reads)."""
+    tiles = max(1, -(-steps // max(1, most)))
+    return max(1, -(-steps // tiles))
+
+
 class TiledRows:
-    """The tiled m-row kernel's two macros over one weight (see X_TILE_BYTES): accumulate() a block of rows
-    into accs[slot .. slot + block_rows, token, lane], then total() one (row, token): lanes in order + K tail."""
+    """The tiled m-row kernel's macros over one weight (see X_TILE_BYTES): accumulate() a block of rows into
+    accs[slot .. slot + block_rows, token, lane]; total() one (row, token): lanes in order + K tail; store() the
+    block's rows of y."""
 
     def __init__(self, m: int, k: int, tb: TiledBlocking, weight_dtype: str, f16c: bool):
         self.m, self.k, self.tb, self.dtype, self.f16c = m, k, tb, weight_dtype, f16c
@@ -260,7 +268,8 @@ class TiledRows:
                                             T.int32(0), T.int32(locality), T.int32(1)))
                                     else:
                                         T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wnext[
-                                            T.min(first_next + rg * rows + r, n_next - 1), T.min(ko, k_main - 1) * chunk]),
+                                            T.min(first_next + rg * rows + r, n_next - 1),
+                                            T.min(ko, k_main - 1) * chunk]),
                                             T.int32(0), T.int32(locality), T.int32(1)))
                             for t in T.unroll(group):
                                 for r in T.unroll(rows):

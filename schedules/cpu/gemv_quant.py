@@ -48,6 +48,7 @@ from tvm.script import tirx as T
 
 from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS, check_quant_shape
 from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.tiles import QuantTiles, _hsum, _sum
 from helmc.schedules.cpu.weight_load import STACK, widen
 
 
@@ -116,6 +117,9 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     """
     fmt = _check(qtype, n, k)
     assert m >= 1, m
+    if m > 1:
+        return _make_float_tiled(qtype, n, k, isa, tuning, m).with_attr("global_symbol",
+                                                                         gemv_quant_symbol(qtype, n, k, m))
     vec = _Vectors(isa)
     rows, group = quant_blocking(qtype, m, isa, tuning)
     lanes = vec.lanes
@@ -169,13 +173,73 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     return gemv.with_attr("global_symbol", gemv_quant_symbol(qtype, n, k, m))
 
 
-def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning):
-    """Macro prefetch(wf, first, b), wf the flat byte view of W: the bytes `ahead` further along each row of the
-    group than block b, or past the row end the same place in the same row of the next group (the rows the
-    thread reads next); ahead is capped at one row, so one wrap covers it, and the address at the buffer's
-    last byte. One prefetch per 64-byte line: blocks under half a line prefetch every `every` blocks.
-    Nothing when prefetch_bytes is 0."""
-    ahead, locality = min(tuning.prefetch_bytes, row_bytes), tuning.prefetch_locality
+def float_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:
+    """The m > 1 loop of make_gemv_quant_float: x read per block and token is the block's fp32 values."""
+    weights = QUANT_BLOCKS[qtype].weights
+    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // weights, weights * 4, _Vectors(isa).lanes)
+
+
+def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning, m: int):
+    """make_gemv_quant_float for m > 1 in quant/tiles.QuantTiles' order: the same block_dot per (row group, block,
+    pass), the same prologue (xsum, xp), the accumulators kept between K tiles."""
+    fmt, vec = _check(qtype, n, k), _Vectors(isa)
+    lanes, blocks = vec.lanes, k // fmt.weights
+    row_bytes = blocks * fmt.bytes
+    qt = float_tiles(qtype, m, k, isa, tuning)
+    rows, group, rb, tile = qt.rows, qt.group, qt.block_rows, qt.tile_blocks
+    passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
+    block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, ahead=tile * fmt.bytes, wrap_rows=rb)
+    mins = qtype == "q4_k"
+    zero, load, save, finish = qt.macros(m, mins)
+    subs = k // 32 if mins else 1
+    permuted = order is not None
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wi = T.decl_buffer((n, row_bytes), "int8", data=w.data)
+        wh = T.decl_buffer((n, row_bytes // 2), "float16", data=w.data)
+        wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)
+        xsum = T.alloc_buffer((m, subs), "float32")
+        xp = T.alloc_buffer((m, k if permuted else 1), "float32")
+        for t in T.serial(m):
+            if mins:
+                for j in T.serial(subs):
+                    xsum[t, j] = _hsum(_sum([x[t, vec.at(j * 32 + vo * lanes)] for vo in range(32 // lanes)]))
+            if permuted:
+                for b in T.serial(blocks):
+                    for g in T.serial(256 // lanes):
+                        for i in T.vectorized(lanes):
+                            xp[t, b * 256 + g * lanes + i] = x[t, b * 256 + order(g, i)]
+        for step in T.parallel(-(-n // rb)):
+            accs = T.alloc_buffer((rb, passes * group, lanes), "float32", scope="global", annotations=STACK)
+            accms = T.alloc_buffer((rb, passes * group, 8), "float32", scope="global", annotations=STACK)
+            zero(accs, accms)
+            for kt in T.serial(tiles):
+                for rg in T.serial(T.min(rb // rows, (n - step * rb + rows - 1) // rows)):
+                    for p in T.serial(passes):
+                        acc = T.alloc_buffer((group, rows, lanes), "float32", scope="global", annotations=STACK)
+                        accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)
+                        load(accs, accms, acc, accm, rg, p)
+                        for bi in T.serial(T.min(tile, blocks - kt * tile)):
+                            prefetch(wf, step * rb + rg * rows, kt * tile + bi)
+                            block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, step * rb + rg * rows, kt * tile + bi, p)
+                        save(accs, accms, acc, accm, rg, p)
+            finish(accs, accms, y, n, step * rb)
+
+    return gemv
+
+
+def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning, ahead: int | None = None,
+              wrap_rows: int | None = None):
+    """Macro prefetch(wf, first, b), wf the flat byte view of W: the bytes `ahead` (default tuning.prefetch_bytes)
+    further along each row of the group than block b, or past the row end the same place in the same row of the
+    next group, `wrap_rows` (default rows) further on (the rows the thread reads next); ahead is capped at one
+    row, so one wrap covers it, and the address at the buffer's last byte. One prefetch per 64-byte line: blocks
+    under half a line prefetch every `every` blocks. Nothing when prefetch_bytes is 0."""
+    ahead = min(tuning.prefetch_bytes if ahead is None else ahead, row_bytes) if tuning.prefetch_bytes else 0
+    locality, wrap_rows = tuning.prefetch_locality, wrap_rows or rows
     every = max(1, _LINE // block_bytes)
     lines = -(-block_bytes * every // _LINE)   # consecutive prefetched addresses stay <= one line apart
 
@@ -187,7 +251,7 @@ def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuni
                     for line in T.unroll(lines):
                         T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wf[T.min(
                             (first + r) * row_bytes + b * block_bytes + ahead + line * _LINE + T.if_then_else(
-                                b * block_bytes + ahead + line * _LINE >= row_bytes, (rows - 1) * row_bytes, 0),
+                                b * block_bytes + ahead + line * _LINE >= row_bytes, (wrap_rows - 1) * row_bytes, 0),
                             wf.shape[0] - 1)]), T.int32(0), T.int32(locality), T.int32(1)))
 
     return prefetch
@@ -248,18 +312,6 @@ def _f32(v):
 
 def _ints(value, like):
     return tirx.Broadcast(tirx.const(value, "int32"), _lanes(like))
-
-
-def _sum(terms):
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
-def _hsum(v):
-    """Sum of the lanes of a float32 vector expression (once per row, after the K loop)."""
-    return _sum([tirx.Shuffle([v], [i]) for i in range(_lanes(v))])
 
 
 def _nibble_value(offset: float):

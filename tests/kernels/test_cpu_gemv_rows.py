@@ -11,7 +11,7 @@ tvm = pytest.importorskip("tvm")
 
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy  # noqa: E402
-from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv  # noqa: E402
+from helmc.schedules.cpu.gemv import GEMV_MAX_ROWS, make_gemv, tiled_blocking  # noqa: E402
 from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu  # noqa: E402
 from helmc.schedules.cpu.gemv_quant import QUANT_BLOCKS  # noqa: E402
 from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant  # noqa: E402
@@ -71,3 +71,37 @@ def test_quant_gemv_rows_are_single_rows(tier, qtype):
     w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
     _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+def test_quant_gemv_rows_over_several_k_tiles(qtype):
+    """k = 4096 and n = 21: the m-row kernels walk K in several tiles (the last shorter for some m) and the last
+    block of rows is partial, on this CPU's best tier (the int8 K-quant kernel on AVX-512)."""
+    pytest.importorskip("gguf")
+    from helmc.schedules.cpu.quant.decode_gemv import quant_tiles
+    isa = select_isa(host_cpu_flags())
+    rng = np.random.default_rng(17)
+    n, k = 21, 4096
+    blocks = k // QUANT_BLOCKS[qtype].weights
+    for m in ROWS:
+        tiles = quant_tiles(qtype, m, k, isa)
+        assert n % tiles.block_rows and tiles.rows * tiles.group * 2 <= isa.vector_registers, (m, tiles)
+        if m > 3:
+            assert tiles.tile_blocks < blocks, (m, tiles)                   # several K tiles
+    assert any(blocks % quant_tiles(qtype, m, k, isa).tile_blocks for m in ROWS), qtype   # a shorter last tile
+    w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
+    x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
+    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+
+
+def test_float_tiles_cover_k_in_several_tiles():
+    """What test_float_gemvs_rows_are_single_rows relies on: at k = 4099 the AVX-512 and AVX2 m-row kernels take
+    several K tiles (a shorter last one for m = 5), a scalar K tail, and n = 37 leaves a partial block of rows."""
+    for tier in ("avx512", "avx2"):
+        isa = select_isa(TIERS[tier])
+        for m in ROWS:
+            tb = tiled_blocking(isa, m, 4099)
+            k_main = 4099 // tb.chunk
+            assert 1 < -(-k_main // tb.tile_steps) and 4099 % tb.chunk and 37 % tb.block_rows, (tier, m, tb)
+            assert tb.group * tb.rows * 2 <= isa.vector_registers // 2, (tier, m, tb)    # accumulators in registers
+        assert (4099 // tiled_blocking(isa, 5, 4099).chunk) % tiled_blocking(isa, 5, 4099).tile_steps, tier

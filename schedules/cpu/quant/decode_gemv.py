@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from helmc.schedules.cpu.gemv_quant import DEFAULT_TUNING, QuantGemvTuning, make_gemv_quant_float
+from helmc.schedules.cpu.gemv_quant import DEFAULT_TUNING, QuantGemvTuning, float_tiles, make_gemv_quant_float
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import int8_gemv_applies, make_gemv_quant_int8
+from helmc.schedules.cpu.quant.gemv_int8 import int8_gemv_applies, int8_tiles, make_gemv_quant_int8
+from helmc.schedules.cpu.quant.tiles import QuantTiles
 
 
 def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
@@ -19,3 +20,8 @@ def make_gemv_quant(qtype: str, n: int, k: int, isa: VectorIsa,
     if int8_gemv_applies(qtype, isa):
         return make_gemv_quant_int8(qtype, n, k, isa, tuning, m)
     return make_gemv_quant_float(qtype, n, k, isa, tuning, m)
+
+
+def quant_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:
+    """How make_gemv_quant's kernel for m > 1 rows blocks its rows and tiles K (quant/tiles.py)."""
+    return (int8_tiles if int8_gemv_applies(qtype, isa) else float_tiles)(qtype, m, k, isa, tuning)

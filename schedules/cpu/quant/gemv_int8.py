@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _check, _hsum, _prefetch, _sum, _token,
                                             gemv_quant_symbol, quant_blocking)
 from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.tiles import QuantTiles
 from helmc.schedules.cpu.weight_load import STACK, widen
 
 INT8_QTYPES = ("q4_k", "q6_k")
@@ -109,6 +110,9 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
     row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
     quantize = _quantize(q4k)
+    if m > 1:
+        return _make_int8_tiled(qtype, n, k, isa, tuning, m).with_attr("global_symbol",
+                                                                        gemv_quant_symbol(qtype, n, k, m))
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
@@ -142,6 +146,62 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
                                 accm[t, r, _ramp(0, 8)])
 
     return gemv.with_attr("global_symbol", gemv_quant_symbol(qtype, n, k, m))
+
+
+def int8_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:
+    """The m > 1 loop of make_gemv_quant_int8. x read per block and token: 256 int8, its scale, 8 (q4_k, fp32)
+    or 16 (q6_k, int16) sums."""
+    tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
+    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // _BLOCK, _BLOCK + 4 + 32, 16)
+
+
+def _make_int8_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning, m: int):
+    """m > 1: quant/tiles.QuantTiles' order over the same prologue and row_dot (each token's sums as at m = 1)."""
+    fmt = _check(qtype, n, k)
+    blocks = k // _BLOCK
+    row_bytes = blocks * fmt.bytes
+    q4k = qtype == "q4_k"
+    sums = 8 if q4k else 16
+    qt = int8_tiles(qtype, m, k, isa, tuning)
+    rows, group, rb, tile = qt.rows, qt.group, qt.block_rows, qt.tile_blocks
+    passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, ahead=tile * fmt.bytes, wrap_rows=rb)
+    row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
+    quantize = _quantize(q4k)
+    zero, load, save, finish = qt.macros(m, True)
+
+    @T.prim_func
+    def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        wi = T.decl_buffer((n, row_bytes), "int8", data=w.data)
+        wh = T.decl_buffer((n, row_bytes // 2), "float16", data=w.data)
+        wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)
+        wu = T.decl_buffer((n, row_bytes // 4), "uint32", data=w.data)
+        xq = T.alloc_buffer((m, k), "int8")
+        dx = T.alloc_buffer((m, blocks), "float32")
+        xs = T.alloc_buffer((m, blocks * sums), "float32" if q4k else "int16")
+        for t in T.serial(m):
+            for b in T.serial(blocks):
+                quantize(x, xq, dx, xs, t, b)
+        for step in T.parallel(-(-n // rb)):
+            accs = T.alloc_buffer((rb, passes * group, 16), "float32", scope="global", annotations=STACK)
+            accms = T.alloc_buffer((rb, passes * group, 8), "float32", scope="global", annotations=STACK)
+            zero(accs, accms)
+            for kt in T.serial(tiles):
+                for rg in T.serial(T.min(rb // rows, (n - step * rb + rows - 1) // rows)):
+                    for p in T.serial(passes):
+                        acc = T.alloc_buffer((group, rows, 16), "float32", scope="global", annotations=STACK)
+                        accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)
+                        load(accs, accms, acc, accm, rg, p)
+                        for bi in T.serial(T.min(tile, blocks - kt * tile)):
+                            prefetch(wf, step * rb + rg * rows, kt * tile + bi)
+                            for r in T.unroll(rows):
+                                row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm,
+                                        T.min(step * rb + rg * rows + r, n - 1), r, kt * tile + bi, p)
+                        save(accs, accms, acc, accm, rg, p)
+            finish(accs, accms, y, n, step * rb)
+
+    return gemv
 
 
 def _q4k_slot(v: int) -> int:
