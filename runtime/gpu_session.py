@@ -217,6 +217,36 @@ class GpuParts:
         return cp.asnumpy(self.tvm_to_cupy(logits))                              # [B, V] float32 back to the host
 
 
+    def prefill_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
+                      rows: list[int]) -> np.ndarray:
+        """A step of BatchModel.prefill_many (several prompts' chunks, each of more than one row): the CPU stage on
+        every sequence's rows at once, the GPU stage sequence by sequence as a one-sequence prefill runs it (cuBLAS
+        picks its GEMM by the row count, so rows of a larger call need not match bit for bit), the head on the last
+        rows through the batched decode variant (each row as the one-row decode head). Logits [B, V] on the host."""
+        import cupy as cp
+        import tvm.runtime
+        from helmc.runtime.cuda_runtime import tvm_stream
+        with self.stream, tvm_stream(self.stream):
+            if cpu_stage is not None and len(cpu_stage.bindings):
+                dev = tvm.cpu()
+                x = cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                            tvm.runtime.tensor(sin, dev), cpu_caches, rows).numpy()   # [S, H] fp32
+            to_tvm, last, a = self.cupy_to_tvm, [], 0
+            for b, n in enumerate(rows):
+                xg = cp.asarray(np.ascontiguousarray(x[a:a + n], self.act_dtype))   # the host-to-device crossing
+                if self.stage is not None:
+                    xg = self.tvm_to_cupy(self.stage.forward_batch(
+                        to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos[a:a + n]))),
+                        to_tvm(cp.asarray(np.ascontiguousarray(sin[a:a + n]))), [gpu_caches[b]], [n]))
+                last.append(xg[-1:])
+                a += n
+            sizes = sorted(int(p[len("decode_b"):]) for p in self.head_fns if p.startswith("decode_b"))
+            padded = next(b for b in sizes if b >= len(rows))
+            last.append(cp.zeros((padded - len(rows), last[0].shape[1]), last[0].dtype))    # padding rows
+            logits = self.head_fns[batch_phase(padded)](to_tvm(cp.ascontiguousarray(cp.concatenate(last))),
+                                                        *self.head_weights)
+            return cp.asnumpy(self.tvm_to_cupy(logits)[:len(rows)])                 # [padded, V] -> [B, V]
+
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
     import cupy as cp
     import tvm.runtime

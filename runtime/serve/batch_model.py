@@ -8,6 +8,7 @@ slot's cache; the head runs on the last row of each sequence.
 
     m = BatchModel(session, max_batch=4)
     logits = m.prefill(slot=2, ids=[...])          # [V]
+    logits = m.prefill_many([(1, ids1), (3, ids3)])  # [[V], [V]]: the prompts' rows together in each step
     logits = m.decode([0, 2], [tok0, tok2])        # [2, V]
     m.free(2)                                      # the slot's pages back to its pool, at once
 """
@@ -93,13 +94,75 @@ class BatchModel:
             logits = self._step([slot], [ids[c0:c0 + step]])
         return logits[0]
 
+    def prefill_many(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """The prompts of several new requests, (slot, ids) each, into their (empty) slots; each one's last row's
+        logits [V], bit-identical to prefill(slot, ids) alone.
+
+        Why (issue 19): one request's prefill after another made the last of 8 wait for all 7 before it (TTFT
+        20.6 s on the GPU machine), and each prompt's CPU GEMMs read and convert every weight for its 128 rows
+        only. Here each prompt is cut into the chunks prefill() would run, and the chunks of different prompts
+        share a step up to `chunk` rows (CPU-only: 512, or the longest prompt): the CPU stage runs them as one
+        block call per layer (its prefill kernels form every row the same whatever the row count, attention
+        runs per sequence). What would not be bit-identical to the single prefill runs apart: the GPU stage
+        (cuBLAS picks its algorithm by the row count) goes sequence by sequence, the head takes the last rows
+        through the batched decode variant (each row as the one-row decode head), and the one-token chunks,
+        which prefill() runs as a decode step, run together as one batched decode step, after the others."""
+        if self.hybrid or len(items) == 1:
+            return [self.prefill(slot, ids) for slot, ids in items]
+        for slot, _ in items:
+            if self.length(slot):
+                raise HelmcError(f"prefill: slot {slot} expected empty, holds {self.length(slot)} tokens")
+        cap = self.chunk or max([512] + [len(ids) for _, ids in items])
+        step = self.chunk or cap
+        pieces = [(i, slot, ids[c0:c0 + step], c0 + step >= len(ids))                  # (item, slot, rows, last)
+                  for i, (slot, ids) in enumerate(items) for c0 in range(0, len(ids), step)]
+        out: list = [None] * len(items)
+
+        def run(group):
+            rows = self._decode_rows if all(len(p[2]) == 1 for p in group) else self._prefill_rows
+            for (i, _, _, last), row in zip(group, rows([p[1] for p in group], [p[2] for p in group])):
+                if last:
+                    out[i] = row
+        group: list = []
+        for p in [p for p in pieces if len(p[2]) > 1] + [p for p in pieces if len(p[2]) == 1]:   # 1-row chunks end
+            if group and (sum(len(g[2]) for g in group) + len(p[2]) > cap or any(g[1] == p[1] for g in group)
+                          or (len(p[2]) == 1) != (len(group[0][2]) == 1)):
+                run(group)
+                group = []
+            group.append(p)
+        run(group)
+        return out
+
+    def _decode_rows(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
+        return self.decode(slots, [r[0] for r in ids]) if len(slots) > 1 else self._step(slots, ids)
+
+    def _prefill_rows(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
+        """Logits [B, V] of each sequence's last row after its ids[b] (one or more rows each): see prefill_many."""
+        if len(slots) == 1:
+            return self._step(slots, ids)
+        rows = [len(r) for r in ids]
+        x, cos, sin = self._inputs(slots, ids)
+        cpu = [self.cpu_caches[s] for s in slots] if self.cpu_caches else None
+        if self.session.gpu is not None:
+            gpu = [self.gpu_caches[s] for s in slots] if self.gpu_caches else None
+            return self.session.gpu.prefill_batch(x, cos, sin, self.session.cpu_stage, cpu, gpu, rows)
+        import tvm.runtime
+        dev = tvm.cpu()
+        xt = self.session.cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
+                                                  tvm.runtime.tensor(sin, dev), cpu, rows)
+        last = xt.numpy()[np.cumsum(rows) - 1]                                       # [S, H] -> [B, H]
+        padded = decode_step_rows([1] * len(rows), decode_batch_sizes(self.session.plan.batch))
+        last = np.concatenate([last, np.zeros((padded - len(rows), last.shape[1]), last.dtype)])  # [B', H]
+        return self.session.head(tvm.runtime.tensor(last, dev), batch_phase(padded), True)[:len(rows)]
+
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
         """One new token for each slot's sequence, all in one step; logits [len(slots), V]."""
         if self.hybrid:
             return self.session.forward([tokens[0]])              # the plan's groups (runtime/hybrid/), [1, V]
         return self._step(slots, [[t] for t in tokens])
 
-    def _step(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
+    def _inputs(self, slots: list[int], ids: list[list[int]]):
+        """x [S, H], cos / sin [S, D] of the rows: sequence b's ids[b] at its own next positions."""
         rows = [len(r) for r in ids]
         for s, n in zip(slots, rows):
             if self.length(s) + n > self.max_context:
@@ -107,6 +170,11 @@ class BatchModel:
         positions = np.concatenate([np.arange(self.length(s), self.length(s) + n) for s, n in zip(slots, rows)])
         cos, sin = self.session.rope.cos_sin(positions)                          # [S, D] each, per row's position
         x = self.session.embed(np.asarray([t for r in ids for t in r], dtype=np.int64))   # [S, H]
+        return x, cos, sin
+
+    def _step(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
+        rows = [len(r) for r in ids]
+        x, cos, sin = self._inputs(slots, ids)
         # A batched decode step runs the compiled variant for the next batch size up, on zero rows past the
         # sequences' (Stage.forward_batch gives them no attention and no KV; their logits are dropped here).
         padded = decode_step_rows(rows, decode_batch_sizes(self.session.plan.batch))

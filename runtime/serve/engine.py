@@ -1,8 +1,10 @@
 """The engine: one thread owns the model (TVM and the KV caches are not thread-safe) and runs the steps.
 
 Each step: take new requests and cancellations from the inbox; admit what the scheduler lets in (a free slot
-and the pages), prefill each new request in its slot and sample its first token; then one batched decode
-step for every running request; sample each row with the request's own Sampler; send each request its
+and the pages), prefill the new requests in their slots, together (BatchModel.prefill_many: their chunks share
+the CPU stage's block calls, so the last of several does not wait for the others' prefills one by one; each
+one's logits as its prefill alone), and sample each one's first token; then one batched decode step for every
+running request; sample each row with the request's own Sampler; send each request its
 CompletionChunk through its sink (a callable, called on the engine thread: the server hands it to its event
 loop). A request ends at EOS (generation_config.json's, else the model spec's), a stop string, max_tokens,
 or cancellation (a client that went away): its slot's pages go back at once.
@@ -41,7 +43,8 @@ class _Running:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, eos_ids, metrics=None, pool_pages: int | None = None):
+    def __init__(self, model, tokenizer, eos_ids, metrics=None, pool_pages: int | None = None,
+                 batch_prefill: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.eos = frozenset(int(t) for t in eos_ids)
@@ -52,6 +55,7 @@ class Engine:
         self._running: dict[str, _Running] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.batch_prefill = batch_prefill                       # False: newcomers' prefills one after another
         self.steps = 0
         self.decode_rows = 0                                     # sequences decoded, summed over steps
 
@@ -87,20 +91,14 @@ class Engine:
     def step(self, block: bool = False) -> None:
         """One scheduling step (the thread's loop, or a caller driving the engine itself, e.g. helmc chat)."""
         self._drain(block and self.scheduler.idle)
+        new = []
         for req, slot in self.scheduler.admit():
             sink, t_submit = self._sinks.pop(req.request_id)
             r = _Running(req, slot, sink, Sampler(req.params, req.prompt_ids),
                          StopText(self.tokenizer, req.params.stop), t_submit)
             self._running[req.request_id] = r
-            try:
-                logits = self.model.prefill(slot, list(req.prompt_ids))
-            except HelmcError as e:
-                self._finish(req.request_id, "error", error=str(e))
-                continue
-            r.t_first = time.perf_counter()
-            if self.metrics:
-                self.metrics.ttft.observe(r.t_first - r.t_submit)
-            self._accept(r, r.sampler(logits))
+            new.append(r)
+        self._prefill(new)
         batch = list(self._running.values())
         if self.metrics:
             self.metrics.queue.set(len(self.scheduler.waiting))
@@ -112,6 +110,33 @@ class Engine:
         self.decode_rows += len(batch)
         for r, row in zip(batch, logits):
             self._accept(r, r.sampler(row))
+
+    def _prefill(self, new: list[_Running]) -> None:
+        """Prompts of the newly admitted requests into their slots, then each one's first token. A batched prefill
+        that fails (one request's error) is undone and retried one request at a time, so only that one fails."""
+        if len(new) > 1 and self.batch_prefill:
+            try:
+                logits = self.model.prefill_many([(r.slot, list(r.req.prompt_ids)) for r in new])
+            except HelmcError:
+                for r in new:
+                    self.model.free(r.slot)
+            else:
+                for r, row in zip(new, logits):
+                    self._first(r, row)
+                return
+        for r in new:
+            try:
+                logits = self.model.prefill(r.slot, list(r.req.prompt_ids))
+            except HelmcError as e:
+                self._finish(r.req.request_id, "error", error=str(e))
+                continue
+            self._first(r, logits)
+
+    def _first(self, r: _Running, logits) -> None:
+        r.t_first = time.perf_counter()
+        if self.metrics:
+            self.metrics.ttft.observe(r.t_first - r.t_submit)
+        self._accept(r, r.sampler(logits))
 
     def _drain(self, block: bool) -> None:
         while True:

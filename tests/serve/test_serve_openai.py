@@ -143,6 +143,56 @@ def test_batched_decode_equals_single_requests(session):
             m.free(b)
 
 
+
+def test_prompts_prefilled_together_equal_single_requests(session):
+    """BatchModel.prefill_many (issue 19): 8 prompts at once, cut into chunks of 16 rows that share steps (several
+    prompts per step, a prompt over several steps, one-row chunks as one batched decode step), then decoded
+    together: every logit bit-identical to each prompt's single-request run. Then the engine with 8 requests
+    submitted at once prefills them in one call, and each response equals its greedy reference."""
+    from helmc.runtime.sampling import SamplingParams
+    from helmc.runtime.serve.batch_model import BatchModel
+    from helmc.runtime.serve.engine import Engine
+    from helmc.runtime.serve.protocol import Request
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 500, size=n)] for n in (3, 9, 1, 17, 5, 30, 2, 11)]
+    steps = 6
+    m = BatchModel(session, MAX_BATCH)
+    m.chunk = 16          # the single prefill's chunks too: 17 -> 16 + 1, 30 -> 16 + 14
+    singles = []          # each request alone, as the engine runs one: prefill, then one-row decode steps
+    for p in prompts:
+        rows = [m.prefill(0, p)]
+        for _ in range(steps - 1):
+            rows.append(m.decode([0], [int(np.argmax(rows[-1]))])[0])
+        singles.append(np.stack(rows))
+        m.free(0)
+    calls = []
+    for kind in ("_prefill_rows", "_decode_rows"):
+        run = getattr(m, kind)
+        setattr(m, kind, lambda slots, ids, run=run: calls.append([len(r) for r in ids]) or run(slots, ids))
+    logits = [[row] for row in m.prefill_many(list(enumerate(prompts)))]
+    assert [3, 9] in calls and [16] in calls and [14, 2] in calls and [1, 1] in calls, calls   # each kind of step
+    for _ in range(steps - 1):
+        for b, row in enumerate(m.decode(list(range(8)), [int(np.argmax(lg[-1])) for lg in logits])):
+            logits[b].append(row)
+    for b in range(8):
+        got = np.stack(logits[b])
+        same = got.view(np.uint32) == singles[b].view(np.uint32)
+        assert same.all(), f"request {b} ({len(prompts[b])} tokens): logits differ first at step {(~same).any(1).argmax()}"
+        m.free(b)
+    del m._prefill_rows, m._decode_rows
+    eng = Engine(m, session.tokenizer, session.spec.eos_token_ids)
+    batched, done = [], {}
+    prefill_many, m.prefill_many = m.prefill_many, lambda items: batched.append(len(items)) or prefill_many(items)
+    for b, p in enumerate(prompts):
+        eng.submit(Request(f"r{b}", tuple(p), SamplingParams(max_tokens=steps, ignore_eos=True)),
+                   lambda c, b=b: done.setdefault(b, []).extend(c.token_ids))
+    while len(eng._running) or eng.scheduler.waiting or not done:
+        eng.step()
+    assert batched == [8], batched                                            # one prefill for all eight
+    for b in range(8):
+        assert done[b] == list(singles[b].argmax(1)), f"request {b}: tokens differ from its single run"
+    assert m.pages_in_use() == 0
+
 def test_max_batch_over_the_plan_is_refused(bundle):
     r = cli("serve", bundle, "--max-batch", str(MAX_BATCH + 1), "--port", "0", timeout=120)
     assert r.returncode == 2
