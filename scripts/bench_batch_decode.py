@@ -91,9 +91,12 @@ def bench_gemv(types: list[str], rounds: int) -> dict:
             times = timed_rounds(passes, rounds)
             case = {"type": qtype, "shape": [n, k], "dram": _stat(times["dram"], read_n * 4)}
             case.update({f"m{m}": _stat([t / copies for t in times[m]], nbytes) for m in ROWS})
+            for m in ROWS:       # the m-row call's time over the one-row call's (weight bytes are the same)
+                case[f"m{m}"]["time_over_m1"] = round(case[f"m{m}"]["ms"] / case["m1"]["ms"], 3)
             out["cases"].append(case)
             print(f"{qtype:8s} {n:>5d}x{k:<5d} DRAM {case['dram']['gbs']:6.1f} GB/s | " + " | ".join(
-                f"m={m} {case[f'm{m}']['gbs']:6.1f} GB/s" for m in ROWS), flush=True)
+                f"m={m} {case[f'm{m}']['gbs']:6.1f} GB/s ({case[f'm{m}']['time_over_m1']:.2f}x)" for m in ROWS),
+                flush=True)
     return out
 
 

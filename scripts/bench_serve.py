@@ -4,11 +4,19 @@
         [--llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf model.gguf --ngl 16]
 
 The engine runs in this process (no HTTP: what is measured is the model's batched step). Each of N random
-prompts first runs alone (decode tok/s at 1), then all N run at once (total decode tok/s at N: every
-sequence's tokens after its first, per second from the last first token to the end); greedy with EOS ignored,
-so every request makes exactly --new-tokens tokens, and each request's tokens at N must equal its tokens alone.
-The bundle's plan must be made for N (`helmc build ... --max-batch N`). llama-batched-bench runs with
--npp/-ntg the same and -npl 1,N; `serve_decode_ratio_vs_llamacpp` is ours at N over its S_TG at N.
+prompts first runs alone (decode tok/s at 1), then all N run at once; greedy with EOS ignored, so every request
+makes exactly --new-tokens tokens, and each request's tokens at N must equal its tokens alone. The bundle's plan
+must be made for N (`helmc build ... --max-batch N`). llama-batched-bench runs with -npp/-ntg the same and
+-npl 1,N. The figures at N, each named for what it divides:
+  decode_steps_tok_s_at_N      tokens made in the engine steps where all N sequences decoded and no prompt was
+                               prefilled, over those steps' time: llama-batched-bench's S_TG (B*TG / T_TG, its
+                               T_TG the time of the TG steps that decode all B sequences, the prompts' T_PP apart,
+                               tools/batched-bench/batched-bench.cpp). serve_decode_ratio_vs_llamacpp is this over
+                               its S_TG at N: the like-for-like ratio.
+  decode_tok_s_total_at_N      every sequence's tokens after its first, from the last first token to the last token
+                               (all prefills done; the figure earlier runs reported).
+  end_to_end_tok_s_at_N        all N x --new-tokens tokens from the submission to the last token, prefills included;
+                               serve_end_to_end_ratio_vs_llamacpp is this over llama's B*TG / (T_PP + T_TG).
 """
 from __future__ import annotations
 
@@ -23,8 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_requests(engine, prompts, new_tokens: int, tag: str) -> list[dict]:
-    """Submit every prompt at once and drive the engine until all finish; per request its tokens and times."""
+def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None = None) -> list[dict]:
+    """Submit every prompt at once and drive the engine until all finish; per request its tokens and times. Each
+    engine step's seconds, sequences decoded and prompts prefilled go to `steps` when given."""
     from helmc.runtime.sampling import SamplingParams
     from helmc.runtime.serve.protocol import Request
     out = []
@@ -39,7 +48,11 @@ def run_requests(engine, prompts, new_tokens: int, tag: str) -> list[dict]:
         engine.submit(Request(f"{tag}-{i}", tuple(p), SamplingParams(max_tokens=new_tokens, ignore_eos=True)), sink)
         out.append(rec)
     while any(r["done"] is None for r in out):
+        rows, firsts, t = engine.decode_rows, sum(bool(r["stamps"]) for r in out), time.perf_counter()
         engine.step()
+        if steps is not None:
+            steps.append({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
+                          "prefilled": sum(bool(r["stamps"]) for r in out) - firsts})
     bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
     if bad:
         raise RuntimeError(f"bench_serve: a request ended early: {bad[0]}")
@@ -52,6 +65,17 @@ def decode_rate(recs: list[dict]) -> float:
     t1 = max(r["stamps"][-1] for r in recs)
     n = sum(sum(1 for s in r["stamps"] if s > t0) for r in recs)
     return n / (t1 - t0) if t1 > t0 else 0.0
+
+
+def decode_steps_rate(steps: list[dict], n: int) -> float:
+    """Tokens per second of the steps in which all n sequences decoded and no prompt was prefilled (S_TG's)."""
+    pure = [s for s in steps if s["decoded"] == n and not s["prefilled"]]
+    return sum(s["decoded"] for s in pure) / sum(s["s"] for s in pure) if pure else 0.0
+
+
+def end_to_end_rate(recs: list[dict]) -> float:
+    """All sequences' tokens per second from the first submission to the last token."""
+    return sum(len(r["tokens"]) for r in recs) / (max(r["stamps"][-1] for r in recs) - min(r["t_submit"] for r in recs))
 
 
 def main(argv=None) -> int:
@@ -82,15 +106,20 @@ def main(argv=None) -> int:
     run_requests(engine, prompts[:1], 8, "warm")                     # first-call costs out of the timings
     singles = [run_requests(engine, [p], a.new_tokens, f"one{i}")[0] for i, p in enumerate(prompts)]
     rate1 = [decode_rate([r]) for r in singles]
-    together = run_requests(engine, prompts, a.new_tokens, "all")
-    rate_n = decode_rate(together)
+    steps: list[dict] = []
+    together = run_requests(engine, prompts, a.new_tokens, "all", steps)
+    rate_n, steps_n, e2e_n = decode_rate(together), decode_steps_rate(steps, a.concurrency), end_to_end_rate(together)
     equal = [s["tokens"] == b["tokens"] for s, b in zip(singles, together)]
     first_diff = [next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y), None)
                   for s, b in zip(singles, together)]
     report = {"bundle": os.path.abspath(a.bundle), "concurrency": a.concurrency, "prompt_len": a.prompt_len,
               "new_tokens": a.new_tokens, "decode_tok_s_at_1": float(np.median(rate1)),
+              f"decode_steps_tok_s_at_{a.concurrency}": steps_n,
               f"decode_tok_s_total_at_{a.concurrency}": rate_n,
-              "batch_speedup": rate_n / float(np.median(rate1)) if rate1 else None,
+              f"end_to_end_tok_s_at_{a.concurrency}": e2e_n,
+              f"decode_steps_at_{a.concurrency}": sum(1 for s in steps if s["decoded"] == a.concurrency
+                                                      and not s["prefilled"]),
+              "batch_speedup": steps_n / float(np.median(rate1)) if rate1 else None,
               "tokens_equal_single": sum(equal), "tokens_first_difference": first_diff,
               "ttft_ms_at_n": [1000 * (r["stamps"][0] - r["t_submit"]) for r in together]}
     if a.llama_batched_bench:
@@ -98,7 +127,11 @@ def main(argv=None) -> int:
         lc = llama_batched_bench(a.llama_batched_bench, a.gguf, a.ngl, a.prompt_len, a.new_tokens,
                                  (1, a.concurrency), a.threads)
         report["llamacpp"] = lc
-        report["serve_decode_ratio_vs_llamacpp"] = rate_n / lc["by_batch"][a.concurrency]["decode_tok_s"]
+        at_n = lc["by_batch"][a.concurrency]
+        report["serve_decode_ratio_vs_llamacpp"] = steps_n / at_n["decode_tok_s"]          # S_TG against S_TG
+        report["serve_decode_total_ratio_vs_llamacpp"] = rate_n / at_n["decode_tok_s"]
+        report["serve_end_to_end_ratio_vs_llamacpp"] = e2e_n / (
+            a.concurrency * at_n["tg"] / (at_n["t_pp_s"] + at_n["t_tg_s"]))
         report["serve_decode_ratio_vs_llamacpp_at_1"] = report["decode_tok_s_at_1"] / lc["by_batch"][1]["decode_tok_s"]
     text = json.dumps(report, indent=2)
     print(text)
