@@ -5,7 +5,9 @@ read closest to DRAM on every core (issue 15's >= 80% bar), beside helmc's strea
   python experiments/quant_gemv_variants.py --build-only DIR --hardware hw.json    # here, with the compiler
   python experiments/quant_gemv_variants.py --run-only DIR                         # there: tvm.runtime only
 Each variant is timed over weight copies of >= 4x L3 (12288 x 4096, the gate/up shape), best of --rounds passes,
-interleaved with the stream read; prints GB/s of quantized bytes and the ratio to the read.
+interleaved with the stream read; prints GB/s of quantized bytes and the ratio to the read, and each type's fp32-lane
+kernel (gemv_quant.make_gemv_quant_float) as the baseline. Q4_0 runs its fp32-lane kernel at each tuning (session 11,
+call F: an int8 Q4_0 kernel, two blocks per vpdpbusd, read 50-62 GB/s against this kernel's 53-60, so it was dropped).
 """
 from __future__ import annotations
 
@@ -20,26 +22,33 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_cpu_gemv import built_only, experiment_parser, target_features  # noqa: E402
 
 N, K = 12288, 4096
-VARIANTS = [(rows, prefetch) for rows in (4, 8, 12) for prefetch in (0, 1024, 2048, 4096)]
+QTYPES = ("q4_k", "q6_k", "q4_0")
+VARIANTS = {"q4_k": [(8, 1024), (8, 2048), (12, 1024)], "q6_k": [(4, 1024), (8, 1024)],
+            "q4_0": [(rows, prefetch) for rows in (4, 8) for prefetch in (1024, 2048)]}
 
 
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
     import tvm
     from helmc.compiler.passes.schedule_cpu_stage import llvm_target
-    from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, quant_row_bytes
+    from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, make_gemv_quant_float, quant_row_bytes
     from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
     isa = select_isa(features)
     funcs, kernels = {}, []
-    for qtype in ("q4_k", "q6_k"):
-        for rows, prefetch in VARIANTS:
+    for qtype in QTYPES:
+        for rows, prefetch in VARIANTS[qtype]:
             name = f"v_{qtype}_r{rows}_p{prefetch}"
             funcs[name] = make_gemv_quant(qtype, N, K, isa, QuantGemvTuning(rows=rows, prefetch_bytes=prefetch)
                                           ).with_attr("global_symbol", name)
             kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch,
                             "row_bytes": quant_row_bytes(qtype, K)})
+        # The fp32-lane kernel at its default tuning, the baseline the integer one must beat.
+        name = f"v_{qtype}_float"
+        funcs[name] = make_gemv_quant_float(qtype, N, K, isa).with_attr("global_symbol", name)
+        kernels.append({"name": name, "qtype": qtype, "rows": 4, "prefetch": 2048, "float": True,
+                        "row_bytes": quant_row_bytes(qtype, K)})
     elements = stream_read_elements(4 * l3, isa)
     funcs["helmc_stream_read"] = make_stream_read(elements, isa)
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
@@ -66,14 +75,14 @@ def run(out_dir: str, rounds: int) -> None:
     x = tvm.runtime.tensor(rng.standard_normal((1, K)).astype(np.float32))
     y = tvm.runtime.tensor(np.zeros((1, N), np.float32))
     results = []
-    for qtype in ("q4_k", "q6_k"):
+    for qtype in QTYPES:
         row = next(k["row_bytes"] for k in meta["kernels"] if k["qtype"] == qtype)
         copies = -(-4 * meta["l3"] // (N * row))
         ws = [tvm.runtime.tensor(rng.integers(0, 256, (N, row), dtype=np.uint8)) for _ in range(copies)]
         for w in ws:                                   # fp16 fields: finite scales (random bytes may be NaN / inf)
             a = w.numpy()
-            fields = (0, 2) if qtype == "q4_k" else (208,)
-            blocks = a.reshape(N, -1, 144 if qtype == "q4_k" else 210)
+            fields = {"q4_k": (0, 2), "q6_k": (208,), "q4_0": (0,)}[qtype]
+            blocks = a.reshape(N, -1, {"q4_k": 144, "q6_k": 210, "q4_0": 18}[qtype])
             for at in fields:
                 blocks[:, :, at:at + 2] = np.array([1e-3], np.float16).view(np.uint8)[None, None, :]
             w.copyfrom(a)

@@ -209,7 +209,8 @@ def test_profile_negative_synthetic_delta_is_clamped():
     from helmc.hardware.profile import HardwareProfile
     from helmc.planner.calibrate import clamp_negative_deltas
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    hw = HardwareProfile.load(os.path.join(root, "artifacts", "profiles", "h100-sxm-profiled-s11.json"))
+    hw = HardwareProfile.load(os.path.join(root, "artifacts", "bench", "device-2026-11-25-s11", "callA", "profile",
+                                           "hardware.json"))
     assert hw.cpu.block_overhead_ms < 0 < hw.gpu.block_overhead_ms
     out = clamp_negative_deltas(hw)
     assert out.cpu.block_overhead_ms == 0.0 and out.gpu.block_overhead_ms == hw.gpu.block_overhead_ms
