@@ -8,14 +8,14 @@ Why this shape of loop (thesis 4.1.5: the CPU stage is only worth having at the 
 - batch invariance (issue 19: a batched decode step must give each sequence the bits its single decode gives):
   every token's y[t, n] is summed the same way whatever m is -- lane v of the `chunk` accumulates
   x[t, k] * W[n, k] for k = v mod chunk in K order, the lanes are added 0..chunk-1, then the K tail in order --
-  so `chunk` is the same for every m and only rows per step and tokens per pass (`group`) change with m.
-  Tokens beyond a pass's `group` (the accumulators must stay in registers) run in further passes over the
-  same rows, which then come from L1/L2; every weight byte still comes from DRAM once per call.
+  so `chunk` is the same for every m. One token streams rows as above (row_block); m > 1 tokens take blocks of
+  rows over K tiles of x (TiledRows, below), so that x is read from L1 rather than L2 by every row.
 - weights widened to fp32 in registers (weight_load.widen), accumulation in fp32 throughout.
 - K % chunk leftovers go through a scalar tail loop, so any K is exact.
 - each K step software-prefetches every row PREFETCH_STEPS steps ahead (then the next rows), so DRAM
   requests keep running across 4 KiB page ends, where the hardware prefetchers stop (see PREFETCH_STEPS).
-x (m x K fp32) is re-read for every row and stays in L1/L2; only W comes from DRAM.
+x is re-read for every row and stays in L1 (m = 1: 16 KiB at K = 4096) or, by tiles, in L1 (m > 1); only W comes
+from DRAM.
 """
 from __future__ import annotations
 
@@ -36,21 +36,19 @@ GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symb
 PREFETCH_STEPS = 16
 
 
-# Weight rows per step when m > 1; 0: gemv_blocking's choice (benchmarks may set it, --batch-rows).
+# Weight rows per row group of the m > 1 kernel (tiled_blocking); 0: its choice (benchmarks may set it,
+# bench_batch_decode --batch-rows).
 BATCH_ROWS = 0
 
 
 def gemv_blocking(isa: VectorIsa, m: int) -> tuple[int, int, int]:
-    """(weight rows per step, fp32 elements per row per step, tokens per pass over the step's rows).
+    """(weight rows per step, fp32 elements per row per step, tokens per pass over the step's rows) of the
+    row-streaming kernel (row_block), which the m = 1 GEMVs use (m > 1: tiled_blocking).
 
     Several weight rows per step means several independent DRAM streams per thread and fewer horizontal
     sums; measured on the 2-core EPYC (AVX2, shared machine, best of 10 interleaved passes), 4 rows x 2
-    vectors ran 15-17 GB/s where 1 row x 4 vectors ran 11-13 GB/s. The chunk is 2 vectors for every m (batch
-    invariance, see the module docstring); the group x rows x 2 accumulators must stay in registers next to
-    the widened weights and x, so at most half the vector registers hold accumulators, and more tokens get
-    fewer rows per pass or more passes: up to 4 rows while one pass holds every token, at least 2 (measured on
-    the 2-core EPYC, AVX-512, 4096 x 12288 fp16: m = 2 read 39 GB/s with 4 rows against 34 with 2; m = 4..8
-    the same with 2 or 4 rows, 1 row half as fast at m = 8).
+    vectors ran 15-17 GB/s where 1 row x 4 vectors ran 11-13 GB/s. For m > 1 (what row_block still supports),
+    the group x rows x 2 accumulators stay in half the vector registers: fewer rows per pass or more passes.
     """
     chunk = 2 * isa.fp32_lanes
     if m == 1:
@@ -178,8 +176,12 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
 
 # m > 1 (issue 19): the tiled kernel. Why tiles: at m = 8 one step of the row-streaming loop above reads
 # m x chunk fp32 of x per chunk of 16-bit weights per row, and m rows of x (8 x 16 KiB at K = 4096, 384 KiB at
-# K = 12288) do not fit in L1, so x came from L2 at 8x the weight bytes (2 rows per step) and its misses took the
-# L1 fill buffers the weight stream needs: the 8-row call ran 2.5-3x the 1-row time on the 2-core EPYC.
+# K = 12288) do not fit in L1, so x came from L2 at 8x the weight bytes (2 rows per step, 2 passes) and its misses
+# took the L1 fill buffers the weight stream needs. Measured on the 2-core EPYC, one thread, Qwen3-8B shapes
+# (scripts/bench_cpu_gemv.py --m 1,2,4,8 --threads 1, artifacts/bench/2026-11-25-issue19-2core-gemv.md): the
+# row-streaming 8-row call took 2.3-2.5x the 1-row time, this one 1.7-1.8x; there the 8 FMAs per weight are the
+# limit (from L2 the 8-row kernel runs 5.0 G zmm FMAs/s, 20 GB/s of fp16: DRAM gives it 17), where the GPU
+# machine's Xeon cores need ~1.8 G/s each for 8 rows at 113 GB/s.
 # A parallel step takes a block of TILE_BLOCK_ROWS rows and walks K in tiles of about X_TILE_BYTES of x
 # (all m tokens): for each tile, every row group of the block runs over it, so the x tile is read from L2 once
 # per block and from L1 by every row. The accumulators of the block's rows (block rows x m x chunk fp32) live in
@@ -188,6 +190,10 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
 # K tail in order: every token's sum is the m = 1 kernel's, bit for bit.
 # Software prefetch: each row's line of the next tile (one block tile ahead), or, in the last tile, the same
 # row of the next block (wnext/first_next: for the SwiGLU's gate rows the block's up rows).
+# The prefetch's lead is one block tile (block rows x tile x 2 bytes: 8 KiB at m = 8), and it matters: on the
+# 2-core EPYC (one thread, 12288 x 4096 fp16, m = 8) 8 KiB tiles (4 KiB lead) read 10.3 GB/s, 16 KiB 17.2, 32 KiB
+# 17.3; 4 rows per block 12.9, 16 rows 16.5; no prefetch 8.4. Prefetching into L2 (locality 2) instead came out
+# within -8..+7% of into L1 at m = 2, 4, 8 on two shapes (no consistent sign), so the m = 1 kernel's L1 stays.
 X_TILE_BYTES = 16384   # x bytes per tile (m tokens x tile K x 4): a third of a 48 KiB L1
 TILE_BLOCK_ROWS = 8    # weight rows per parallel step; x's L2 reads are 2m / 8 of the weight bytes at fp16
 TILE_PREFETCH_LOCALITY = 3   # llvm.prefetch locality of the tiled kernel (3: into L1), 0: no prefetch
@@ -208,7 +214,7 @@ def tiled_blocking(isa: VectorIsa, m: int, k: int) -> TiledBlocking:
     where one row's tokens do not fit (AVX2 at m > 4)."""
     chunk = 2 * isa.fp32_lanes
     budget = isa.vector_registers // 2
-    rows = max(1, min(4, budget // (2 * m)))
+    rows = min(BATCH_ROWS, budget // 2) if BATCH_ROWS else max(1, min(4, budget // (2 * m)))
     passes = -(-m // max(1, budget // (2 * rows)))
     tile_steps = balanced_tile(k // chunk, X_TILE_BYTES // (m * chunk * 4))
     block_rows = -(-TILE_BLOCK_ROWS // rows) * rows
