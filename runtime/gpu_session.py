@@ -217,6 +217,34 @@ class GpuParts:
         return cp.asnumpy(self.tvm_to_cupy(logits))                              # [B, V] float32 back to the host
 
 
+    def finish_prefill(self, xs: list, coss: list, sins: list, gpu_caches) -> list[np.ndarray]:
+        """After the streamed prefill of several prompts (BatchModel._prefill_streamed, on this stream): each
+        prompt's x [S_b, H] (host, fp16) through the GPU stage on its own cache gpu_caches[b], chunk by chunk as
+        _forward runs one prompt, then the head on the last rows (one: the decode head, as _forward; several:
+        the batched decode variant, each row as the one-row head). Logits [V] per prompt, on the host."""
+        import cupy as cp
+        to_tvm, last = self.cupy_to_tvm, []
+        for b, (x, cos, sin) in enumerate(zip(xs, coss, sins)):
+            S, xg = x.shape[0], None
+            step = self.chunk or S
+            for c0 in range(0, S, step):
+                c1 = min(S, c0 + step)
+                xg = cp.asarray(np.ascontiguousarray(x[c0:c1], self.act_dtype))     # the host-to-device crossing
+                if self.stage is not None:
+                    xg = self.tvm_to_cupy(self.stage.forward_batch(
+                        to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos[c0:c1]))),
+                        to_tvm(cp.asarray(np.ascontiguousarray(sin[c0:c1]))), [gpu_caches[b]], [c1 - c0]))
+            last.append(xg[-1:])                                                     # [n, H] -> [1, H]
+        if len(last) == 1:
+            logits = self.head_fns["decode"](to_tvm(cp.ascontiguousarray(last[0])), *self.head_weights)
+            return list(cp.asnumpy(self.tvm_to_cupy(logits)))                        # [1, V] -> [V]
+        sizes = sorted(int(p[len("decode_b"):]) for p in self.head_fns if p.startswith("decode_b"))
+        padded = next(b for b in sizes if b >= len(last))
+        last.append(cp.zeros((padded - len(last), last[0].shape[1]), last[0].dtype))   # padding rows
+        logits = self.head_fns[batch_phase(padded)](to_tvm(cp.ascontiguousarray(cp.concatenate(last))),
+                                                    *self.head_weights)
+        return list(cp.asnumpy(self.tvm_to_cupy(logits)[:len(xs)]))                  # [padded, V] -> B x [V]
+
     def prefill_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
                       rows: list[int]) -> np.ndarray:
         """A step of BatchModel.prefill_many (several prompts' chunks, each of more than one row): the CPU stage on
@@ -303,7 +331,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
         # The loan the plan counted: the streamed prefill of a prompt of the plan's length.
-        loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), plan.batch * plan.prompt_len, spec)
+        loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
                 if plan.prefill_on_gpu else 0)
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the

@@ -148,48 +148,62 @@ class StreamedPrefill:
         self.bytes_streamed = 0
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
-    def buffer_bytes(self, S: int) -> int:
-        """VRAM one run() over S tokens needs (block arena + prompt buffers, each ARENA_ALIGN-aligned)."""
+    def buffer_bytes(self, S: "int | list[int]") -> int:
+        """VRAM one run() over S tokens (or run_sequences over prompts of S[b] tokens) needs: the block arena
+        and each prompt's buffers, each ARENA_ALIGN-aligned."""
         return streamed_prefill_bytes(self.arena_bytes, S, self.spec)
 
     @property
     def arena_bytes(self) -> int:
         return max(a.nbytes for a in self.arenas)
 
-    def _buffer_sizes(self, S: int) -> tuple[int, ...]:
-        return (self.arena_bytes,
-                *prompt_buffer_sizes(S, self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim))
-
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [S, H], cos/sin [S, D] on the host -> x after every CPU block, [S, H] fp16 on the host;
         K, V land in the CPU KV cache. Returns to the host because the VRAM may be the KV pool's."""
+        return self.run_sequences([(x, cos, sin)], [self.cpu_kv], self.lend)[0]
+
+    def run_sequences(self, prompts: list, kvs: list, lend=None) -> list[np.ndarray]:
+        """Several new requests' prompts through the CPU blocks at once (runtime/serve/batch_model.py): prompts
+        [(x [S_b, H], cos/sin [S_b, D])] on the host, kvs[b] their (empty) CPU-stage KV caches. Each block's
+        weights cross PCIe once for all of them; within a block each prompt runs its own chunks on its own
+        buffers exactly as run() runs it alone, so its rows and K, V are bit-identical to that. lend(nbytes):
+        a flat uint8 VRAM buffer of nbytes or None (then allocated). -> x [S_b, H] fp16 on the host each."""
         cp = self.cp
-        if self.cpu_kv.length != 0:
-            raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {self.cpu_kv.length} tokens")
-        S = x.shape[0]
+        if len(prompts) != len(kvs) or not prompts:
+            raise HelmcError(f"streamed prefill: expected a KV cache per prompt, found {len(kvs)} for {len(prompts)}")
+        for kv in kvs:
+            if kv.length != 0:
+                raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {kv.length} tokens")
+        if len(prompts) > 1 and any(t == "gpu" for t, _ in self.kv_targets):
+            raise HelmcError("streamed prefill: hybrid decode's streamed blocks take one prompt at a time")
+        lengths = [x.shape[0] for x, _, _ in prompts]
         H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
-        total = self.buffer_bytes(S)
-        buf = self.lend(total) if self.lend is not None else None
+        total = self.buffer_bytes(lengths)
+        buf = lend(total) if lend is not None else None
         self.borrowed = buf is not None
         if buf is None:
             buf = cp.empty((total,), cp.uint8)
-        parts, off = [], 0
-        for n in self._buffer_sizes(S):
-            parts.append(buf[off:off + n])
-            off += aligned_bytes(n)
-        device, xb, kvb, cb, sb = parts
+        device, off = buf[:self.arena_bytes], aligned_bytes(self.arena_bytes)
+        seqs = []                        # per prompt: x, K/V scratch, cos, sin on the device
+        for (x, cos, sin), S in zip(prompts, lengths):
+            parts = []
+            for n in prompt_buffer_sizes(S, H, h_kv, d):
+                parts.append(buf[off:off + n])
+                off += aligned_bytes(n)
+            xb, kvb, cb, sb = parts
+            xg = xb.view(cp.float16).reshape(S, H)                          # [S*H*2 bytes] -> [S, H]
+            scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)          # this block's K, V of the whole prompt
+            cos_g = cb.view(cp.float32).reshape(S, d)                      # [S*d*4 bytes] -> [S, d]
+            sin_g = sb.view(cp.float32).reshape(S, d)                      # [S*d*4 bytes] -> [S, d]
+            xg.set(np.ascontiguousarray(x, np.float16))
+            cos_g.set(np.ascontiguousarray(cos, np.float32))
+            sin_g.set(np.ascontiguousarray(sin, np.float32))
+            seqs.append((xg, scratch, cos_g, sin_g))
         bindings = {}            # one per arena layout (type signature), all over the same device buffer
         for a in self.arenas:
             if a.slots not in bindings:
                 bindings[a.slots] = binding_of([self.to_tvm(v, "bfloat16" if sl.dtype == "bfloat16" else None)
                                               for sl, v in zip(a.slots, slot_views(device, a.slots))], self.spec)
-        xg = xb.view(cp.float16).reshape(S, H)                              # [S*H*2 bytes] -> [S, H]
-        scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)              # this block's K, V of the whole prompt
-        cos_g = cb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
-        sin_g = sb.view(cp.float32).reshape(S, d)                          # [S*d*4 bytes] -> [S, d]
-        xg.set(np.ascontiguousarray(x, np.float16))
-        cos_g.set(np.ascontiguousarray(cos, np.float32))
-        sin_g.set(np.ascontiguousarray(sin, np.float32))
         stream = cp.cuda.get_current_stream()
         for local, arena in enumerate(self.arenas):
             # Same stream as the kernels: the copy waits for the previous block's last reader of the arena.
@@ -197,18 +211,21 @@ class StreamedPrefill:
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             self.bytes_streamed += arena.nbytes
             fns = self.fns[self.spec.signature_index(arena.layer)]
-            for c0 in range(0, S, self.chunk):
-                c1 = min(S, c0 + self.chunk)
-                xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0, bindings[arena.slots], fns)
-            kv = scratch.get()                                              # [2, h_kv, S, d] fp16 on the host
             where, layer = self.kv_targets[local]
-            k_rows, v_rows = kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2)   # [h_kv,S,d] -> [S,h_kv,d]
-            if where == "cpu":
-                self.cpu_kv.append(layer, k_rows, v_rows)
-            else:
-                self.gpu_rows[layer] = (np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows))
-        self.cpu_kv.advance(S)
-        return xg.get()                                                     # synchronous: the loan ends here
+            for (xg, scratch, cos_g, sin_g), kv, S in zip(seqs, kvs, lengths):
+                for c0 in range(0, S, self.chunk):
+                    c1 = min(S, c0 + self.chunk)
+                    xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0,
+                                            bindings[arena.slots], fns)
+                rows = scratch.get()                                        # [2, h_kv, S, d] fp16 on the host
+                k_rows, v_rows = rows[0].transpose(1, 0, 2), rows[1].transpose(1, 0, 2)   # [h_kv,S,d] -> [S,h_kv,d]
+                if where == "cpu":
+                    kv.append(layer, k_rows, v_rows)
+                else:
+                    self.gpu_rows[layer] = (np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows))
+        for kv, S in zip(kvs, lengths):
+            kv.advance(S)
+        return [xg.get() for xg, _, _, _ in seqs]                          # synchronous: the loan ends here
 
     def take_gpu_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """The last run's K, V rows [S, h_kv, d] of the arenas whose target is the GPU cache, by its layer index
@@ -238,8 +255,11 @@ def aligned_bytes(n: int) -> int:
     return -(-n // ARENA_ALIGN) * ARENA_ALIGN
 
 
-def streamed_prefill_bytes(arena_bytes: int, prompt_tokens: int, spec: ModelSpec) -> int:
-    """VRAM a StreamedPrefill.run over `prompt_tokens` asks lend_empty_pool for: the block arena and the
-    prompt's buffers, each ARENA_ALIGN-aligned in the one buffer."""
-    sizes = (arena_bytes, *prompt_buffer_sizes(prompt_tokens, spec.hidden_size, spec.num_kv_heads, spec.head_dim))
-    return sum(aligned_bytes(n) for n in sizes)
+def streamed_prefill_bytes(arena_bytes: int, prompt_tokens: "int | list[int]", spec: ModelSpec) -> int:
+    """VRAM a StreamedPrefill run over one prompt of `prompt_tokens` (or prompts of prompt_tokens[b] tokens
+    each) asks its lender for: the block arena and each prompt's buffers, each ARENA_ALIGN-aligned in the one
+    buffer."""
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    return aligned_bytes(arena_bytes) + sum(
+        aligned_bytes(n) for S in lengths
+        for n in prompt_buffer_sizes(S, spec.hidden_size, spec.num_kv_heads, spec.head_dim))

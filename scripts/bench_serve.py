@@ -15,6 +15,8 @@ must be made for N (`helmc build ... --max-batch N`). llama-batched-bench runs w
                                its S_TG at N: the like-for-like ratio.
   decode_tok_s_total_at_N      every sequence's tokens after its first, from the last first token to the last token
                                (all prefills done; the figure earlier runs reported).
+  step_split_at_1 / _at_N      median ms of those pure decode steps, of their CPU-stage part and of its attention
+                               (the rest of a step: the GPU stage, the head, the crossing, the host's bookkeeping).
   end_to_end_tok_s_at_N        all N x --new-tokens tokens from the submission to the last token, prefills included;
                                serve_end_to_end_ratio_vs_llamacpp is this over llama's B*TG / (T_PP + T_TG).
 """
@@ -49,14 +51,51 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
         out.append(rec)
     while any(r["done"] is None for r in out):
         rows, firsts, t = engine.decode_rows, sum(bool(r["stamps"]) for r in out), time.perf_counter()
+        cpu, attn = CPU_STAGE_S[0], CPU_ATTN_S[0]
         engine.step()
         if steps is not None:
             steps.append({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
-                          "prefilled": sum(bool(r["stamps"]) for r in out) - firsts})
+                          "prefilled": sum(bool(r["stamps"]) for r in out) - firsts, "cpu_s": CPU_STAGE_S[0] - cpu,
+                          "attn_s": CPU_ATTN_S[0] - attn})
     bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
     if bad:
         raise RuntimeError(f"bench_serve: a request ended early: {bad[0]}")
     return out
+
+
+CPU_STAGE_S = [0.0]     # seconds spent in the CPU stage's forward_batch (time_cpu_stage)
+CPU_ATTN_S = [0.0]      # of which in its KV caches' attention
+
+
+def _timed(inner, acc: list):
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - t
+    return timed
+
+
+def time_cpu_stage(model) -> None:
+    """Count the CPU stage's share of each engine step and its attention's (both synchronous: the host computes
+    them), by wrapping the stage's forward_batch and every slot cache's attend."""
+    stage = model.session.cpu_stage
+    if stage is None:
+        return
+    stage.forward_batch = _timed(stage.forward_batch, CPU_STAGE_S)
+    for kv in model.cpu_caches or []:
+        kv.attend = _timed(kv.attend, CPU_ATTN_S)
+
+
+def step_split(steps: list[dict], n: int) -> dict:
+    """Median ms of the pure decode steps of n sequences, and of their CPU-stage part."""
+    pure = [s for s in steps if s["decoded"] == n and not s["prefilled"]]
+    if not pure:
+        return {}
+    return {"step_ms": 1000 * float(np.median([s["s"] for s in pure])),
+            "cpu_stage_ms": 1000 * float(np.median([s["cpu_s"] for s in pure])),
+            "cpu_attention_ms": 1000 * float(np.median([s["attn_s"] for s in pure]))}
 
 
 def decode_rate(recs: list[dict]) -> float:
@@ -100,11 +139,13 @@ def main(argv=None) -> int:
     engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False)
     print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {engine.model.session.plan.describe()}, "
           f"max batch {engine.model.max_batch}, context {engine.model.max_context}", file=sys.stderr)
+    time_cpu_stage(engine.model)
     rng = np.random.default_rng(a.seed)
     vocab = engine.model.spec.vocab_size
     prompts = [[int(x) for x in rng.integers(1, min(vocab, 32000), size=a.prompt_len)] for _ in range(a.concurrency)]
     run_requests(engine, prompts[:1], 8, "warm")                     # first-call costs out of the timings
-    singles = [run_requests(engine, [p], a.new_tokens, f"one{i}")[0] for i, p in enumerate(prompts)]
+    one_steps: list[dict] = []
+    singles = [run_requests(engine, [p], a.new_tokens, f"one{i}", one_steps)[0] for i, p in enumerate(prompts)]
     rate1 = [decode_rate([r]) for r in singles]
     steps: list[dict] = []
     together = run_requests(engine, prompts, a.new_tokens, "all", steps)
@@ -121,7 +162,14 @@ def main(argv=None) -> int:
                                                       and not s["prefilled"]),
               "batch_speedup": steps_n / float(np.median(rate1)) if rate1 else None,
               "tokens_equal_single": sum(equal), "tokens_first_difference": first_diff,
-              "ttft_ms_at_n": [1000 * (r["stamps"][0] - r["t_submit"]) for r in together]}
+              "ttft_ms_at_n": [1000 * (r["stamps"][0] - r["t_submit"]) for r in together],
+              "ttft_ms_at_1": [1000 * (r["stamps"][0] - r["t_submit"]) for r in singles],
+              "step_split_at_1": step_split(one_steps, 1),
+              f"step_split_at_{a.concurrency}": step_split(steps, a.concurrency)}
+    print(json.dumps(report, indent=2), file=sys.stderr)     # helmc's figures stand even if the peer fails
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps(report, indent=2) + "\n")
     if a.llama_batched_bench:
         from llamacpp_peer import llama_batched_bench
         lc = llama_batched_bench(a.llama_batched_bench, a.gguf, a.ngl, a.prompt_len, a.new_tokens,

@@ -279,8 +279,8 @@ def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1)
     chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
     each ARENA_ALIGN-aligned in the one buffer it asks for)."""
     from helmc.runtime.prefill_stream import aligned_bytes, prompt_buffer_sizes
-    sizes = prompt_buffer_sizes(batch * prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
-    return sum(aligned_bytes(n) for n in sizes)
+    sizes = prompt_buffer_sizes(prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
+    return batch * sum(aligned_bytes(n) for n in sizes)          # each prompt its own buffers
 
 
 def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:
@@ -323,7 +323,13 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
     lent = prefill_lent_bytes(a, cpu, gpu, w)
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
-    if gpu.blocks:
+    if gpu.blocks and B > 1 and lent:
+        # Serving: newcomers' prompts stream while the running sequences hold their pages, so the loan is VRAM
+        # of its own beside the pages (runtime/serve/batch_model.py carves it out of the pool); with offload
+        # each sequence's cache needs two pages (one resident, one being written).
+        floor = B * 2 * KV_PAGE_TOKENS * (gpu.kv_bytes_per_token + s.kv_bytes_per_token) if w.kv_offload else 0
+        gpu_kv = max(gpu_kv, floor) + lent
+    elif gpu.blocks:
         gpu_kv = max(gpu_kv, lent)            # the page pool doubles as the streamed prefill's buffers
     else:
         gpu_ws += lent                        # no page pool to borrow: the GPU holds only the head
@@ -348,8 +354,10 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if host_per_token:
         fit = (host0.available - host0.total) // host_per_token
     if gpu.units and not w.kv_offload and gpu_kv_tok:
-        # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits.
-        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv)) // (B * gpu_kv_tok)
+        # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits; serving (B > 1)
+        # holds the loan beside the pages (memory_needs).
+        beside = prefill_lent_bytes(a, cpu, gpu, w) if B > 1 and gpu.blocks else 0
+        gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv) - beside) // (B * gpu_kv_tok)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:
         return a.max_position_embeddings

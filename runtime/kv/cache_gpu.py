@@ -82,6 +82,7 @@ class KVCacheGPU:
                              staging_pages if offload else 0)
         # Bytes past the `capacity` slots hold no page: they are there only for lend_empty_pool.
         room = vram_bytes if vram_bytes is not None else fit * self.page_bytes
+        self.vram_budget = room          # what the pool may take (the store holds only the slots it needs)
         store_bytes = max(capacity * self.page_bytes, min(max(0, loan_bytes), room))
         self._store = allocate("kv", store_bytes, lambda: ops.device_empty((-(-store_bytes // 2),), np.float16),
                                "GPU page pool")

@@ -4,7 +4,9 @@ Each slot has its own cache object per stage (KVCacheCPU for the CPU blocks, KVC
 blocks), made like the session's own, so a cache never holds two sequences and the caches' internals stay
 as they are. A step runs the compiled position-wise block functions once on the rows of every sequence in it
 (Stage.forward_batch: each weight read once per step for all of them) and attention per sequence on its own
-slot's cache; the head runs on the last row of each sequence.
+slot's cache; the head runs on the last row of each sequence. With a plan whose prefill streams the CPU blocks
+to the GPU (plan.prefill_on_gpu), new requests' prompts go that way, together: each CPU block's weights cross
+PCIe once for all of them, into a loan of VRAM kept beside the slots' pages (the plan counts both).
 
     m = BatchModel(session, max_batch=4)
     logits = m.prefill(slot=2, ids=[...])          # [V]
@@ -37,17 +39,27 @@ class BatchModel:
                 raise HelmcError(f"--max-batch {max_batch}: a bundle with hybrid decode serves one sequence at a "
                                  "time (build it with `helmc build ... --no-hybrid` to batch)")
             self.cpu_caches = self.gpu_caches = None
-            self.page_tokens, self.chunk = session.gpu.stage.kv.T, 0
+            self.page_tokens, self.chunk, self.streamed = session.gpu.stage.kv.T, 0, None
             session.reset()
             return
         stage = session.cpu_stage
         self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
         gstage = getattr(session.gpu, "stage", None)
+        # The streamed prefill (plan.prefill_on_gpu: the CPU blocks' weights cross PCIe once per prompt and the GPU
+        # runs it) moves here, onto the slots' caches: newcomers' prompts stream together (prefill_many). It
+        # borrowed the session's empty page pool; with several slots the pool is rarely empty, so the loan the
+        # plan counted beside the pages (cost_model.memory_needs, batch > 1) becomes VRAM of its own.
+        self.streamed = session.gpu.streamed_prefill if session.gpu is not None else None
         if session.gpu is not None:
-            # Prompts run through Stage.forward_batch on each slot's caches; the streamed prefill works on the
-            # session's own CPU cache and borrows its GPU pool, so it goes (and its hold on that pool with it).
             session.gpu.streamed_prefill = None
-        self.gpu_caches = _gpu_caches(gstage, max_batch, kv_watermark) if gstage is not None else None
+        loan = self.streamed.buffer_bytes([session.plan.prompt_len] * session.plan.batch) if self.streamed else 0
+        # No GPU stage (only the head there): the plan counted the loan as workspace, allocated per prefill.
+        self._lend, self._loan_bytes = None, loan
+        self.gpu_caches = None
+        if gstage is not None:
+            self.gpu_caches, self._lend, self._loan_bytes = _gpu_caches(gstage, max_batch, kv_watermark, loan)
+            if self.streamed is not None and self._lend is None:
+                self.streamed = None      # no VRAM for the loan beside the pages: prompts run on the CPU stage
         self.page_tokens = (stage.kv.page_tokens if stage else gstage.kv.T)
         # The GPU stage takes a prompt this many rows at a time (the plan counted one chunk of activations).
         self.chunk = session.plan.prefill_chunk_tokens or (512 if session.gpu is not None else 0)
@@ -89,6 +101,8 @@ class BatchModel:
             raise HelmcError(f"prefill: slot {slot} expected empty, holds {self.length(slot)} tokens")
         if self.hybrid:
             return self.session.forward(list(ids))[-1]          # the streamed prefill, as Session.generate's
+        if self.streamed is not None and len(ids) > 1:
+            return self._prefill_streamed([(slot, ids)])[0]
         step = self.chunk or len(ids)
         for c0 in range(0, len(ids), step):     # one KV step per chunk: activations bounded by the chunk
             logits = self._step([slot], [ids[c0:c0 + step]])
@@ -112,6 +126,8 @@ class BatchModel:
         for slot, _ in items:
             if self.length(slot):
                 raise HelmcError(f"prefill: slot {slot} expected empty, holds {self.length(slot)} tokens")
+        if self.streamed is not None:
+            return self._prefill_many_streamed(items)
         cap = self.chunk or max([512] + [len(ids) for _, ids in items])
         step = self.chunk or cap
         pieces = [(i, slot, ids[c0:c0 + step], c0 + step >= len(ids))                  # (item, slot, rows, last)
@@ -132,6 +148,44 @@ class BatchModel:
             group.append(p)
         run(group)
         return out
+
+    def _prefill_many_streamed(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """prefill_many through the streamed prefill: the prompts of more than one token in groups whose buffers
+        fit the loan (each group streams the CPU blocks' weights once), one-token prompts as one batched decode
+        step, as prefill() runs them alone."""
+        out: list = [None] * len(items)
+        loan = self._loan_bytes
+        groups: list[list[int]] = []
+        for i, (_, ids) in enumerate(items):
+            if len(ids) == 1:
+                continue
+            if groups and self.streamed.buffer_bytes([len(items[j][1]) for j in groups[-1]] + [len(ids)]) <= loan:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for g in groups:
+            for i, row in zip(g, self._prefill_streamed([items[i] for i in g])):
+                out[i] = row
+        ones = [i for i, (_, ids) in enumerate(items) if len(ids) == 1]
+        if ones:
+            rows = self._decode_rows([items[i][0] for i in ones], [items[i][1] for i in ones])
+            for i, row in zip(ones, rows):
+                out[i] = row
+        return out
+
+    def _prefill_streamed(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Prompts (slot, ids), each of more than one token, into their empty slots: the CPU blocks through the
+        streamed prefill (StreamedPrefill.run_sequences: each block's weights cross once for all of them, each
+        prompt's rows as it alone would form them), then the GPU stage and head per sequence
+        (GpuParts.finish_prefill). Each prompt's logits [V] are bit-identical whatever else is in the group."""
+        inputs = [self._inputs([slot], [ids]) for slot, ids in items]             # (x [S, H], cos, sin [S, D])
+        slots = [slot for slot, _ in items]
+        gpu = self.session.gpu
+        from helmc.runtime.cuda_runtime import tvm_stream
+        with gpu.stream, tvm_stream(gpu.stream):
+            xs = self.streamed.run_sequences(inputs, [self.cpu_caches[s] for s in slots], self._lend)
+            return gpu.finish_prefill(xs, [c for _, c, _ in inputs], [s for _, _, s in inputs],
+                                      [self.gpu_caches[s] for s in slots] if self.gpu_caches else None)
 
     def _decode_rows(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
         return self.decode(slots, [r[0] for r in ids]) if len(slots) > 1 else self._step(slots, ids)
@@ -214,18 +268,26 @@ def _cpu_cache_like(stage):
                                                        spec.head_dim, spec.dtype) if kv.uses_kernel else None)
 
 
-def _gpu_caches(stage, max_batch: int, watermark: float) -> list:
-    """max_batch KVCacheGPUs sharing the VRAM of the stage's own page pool (each a 1/max_batch share): the
-    session's cache is dropped first so its pool's memory goes back to CuPy's allocator for theirs."""
+def _gpu_caches(stage, max_batch: int, watermark: float, loan: int = 0):
+    """(max_batch KVCacheGPUs, lend, the loan's bytes): the caches share the VRAM budget of the stage's own page pool, each a
+    1/max_batch share of what the streamed prefill's loan leaves (the session's cache is dropped first so its
+    pool's memory goes back to CuPy's allocator for theirs); lend(nbytes) hands out the loan's buffer (None
+    when it is smaller, or when no loan is asked or the pages would not fit beside it). One slot: the
+    session's own cache, whose empty pool is lent as Session.generate's prefill borrows it."""
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     kv = stage.kv
     if max_batch == 1:
-        return [kv]
-    vram, ops = kv._store.nbytes, kv.ops
+        return [kv], (kv.lend_empty_pool if loan else None), (kv._store.nbytes if loan else 0)
+    vram, ops = max(kv.vram_budget, kv._store.nbytes), kv.ops
     args = dict(num_layers=kv.L, num_kv_heads=kv.h_kv, head_dim=kv.d, page_tokens=kv.T, max_tokens=kv.max_tokens,
                 watermark=watermark, offload=kv.offload, sliding_window=kv.window or None, ops=ops)
+    pages_each = (vram - loan) // max_batch // kv.page_bytes if loan else 0
+    if loan and pages_each < (2 if kv.offload else -(-kv.max_tokens // kv.T)):
+        loan = 0                 # the pages first: no room for the loan beside them
     stage.kv = None
     del kv
-    caches = [KVCacheGPU(vram_bytes=vram // max_batch, **args) for _ in range(max_batch)]
+    buf = ops.device_empty((loan,), np.uint8) if loan else None
+    caches = [KVCacheGPU(vram_bytes=(vram - loan) // max_batch, **args) for _ in range(max_batch)]
     stage.kv = caches[0]
-    return caches
+    lend = (lambda nbytes: buf[:nbytes] if nbytes <= buf.size else None) if buf is not None else None
+    return caches, lend, loan

@@ -7,7 +7,8 @@ One tiny random-weight Qwen3 (hidden 256, ffn 512: whole K-quant blocks; helmc.t
 the fp16 one quantized at build to q4_k_m and q8_0; each built for the GPU test machine's profile (default
 artifacts/profiles/h100-sxm-measured.json, sm_90) with --max-batch 4 (so decode_b2 / decode_b4 variants), weights
 copied in, and the split forced to cpu(2) -> cuda(rest): block 0 on the CPU, the others and the head on the GPU,
-so a batched decode step crosses both stages. Writes DIR/<name>/bundle for name in fp16, bf16, q4_k_m, q8_0
+so a batched decode step crosses both stages; fp16_streamed is fp16 with the CPU block's prefill streamed to the GPU
+(plan.prefill_on_gpu, as a real split's). Writes DIR/<name>/bundle for name in fp16, bf16, q4_k_m, q8_0, fp16_streamed
 (the model directory made for it is deleted once its weights are in the bundle); carry .devrt to the GPU machine (the test looks in $HELMC_GPU_BATCH_BUNDLES, default
 .devrt/batch_session). Regenerate by running this again.
 """
@@ -31,13 +32,15 @@ BATCH = 4
 DIMS = dict(num_layers=4, head_dim=64, hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
 VARIANTS = {"fp16": ("float16", ""), "bf16": ("bfloat16", ""), "q4_k_m": ("float16", "q4_k_m"),
-            "q8_0": ("float16", "q8_0")}
+            "q8_0": ("float16", "q8_0"), "fp16_streamed": ("float16", "")}
+STREAMED = {"fp16_streamed"}       # the CPU block's prefill streamed to the GPU (plan.prefill_on_gpu)
 
 
 def build(out_dir: str, hardware: str) -> list[str]:
     from helmc.compiler.pipeline import build as run_pipeline
     from helmc.compiler.read_model import read_model
     from helmc.hardware.profile import load_hardware
+    from helmc.planner.analyze_program import analyze_program
     from helmc.planner.search_partition import plan as search
     from helmc.testing import make_tiny_model
 
@@ -56,6 +59,9 @@ def build(out_dir: str, hardware: str) -> list[str]:
             spec = read_model(model_dir, quant, os.path.join(cache, "weights")).spec
             searched = search(spec, hw, batch=BATCH)
             plan = dataclasses.replace(searched, cpu_units=CPU_UNITS, candidates=())   # the split is given
+            if name in STREAMED:
+                block = max(u.stored_bytes for u in analyze_program(spec).units if u.kind == "block")
+                plan = dataclasses.replace(plan, prefill_on_gpu=True, prefill_staging_bytes=block)
             r = run_pipeline(model_dir, hw, bundle_dir, copy_weights=True, plan=plan, quiet=True, quant=quant,
                              cache_dir=cache, batch=BATCH)
             shutil.rmtree(model_dir)        # the bundle holds its weights: less to carry

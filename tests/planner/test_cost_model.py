@@ -206,6 +206,29 @@ def test_page_pool_holds_the_loan_at_zero_slack(q8, laptop):
     assert kv_page_pool_bytes(MemoryNeed(kv=7, weights=20, available=10)) == 7   # over budget: the floor stays
 
 
+def test_serving_holds_the_loan_beside_the_pages(q8, laptop):
+    """Batch 8 (`helmc serve --max-batch 8`): newcomers' prompts stream while the running sequences hold pages,
+    so the plan counts the loan (one block + 8 prompts' own buffers) beside two pages per sequence, where one
+    request's plan lets the loan borrow the empty pool (runtime/serve/batch_model.py carves it out)."""
+    from helmc.planner.cost_model import prefill_lent_bytes
+    cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
+    one, eight = Workload(stream_prefill=True), Workload(stream_prefill=True, batch=8)
+    lent1, lent8 = prefill_lent_bytes(q8, cpu, gpu, one), prefill_lent_bytes(q8, cpu, gpu, eight)
+    prompt = lent1 - max(u.stored_bytes for u in q8.units if u.kind == "block")   # one prompt's buffers
+    assert prompt > 0 and lent8 == lent1 + 7 * prompt
+    page = KV_PAGE_TOKENS * 16 * KV_TOKEN                                       # one page of the 16 GPU blocks
+    assert memory_needs(q8, laptop, cpu, gpu, one)[1].kv == lent1
+    assert memory_needs(q8, laptop, cpu, gpu, eight)[1].kv == lent8 + 8 * 2 * page
+    # Without offload the pages of the whole context, beside the loan; max_context leaves the loan out of them.
+    no_off, cpu, gpu = dataclasses.replace(eight, kv_offload=False), q8.stage(0, 27), q8.stage(27, 38)
+    ctx = max_context(q8, laptop, cpu, gpu, no_off)
+    _, dev = memory_needs(q8, laptop, cpu, gpu, no_off, context=ctx)
+    assert ctx > 0 and dev.kv == prefill_lent_bytes(q8, cpu, gpu, no_off) + 8 * ctx * 10 * KV_TOKEN
+    assert dev.total <= dev.available
+    _, over = memory_needs(q8, laptop, cpu, gpu, no_off, context=ctx + KV_PAGE_TOKENS)      # the GPU binds here
+    assert over.total > over.available
+
+
 def test_workload_validation():
     with pytest.raises(HelmcError, match="objective expected"):
         Workload(objective="train")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from batch_decode_checks import batched_runs, compare, prompts, single_runs
@@ -38,7 +39,7 @@ def bundle(name: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0", "fp16_streamed"])
 def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
     from helmc.runtime.session import Session
     s = Session.load(bundle(name))
@@ -53,3 +54,28 @@ def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
     compare(singles, batched, f"{name} on the GPU")
     print(f"{name}: {len(ps)} sequences, batched decode steps of {sorted(set(sizes))} sequences, "
           f"every logit bit-identical to the single runs")
+
+
+def test_joint_streamed_prefill_is_bitwise_single_on_gpu():
+    """Newcomers' prompts through the streamed prefill together (BatchModel.prefill_many on a plan with
+    prefill_on_gpu): the CPU block's weights cross PCIe once for all of them, and each prompt's logits are
+    bit-identical to its single request's (Session.forward, whose prefill streams the same block alone)."""
+    from helmc.runtime.serve.batch_model import BatchModel
+    from helmc.runtime.session import Session
+    s = Session.load(bundle("fp16_streamed"))
+    assert s.plan.prefill_on_gpu and s.gpu.streamed_prefill is not None
+    ps = prompts(s.spec.vocab_size, 4)                        # 3, 9, 1, 17 tokens: the 1-token one decodes
+    singles = single_runs(s, ps, 1)
+    m = BatchModel(s, 4)
+    assert m.streamed is not None, "expected the loan beside the slots' pages"
+    before = m.streamed.bytes_streamed
+    rows = m.prefill_many([(b, p) for b, p in enumerate(ps)])
+    block_bytes = sum(a.nbytes for a in m.streamed.arenas)
+    assert m.streamed.bytes_streamed - before == block_bytes, "expected one crossing of the CPU block for all"
+    for b, (want, got) in enumerate(zip(singles, rows)):
+        diff = float(np.abs(got - want[0]).max())
+        print(f"prompt {b} ({len(ps[b])} tokens): max |joint - single| = {diff:.3e}")
+        assert np.array_equal(got.view(np.uint32), want[0].view(np.uint32)), (b, diff)
+    for b in range(len(ps)):
+        m.free(b)
+    assert m.pages_in_use() == 0
