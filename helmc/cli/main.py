@@ -2,7 +2,8 @@
 
 Every HelmcError becomes one line on stderr and exit status 2, never a traceback. Any other exception is a
 bug or a failure of the machine: one line naming it and the log file that holds its traceback, exit status 1;
-`helmc --debug ...` (or HELMC_DEBUG=1) prints the traceback instead.
+`helmc --debug ...` (or HELMC_DEBUG=1) prints the traceback instead. A reader of stdout that goes away ends the
+command quietly, status 141 (as SIGPIPE would).
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("helmc: interrupted", err=True)
             ctx.exit(130)
+        except BrokenPipeError:
+            # Whoever read stdout went away (`helmc run ... | head -1`): stop quietly with the status of a tool
+            # killed by SIGPIPE; stdout goes to /dev/null so the interpreter's last flush raises nothing either.
+            _drop_stdout()
+            ctx.exit(141)
         except Exception as e:
             if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
                 traceback.print_exc()
@@ -40,6 +46,14 @@ class _Group(click.Group):
                            f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
                            err=True)
             ctx.exit(1)
+
+
+def _drop_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):       # no real file behind stdout (an in-process runner): nothing to flush
+        pass
 
 
 def _one_line(e: BaseException) -> str:

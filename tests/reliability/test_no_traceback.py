@@ -114,3 +114,15 @@ def test_unexpected_error_in_a_real_process(tiny, tmp_path, workdir):
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert p.stderr.startswith("helmc: internal error: IndexError: list index out of range in `helmc run`")
     assert "Traceback" not in p.stderr
+
+
+def test_closed_stdout_ends_quietly(tiny, hw_json, workdir):
+    """`helmc plan ... | head -1` where head has gone: no internal error and no traceback, status 141 (SIGPIPE's),
+    nothing else on stderr. The reader closes its end before helmc writes (its start-up takes far longer)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "helmc.cli.main", "plan", tiny.model("qwen3")[0], str(hw_json)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "internal error" not in err and "Traceback" not in err and "BrokenPipe" not in err, err
