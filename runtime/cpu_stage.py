@@ -20,16 +20,19 @@ def progress(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def load_stage_library(bundle_dir: str, name: str, dev=None, load=None):
-    """A VirtualMachine over the bundle's stage library `name` on `dev` (default the CPU); `load(path)` makes the
-    module (default tvm.runtime.load_module; the GPU stage's loader registers its kernels first). Anything but a
-    helmc stage library (a library without the VM's entry points, a file of another platform) is a HelmcError,
-    not a TVM traceback."""
+def load_stage_library(bundle_dir: str, manifest, name: str, dev=None, load=None):
+    """A VirtualMachine over the bundle's stage library `name` on `dev` (default the CPU), loaded from the bytes
+    the verified `manifest` names (bundle.library.verified_library: not from the path, which may have changed
+    since); `load(path)` makes the module (default bundle.library.load_library; the GPU stage's loader registers
+    its kernels first). Anything but a helmc stage library (a library without the VM's entry points, a file of
+    another platform) is a HelmcError, not a TVM traceback."""
     import tvm.runtime
     from tvm.runtime.vm import VirtualMachine
+    from helmc.runtime.bundle.library import load_library, verified_library
     try:
-        return VirtualMachine((load or tvm.runtime.load_module)(os.path.join(bundle_dir, name)),
-                              tvm.cpu() if dev is None else dev)
+        with verified_library(bundle_dir, manifest, name) as path:
+            module = (load or load_library)(path)
+        return VirtualMachine(module, tvm.cpu() if dev is None else dev)
     except HelmcError:
         raise
     except (AttributeError, RuntimeError, OSError, ValueError) as e:

@@ -179,7 +179,8 @@ def load_gpu_executable(lib_path: str, cubin_index_path: str, device_id: int = 0
     check_device_arch(index["arch"], device_id)
     if not os.path.isfile(lib_path):
         raise CudaRuntimeError(f"GPU stage: expected library {lib_path}, found no such file")
-    return tvm.runtime.load_module(lib_path)
+    from helmc.runtime.bundle.library import load_library
+    return load_library(lib_path)            # a bundle's is a verified private copy (bundle/library.py)
 
 
 def load_gpu_vm(lib_path: str, cubin_index_path: str, device_id: int = 0):

@@ -299,7 +299,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     cpu_step = None
     cpu_stage = None
     if len(plan.cpu_layers):
-        cpu_vm = load_stage_library(bundle_dir, CPU_STAGE_LIB)
+        cpu_vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
         pinned = None
         if plan.prefill_on_gpu:
             from helmc.runtime.prefill_stream import bind_pinned_layers
@@ -314,7 +314,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
                                      tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
 
-    vm = load_stage_library(bundle_dir, GPU_LIB, tvm.cuda(0),
+    vm = load_stage_library(bundle_dir, manifest, GPU_LIB, tvm.cuda(0),
                             lambda path: load_gpu_executable(path, os.path.join(bundle_dir, GPU_CUBIN_INDEX)))
     dev = tvm.cuda(0)
     uploader = PinnedUploader()

@@ -110,12 +110,17 @@ def plan_parts(plan: Plan) -> tuple[str, ...]:
 def load_bundle_parts(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
                       require_signed: bool = False) -> tuple[ModelSpec, Plan, Checkpoint, str]:
     """Spec, plan and checkpoint of a verified bundle (verification, signature first, before any library loads)."""
+    return _verified_parts(bundle_dir, weights_dir, trusted_keys, require_signed)[1:]
+
+
+def _verified_parts(bundle_dir, weights_dir, trusted_keys, require_signed):
+    """(manifest, spec, plan, checkpoint, weights path): the manifest is what the libraries load against."""
     from helmc.runtime.session import read_bundle
-    _, spec, plan, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
+    manifest, spec, plan, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
     if not os.path.exists(wdir):
         raise HelmcError(f"calibrate: expected the model's weights (a directory or a GGUF file), found nothing at "
                          f"{wdir} (pass --weights MODEL_DIR)")
-    return spec, plan, open_checkpoint(wdir, spec), wdir
+    return manifest, spec, plan, open_checkpoint(wdir, spec), wdir
 
 
 def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple[str, ...] | None = None,
@@ -126,7 +131,7 @@ def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple
     steps: timed decode steps per part (default: the plan's output_len); cpu_cache_bytes: the CPU's
     last-level cache, so the cycled CPU blocks are at least twice its size; cuda_graph: the GPU blocks' step
     replayed as one CUDA graph, as the session decodes (False: eager launches)."""
-    spec, plan, ck, wdir = load_bundle_parts(bundle_dir, weights_dir, trusted_keys, require_signed)
+    manifest, spec, plan, ck, wdir = _verified_parts(bundle_dir, weights_dir, trusted_keys, require_signed)
     usable = plan_parts(plan)
     parts = usable if parts is None else tuple(parts)
     unknown = [p for p in parts if p not in usable]
@@ -142,7 +147,7 @@ def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple
     total = fill + warmup + steps
     if total > plan.max_context:
         raise HelmcError(f"calibrate: {total} tokens of context needed, the plan allows {plan.max_context}")
-    ctx = _Context(bundle_dir, spec, plan, ck, fill, warmup, steps, cpu_cache_bytes, cuda_graph)
+    ctx = _Context(bundle_dir, manifest, spec, plan, ck, fill, warmup, steps, cpu_cache_bytes, cuda_graph)
     stages, tails = [], []
     if "cpu_blocks" in parts or "cpu_head" in parts:
         cpu = _CpuSide(ctx)
@@ -165,9 +170,9 @@ def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple
 class _Context:
     """What both devices' timers share: the bundle, the step schedule, host-side inputs."""
 
-    def __init__(self, bundle_dir: str, spec: ModelSpec, plan: Plan, ck: Checkpoint, fill: int, warmup: int,
+    def __init__(self, bundle_dir: str, manifest, spec: ModelSpec, plan: Plan, ck: Checkpoint, fill: int, warmup: int,
                  steps: int, cpu_cache_bytes: int, cuda_graph: bool = True):
-        self.bundle_dir, self.spec, self.plan, self.ck = bundle_dir, spec, plan, ck
+        self.bundle_dir, self.manifest, self.spec, self.plan, self.ck = bundle_dir, manifest, spec, plan, ck
         self.cuda_graph = cuda_graph
         self.fill, self.warmup, self.steps = fill, warmup, steps
         self.total = fill + warmup + steps
@@ -222,7 +227,7 @@ class _CpuSide:
         self.ctx = ctx
         use_cpu_threads(available_cpu_count())     # as the session: TVM otherwise uses half the cores on x86
         self.dev = tvm.cpu()
-        self.vm = load_stage_library(ctx.bundle_dir, CPU_STAGE_LIB)
+        self.vm = load_stage_library(ctx.bundle_dir, ctx.manifest, CPU_STAGE_LIB)
 
     def tensor(self, a: np.ndarray):
         import tvm.runtime
@@ -297,12 +302,14 @@ class _GpuSide:
         import tvm.runtime
         from tvm.runtime.vm import VirtualMachine
 
+        from helmc.runtime.bundle.library import verified_library
         from helmc.runtime.cuda_runtime import PinnedUploader, load_gpu_executable
         from helmc.runtime.gpu_session import GPU_CUBIN_INDEX, GPU_LIB
 
         self.ctx, self.cp = ctx, cp
         # Loading the executable first registers TVM's CUDA backend (runtime-only TVM loads none).
-        lib = load_gpu_executable(os.path.join(ctx.bundle_dir, GPU_LIB), os.path.join(ctx.bundle_dir, GPU_CUBIN_INDEX))
+        with verified_library(ctx.bundle_dir, ctx.manifest, GPU_LIB) as path:
+            lib = load_gpu_executable(path, os.path.join(ctx.bundle_dir, GPU_CUBIN_INDEX))
         self.dev = tvm.cuda(0)
         self.vm = VirtualMachine(lib, self.dev)
         self.uploader = PinnedUploader()

@@ -98,7 +98,7 @@ class Session:
         if plan.uses_gpu:
             from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
             return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options)
-        vm = load_stage_library(bundle_dir, CPU_STAGE_LIB)
+        vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
         cpu_stage, head = build_cpu_stage(vm, spec, plan, checkpoint, quiet, **kv_options)
         return cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, head, tokenizer)
 

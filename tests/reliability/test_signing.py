@@ -171,3 +171,37 @@ def test_damaged_signature_file(damage, signed_bundle, keys, tmp_path, workdir):
     before = tree(tmp_path)
     refused(cli("run", bundle, *RUN, "--trust", keys / "owner.key.pub"), "manifest.sig")
     assert tree(tmp_path) == before
+
+
+def test_library_swapped_after_verification_is_never_loaded(tiny, evil_library, tmp_path, workdir, monkeypatch):
+    """The race between hashing and loading: the bundle verifies, then cpu_stage.so is replaced before it loads.
+    helmc loads the bytes it hashed (bundle.library: a private in-memory copy, checked against the verified
+    manifest), never the path: `helmc run` refuses in one typed line and the swapped-in constructor never runs;
+    the genuine library loads from the copy, so the bundle's file is never mapped into the process."""
+    import helmc.runtime.session as session_module
+    from helmc.runtime.bundle.library import verified_library
+    from helmc.runtime.bundle.manifest import verify_bundle
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, load_stage_library
+    marker = tmp_path / "constructor-ran"
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny.bundle("qwen3"), bundle)
+    lib, good = bundle / CPU_STAGE_LIB, (bundle / CPU_STAGE_LIB).read_bytes()
+    evil = evil_library(marker)
+
+    def verify_then_swap(*args, **kwargs):
+        manifest = verify_bundle(*args, **kwargs)
+        shutil.copy(evil, lib)                                  # after every hash passed, before any load
+        return manifest
+    monkeypatch.setattr(session_module, "verify_bundle", verify_then_swap)
+    refused(cli("run", bundle, *RUN), "cpu_stage.so changed after it was verified")
+    assert not marker.exists() and not _mapped(lib)
+    monkeypatch.undo()
+    lib.write_bytes(good)
+    manifest = verify_bundle(str(bundle))
+    with verified_library(str(bundle), manifest, CPU_STAGE_LIB) as path:
+        shutil.copy(evil, lib)                                  # swapped while the copy is held: the copy stays
+        with open(path, "rb") as f:
+            assert not path.startswith(str(bundle)) and f.read() == good
+    lib.write_bytes(good)
+    assert load_stage_library(str(bundle), manifest, CPU_STAGE_LIB) is not None
+    assert not _mapped(lib) and not marker.exists()
