@@ -9,10 +9,13 @@ def trust_options(f):
                      help="refuse a bundle without a valid signature by a trusted key")(f)
     return click.option("--trust", "trust", multiple=True, type=click.Path(),
                         help="public key (KEYFILE.pub from `helmc keygen`) whose signature is accepted; repeatable; "
-                             "also every .pub in the directory HELMC_TRUSTED_KEYS names")(f)
+                             "also every .pub in the directory HELMC_TRUSTED_KEYS names. Implies --require-signed: "
+                             "naming the signers you trust refuses unsigned bundles")(f)
 
 
 def trust_policy(trust, require_signed) -> dict:
-    """Session.load's trusted_keys / require_signed, read before anything of the bundle is."""
+    """Session.load's trusted_keys / require_signed, read before anything of the bundle is. A key named on the
+    command line requires a signature: otherwise an attacker who deletes manifest.sig would get past `--trust`.
+    HELMC_TRUSTED_KEYS alone (an ambient default for every command) does not."""
     from helmc.runtime.bundle.signature import trusted_keys
-    return {"trusted_keys": trusted_keys(trust), "require_signed": require_signed}
+    return {"trusted_keys": trusted_keys(trust), "require_signed": require_signed or bool(trust)}

@@ -124,7 +124,8 @@ def test_control_the_attack_is_real_without_require_signed(tiny, evil_library, t
     assert marker.read_text() == "constructor ran\n"
 
 
-@pytest.mark.parametrize("case", ["no_trusted_key", "unsigned_bundle", "trust_file_missing", "trust_file_not_a_key",
+@pytest.mark.parametrize("case", ["no_trusted_key", "unsigned_bundle", "unsigned_bundle_trust_alone",
+                                  "trust_file_missing", "trust_file_not_a_key",
                                   "trusted_keys_dir_missing", "sign_key_not_a_key"])
 def test_signature_options_refused(case, tiny, keys, hw_json, tmp_path, workdir):
     bundle = tiny.bundle("qwen3")
@@ -134,6 +135,9 @@ def test_signature_options_refused(case, tiny, keys, hw_json, tmp_path, workdir)
         "no_trusted_key": (("run", bundle, *RUN, "--require-signed"), None, "expected at least one trusted key"),
         "unsigned_bundle": (("run", bundle, *RUN, "--require-signed", "--trust", keys / "owner.key.pub"), None,
                             "expected a signed bundle"),
+        # --trust names the signers: an attacker who deletes manifest.sig must not get past it.
+        "unsigned_bundle_trust_alone": (("run", bundle, *RUN, "--trust", keys / "owner.key.pub"), None,
+                                        "expected a signed bundle"),
         "trust_file_missing": (("run", bundle, *RUN, "--trust", tmp_path / "nope.pub"), None, "could not read"),
         "trust_file_not_a_key": (("run", bundle, *RUN, "--trust", junk), None, "expected one line 'helmc-ed25519"),
         "trusted_keys_dir_missing": (("run", bundle, *RUN), {"HELMC_TRUSTED_KEYS": str(tmp_path / "nope")},
