@@ -52,6 +52,8 @@ class BatchModel:
         self.streamed = session.gpu.streamed_prefill if session.gpu is not None else None
         if session.gpu is not None:
             session.gpu.streamed_prefill = None
+        if self.streamed is not None:
+            self.streamed.lend = None     # its lender was the session's cache, which goes (its VRAM with it)
         loan = self.streamed.buffer_bytes([session.plan.prompt_len] * session.plan.batch) if self.streamed else 0
         # No GPU stage (only the head there): the plan counted the loan as workspace, allocated per prefill.
         self._lend, self._loan_bytes = None, loan
