@@ -25,7 +25,7 @@ def _fail(e: HelmcError) -> None:
 
 def summarize_profile(hw: HardwareProfile) -> str:
     c = hw.cpu
-    reads = ", ".join(f"{r.weight_type} {r.gbs:.1f}" for r in c.gemv_reads)
+    reads = ", ".join(f"{r.weight_type}{f' x{r.rows}' if r.rows > 1 else ''} {r.gbs:.1f}" for r in c.gemv_reads)
     lines = [f"cpu: {c.name}, {c.cores} cores / {c.threads} threads, L3 {c.l3_bytes / 2**20:.0f} MiB, "
              f"RAM {c.ram_free_bytes / GIB:.1f} of {c.ram_total_bytes / GIB:.1f} GiB free",
              f"     DRAM {c.dram_gbs:.1f} GB/s (helmc's stream read), helmc's decode GEMVs read {c.host_read_gbs:.1f} GB/s "

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key
 from helmc.errors import HelmcError
-from helmc.hardware.kit import (FLOAT_TYPES, KERNELS_LIB, KIT_FORMAT_VERSION, QUICK_BLOCK, QUANT_TYPES, BlockShape,
-                                KitKernel, ProfileKit)
+from helmc.hardware.kit import (FLOAT_TYPES, KERNELS_LIB, KIT_FORMAT_VERSION, QUICK_BLOCK, QUANT_TYPES, ROWS_MEASURED,
+                                BlockShape, KitKernel, ProfileKit)
 from helmc.hardware.profile import PROFILE_FORMAT_VERSION, CpuProfile, GpuProfile, HardwareProfile, LinkProfile
 
 SYNTHETIC_LAYERS = 8             # blocks per timed step of the synthetic stages (quick: 4)
@@ -50,7 +50,8 @@ class KitTarget:
 
 
 def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
-    """Every decode GEMV of one block per weight type, as lower_linear emits them for one token."""
+    """Every decode GEMV of one block per weight type, as lower_linear emits them for one token and for a batched
+    step of each ROWS_MEASURED count of sequences."""
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu
     from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
@@ -58,18 +59,21 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
     H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
     funcs, kernels = {}, []
 
-    def add(weight_type, role, f):
+    def add(weight_type, role, m, f):
         name = str(f.attrs["global_symbol"])
+        # k and v share a shape, so a kernel; one symbol never stands for two row counts
+        assert all(k.rows == m for k in kernels if k.name == name), name
         funcs[name] = f
-        kernels.append(KitKernel(weight_type, role, name))
-    for t in FLOAT_TYPES:
-        add(t, "qkv", make_gemv_multi(1, (Q, KV, KV), H, t, isa))
-        add(t, "o", make_gemv(1, H, Q, t, isa))
-        add(t, "swiglu", make_gemv_swiglu(1, I, H, t, isa))
-        add(t, "down", make_gemv(1, H, I, t, isa))
-    for t in QUANT_TYPES:
-        for role, (n, k) in b.linear_shapes().items():
-            add(t, role, make_gemv_quant(t, n, k, isa))
+        kernels.append(KitKernel(weight_type, role, name, m))
+    for m in ROWS_MEASURED:
+        for t in FLOAT_TYPES:
+            add(t, "qkv", m, make_gemv_multi(m, (Q, KV, KV), H, t, isa))
+            add(t, "o", m, make_gemv(m, H, Q, t, isa))
+            add(t, "swiglu", m, make_gemv_swiglu(m, I, H, t, isa))
+            add(t, "down", m, make_gemv(m, H, I, t, isa))
+        for t in QUANT_TYPES:
+            for role, (n, k) in b.linear_shapes().items():
+                add(t, role, m, make_gemv_quant(t, n, k, isa, m=m))
     return funcs, kernels
 
 

@@ -114,7 +114,7 @@ class KitLibrary:
 class GemvPass:
     """One decode step's GEMV launches over every copy of a block's weights of one type; run() is one pass."""
 
-    def __init__(self, lib: KitLibrary, arena: Arena, weight_type: str):
+    def __init__(self, lib: KitLibrary, arena: Arena, weight_type: str, rows: int = 1):
         kit, b = lib.kit, lib.kit.block
         H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
         arena.reset()
@@ -124,17 +124,18 @@ class GemvPass:
         self.weight_type = weight_type
         blocks = [{role: arena.tensor(shape, dt) for role, (shape, dt) in layout.items()} for _ in range(self.copies)]
         calls = []
+        m = self.rows = rows                          # decode rows per call: one token, or a batched step's
         if weight_type in FLOAT_TYPES:
-            f = {role: lib.lib[kit.kernel(weight_type, role)] for role in FLOAT_ROLES}
-            x, xq, xi = lib.vector((1, H)), lib.vector((1, Q)), lib.vector((1, I))
-            yq, yk, yv, yh, yi = (lib.vector((1, n), 0.0) for n in (Q, KV, KV, H, I))
+            f = {role: lib.lib[kit.kernel(weight_type, role, m)] for role in FLOAT_ROLES}
+            x, xq, xi = lib.vector((m, H)), lib.vector((m, Q)), lib.vector((m, I))
+            yq, yk, yv, yh, yi = (lib.vector((m, n), 0.0) for n in (Q, KV, KV, H, I))
             for w in blocks:
                 calls += [(f["qkv"], (x, w["q"], w["k"], w["v"], yq, yk, yv)), (f["o"], (xq, w["o"], yh)),
                           (f["swiglu"], (x, w["gate"], w["up"], yi)), (f["down"], (xi, w["down"], yh))]
         else:
-            f = {role: lib.lib[kit.kernel(weight_type, role)] for role in QUANT_ROLES}
-            x, xq, xi = lib.vector((1, H)), lib.vector((1, Q)), lib.vector((1, I))     # one decode row: m = 1
-            ys = {role: lib.vector((1, n), 0.0) for role, (n, _) in kit.block.linear_shapes().items()}
+            f = {role: lib.lib[kit.kernel(weight_type, role, m)] for role in QUANT_ROLES}
+            x, xq, xi = lib.vector((m, H)), lib.vector((m, Q)), lib.vector((m, I))
+            ys = {role: lib.vector((m, n), 0.0) for role, (n, _) in kit.block.linear_shapes().items()}
             inputs = {"q": x, "k": x, "v": x, "o": xq, "gate": x, "up": x, "down": xi}
             for w in blocks:
                 calls += [(f[role], (inputs[role], w[role], ys[role])) for role in QUANT_ROLES]
@@ -171,7 +172,7 @@ class HostReads:
 
     @property
     def host_read_gbs(self) -> float:
-        return next((r.gbs for r in self.gemv_reads if r.weight_type == "float16"), 0.0)
+        return next((r.gbs for r in self.gemv_reads if r.weight_type == "float16" and r.rows == 1), 0.0)
 
 
 def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None,
@@ -196,16 +197,19 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
                         f"MiB, l3_gbs {l3:.1f} re-reading {kit.l3_read_elements * 4 >> 20} MiB; {kit.isa} kernels, "
                         f"every core, {'pinned' if pinned else 'pageable'} memory; each the median of {passes} passes"]
     for t in kit.weight_types:
-        g = GemvPass(lib, arena, t)
-        progress(f"host read: helmc's {t} decode GEMVs over {g.copies} block copies ({g.nbytes >> 20} MiB)")
-        gbs, _ = median_gbs(g.nbytes, g.run, passes)
-        if not np.isfinite(g.check.numpy()).all():
-            raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong shapes?)")
-        reads.append(KernelRead(t, round(gbs, 2)))
-        del g
+        for m in kit.rows_measured(t):
+            g = GemvPass(lib, arena, t, m)
+            progress(f"host read: helmc's {t} decode GEMVs{f' at {m} rows' if m > 1 else ''} over {g.copies} block "
+                     f"copies ({g.nbytes >> 20} MiB)")
+            gbs, _ = median_gbs(g.nbytes, g.run, passes)
+            if not np.isfinite(g.check.numpy()).all():
+                raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong shapes?)")
+            reads.append(KernelRead(t, round(gbs, 2), m))
+            del g
     notes.append("cpu: decode GEMV reads (fused q/k/v, o, SwiGLU, down as the CPU stage launches them; "
-                 f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass): "
-                 + ", ".join(f"{r.weight_type} {r.gbs:.1f} GB/s" for r in reads))
+                 f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass; "
+                 "GB/s of weights, at 1 row and at a batched step's rows): "
+                 + ", ".join(f"{r.weight_type}{f' x{r.rows}' if r.rows > 1 else ''} {r.gbs:.1f}" for r in reads))
     n, k = kit.block.ffn, kit.block.hidden
     arena.reset()
     w = arena.tensor((n, k), "float16")

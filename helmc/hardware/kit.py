@@ -26,7 +26,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 
-KIT_FORMAT_VERSION = 1
+KIT_FORMAT_VERSION = 2          # 2: GEMVs at every ROWS_MEASURED
 KIT_FILE = "profile_kit.json"
 KERNELS_LIB = "profile_kernels.so"
 FLOAT_TYPES = ("float16", "bfloat16")
@@ -36,6 +36,9 @@ QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
 FLOAT_ROLES = ("qkv", "o", "swiglu", "down")
 QUANT_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 SYNTHETIC_VOCAB = 4096
+# Decode rows the GEMVs are measured at: one token, and a batched step of 8 sequences (`helmc serve --max-batch 8`),
+# where a CPU's GEMV may turn compute-bound; the cost model scales between them (CpuProfile.read_gbs).
+ROWS_MEASURED = (1, 8)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class KitKernel:
     weight_type: str                 # FLOAT_TYPES or QUANT_TYPES
     role: str                        # FLOAT_ROLES or QUANT_ROLES
     name: str                        # the function's symbol in profile_kernels.so
+    rows: int = 1                    # decode rows per call (ROWS_MEASURED): a batched step of that many sequences
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ class ProfileKit:
             if k.role not in roles:
                 raise HelmcError(f"profile kit: kernel {k.name} expected a role of {k.weight_type!r} weights among "
                                  f"{roles}, found {k.role!r}")
+            if k.rows < 1:
+                raise HelmcError(f"profile kit: kernel {k.name} expected rows >= 1, found {k.rows}")
         if bool(self.gpu_bundle) != bool(self.gpu_arch):
             raise HelmcError("profile kit: gpu_bundle and gpu_arch expected both set or both empty")
 
@@ -116,11 +122,14 @@ class ProfileKit:
     def weight_types(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(k.weight_type for k in self.kernels))
 
-    def kernel(self, weight_type: str, role: str) -> str:
+    def rows_measured(self, weight_type: str) -> tuple[int, ...]:
+        return tuple(sorted({k.rows for k in self.kernels if k.weight_type == weight_type}))
+
+    def kernel(self, weight_type: str, role: str, rows: int = 1) -> str:
         for k in self.kernels:
-            if k.weight_type == weight_type and k.role == role:
+            if k.weight_type == weight_type and k.role == role and k.rows == rows:
                 return k.name
-        raise HelmcError(f"profile kit: no {role} kernel for {weight_type} weights")
+        raise HelmcError(f"profile kit: no {role} kernel for {weight_type} weights at {rows} rows")
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)

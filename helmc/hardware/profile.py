@@ -56,10 +56,12 @@ class KernelRead:
     QUANT_BLOCKS key) in the shapes of a transformer block, cycled over more than the L3 holds."""
     weight_type: str                 # "float16", "bfloat16", "float32", "q8_0", "q4_0", "q4_k", "q6_k"
     gbs: float
+    rows: int = 1                    # decode rows per call (a batched step of that many sequences reads each weight once)
 
     def __post_init__(self):
-        _require(bool(self.weight_type) and self.gbs > 0,
-                 f"cpu.gemv_reads expected a weight type and gbs > 0, found {self.weight_type!r}, {self.gbs}")
+        _require(bool(self.weight_type) and self.gbs > 0 and self.rows >= 1,
+                 f"cpu.gemv_reads expected a weight type, gbs > 0 and rows >= 1, found {self.weight_type!r}, "
+                 f"{self.gbs}, {self.rows}")
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,9 @@ class CpuProfile:
                  f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
         _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
-        types = [r.weight_type for r in self.gemv_reads]
-        _require(len(set(types)) == len(types), f"cpu.gemv_reads expected one entry per weight type, found {types}")
+        types = [(r.weight_type, r.rows) for r in self.gemv_reads]
+        _require(len(set(types)) == len(types),
+                 f"cpu.gemv_reads expected one entry per weight type and row count, found {types}")
         _check_eta("cpu", self.eta_compute, self.eta_memory)
         _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
 
@@ -107,9 +110,16 @@ class CpuProfile:
         read overestimates what a block's separate weight matrices get), else the plain read."""
         return self.host_read_gbs if self.host_read_gbs > 0 else self.dram_gbs
 
-    def read_gbs(self, weight_type: str) -> float:
-        """M for weights of one type: its GEMV's measured rate, else stream_gbs."""
-        return next((r.gbs for r in self.gemv_reads if r.weight_type == weight_type), self.stream_gbs)
+    def read_gbs(self, weight_type: str, rows: int = 1) -> float:
+        """M for weights of one type read by a decode step of `rows` sequences: the one-row GEMV's measured rate
+        (else stream_gbs), and no more than a measured m-row rate scaled as compute, M_m * m / rows (a GEMV that
+        turned compute-bound at m rows does rows / m times its work at `rows`). Where m-row rates were not
+        measured, rows changes nothing (the cost model's fp32 compute term is all there is)."""
+        one = next((r.gbs for r in self.gemv_reads if r.weight_type == weight_type and r.rows == 1), self.stream_gbs)
+        if rows <= 1:
+            return one
+        return min([one] + [r.gbs * r.rows / rows for r in self.gemv_reads
+                            if r.weight_type == weight_type and r.rows > 1])
 
 
 @dataclass(frozen=True)

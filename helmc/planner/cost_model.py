@@ -84,13 +84,14 @@ class DeviceRates:
 
     @classmethod
     def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0,
-               weight_bytes: tuple[tuple[str, int], ...] = ()) -> "DeviceRates":
+               weight_bytes: tuple[tuple[str, int], ...] = (), rows: int = 1) -> "DeviceRates":
         """block_overhead_ms: the profile-wide delta, used where the CPU has no calibrated one.
         weight_bytes: the model's linear bytes per stored type (ProgramAnalysis.linear_bytes_by_type): M is
-        then the rate at which helmc's GEMVs read that mix, sum(bytes) / sum(bytes / M_type)."""
-        M = cpu.stream_gbs
+        then the rate at which helmc's GEMVs read that mix, sum(bytes) / sum(bytes / M_type).
+        rows: sequences per decode step (a batch): M of GEMVs of that many rows (CpuProfile.read_gbs)."""
+        M = cpu.stream_gbs * cpu.read_gbs("float16", rows) / cpu.read_gbs("float16")
         if weight_bytes and sum(n for _, n in weight_bytes) > 0:
-            M = sum(n for _, n in weight_bytes) / sum(n / cpu.read_gbs(t) for t, n in weight_bytes)
+            M = sum(n for _, n in weight_bytes) / sum(n / cpu.read_gbs(t, rows) for t, n in weight_bytes)
         return cls(mem_gbs=M, compute_gflops=cpu.fp32_gflops if cpu.fp32_gflops > 0 else M,
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
                    l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
@@ -107,11 +108,11 @@ class DeviceRates:
 
     @classmethod
     def of_device(cls, hw: HardwareProfile, name: str, with_overheads: bool = True,
-                  analysis: ProgramAnalysis | None = None) -> "DeviceRates":
+                  analysis: ProgramAnalysis | None = None, rows: int = 1) -> "DeviceRates":
         """Rates of hw's "cpu" or "gpu" with that device's own deltas (or none: the bare roofline); with
-        `analysis`, the CPU's M for that model's weight types."""
+        `analysis`, the CPU's M for that model's weight types; rows: sequences per decode step."""
         if name == "cpu":
-            rates = cls.of_cpu(hw.cpu, hw.block_overhead_ms, analysis.linear_bytes_by_type if analysis else ())
+            rates = cls.of_cpu(hw.cpu, hw.block_overhead_ms, analysis.linear_bytes_by_type if analysis else (), rows)
         else:
             rates = cls.of_gpu(hw.device(name), hw.block_overhead_ms)
         if with_overheads:

@@ -95,7 +95,7 @@ def check(kit_dir: str, out_dir: str, gpu_backend: str = "cupy") -> int:
     linear = block_bytes(kit, "float16")
     report = {"seconds": round(seconds, 1), "kit": kit_dir, "cpu": hw.cpu.name, "gpu": hw.gpu.name if hw.gpu else None,
               "dram_gbs": hw.cpu.dram_gbs, "host_read_gbs": hw.cpu.host_read_gbs, "l3_gbs": hw.cpu.l3_gbs,
-              "gemv_reads": {r.weight_type: r.gbs for r in hw.cpu.gemv_reads}, "unmeasured": list(hw.unmeasured)}
+              "gemv_reads": {r.weight_type + (f"_x{r.rows}" if r.rows > 1 else ""): r.gbs for r in hw.cpu.gemv_reads}, "unmeasured": list(hw.unmeasured)}
     if hw.link is not None:
         l = hw.link
         report.update(h2d_gbs=l.h2d_gbs, d2h_gbs=l.d2h_gbs, latency_us=l.latency_us, hbm_gbs=hw.gpu.hbm_gbs,

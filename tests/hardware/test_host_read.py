@@ -90,8 +90,10 @@ def test_measured_reads_are_consistent(full_kit):
     margin is wide because the figures are taken one after another on a machine shared with other work."""
     kit_dir, kit = full_kit
     r = hr.measure_host_reads(kit_dir, kit, passes=3)
-    print(f"\nstream read {r.dram_gbs} GB/s, L3 {r.l3_gbs}; " + ", ".join(f"{k.weight_type} {k.gbs}" for k in r.gemv_reads))
-    assert [k.weight_type for k in r.gemv_reads] == list(kit.weight_types)
+    print(f"\nstream read {r.dram_gbs} GB/s, L3 {r.l3_gbs}; "
+          + ", ".join(f"{k.weight_type} x{k.rows} {k.gbs}" for k in r.gemv_reads))
+    # One figure per weight type at each row count the kit measures (one token; a batched step of 8).
+    assert [(k.weight_type, k.rows) for k in r.gemv_reads] == [(t, m) for t in kit.weight_types for m in (1, 8)]
     assert r.host_read_gbs == r.gemv_reads[0].gbs > 0
     assert all(0 < k.gbs <= 3 * r.dram_gbs for k in r.gemv_reads)
 

@@ -25,11 +25,14 @@ def test_quick_profile_on_this_machine(tmp_path):
     c = hw.cpu
     print(f"\nquick profile in {elapsed:.2f} s (kit cached): dram {c.dram_gbs} GB/s, GEMV {c.host_read_gbs} GB/s, "
           f"L3 {c.l3_gbs} GB/s, sgemm {c.fp32_gflops} GFLOP/s, {c.cores} cores, L3 {c.l3_bytes >> 20} MiB; "
-          + ", ".join(f"{r.weight_type} {r.gbs}" for r in c.gemv_reads))
+          + ", ".join(f"{r.weight_type} x{r.rows} {r.gbs}" for r in c.gemv_reads))
     assert elapsed < 15.0                                                   # a second profile compiles nothing
     assert c.dram_gbs > 0.5 and c.host_read_gbs > 0.5 and c.fp32_gflops > 0.5 and c.l3_gbs > 0.5
-    assert tuple(r.weight_type for r in c.gemv_reads) == WEIGHT_TYPES
+    assert tuple(r.weight_type for r in c.gemv_reads if r.rows == 1) == WEIGHT_TYPES
+    assert tuple(r.weight_type for r in c.gemv_reads if r.rows == 8) == WEIGHT_TYPES     # a batched step's GEMVs
     assert c.host_read_gbs == c.read_gbs("float16") == c.stream_gbs
+    eight = next(r.gbs for r in c.gemv_reads if r.weight_type == "float16" and r.rows == 8)
+    assert c.read_gbs("float16", 8) == min(c.host_read_gbs, eight)                     # 8 rows: what 8 rows read
     assert c.cores >= 1 and c.threads >= c.cores
     assert 0 < c.ram_free_bytes <= c.ram_total_bytes
     assert hw.gpu is None and hw.link is None and hw.block_overhead_ms == 0.0

@@ -256,3 +256,31 @@ def test_cpu_m_is_the_gemv_read_of_the_model_weight_types(laptop):
     assert DeviceRates.of_cpu(cpu, 0.0, analyze_program(qwen3_spec("Qwen3-8B")).linear_bytes_by_type).mem_gbs == \
         pytest.approx(90.0)
     assert DeviceRates.of_cpu(cpu, 0.0).mem_gbs == 90.0
+
+
+def test_batched_decode_reads_at_the_m_row_gemv_rate(laptop):
+    """`helmc profile` also times the GEMVs at 8 rows (a batched step of 8 sequences). A GEMV that turns
+    compute-bound there reads its weights slower: M at B rows is min(M_1, M_8 * 8 / B), per weight type, so a
+    plan for --max-batch 8 charges the CPU blocks what 8 rows cost, and a batch of 2 (still memory-bound at
+    M_8 * 4 > M_1) nothing more. A profile without 8-row figures plans as before."""
+    from helmc.hardware.profile import KernelRead
+    from helmc.planner.search_partition import plan
+    reads = (KernelRead("float16", 90.0), KernelRead("float16", 50.0, 8), KernelRead("q4_k", 60.0),
+             KernelRead("q4_k", 24.0, 8))
+    cpu = dataclasses.replace(laptop.cpu, host_read_gbs=90.0, gemv_reads=reads)
+    assert cpu.read_gbs("float16") == 90.0 and cpu.read_gbs("float16", 8) == 50.0
+    assert cpu.read_gbs("float16", 2) == 90.0 and cpu.read_gbs("float16", 4) == 90.0   # 50 * 8/4 = 100 > 90
+    assert cpu.read_gbs("q4_k", 4) == 48.0 and cpu.read_gbs("q4_k", 16) == 12.0
+    assert cpu.read_gbs("q6_k", 8) == 90.0                                              # not measured: M_1
+    spec = dataclasses.replace(qwen3_spec("Qwen3-8B"), dtype="float16")
+    a = analyze_program(spec)
+    assert DeviceRates.of_cpu(cpu, 0.0, a.linear_bytes_by_type, rows=8).mem_gbs == pytest.approx(50.0)
+    assert DeviceRates.of_cpu(cpu, 0.0, rows=8).mem_gbs == pytest.approx(50.0)
+    with pytest.raises(HelmcError, match="one entry per weight type and row count"):
+        dataclasses.replace(cpu, gemv_reads=reads + (KernelRead("float16", 40.0, 8),))
+    # Planned for 8 sequences, the CPU's share of a step costs 90/50 of what the one-row figures said.
+    hw = dataclasses.replace(laptop, cpu=cpu)
+    flat = dataclasses.replace(laptop, cpu=dataclasses.replace(cpu, gemv_reads=reads[:1] + reads[2:3]))
+    batched, before = plan(spec, hw, batch=8, hybrid=False), plan(spec, flat, batch=8, hybrid=False)
+    assert batched.t_cpu_ms > before.t_cpu_ms
+    assert plan(spec, hw, hybrid=False).t_plan_ms == pytest.approx(plan(spec, flat, hybrid=False).t_plan_ms)

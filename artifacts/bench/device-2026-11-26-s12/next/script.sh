@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 12, call B: the streamed joint prefill's GPU tests again (the loan now carved from the pool's budget);
+# serve 8 concurrent fp16 Qwen3-8B under 7 GiB beside llama-batched-bench -ngl 16 (gguf carried in .devrt/site).
+set -u
+source scripts/device_setup.sh
+M=$HELMC_MODELS
+echo "== start $(date +%T)"
+( bash .devrt/peers/build_llamacpp.sh /tmp/lc > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log" ) &
+bpid=$!
+HELMC_GPU_BATCH_BUNDLES=.devrt/batch_session "$PY" -m pytest -q -s -p no:cacheprovider tests/runtime/test_batch_decode_gpu.py -k streamed > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
+grep -E "passed|failed|skipped|max \||Error|every logit" "$OUT/gpu_tests.log" | grep -v Warning | tail -12
+echo "== models $(date +%T)"
+"$PY" scripts/make_random_model.py "$M/q8fp16" --config qwen3-8b --dtype float16 > "$OUT/make_model.log" 2>&1 &
+"$PY" .devrt/peers/mkgguf.py "$M/q8b_f16.gguf" --config 8b --type f16 > "$OUT/mkgguf.log" 2>&1; echo "mkgguf rc=$?"
+wait
+tail -1 "$OUT/llamacpp_build.log"; ls -la "$M"
+echo "== serve $(date +%T)"
+"$PY" scripts/bench_serve.py .devrt/b8_fp16_7g_b8 --weights "$M/q8fp16" --concurrency 8 --new-tokens 64 \
+  --llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf "$M/q8b_f16.gguf" --ngl 16 --threads 16 \
+  --out "$OUT/serve_fp16_7g_b8.json" > "$OUT/serve.log" 2>&1; echo "rc=$?"
+"$PY" - "$OUT/serve_fp16_7g_b8.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for k, v in d.items():
+    if k not in ("llamacpp", "tokens_first_difference", "bundle"):
+        print(k, [round(x) for x in v] if isinstance(v, list) else v)
+lc = d.get("llamacpp", {}).get("by_batch", {})
+print("llama", {b: (r["decode_tok_s"], r["t_pp_s"], r["t_tg_s"]) for b, r in lc.items()})
+PY
+echo "== done $(date +%T)"
