@@ -18,14 +18,17 @@ GPU_LIB = "gpu_stage.so"
 GPU_CUBIN_INDEX = "gpu_stage.cubins.json"
 
 
-def kv_pool_bytes(plan_pool_bytes: int, loan_bytes: int, free_bytes: int, page_bytes: int) -> int:
+def kv_pool_bytes(plan_pool_bytes: int, loan_bytes: int, free_bytes: int, page_bytes: int,
+                  loan_beside: bool = False) -> int:
     """VRAM of the GPU page pool: the plan's pool in whole pages (rounded down: pages are whole), at
     least two pages (one resident, one being written), and at least the streamed prefill's loan
     (KVCacheGPU keeps its bytes past the last whole page for the loan); at most what is free. The
     plan's pool is at least its loan (cost_model.kv_page_pool_bytes), so this takes no byte it did
-    not count unless the pool is under two pages. Invariant: the result holds the loan whenever
-    `free_bytes` does."""
-    pool = min(free_bytes, max(2 * page_bytes, plan_pool_bytes // page_bytes * page_bytes, loan_bytes))
+    not count unless the pool is under two pages. loan_beside (a plan for several sequences: the loan is
+    held beside the pages, runtime/serve/batch_model.py): the pages' part is rounded, the loan kept whole.
+    Invariant: the result holds the loan whenever `free_bytes` does."""
+    pages = (plan_pool_bytes - loan_bytes if loan_beside else plan_pool_bytes) // page_bytes * page_bytes
+    pool = min(free_bytes, max(2 * page_bytes, pages + (loan_bytes if loan_beside else 0), loan_bytes))
     assert pool >= min(loan_bytes, free_bytes), (pool, loan_bytes, free_bytes)
     return pool
 
@@ -337,7 +340,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
             # reserve; the pages get what it left, with the loan as their floor.
             page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
-            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, loan, free_after, page_bytes)
+            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, loan, free_after, page_bytes, loan_beside=plan.batch > 1)
         else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
             budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
             budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)

@@ -227,6 +227,13 @@ def test_serving_holds_the_loan_beside_the_pages(q8, laptop):
     assert dev.total <= dev.available
     _, over = memory_needs(q8, laptop, cpu, gpu, no_off, context=ctx + KV_PAGE_TOKENS)      # the GPU binds here
     assert over.total > over.available
+    # The runtime's pool of such a plan: the pages' part in whole pages, the loan whole beside it, so the batch
+    # model's slots still get their two pages each after it carves the loan out.
+    from helmc.runtime.gpu_session import kv_pool_bytes
+    cpu, gpu = q8.stage(0, 21), q8.stage(21, 38)
+    plan_pool = lent8 + 8 * 2 * page + page // 20                               # a twentieth of a page of slack
+    assert kv_pool_bytes(plan_pool, lent8, 1 << 40, page, loan_beside=True) == lent8 + 16 * page
+    assert kv_pool_bytes(plan_pool, lent8, 1 << 40, page) < lent8 + 16 * page    # rounded whole: under 2 a slot
 
 
 def test_workload_validation():
