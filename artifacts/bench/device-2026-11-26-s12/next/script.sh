@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Session 12, call B: the streamed joint prefill's GPU tests again (the loan now carved from the pool's budget);
-# serve 8 concurrent fp16 Qwen3-8B under 7 GiB beside llama-batched-bench -ngl 16 (gguf carried in .devrt/site).
+# Prepared in session 12, not run (device time spent): the streamed joint prefill's GPU tests (the loan now carved
+# from the pool's budget); helmc profile with the format-2 kit (decode GEMVs at 1 and 8 rows); serve 8 concurrent
+# fp16 Qwen3-8B under 7 GiB beside llama-batched-bench -ngl 16 (gguf carried in .devrt/site).
+# Here first: tests/device/build_batch_session_bundles.py .devrt/batch_session; tests/device/device_profile_check.py
+# .devrt/profile_kit --build --hardware artifacts/profiles/h100-sxm-profiled-s11.json; helmc build /tmp/q8cfg
+# artifacts/profiles/h100-sxm-profiled-s11.json --gpu-budget 7 --max-batch 8 --no-hybrid -o .devrt/b8_fp16_7g_b8;
+# cp -r .venv/lib/python3.11/site-packages/gguf .devrt/site/. Carry .devrt/{site,peers,profile_kit,b8_fp16_7g_b8,
+# batch_session/fp16_streamed} and this script.
 set -u
 source scripts/device_setup.sh
 M=$HELMC_MODELS
 echo "== start $(date +%T)"
-( bash .devrt/peers/build_llamacpp.sh /tmp/lc > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log" ) &
-bpid=$!
 HELMC_GPU_BATCH_BUNDLES=.devrt/batch_session "$PY" -m pytest -q -s -p no:cacheprovider tests/runtime/test_batch_decode_gpu.py -k streamed > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
 grep -E "passed|failed|skipped|max \||Error|every logit" "$OUT/gpu_tests.log" | grep -v Warning | tail -12
+echo "== profile $(date +%T)"
+"$PY" tests/device/device_profile_check.py .devrt/profile_kit --out "$OUT/profile" > "$OUT/profile.log" 2>&1; echo "rc=$?"
+grep -v Warning "$OUT/profile.log" | grep -E "GEMV reads|dram_gbs|host_read_gbs|combined" | head -6
+# The peer's build only after the profile: its 16 compile jobs would take the cores the profile measures.
+( bash .devrt/peers/build_llamacpp.sh /tmp/lc > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log" ) &
 echo "== models $(date +%T)"
 "$PY" scripts/make_random_model.py "$M/q8fp16" --config qwen3-8b --dtype float16 > "$OUT/make_model.log" 2>&1 &
 "$PY" .devrt/peers/mkgguf.py "$M/q8b_f16.gguf" --config 8b --type f16 > "$OUT/mkgguf.log" 2>&1; echo "mkgguf rc=$?"
