@@ -120,9 +120,12 @@ class DeviceRates:
         return dataclasses.replace(rates, block_overhead_ms=0.0, step_overhead_ms=0.0)
 
 
-def rate_fallbacks(hw: HardwareProfile) -> tuple[str, ...]:
-    """Which thesis fallbacks the cost model used for this profile, for the plan table."""
+def rate_fallbacks(hw: HardwareProfile, w: Workload | None = None) -> tuple[str, ...]:
+    """Which thesis fallbacks the cost model used for this profile (and workload), for the plan table."""
     out = []
+    if w is not None and w.batch > 1 and w.objective == "decode" and not any(r.rows > 1 for r in hw.cpu.gemv_reads):
+        out.append(f"CPU decode of {w.batch} sequences at the one-row GEMVs' read rate (the profile has no batched "
+                   "GEMV figures; helmc profile measures them)")
     if hw.cpu.fp32_gflops <= 0:
         out.append("CPU P_dec = M (fp32 rate not measured; thesis 4.1.2)")
     if hw.cpu.l3_gbs <= 0:

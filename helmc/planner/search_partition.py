@@ -108,7 +108,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
                 output_len=w.output_len, batch=w.batch, candidates=tuple(rows), kv_offload=w.kv_offload,
                 cpu_weight_bytes=a.held_bytes(cpu), gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0,
                 usable_vram_bytes=hw.usable_vram_bytes, ram_free_bytes=hw.cpu.ram_free_bytes,
-                hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw), prefill_on_gpu=staging > 0,
+                hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw, w), prefill_on_gpu=staging > 0,
                 prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0, prefill_staging_bytes=staging,
                 gpu_kv_pool_bytes=kv_pool if gpu.units else 0, **extra)
 

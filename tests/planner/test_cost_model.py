@@ -290,4 +290,7 @@ def test_batched_decode_reads_at_the_m_row_gemv_rate(laptop):
     flat = dataclasses.replace(laptop, cpu=dataclasses.replace(cpu, gemv_reads=reads[:1] + reads[2:3]))
     batched, before = plan(spec, hw, batch=8, hybrid=False), plan(spec, flat, batch=8, hybrid=False)
     assert batched.t_cpu_ms > before.t_cpu_ms
+    # A plan for a batch says when its CPU figure had no batched GEMV rate behind it.
+    assert any("no batched GEMV figures" in f for f in before.fallbacks)
+    assert not any("no batched GEMV figures" in f for f in batched.fallbacks)
     assert plan(spec, hw, hybrid=False).t_plan_ms == pytest.approx(plan(spec, flat, hybrid=False).t_plan_ms)
