@@ -156,16 +156,7 @@ class BatchModel:
         fit the loan (each group streams the CPU blocks' weights once), one-token prompts as one batched decode
         step, as prefill() runs them alone."""
         out: list = [None] * len(items)
-        loan = self._loan_bytes
-        groups: list[list[int]] = []
-        for i, (_, ids) in enumerate(items):
-            if len(ids) == 1:
-                continue
-            if groups and self.streamed.buffer_bytes([len(items[j][1]) for j in groups[-1]] + [len(ids)]) <= loan:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        for g in groups:
+        for g in loan_groups([len(ids) for _, ids in items], self.streamed.buffer_bytes, self._loan_bytes):
             for i, row in zip(g, self._prefill_streamed([items[i] for i in g])):
                 out[i] = row
         ones = [i for i, (_, ids) in enumerate(items) if len(ids) == 1]
@@ -256,6 +247,21 @@ class BatchModel:
         if not isinstance(xs, tvm.runtime.Tensor):
             xs = tvm.runtime.tensor(np.ascontiguousarray(xs), dev)
         return self.session.head(xs, "prefill", True)
+
+
+def loan_groups(lengths: list[int], buffer_bytes, loan: int) -> list[list[int]]:
+    """The prompts (by index, lengths[i] tokens) that stream together: in order, each group as long as its
+    buffer_bytes(lengths) fits the loan; a prompt whose buffers alone do not fit goes alone (its run allocates
+    its own). One-token prompts are left out (they run as a decode step)."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if n == 1:
+            continue
+        if groups and buffer_bytes([lengths[j] for j in groups[-1]] + [n]) <= loan:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _cpu_cache_like(stage):

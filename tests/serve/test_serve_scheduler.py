@@ -59,3 +59,22 @@ def test_refuses_what_can_never_fit():
     with pytest.raises(HelmcError, match="already queued"):
         s.submit(req("ok"))
     assert [r.request_id for r in s.waiting] == ["ok"]
+
+
+def test_newcomers_stream_together_while_their_buffers_fit_the_loan():
+    """BatchModel's joint streamed prefill: prompts in arrival order share a crossing of the CPU blocks while the
+    block arena plus their buffers fit the loan; a prompt too long for the loan goes alone; one-token prompts are
+    not streamed (they decode)."""
+    from helmc.runtime.prefill_stream import streamed_prefill_bytes
+    from helmc.runtime.serve.batch_model import loan_groups
+
+    class Spec:                                    # Qwen3-8B's sizes: all streamed_prefill_bytes reads of a spec
+        hidden_size, num_kv_heads, head_dim = 4096, 8, 128
+    arena = 400 << 20
+    size = lambda lengths: streamed_prefill_bytes(arena, lengths, Spec)        # noqa: E731
+    loan = size([128] * 4)                                                      # planned: 4 prompts of 128
+    assert loan_groups([128, 128, 1, 128, 128, 128], size, loan) == [[0, 1, 3, 4], [5]]
+    assert loan_groups([100, 60, 200, 1], size, loan) == [[0, 1, 2]]
+    assert loan_groups([2000, 5, 5], size, loan) == [[0], [1, 2]]             # 2000 tokens: alone, over the loan
+    assert loan_groups([1, 1], size, loan) == []
+    assert size([128]) < loan and size([2000]) > loan
