@@ -5,8 +5,9 @@
 # Here first: tests/device/build_batch_session_bundles.py .devrt/batch_session; tests/device/device_profile_check.py
 # .devrt/profile_kit --build --hardware artifacts/profiles/h100-sxm-profiled-s11.json; helmc build /tmp/q8cfg
 # artifacts/profiles/h100-sxm-profiled-s11.json --gpu-budget 7 --max-batch 8 --no-hybrid -o .devrt/b8_fp16_7g_b8;
-# cp -r .venv/lib/python3.11/site-packages/gguf .devrt/site/. Carry .devrt/{site,peers,profile_kit,b8_fp16_7g_b8,
-# batch_session/fp16_streamed} and this script.
+# helmc build /tmp/q8cfg artifacts/profiles/h100-sxm-profiled-s11.json --gpu-budget 7 --prompt-len 32768
+# --output-len 16 -o .devrt/b8_fp16_7g_32k; cp -r .venv/lib/python3.11/site-packages/gguf .devrt/site/.
+# Carry .devrt/{site,peers,profile_kit,b8_fp16_7g_b8,b8_fp16_7g_32k,batch_session/fp16_streamed} and this script.
 set -u
 source scripts/device_setup.sh
 M=$HELMC_MODELS
@@ -36,4 +37,11 @@ for k, v in d.items():
 lc = d.get("llamacpp", {}).get("by_batch", {})
 print("llama", {b: (r["decode_tok_s"], r["t_pp_s"], r["t_tg_s"]) for b, r in lc.items()})
 PY
+echo "== 32K prefill $(date +%T)"
+# Issue 16's 32K prompt under 7 GiB; llama.cpp at -ngl 8 and 10 (its KV and 32K compute buffers sit beside the
+# layers: the JSON's peak VRAM says which stayed within 7 GiB).
+"$PY" scripts/bench_decode.py --model "$M/q8fp16" --bundle .devrt/b8_fp16_7g_32k --prompt-len 32768 --new-tokens 8 \
+  --requests 1 --skip accelerate,hf_gpu --llama-bench /tmp/lc/build/bin/llama-bench --llama-gguf "$M/q8b_f16.gguf" \
+  --llama-ngl 8,10 --threads 16 --out "$OUT/prefill_32k.json" > "$OUT/prefill_32k.log" 2>&1; echo "rc=$?"
+grep -E "TTFT|llama.cpp -ngl" "$OUT/prefill_32k.log" | grep -v Warning | tail -6
 echo "== done $(date +%T)"
