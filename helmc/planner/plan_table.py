@@ -27,7 +27,8 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     lines = [f"partition search: {title}; objective {plan.objective}, prompt {plan.prompt_len}, "
              f"output {plan.output_len}, batch {plan.batch}, KV offload {'on' if plan.kv_offload else 'off'}",
              f"usable VRAM {plan.usable_vram_bytes / gib:.2f} GiB, free host RAM {plan.ram_free_bytes / gib:.2f} GiB"]
-    unit = "ms/token" if plan.objective == "decode" else "ms to first token"
+    unit = ("ms/token" if plan.batch == 1 else f"ms per decode step of {plan.batch} sequences (a token each)") \
+        if plan.objective == "decode" else "ms to first token"
     header = (f"  {'k':>3} {'CPU units':<12} {'GPU units':<12} {'T_cpu':>9} {'T_gpu':>9} {'T_comm':>8} "
               f"{'T_plan':>9} {'VRAM GiB':>9} {'host GiB':>9}  feasible")
     lines += [f"times in {unit}", header]
@@ -51,6 +52,9 @@ def format_plan_table(plan: Plan, spec=None) -> str:
                  f"T_gpu {plan.t_gpu_ms:.2f} + T_comm {plan.t_comm_ms:.4f}); weights CPU "
                  f"{plan.cpu_weight_bytes / gib:.2f} GiB, GPU {plan.gpu_weight_bytes / gib:.2f} GiB; "
                  f"max context {plan.max_context} tokens")
+    if plan.objective == "decode" and plan.batch > 1 and plan.t_plan_ms > 0:
+        lines.append(f"serving {plan.batch} sequences at once: {plan.batch * 1000 / plan.t_plan_ms:.1f} tok/s in all, "
+                     f"{1000 / plan.t_plan_ms:.2f} each (predicted)")
     if plan.is_hybrid:
         lines += hybrid_lines(plan)
     if plan.prefill_on_gpu:

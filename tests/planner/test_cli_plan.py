@@ -29,6 +29,19 @@ def test_plan_table_marks_the_chosen_row(q8_dir):
     assert "note: CPU P_dec = M" in r.output                         # the preset's unmeasured figures are said
 
 
+def test_plan_for_a_batch_says_per_step_and_throughput(q8_dir):
+    """--batch 8 (what `helmc serve --max-batch 8` runs): times are per decode step of 8 sequences, and the table
+    says the predicted tokens per second in all and per sequence; one sequence keeps ms/token and no such line."""
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid", "--json"])
+    t_plan = json.loads(r.output)["t_plan_ms"]
+    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid"])
+    assert r.exit_code == 0, r.output
+    assert "times in ms per decode step of 8 sequences" in r.output
+    assert f"serving 8 sequences at once: {8000 / t_plan:.1f} tok/s in all, {1000 / t_plan:.2f} each" in r.output
+    one = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--no-hybrid"])
+    assert "times in ms/token" in one.output and "serving" not in one.output
+
+
 def test_plan_json(q8_dir, tmp_path):
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--json", "-o", str(out), "--no-stream-prefill"])
