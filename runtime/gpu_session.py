@@ -238,15 +238,22 @@ class GpuParts:
                         to_tvm(xg), to_tvm(cp.asarray(np.ascontiguousarray(cos[c0:c1]))),
                         to_tvm(cp.asarray(np.ascontiguousarray(sin[c0:c1]))), [gpu_caches[b]], [c1 - c0]))
             last.append(xg[-1:])                                                     # [n, H] -> [1, H]
+        return list(self._head_of_last_rows(last))                                   # [B, V] -> B x [V]
+
+    def _head_of_last_rows(self, last: list):
+        """Logits [B, V] on the host of B last rows [1, H] on the device: one through the decode head (as _forward
+        runs it), several through the batched decode variant padded to its size (each row as the one-row head)."""
+        import cupy as cp
+        to_tvm = self.cupy_to_tvm
         if len(last) == 1:
             logits = self.head_fns["decode"](to_tvm(cp.ascontiguousarray(last[0])), *self.head_weights)
-            return list(cp.asnumpy(self.tvm_to_cupy(logits)))                        # [1, V] -> [V]
+            return cp.asnumpy(self.tvm_to_cupy(logits))                              # [1, V]
         sizes = sorted(int(p[len("decode_b"):]) for p in self.head_fns if p.startswith("decode_b"))
         padded = next(b for b in sizes if b >= len(last))
-        last.append(cp.zeros((padded - len(last), last[0].shape[1]), last[0].dtype))   # padding rows
-        logits = self.head_fns[batch_phase(padded)](to_tvm(cp.ascontiguousarray(cp.concatenate(last))),
+        rows = last + [cp.zeros((padded - len(last), last[0].shape[1]), last[0].dtype)]   # padding rows
+        logits = self.head_fns[batch_phase(padded)](to_tvm(cp.ascontiguousarray(cp.concatenate(rows))),
                                                     *self.head_weights)
-        return list(cp.asnumpy(self.tvm_to_cupy(logits)[:len(xs)]))                  # [padded, V] -> B x [V]
+        return cp.asnumpy(self.tvm_to_cupy(logits)[:len(last)])                      # [padded, V] -> [B, V]
 
     def prefill_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
                       rows: list[int]) -> np.ndarray:
@@ -271,12 +278,7 @@ class GpuParts:
                         to_tvm(cp.asarray(np.ascontiguousarray(sin[a:a + n]))), [gpu_caches[b]], [n]))
                 last.append(xg[-1:])
                 a += n
-            sizes = sorted(int(p[len("decode_b"):]) for p in self.head_fns if p.startswith("decode_b"))
-            padded = next(b for b in sizes if b >= len(rows))
-            last.append(cp.zeros((padded - len(rows), last[0].shape[1]), last[0].dtype))    # padding rows
-            logits = self.head_fns[batch_phase(padded)](to_tvm(cp.ascontiguousarray(cp.concatenate(last))),
-                                                        *self.head_weights)
-            return cp.asnumpy(self.tvm_to_cupy(logits)[:len(rows)])                 # [padded, V] -> [B, V]
+            return self._head_of_last_rows(last)                                    # [B, V], B = len(rows) > 1
 
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
     import cupy as cp
