@@ -322,6 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-gguf", default=None,
                     help="the GGUF file llama-bench runs (default --model; for an HF --model, the same shapes as GGUF)")
     ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench repetitions (-r; a 32K prompt takes minutes)")
     ap.add_argument("--eager-too", action="store_true",
                     help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
     ap.add_argument("--out", default=None)
@@ -377,7 +378,8 @@ def main(argv=None) -> int:
         from llamacpp_peer import llama_bench
         report["llamacpp"] = []
         for ngl in (int(n) for n in a.llama_ngl.split(",")):
-            r = llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, threads=a.threads)
+            r = llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, reps=a.llama_reps,
+                            threads=a.threads)
             vram = f", peak VRAM {r['peak_vram_gib']:.2f} GiB" if r.get("peak_vram_gib") is not None else ""
             log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s{vram}")
             report["llamacpp"].append(r)

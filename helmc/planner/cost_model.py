@@ -265,8 +265,8 @@ def kv_staging_bytes(a: ProgramAnalysis, gpu: StageLoad, batch: int) -> int:
     if not gpu.blocks:
         return 0
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
-    return batch * KVCacheGPU.workspace_bytes(a.num_heads, a.num_kv_heads, a.head_dim, KV_PAGE_TOKENS,
-                                              score_budget_bytes=KV_SCORE_TILE_BYTES)
+    return KVCacheGPU.workspace_bytes(a.num_heads, a.num_kv_heads, a.head_dim, KV_PAGE_TOKENS,
+                                      score_budget_bytes=KV_SCORE_TILE_BYTES, caches=batch)
 
 
 def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload) -> int:

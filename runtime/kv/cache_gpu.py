@@ -112,12 +112,15 @@ class KVCacheGPU:
     # ------------------------------------------------------------------ sizes and state
     @staticmethod
     def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
-                        staging_pages: int = 16, score_budget_bytes: int = 32 << 20, max_splits: int = 128) -> int:
-        """VRAM the cache uses beyond its page pool: staging, split partials, and prefill's score tile
-        with its exp and mask temporaries (about three tiles at once)."""
+                        staging_pages: int = 16, score_budget_bytes: int = 32 << 20, max_splits: int = 128,
+                        caches: int = 1) -> int:
+        """VRAM `caches` caches use beyond their page pools: each one's staging and split partials (held for
+        the cache's life), and prefill's score tile with its exp and mask temporaries (about three tiles at
+        once), counted once: they are taken from the allocator's pool for one prefill's attention and given
+        back, and the caches of a batch prefill one sequence at a time on one stream."""
         staging = staging_pages * 2 * num_kv_heads * page_tokens * head_dim * 2
         partials = max_splits * num_heads * (head_dim + 2) * 4
-        return staging + partials + 3 * score_budget_bytes
+        return caches * (staging + partials) + 3 * score_budget_bytes
 
     @property
     def length(self) -> int:

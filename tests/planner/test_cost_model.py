@@ -236,6 +236,22 @@ def test_serving_holds_the_loan_beside_the_pages(q8, laptop):
     assert kv_pool_bytes(plan_pool, lent8, 1 << 40, page) < lent8 + 16 * page    # rounded whole: under 2 a slot
 
 
+def test_serving_counts_the_prefill_score_tiles_once(q8, laptop):
+    """Each of 8 slot caches holds its staging pages and split partials for its life, but prefill's score tiles
+    come from the allocator's pool for one prompt's attention at a time, so a batch counts them once (session 12
+    counted them 8 times: 0.66 GiB of a 7 GiB budget, two blocks' worth, went to tiles never live together)."""
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    from helmc.planner.cost_model import kv_staging_bytes
+    one = KVCacheGPU.workspace_bytes(32, 8, 128, KV_PAGE_TOKENS, score_budget_bytes=KV_SCORE_TILE_BYTES)
+    tiles = 3 * KV_SCORE_TILE_BYTES
+    assert kv_staging_bytes(q8, q8.stage(21, 38), 1) == one
+    assert kv_staging_bytes(q8, q8.stage(21, 38), 8) == 8 * (one - tiles) + tiles
+    _, d1 = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), Workload(stream_prefill=False))
+    _, d8 = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), Workload(stream_prefill=False, batch=8))
+    acts = q8.workspace_bytes(q8.stage(21, 38), 8, 128) - q8.workspace_bytes(q8.stage(21, 38), 1, 128)
+    assert d8.workspace - d1.workspace == 7 * (one - tiles) + acts
+
+
 def test_workload_validation():
     with pytest.raises(HelmcError, match="objective expected"):
         Workload(objective="train")
