@@ -111,7 +111,8 @@ class Stage:
             x = self._post[(phase, j)](x, attn, *binding.post)
         return x
 
-    def forward_batch(self, x, cos, sin, caches: list, rows: list[int]):
+    def forward_batch(self, x, cos, sin, caches: list, rows: list[int], blocks: range | None = None,
+                      advance: bool = True):
         """Several sequences in one step: x [S, H], cos/sin [S, D] (each row at its own sequence's position);
         sequence b owns the next rows[b] rows and its own KV cache caches[b]. The compiled functions are
         position-wise, so one call per block serves every row (each weight read once per step for all sequences)
@@ -119,13 +120,15 @@ class Stage:
         rows of 1 each, several sequences: a batched decode step on the decode_b{S} variant, S =
         decode_step_rows(rows, batch_sizes) >= len(rows); rows past the sequences' are padding (no attention,
         no KV; the caller drops their outputs). Each real row's result is bit-identical to its one-token decode.
-        Otherwise S = sum(rows) on the prefill variant (any number of rows), or decode for one row."""
+        Otherwise S = sum(rows) on the prefill variant (any number of rows), or decode for one row.
+        blocks / advance: as run_blocks (hybrid decode runs one group at a time and commits the step once every
+        group has appended its KV)."""
         S = x.shape[0]
         assert len(caches) == len(rows) and decode_step_rows(rows, self.batch_sizes) == S, (len(caches), rows, S)
         phase = batch_phase(S) if len(rows) > 1 and all(n == 1 for n in rows) else "decode" if S == 1 else "prefill"
         starts = [sum(rows[:b]) for b in range(len(rows))]
-        for local, binding in enumerate(self.bindings):
-            j = self._signature[local]
+        for local in (range(len(self.bindings)) if blocks is None else blocks):
+            binding, j = self.bindings[local], self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
             outs = []
@@ -136,8 +139,9 @@ class Stage:
                 outs.append(_array_module(outs[0]).zeros((S - sum(rows), self.spec.q_dim), outs[0].dtype))
             o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]
             x = self._post[(phase, j)](x, self.from_array(o), *binding.post)
-        for kv, n in zip(caches, rows):
-            kv.advance(n)
+        if advance:
+            for kv, n in zip(caches, rows):
+                kv.advance(n)
         return x
 
 
