@@ -136,6 +136,7 @@ class GpuParts:
         self.decode_graph = decode_graph        # DecodeGraph, or None (no GPU blocks, or graphs turned off)
         self.stream = stream                    # every kernel and copy of a step, TVM's and CuPy's, goes here
         self.hybrid = hybrid                    # HybridDecode (runtime/hybrid/) for a hybrid plan's decode, or None
+        self._batch_decode = None               # its batched twin (runtime/hybrid/batch.py), made on first use
 
     def reset(self):
         if self.stage is not None:
@@ -161,7 +162,7 @@ class GpuParts:
         gpu_rows = {}
         if phase == "prefill" and self.streamed_prefill is not None and self.cpu_kv.length == 0:
             x = self.streamed_prefill.run(x, cos, sin)             # [S, H] fp16 back on the host
-            gpu_rows = self.streamed_prefill.take_gpu_rows()       # hybrid: the streamed blocks' K, V
+            gpu_rows = self.streamed_prefill.take_gpu_rows()[0]    # hybrid: the streamed blocks' K, V
         elif self.hybrid is not None:
             raise HelmcError("hybrid decode: a prompt runs only on an empty cache, through the streamed prefill; "
                              f"found {self.cpu_kv.length} tokens cached")
@@ -196,7 +197,22 @@ class GpuParts:
         Stage.forward_batch; one crossing for all rows; the head on each sequence's last row. Logits [B, V]."""
         from helmc.runtime.cuda_runtime import tvm_stream
         with self.stream, tvm_stream(self.stream):
+            if self.hybrid is not None:
+                return self._hybrid_batch(x, cos, sin, cpu_caches, gpu_caches, rows)
             return self._forward_batch(x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows)
+
+    def _hybrid_batch(self, x, cos, sin, cpu_caches, gpu_caches, rows):
+        """A decode step of several sequences through the hybrid plan's groups (runtime/hybrid/batch.py); a
+        prompt goes through the streamed prefill instead (BatchModel), so every sequence has one row here."""
+        if not all(n == 1 for n in rows):
+            raise HelmcError(f"hybrid decode: a batched step expected one token per sequence, found rows {rows}")
+        if self._batch_decode is None:
+            from helmc.runtime.hybrid.batch import BatchHybridBackend
+            from helmc.runtime.hybrid.executor import HybridDecode
+            self._batch_decode = HybridDecode(self.hybrid.schedule, BatchHybridBackend(
+                self.hybrid.backend, self.stage, self.head_fns, self.head_weights))
+        self._batch_decode.backend.bind(cpu_caches, gpu_caches, rows)
+        return self._batch_decode.step(x, cos, sin)                 # [B, V] on the host
 
     def _forward_batch(self, x, cos, sin, cpu_stage, cpu_caches, gpu_caches, rows):
         import cupy as cp
@@ -220,11 +236,13 @@ class GpuParts:
         return cp.asnumpy(self.tvm_to_cupy(logits))                              # [B, V] float32 back to the host
 
 
-    def finish_prefill(self, xs: list, coss: list, sins: list, gpu_caches) -> list[np.ndarray]:
+    def finish_prefill(self, xs: list, coss: list, sins: list, gpu_caches, gpu_rows: list | None = None) -> list[np.ndarray]:
         """After the streamed prefill of several prompts (BatchModel._prefill_streamed, on this stream): each
         prompt's x [S_b, H] (host, fp16) through the GPU stage on its own cache gpu_caches[b], chunk by chunk as
         _forward runs one prompt, then the head on the last rows (one: the decode head, as _forward; several:
-        the batched decode variant, each row as the one-row head). Logits [V] per prompt, on the host."""
+        the batched decode variant, each row as the one-row head). Logits [V] per prompt, on the host.
+        gpu_rows[b] (hybrid decode): the streamed blocks' K, V of prompt b by GPU-cache layer
+        (StreamedPrefill.take_gpu_rows), appended chunk by chunk in the resident blocks' KV step, as _forward does."""
         import cupy as cp
         to_tvm, last = self.cupy_to_tvm, []
         for b, (x, cos, sin) in enumerate(zip(xs, coss, sins)):
@@ -232,6 +250,8 @@ class GpuParts:
             step = self.chunk or S
             for c0 in range(0, S, step):
                 c1 = min(S, c0 + step)
+                for layer, (k, v) in (gpu_rows[b] if gpu_rows else {}).items():
+                    gpu_caches[b].append(layer, cp.asarray(k[c0:c1]), cp.asarray(v[c0:c1]))
                 xg = cp.asarray(np.ascontiguousarray(x[c0:c1], self.act_dtype))     # the host-to-device crossing
                 if self.stage is not None:
                     xg = self.tvm_to_cupy(self.stage.forward_batch(

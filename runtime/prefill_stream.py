@@ -144,7 +144,7 @@ class StreamedPrefill:
         if len(self.kv_targets) != len(arenas) or {t for t, _ in self.kv_targets} - {"cpu", "gpu"}:
             raise HelmcError(f"StreamedPrefill: expected a ('cpu' | 'gpu', layer) target per arena, found "
                              f"{self.kv_targets} for {len(arenas)} arenas")
-        self.gpu_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.gpu_rows: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []     # per prompt of the last run
         self.bytes_streamed = 0
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
@@ -174,8 +174,6 @@ class StreamedPrefill:
         for kv in kvs:
             if kv.length != 0:
                 raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {kv.length} tokens")
-        if len(prompts) > 1 and any(t == "gpu" for t, _ in self.kv_targets):
-            raise HelmcError("streamed prefill: hybrid decode's streamed blocks take one prompt at a time")
         lengths = [x.shape[0] for x, _, _ in prompts]
         H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
         total = self.buffer_bytes(lengths)
@@ -199,6 +197,7 @@ class StreamedPrefill:
             cos_g.set(np.ascontiguousarray(cos, np.float32))
             sin_g.set(np.ascontiguousarray(sin, np.float32))
             seqs.append((xg, scratch, cos_g, sin_g))
+        self.gpu_rows = [{} for _ in prompts]
         bindings = {}            # one per arena layout (type signature), all over the same device buffer
         for a in self.arenas:
             if a.slots not in bindings:
@@ -212,7 +211,7 @@ class StreamedPrefill:
             self.bytes_streamed += arena.nbytes
             fns = self.fns[self.spec.signature_index(arena.layer)]
             where, layer = self.kv_targets[local]
-            for (xg, scratch, cos_g, sin_g), kv, S in zip(seqs, kvs, lengths):
+            for (xg, scratch, cos_g, sin_g), kv, S, gpu_rows in zip(seqs, kvs, lengths, self.gpu_rows):
                 for c0 in range(0, S, self.chunk):
                     c1 = min(S, c0 + self.chunk)
                     xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0,
@@ -222,15 +221,15 @@ class StreamedPrefill:
                 if where == "cpu":
                     kv.append(layer, k_rows, v_rows)
                 else:
-                    self.gpu_rows[layer] = (np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows))
+                    gpu_rows[layer] = (np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows))
         for kv, S in zip(kvs, lengths):
             kv.advance(S)
         return [xg.get() for xg, _, _, _ in seqs]                          # synchronous: the loan ends here
 
-    def take_gpu_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """The last run's K, V rows [S, h_kv, d] of the arenas whose target is the GPU cache, by its layer index
-        (handed over once: the caller appends them chunk by chunk beside the resident blocks' own)."""
-        rows, self.gpu_rows = self.gpu_rows, {}
+    def take_gpu_rows(self) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
+        """The last run's K, V rows [S_b, h_kv, d] of the arenas whose target is the GPU cache, per prompt, by its
+        layer index (handed over once: the caller appends them chunk by chunk beside the resident blocks' own)."""
+        rows, self.gpu_rows = self.gpu_rows, []
         return rows
 
     def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns):

@@ -62,9 +62,10 @@ BUILD_HYBRID = True
 
 def hybrid_allowed(hybrid: bool, stream_prefill: bool, batch: int) -> bool:
     """Whether a build searches hybrid layouts: asked for (BUILD_HYBRID, `--hybrid`), with the host blocks' prefill
-    streamed to the GPU (runtime/hybrid keeps today's streamed prefill and refuses a plan without it), for one
-    sequence at a time (serving decodes a hybrid plan one sequence at a time: runtime/serve/batch_model)."""
-    return BUILD_HYBRID and hybrid and stream_prefill and batch == 1
+    streamed to the GPU (runtime/hybrid keeps today's streamed prefill and refuses a plan without it). Any batch:
+    serving several sequences runs the schedule's batched twin (runtime/hybrid/batch.py)."""
+    assert batch >= 1, batch
+    return BUILD_HYBRID and hybrid and stream_prefill
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,

@@ -327,13 +327,13 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
     lent = prefill_lent_bytes(a, cpu, gpu, w)
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
-    if gpu.blocks and B > 1 and lent:
+    if (gpu.blocks or s.blocks) and B > 1 and lent:
         # Serving: newcomers' prompts stream while the running sequences hold their pages, so the loan is VRAM
         # of its own beside the pages (runtime/serve/batch_model.py carves it out of the pool); with offload
         # each sequence's cache needs two pages (one resident, one being written).
         floor = B * 2 * KV_PAGE_TOKENS * (gpu.kv_bytes_per_token + s.kv_bytes_per_token) if w.kv_offload else 0
         gpu_kv = max(gpu_kv, floor) + lent
-    elif gpu.blocks:
+    elif gpu.blocks or s.blocks:
         gpu_kv = max(gpu_kv, lent)            # the page pool doubles as the streamed prefill's buffers
     else:
         gpu_ws += lent                        # no page pool to borrow: the GPU holds only the head
@@ -360,7 +360,7 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if gpu.units and not w.kv_offload and gpu_kv_tok:
         # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits; serving (B > 1)
         # holds the loan beside the pages (memory_needs).
-        beside = prefill_lent_bytes(a, cpu, gpu, w) if B > 1 and gpu.blocks else 0
+        beside = prefill_lent_bytes(a, cpu, gpu, w) if B > 1 and (gpu.blocks or s.blocks) else 0
         gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv) - beside) // (B * gpu_kv_tok)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:

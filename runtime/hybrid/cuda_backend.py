@@ -39,6 +39,10 @@ class CupyArrays:
         """Host -> device array, on the current stream (pageable source: the driver stages it)."""
         dst.set(np.ascontiguousarray(host, dst.dtype).reshape(dst.shape))
 
+    def device(self, host: np.ndarray):
+        """A new device array holding `host`, on the current stream."""
+        return self.cp.asarray(host)
+
     def get(self, dev) -> np.ndarray:
         """Device -> host; synchronizes the current stream only."""
         return self.cp.asnumpy(dev)

@@ -54,7 +54,7 @@ def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_st
         bindings = [ring_bindings(ring, by_layer[s.layer], s.offset, spec, to_tvm) for s in p.slots]
         layers = range(p.slots[0].layer, p.slots[-1].layer + 1)
         streamed.append(Stage(f"streamed{p.index}", vm, spec, layers, stage.kv, bindings, to_array=to_cupy,
-                              from_array=to_tvm, kv_base=p.gpu_kv_base))
+                              from_array=to_tvm, batch_sizes=stage.batch_sizes, kv_base=p.gpu_kv_base))
 
     if graph is not None:
         def resident(x, cos, sin):

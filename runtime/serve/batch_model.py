@@ -6,7 +6,9 @@ as they are. A step runs the compiled position-wise block functions once on the 
 (Stage.forward_batch: each weight read once per step for all of them) and attention per sequence on its own
 slot's cache; the head runs on the last row of each sequence. With a plan whose prefill streams the CPU blocks
 to the GPU (plan.prefill_on_gpu), new requests' prompts go that way, together: each CPU block's weights cross
-PCIe once for all of them, into a loan of VRAM kept beside the slots' pages (the plan counts both).
+PCIe once for all of them, into a loan of VRAM kept beside the slots' pages (the plan counts both). A hybrid
+decode plan (runtime/hybrid/) serving several sequences runs its schedule's batched twin (runtime/hybrid/batch.py):
+each streamed group's weights cross PCIe once per step for all of them.
 
     m = BatchModel(session, max_batch=4)
     logits = m.prefill(slot=2, ids=[...])          # [V]
@@ -31,17 +33,21 @@ class BatchModel:
                              f"sequences at once (build it with `helmc build ... --max-batch {max_batch}`)")
         self.session, self.spec, self.max_batch = session, session.spec, max_batch
         self.max_context = session.plan.max_context
-        # A hybrid decode plan (runtime/hybrid/) runs one sequence through the session's own step: its CPU stage
-        # holds only the CPU groups, so the batched stages below do not apply.
-        self.hybrid = session.plan.is_hybrid
+        # A hybrid decode plan (runtime/hybrid/) serving one sequence runs the session's own step (its captured
+        # decode graph); several go through the batched twin of its schedule (runtime/hybrid/batch.py) on the slot
+        # caches below: the CPU stage holds the CPU groups' blocks, the GPU cache the streamed and resident ones.
+        self.hybrid = session.plan.is_hybrid and max_batch == 1
         if self.hybrid:
-            if max_batch != 1:
-                raise HelmcError(f"--max-batch {max_batch}: a bundle with hybrid decode serves one sequence at a "
-                                 "time (build it with `helmc build ... --no-hybrid` to batch)")
             self.cpu_caches = self.gpu_caches = None
             self.page_tokens, self.chunk, self.streamed = session.gpu.stage.kv.T, 0, None
             session.reset()
             return
+        if session.plan.is_hybrid:
+            # The one-sequence step's references to the session's GPU cache go, so its VRAM is freed for the slots'.
+            backend = session.gpu.hybrid.backend
+            backend.gpu_kv = None
+            for st in backend.stages:
+                st.kv = None
         stage = session.cpu_stage
         self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
         gstage = getattr(session.gpu, "stage", None)
@@ -178,7 +184,8 @@ class BatchModel:
         with gpu.stream, tvm_stream(gpu.stream):
             xs = self.streamed.run_sequences(inputs, [self.cpu_caches[s] for s in slots], self._lend)
             return gpu.finish_prefill(xs, [c for _, c, _ in inputs], [s for _, _, s in inputs],
-                                      [self.gpu_caches[s] for s in slots] if self.gpu_caches else None)
+                                      [self.gpu_caches[s] for s in slots] if self.gpu_caches else None,
+                                      self.streamed.take_gpu_rows())    # hybrid: the streamed blocks' K, V
 
     def _decode_rows(self, slots: list[int], ids: list[list[int]]) -> np.ndarray:
         return self.decode(slots, [r[0] for r in ids]) if len(slots) > 1 else self._step(slots, ids)

@@ -148,7 +148,7 @@ def test_builds_search_hybrid_only_where_the_runtime_runs_it():
     assert pipeline.hybrid_allowed(True, stream_prefill=True, batch=1)
     assert not pipeline.hybrid_allowed(False, stream_prefill=True, batch=1)          # --no-hybrid
     assert not pipeline.hybrid_allowed(True, stream_prefill=False, batch=1)          # prefill must stream
-    assert not pipeline.hybrid_allowed(True, stream_prefill=True, batch=4)           # serving batches: plain
+    assert pipeline.hybrid_allowed(True, stream_prefill=True, batch=4)               # serving: runtime/hybrid/batch
 
 
 def test_bench_decode_reports_a_hybrid_bundle(tmp_path):

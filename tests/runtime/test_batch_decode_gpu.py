@@ -39,7 +39,7 @@ def bundle(name: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0", "fp16_streamed"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0", "fp16_streamed", "fp16_hybrid"])
 def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
     from helmc.runtime.session import Session
     s = Session.load(bundle(name))
@@ -56,14 +56,17 @@ def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
           f"every logit bit-identical to the single runs")
 
 
-def test_joint_streamed_prefill_is_bitwise_single_on_gpu():
+@pytest.mark.parametrize("name", ["fp16_streamed", "fp16_hybrid"])
+def test_joint_streamed_prefill_is_bitwise_single_on_gpu(name):
     """Newcomers' prompts through the streamed prefill together (BatchModel.prefill_many on a plan with
     prefill_on_gpu): the CPU block's weights cross PCIe once for all of them, and each prompt's logits are
-    bit-identical to its single request's (Session.forward, whose prefill streams the same block alone)."""
+    bit-identical to its single request's (Session.forward, whose prefill streams the same block alone). The
+    hybrid plan's streamed block puts each prompt's K, V in that prompt's slot of the GPU cache."""
     from helmc.runtime.serve.batch_model import BatchModel
     from helmc.runtime.session import Session
-    s = Session.load(bundle("fp16_streamed"))
+    s = Session.load(bundle(name))
     assert s.plan.prefill_on_gpu and s.gpu.streamed_prefill is not None
+    assert s.plan.is_hybrid == (name == "fp16_hybrid")
     ps = prompts(s.spec.vocab_size, 4)                        # 3, 9, 1, 17 tokens: the 1-token one decodes
     singles = single_runs(s, ps, 1)
     m = BatchModel(s, 4)
