@@ -86,6 +86,7 @@ class Stage:
         phases = ("prefill", "decode") + tuple(batch_phase(b) for b in self.batch_sizes)
         self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in phases for j in set(self._signature)}
         self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
+        self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
@@ -127,22 +128,40 @@ class Stage:
         assert len(caches) == len(rows) and decode_step_rows(rows, self.batch_sizes) == S, (len(caches), rows, S)
         phase = batch_phase(S) if len(rows) > 1 and all(n == 1 for n in rows) else "decode" if S == 1 else "prefill"
         starts = [sum(rows[:b]) for b in range(len(rows))]
+        batch = self._decode_batch_for(caches) if all(n == 1 for n in rows) else None
         for local in (range(len(self.bindings)) if blocks is None else blocks):
             binding, j = self.bindings[local], self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
-            q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
-            outs = []
-            for kv, a, n in zip(caches, starts, rows):
-                kv.append(self.kv_base + local, k[a:a + n], v[a:a + n])
-                outs.append(kv.attend(self.kv_base + local, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
-            if S > sum(rows):                                # padding rows of a batched decode step attend nothing
-                outs.append(_array_module(outs[0]).zeros((S - sum(rows), self.spec.q_dim), outs[0].dtype))
-            o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]
-            x = self._post[(phase, j)](x, self.from_array(o), *binding.post)
+            o = self.attend_rows(self.kv_base + local, q, k, v, caches, starts, rows, S, batch)
+            x = self._post[(phase, j)](x, o, *binding.post)
         if advance:
             for kv, n in zip(caches, rows):
                 kv.advance(n)
         return x
+
+    def attend_rows(self, layer: int, q, k, v, caches: list, starts: list[int], rows: list[int], S: int, batch=None):
+        """forward_batch's attention for one block: sequence b's rows starts[b].. append to and attend over
+        caches[b]; rows past sum(rows) are padding (zero output). Returns a device tensor [S, h_a*D].
+        batch: a kv.cache_cpu.DecodeBatch (one token per sequence, host caches on the compiled kernel), which
+        does the same per sequence without the per-call overheads; else per-sequence append + attend."""
+        if batch is not None:
+            return batch.attend(caches, layer, q, k, v, self.scale)
+        q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
+        outs = []
+        for kv, a, n in zip(caches, starts, rows):
+            kv.append(layer, k[a:a + n], v[a:a + n])
+            outs.append(kv.attend(layer, q[a:a + n], self.scale).reshape(n, self.spec.q_dim))  # [n, h_a, D] -> [n, h_a*D]
+        if S > sum(rows):                                # padding rows of a batched decode step attend nothing
+            outs.append(_array_module(outs[0]).zeros((S - sum(rows), self.spec.q_dim), outs[0].dtype))
+        o = outs[0] if len(outs) == 1 else _array_module(outs[0]).concatenate(outs)             # [S, h_a*D]
+        return self.from_array(o)
+
+    def _decode_batch_for(self, caches: list):
+        """The stage's DecodeBatch when every cache is a host cache on the compiled decode kernel, else None."""
+        if self._decode_batch is None:
+            from helmc.runtime.kv.cache_cpu import DecodeBatch
+            self._decode_batch = DecodeBatch(self.spec.num_heads, self.spec.head_dim)
+        return self._decode_batch if self._decode_batch.applies(caches, self.spec.q_dim) else None
 
 
 def _array_module(a):

@@ -64,7 +64,7 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
 
 
 CPU_STAGE_S = [0.0]     # seconds spent in the CPU stage's forward_batch (time_cpu_stage)
-CPU_ATTN_S = [0.0]      # of which in its KV caches' attention
+CPU_ATTN_S = [0.0]      # of which in its attention (Stage.attend_rows: KV append, attention, output rows)
 
 
 def _timed(inner, acc: list):
@@ -79,13 +79,14 @@ def _timed(inner, acc: list):
 
 def time_cpu_stage(model) -> None:
     """Count the CPU stage's share of each engine step and its attention's (both synchronous: the host computes
-    them), by wrapping the stage's forward_batch and every slot cache's attend."""
+    them), by wrapping the stage's forward_batch and its attend_rows (per block: every sequence's KV append and
+    attention and the output rows; before session 13 the figure wrapped each cache's attend alone, which the
+    batched decode path no longer calls)."""
     stage = model.session.cpu_stage
     if stage is None:
         return
     stage.forward_batch = _timed(stage.forward_batch, CPU_STAGE_S)
-    for kv in model.cpu_caches or []:
-        kv.attend = _timed(kv.attend, CPU_ATTN_S)
+    stage.attend_rows = _timed(stage.attend_rows, CPU_ATTN_S)
 
 
 def step_split(steps: list[dict], n: int) -> dict:

@@ -13,6 +13,9 @@ and once at the end `advance(S)`:
         o = kv.attend(layer, q, scale)     # q [S, h_a, d] -> o [S, h_a, d], causal over 0..length+S-1
     kv.advance(S)
 
+A batched decode step (one token for each of several sequences, a cache each) goes through DecodeBatch instead,
+which does the same per cache with the per-call work done once a step.
+
 Storage: one arena [L, 2, h_kv, slots * T, d] in the model's dtype (float16; bfloat16 as uint16 bits,
 appended with round-to-nearest-even; float32 models keep float32); page slot p holds tokens
 [p*T, (p+1)*T) of every head, so a run of consecutive slots is one strided view and one batched matmul
@@ -104,6 +107,7 @@ class KVCacheCPU:
         self._executor = None
         self._kernel = attend_kernel
         self._kernel_args = None          # per layer (k, v) TVM tensors over the arena, made on first use
+        self._row = None                  # this decode step's (arena row, kernel row0, kernel n): DecodeBatch
 
     # ------------------------------------------------------------------ state
     @property
@@ -125,6 +129,7 @@ class KVCacheCPU:
         self._pending = 0
         self._appended.clear()
         self._runs_key = None
+        self._row = None
 
     def close(self) -> None:
         if self._executor is not None:
@@ -191,6 +196,32 @@ class KVCacheCPU:
         self.pool.advance(self._seq, S)
         self._pending = 0
         self._appended.clear()
+        self._row = None
+
+    def _decode_row(self) -> tuple[int, int | None, int]:
+        """This one-token step's (arena row of the new token, kernel row0 or None, kernel n): the step's
+        reservation made on first use, and what append/attend work out per call, worked out once a step.
+        row0 is None where the compiled kernel cannot attend (no kernel, or pages in several runs)."""
+        if self._pending == 0:
+            if self.length + 1 > self.max_tokens:
+                raise HelmcError(f"KV cache (CPU layers): {self.length + 1} tokens needed, room for {self.max_tokens}")
+            self.pool.reserve(self._seq, 1)
+            self._pending = 1
+            self._row = None
+        elif self._pending != 1:
+            raise HelmcError(f"KVCacheCPU: a one-token decode step in a step of {self._pending} rows")
+        if self._row is None:
+            T, p = self.page_tokens, self.length
+            row = self._table().host_slots[p // T] * T + p % T
+            n = p + 1
+            runs = self._slot_runs(n) if self._kernel is not None else ()
+            lo = max(0, n - self.window) if self.window else 0
+            self._row = (row, runs[0][1] + lo, n - lo) if len(runs) == 1 else (row, None, n)
+        return self._row
+
+    def _to_storage(self, x: np.ndarray) -> np.ndarray:
+        """Float rows in the arena's dtype, rounded as _store's assignment rounds them."""
+        return bf16_bits(x) if self.kv_dtype == "bfloat16" else x.astype(self.dtype, copy=False)
 
     # ------------------------------------------------------------------ internals
     def _check_layer(self, layer: int, what: str) -> None:
@@ -288,6 +319,74 @@ class KVCacheCPU:
                 lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, self.window), groups))
         o = merge_partials(np, parts) if len(parts) > 1 else parts[0].o / parts[0].s[..., None]   # [h_kv, g, d]
         return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
+
+
+class DecodeBatch:
+    """Attention of a batched decode step: one new token for each of several sequences, each on its own KVCacheCPU
+    with the compiled kernel (Stage.forward_batch, a slot cache per sequence).
+
+    Per block, append + attend per sequence then a concatenate cost more than the attention at serving contexts
+    (16-core Xeon, Qwen3-8B, ~190 tokens: 53 us per (block, sequence)): each call checked its arguments, looked
+    its page table up, wrote K and V through transposed views, copied q into the kernel's staging buffer and the
+    output out of it, and the step concatenated the rows and copied them into a new TVM tensor. Here the work per
+    (block, sequence) is two row writes into the arena and the kernel call, on tensors made once: q is staged for
+    all rows in one copy (row b a zero-copy tensor over it), the kernel writes row b of one output buffer, and
+    that buffer is the tensor handed to post_attn. The arena row and the kernel's row0 / n come from the cache
+    once a step (KVCacheCPU._decode_row). Same kernel, same inputs, same bits as the per-sequence path.
+    """
+
+    def __init__(self, num_q_heads: int, head_dim: int):
+        self.h_a, self.d = num_q_heads, head_dim
+        self._bufs: dict[int, tuple] = {}      # rows S -> (q staging [S, h_a, d], out [S, h_a*d], tensors)
+
+    @staticmethod
+    def applies(caches: list, q_dim: int) -> bool:
+        """All caches attend decode on the compiled kernel, and a row of q/o starts 64-byte aligned (TVM's
+        zero-copy tensors need it)."""
+        return (q_dim * 4) % 64 == 0 and all(isinstance(kv, KVCacheCPU) and kv.uses_kernel for kv in caches)
+
+    def _buffers(self, S: int) -> tuple:
+        if S not in self._bufs:
+            from tvm.runtime import from_dlpack
+            q = _aligned_empty((S, self.h_a, self.d), np.float32)
+            o = _aligned_empty((S, self.h_a * self.d), np.float32)
+            o[...] = 0
+            self._bufs[S] = (q, o, [from_dlpack(q[b]) for b in range(S)],
+                             [from_dlpack(o[b].reshape(self.h_a, self.d)) for b in range(S)], from_dlpack(o))
+        return self._bufs[S]
+
+    def attend(self, caches: list, layer: int, q, k, v, scale: float):
+        """q [S, h_a*d], k, v [S, h_kv*d] float32 (TVM CPU tensors or arrays), row b < len(caches) caches[b]'s
+        new token, the rest padding: appends each row's K, V to its cache and returns [S, h_a*d] attention
+        outputs (padding rows zero) as a TVM tensor over this object's buffer, which the next call overwrites."""
+        B, S = len(caches), q.shape[0]
+        qs, out, q_t, o_t, out_t = self._buffers(S)
+        first = caches[0]
+        q, k, v = np.from_dlpack(q), np.from_dlpack(k), np.from_dlpack(v)      # zero-copy views
+        if q.dtype != np.float32:
+            raise HelmcError(f"DecodeBatch: float32 queries expected, found {q.dtype}")
+        np.copyto(qs, q.reshape(S, self.h_a, self.d))
+        if B < S:
+            out[B:] = 0                                    # padding rows attend nothing
+        shape = (B, first.num_kv_heads, first.head_dim)  # the sequences' rows, not the padding's
+        ks = first._to_storage(k[:B].reshape(shape))      # [B, h_kv*d] -> [B, h_kv, d], arena dtype
+        vs = first._to_storage(v[:B].reshape(shape))
+        scale = float(scale)
+        for b, kv in enumerate(caches):
+            if layer in kv._appended or not 0 <= layer < kv.num_layers:
+                raise HelmcError(f"KVCacheCPU.append: layer {layer} appended twice in a step, or out of range")
+            row, row0, n = kv._decode_row()
+            kv._arena[layer, 0, :, row] = ks[b]
+            kv._arena[layer, 1, :, row] = vs[b]
+            kv._appended.add(layer)
+            if row0 is None:                               # pages in several runs: the cache's own path
+                out[b] = kv.attend(layer, q[b:b + 1], scale).reshape(-1)
+                continue
+            if kv._kernel_args is None:
+                kv._bind_kernel(self.h_a)
+            kt, vt = kv._kernel_args[layer]
+            kv._kernel(q_t[b], kt, vt, row0, n, scale, o_t[b])
+        return out_t
 
 
 def _split_by_tokens(blocks: list[KeyBlock], parts: int, min_tokens: int = 2048) -> list[list[KeyBlock]]:

@@ -131,6 +131,55 @@ def test_cache_with_kernel_equals_numpy_path(kernels, dtype, window):
     slow.close()
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 50])
+def test_decode_batch_equals_per_sequence_calls(kernels, dtype, window):
+    """DecodeBatch (a batched decode step's attention, Stage.forward_batch) against each cache's own append +
+    attend: the same output bits per sequence, zero padding rows, the same arena bytes, over decode steps that
+    cross a page boundary; the third cache's second page is not the slot after its first (another sequence
+    holds that one), so from then on its kernel cannot take it and it attends on the cache's own path."""
+    from helmc.runtime.kv.cache_cpu import DecodeBatch
+    h_a, h_kv, d, L = 8, 2, 16, 3
+    rng = np.random.default_rng(5)
+
+    def make():
+        c = KVCacheCPU(num_layers=L, num_kv_heads=h_kv, head_dim=d, page_tokens=64, max_tokens=640, dtype=dtype,
+                       sliding_window=window or None, threads=1, attend_kernel=kernels[(h_a, h_kv, d, dtype)])
+        c._arena[...] = 0                            # rows never written compare equal too
+        return c
+
+    prompts = (61, 126, 62)
+    pairs = [(make(), make()) for _ in prompts]
+    for b, n in enumerate(prompts):
+        kv = rng.standard_normal((L, 2, n, h_kv * d), dtype=np.float32)
+        for cache in pairs[b]:
+            for layer in range(L):
+                cache.append(layer, kv[layer, 0], kv[layer, 1])
+            cache.advance(n)
+            if b == 2:
+                cache.pool.reserve(cache.pool.add_sequence(), 1)     # takes slot 1
+    batch, mine = DecodeBatch(h_a, d), [m for m, _ in pairs]
+    assert DecodeBatch.applies(mine, h_a * d) and not DecodeBatch.applies(mine + [KVCacheCPU(1, h_kv, d)], h_a * d)
+    S = 4                                            # three sequences and a padding row
+    for step in range(5):
+        for layer in range(L):
+            q = rng.standard_normal((S, h_a * d), dtype=np.float32)
+            k, v = rng.standard_normal((2, S, h_kv * d), dtype=np.float32)
+            got = batch.attend(mine, layer, tvm.runtime.tensor(q), tvm.runtime.tensor(k), tvm.runtime.tensor(v),
+                               0.25).numpy()
+            for b, (_, ref) in enumerate(pairs):
+                ref.append(layer, k[b:b + 1], v[b:b + 1])
+                want = ref.attend(layer, q[b:b + 1], 0.25).reshape(-1)
+                assert np.array_equal(got[b].view(np.uint32), want.view(np.uint32)), (step, layer, b)
+            assert not got[len(pairs):].any()
+        for m, ref in pairs:
+            m.advance(1)
+            ref.advance(1)
+            assert m.length == ref.length
+            assert np.array_equal(m._arena.view(np.uint16), ref._arena.view(np.uint16))
+    assert len(mine[2]._slot_runs(mine[2].length)) == 2 and len(mine[1]._slot_runs(mine[1].length)) == 1
+
 def test_bf16_append_rounds_to_nearest_even():
     cache = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=4, page_tokens=4, max_tokens=8, dtype="bfloat16")
     # 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even (1.0); 1 + 3 * 2^-8 ties up to 1.015625.
