@@ -38,12 +38,15 @@ from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_pr
 from helmc.planner.cost_model import (DeviceRates, StageTime, Workload, comm_time_ms, gpu_kv_resident_bytes,
                                       max_context, memory_needs, shortfall_text, stage_time)
 from helmc.hardware.profile import HardwareProfile
-from helmc.runtime.bundle.plan import HybridCandidate, Plan, PlanGroup
+from helmc.runtime.bundle.plan import PAIR_TIE_SHARE, HybridCandidate, Plan, PlanGroup
 
 # The model charges a pair its two crossings only (eq. 4.15 each); what the executor will spend per pair beyond
 # them (a GPU stage call, an event wait) is not measured yet, so the layouts stay within a few pairs per ten blocks,
 # and the search ~O(L^2).
 MAX_PAIRS = 16
+# For the same reason a layout with fewer pairs wins a near-tie (PAIR_TIE_SHARE, runtime/bundle/plan.py, where the
+# plan's check allows it): session 13, 8 sequences, 13 pairs of single blocks predicted 106.3 ms and 5 pairs
+# 108.1 ms; the 13 pairs would cross 25 times a step to the 5 pairs' 9.
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,12 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
             continue
         for m in range(1, MAX_PAIRS + 1):
             for s in range(max(m, (r - 1) * m + 1), r * m + 1):
-                # k0 fits the ring beside the resident part. With KV offloaded the streamed blocks' KV is host
-                # memory wherever they are, so k0 is exact; without, their KV takes VRAM: fewer resident units.
-                for k in range(k0, L + 2 if not w.kv_offload else k0 + 1):
+                # k0 fits the ring beside the resident part. With KV offloaded and one sequence the streamed
+                # blocks' KV is host memory wherever they are, so k0 is exact; without offload, or serving several
+                # sequences (each slot cache keeps two pages of every GPU-cache layer in VRAM), their KV takes
+                # VRAM: fewer resident units.
+                exact = w.kv_offload and w.batch == 1
+                for k in range(k0, k0 + 1 if exact else L + 2):
                     if k - 1 - s < m:
                         break
                     pairs = tuple(zip(even_split(k - 1 - s, m), even_split(s, m)))
@@ -227,6 +233,16 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
                     if e.candidate.feasible:
                         break
     return out
+
+
+def choose_layout(layouts: list[HybridEval]) -> HybridEval | None:
+    """The layout the plan takes of the best per pair count: the fewest pairs within PAIR_TIE_SHARE of the
+    fastest prediction."""
+    if not layouts:
+        return None
+    fastest = min(e.candidate.t_plan_ms for e in layouts)
+    near = [e for e in layouts if e.candidate.t_plan_ms <= fastest * (1 + PAIR_TIE_SHARE)]
+    return min(near, key=lambda e: (e.candidate.pairs, e.candidate.t_plan_ms))
 
 
 def best_per_pair_count(evals: list[HybridEval]) -> list[HybridEval]:

@@ -13,7 +13,7 @@ from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_pr
 from helmc.planner.cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
                          max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, shortfall_text, stage_time)
 from helmc.errors import HelmcError
-from helmc.planner.hybrid import best_per_pair_count, search_hybrid
+from helmc.planner.hybrid import best_per_pair_count, choose_layout, search_hybrid
 from helmc.hardware.profile import HardwareProfile, load_hardware
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
@@ -82,7 +82,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
             f"the closest, {describe_split(closest, a.num_units)}, has {rows[closest].why}")
     best = min(feasible, key=lambda c: (c.t_plan_ms, c.cpu_units))     # ties: fewer units on the CPU
     layouts = best_per_pair_count(search_hybrid(a, hw, w, cpu_rates, gpu_rates)) if gpu_rates else []
-    hybrid = min(layouts, key=lambda e: (e.candidate.t_plan_ms, e.candidate.pairs), default=None)
+    hybrid = choose_layout(layouts)
     if hybrid is not None and hybrid.candidate.t_plan_ms >= best.t_plan_ms:
         hybrid = None                                                   # ties and losses: the plain split
     chosen = hybrid.candidate if hybrid else best
