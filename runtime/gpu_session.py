@@ -346,18 +346,25 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
     layers = plan.gpu_layers
     schedule = ring = None
+    ring_lends = False     # whether the streamed prefill borrows the hybrid ring (else the page pool)
     if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
         from helmc.runtime.hybrid.load import allocate_ring
         schedule, ring = allocate_ring(plan, arenas)
+        ring_lends = plan.batch > 1 and ring.nbytes >= streamed_prefill_bytes(  # as cost_model.ring_hosts_loan
+            max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
     if kv_layers:
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
-        # The loan the plan counted: the streamed prefill of a prompt of the plan's length.
+        # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan's ring,
+        # idle between decode steps, holds it where it is big enough (cost_model.ring_hosts_loan): then the pool
+        # keeps no room for it.
         loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
                 if plan.prefill_on_gpu else 0)
+        if ring_lends:
+            loan = 0
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
             # reserve; the pages get what it left, with the loan as their floor.
@@ -380,8 +387,10 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if plan.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill
         from helmc.runtime.hybrid.load import prefill_kv_targets
+        from helmc.runtime.hybrid.load import ring_lender
+        lend = ring_lender(ring) if ring_lends else (stage.kv.lend_empty_pool if stage else None)
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
-                                   cupy_to_tvm, tvm_to_cupy, lend=stage.kv.lend_empty_pool if stage else None,
+                                   cupy_to_tvm, tvm_to_cupy, lend=lend,
                                    kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)

@@ -295,6 +295,19 @@ def prefill_lent_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Wo
     return staging + prefill_prompt_bytes(a, w.prompt_len, w.batch) if staging else 0
 
 
+# The runtime lends the ring when its aligned slots hold the loan's aligned buffers; the plan counts the ring as
+# holding it only with this much to spare (alignment of a block's tensors and the prompts' buffers, a few KiB).
+RING_LOAN_SLACK_BYTES = 1 << 20
+
+
+def ring_hosts_loan(ring_bytes: int, lent: int) -> bool:
+    """Whether a hybrid plan's staging ring holds the streamed prefill's loan: the ring is idle between decode
+    steps, when prompts prefill (runtime/gpu_session.load_gpu_parts lends it), so the loan needs no VRAM of its
+    own beside the pages. Taken for plans of several sequences (serving) only: one sequence's loan borrows the
+    empty page pool, and its layouts stay those measured in sessions 10-11."""
+    return bool(ring_bytes) and bool(lent) and ring_bytes >= lent + RING_LOAN_SLACK_BYTES
+
+
 def gpu_prefill_tokens(w: Workload) -> int:
     """Tokens the GPU runs at once in prefill: the prompt, in chunks of PREFILL_CHUNK_TOKENS."""
     return min(w.prompt_len, PREFILL_CHUNK_TOKENS)
@@ -326,11 +339,14 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     computed = gpu + s                        # every block the GPU runs, resident or streamed
     gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
     lent = prefill_lent_bytes(a, cpu, gpu, w)
+    if B > 1 and ring_hosts_loan(ring_bytes, lent):
+        lent = 0                              # hybrid: the streamed prefill borrows the idle ring instead
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
-    if (gpu.blocks or s.blocks) and B > 1 and lent:
-        # Serving: newcomers' prompts stream while the running sequences hold their pages, so the loan is VRAM
-        # of its own beside the pages (runtime/serve/batch_model.py carves it out of the pool); with offload
-        # each sequence's cache needs two pages (one resident, one being written).
+    if (gpu.blocks or s.blocks) and B > 1:
+        # Serving: newcomers' prompts stream while the running sequences hold their pages, so the loan (if any:
+        # none in a hybrid ring that holds it) is VRAM of its own beside the pages (runtime/serve/batch_model.py
+        # carves it out of the pool); with offload each sequence's cache needs two pages (one resident, one
+        # being written).
         floor = B * 2 * KV_PAGE_TOKENS * (gpu.kv_bytes_per_token + s.kv_bytes_per_token) if w.kv_offload else 0
         gpu_kv = max(gpu_kv, floor) + lent
     elif gpu.blocks or s.blocks:
@@ -360,7 +376,8 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if gpu.units and not w.kv_offload and gpu_kv_tok:
         # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits; serving (B > 1)
         # holds the loan beside the pages (memory_needs).
-        beside = prefill_lent_bytes(a, cpu, gpu, w) if B > 1 and (gpu.blocks or s.blocks) else 0
+        lent = prefill_lent_bytes(a, cpu, gpu, w)
+        beside = lent if B > 1 and (gpu.blocks or s.blocks) and not ring_hosts_loan(ring_bytes, lent) else 0
         gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv) - beside) // (B * gpu_kv_tok)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:

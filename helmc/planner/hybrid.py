@@ -235,13 +235,13 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
     return out
 
 
-def choose_layout(layouts: list[HybridEval]) -> HybridEval | None:
-    """The layout the plan takes of the best per pair count: the fewest pairs within PAIR_TIE_SHARE of the
-    fastest prediction."""
+def choose_layout(layouts: list[HybridEval], batch: int = 1) -> HybridEval | None:
+    """The layout the plan takes of the best per pair count: the fastest; serving several sequences (where a pair
+    costs two batched stage calls and their attention loops), the fewest pairs within PAIR_TIE_SHARE of it."""
     if not layouts:
         return None
     fastest = min(e.candidate.t_plan_ms for e in layouts)
-    near = [e for e in layouts if e.candidate.t_plan_ms <= fastest * (1 + PAIR_TIE_SHARE)]
+    near = [e for e in layouts if e.candidate.t_plan_ms <= fastest * (1 + (PAIR_TIE_SHARE if batch > 1 else 0))]
     return min(near, key=lambda e: (e.candidate.pairs, e.candidate.t_plan_ms))
 
 

@@ -82,7 +82,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
             f"the closest, {describe_split(closest, a.num_units)}, has {rows[closest].why}")
     best = min(feasible, key=lambda c: (c.t_plan_ms, c.cpu_units))     # ties: fewer units on the CPU
     layouts = best_per_pair_count(search_hybrid(a, hw, w, cpu_rates, gpu_rates)) if gpu_rates else []
-    hybrid = choose_layout(layouts)
+    hybrid = choose_layout(layouts, w.batch)
     if hybrid is not None and hybrid.candidate.t_plan_ms >= best.t_plan_ms:
         hybrid = None                                                   # ties and losses: the plain split
     chosen = hybrid.candidate if hybrid else best

@@ -26,8 +26,9 @@ from helmc.jsonio import from_dict, parse_json, to_dict
 
 PLAN_FORMAT_VERSION = 1
 _TIME_TOLERANCE_MS = 1e-6
-# Among hybrid layouts within this share of the fastest prediction, the plan takes the one with the fewest pairs:
-# what the executor spends per pair beyond its two crossings is not in the cost model (planner/hybrid.py).
+# Among hybrid layouts within this share of the fastest prediction, a plan for several sequences takes the one with
+# the fewest pairs: what the executor spends per pair beyond its two crossings is not in the cost model
+# (planner/hybrid.py).
 PAIR_TIE_SHARE = 0.02
 
 
@@ -165,7 +166,8 @@ class Plan:
                 raise HelmcError(f"plan: the chosen {self.describe()} is marked infeasible")
             best = min(c.t_plan_ms for c in self.candidates + self.hybrid_candidates if c.feasible)
             # A hybrid layout may give up PAIR_TIE_SHARE of its prediction for fewer pairs (planner/hybrid.py).
-            if chosen.t_plan_ms > best * (1 + (PAIR_TIE_SHARE if self.groups else 0)) + _TIME_TOLERANCE_MS:
+            if chosen.t_plan_ms > best * (1 + (PAIR_TIE_SHARE if self.groups and self.batch > 1 else 0)) \
+                    + _TIME_TOLERANCE_MS:
                 raise HelmcError(f"plan: the chosen {self.describe()} takes {chosen.t_plan_ms:.3f} ms, a feasible "
                                  f"one {best:.3f} ms")
         if self.prefill_on_gpu and not (len(self.cpu_layers) and self.uses_gpu and self.prefill_staging_bytes > 0):

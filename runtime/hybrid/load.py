@@ -19,6 +19,16 @@ def allocate_ring(plan, arenas: list) -> tuple[HybridSchedule, object]:
     return schedule, cp.empty((schedule.ring_bytes,), cp.uint8)
 
 
+def ring_lender(ring):
+    """lend(nbytes) over the staging ring for the streamed prefill (StreamedPrefill.lend): its first nbytes, or
+    None when the ring is smaller (the prefill then allocates its own). Safe between decode steps: a step's
+    copies into the ring are all waited for by its groups, and the step ends with the host waiting for the
+    compute stream (the logits), so nothing reads or writes the ring then; the prefill's kernels run on that
+    stream and it ends the same way (its hidden state back to the host) before the next step's first copy is
+    issued."""
+    return lambda nbytes: ring[:nbytes] if nbytes <= ring.nbytes else None
+
+
 def prefill_kv_targets(schedule: HybridSchedule, arenas: list) -> tuple[tuple[str, int], ...]:
     """Where the streamed prefill puts each host-resident block's K, V: its CPU-cache layer for a CPU group's
     block, its GPU-cache layer for a streamed block (decode attends them there)."""

@@ -37,6 +37,7 @@ class BatchModel:
         # decode graph); several go through the batched twin of its schedule (runtime/hybrid/batch.py) on the slot
         # caches below: the CPU stage holds the CPU groups' blocks, the GPU cache the streamed and resident ones.
         self.hybrid = session.plan.is_hybrid and max_batch == 1
+        self.loan_in_ring = False
         if self.hybrid:
             self.cpu_caches = self.gpu_caches = None
             self.page_tokens, self.chunk, self.streamed = session.gpu.stage.kv.T, 0, None
@@ -58,14 +59,21 @@ class BatchModel:
         self.streamed = session.gpu.streamed_prefill if session.gpu is not None else None
         if session.gpu is not None:
             session.gpu.streamed_prefill = None
-        if self.streamed is not None:
-            self.streamed.lend = None     # its lender was the session's cache, which goes (its VRAM with it)
         loan = self.streamed.buffer_bytes([session.plan.prompt_len] * session.plan.batch) if self.streamed else 0
+        ring = session.gpu.hybrid.backend.ring if session.plan.is_hybrid else None
+        ring_lends = self.streamed is not None and ring is not None and session.plan.batch > 1 \
+            and ring.nbytes >= loan           # as gpu_session.load_gpu_parts decided: its prefill lends the ring
+        if self.streamed is not None and not ring_lends:
+            self.streamed.lend = None     # its lender was the session's cache, which goes (its VRAM with it)
         # No GPU stage (only the head there): the plan counted the loan as workspace, allocated per prefill.
-        self._lend, self._loan_bytes = None, loan
+        # A hybrid ring that holds the loan keeps lending it (gpu_session.load_gpu_parts): nothing beside the pages.
+        self.loan_in_ring = ring_lends
+        self._lend, self._loan_bytes = (self.streamed.lend, ring.nbytes) if ring_lends else (None, loan)
         self.gpu_caches = None
         if gstage is not None:
-            self.gpu_caches, self._lend, self._loan_bytes = _gpu_caches(gstage, max_batch, kv_watermark, loan)
+            self.gpu_caches, lend, loan_bytes = _gpu_caches(gstage, max_batch, kv_watermark, 0 if ring_lends else loan)
+            if not ring_lends:
+                self._lend, self._loan_bytes = lend, loan_bytes
             if self.streamed is not None and self._lend is None:
                 self.streamed = None      # no VRAM for the loan beside the pages: prompts run on the CPU stage
         self.page_tokens = (stage.kv.page_tokens if stage else gstage.kv.T)

@@ -8,8 +8,8 @@ the fp16 one quantized at build to q4_k_m and q8_0; each built for the GPU test 
 artifacts/profiles/h100-sxm-measured.json, sm_90) with --max-batch 4 (so decode_b2 / decode_b4 variants), weights
 copied in, and the split forced to cpu(2) -> cuda(rest): block 0 on the CPU, the others and the head on the GPU,
 so a batched decode step crosses both stages; fp16_streamed is fp16 with the CPU block's prefill streamed to the GPU
-(plan.prefill_on_gpu, as a real split's); fp16_hybrid is fp16 with a hybrid decode layout (block 0 on the CPU, block 1
-streamed to the GPU every step, blocks 2-3 resident). Writes DIR/<name>/bundle for name in fp16, bf16, q4_k_m, q8_0,
+(plan.prefill_on_gpu, as a real split's); fp16_hybrid is fp16 with a hybrid decode layout (block 0 on the CPU, blocks 1-2
+streamed to the GPU every step, block 3 resident). Writes DIR/<name>/bundle for name in fp16, bf16, q4_k_m, q8_0,
 fp16_streamed, fp16_hybrid
 (the model directory made for it is deleted once its weights are in the bundle); carry .devrt to the GPU machine (the test looks in $HELMC_GPU_BATCH_BUNDLES, default
 .devrt/batch_session). Regenerate by running this again.
@@ -37,7 +37,9 @@ VARIANTS = {"fp16": ("float16", ""), "bf16": ("bfloat16", ""), "q4_k_m": ("float
             "q8_0": ("float16", "q8_0"), "fp16_streamed": ("float16", "")}
 STREAMED = {"fp16_streamed"}       # the CPU block's prefill streamed to the GPU (plan.prefill_on_gpu)
 VARIANTS["fp16_hybrid"] = ("float16", "")
-HYBRID = {"fp16_hybrid": ((1, 1),)}  # hybrid decode: block 0 on the CPU, block 1 streamed over PCIe every step
+# hybrid decode: block 0 on the CPU, blocks 1-2 streamed over PCIe every step (a ring of two blocks, which holds the
+# joint prefill's loan: cost_model.ring_hosts_loan), block 3 resident
+HYBRID = {"fp16_hybrid": ((1, 2),)}
 
 
 def build(out_dir: str, hardware: str) -> list[str]:

@@ -70,7 +70,8 @@ def test_joint_streamed_prefill_is_bitwise_single_on_gpu(name):
     ps = prompts(s.spec.vocab_size, 4)                        # 3, 9, 1, 17 tokens: the 1-token one decodes
     singles = single_runs(s, ps, 1)
     m = BatchModel(s, 4)
-    assert m.streamed is not None, "expected the loan beside the slots' pages"
+    assert m.streamed is not None, "expected the loan beside the slots' pages (or in the hybrid ring)"
+    assert m.loan_in_ring == (name == "fp16_hybrid"), "a hybrid ring of two blocks holds the prompts' loan"
     before = m.streamed.bytes_streamed
     rows = m.prefill_many([(b, p) for b, p in enumerate(ps)])
     block_bytes = sum(a.nbytes for a in m.streamed.arenas)
