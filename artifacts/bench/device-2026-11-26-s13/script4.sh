@@ -2,7 +2,7 @@
 # Session 13, call 4 (setsid, polled): as call 3 with the serving plan counting the pages floor always and the hybrid
 # ring holding the joint prefill's loan: cpu(29) -> cuda(9), 7 pairs of 2 streamed blocks, 101 ms predicted; fp16_hybrid
 # now streams 2 blocks per step (its ring holds the loan), then serving 8 concurrent fp16 Qwen3-8B under 7 GiB: hybrid beside
-# llama-batched-bench -ngl 16, and the plain split cpu(27) -> cuda(11) from the same profile.
+# llama-batched-bench -ngl 16 (the plain split was measured in calls 2-3).
 # Built here first (profile artifacts/profiles/h200-profiled-s13.json): helmc build /tmp/q8cfg PROFILE --gpu-budget 7
 # --max-batch 8 [-o .devrt/b8h | --no-hybrid -o .devrt/b8p]; tests/device/build_batch_session_bundles.py (fp16_hybrid,
 # fp16_streamed).
@@ -35,8 +35,4 @@ echo "== serve hybrid $(date +%T)"
   --llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf "$M/q8b_f16.gguf" --ngl 16 --threads 16 \
   --out "$OUT/serve_hybrid_b8.json" > "$OUT/serve_hybrid.log" 2>&1; echo "rc=$?"
 show "$OUT/serve_hybrid_b8.json"
-echo "== serve plain $(date +%T)"
-"$PY" scripts/bench_serve.py .devrt/b8p --weights "$M/q8fp16" --concurrency 8 --new-tokens 64 \
-  --out "$OUT/serve_plain_b8.json" > "$OUT/serve_plain.log" 2>&1; echo "rc=$?"
-show "$OUT/serve_plain_b8.json"
 echo "== done $(date +%T)"
