@@ -104,11 +104,18 @@ def quant_blocking(qtype: str, m: int, isa: VectorIsa, tuning: QuantGemvTuning =
         return tuning.rows, 1
     two_parts = _two_parts(qtype, _Vectors(isa))
     per_token = 2 if qtype == "q4_k" or two_parts else 1
-    # Two rows at least for q8_0 / q4_0 on AVX-512, in two passes of 4 tokens at m = 5..8: every x vector then
-    # serves two rows' FMAs (2-core EPYC, one thread, 512 x 4096 from cache, m = 8: q4_0 5.5 GB/s against 5.0
-    # with 1 row and 8 tokens per pass, q8_0 10.4 against 9.6; the second pass dequantizes again, cheaply).
-    rows = max(2 if two_parts else 1, tuning.rows // m)
-    group = max(1, min(m, isa.vector_registers // 2 // (rows * per_token)))
+    budget = isa.vector_registers // 2
+    rows = max(1, tuning.rows // m)
+    if two_parts:
+        # q8_0 / q4_0 on AVX-512: the most rows (4 or 2) that hold every token in one pass, else at even m two
+        # rows in passes of m / 2 tokens (each x vector then serves two rows' FMAs; the second pass dequantizes
+        # again, cheaply), at odd m one row and one pass (a pass of clamped tokens wastes its share). Measured on
+        # the 2-core EPYC (one thread, 512 x 4096 from cache, GB/s, q4_0 / q8_0): m = 2: 4 rows 16.6 / 29.4,
+        # 2 rows 16.2 / 27.5; m = 5: 1 row 7.6 / 13.7, 2 rows in passes 6.8 / 12.8; m = 8: 2 rows in passes
+        # 5.5 / 10.4, 1 row 5.0 / 9.6.
+        fits = [r for r in (4, 2) if r * m * per_token <= budget]
+        rows = fits[0] if fits else (2 if m % 2 == 0 else 1)
+    group = max(1, min(m, budget // (rows * per_token)))
     return rows, -(-m // -(-m // group))       # tokens split evenly over the passes
 
 
