@@ -16,11 +16,8 @@ kernels was bound by the vector ports, not DRAM: one core decoded q4_0 at 6.6 cy
 cores reached 45 GB/s (q4_0), 37 (q4_k), 49 (q6_k) where the fp16 GEMV reads 107. Every step is therefore
 made cheap:
 - parallel over groups of `rows` rows, each row one contiguous stream of blocks (as gemv.py);
-- each vector of quants becomes fp32 in registers. K-quants (AVX2 and below): multiplied by x into a
-  sub-block-local partial sum, the sub-block's scale applied once, as one FMA into the row's accumulator.
-  q8_0 / q4_0: scaled into the weights themselves (d * q is exact in fp32), each vector one FMA with x into
-  the accumulator, two accumulators per token and row on AVX-512 (_scaled_dot: 2 FP ops per token and block
-  where the partial-sum form took 3, which is what the m-token kernel pays m times);
+- each vector of quants becomes fp32 in registers and is multiplied by x into a (sub-)block-local partial
+  sum; the (sub-)block's scale is applied once, as one FMA into the row's accumulator;
 - 4-bit fields become floats by a 16-entry table lookup: on AVX-512 one vpermps per 16 weights, which reads
   only the low 4 bits of each index lane, so a nibble needs no mask and no convert, and the table holds the
   offset too (q4_0's q - 8, q6_k's high bits * 16 - 32); AVX2 and SSE2 mask and convert;
@@ -52,8 +49,6 @@ from tvm.script import tirx as T
 from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS, check_quant_shape
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.quant.tiles import QuantTiles, _hsum, _sum
-from helmc.schedules.cpu.quant.blocks32 import _q4_0, _q8_0, scaled_dot_parts
-from helmc.schedules.cpu.quant.vectors import _Vectors, _f32, _ints, _lanes, _nibble_value, _token
 from helmc.schedules.cpu.weight_load import STACK, widen
 
 
@@ -97,25 +92,13 @@ def _check(qtype: str, n: int, k: int) -> QuantBlock:
 
 def quant_blocking(qtype: str, m: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> tuple[int, int]:
     """(weight rows per step, tokens per pass over K). One token: tuning.rows. More: fewer rows, so the
-    group x rows accumulators (two per token and row for q4_k's mins and for q8_0 / q4_0's two parts on AVX-512)
-    fit in half the vector registers and, but for q8_0 / q4_0, every token rides one pass (a second pass
-    decodes the quants again)."""
+    group x rows accumulators (two per token and row for q4_k's mins) fit in half the vector registers and
+    every token rides one pass (a second pass would decode the quants again)."""
     if m == 1:
         return tuning.rows, 1
-    two_parts = _two_parts(qtype, _Vectors(isa))
-    per_token = 2 if qtype == "q4_k" or two_parts else 1
-    budget = isa.vector_registers // 2
+    per_token = 2 if qtype == "q4_k" else 1
     rows = max(1, tuning.rows // m)
-    if two_parts:
-        # q8_0 / q4_0 on AVX-512: the most rows (4 or 2) that hold every token in one pass, else at even m two
-        # rows in passes of m / 2 tokens (each x vector then serves two rows' FMAs; the second pass dequantizes
-        # again, cheaply), at odd m one row and one pass (a pass of clamped tokens wastes its share). Measured on
-        # the 2-core EPYC (one thread, 512 x 4096 from cache, GB/s, q4_0 / q8_0): m = 2: 4 rows 16.6 / 29.4,
-        # 2 rows 16.2 / 27.5; m = 5: 1 row 7.6 / 13.7, 2 rows in passes 6.8 / 12.8; m = 8: 2 rows in passes
-        # 5.5 / 10.4, 1 row 5.0 / 9.6.
-        fits = [r for r in (4, 2) if r * m * per_token <= budget]
-        rows = fits[0] if fits else (2 if m % 2 == 0 else 1)
-    group = max(1, min(m, budget // (rows * per_token)))
+    group = max(1, min(m, isa.vector_registers // 2 // (rows * per_token)))
     return rows, -(-m // -(-m // group))       # tokens split evenly over the passes
 
 
@@ -140,7 +123,6 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     vec = _Vectors(isa)
     rows, group = quant_blocking(qtype, m, isa, tuning)
     lanes = vec.lanes
-    second = _second_lanes(qtype, vec)   # accm: q4_k's mins, or the 32-weight formats' second part
     passes = -(-m // group)
     blocks = k // fmt.weights
     row_bytes = blocks * fmt.bytes
@@ -149,7 +131,6 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
     mins = qtype == "q4_k"
     subs = k // 32 if mins else 1  # sub-blocks of 32 whose x sums q4_k's mins need
-    parts = _two_parts(qtype, vec)
     permuted = order is not None   # the K-quants read x in the lane order of their quant words (xp)
 
     @T.prim_func
@@ -172,11 +153,11 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
         for step in T.parallel(steps):
             for p in T.serial(passes):
                 acc = T.alloc_buffer((group, rows, lanes), "float32", scope="global", annotations=STACK)
-                accm = T.alloc_buffer((group, rows, second), "float32", scope="global", annotations=STACK)
+                accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)   # q4_k mins
                 for t in T.unroll(group):
                     for r in T.unroll(rows):
                         acc[t, r, vec.at(0)] = vec.bcast(T.float32(0))
-                        accm[t, r, vec.at(0, second)] = vec.bcast(T.float32(0), second)
+                        accm[t, r, vec.at(0, 8)] = vec.bcast(T.float32(0), 8)
                 for b in T.serial(blocks):
                     prefetch(wf, step * rows, b)
                     block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, step * rows, b, p)
@@ -186,9 +167,6 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
                             if mins:
                                 y[p * group + t, step * rows + r] = _hsum(acc[t, r, vec.at(0)]) - _hsum(
                                     accm[t, r, vec.at(0, 8)])
-                            elif parts:
-                                y[p * group + t, step * rows + r] = _hsum(acc[t, r, vec.at(0)] + accm[
-                                    t, r, vec.at(0)])
                             else:
                                 y[p * group + t, step * rows + r] = _hsum(acc[t, r, vec.at(0)])
 
@@ -198,21 +176,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
 def float_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:
     """The m > 1 loop of make_gemv_quant_float: x read per block and token is the block's fp32 values."""
     weights = QUANT_BLOCKS[qtype].weights
-    vec = _Vectors(isa)
-    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // weights, weights * 4, vec.lanes,
-                           _second_lanes(qtype, vec))
-
-
-def _two_parts(qtype: str, vec: "_Vectors") -> bool:
-    """Whether the kernel keeps a second accumulator per token and row in accm (_scaled_dot)."""
-    return qtype in ("q8_0", "q4_0") and scaled_dot_parts(vec) == 2
-
-
-def _second_lanes(qtype: str, vec: "_Vectors") -> int:
-    """fp32 lanes of accm: a second accumulator (_two_parts), else 8 (q4_k's mins; unused by the others). Two
-    buffers, not one of twice the lanes: at m = 8 that one was 1 KiB, which TVM puts in a workspace buffer instead
-    of registers (gemv.ACC_SPLIT_WHY): the m = 8 kernel ran at half speed."""
-    return vec.lanes if _two_parts(qtype, vec) else 8
+    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // weights, weights * 4, _Vectors(isa).lanes)
 
 
 def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning, m: int):
@@ -227,8 +191,7 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
     block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
     prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, ahead=tile * fmt.bytes, wrap_rows=rb)
     mins = qtype == "q4_k"
-    second = qt.second_lanes
-    zero, load, save, finish = qt.macros(m, mins, _two_parts(qtype, vec))
+    zero, load, save, finish = qt.macros(m, mins)
     subs = k // 32 if mins else 1
     permuted = order is not None
 
@@ -251,13 +214,13 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
                             xp[t, b * 256 + g * lanes + i] = x[t, b * 256 + order(g, i)]
         for step in T.parallel(-(-n // rb)):
             accs = T.alloc_buffer((rb, passes * group, lanes), "float32", scope="global", annotations=STACK)
-            accms = T.alloc_buffer((rb, passes * group, second), "float32", scope="global", annotations=STACK)
+            accms = T.alloc_buffer((rb, passes * group, 8), "float32", scope="global", annotations=STACK)
             zero(accs, accms)
             for kt in T.serial(tiles):
                 for rg in T.serial(T.min(rb // rows, (n - step * rb + rows - 1) // rows)):
                     for p in T.serial(passes):
                         acc = T.alloc_buffer((group, rows, lanes), "float32", scope="global", annotations=STACK)
-                        accm = T.alloc_buffer((group, rows, second), "float32", scope="global", annotations=STACK)
+                        accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)
                         load(accs, accms, acc, accm, rg, p)
                         for bi in T.serial(T.min(tile, blocks - kt * tile)):
                             prefetch(wf, step * rb + rg * rows, kt * tile + bi)
@@ -292,6 +255,114 @@ def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuni
                             wf.shape[0] - 1)]), T.int32(0), T.int32(locality), T.int32(1)))
 
     return prefetch
+
+
+class _Vectors:
+    """Explicit vector expressions of the isa's fp32 width (TIR Ramp loads, Broadcast scalars)."""
+
+    def __init__(self, isa: VectorIsa):
+        self.lanes = isa.fp32_lanes
+        self.f16c = not isa.is_slow_fallback
+        self.vpermps16 = isa.tier == "avx512"   # a 16-entry table lookup is one vpermps
+
+    def at(self, base, lanes: int | None = None):
+        return tirx.Ramp(base, 1, lanes or self.lanes)
+
+    def bcast(self, scalar, lanes: int | None = None):
+        return tirx.Broadcast(scalar, lanes or self.lanes)
+
+    def bytes(self, w, row, off, lanes: int | None = None):
+        """lanes consecutive bytes of the uint8 view from w[row, off], zero-extended to int32 lanes."""
+        return tirx.Cast(f"int32x{lanes or self.lanes}", w[row, self.at(off, lanes)])
+
+    def words(self, w, row, off, lanes: int | None = None):
+        """4 * lanes bytes from w[row, off] as int32 lanes: lane i holds bytes 4i..4i+3, byte 4i+j at bit 8j
+        (one plain vector load at any alignment; the shifts that pick a byte stay in 32-bit lanes)."""
+        lanes = lanes or self.lanes
+        return tirx.reinterpret(f"int32x{lanes}", w[row, self.at(off, 4 * lanes)])
+
+    def permute(self, table, index):
+        """table[index[i]] per lane; 16 lanes need AVX-512, 8 lanes AVX2."""
+        name = {16: "llvm.x86.avx512.permvar.sf.512", 8: "llvm.x86.avx2.permps"}[_lanes(index)]
+        return tirx.call_llvm_pure_intrin(f"float32x{_lanes(index)}", name, table, index)
+
+    def shr(self, v, bits):
+        return tirx.shift_right(v, tirx.Broadcast(tirx.Cast("int32", bits), _lanes(v)))
+
+    def scale(self, wh, row, half_index):
+        """fp16 field at wh[row, half_index] as fp32, broadcast."""
+        return self.bcast(widen(wh[row, half_index], "float16", self.f16c))
+
+    def lookup(self, index, table):
+        """table(i) for i = the low 4 bits of each int32 lane of `index` (higher bits ignored); `table` maps an
+        int32 vector of indices to the float32 vector of entries."""
+        if self.vpermps16:
+            return self.permute(table(tirx.Ramp(tirx.const(0, "int32"), 1, 16)), index)   # table constant-folded
+        return table(tirx.bitwise_and(index, tirx.Broadcast(tirx.const(15, "int32"), _lanes(index))))
+
+
+def _lanes(v) -> int:
+    return v.ty.dtype.lanes
+
+
+def _f32(v):
+    lanes = _lanes(v)
+    return tirx.Cast("float32" if lanes == 1 else f"float32x{lanes}", v)
+
+
+def _ints(value, like):
+    return tirx.Broadcast(tirx.const(value, "int32"), _lanes(like))
+
+
+def _nibble_value(offset: float):
+    return lambda i: _f32(i) + tirx.Broadcast(tirx.const(offset, "float32"), _lanes(i))
+
+
+def _token(p, t, group: int, m: int):
+    """Token of pass p's t-th accumulator set, clamped for loads (a partial last pass skips its stores)."""
+    return T.min(p * group + t, m - 1)
+
+
+def _q8_0(vec: _Vectors, rows: int, group: int, m: int):
+    """Block b of each row: acc += d * sum_i x_i * q_i, the 32 int8 quants at byte 2 of the block."""
+    lanes = vec.lanes
+
+    def dot(x, wi, row, b, tok):
+        return _sum([x[tok, vec.at(b * 32 + vo * lanes)] * _f32(wi[row, vec.at(b * 34 + 2 + vo * lanes)])
+                     for vo in range(32 // lanes)])
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        for r in T.unroll(rows):
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 17) * dot(
+                    x, wi, T.min(first + r, n - 1), b, _token(p, t, group, m))
+
+    return block_dot, None
+
+
+def _q4_0(vec: _Vectors, rows: int, group: int, m: int):
+    """Block b of each row: acc += d * sum_i x_i * (q_i - 8); byte i of the 16 at byte 2 holds weight i in its
+    low nibble and weight i + 16 in its high one. The table holds q - 8."""
+    lanes = vec.lanes
+    value = _nibble_value(-8.0)
+
+    def dot(x, w, row, b, tok):
+        terms = []
+        for vo in range(16 // lanes):       # lanes <= 16 on every tier
+            q = vec.bytes(w, row, b * 18 + 2 + vo * lanes)
+            terms.append(x[tok, vec.at(b * 32 + vo * lanes)] * vec.lookup(q, value))
+            terms.append(x[tok, vec.at(b * 32 + 16 + vo * lanes)] * vec.lookup(vec.shr(q, 4), value))
+        return _sum(terms)
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        for r in T.unroll(rows):
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 9) * dot(
+                    x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
+
+    return block_dot, None
 
 
 def _lane_index(base, lanes: int, shift: int, step: int):

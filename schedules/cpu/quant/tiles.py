@@ -34,25 +34,22 @@ class QuantTiles:
     block_rows: int
     tile_blocks: int
     lanes: int         # fp32 lanes of acc
-    second_lanes: int = 8   # fp32 lanes of accm: q4_k's mins (8) or a second accumulator (macros' parts)
 
     @staticmethod
-    def make(rows: int, group: int, m: int, blocks: int, x_block_bytes: int, lanes: int,
-             second_lanes: int = 8) -> "QuantTiles":
+    def make(rows: int, group: int, m: int, blocks: int, x_block_bytes: int, lanes: int) -> "QuantTiles":
         """rows, group: gemv_quant.quant_blocking's; blocks per row; x_block_bytes: one token's x bytes read per
         block of weights."""
         return QuantTiles(rows, group, -(-TILE_BLOCK_ROWS // rows) * rows,
-                          balanced_tile(blocks, X_TILE_BYTES // (m * x_block_bytes)), lanes, second_lanes)
+                          balanced_tile(blocks, X_TILE_BYTES // (m * x_block_bytes)), lanes)
 
     def passes(self, m: int) -> int:
         return -(-m // self.group)
 
-    def macros(self, m: int, mins: bool, parts: bool = False):
+    def macros(self, m: int, mins: bool):
         """(zero(accs, accms), load(accs, accms, acc, accm, rg, p), save(...same), finish(accs, accms, y, n,
-        first)): accs / accms [block_rows, passes * group, lanes / second_lanes]; finish writes y as the m = 1
-        kernel does: sum of acc's lanes (_hsum), minus accm's where the kernel has mins, or the lanes of acc + accm
-        where accm is a second accumulator (parts)."""
-        rows, group, rb, lanes, second = self.rows, self.group, self.block_rows, self.lanes, self.second_lanes
+        first)): accs / accms [block_rows, passes * group, lanes / 8]; finish writes y as the m = 1 kernel does:
+        sum of acc's lanes (_hsum), minus accm's where the kernel has mins."""
+        rows, group, rb, lanes = self.rows, self.group, self.block_rows, self.lanes
         slots = self.passes(m) * group
 
         @T.macro
@@ -60,21 +57,21 @@ class QuantTiles:
             for r in T.serial(rb):
                 for t in T.serial(slots):
                     accs[r, t, tirx.Ramp(0, 1, lanes)] = tirx.Broadcast(T.float32(0), lanes)
-                    accms[r, t, tirx.Ramp(0, 1, second)] = tirx.Broadcast(T.float32(0), second)
+                    accms[r, t, tirx.Ramp(0, 1, 8)] = tirx.Broadcast(T.float32(0), 8)
 
         @T.macro
         def load(accs, accms, acc, accm, rg, p):
             for t in T.unroll(group):
                 for r in T.unroll(rows):
                     acc[t, r, tirx.Ramp(0, 1, lanes)] = accs[rg * rows + r, p * group + t, tirx.Ramp(0, 1, lanes)]
-                    accm[t, r, tirx.Ramp(0, 1, second)] = accms[rg * rows + r, p * group + t, tirx.Ramp(0, 1, second)]
+                    accm[t, r, tirx.Ramp(0, 1, 8)] = accms[rg * rows + r, p * group + t, tirx.Ramp(0, 1, 8)]
 
         @T.macro
         def save(accs, accms, acc, accm, rg, p):
             for t in T.unroll(group):
                 for r in T.unroll(rows):
                     accs[rg * rows + r, p * group + t, tirx.Ramp(0, 1, lanes)] = acc[t, r, tirx.Ramp(0, 1, lanes)]
-                    accms[rg * rows + r, p * group + t, tirx.Ramp(0, 1, second)] = accm[t, r, tirx.Ramp(0, 1, second)]
+                    accms[rg * rows + r, p * group + t, tirx.Ramp(0, 1, 8)] = accm[t, r, tirx.Ramp(0, 1, 8)]
 
         @T.macro
         def finish(accs, accms, y, n, first):
@@ -83,10 +80,7 @@ class QuantTiles:
                     for t in T.serial(m):
                         if mins:
                             y[t, first + r] = _hsum(accs[r, t, tirx.Ramp(0, 1, lanes)]) - _hsum(
-                                accms[r, t, tirx.Ramp(0, 1, second)])
-                        elif parts:
-                            y[t, first + r] = _hsum(accs[r, t, tirx.Ramp(0, 1, lanes)] + accms[
-                                r, t, tirx.Ramp(0, 1, second)])
+                                accms[r, t, tirx.Ramp(0, 1, 8)])
                         else:
                             y[t, first + r] = _hsum(accs[r, t, tirx.Ramp(0, 1, lanes)])
 
