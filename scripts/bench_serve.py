@@ -16,7 +16,9 @@ must be made for N (`helmc build ... --max-batch N`). llama-batched-bench runs w
   decode_tok_s_total_at_N      every sequence's tokens after its first, from the last first token to the last token
                                (all prefills done; the figure earlier runs reported).
   step_split_at_1 / _at_N      median ms of those pure decode steps, of their CPU-stage part and of its attention
-                               (the rest of a step: the GPU stage, the head, the crossing, the host's bookkeeping).
+                               (the rest of a step: the GPU stage, the head, the crossing, the host's bookkeeping);
+                               for a batched hybrid plan also the host's waits for the streamed groups (their copies
+                               and kernels: hybrid_wait_ms) and the resident blocks with the head (resident_ms).
   end_to_end_tok_s_at_N        all N x --new-tokens tokens from the submission to the last token, prefills included;
                                serve_end_to_end_ratio_vs_llamacpp is this over llama's B*TG / (T_PP + T_TG).
 """
@@ -51,12 +53,13 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
         out.append(rec)
     while any(r["done"] is None for r in out):
         rows, firsts, t = engine.decode_rows, sum(bool(r["stamps"]) for r in out), time.perf_counter()
-        cpu, attn = CPU_STAGE_S[0], CPU_ATTN_S[0]
+        cpu, attn, wait, res = CPU_STAGE_S[0], CPU_ATTN_S[0], HYBRID_WAIT_S[0], RESIDENT_S[0]
         engine.step()
         if steps is not None:
             steps.append({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
                           "prefilled": sum(bool(r["stamps"]) for r in out) - firsts, "cpu_s": CPU_STAGE_S[0] - cpu,
-                          "attn_s": CPU_ATTN_S[0] - attn})
+                          "attn_s": CPU_ATTN_S[0] - attn, "wait_s": HYBRID_WAIT_S[0] - wait,
+                          "resident_s": RESIDENT_S[0] - res})
     bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
     if bad:
         raise RuntimeError(f"bench_serve: a request ended early: {bad[0]}")
@@ -65,6 +68,8 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
 
 CPU_STAGE_S = [0.0]     # seconds spent in the CPU stage's forward_batch (time_cpu_stage)
 CPU_ATTN_S = [0.0]      # of which in its attention (Stage.attend_rows: KV append, attention, output rows)
+HYBRID_WAIT_S = [0.0]   # batched hybrid decode: the host waiting for each streamed group (its copy and kernels)
+RESIDENT_S = [0.0]      # batched hybrid decode: the resident blocks, the head and the logits back
 
 
 def _timed(inner, acc: list):
@@ -87,6 +92,11 @@ def time_cpu_stage(model) -> None:
         return
     stage.forward_batch = _timed(stage.forward_batch, CPU_STAGE_S)
     stage.attend_rows = _timed(stage.attend_rows, CPU_ATTN_S)
+    if model.session.plan.is_hybrid and model.max_batch > 1:
+        # The batched schedule's backend is made on the first step: time its class's two synchronous crossings.
+        from helmc.runtime.hybrid.batch import BatchHybridBackend
+        BatchHybridBackend.to_host = _timed(BatchHybridBackend.to_host, HYBRID_WAIT_S)
+        BatchHybridBackend.resident = _timed(BatchHybridBackend.resident, RESIDENT_S)
 
 
 def step_split(steps: list[dict], n: int) -> dict:
@@ -96,7 +106,9 @@ def step_split(steps: list[dict], n: int) -> dict:
         return {}
     return {"step_ms": 1000 * float(np.median([s["s"] for s in pure])),
             "cpu_stage_ms": 1000 * float(np.median([s["cpu_s"] for s in pure])),
-            "cpu_attention_ms": 1000 * float(np.median([s["attn_s"] for s in pure]))}
+            "cpu_attention_ms": 1000 * float(np.median([s["attn_s"] for s in pure])),
+            "hybrid_wait_ms": 1000 * float(np.median([s["wait_s"] for s in pure])),
+            "resident_ms": 1000 * float(np.median([s["resident_s"] for s in pure]))}
 
 
 def decode_rate(recs: list[dict]) -> float:
