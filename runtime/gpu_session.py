@@ -122,7 +122,7 @@ class DecodeGraph:
 class GpuParts:
     def __init__(self, stage, head_fns, head_weights, act_dtype, cupy_to_tvm, tvm_to_cupy, cpu_stage_step,
                  streamed_prefill=None, cpu_kv=None, prefill_chunk_tokens: int = 0, decode_graph=None, stream=None,
-                 hybrid=None):
+                 hybrid=None, loan_in_ring: bool = False):
         self.stage = stage                      # Stage over the GPU layers, or None
         self.head_fns = head_fns
         self.head_weights = head_weights
@@ -137,6 +137,7 @@ class GpuParts:
         self.stream = stream                    # every kernel and copy of a step, TVM's and CuPy's, goes here
         self.hybrid = hybrid                    # HybridDecode (runtime/hybrid/) for a hybrid plan's decode, or None
         self._batch_decode = None               # its batched twin (runtime/hybrid/batch.py), made on first use
+        self.loan_in_ring = loan_in_ring        # the streamed prefill borrows the hybrid ring (load_gpu_parts)
 
     def reset(self):
         if self.stage is not None:
@@ -346,37 +347,35 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
     layers = plan.gpu_layers
     schedule = ring = None
-    ring_lends = False     # whether the streamed prefill borrows the hybrid ring (else the page pool)
     if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
         from helmc.runtime.hybrid.load import allocate_ring
         schedule, ring = allocate_ring(plan, arenas)
-        ring_lends = plan.batch > 1 and ring.nbytes >= streamed_prefill_bytes(  # as cost_model.ring_hosts_loan
-            max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
+    # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan for several
+    # sequences whose ring, idle between decode steps, holds it lends the ring (cost_model.ring_hosts_loan): then
+    # the pool keeps no room for it.
+    loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
+            if plan.prefill_on_gpu else 0)
+    ring_lends = hybrid and plan.batch > 1 and ring.nbytes >= loan
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
     if kv_layers:
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.get("kv_page_tokens", 512)
-        # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan's ring,
-        # idle between decode steps, holds it where it is big enough (cost_model.ring_hosts_loan): then the pool
-        # keeps no room for it.
-        loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
-                if plan.prefill_on_gpu else 0)
-        if ring_lends:
-            loan = 0
+        pool_loan = 0 if ring_lends else loan
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
             # reserve; the pages get what it left, with the loan as their floor.
             page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
-            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, loan, free_after, page_bytes, loan_beside=plan.batch > 1)
+            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, pool_loan, free_after, page_bytes,
+                                   loan_beside=plan.batch > 1)
         else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
             budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
             budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
         kv = KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
                         watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
-                        sliding_window=spec.sliding_window or None, loan_bytes=loan,
+                        sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
                         ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
                       batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers))
@@ -386,8 +385,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     streamed = None
     if plan.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill
-        from helmc.runtime.hybrid.load import prefill_kv_targets
-        from helmc.runtime.hybrid.load import ring_lender
+        from helmc.runtime.hybrid.load import prefill_kv_targets, ring_lender
         lend = ring_lender(ring) if ring_lends else (stage.kv.lend_empty_pool if stage else None)
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
@@ -404,6 +402,6 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         cpu_step = None    # the CPU stage holds only the CPU groups: decode goes through the schedule
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
                    cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens, graph, stream,
-                   hybrid=decode)
+                   hybrid=decode, loan_in_ring=ring_lends)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
     return session

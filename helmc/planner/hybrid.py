@@ -212,6 +212,10 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
     L = a.num_layers
     block_bytes = max(u.stored_bytes for u in a.units if u.kind == "block")
     out, memo = [], {}
+    # k0 below fits the ring beside the resident part. With KV offloaded and one sequence the streamed blocks' KV
+    # is host memory wherever they are, so k0 is exact; without offload, or serving several sequences (each slot
+    # cache keeps two pages of every GPU-cache layer in VRAM), their KV takes VRAM: fewer resident units.
+    exact = w.kv_offload and w.batch == 1
     for r in range(1, L):
         ring = r * block_bytes
         k0 = next((k for k in range(r + 2, L + 2) if _fits_with_ring(a, hw, w, k, r, ring)), None)
@@ -219,11 +223,6 @@ def search_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, cpu_rate
             continue
         for m in range(1, MAX_PAIRS + 1):
             for s in range(max(m, (r - 1) * m + 1), r * m + 1):
-                # k0 fits the ring beside the resident part. With KV offloaded and one sequence the streamed
-                # blocks' KV is host memory wherever they are, so k0 is exact; without offload, or serving several
-                # sequences (each slot cache keeps two pages of every GPU-cache layer in VRAM), their KV takes
-                # VRAM: fewer resident units.
-                exact = w.kv_offload and w.batch == 1
                 for k in range(k0, k0 + 1 if exact else L + 2):
                     if k - 1 - s < m:
                         break

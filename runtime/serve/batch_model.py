@@ -60,15 +60,14 @@ class BatchModel:
         if session.gpu is not None:
             session.gpu.streamed_prefill = None
         loan = self.streamed.buffer_bytes([session.plan.prompt_len] * session.plan.batch) if self.streamed else 0
-        ring = session.gpu.hybrid.backend.ring if session.plan.is_hybrid else None
-        ring_lends = self.streamed is not None and ring is not None and session.plan.batch > 1 \
-            and ring.nbytes >= loan           # as gpu_session.load_gpu_parts decided: its prefill lends the ring
+        ring_lends = self.streamed is not None and session.gpu.loan_in_ring    # decided by load_gpu_parts
         if self.streamed is not None and not ring_lends:
             self.streamed.lend = None     # its lender was the session's cache, which goes (its VRAM with it)
         # No GPU stage (only the head there): the plan counted the loan as workspace, allocated per prefill.
         # A hybrid ring that holds the loan keeps lending it (gpu_session.load_gpu_parts): nothing beside the pages.
         self.loan_in_ring = ring_lends
-        self._lend, self._loan_bytes = (self.streamed.lend, ring.nbytes) if ring_lends else (None, loan)
+        self._lend, self._loan_bytes = ((self.streamed.lend, session.gpu.hybrid.backend.ring.nbytes) if ring_lends
+                                        else (None, loan))
         self.gpu_caches = None
         if gstage is not None:
             self.gpu_caches, lend, loan_bytes = _gpu_caches(gstage, max_batch, kv_watermark, 0 if ring_lends else loan)
