@@ -389,7 +389,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         lend = ring_lender(ring) if ring_lends else (stage.kv.lend_empty_pool if stage else None)
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
-                                   kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None)
+                                   kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None,
+                                   ops=stage.kv.ops if stage is not None else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
              if stage is not None and kv_options.get("cuda_graph", True) else None)

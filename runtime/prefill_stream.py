@@ -121,7 +121,7 @@ class StreamedPrefill:
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
                  cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,
-                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None):
+                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None, ops=None):
         import cupy as cp
 
         if not arenas:
@@ -137,6 +137,9 @@ class StreamedPrefill:
         self.fns = {j: (vm[block_function_name("pre_attn", "prefill", j)], vm[block_function_name("post_attn", "prefill", j)])
                     for j in {spec.signature_index(a.layer) for a in arenas}}
         self.lend = lend
+        # The bundle's tensor-core attention (runtime/kv/cuda_ops.CudaOps.flash_prefill) when its cubin has it:
+        # one kernel per chunk and block over the scratch's rows where attend_blocks runs fp32 score tiles.
+        self.flash = ops if ops is not None and ops.has_flash(spec.head_dim, spec.group_size) else None
         # Where each arena's K, V go: ("cpu", i), layer i of the CPU cache (a plain split: every arena), or
         # ("gpu", i), layer i of the GPU cache (hybrid decode's streamed blocks: their rows wait on the host in
         # gpu_rows until the loan of the GPU pool ends; the caller appends them, take_gpu_rows).
@@ -242,9 +245,14 @@ class StreamedPrefill:
         scratch[0, :, c0:c0 + n] = to_cupy(k).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         scratch[1, :, c0:c0 + n] = to_cupy(v).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         qc = to_cupy(q).reshape(n, self.spec.num_heads, d)                              # [n, h_a*d] -> [n, h_a, d]
-        blocks = contiguous_blocks(scratch[0, :, :c0 + n], scratch[1, :, :c0 + n], 0, self.block_tokens)
-        o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, self.spec.sliding_window or 0, np.float32,
-                          self.score_budget_bytes)
+        window = self.spec.sliding_window or 0
+        if self.flash is not None and qc.dtype == cp.float16:
+            o = cp.empty(qc.shape, cp.float16)                                          # [n, h_a, d]
+            self.flash.flash_prefill(cp.ascontiguousarray(qc), scratch[0], scratch[1], c0 + n, c0, h_kv, window,
+                                     self.scale, o)
+        else:
+            blocks = contiguous_blocks(scratch[0, :, :c0 + n], scratch[1, :, :c0 + n], 0, self.block_tokens)
+            o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, window, np.float32, self.score_budget_bytes)
         attn = to_tvm(cp.ascontiguousarray(o.reshape(n, self.spec.q_dim)))              # [n, h_a, d] -> [n, h_a*d]
         return to_cupy(post(xt, attn, *binding.post))
 

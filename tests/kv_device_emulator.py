@@ -72,8 +72,9 @@ class TrackedArray(np.ndarray):
 class EmulatedOps:
     xp = np
 
-    def __init__(self, num_sms: int = 4, delay_events: bool = False):
+    def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True):
         self.num_sms = num_sms
+        self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
         self.delay_events = delay_events
         self._host = _Stream("host", 0)
         self._streams = 1
@@ -247,6 +248,29 @@ class EmulatedOps:
         e = np.where(visible[None], e, -np.inf)
         p = np.exp(e - e.max(-1, keepdims=True))
         o = np.einsum("hst,htd->shd", p / p.sum(-1, keepdims=True), v)
+        np.ndarray.__setitem__(out, Ellipsis, o.astype(np.float16))
+
+    def has_flash(self, head_dim, group):
+        return self.flash
+
+    def flash_prefill(self, q, k, v, n_k, q_pos0, num_kv_heads, window, scale, out):
+        """The kernel's contract: causal (windowed) softmax attention of n_q rows at positions q_pos0.. over
+        keys 0..n_k-1 of k, v [h_kv, >= n_k, d] (rows contiguous, one head stride)."""
+        self.kernel_launches += 1
+        self.flash_launches += 1
+        for a, w in ((q, False), (k, False), (v, False), (out, True)):
+            self.access(self._compute, a, write=w)
+        n_q, h_a, d = q.shape
+        assert k.shape[1] >= n_k and k.strides[1:] == (2 * d, 2) and v.strides == k.strides, (k.shape, k.strides)
+        g = h_a // num_kv_heads
+        kk = np.repeat(np.asarray(k[:, :n_k], np.float64), g, axis=0)        # [h_kv, n_k, d] -> [h_a, n_k, d]
+        vv = np.repeat(np.asarray(v[:, :n_k], np.float64), g, axis=0)
+        e = np.einsum("shd,htd->hst", np.asarray(q, np.float64), kk) * scale   # [h_a, n_q, n_k]
+        p, t = q_pos0 + np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+        visible = (t <= p) & ((t > p - window) if window else True)
+        e = np.where(visible[None], e, -np.inf)
+        w = np.exp(e - e.max(-1, keepdims=True))
+        o = np.einsum("hst,htd->shd", w / w.sum(-1, keepdims=True), vv)
         np.ndarray.__setitem__(out, Ellipsis, o.astype(np.float16))
 
     def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,

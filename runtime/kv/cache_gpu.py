@@ -418,11 +418,16 @@ class KVCacheGPU:
     def _prefill(self, layer: int, q, scale: float):
         xp, ops = self.xp, self.ops
         start, T = self.length, self.T
-        if start == 0 and q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16:
+        flash = q.dtype == np.float16 and self._has_flash(q.shape[1])
+        if start == 0 and (flash or (q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16)):
             # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
             kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, S, d]
             out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
-            ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
+            if flash:
+                ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.window,
+                                  scale, out)
+            else:
+                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
             return out
         table = self._table()
         blocks: list[KeyBlock] = []
@@ -439,6 +444,11 @@ class KVCacheGPU:
         out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
         self._release_ring(compute)
         return out
+
+    def _has_flash(self, num_heads: int) -> bool:
+        """Whether the ops have the tensor-core prefill attention for this cache's head_dim and query group."""
+        has = getattr(self.ops, "has_flash", None)
+        return has is not None and has(self.d, num_heads // self.h_kv)
 
     def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
         """One cached host page for prefill: a ring of staging slots, each reused after its reader."""

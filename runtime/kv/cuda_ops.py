@@ -19,6 +19,10 @@ PREFILL_MAX_TOKENS = 4096
 WARPS = 4                        # = schedules/gpu/paged_attention.WARPS, the block size the cubin was built for
 PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
 _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
+# schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by bundles from session 14 on; absent, prefill keeps
+# prefill_causal and attend_blocks' tiles
+FLASH_KERNEL = "flash_prefill"
+FLASH_BLOCK_Q, FLASH_THREADS = 64, 128      # = schedules/gpu/flash_prefill.BLOCK_Q, THREADS
 
 
 def bundle_cuda_ops(bundle_dir: str, head_dim: int, group: int) -> "CudaOps":
@@ -98,8 +102,16 @@ class CudaOps:
                 raise HelmcError(f"paged attention: expected a {PAGED_ATTENTION_CUBIN} built for head_dim {head_dim}, "
                                  f"group {group}, found {path or 'none for that shape (built: ' + str(sorted(self._cubins)) + ')'}")
             mod = self.cp.RawModule(path=path)
-            self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES)
+            try:
+                flash = mod.get_function(FLASH_KERNEL)
+            except Exception:                 # CUDA_ERROR_NOT_FOUND: an older bundle, or an arch below sm_80
+                flash = None
+            self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (flash,)
         return self._kernels[key]
+
+    def has_flash(self, head_dim: int, group: int) -> bool:
+        """Whether the bundle's cubin for (head_dim, group) has the tensor-core prefill attention."""
+        return self._functions(head_dim, group)[4] is not None
 
     def write_step(self, step, values: np.ndarray, stream) -> None:
         """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
@@ -137,3 +149,19 @@ class CudaOps:
         kernel = self._functions(head_dim, h_a // num_kv_heads)[3]
         kernel((-(-S // WARPS), num_kv_heads), (WARPS * 32,),
                (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))
+
+    def flash_prefill(self, q, k, v, n_k: int, q_pos0: int, num_kv_heads: int, window: int, scale: float,
+                      out) -> None:
+        """Causal attention of n_q query rows at positions q_pos0.. over keys 0..n_k-1 on tensor cores:
+        q, out [n_q, h_a, d] fp16 contiguous; k, v [h_kv, >= n_k, d] fp16 with contiguous rows (any head
+        stride, the same for both: a [2, h_kv, S, d] scratch's two halves, or a fresh prompt's K/V)."""
+        n_q, h_a, d = q.shape
+        head_stride = k.strides[0] // 2
+        if (k.strides[1:] != (2 * d, 2) or v.strides != k.strides or k.shape[1] < n_k or not q.flags.c_contiguous
+                or not out.flags.c_contiguous):
+            raise HelmcError(f"flash_prefill: expected contiguous q/out and K, V rows of {d} halves with one head "
+                             f"stride, found q {q.shape}, k strides {k.strides}, v strides {v.strides}")
+        kernel = self._functions(d, h_a // num_kv_heads)[4]
+        kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
+               (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),
+                np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))

@@ -145,3 +145,14 @@ def test_short_context_splits_cut_pages_and_stay_bitwise_equal():
           f"max relative error {worst:.2e}; bitwise equal: {identical}")
     assert (span, n_splits) == (32, 12) and on_host >= 1                 # 4 splits per page
     assert worst < 1e-5 and identical
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_fresh_fp16_prompt_takes_one_attention_kernel_per_layer(flash):
+    """A fresh fp16 prompt's attention is one kernel per layer: flash_prefill where the cubin has it (sm_80+,
+    any length), else prefill_causal; later chunks (keys in pages) keep the tiles. Both match full softmax."""
+    c = KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256, staging_pages=4,
+                   ops=EmulatedOps(num_sms=2, flash=flash), gpu_pages=3, watermark=0.5)
+    worst, _ = drive([c], [20, 7], seed=6, q_dtype=np.float16)
+    assert worst < 2e-3
+    assert c.ops.flash_launches == (2 if flash else 0)          # the first (fresh) step's two layers only
