@@ -253,18 +253,29 @@ class EmulatedOps:
     def has_flash(self, head_dim, group):
         return self.flash
 
-    def flash_prefill(self, q, k, v, n_k, q_pos0, num_kv_heads, window, scale, out):
+    def flash_prefill(self, q, k, v, n_k, q_pos0, num_kv_heads, window, scale, out, page_ptrs=None,
+                      page_tokens=0, paged_keys=0):
         """The kernel's contract: causal (windowed) softmax attention of n_q rows at positions q_pos0.. over
-        keys 0..n_k-1 of k, v [h_kv, >= n_k, d] (rows contiguous, one head stride)."""
+        keys 0..n_k-1: those before paged_keys in device pages (page_ptrs, multiples of 64), the rest at rows
+        0.. of k, v [h_kv, >= n_k - paged_keys, d] (rows contiguous, one head stride)."""
         self.kernel_launches += 1
         self.flash_launches += 1
         for a, w in ((q, False), (k, False), (v, False), (out, True)):
             self.access(self._compute, a, write=w)
         n_q, h_a, d = q.shape
-        assert k.shape[1] >= n_k and k.strides[1:] == (2 * d, 2) and v.strides == k.strides, (k.shape, k.strides)
+        assert k.shape[1] >= n_k - paged_keys and k.strides[1:] == (2 * d, 2) and v.strides == k.strides
+        assert paged_keys % 64 == 0 and (not paged_keys or page_tokens % 64 == 0), (paged_keys, page_tokens)
+        ks, vs = [np.asarray(k[:, :n_k - paged_keys])], [np.asarray(v[:, :n_k - paged_keys])]
+        if paged_keys:
+            self.access(self._compute, page_ptrs, write=False)
+            n_pages = -(-paged_keys // page_tokens)
+            pages = [self._page(int(np.ndarray.__getitem__(page_ptrs, i)), (2, num_kv_heads, page_tokens, d))
+                     for i in range(n_pages)]
+            ks.insert(0, np.concatenate([p[0] for p in pages], axis=1)[:, :paged_keys])
+            vs.insert(0, np.concatenate([p[1] for p in pages], axis=1)[:, :paged_keys])
         g = h_a // num_kv_heads
-        kk = np.repeat(np.asarray(k[:, :n_k], np.float64), g, axis=0)        # [h_kv, n_k, d] -> [h_a, n_k, d]
-        vv = np.repeat(np.asarray(v[:, :n_k], np.float64), g, axis=0)
+        kk = np.repeat(np.concatenate(ks, axis=1).astype(np.float64), g, axis=0)   # [h_kv, n_k, d] -> [h_a, n_k, d]
+        vv = np.repeat(np.concatenate(vs, axis=1).astype(np.float64), g, axis=0)
         e = np.einsum("shd,htd->hst", np.asarray(q, np.float64), kk) * scale   # [h_a, n_q, n_k]
         p, t = q_pos0 + np.arange(n_q)[:, None], np.arange(n_k)[None, :]
         visible = (t <= p) & ((t > p - window) if window else True)

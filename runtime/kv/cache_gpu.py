@@ -430,6 +430,16 @@ class KVCacheGPU:
                 ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
             return out
         table = self._table()
+        before = -(-start // T)                                            # pages holding keys 0..start-1
+        if flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(before)):
+            # a later chunk whose earlier keys are all in device pages: the kernel reads them through a page table
+            ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * self.slice_elems * 2 for i in range(before)],
+                            np.int64)
+            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, n, d]
+            out = xp.empty(q.shape, np.float16)                              # [n, h_a, d]
+            ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], start + q.shape[0], start, self.h_kv,
+                              self.window, scale, out, ops.to_device(ptrs), T, start)
+            return out
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
         for i in range(-(-start // T)):

@@ -22,7 +22,7 @@ _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_dec
 # schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by bundles from session 14 on; absent, prefill keeps
 # prefill_causal and attend_blocks' tiles
 FLASH_KERNEL = "flash_prefill"
-FLASH_BLOCK_Q, FLASH_THREADS = 64, 128      # = schedules/gpu/flash_prefill.BLOCK_Q, THREADS
+FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 
 def bundle_cuda_ops(bundle_dir: str, head_dim: int, group: int) -> "CudaOps":
@@ -151,17 +151,23 @@ class CudaOps:
                (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))
 
     def flash_prefill(self, q, k, v, n_k: int, q_pos0: int, num_kv_heads: int, window: int, scale: float,
-                      out) -> None:
+                      out, page_ptrs=None, page_tokens: int = 0, paged_keys: int = 0) -> None:
         """Causal attention of n_q query rows at positions q_pos0.. over keys 0..n_k-1 on tensor cores:
-        q, out [n_q, h_a, d] fp16 contiguous; k, v [h_kv, >= n_k, d] fp16 with contiguous rows (any head
-        stride, the same for both: a [2, h_kv, S, d] scratch's two halves, or a fresh prompt's K/V)."""
+        q, out [n_q, h_a, d] fp16 contiguous. Keys before paged_keys lie in pages (page_ptrs: device int64, a
+        layer's slice [2, h_kv, page_tokens, d] each; paged_keys and page_tokens multiples of 64), the rest at
+        rows 0.. of k, v [h_kv, >= n_k - paged_keys, d] fp16 with contiguous rows (any head stride, the same
+        for both: a [2, h_kv, S, d] scratch's two halves, or a prompt chunk's own K/V)."""
         n_q, h_a, d = q.shape
         head_stride = k.strides[0] // 2
-        if (k.strides[1:] != (2 * d, 2) or v.strides != k.strides or k.shape[1] < n_k or not q.flags.c_contiguous
-                or not out.flags.c_contiguous):
+        if (k.strides[1:] != (2 * d, 2) or v.strides != k.strides or k.shape[1] < n_k - paged_keys
+                or not q.flags.c_contiguous or not out.flags.c_contiguous):
             raise HelmcError(f"flash_prefill: expected contiguous q/out and K, V rows of {d} halves with one head "
                              f"stride, found q {q.shape}, k strides {k.strides}, v strides {v.strides}")
+        if paged_keys and (page_ptrs is None or paged_keys % FLASH_BLOCK_K or page_tokens % FLASH_BLOCK_K):
+            raise HelmcError(f"flash_prefill: expected a page table and multiples of {FLASH_BLOCK_K} for paged keys, "
+                             f"found paged_keys {paged_keys}, page_tokens {page_tokens}")
         kernel = self._functions(d, h_a // num_kv_heads)[4]
         kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
                (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),
-                np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))
+                np.int32(num_kv_heads), np.int32(window), np.float32(scale), out,
+                page_ptrs if page_ptrs is not None else np.uint64(0), np.int32(page_tokens), np.int32(paged_keys)))

@@ -6,9 +6,12 @@
                   softmax in fp32 on the accumulators, P rounded to fp16 and O += P V with the same mma.
                   Each warp owns 16 query rows; Q stays in registers, K and V tiles come into shared memory
                   by cp.async (the next K tile loads while P V runs, the next V tile while the next S runs).
-                  Keys: row t of KV head j at k + j * kv_head_stride + t * HEAD_DIM (the same for v), t < n_k,
-                  so the streamed prefill's [2, h_kv, S, d] scratch (n_k = the rows written so far) and a
-                  fresh prompt's K/V are read where they lie. q, out [n_q, h_a, HEAD_DIM] fp16.
+                  Keys 0..n_k-1: key t < paged_keys in page page_ptrs[t / page_tokens] (a layer's slice of the
+                  GPU cache's page, [2, h_kv, page_tokens, HEAD_DIM]; both multiples of 64, so a tile never
+                  straddles pages), key t >= paged_keys at row t - paged_keys of KV head j at
+                  k + j * kv_head_stride (the same for v). So the streamed prefill's [2, h_kv, S, d] scratch
+                  (paged_keys 0, n_k = the rows written so far), a fresh prompt's K/V, and a later chunk of the
+                  GPU stage (its earlier keys in device pages) are read where they lie. q, out [n_q, h_a, d].
 
 It replaces CuPy's fp32 score tiles (runtime/kv/paged_attention.attend_blocks), which at a 32K prompt ran
 tens of element-wise kernels over every score: most of the prompt's 75 s (session 13). Needs sm_80+ (cp.async,
@@ -79,6 +82,16 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
 }
 #endif
 
+// Key rows t0.. of one (K or V) head `slice_head` of the page slice [2, h_kv, page_tokens, d] holding key t0
+// when t0 < paged_keys, else rows t0 - paged_keys of `base` (that head's contiguous rows).
+__device__ __forceinline__ const unsigned short* tile_rows(const unsigned short* base, const long long* page_ptrs,
+                                                           int page_tokens, int paged_keys, int slice_head, int t0) {
+    if (t0 < paged_keys)
+        return reinterpret_cast<const unsigned short*>(page_ptrs[t0 / page_tokens])
+               + ((long long)slice_head * page_tokens + t0 % page_tokens) * HEAD_DIM;
+    return base + (long long)(t0 - paged_keys) * HEAD_DIM;
+}
+
 // rows [row0, row0 + FK) of a [*, HEAD_DIM] matrix with `stride` halves between rows -> s[FK][FLDS];
 // rows at or past `limit` read as zeros.
 __device__ __forceinline__ void load_tile(unsigned short* s, const unsigned short* g, long long stride, int row0,
@@ -94,7 +107,8 @@ __device__ __forceinline__ void load_tile(unsigned short* s, const unsigned shor
 extern "C" __global__ void __launch_bounds__(128)
 flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
               const unsigned short* __restrict__ v, long long kv_head_stride, int n_q, int n_k, int q_pos0,
-              int num_kv_heads, int window, float scale, unsigned short* __restrict__ out)
+              int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
+              const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys)
 {
     __shared__ __align__(16) unsigned short sK[FK * FLDS];     // the Q tile first, then key tiles
     __shared__ __align__(16) unsigned short sV[FK * FLDS];
@@ -102,8 +116,9 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
     const int head = blockIdx.y, num_heads = num_kv_heads * GROUP;
     const int r0 = blockIdx.x * FQ;
     const long long q_stride = (long long)num_heads * HEAD_DIM;
-    const unsigned short* kh = k + (long long)(head / GROUP) * kv_head_stride;
-    const unsigned short* vh = v + (long long)(head / GROUP) * kv_head_stride;
+    const int kvh = head / GROUP;
+    const unsigned short* kh = k + (long long)kvh * kv_head_stride;
+    const unsigned short* vh = v + (long long)kvh * kv_head_stride;
 
     // Q: rows r0.. of this head through shared memory into A fragments (row-major 16x16 per k16 step)
     load_tile(sK, q + (long long)r0 * q_stride + head * HEAD_DIM, q_stride, 0, n_q - r0, tid);
@@ -127,9 +142,10 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
 #pragma unroll
     for (int i = 0; i < FDTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
-    load_tile(sK, kh, HEAD_DIM, t_begin, n_k, tid);
+    load_tile(sK, tile_rows(kh, page_ptrs, page_tokens, paged_keys, kvh, t_begin), HEAD_DIM, 0, n_k - t_begin, tid);
     cp_async_commit();
-    load_tile(sV, vh, HEAD_DIM, t_begin, n_k, tid);
+    load_tile(sV, tile_rows(vh, page_ptrs, page_tokens, paged_keys, num_kv_heads + kvh, t_begin), HEAD_DIM, 0,
+              n_k - t_begin, tid);
     cp_async_commit();
     for (int t0 = t_begin; t0 < t_end; t0 += FK) {
         cp_async_wait<1>();                                      // this K tile (this V tile may still land)
@@ -148,7 +164,8 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
             }
         }
         __syncthreads();                                         // every warp is done with this K tile
-        if (t0 + FK < t_end) load_tile(sK, kh, HEAD_DIM, t0 + FK, n_k, tid);
+        if (t0 + FK < t_end)
+            load_tile(sK, tile_rows(kh, page_ptrs, page_tokens, paged_keys, kvh, t0 + FK), HEAD_DIM, 0, n_k - t0 - FK, tid);
         cp_async_commit();
 
         // mask where some (row, key) of the block is not visible: the diagonal, the window's edge, past n_k
@@ -201,7 +218,9 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
             }
         }
         __syncthreads();                                         // every warp is done with this V tile
-        if (t0 + FK < t_end) load_tile(sV, vh, HEAD_DIM, t0 + FK, n_k, tid);
+        if (t0 + FK < t_end)
+            load_tile(sV, tile_rows(vh, page_ptrs, page_tokens, paged_keys, num_kv_heads + kvh, t0 + FK), HEAD_DIM, 0,
+                      n_k - t0 - FK, tid);
         cp_async_commit();
     }
     cp_async_wait<0>();

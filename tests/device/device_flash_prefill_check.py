@@ -109,6 +109,27 @@ def check(dir_: str, out: str | None) -> int:
         print(f"error  h_kv={h_kv} g={g} d={d} n_q={n_q} q_pos0={q_pos0} window={window}: flash {err:.2e} "
               f"tiles {err_tiles:.2e} {'ok' if ok else 'FAIL'}")
 
+    # a GPU-stage chunk: keys 0..1535 in shuffled pages of 512 (a layer slice each), then the chunk's own 512
+    h_kv, g, d, T, start, n_q = 8, 4, 128, 512, 1536, 512
+    h_a, scale = h_kv * g, 1.0 / math.sqrt(d)
+    pool = rng.standard_normal((5, 2, h_kv, T, d)).astype(np.float16)
+    slots = [3, 0, 4]
+    poolg = cp.asarray(pool)
+    ptrs = cp.asarray(np.array([poolg.data.ptr + s_ * pool[0].nbytes for s_ in slots], np.int64))
+    q = rng.standard_normal((n_q, h_a, d)).astype(np.float16)
+    kv = rng.standard_normal((2, h_kv, n_q, d)).astype(np.float16)
+    o = cp.full((n_q, h_a, d), cp.nan, cp.float16)
+    kvg = cp.asarray(kv)
+    ops.flash_prefill(cp.asarray(q), kvg[0], kvg[1], start + n_q, start, h_kv, 0, scale, o, ptrs, T, start)
+    keys = [np.concatenate([pool[slots, w].transpose(1, 0, 2, 3).reshape(h_kv, -1, d), kv[w]], axis=1)
+            for w in (0, 1)]
+    ref = reference(q, keys[0], keys[1], start, start + n_q, 0, scale)
+    err = float(np.abs(cp.asnumpy(o).astype(np.float64) - ref).max() / np.abs(ref).max())
+    ok = err <= TOLERANCE and not bool(cp.isnan(o).any())
+    failed += not ok
+    rows.append(dict(kind="error_paged", n_q=n_q, q_pos0=start, page_tokens=T, flash_err=err, ok=ok))
+    print(f"error  paged keys 0..{start - 1} in pages of {T}, chunk of {n_q}: flash {err:.2e} {'ok' if ok else 'FAIL'}")
+
     h_kv, g, d, S = 8, 4, 128, 32768
     h_a, scale = h_kv * g, 1.0 / math.sqrt(d)
     kvg = cp.asarray(rng.standard_normal((2, h_kv, S, d)).astype(np.float16))

@@ -88,9 +88,10 @@ template <class F> static void launch(int gx, int gy, int threads, F body) {
 }
 extern "C" void run_flash(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                           long long head_stride, int n_q, int n_k, int q_pos0, int h_kv, int window, float scale,
-                          unsigned short* out) {
+                          unsigned short* out, const long long* page_ptrs, int page_tokens, int paged_keys) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
-        flash_prefill(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out); });
+        flash_prefill(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, page_ptrs, page_tokens,
+                      paged_keys); });
 }
 """
 
@@ -119,27 +120,38 @@ def reference(q, k, v, q_pos0: int, n_k: int, window: int, scale: float) -> np.n
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("h_kv,group,d,cap,n_q,q_pos0,window", [
-    (2, 4, 128, 100, 100, 0, 0),     # a fresh prompt, the last query block and key tile partly filled
-    (1, 2, 64, 200, 70, 80, 0),      # a later chunk: queries at 80..149 over keys 0..149 of a 200-row scratch
-    (2, 1, 32, 130, 130, 0, 40),     # a sliding window: early key tiles skipped, the window's edge masked
-    (1, 3, 16, 64, 64, 0, 0),        # one 16-dim k-step, a group of 3
+@pytest.mark.parametrize("h_kv,group,d,cap,n_q,q_pos0,window,page_tokens", [
+    (2, 4, 128, 100, 100, 0, 0, 0),     # a fresh prompt, the last query block and key tile partly filled
+    (1, 2, 64, 200, 70, 80, 0, 0),      # a later chunk: queries at 80..149 over keys 0..149 of a 200-row scratch
+    (2, 1, 32, 130, 130, 0, 40, 0),     # a sliding window: early key tiles skipped, the window's edge masked
+    (1, 3, 16, 64, 64, 0, 0, 0),        # one 16-dim k-step, a group of 3
+    (2, 2, 32, 70, 70, 192, 0, 128),    # a GPU-stage chunk: keys 0..191 in shuffled pages of 128, then its own 70
+    (1, 2, 32, 64, 64, 256, 100, 64),   # the same with a window: the first pages skipped, the edge in a page
 ])
-def test_flash_prefill_on_cpu_threads(tmp_path, h_kv, group, d, cap, n_q, q_pos0, window):
+def test_flash_prefill_on_cpu_threads(tmp_path, h_kv, group, d, cap, n_q, q_pos0, window, page_tokens):
     lib = build(tmp_path, d, group)
     rng = np.random.default_rng(d + n_q)
     h_a, n_k = h_kv * group, q_pos0 + n_q
+    paged = q_pos0 if page_tokens else 0                                     # keys before the chunk's own in pages
     q = (rng.standard_normal((n_q, h_a, d)) * 2).astype(np.float16)
     kv = rng.standard_normal((2, h_kv, cap, d)).astype(np.float16)          # [2, h_kv, cap, d]: rows past n_k unused
-    kv[:, :, n_k:] = np.float16(np.nan)                                      # never read: would poison the sums
+    kv[:, :, n_k - paged:] = np.float16(np.nan)                              # never read: would poison the sums
+    n_pages = -(-paged // page_tokens) if page_tokens else 0
+    pool = rng.standard_normal((n_pages + 2, 2, h_kv, max(page_tokens, 1), d)).astype(np.float16)
+    slots = rng.permutation(n_pages + 2)[:n_pages]
+    ptrs = np.array([pool.ctypes.data + int(i) * pool[0].nbytes for i in slots] or [0], np.int64)
     out = np.full((n_q, h_a, d), np.nan, np.float16)
     fp, ip = ctypes.c_void_p, ctypes.c_int
     scale = 1.0 / np.sqrt(d)
     lib.run_flash(fp(q.ctypes.data), fp(kv[0].ctypes.data), fp(kv[1].ctypes.data), ctypes.c_longlong(cap * d),
-                  ip(n_q), ip(n_k), ip(q_pos0), ip(h_kv), ip(window), ctypes.c_float(scale), fp(out.ctypes.data))
-    ref = reference(q, kv[0], kv[1], q_pos0, n_k, window, scale)
+                  ip(n_q), ip(n_k), ip(q_pos0), ip(h_kv), ip(window), ctypes.c_float(scale), fp(out.ctypes.data),
+                  fp(ptrs.ctypes.data), ip(page_tokens), ip(paged))
+    # every key in position order: the pages' rows, then the contiguous rows
+    keys = [np.concatenate([pool[slots, w].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :paged], kv[w]], axis=1)
+            for w in (0, 1)]                                                  # [h_kv, paged + cap, d] each
+    ref = reference(q, keys[0], keys[1], q_pos0, n_k, window, scale)
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
     print(f"\nflash_prefill on CPU threads, h_kv={h_kv} group={group} d={d} n_q={n_q} q_pos0={q_pos0} "
-          f"window={window}: max relative error {err:.2e}")
+          f"window={window} page_tokens={page_tokens}: max relative error {err:.2e}")
     assert not np.isnan(out).any()
     assert err < 4e-3               # P is rounded to fp16 before P V (as FlashAttention does): ~2^-11 per weight

@@ -155,4 +155,16 @@ def test_fresh_fp16_prompt_takes_one_attention_kernel_per_layer(flash):
                    ops=EmulatedOps(num_sms=2, flash=flash), gpu_pages=3, watermark=0.5)
     worst, _ = drive([c], [20, 7], seed=6, q_dtype=np.float16)
     assert worst < 2e-3
-    assert c.ops.flash_launches == (2 if flash else 0)          # the first (fresh) step's two layers only
+    assert c.ops.flash_launches == (2 if flash else 0)          # the fresh step's two layers only (pages of 8: not 64)
+
+
+@pytest.mark.parametrize("gpu_pages,flash_steps", [(8, 3), (2, 1)])
+def test_later_chunks_read_device_pages_through_the_page_table(gpu_pages, flash_steps):
+    """A later prefill chunk (pages of 64 tokens, the chunk at a multiple of 64) goes to flash_prefill with
+    its earlier keys read through a page table while they are all on the device; once pages sit in host RAM
+    it falls back to the tiles over staged pages. Outputs match full softmax either way."""
+    c = KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=64, max_tokens=512, staging_pages=4,
+                   ops=EmulatedOps(num_sms=2), gpu_pages=gpu_pages, watermark=0.5)
+    worst, _ = drive([c], [128, 64, 64], seed=7, q_dtype=np.float16)
+    assert worst < 2e-3
+    assert c.ops.flash_launches == 2 * flash_steps

@@ -2,7 +2,8 @@
 # Session 14, call C: flash_prefill through the runtime. GPU tests (batched/streamed prefill bit-identical to
 # single runs; the GPU prefill paths against HF), then a 32K prompt of Qwen3-8B fp16 under 7 GiB beside
 # llama-bench -p 32768 -ngl 10 (prefill_32k_ratio_vs_llamacpp; session 13: 74.65 s vs 111.8 s, 1.497).
-# Built here first: tests/device/build_batch_session_bundles.py .devrt/batch_session,
+# Built here first: tests/device/device_flash_prefill_check.py .devrt/flash_check --build,
+# tests/device/build_batch_session_bundles.py .devrt/batch_session (fp16_hybrid, fp16_streamed carried),
 # tests/device/device_prefill_check.py .devrt/prefill_check --build, and
 # helmc build /tmp/q8cfg .devrt/b8_fp16_7g_32k/hardware.json --gpu-budget 7 --prompt-len 32768 --output-len 16 -o .devrt/b32k
 set -u
@@ -13,7 +14,8 @@ echo "== start $(date +%T)"
 ( bash .devrt/peers/build_llamacpp.sh /tmp/lc > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log" ) &
 "$PY" scripts/make_random_model.py "$M/q8fp16" --config qwen3-8b --dtype float16 > "$OUT/make_model.log" 2>&1 &
 "$PY" .devrt/peers/mkgguf.py "$M/q8b_f16.gguf" --config 8b --type f16 > "$OUT/mkgguf.log" 2>&1 &
-HELMC_GPU_BATCH_BUNDLES=.devrt/batch_session "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_batch_decode_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "batch tests rc=$?"
+"$PY" tests/device/device_flash_prefill_check.py .devrt/flash_check --out "$OUT/flash.json" 2>&1 | grep -v Warning | grep -E "error|fresh|32K|passed|FAIL"
+HELMC_GPU_BATCH_BUNDLES=.devrt/batch_session "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_batch_decode_gpu.py -k "hybrid or streamed" > "$OUT/gpu_tests.log" 2>&1; echo "batch tests rc=$?"
 tail -3 "$OUT/gpu_tests.log"
 "$PY" tests/device/device_prefill_check.py .devrt/prefill_check --out "$OUT/prefill_check.json" > "$OUT/prefill_check.log" 2>&1; echo "prefill check rc=$?"
 grep -v Warning "$OUT/prefill_check.log" | tail -8
