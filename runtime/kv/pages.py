@@ -13,7 +13,9 @@ Life of a page:
     end_prefetch()       that staging slot may be reused
     free_sequence()      every slot of the sequence back to its free list
 
-Invariants (checked by check_invariants() at the end of every mutator):
+Invariants (checked by check_invariants() at the end of every mutator that moves or commits pages; the staging
+mutators, called per page and layer of every attention over host pages, check I7, the only one they can break:
+the whole check is O(pages + slots), and ~400 of them a token held a 32K-context decode step for ~70 ms):
   I1  every live page belongs to exactly one sequence, at position `index` of its page list.
   I2  residency GPU <=> gpu_slot set and host_slot None; HOST <=> host_slot set and gpu_slot None;
       IN_FLIGHT <=> both set (the copy reads the GPU slot and writes the host slot).
@@ -313,14 +315,14 @@ class PagePool:
             raise HelmcError(f"begin_prefetch: staging slot expected a free one of 0..{self.staging_slots - 1}, "
                              f"found {staging_slot}")
         self._staged[staging_slot] = (page_id, layer)
-        self.check_invariants()
+        self._check_staging()
         return staging_slot
 
     def end_prefetch(self, staging_slot: int) -> None:
         if staging_slot not in self._staged:
             raise HelmcError(f"end_prefetch: staging slot {staging_slot} holds nothing")
         del self._staged[staging_slot]
-        self.check_invariants()
+        self._check_staging()
 
     def free_sequence(self, seq_id: int) -> None:
         """Return every slot of the sequence. Its evictions must be completed and prefetches ended."""
@@ -393,6 +395,10 @@ class PagePool:
             assert len(held) == len(set(held)), f"I3: {name} slot held twice: {sorted(held)}"
             assert set(held) | free.as_set() == set(range(cap)) and not set(held) & free.as_set(), \
                 f"I3: {name} slots held {sorted(held)} and free {sorted(free.as_set())} do not partition 0..{cap - 1}"
+        self._check_staging()
+
+    def _check_staging(self) -> None:
+        """I7 alone: what begin_prefetch / end_prefetch change (placement and lengths stay as they were)."""
         assert len(self._staged) <= self.staging_slots, "I7: too many staged pages"
         assert len(set(self._staged.values())) == len(self._staged), "I7: a page layer staged twice"
         for slot, (pid, _layer) in self._staged.items():
