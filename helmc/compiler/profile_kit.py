@@ -109,6 +109,11 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
     from helmc.schedules.cpu.gemm import make_gemm
     gemm = make_gemm(target.block.ffn, target.block.hidden, "float16", isa)
     funcs[str(gemm.attrs["global_symbol"])] = gemm
+    from helmc.schedules.cpu.decode_attention import default_max_splits, make_decode_attention
+    b = target.block
+    attention = make_decode_attention(b.heads, b.kv_heads, b.head_dim, "float16", isa,
+                                      default_max_splits(target.cores, b.kv_heads))
+    funcs[str(attention.attrs["global_symbol"])] = attention
     funcs["helmc_stream_read"] = make_stream_read(read_n, isa)
     funcs["helmc_stream_read_l3"] = make_stream_read(l3_n, isa).with_attr("global_symbol", "helmc_stream_read_l3")
     progress(f"profile kit: compiling {len(funcs)} kernels for {isa.tier}")
@@ -123,6 +128,7 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
                      l3_bytes=target.l3_bytes, cores=target.cores, block=target.block, read_elements=read_n,
                      l3_read_elements=l3_n, read_name="helmc_stream_read", l3_read_name="helmc_stream_read_l3",
                      kernels=tuple(kernels), gemm_name=str(gemm.attrs["global_symbol"]),
+                     attention_name=str(attention.attrs["global_symbol"]),
                      cpu_bundle="cpu_bundle" if stages else "",
                      gpu_bundle="gpu_bundle" if target.gpu_arch else "",
                      gpu_arch=target.gpu_arch, synthetic_layers=target.layers, quick=target.quick)

@@ -6,7 +6,9 @@
                  them (fused q/k/v, o, fused gate/up SwiGLU, down; quantized types one launch per linear), over
                  copies of the block's weights whose total is >= 4 x L3, so every pass reads DRAM;
   host_read_gbs  the fp16 one: M of the cost model (what a CPU block streams);
-  gemm_gflops    helmc's prefill GEMM over a 128-token chunk: P on the CPU (the cost model's compute term).
+  gemm_gflops    helmc's prefill GEMM over a 128-token chunk: P on the CPU (the cost model's compute term);
+  attention_gbs  helmc's decode-attention kernel over layers of 32K-token fp16 KV >= 4 x L3 (the cost model's rate
+                 for a CPU block's attention at long contexts).
 
 The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
 allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
@@ -63,7 +65,24 @@ def copies(kit: ProfileKit, weight_type: str) -> int:
 
 def arena_bytes(kit: ProfileKit) -> int:
     per_type = [copies(kit, t) * (block_bytes(kit, t) + 8 * ALIGN) for t in kit.weight_types]
-    return max([kit.read_elements * 4] + per_type)
+    attention = [attention_copies(kit) * (attention_layer_bytes(kit) + 2 * ALIGN)] if kit.attention_name else []
+    return max([kit.read_elements * 4] + per_type + attention)
+
+
+ATTENTION_CONTEXT = 32768         # tokens of each layer's KV the attention read runs over (quick kit: 1024)
+
+
+def attention_context(kit: ProfileKit) -> int:
+    return 1024 if kit.quick else ATTENTION_CONTEXT
+
+
+def attention_layer_bytes(kit: ProfileKit) -> int:
+    """One layer's fp16 K and V at attention_context tokens."""
+    return 2 * kit.block.kv_heads * attention_context(kit) * kit.block.head_dim * 2
+
+
+def attention_copies(kit: ProfileKit) -> int:
+    return max(1, -(-cycle_bytes(kit) // attention_layer_bytes(kit)))
 
 
 class Arena:
@@ -148,6 +167,30 @@ class GemvPass:
             fn(*args)
 
 
+class AttentionPass:
+    """One decode step's attention over layers of KV at attention_context tokens, as the CPU stage calls helmc's
+    decode-attention kernel (one call per layer, K and V [h_kv, tokens, d] fp16); run() is one pass over copies
+    whose total is >= 4 x L3, so every pass reads DRAM, as a real step does (the blocks' weights stream through
+    the L3 between one token's attention of a layer and the next's)."""
+
+    def __init__(self, lib: KitLibrary, arena: Arena):
+        kit, b = lib.kit, lib.kit.block
+        arena.reset()
+        n = attention_context(kit)
+        self.copies = attention_copies(kit)
+        self.nbytes = self.copies * attention_layer_bytes(kit)
+        fn = lib.lib[kit.attention_name]
+        q, self.check = lib.vector((b.heads, b.head_dim)), lib.vector((b.heads, b.head_dim), 0.0)
+        scale = 1.0 / float(np.sqrt(b.head_dim))
+        self.calls = [(fn, (q, arena.tensor((b.kv_heads, n, b.head_dim), "float16"),
+                            arena.tensor((b.kv_heads, n, b.head_dim), "float16"), 0, n, scale, self.check))
+                      for _ in range(self.copies)]
+
+    def run(self) -> None:
+        for fn, args in self.calls:
+            fn(*args)
+
+
 def median_gbs(nbytes: int, fn, passes: int) -> tuple[float, list[float]]:
     """(median GB/s, every pass's GB/s) of `passes` timed calls after one warm-up."""
     fn()
@@ -169,6 +212,7 @@ class HostReads:
     gemv_reads: tuple[KernelRead, ...]
     gemm_gflops: float                # helmc's prefill GEMM (fp16 weights) on every core
     notes: tuple[str, ...]
+    attention_gbs: float = 0.0        # helmc's decode attention's KV read (0: a kit without the kernel)
 
     @property
     def host_read_gbs(self) -> float:
@@ -210,6 +254,17 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
                  f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass; "
                  "GB/s of weights, at 1 row and at a batched step's rows): "
                  + ", ".join(f"{r.weight_type}{f' x{r.rows}' if r.rows > 1 else ''} {r.gbs:.1f}" for r in reads))
+    attention = 0.0
+    if kit.attention_name:
+        att = AttentionPass(lib, arena)
+        progress(f"host read: helmc's decode attention over {att.copies} layers of {attention_context(kit)} tokens "
+                 f"({att.nbytes >> 20} MiB of KV)")
+        attention, _ = median_gbs(att.nbytes, att.run, passes)
+        if not np.isfinite(att.check.numpy()).all():
+            raise RuntimeError("profile: the decode attention produced non-finite outputs")
+        notes.append(f"cpu: attention_read_gbs {attention:.1f}, helmc's decode attention over {att.copies} layers' "
+                     f"fp16 KV of {attention_context(kit)} tokens each (one call per layer)")
+        del att
     n, k = kit.block.ffn, kit.block.hidden
     arena.reset()
     w = arena.tensor((n, k), "float16")
@@ -219,4 +274,4 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     notes.append(f"cpu: fp32_gflops {gflops:.0f} from helmc's prefill GEMM ({GEMM_TOKENS} tokens x [{n}, {k}] "
                  f"fp16 weights, fp32 accumulation)")
     return HostReads(dram_gbs=round(dram, 2), l3_gbs=round(l3, 2), gemv_reads=tuple(reads), gemm_gflops=round(gflops, 1),
-                     notes=tuple(notes))
+                     notes=tuple(notes), attention_gbs=round(attention, 2))

@@ -97,6 +97,7 @@ class ProfileKit:
     l3_read_name: str
     kernels: tuple[KitKernel, ...]
     gemm_name: str                   # helmc's prefill GEMM, fp16 weights [ffn, hidden], symbolic tokens: P on the CPU
+    attention_name: str = ""         # helmc's decode attention over the block's fp16 KV ("": a kit from before it)
     cpu_bundle: str = ""             # directory in the kit ("" : none)
     gpu_bundle: str = ""
     gpu_arch: str = ""               # what gpu_bundle was compiled for

@@ -171,6 +171,7 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
     cpu = CpuProfile(name=facts.name, cores=facts.cores, threads=facts.threads, features=facts.features,
                      l3_bytes=facts.l3_bytes, dram_gbs=reads.dram_gbs, host_read_gbs=reads.host_read_gbs,
                      gemv_reads=reads.gemv_reads, l3_gbs=reads.l3_gbs, fp32_gflops=reads.gemm_gflops,
+                     attention_read_gbs=reads.attention_gbs,
                      ram_total_bytes=facts.ram_total_bytes, ram_free_bytes=facts.ram_free_bytes)
     return cpu, notes
 

@@ -78,6 +78,10 @@ class CpuProfile:
     host_read_gbs: float = 0.0
     gemv_reads: tuple[KernelRead, ...] = ()   # the same per weight type (quantized models' M)
     l3_gbs: float = 0.0              # B_L3; 0 = not measured (cost model then uses 3 x M, as the thesis)
+    # KV bytes/s helmc's compiled decode-attention kernel reads over a context >> L3 (a layer's KV does not stay in
+    # the L3 between tokens: every block's weights stream through it). 0 = not measured (eq. 4.14's blend of M
+    # and B_L3; session 14 measured the kernel at ~0.74 M on the GPU machine's Xeon, where the blend expects 1.17 M)
+    attention_read_gbs: float = 0.0
     fp32_gflops: float = 0.0         # P_dec on the CPU; 0 = not measured (thesis sets P_dec = M)
     threads: int = 0                 # hardware threads this process may run on; 0 = not known
     eta_compute: float = 1.0         # eta_c of eq. 4.10; 1: the measured rates are already sustained rates
@@ -93,7 +97,8 @@ class CpuProfile:
         _require(self.dram_gbs > 0, f"cpu.dram_gbs expected > 0, found {self.dram_gbs}")
         _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
                  f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
-        _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads) >= 0,
+        _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads,
+                     self.attention_read_gbs) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
         types = [(r.weight_type, r.rows) for r in self.gemv_reads]
         _require(len(set(types)) == len(types),

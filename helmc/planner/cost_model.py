@@ -81,6 +81,7 @@ class DeviceRates:
     l3_gbs: float = 0.0            # B_L3
     block_overhead_ms: float = 0.0 # delta: per block per token beyond the roofline
     step_overhead_ms: float = 0.0  # sigma: per token, charged to the stage that holds the lm_head
+    attention_gbs: float = 0.0     # KV read of the device's decode attention kernel (0: eq. 4.14's blend of M, B_L3)
 
     @classmethod
     def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0,
@@ -96,7 +97,7 @@ class DeviceRates:
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
                    l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
                    block_overhead_ms=block_overhead_ms if cpu.block_overhead_ms is None else cpu.block_overhead_ms,
-                   step_overhead_ms=cpu.step_overhead_ms or 0.0)
+                   step_overhead_ms=cpu.step_overhead_ms or 0.0, attention_gbs=cpu.attention_read_gbs)
 
     @classmethod
     def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
@@ -130,6 +131,9 @@ def rate_fallbacks(hw: HardwareProfile, w: Workload | None = None) -> tuple[str,
         out.append("CPU P_dec = M (fp32 rate not measured; thesis 4.1.2)")
     if hw.cpu.l3_gbs <= 0:
         out.append("CPU B_L3 = 3 M (L3 bandwidth not measured; thesis 4.1.2)")
+    if hw.cpu.attention_read_gbs <= 0:
+        out.append("CPU decode attention at eq. 4.14's blend of M and B_L3 (helmc's attention kernel's KV read not "
+                   "measured; helmc profile measures it)")
     if hw.cpu.host_read_gbs <= 0:
         out.append("CPU M from one contiguous buffer (helmc's GEMV read rate not measured)")
     if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
@@ -196,7 +200,11 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
     resident = kv_bytes if kv_resident_bytes is None else min(kv_bytes, kv_resident_bytes)
     streamed = kv_bytes - resident
     m_hat = rates.mem_gbs
-    if blend_l3 and kv_bytes > 0 and rates.l3_bytes > 0:
+    if rates.attention_gbs > 0 and w.objective == "decode":
+        # the kernel's measured read over KV >> L3: between two tokens' attention of a layer every block's weights
+        # stream through the L3, so its KV is not there to blend in (session 14: 0.74 M measured, 1.17 M blended)
+        m_hat = rates.attention_gbs
+    elif blend_l3 and kv_bytes > 0 and rates.l3_bytes > 0:
         alpha = min(1.0, rates.l3_bytes / kv_bytes)                                  # eq. 4.14
         m_hat = alpha * rates.l3_gbs + (1 - alpha) * rates.mem_gbs
     # Attention reads every KV byte from device memory: streamed pages too, once staged there. So

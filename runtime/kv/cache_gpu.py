@@ -14,7 +14,8 @@ Decode attention: one table of page addresses per layer; resident pages are read
 pages are copied into staging half by half on the copy stream (events order copy -> kernel ->
 reuse), so at most `staging_pages` non-resident pages are on the GPU while the kernel walks the
 rest. Splits are whole pages fixed by the page count alone, so offload never changes the result.
-Prefill attention: KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
+Prefill attention (prefill_gpu.py, a base of this class): the tensor-core kernel where the bundle has it and
+the keys are on the device, else KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
 this step's new rows; no S x S buffer.
 Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed
 prefill of the CPU blocks (prefill_stream.py), which finishes before the first append. Invariant:
@@ -33,13 +34,13 @@ import numpy as np
 from helmc.errors import HelmcError
 
 from helmc.runtime.kv.pages import PagePool, PoolExhausted
-from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
-from helmc.runtime.kv.cuda_ops import D2H, H2D, PREFILL_MAX_TOKENS
+from helmc.runtime.kv.cuda_ops import D2H, H2D
 from helmc.runtime.kv.decode_splits import plan_splits, runs
+from helmc.runtime.kv.prefill_gpu import GpuPrefill
 from helmc.runtime.memory.allocation import allocate
 
 
-class KVCacheGPU:
+class KVCacheGPU(GpuPrefill):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
                  max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
                  watermark: float = 0.8, offload: bool = True, staging_pages: int = 16,
@@ -413,83 +414,6 @@ class KVCacheGPU:
                               self._host_ptr(h0) + layer * slice_bytes, self.page_bytes,
                               slice_bytes, k - j, H2D, self.copy_stream)
             j = k
-
-    # ------------------------------------------------------------------ prefill
-    def _prefill(self, layer: int, q, scale: float):
-        xp, ops = self.xp, self.ops
-        start, T = self.length, self.T
-        flash = q.dtype == np.float16 and self._has_flash(q.shape[1])
-        if start == 0 and (flash or (q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16)):
-            # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
-            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, S, d]
-            out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
-            if flash:
-                ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.window,
-                                  scale, out)
-            else:
-                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
-            return out
-        table = self._table()
-        before = -(-start // T)                                            # pages holding keys 0..start-1
-        if flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(before)):
-            # a later chunk whose earlier keys are all in device pages: the kernel reads them through a page table
-            ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * self.slice_elems * 2 for i in range(before)],
-                            np.int64)
-            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, n, d]
-            out = xp.empty(q.shape, np.float16)                              # [n, h_a, d]
-            ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], start + q.shape[0], start, self.h_kv,
-                              self.window, scale, out, ops.to_device(ptrs), T, start)
-            return out
-        blocks: list[KeyBlock] = []
-        compute = ops.current_stream()
-        for i in range(-(-start // T)):
-            n_i = min(T, start - i * T)
-            if table.on_device(i):
-                page = self.gpu_store[table.gpu_slots[i], layer]             # [2, h_kv, T, d]
-                blocks.append(KeyBlock(i * T, n_i, (lambda page=page, n_i=n_i: (page[0, :, :n_i], page[1, :, :n_i]))))
-            else:
-                blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
-        kv = self._pending_kv.pop(layer)                                   # [2, h_kv, S, d]
-        blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
-        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
-        self._release_ring(compute)
-        return out
-
-    def _has_flash(self, num_heads: int) -> bool:
-        """Whether the ops have the tensor-core prefill attention for this cache's head_dim and query group."""
-        has = getattr(self.ops, "has_flash", None)
-        return has is not None and has(self.d, num_heads // self.h_kv)
-
-    def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
-        """One cached host page for prefill: a ring of staging slots, each reused after its reader."""
-        ops = self.ops
-        self._release_ring(compute)
-        slot = self._ring % self.staging_pages
-        self._ring += 1
-        written = ops.new_event()
-        ops.record(written, compute)
-        ops.wait(self.copy_stream, written)
-        if self._slot_events[slot] is not None:
-            ops.wait(self.copy_stream, self._slot_events[slot])
-        self.pool.begin_prefetch(table.page_ids[i], layer, slot)
-        slice_bytes = self.slice_elems * 2
-        ops.memcpy(ops.ptr(self.staging) + slot * slice_bytes, self._host_ptr(table.host_slots[i]) + layer * slice_bytes,
-                   slice_bytes, H2D, self.copy_stream)
-        ready = ops.new_event()
-        ops.record(ready, self.copy_stream)
-        ops.wait(compute, ready)
-        self._ring_used = slot
-        return self.staging[slot, 0, :, :n_i], self.staging[slot, 1, :, :n_i]
-
-    def _release_ring(self, compute) -> None:
-        """The compute work enqueued since the last staged page is that page's reader: mark its slot."""
-        slot = self._ring_used
-        if slot is not None:
-            used = self.ops.new_event()
-            self.ops.record(used, compute)
-            self._slot_events[slot] = used
-            self.pool.end_prefetch(slot)
-            self._ring_used = None
 
     # ------------------------------------------------------------------ addresses
     def _table(self):

@@ -96,6 +96,20 @@ def test_measured_reads_are_consistent(full_kit):
     assert [(k.weight_type, k.rows) for k in r.gemv_reads] == [(t, m) for t in kit.weight_types for m in (1, 8)]
     assert r.host_read_gbs == r.gemv_reads[0].gbs > 0
     assert all(0 < k.gbs <= 3 * r.dram_gbs for k in r.gemv_reads)
+    # helmc's decode attention over layers of 32K-token KV, as many as make >= 4 x L3: the CPU attention's rate
+    print(f"decode attention {r.attention_gbs} GB/s")
+    assert 0 < r.attention_gbs <= 3 * r.dram_gbs
+
+
+def test_attention_pass_reads_whole_layers_beyond_the_cache(full_kit):
+    """The attention pass calls the kernel once per layer copy over its whole context, K and V fp16 [h_kv, n, d]:
+    its byte count is what those calls read, and more than the L3 holds, so no pass is served from cache."""
+    kit_dir, kit = full_kit
+    att = hr.AttentionPass(hr.KitLibrary(kit_dir, kit), hr.Arena(hr.arena_bytes(kit)))
+    b, n = kit.block, hr.attention_context(kit)
+    assert n == hr.ATTENTION_CONTEXT and len(att.calls) == att.copies
+    assert att.nbytes == att.copies * 2 * b.kv_heads * n * b.head_dim * 2 >= max(hr.cycle_bytes(kit), 4 * kit.l3_bytes)
+    assert all(args[4] == n and args[1].shape == (b.kv_heads, n, b.head_dim) for _, args in att.calls)
 
 
 def test_window_rates_arithmetic():

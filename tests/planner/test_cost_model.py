@@ -72,6 +72,22 @@ def test_l3_blend_eq_4_14(q8):
     assert no_blend.attn_ms == pytest.approx(w_kv / (M * 1e9) * 1e3, rel=1e-6)
 
 
+def test_measured_attention_rate_replaces_the_l3_blend(q8):
+    """A profile that measured helmc's decode attention (cpu.attention_read_gbs) times a CPU block's attention at
+    that rate, with no L3 blend: between two tokens every block's weights stream through the L3. Prefill keeps
+    eq. 4.14, and a rate of 0 (not measured) keeps the blend."""
+    stage = q8.stage(1, 5)
+    w = Workload(prompt_len=32768, output_len=16)
+    w_kv = 4 * w.decode_context * KV_TOKEN
+    blended = DeviceRates(mem_gbs=88.0, compute_gflops=1e9, l3_bytes=300 << 20, l3_gbs=264.0)
+    measured = dataclasses.replace(blended, attention_gbs=65.0)
+    t = stage_time(q8, stage, measured, w, blend_l3=True)
+    assert t.attn_ms == pytest.approx(w_kv / 65e9 * 1e3, rel=1e-9)
+    assert t.attn_ms > stage_time(q8, stage, blended, w, blend_l3=True).attn_ms
+    pre = Workload(prompt_len=512, output_len=1, objective="prefill")
+    assert stage_time(q8, stage, measured, pre, blend_l3=True) == stage_time(q8, stage, blended, pre, blend_l3=True)
+
+
 def test_attention_compute_term_eq_4_13(q8):
     """With P_dec = M (the thesis's CPU rule), attention at B = 1 is bound by F_attn / P."""
     rates = DeviceRates(mem_gbs=45.0, compute_gflops=45.0, l3_bytes=24 * 2 ** 20, l3_gbs=135.0)

@@ -1,0 +1,93 @@
+"""KVCacheGPU's prefill attention (a base class of it, split from cache_gpu.py): a step of several rows.
+
+A fresh prompt (no cached keys) and a later chunk whose earlier keys all sit in device pages take the bundle's
+tensor-core kernel (CudaOps.flash_prefill, schedules/gpu/flash_prefill.py) in one launch per layer, reading the
+pages through a table of their addresses; where the cubin lacks it, a fresh fp16 prompt of up to
+PREFILL_MAX_TOKENS takes prefill_causal. Otherwise (keys in host pages) attend_blocks walks KeyBlocks: device
+pages read in place, host pages staged one at a time into a ring of the staging slots on the copy stream, and
+this step's own rows; no S x S buffer. Uses the cache's pool, ops, streams, staging and page layout.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from helmc.runtime.kv.cuda_ops import H2D, PREFILL_MAX_TOKENS
+from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
+
+
+class GpuPrefill:
+    def _prefill(self, layer: int, q, scale: float):
+        xp, ops = self.xp, self.ops
+        start, T = self.length, self.T
+        flash = q.dtype == np.float16 and self._has_flash(q.shape[1])
+        if start == 0 and (flash or (q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16)):
+            # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
+            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, S, d]
+            out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
+            if flash:
+                ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.window,
+                                  scale, out)
+            else:
+                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
+            return out
+        table = self._table()
+        before = -(-start // T)                                            # pages holding keys 0..start-1
+        if flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(before)):
+            # a later chunk whose earlier keys are all in device pages: the kernel reads them through a page table
+            ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * self.slice_elems * 2 for i in range(before)],
+                            np.int64)
+            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, n, d]
+            out = xp.empty(q.shape, np.float16)                              # [n, h_a, d]
+            ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], start + q.shape[0], start, self.h_kv,
+                              self.window, scale, out, ops.to_device(ptrs), T, start)
+            return out
+        blocks: list[KeyBlock] = []
+        compute = ops.current_stream()
+        for i in range(-(-start // T)):
+            n_i = min(T, start - i * T)
+            if table.on_device(i):
+                page = self.gpu_store[table.gpu_slots[i], layer]             # [2, h_kv, T, d]
+                blocks.append(KeyBlock(i * T, n_i, (lambda page=page, n_i=n_i: (page[0, :, :n_i], page[1, :, :n_i]))))
+            else:
+                blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
+        kv = self._pending_kv.pop(layer)                                   # [2, h_kv, S, d]
+        blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
+        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
+        self._release_ring(compute)
+        return out
+
+    def _has_flash(self, num_heads: int) -> bool:
+        """Whether the ops have the tensor-core prefill attention for this cache's head_dim and query group."""
+        has = getattr(self.ops, "has_flash", None)
+        return has is not None and has(self.d, num_heads // self.h_kv)
+
+    def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
+        """One cached host page for prefill: a ring of staging slots, each reused after its reader."""
+        ops = self.ops
+        self._release_ring(compute)
+        slot = self._ring % self.staging_pages
+        self._ring += 1
+        written = ops.new_event()
+        ops.record(written, compute)
+        ops.wait(self.copy_stream, written)
+        if self._slot_events[slot] is not None:
+            ops.wait(self.copy_stream, self._slot_events[slot])
+        self.pool.begin_prefetch(table.page_ids[i], layer, slot)
+        slice_bytes = self.slice_elems * 2
+        ops.memcpy(ops.ptr(self.staging) + slot * slice_bytes, self._host_ptr(table.host_slots[i]) + layer * slice_bytes,
+                   slice_bytes, H2D, self.copy_stream)
+        ready = ops.new_event()
+        ops.record(ready, self.copy_stream)
+        ops.wait(compute, ready)
+        self._ring_used = slot
+        return self.staging[slot, 0, :, :n_i], self.staging[slot, 1, :, :n_i]
+
+    def _release_ring(self, compute) -> None:
+        """The compute work enqueued since the last staged page is that page's reader: mark its slot."""
+        slot = self._ring_used
+        if slot is not None:
+            used = self.ops.new_event()
+            self.ops.record(used, compute)
+            self._slot_events[slot] = used
+            self.pool.end_prefetch(slot)
+            self._ring_used = None
