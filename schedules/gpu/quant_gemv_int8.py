@@ -46,22 +46,26 @@ _F32 = "float32"
 
 
 def gemv_int8_symbol(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                     unroll: int = UNROLL, m: int = 1) -> str:
+                     unroll: int = UNROLL, k_split: bool = False, m: int = 1) -> str:
     """n: the row count, or a tuple of them for a kernel over several weights of one x (n4096_1024_1024)."""
     n = "_".join(map(str, n)) if isinstance(n, (tuple, list)) else n
-    tuned = (rows_per_warp, warps, unroll) != (ROWS_PER_WARP, WARPS, UNROLL)
-    tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}" if tuned else "")
+    tuned = (rows_per_warp, warps, unroll, k_split) != (ROWS_PER_WARP, WARPS, UNROLL, False)
+    tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}{'s' if k_split else ''}"
+                                           if tuned else "")
     return f"helmc_gpu_gemv8_{qtype}_n{n}_k{k}{tail}"
 
 
-def x_chunk(m: int, k: int) -> int:
-    """Activations per row of x held in shared memory at once: all of k when m * k fits, else whole SPANs."""
+def x_chunk(m: int, k: int, spans: int = 1) -> int:
+    """Activations per row of x held in shared memory at once: all of k when m * k fits, else whole groups of
+    `spans` SPANs (a k_split kernel's warps take a span each per step: a chunk of whole steps keeps every lane's
+    blocks, and so its sums, those of the unchunked call)."""
     per_value = 1 + 4 / X_BLOCK                     # an int8 and a share of its block's fp32 scale
     if m * k * per_value <= SMEM_BUDGET:
         return k
-    chunk = int(SMEM_BUDGET / (m * per_value)) // SPAN * SPAN
-    if chunk < SPAN:
-        raise HelmcError(f"GPU int8 GEMV: m * 1024 activations must fit {SMEM_BUDGET} bytes of shared memory, "
+    unit = SPAN * spans
+    chunk = int(SMEM_BUDGET / (m * per_value)) // unit * unit
+    if chunk < unit:
+        raise HelmcError(f"GPU int8 GEMV: m * {unit} activations must fit {SMEM_BUDGET} bytes of shared memory, "
                          f"found m={m}")
     return chunk
 
@@ -128,14 +132,17 @@ def _decode_q6_k():
 
 
 def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                       unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
+                       unroll: int = UNROLL, k_split: bool = False, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
 
     qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
     kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
     n a tuple of 2 or 3 row counts: one launch over that many weights of the same x (q, k, v; gate, up):
     PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each CTA works for one weight, and y_i is bit-identical to the
-    one-weight kernel's (the same lanes, blocks and order)."""
+    one-weight kernel's (the same lanes, blocks and order).
+    k_split: the CTA's warps share its rows_per_warp rows and take every warps-th step of their blocks (more CTAs
+    and more loads in flight for a short row count: 4096 rows made 256 CTAs of 16 rows for 132 SMs); their
+    sums meet in shared memory and add in warp order, the same for every m (batch invariance holds)."""
     if qtype not in INT8_TYPES:
         raise HelmcError(f"GPU int8 GEMV: a type in {INT8_TYPES} expected, found {qtype!r}")
     outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
@@ -150,15 +157,21 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
     width = 4 if qtype == "q4_k" else 2                 # bytes per word of the weight view (block alignment)
     blocks, row_words, block_words = k // weights, k // weights * fmt.bytes // width, fmt.bytes // width
     per_step = WARP // tpb                              # blocks of a row a warp covers per step (4)
-    chunk = x_chunk(m, k)
+    lanes_of_k = warps if k_split else 1               # warps splitting a row's blocks
+    chunk = x_chunk(m, k, lanes_of_k)
     chunks = -(-k // chunk)
-    assert chunks == 1 or chunk % (per_step * weights) == 0, (chunk, per_step)   # a lane's blocks: any chunking
+    assert chunks == 1 or chunk % (per_step * weights * lanes_of_k) == 0, (chunk, per_step)   # a lane's blocks: any chunking
     chunk_blocks = chunk // weights
-    steps = -(-chunk_blocks // (per_step * unroll))
+    steps = -(-chunk_blocks // (per_step * unroll * lanes_of_k))
     rows, threads = rows_per_warp, warps * WARP
+    cta_rows = rows if k_split else rows * warps
+    ks = 1 if k_split else 0                            # a warp's offset into the steps: its share of the blocks
+
+    def first_row(cta, ty):
+        return cta * rows if k_split else (cta * warps + ty) * rows
     pieces = m * chunk // PIECE                         # 8-value pieces of one chunk, every row of x
     passes = -(-pieces // threads)
-    grids = [-(-n_i // (rows * warps)) for n_i in outs]
+    grids = [-(-n_i // cta_rows) for n_i in outs]
     grid = sum(grids)
     word_type = "uint32" if qtype == "q4_k" else "uint16"
     nq = 4 if qtype == "q4_k" else 8                    # quant words per lane per row
@@ -225,8 +238,10 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                         acc[tok, r] = acc[tok, r] + dx[c] * s1[r, c] * _to_float(dot[0] - 32 * sx[c])
 
     @T.macro
-    def weight_rows(x, wv, y, n_rows, cta, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2, xw, dx, sx, dot):
-        """y[:, rows of CTA `cta`] for one weight of n_rows rows: x quantized chunk by chunk, the warp's rows summed."""
+    def weight_rows(x, wv, y, n_rows, cta, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2, xw, dx, sx, dot,
+                    red):
+        """y[:, rows of CTA `cta`] for one weight of n_rows rows: x quantized chunk by chunk, the warp's rows summed
+        (k_split: every warp's share of the CTA's rows, then the warps' sums in order)."""
         for tok in T.unroll(m):
             for r in T.unroll(rows):
                 acc[tok, r] = T.float32(0)
@@ -236,19 +251,33 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
             T.tvm_storage_sync("shared")
             for so in T.serial(steps):
                 for si in T.unroll(unroll):
-                    if ((so * unroll + si) * per_step + tx // tpb < chunk_blocks
-                            and ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb < blocks):
-                        block_step(wv, n_rows, xq, xd, acc, (cta * warps + ty) * rows,
-                                   ch * chunk_blocks + (so * unroll + si) * per_step + tx // tpb,
-                                   (so * unroll + si) * per_step + tx // tpb, tx % tpb,
-                                   qw, s1, s2, xw, dx, sx, dot)
+                    if (((so * unroll + si) * lanes_of_k + ty * ks) * per_step + tx // tpb < chunk_blocks
+                            and ch * chunk_blocks + ((so * unroll + si) * lanes_of_k + ty * ks) * per_step
+                            + tx // tpb < blocks):
+                        block_step(wv, n_rows, xq, xd, acc, first_row(cta, ty),
+                                   ch * chunk_blocks + ((so * unroll + si) * lanes_of_k + ty * ks) * per_step
+                                   + tx // tpb,
+                                   ((so * unroll + si) * lanes_of_k + ty * ks) * per_step + tx // tpb,
+                                   tx % tpb, qw, s1, s2, xw, dx, sx, dot)
         for tok in T.unroll(m):
             for r in T.unroll(rows):
                 for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
                     acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
                         T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
-                if tx == (tok * rows + r) % WARP and (cta * warps + ty) * rows + r < n_rows:
+                if k_split:
+                    if tx == (tok * rows + r) % WARP:
+                        red[(ty * m + tok) * rows + r] = acc[tok, r]
+                elif tx == (tok * rows + r) % WARP and (cta * warps + ty) * rows + r < n_rows:
                     y[tok, (cta * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
+        if k_split:
+            T.tvm_storage_sync("shared")
+            for tok in T.unroll(m):
+                for r in T.unroll(rows):
+                    if ty == 0 and tx == (tok * rows + r) % WARP and cta * rows + r < n_rows:
+                        acc[tok, r] = red[tok * rows + r]
+                        for w in T.serial(1, warps):
+                            acc[tok, r] = acc[tok, r] + red[(w * m + tok) * rows + r]
+                        y[tok, cta * rows + r] = T.Cast("float16", acc[tok, r])
 
     @T.macro
     def kernel_body(x, wvs, ys, bx, ty, tx):
@@ -267,27 +296,28 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
         dx = T.alloc_buffer((ns,), _F32, scope="local")
         sx = T.alloc_buffer((ns,), "int32", scope="local")
         dot = T.alloc_buffer((1,), "int32", scope="local")
+        red = T.alloc_buffer((warps * m * rows if k_split else 1,), _F32, scope="shared")   # [warps, m, rows]
         # each CTA works for one weight (the CTAs of weight i follow those of weight i - 1): bx-uniform branches
         if len(outs) == 1:
             weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
-                        xw, dx, sx, dot)
+                        xw, dx, sx, dot, red)
         elif len(outs) == 2:
             if bx < grids[0]:
                 weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
-                            xw, dx, sx, dot)
+                            xw, dx, sx, dot, red)
             else:
                 weight_rows(x, wvs[1], ys[1], outs[1], bx - grids[0], ty, tx, xq, xd, acc, xh, xf, amax, inv, word,
-                            qw, s1, s2, xw, dx, sx, dot)
+                            qw, s1, s2, xw, dx, sx, dot, red)
         else:
             if bx < grids[0]:
                 weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
-                            xw, dx, sx, dot)
+                            xw, dx, sx, dot, red)
             elif bx < grids[0] + grids[1]:
                 weight_rows(x, wvs[1], ys[1], outs[1], bx - grids[0], ty, tx, xq, xd, acc, xh, xf, amax, inv, word,
-                            qw, s1, s2, xw, dx, sx, dot)
+                            qw, s1, s2, xw, dx, sx, dot, red)
             else:
                 weight_rows(x, wvs[2], ys[2], outs[2], bx - grids[0] - grids[1], ty, tx, xq, xd, acc, xh, xf, amax,
-                            inv, word, qw, s1, s2, xw, dx, sx, dot)
+                            inv, word, qw, s1, s2, xw, dx, sx, dot, red)
 
     rb = k // weights * fmt.bytes                       # bytes per weight row
     if len(outs) == 1:
@@ -326,4 +356,4 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                         kernel_body(x, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
 
-    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, outs, k, rows_per_warp, warps, unroll, m))
+    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, outs, k, rows_per_warp, warps, unroll, k_split, m))

@@ -48,7 +48,10 @@ SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))      # Qwen3-8B's q/o, gat
 VARIANT_SHAPES = ((4096, 4096), (4096, 12288))
 VARIANTS = ((1, 4, 4), (2, 4, 4), (4, 4, 2))
 # the int8-activation GEMV (quant_gemv_int8.py, q4_k / q6_k): its default (2, 4, 2) and these, at every shape
-INT8_VARIANTS = ((4, 4, 2), (2, 8, 2), (4, 8, 1), (1, 4, 4), (8, 4, 1))
+# (rows per warp, warps, unroll[, k_split]): k_split variants (warps share rows, each takes every warps-th step of
+# their blocks) for the short row counts (q/k/v, o, down: 256 CTAs of 16 rows on 132 SMs at (2, 8, 2))
+INT8_VARIANTS = ((4, 4, 2), (2, 8, 2), (4, 8, 1), (1, 4, 4), (8, 4, 1),
+                 (2, 4, 2, True), (4, 4, 2, True), (2, 8, 1, True), (4, 8, 1, True), (8, 4, 1, True))
 INT8_TOLERANCE = 2e-2     # against the fp16-x reference: the int8 activations' own ~0.5% (emulated tests: 2e-3)
 UNIQUE_ROWS = 251
 CHECK_ROWS = 8            # rows of the dequantizer's output compared element by element
@@ -251,7 +254,7 @@ def _check_group(mod, d: str, manifest: dict, qtype: str, n: int, k: int, entrie
             del outs, out_dev
         r = dict(e, max_rel_err=err, us=sec * 1e6, quant_gbs=w_bytes / sec / 1e9, moved_gbs=moved / sec / 1e9,
                  queued=queued, ok=bool(err <= (INT8_TOLERANCE if e["kind"] == "gemv8" else TOLERANCE)))
-        tune = "" if e["tuning"] is None else " r{}w{}u{}".format(*e["tuning"])
+        tune = "" if e["tuning"] is None else " r{}w{}u{}".format(*e["tuning"]) + ("s" if e["tuning"][3:] else "")
         print(f"{e['kind']:10s} {qtype} {n}x{k}{tune}: max rel err {err:.2e} {'ok' if r['ok'] else 'FAIL'}, "
               f"{sec * 1e6:.1f} us, {r['quant_gbs']:.0f} GB/s of quantized bytes"
               + (f", {r['moved_gbs']:.0f} GB/s read+written" if e["kind"] == "dequantize" else "")
@@ -292,7 +295,8 @@ def check(d: str, out_path: str | None) -> int:
         int8 = sorted((r for r in mine if r["kind"] == "gemv8"), key=lambda r: -r["quant_gbs"])
         int8_s = ("  int8 x: default {:.1f} us {:.0f} GB/s, best {} {:.1f} us {:.0f} GB/s".format(
             next(r for r in int8 if r["tuning"] is None)["us"], next(r for r in int8 if r["tuning"] is None)["quant_gbs"],
-            "r{}w{}u{}".format(*(int8[0]["tuning"] or manifest["int8_default_tuning"])), int8[0]["us"],
+            "r{}w{}u{}".format(*(int8[0]["tuning"] or manifest["int8_default_tuning"]))
+            + ("s" if (int8[0]["tuning"] or [])[3:] else ""), int8[0]["us"],
             int8[0]["quant_gbs"]) if int8 else "")
         best = max(tuned, key=lambda r: r["quant_gbs"]) if tuned else None
         best_s = "r{}w{}u{} ".format(*best["tuning"]) + f"{best['quant_gbs']:.0f}" if best else "-"

@@ -32,6 +32,7 @@ from test_gpu_quant_kernels import HARNESS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TUNED = (3, 2, 1)      # rows_per_warp, warps, unroll away from the defaults
+SPLIT = (2, 4, 1, True)   # the CTA's 4 warps split each of its 2 rows' blocks (k_split)
 
 _ARG = {"x_ptr": "x", "wv_ptr": "w", "y_ptr": "y"}
 
@@ -70,10 +71,11 @@ def _emulate(tmp_path, source: str):
     return ctypes.CDLL(str(lib))
 
 
-def _call(lib, sym, x, w, y, n, rows, warps):
+def _call(lib, sym, x, w, y, n, rows, warps, k_split=False):
     vp = ctypes.c_void_p
     getattr(lib, f"run_{sym}_kernel")(vp(x.ctypes.data), vp(w.ctypes.data), vp(y.ctypes.data),
-                                      ctypes.c_int(-(-n // (rows * warps))), ctypes.c_int(32), ctypes.c_int(warps))
+                                      ctypes.c_int(-(-n // (rows * (1 if k_split else warps)))), ctypes.c_int(32),
+                                      ctypes.c_int(warps))
 
 
 def quantize_x(x: np.ndarray) -> np.ndarray:
@@ -93,6 +95,10 @@ def _rel(got, ref):
 def test_symbols_chunks_and_bad_input():
     assert gemv_int8_symbol("q4_k", 8, 256) == "helmc_gpu_gemv8_q4_k_n8_k256"
     assert gemv_int8_symbol("q6_k", 8, 256, m=4, rows_per_warp=3) == "helmc_gpu_gemv8_q6_k_n8_k256_m4_r3w4u2"
+    assert gemv_int8_symbol("q4_k", 8, 256, *SPLIT) == "helmc_gpu_gemv8_q4_k_n8_k256_r2w4u1s"
+    assert x_chunk(8, 12288, spans=4) == 4096 and x_chunk(8, 12288, spans=2) == 4096
+    with pytest.raises(HelmcError, match="8192"):
+        x_chunk(8, 12288, spans=8)                  # a k_split chunk of whole 8-warp steps does not fit
     assert x_chunk(1, 12288) == 12288 and x_chunk(8, 12288) == 4096 and x_chunk(8, 4096) == 4096
     with pytest.raises(HelmcError, match="q4_k"):
         make_gpu_gemv_int8("q8_0", 8, 256)
@@ -108,8 +114,10 @@ def test_symbols_chunks_and_bad_input():
 def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
     pytest.importorskip("gguf")
     check = _device_check()
-    sym, tuned = gemv_int8_symbol(qtype, n, k), gemv_int8_symbol(qtype, n, k, *TUNED)
-    lib = _emulate(tmp_path, _source({sym: make_gpu_gemv_int8(qtype, n, k), tuned: make_gpu_gemv_int8(qtype, n, k, *TUNED)}))
+    sym, tuned, split = (gemv_int8_symbol(qtype, n, k), gemv_int8_symbol(qtype, n, k, *TUNED),
+                         gemv_int8_symbol(qtype, n, k, *SPLIT))
+    lib = _emulate(tmp_path, _source({sym: make_gpu_gemv_int8(qtype, n, k), tuned: make_gpu_gemv_int8(qtype, n, k, *TUNED),
+                                      split: make_gpu_gemv_int8(qtype, n, k, *SPLIT)}))
     rng = np.random.default_rng(7 + sum(map(ord, qtype)))
     w = check.random_quant_rows(qtype, n, k, rng)                                   # [n, row_bytes] uint8
     assert w.shape == (n, gpu_quant_row_bytes(qtype, k))
@@ -117,9 +125,9 @@ def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
     x = rng.standard_normal((1, k)).astype(np.float16)
     x[0, :32] = 0                                                                   # a block of zeros: amax 0
     ref_q, ref_16 = (quantize_x(x) @ dense.T)[0], (x.astype(np.float64) @ dense.T)[0]
-    for s, (rows, warps, _) in ((sym, (ROWS_PER_WARP, WARPS, 0)), (tuned, TUNED)):
+    for s, (rows, warps, *_rest) in ((sym, (ROWS_PER_WARP, WARPS, 0)), (tuned, TUNED), (split, SPLIT)):
         y = np.full((1, n), np.nan, np.float16)
-        _call(lib, s, x, w, y, n, rows, warps)
+        _call(lib, s, x, w, y, n, rows, warps, k_split=s == split)
         err_q, err_16 = _rel(y[0], ref_q), _rel(y[0], ref_16)
         print(f"\n{s}: max difference {err_q:.2e} of max |y| (int8 x reference), {err_16:.2e} (fp16 x)")
         assert err_q < 2e-3 and err_16 < 2e-2
@@ -167,14 +175,17 @@ def _call_multi(lib, sym, x, pointers, grid, warps):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("qtype,outs,m", [("q4_k", (24, 8, 8), 1), ("q6_k", (16, 13), 3)])
-def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtype, outs, m):
-    """q, k, v (or gate, up) of one x in one kernel: each y bit-identical to its own kernel's."""
+@pytest.mark.parametrize("qtype,outs,m,tuning", [("q4_k", (24, 8, 8), 1, ()), ("q6_k", (16, 13), 3, ()),
+                                                  ("q4_k", (24, 8, 8), 2, SPLIT)])
+def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtype, outs, m, tuning):
+    """q, k, v (or gate, up) of one x in one kernel: each y bit-identical to its own kernel's (k_split too)."""
     pytest.importorskip("gguf")
     k = 1280 if qtype == "q4_k" else 768
     check = _device_check()
-    fused = make_gpu_gemv_int8(qtype, outs, k, m=m)
-    singles = {n: make_gpu_gemv_int8(qtype, n, k, m=m) for n in set(outs)}
+    fused = make_gpu_gemv_int8(qtype, outs, k, *tuning, m=m)
+    singles = {n: make_gpu_gemv_int8(qtype, n, k, *tuning, m=m) for n in set(outs)}
+    rows, warps = tuning[:2] if tuning else (ROWS_PER_WARP, WARPS)
+    cta_rows = rows if tuning[3:] else rows * warps
     source = _source({str(f.attrs["global_symbol"]): f for f in [fused, *singles.values()]})
     body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
     drivers = []
@@ -196,13 +207,42 @@ def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtyp
     x = rng.standard_normal((m, k)).astype(np.float16)
     null = np.zeros(1, np.uint8)
     ys = [np.full((m, n), np.nan, np.float16) for n in outs]
-    grid = sum(-(-n // (ROWS_PER_WARP * WARPS)) for n in outs)
+    grid = sum(-(-n // cta_rows) for n in outs)
     args = ws + ys + [null] * (6 - 2 * len(outs))
-    _call_multi(lib, gemv_int8_symbol(qtype, outs, k, m=m), x, args[:6], grid, WARPS)
+    _call_multi(lib, gemv_int8_symbol(qtype, outs, k, *tuning, m=m), x, args[:6], grid, warps)
     for w, y, n in zip(ws, ys, outs):
         alone = np.full((m, n), np.nan, np.float16)
-        _call_multi(lib, gemv_int8_symbol(qtype, n, k, m=m), x, [w, alone, null, null, null, null],
-                    -(-n // (ROWS_PER_WARP * WARPS)), WARPS)
+        _call_multi(lib, gemv_int8_symbol(qtype, n, k, *tuning, m=m), x, [w, alone, null, null, null, null],
+                    -(-n // cta_rows), warps)
         assert np.isfinite(y).all() and np.isfinite(alone).all()
         assert np.array_equal(y.view(np.uint16), alone.view(np.uint16)), (n, y, alone)
-    print(f"\n{gemv_int8_symbol(qtype, outs, k, m=m)}: every output bit-identical to its own launch")
+    print(f"\n{gemv_int8_symbol(qtype, outs, k, *tuning, m=m)}: every output bit-identical to its own launch")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_split_k_rows_are_batch_invariant_through_chunks(tmp_path):
+    """k_split (4 warps share a CTA's rows, each taking every 4th step of their blocks, sums added in warp order):
+    m = 8 at k = 8192 goes through shared memory in two chunks of whole 4-warp steps (4096 each); every row equals
+    the 1-row call bit for bit, and the result is the int8 reference's."""
+    pytest.importorskip("gguf")
+    qtype, n, k, (rows, warps, unroll, _) = "q4_k", 5, 8192, SPLIT
+    assert x_chunk(8, k, spans=warps) == 4096 < k == x_chunk(1, k, spans=warps)
+    check = _device_check()
+    lib = _emulate(tmp_path, _source({gemv_int8_symbol(qtype, n, k, *SPLIT, m=m): make_gpu_gemv_int8(
+        qtype, n, k, *SPLIT, m=m) for m in (1, 8)}))
+    rng = np.random.default_rng(13)
+    w = check.random_quant_rows(qtype, n, k, rng)
+    x = rng.standard_normal((8, k)).astype(np.float16)
+    y8 = np.full((8, n), np.nan, np.float16)
+    _call(lib, gemv_int8_symbol(qtype, n, k, *SPLIT, m=8), x, w, y8, n, rows, warps, k_split=True)
+    singles = []
+    for t in range(8):
+        y1 = np.full((1, n), np.nan, np.float16)
+        _call(lib, gemv_int8_symbol(qtype, n, k, *SPLIT), np.ascontiguousarray(x[t:t + 1]), w, y1, n, rows, warps,
+              k_split=True)
+        singles.append(y1[0])
+    assert np.array_equal(y8, np.stack(singles))
+    dense = check.dequantize_reference(qtype, w).astype(np.float64)
+    print(f"\nk_split m=8 in chunks: max difference {_rel(y8, quantize_x(x) @ dense.T):.2e} of max |y|")
+    assert _rel(y8, quantize_x(x) @ dense.T) < 2e-3
