@@ -151,12 +151,15 @@ class CudaOps:
                (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))
 
     def flash_prefill(self, q, k, v, n_k: int, q_pos0: int, num_kv_heads: int, window: int, scale: float,
-                      out, page_ptrs=None, page_tokens: int = 0, paged_keys: int = 0) -> None:
+                      out, page_ptrs=None, page_tokens: int = 0, paged_keys: int = 0, k_pos0: int = 0, state=None,
+                      state_in: bool = False, state_out: bool = False) -> None:
         """Causal attention of n_q query rows at positions q_pos0.. over keys 0..n_k-1 on tensor cores:
         q, out [n_q, h_a, d] fp16 contiguous. Keys before paged_keys lie in pages (page_ptrs: device int64, a
         layer's slice [2, h_kv, page_tokens, d] each; paged_keys and page_tokens multiples of 64), the rest at
         rows 0.. of k, v [h_kv, >= n_k - paged_keys, d] fp16 with contiguous rows (any head stride, the same
-        for both: a [2, h_kv, S, d] scratch's two halves, or a prompt chunk's own K/V)."""
+        for both: a [2, h_kv, S, d] scratch's two halves, or a prompt chunk's own K/V). k_pos0: the position of
+        this launch's key 0 (keys elsewhere: earlier ranges' launches); state [n_q, h_a, d + 2] float32: the
+        softmax state (o unnormalised, m, l) read first (state_in) and written instead of out (state_out)."""
         n_q, h_a, d = q.shape
         head_stride = k.strides[0] // 2
         if (k.strides[1:] != (2 * d, 2) or v.strides != k.strides or k.shape[1] < n_k - paged_keys
@@ -170,4 +173,6 @@ class CudaOps:
         kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
                (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),
                 np.int32(num_kv_heads), np.int32(window), np.float32(scale), out,
-                page_ptrs if page_ptrs is not None else np.uint64(0), np.int32(page_tokens), np.int32(paged_keys)))
+                page_ptrs if page_ptrs is not None else np.uint64(0), np.int32(page_tokens), np.int32(paged_keys),
+                np.int32(k_pos0), state if state is not None else np.uint64(0), np.int32(bool(state_in)),
+                np.int32(bool(state_out))))

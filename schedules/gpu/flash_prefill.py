@@ -108,7 +108,8 @@ extern "C" __global__ void __launch_bounds__(128)
 flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
               const unsigned short* __restrict__ v, long long kv_head_stride, int n_q, int n_k, int q_pos0,
               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
-              const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys)
+              const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys, int k_pos0,
+              float* __restrict__ state, int state_in, int state_out)
 {
     __shared__ __align__(16) unsigned short sK[FK * FLDS];     // the Q tile first, then key tiles
     __shared__ __align__(16) unsigned short sV[FK * FLDS];
@@ -131,16 +132,35 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
         ldsm_x4(qa[ks], sK + (warp * 16 + (lane & 15)) * FLDS + ks * 16 + (lane >> 4) * 8);
     __syncthreads();
 
-    // Keys [t_begin, t_end) are seen by some row of the block; a thread's two rows are at positions p0, p0 + 8.
+    // Keys [t_begin, t_end) (this launch's rows; key t at position k_pos0 + t) are seen by some row of the block;
+    // a thread's two rows are at positions p0, p0 + 8.
     const int p_lo = q_pos0 + r0, p_hi = q_pos0 + min(r0 + FQ, n_q) - 1;
-    const int t_begin = (window > 0 ? max(0, p_lo - window + 1) : 0) / FK * FK;
-    const int t_end = min(n_k, p_hi + 1);
+    const int t_begin = max(0, (window > 0 ? p_lo - window + 1 : 0) - k_pos0) / FK * FK;
+    const int t_end = min(n_k, p_hi + 1 - k_pos0);
     const int p0 = q_pos0 + r0 + warp * 16 + (lane >> 2);
     const float sl2 = scale * 1.4426950408889634f;             // scores in log2 units: exp2 in the softmax
     float m_run[2] = {-1e30f, -1e30f}, l_run[2] = {0.f, 0.f};  // finite start: a row with no key yet stays NaN-free
     float o[FDTILES][4];
 #pragma unroll
     for (int i = 0; i < FDTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    // state [n_q, h_a, HEAD_DIM + 2] fp32: a row's unnormalised o, then m and l, carried between launches over
+    // consecutive key ranges (pages staged group by group); l enters in one lane of the quad (lanes sum at the end)
+    if (state_in) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + warp * 16 + (lane >> 2) + hr * 8;
+            if (r < n_q) {
+                const float* st = state + ((long long)r * num_heads + head) * (HEAD_DIM + 2);
+#pragma unroll
+                for (int i = 0; i < FDTILES; ++i) {
+                    o[i][hr * 2] = st[i * 8 + (lane & 3) * 2];
+                    o[i][hr * 2 + 1] = st[i * 8 + (lane & 3) * 2 + 1];
+                }
+                m_run[hr] = st[HEAD_DIM];
+                l_run[hr] = (lane & 3) == 0 ? st[HEAD_DIM + 1] : 0.f;
+            }
+        }
+    }
 
     load_tile(sK, tile_rows(kh, page_ptrs, page_tokens, paged_keys, kvh, t_begin), HEAD_DIM, 0, n_k - t_begin, tid);
     cp_async_commit();
@@ -169,7 +189,7 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
         cp_async_commit();
 
         // mask where some (row, key) of the block is not visible: the diagonal, the window's edge, past n_k
-        const bool edge = t0 + FK - 1 > p_lo || t0 + FK > n_k || (window > 0 && t0 <= p_hi - window);
+        const bool edge = k_pos0 + t0 + FK - 1 > p_lo || t0 + FK > n_k || (window > 0 && k_pos0 + t0 <= p_hi - window);
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
             const int p = p0 + hr * 8;
@@ -178,9 +198,9 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
             for (int i = 0; i < FK / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int t = t0 + i * 8 + (lane & 3) * 2 + e;
+                    const int t = t0 + i * 8 + (lane & 3) * 2 + e, tp = k_pos0 + t;
                     float x = s[i][hr * 2 + e] * sl2;
-                    if (edge && (t >= n_k || t > p || (window > 0 && t <= p - window))) x = NEG_INF;
+                    if (edge && (t >= n_k || tp > p || (window > 0 && tp <= p - window))) x = NEG_INF;
                     s[i][hr * 2 + e] = x;
                     mx = fmaxf(mx, x);
                 }
@@ -231,7 +251,15 @@ flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __rest
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int r = r0 + warp * 16 + (lane >> 2) + hr * 8;
-        if (r < n_q) {
+        if (r < n_q && state_out) {
+            float* st = state + ((long long)r * num_heads + head) * (HEAD_DIM + 2);
+#pragma unroll
+            for (int i = 0; i < FDTILES; ++i) {
+                st[i * 8 + (lane & 3) * 2] = o[i][hr * 2];
+                st[i * 8 + (lane & 3) * 2 + 1] = o[i][hr * 2 + 1];
+            }
+            if ((lane & 3) == 0) { st[HEAD_DIM] = m_run[hr]; st[HEAD_DIM + 1] = l; }
+        } else if (r < n_q) {
             const float inv = 1.f / l;
             unsigned* dst = reinterpret_cast<unsigned*>(out + (long long)r * q_stride + head * HEAD_DIM + (lane & 3) * 2);
 #pragma unroll

@@ -91,7 +91,14 @@ extern "C" void run_flash(const unsigned short* q, const unsigned short* k, cons
                           unsigned short* out, const long long* page_ptrs, int page_tokens, int paged_keys) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
         flash_prefill(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, page_ptrs, page_tokens,
-                      paged_keys); });
+                      paged_keys, 0, nullptr, 0, 0); });
+}
+extern "C" void run_flash_state(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                                long long head_stride, int n_q, int n_k, int q_pos0, int h_kv, int window, float scale,
+                                unsigned short* out, int k_pos0, float* state, int state_in, int state_out) {
+    launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
+        flash_prefill(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, nullptr, 0, 0, k_pos0,
+                      state, state_in, state_out); });
 }
 """
 
@@ -155,3 +162,30 @@ def test_flash_prefill_on_cpu_threads(tmp_path, h_kv, group, d, cap, n_q, q_pos0
           f"window={window} page_tokens={page_tokens}: max relative error {err:.2e}")
     assert not np.isnan(out).any()
     assert err < 4e-3               # P is rounded to fp16 before P V (as FlashAttention does): ~2^-11 per weight
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("window", [0, 90])
+def test_flash_prefill_carries_its_state_across_key_ranges(tmp_path, window):
+    """Keys in three launches (positions 0..127, 128..255, then the chunk's own 256..319), the softmax state
+    (o unnormalised, m, l) carried in a float32 buffer between them: the last launch's output is attention over
+    all keys. With a window the first range is past every row's window: it leaves the state as it found it."""
+    h_kv, group, d, n_q, q_pos0 = 2, 2, 32, 64, 256
+    lib = build(tmp_path, d, group)
+    rng = np.random.default_rng(window + 5)
+    h_a, n_k = h_kv * group, q_pos0 + n_q
+    q = (rng.standard_normal((n_q, h_a, d)) * 2).astype(np.float16)
+    kv = rng.standard_normal((2, h_kv, n_k, d)).astype(np.float16)           # every key, in position order
+    out = np.full((n_q, h_a, d), np.nan, np.float16)
+    state = np.full((n_q, h_a, d + 2), np.nan, np.float32)
+    fp, ip = ctypes.c_void_p, ctypes.c_int
+    scale = 1.0 / np.sqrt(d)
+    for i, (a, b) in enumerate(((0, 128), (128, 256), (256, 320))):
+        k, v = np.ascontiguousarray(kv[0, :, a:b]), np.ascontiguousarray(kv[1, :, a:b])   # [h_kv, b - a, d]
+        lib.run_flash_state(fp(q.ctypes.data), fp(k.ctypes.data), fp(v.ctypes.data), ctypes.c_longlong((b - a) * d),
+                            ip(n_q), ip(b - a), ip(q_pos0), ip(h_kv), ip(window), ctypes.c_float(scale),
+                            fp(out.ctypes.data), ip(a), fp(state.ctypes.data), ip(i > 0), ip(i < 2))
+    ref = reference(q, kv[0], kv[1], q_pos0, n_k, window, scale)
+    err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+    print(f"\nflash_prefill over 3 key ranges with its state carried, window={window}: max relative error {err:.2e}")
+    assert not np.isnan(out).any() and err < 4e-3
