@@ -254,7 +254,7 @@ class EmulatedOps:
         return self.flash
 
     def flash_prefill(self, q, k, v, n_k, q_pos0, num_kv_heads, window, scale, out, page_ptrs=None,
-                      page_tokens=0, paged_keys=0):
+                      page_tokens=0, paged_keys=0, k_pos0=0, state=None, state_in=False, state_out=False):
         """The kernel's contract: causal (windowed) softmax attention of n_q rows at positions q_pos0.. over
         keys 0..n_k-1: those before paged_keys in device pages (page_ptrs, multiples of 64), the rest at rows
         0.. of k, v [h_kv, >= n_k - paged_keys, d] (rows contiguous, one head stride)."""
@@ -277,12 +277,27 @@ class EmulatedOps:
         kk = np.repeat(np.concatenate(ks, axis=1).astype(np.float64), g, axis=0)   # [h_kv, n_k, d] -> [h_a, n_k, d]
         vv = np.repeat(np.concatenate(vs, axis=1).astype(np.float64), g, axis=0)
         e = np.einsum("shd,htd->hst", np.asarray(q, np.float64), kk) * scale   # [h_a, n_q, n_k]
-        p, t = q_pos0 + np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+        p, t = q_pos0 + np.arange(n_q)[:, None], k_pos0 + np.arange(n_k)[None, :]
         visible = (t <= p) & ((t > p - window) if window else True)
         e = np.where(visible[None], e, -np.inf)
-        w = np.exp(e - e.max(-1, keepdims=True))
-        o = np.einsum("hst,htd->shd", w / w.sum(-1, keepdims=True), vv)
-        np.ndarray.__setitem__(out, Ellipsis, o.astype(np.float16))
+        # the kernel's softmax state per (head, row): running max m, sum l, unnormalised o; carried in `state`
+        m_prev, l_prev, o_prev = np.full((h_a, n_q), -np.inf), np.zeros((h_a, n_q)), np.zeros((h_a, n_q, d))
+        if state_in:
+            self.access(self._compute, state, write=False)
+            st = np.asarray(state, np.float64).transpose(1, 0, 2)              # [n_q, h_a, d+2] -> [h_a, n_q, d+2]
+            o_prev, m_prev, l_prev = st[..., :d], st[..., d], st[..., d + 1]
+        m = np.maximum(m_prev, e.max(-1) if n_k else -np.inf)
+        safe = np.where(np.isneginf(m), 0.0, m)
+        alpha = np.where(np.isneginf(m_prev), 0.0, np.exp(m_prev - safe))
+        w = np.exp(e - safe[..., None])                                        # 0 where masked
+        l = l_prev * alpha + w.sum(-1)
+        o = o_prev * alpha[..., None] + np.einsum("hst,htd->hsd", w, vv)
+        if state_out:
+            self.access(self._compute, state, write=True)
+            st = np.concatenate([o, m[..., None], l[..., None]], axis=-1).transpose(1, 0, 2)   # -> [n_q, h_a, d+2]
+            np.ndarray.__setitem__(state, Ellipsis, st.astype(np.float32))
+        else:
+            np.ndarray.__setitem__(out, Ellipsis, (o / l[..., None]).transpose(1, 0, 2).astype(np.float16))
 
     def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,
                        n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):

@@ -21,7 +21,7 @@ PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
 _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
 # schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by bundles from session 14 on; absent, prefill keeps
 # prefill_causal and attend_blocks' tiles
-FLASH_KERNEL = "flash_prefill"
+FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAME
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 

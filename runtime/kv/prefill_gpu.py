@@ -1,11 +1,12 @@
 """KVCacheGPU's prefill attention (a base class of it, split from cache_gpu.py): a step of several rows.
 
-A fresh prompt (no cached keys) and a later chunk whose earlier keys all sit in device pages take the bundle's
-tensor-core kernel (CudaOps.flash_prefill, schedules/gpu/flash_prefill.py) in one launch per layer, reading the
-pages through a table of their addresses; where the cubin lacks it, a fresh fp16 prompt of up to
-PREFILL_MAX_TOKENS takes prefill_causal. Otherwise (keys in host pages) attend_blocks walks KeyBlocks: device
-pages read in place, host pages staged one at a time into a ring of the staging slots on the copy stream, and
-this step's own rows; no S x S buffer. Uses the cache's pool, ops, streams, staging and page layout.
+A fresh prompt (no cached keys) and a later chunk take the bundle's tensor-core kernel (CudaOps.flash_prefill,
+schedules/gpu/flash_prefill.py): device pages read in place through a table of their addresses, host pages (the
+oldest: a prefix) staged staging_pages at a time on the copy stream with the softmax state carried between the
+launches, the chunk's own rows in the last launch. Where the cubin lacks the kernel (or pages are not whole
+64-token tiles), a fresh fp16 prompt of up to PREFILL_MAX_TOKENS takes prefill_causal, and otherwise
+attend_blocks walks KeyBlocks: device pages in place, host pages staged one at a time into a ring of the staging
+slots, and this step's own rows; no S x S buffer. Uses the cache's pool, ops, streams, staging and page layout.
 """
 from __future__ import annotations
 
@@ -32,15 +33,10 @@ class GpuPrefill:
             return out
         table = self._table()
         before = -(-start // T)                                            # pages holding keys 0..start-1
-        if flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(before)):
-            # a later chunk whose earlier keys are all in device pages: the kernel reads them through a page table
-            ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * self.slice_elems * 2 for i in range(before)],
-                            np.int64)
-            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, n, d]
-            out = xp.empty(q.shape, np.float16)                              # [n, h_a, d]
-            ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], start + q.shape[0], start, self.h_kv,
-                              self.window, scale, out, ops.to_device(ptrs), T, start)
-            return out
+        host = next((i for i in range(before) if table.on_device(i)), before)   # leading host pages (I6: a prefix)
+        if (flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(host, before))
+                and (host == 0 or self.staging_pages > 0)):
+            return self._flash_later_chunk(layer, q, scale, table, host, before)
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
         for i in range(-(-start // T)):
@@ -54,6 +50,44 @@ class GpuPrefill:
         blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
         out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
         self._release_ring(compute)
+        return out
+
+    def _flash_later_chunk(self, layer: int, q, scale: float, table, host: int, before: int):
+        """A later chunk on the tensor-core kernel: the host pages [0, host) staged staging_pages at a time, a launch
+        per group carrying the softmax state, then the device pages [host, before) read in place through a page
+        table and the chunk's own rows in the last launch, which writes the output."""
+        xp, ops, T, start = self.xp, self.ops, self.T, self.length
+        q = xp.ascontiguousarray(q)
+        n, h_a = q.shape[0], q.shape[1]
+        kv = xp.ascontiguousarray(self._pending_kv.pop(layer))               # [2, h_kv, n, d]
+        out = xp.empty(q.shape, np.float16)                                  # [n, h_a, d]
+        state = xp.empty((n, h_a, self.d + 2), np.float32) if host else None  # o, m, l of each row between launches
+        compute = ops.current_stream()
+        if host:
+            written = ops.new_event()
+            ops.record(written, compute)                                      # host pages written by earlier steps
+            ops.wait(self.copy_stream, written)
+        slice_bytes, staging = self.slice_elems * 2, ops.ptr(self.staging) if host else 0
+        for g0 in range(0, host, self.staging_pages):
+            group = list(range(g0, min(host, g0 + self.staging_pages)))
+            stage_of = {i: i - g0 for i in group}
+            self._stage(layer, table, group, stage_of)
+            ready = ops.new_event()
+            ops.record(ready, self.copy_stream)
+            ops.wait(compute, ready)
+            ptrs = np.array([staging + stage_of[i] * slice_bytes for i in group], np.int64)
+            ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.window, scale, out,
+                              ops.to_device(ptrs), T, len(group) * T, k_pos0=g0 * T, state=state, state_in=g0 > 0,
+                              state_out=True)
+            used = ops.new_event()
+            ops.record(used, compute)
+            for i in group:
+                self._slot_events[stage_of[i]] = used
+                self.pool.end_prefetch(stage_of[i])
+        ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * slice_bytes for i in range(host, before)] or [0],
+                        np.int64)
+        ops.flash_prefill(q, kv[0], kv[1], start - host * T + n, start, self.h_kv, self.window, scale, out,
+                          ops.to_device(ptrs), T, start - host * T, k_pos0=host * T, state=state, state_in=host > 0)
         return out
 
     def _has_flash(self, num_heads: int) -> bool:

@@ -1,6 +1,6 @@
 """CUDA side of prefill attention on tensor cores: a flash-attention (FA2) kernel for fresh keys.
 
-  flash_prefill   grid (ceil(n_q / 64), h_a), 128 threads. Block (x, h) takes query rows 64x.. of head h, at
+  flash_prefill_v2  grid (ceil(n_q / 64), h_a), 128 threads. Block (x, h) takes query rows 64x.. of head h, at
                   positions q_pos0 + row, and walks their visible keys (causal, and a sliding window when one
                   is set) 64 at a time: S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 sums), an online
                   softmax in fp32 on the accumulators, P rounded to fp16 and O += P V with the same mma.
@@ -12,6 +12,10 @@
                   k + j * kv_head_stride (the same for v). So the streamed prefill's [2, h_kv, S, d] scratch
                   (paged_keys 0, n_k = the rows written so far), a fresh prompt's K/V, and a later chunk of the
                   GPU stage (its earlier keys in device pages) are read where they lie. q, out [n_q, h_a, d].
+                  Key t sits at position k_pos0 + t; `state` [n_q, h_a, d + 2] fp32 (o unnormalised, m, l)
+                  carries the online softmax between launches over consecutive key ranges (state_in reads it
+                  first, state_out writes it instead of out): a chunk whose earlier keys sit in host pages runs
+                  a launch per staged group of them (runtime/kv/prefill_gpu.py).
 
 It replaces CuPy's fp32 score tiles (runtime/kv/paged_attention.attend_blocks), which at a 32K prompt ran
 tens of element-wise kernels over every score: most of the prompt's 75 s (session 13). Needs sm_80+ (cp.async,
@@ -22,7 +26,9 @@ PTX instructions emulated by their documented fragment layouts.
 """
 from __future__ import annotations
 
-KERNEL_NAME = "flash_prefill"
+# The symbol names the argument list: a cubin built with another list lacks it, so the runtime falls back to the
+# older paths instead of calling it with the wrong arguments (v2: k_pos0 and the carried state).
+KERNEL_NAME = "flash_prefill_v2"
 BLOCK_Q = 64                     # query rows per block (16 per warp)
 BLOCK_K = 64                     # keys per tile
 THREADS = 128
@@ -105,7 +111,7 @@ __device__ __forceinline__ void load_tile(unsigned short* s, const unsigned shor
 }
 
 extern "C" __global__ void __launch_bounds__(128)
-flash_prefill(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+flash_prefill_v2(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
               const unsigned short* __restrict__ v, long long kv_head_stride, int n_q, int n_k, int q_pos0,
               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
               const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys, int k_pos0,

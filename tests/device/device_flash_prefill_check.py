@@ -130,6 +130,20 @@ def check(dir_: str, out: str | None) -> int:
     rows.append(dict(kind="error_paged", n_q=n_q, q_pos0=start, page_tokens=T, flash_err=err, ok=ok))
     print(f"error  paged keys 0..{start - 1} in pages of {T}, chunk of {n_q}: flash {err:.2e} {'ok' if ok else 'FAIL'}")
 
+    # the same chunk with its keys in three launches (positions 0..1023, 1024..1535, then its own), state carried
+    o3 = cp.full((n_q, h_a, d), cp.nan, cp.float16)
+    state = cp.empty((n_q, h_a, d + 2), cp.float32)
+    allk = [cp.asarray(np.ascontiguousarray(a_)) for a_ in keys]                   # [h_kv, start + n_q, d] each
+    for i, (a_, b_) in enumerate(((0, 1024), (1024, start), (start, start + n_q))):
+        ka, va = cp.ascontiguousarray(allk[0][:, a_:b_]), cp.ascontiguousarray(allk[1][:, a_:b_])
+        ops.flash_prefill(cp.asarray(q), ka, va, b_ - a_, start, h_kv, 0, scale, o3, k_pos0=a_, state=state,
+                          state_in=i > 0, state_out=i < 2)
+    err = float(np.abs(cp.asnumpy(o3).astype(np.float64) - ref).max() / np.abs(ref).max())
+    ok = err <= TOLERANCE and not bool(cp.isnan(o3).any())
+    failed += not ok
+    rows.append(dict(kind="error_state", n_q=n_q, q_pos0=start, launches=3, flash_err=err, ok=ok))
+    print(f"error  keys in 3 launches, state carried: flash {err:.2e} {'ok' if ok else 'FAIL'}")
+
     h_kv, g, d, S = 8, 4, 128, 32768
     h_a, scale = h_kv * g, 1.0 / math.sqrt(d)
     kvg = cp.asarray(rng.standard_normal((2, h_kv, S, d)).astype(np.float16))
