@@ -29,6 +29,8 @@ The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from helmc.errors import HelmcError
@@ -378,21 +380,30 @@ class KVCacheGPU(GpuPrefill):
             ops.record(written, compute)                                  # host pages written this step
             ops.wait(self.copy_stream, written)
         for splits, pages in todo:
-            self._stage(layer, table, pages, stage_of)
-            ready = ops.new_event()
-            ops.record(ready, self.copy_stream)
-            ops.wait(compute, ready)
-            for s0, s1 in runs(sp for sp in splits if sp >= first):
-                launch(s0, s1)
-            used = ops.new_event()
-            ops.record(used, compute)
-            for i in pages:
-                self._slot_events[stage_of[i]] = used
-                self.pool.end_prefetch(stage_of[i])
+            with self._staged(layer, table, pages, stage_of, compute):
+                for s0, s1 in runs(sp for sp in splits if sp >= first):
+                    launch(s0, s1)
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)
+
+    @contextlib.contextmanager
+    def _staged(self, layer: int, table, pages, stage_of, compute):
+        """Host `pages`' `layer` slices in their staging slots (stage_of) for the compute work enqueued inside
+        the block: the copies first on the copy stream, compute waits for them, then the slots are marked
+        read by that work and free for the next copy into them."""
+        ops = self.ops
+        self._stage(layer, table, pages, stage_of)
+        ready = ops.new_event()
+        ops.record(ready, self.copy_stream)
+        ops.wait(compute, ready)
+        yield
+        used = ops.new_event()
+        ops.record(used, compute)
+        for i in pages:
+            self._slot_events[stage_of[i]] = used
+            self.pool.end_prefetch(stage_of[i])
 
     def _stage(self, layer: int, table, pages, stage_of) -> None:
         """Copy `layer`'s slice of host pages into their staging slots on the copy stream, a run of

@@ -39,7 +39,7 @@ class GpuPrefill:
             return self._flash_later_chunk(layer, q, scale, table, host, before)
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
-        for i in range(-(-start // T)):
+        for i in range(before):
             n_i = min(T, start - i * T)
             if table.on_device(i):
                 page = self.gpu_store[table.gpu_slots[i], layer]             # [2, h_kv, T, d]
@@ -71,19 +71,11 @@ class GpuPrefill:
         for g0 in range(0, host, self.staging_pages):
             group = list(range(g0, min(host, g0 + self.staging_pages)))
             stage_of = {i: i - g0 for i in group}
-            self._stage(layer, table, group, stage_of)
-            ready = ops.new_event()
-            ops.record(ready, self.copy_stream)
-            ops.wait(compute, ready)
             ptrs = np.array([staging + stage_of[i] * slice_bytes for i in group], np.int64)
-            ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.window, scale, out,
-                              ops.to_device(ptrs), T, len(group) * T, k_pos0=g0 * T, state=state, state_in=g0 > 0,
-                              state_out=True)
-            used = ops.new_event()
-            ops.record(used, compute)
-            for i in group:
-                self._slot_events[stage_of[i]] = used
-                self.pool.end_prefetch(stage_of[i])
+            with self._staged(layer, table, group, stage_of, compute):
+                ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.window, scale, out,
+                                  ops.to_device(ptrs), T, len(group) * T, k_pos0=g0 * T, state=state,
+                                  state_in=g0 > 0, state_out=True)
         ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * slice_bytes for i in range(host, before)] or [0],
                         np.int64)
         ops.flash_prefill(q, kv[0], kv[1], start - host * T + n, start, self.h_kv, self.window, scale, out,
@@ -92,8 +84,7 @@ class GpuPrefill:
 
     def _has_flash(self, num_heads: int) -> bool:
         """Whether the ops have the tensor-core prefill attention for this cache's head_dim and query group."""
-        has = getattr(self.ops, "has_flash", None)
-        return has is not None and has(self.d, num_heads // self.h_kv)
+        return self.ops.has_flash(self.d, num_heads // self.h_kv)
 
     def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
         """One cached host page for prefill: a ring of staging slots, each reused after its reader."""

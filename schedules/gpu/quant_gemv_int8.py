@@ -165,10 +165,14 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
     steps = -(-chunk_blocks // (per_step * unroll * lanes_of_k))
     rows, threads = rows_per_warp, warps * WARP
     cta_rows = rows if k_split else rows * warps
-    ks = 1 if k_split else 0                            # a warp's offset into the steps: its share of the blocks
-
     def first_row(cta, ty):
         return cta * rows if k_split else (cta * warps + ty) * rows
+
+    def chunk_block(so, si, ty, tx):
+        """The block of the chunk lane tx of warp ty takes at step so * unroll + si (k_split: every warps-th step
+        is this warp's)."""
+        step = (so * unroll + si) * lanes_of_k + (ty if k_split else 0)
+        return step * per_step + tx // tpb
     pieces = m * chunk // PIECE                         # 8-value pieces of one chunk, every row of x
     passes = -(-pieces // threads)
     grids = [-(-n_i // cta_rows) for n_i in outs]
@@ -251,13 +255,10 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
             T.tvm_storage_sync("shared")
             for so in T.serial(steps):
                 for si in T.unroll(unroll):
-                    if (((so * unroll + si) * lanes_of_k + ty * ks) * per_step + tx // tpb < chunk_blocks
-                            and ch * chunk_blocks + ((so * unroll + si) * lanes_of_k + ty * ks) * per_step
-                            + tx // tpb < blocks):
+                    if (chunk_block(so, si, ty, tx) < chunk_blocks
+                            and ch * chunk_blocks + chunk_block(so, si, ty, tx) < blocks):
                         block_step(wv, n_rows, xq, xd, acc, first_row(cta, ty),
-                                   ch * chunk_blocks + ((so * unroll + si) * lanes_of_k + ty * ks) * per_step
-                                   + tx // tpb,
-                                   ((so * unroll + si) * lanes_of_k + ty * ks) * per_step + tx // tpb,
+                                   ch * chunk_blocks + chunk_block(so, si, ty, tx), chunk_block(so, si, ty, tx),
                                    tx % tpb, qw, s1, s2, xw, dx, sx, dot)
         for tok in T.unroll(m):
             for r in T.unroll(rows):

@@ -43,20 +43,6 @@ def build(out_dir: str, arch: str) -> None:
         print(f"built {sub}")
 
 
-def reference(q, k, v, q_pos0, n_k, window, scale):
-    """float64 on the host: q [n_q, h_a, d], k, v [h_kv, >= n_k, d]."""
-    n_q, h_a, _ = q.shape
-    g = h_a // k.shape[0]
-    kk = np.repeat(k[:, :n_k].astype(np.float64), g, axis=0)
-    vv = np.repeat(v[:, :n_k].astype(np.float64), g, axis=0)
-    e = np.einsum("shd,htd->hst", q.astype(np.float64), kk) * scale
-    p, t = q_pos0 + np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-    vis = (t <= p) & ((t > p - window) if window else True)
-    e = np.where(vis[None], e, -np.inf)
-    w = np.exp(e - e.max(-1, keepdims=True))
-    return np.einsum("hst,htd->shd", w / w.sum(-1, keepdims=True), vv)
-
-
 def timed(cp, fn, reps: int = 5) -> float:
     fn()
     cp.cuda.Device().synchronize()
@@ -80,7 +66,7 @@ def visible_pairs(n_q: int, q_pos0: int, n_k: int, window: int) -> int:
 def check(dir_: str, out: str | None) -> int:
     import cupy as cp
     from helmc.runtime.kv.cuda_ops import CudaOps
-    from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
+    from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks, full_attention
 
     cubins = {(d, g): os.path.join(dir_, f"d{d}_g{g}", "paged_attention.cubin") for d, g in SHAPES}
     ops = CudaOps(cubins)
@@ -97,7 +83,7 @@ def check(dir_: str, out: str | None) -> int:
         qg, kvg = cp.asarray(q), cp.asarray(kv)
         o = cp.full((n_q, h_a, d), cp.nan, cp.float16)
         ops.flash_prefill(qg, kvg[0], kvg[1], n_k, q_pos0, h_kv, window, scale, o)
-        ref = reference(q, kv[0], kv[1], q_pos0, n_k, window, scale)
+        ref = full_attention(q, *(x.transpose(1, 0, 2)[:n_k] for x in kv), scale, q_pos0, window)
         err = float(np.abs(cp.asnumpy(o).astype(np.float64) - ref).max() / np.abs(ref).max())
         tiles = attend_blocks(cp, qg, q_pos0, contiguous_blocks(kvg[0, :, :n_k], kvg[1, :, :n_k], 0, 4096), h_kv,
                               scale, window, np.float32, 32 << 20)
@@ -123,7 +109,7 @@ def check(dir_: str, out: str | None) -> int:
     ops.flash_prefill(cp.asarray(q), kvg[0], kvg[1], start + n_q, start, h_kv, 0, scale, o, ptrs, T, start)
     keys = [np.concatenate([pool[slots, w].transpose(1, 0, 2, 3).reshape(h_kv, -1, d), kv[w]], axis=1)
             for w in (0, 1)]
-    ref = reference(q, keys[0], keys[1], start, start + n_q, 0, scale)
+    ref = full_attention(q, *(x.transpose(1, 0, 2) for x in keys), scale, start)
     err = float(np.abs(cp.asnumpy(o).astype(np.float64) - ref).max() / np.abs(ref).max())
     ok = err <= TOLERANCE and not bool(cp.isnan(o).any())
     failed += not ok

@@ -16,6 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from helmc.runtime.kv.paged_attention import full_attention
 from helmc.schedules.gpu.flash_prefill import FLASH_SOURCE
 from helmc.schedules.gpu.paged_attention import DECODE_SOURCE
 from test_paged_attention_cuda_emulated import HARNESS
@@ -112,20 +113,6 @@ def build(tmp_path, head_dim, group):
     return ctypes.CDLL(str(lib))
 
 
-def reference(q, k, v, q_pos0: int, n_k: int, window: int, scale: float) -> np.ndarray:
-    """q [n_q, h_a, d], k, v [h_kv, >= n_k, d] -> causal softmax attention [n_q, h_a, d] in float64."""
-    n_q, h_a, _ = q.shape
-    group = h_a // k.shape[0]
-    kk = np.repeat(k[:, :n_k].astype(np.float64), group, axis=0)          # [h_kv, n_k, d] -> [h_a, n_k, d]
-    vv = np.repeat(v[:, :n_k].astype(np.float64), group, axis=0)
-    e = np.einsum("shd,htd->hst", q.astype(np.float64), kk) * scale       # [h_a, n_q, n_k]
-    p, t = q_pos0 + np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-    visible = (t <= p) & ((t > p - window) if window else True)
-    e = np.where(visible[None], e, -np.inf)
-    w = np.exp(e - e.max(-1, keepdims=True))
-    return np.einsum("hst,htd->shd", w / w.sum(-1, keepdims=True), vv)
-
-
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("h_kv,group,d,cap,n_q,q_pos0,window,page_tokens", [
     (2, 4, 128, 100, 100, 0, 0, 0),     # a fresh prompt, the last query block and key tile partly filled
@@ -156,7 +143,7 @@ def test_flash_prefill_on_cpu_threads(tmp_path, h_kv, group, d, cap, n_q, q_pos0
     # every key in position order: the pages' rows, then the contiguous rows
     keys = [np.concatenate([pool[slots, w].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :paged], kv[w]], axis=1)
             for w in (0, 1)]                                                  # [h_kv, paged + cap, d] each
-    ref = reference(q, keys[0], keys[1], q_pos0, n_k, window, scale)
+    ref = full_attention(q, *(x.transpose(1, 0, 2)[:n_k] for x in keys), scale, q_pos0, window)
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
     print(f"\nflash_prefill on CPU threads, h_kv={h_kv} group={group} d={d} n_q={n_q} q_pos0={q_pos0} "
           f"window={window} page_tokens={page_tokens}: max relative error {err:.2e}")
@@ -185,7 +172,7 @@ def test_flash_prefill_carries_its_state_across_key_ranges(tmp_path, window):
         lib.run_flash_state(fp(q.ctypes.data), fp(k.ctypes.data), fp(v.ctypes.data), ctypes.c_longlong((b - a) * d),
                             ip(n_q), ip(b - a), ip(q_pos0), ip(h_kv), ip(window), ctypes.c_float(scale),
                             fp(out.ctypes.data), ip(a), fp(state.ctypes.data), ip(i > 0), ip(i < 2))
-    ref = reference(q, kv[0], kv[1], q_pos0, n_k, window, scale)
+    ref = full_attention(q, *(x.transpose(1, 0, 2)[:n_k] for x in kv), scale, q_pos0, window)
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
     print(f"\nflash_prefill over 3 key ranges with its state carried, window={window}: max relative error {err:.2e}")
     assert not np.isnan(out).any() and err < 4e-3
