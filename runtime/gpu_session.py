@@ -33,6 +33,17 @@ def kv_pool_bytes(plan_pool_bytes: int, loan_bytes: int, free_bytes: int, page_b
     return pool
 
 
+def _align(nbytes: int, to: int = 256) -> int:
+    return -(-nbytes // to) * to
+
+
+def logits_out(logits, argmax: bool):
+    """Device logits [S, V] float32 -> [S, V] on the host, or (argmax) the last row's greedy token as an int:
+    CuPy's argmax returns the first of equal maxima, as NumPy's does, so the token is the host's choice."""
+    import cupy as cp
+    return int(cp.argmax(logits[-1])) if argmax else cp.asnumpy(logits)
+
+
 class DecodeGraph:
     """The GPU share of a decode step (the GPU stage's blocks and the head) captured once as a CUDA graph and
     replayed per token: one launch instead of ~20 launches and two Relax VM calls per block from Python.
@@ -50,9 +61,19 @@ class DecodeGraph:
         import cupy as cp
         self.cp, self.stage, self.head_fns, self.head_weights, self.stream = cp, stage, head_fns, head_weights, stream
         self.to_cupy = to_cupy
-        self.x = cp.empty((1, spec.hidden_size), cp.float16)
-        self.cos = cp.empty((1, spec.head_dim), cp.float32)
-        self.sin = cp.empty((1, spec.head_dim), cp.float32)
+        # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
+        H, D = spec.hidden_size, spec.head_dim
+        x_at, cos_at, sin_at = 0, _align(2 * H), _align(2 * H) + _align(4 * D)
+        n = sin_at + _align(4 * D)
+        self._pinned = cp.cuda.alloc_pinned_memory(n)
+        self.host_in = np.frombuffer(self._pinned, np.uint8, n)
+        self.dev_in = cp.empty(n, cp.uint8)
+        self.x = self.dev_in[x_at:x_at + 2 * H].view(cp.float16).reshape(1, H)
+        self.cos = self.dev_in[cos_at:cos_at + 4 * D].view(cp.float32).reshape(1, D)
+        self.sin = self.dev_in[sin_at:sin_at + 4 * D].view(cp.float32).reshape(1, D)
+        self.host_x = self.host_in[x_at:x_at + 2 * H].view(np.float16).reshape(1, H)
+        self.host_cos = self.host_in[cos_at:cos_at + 4 * D].view(np.float32).reshape(1, D)
+        self.host_sin = self.host_in[sin_at:sin_at + 4 * D].view(np.float32).reshape(1, D)
         self.attn = cp.empty((1, spec.q_dim), cp.float16)
         self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]   # made once, outside captures
         self.kv_layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))   # the cache layers it appends
@@ -65,17 +86,20 @@ class DecodeGraph:
         x = self.stage.run_blocks(x, cos, sin, "decode", attn_out=(self.attn, attn))
         return self.head_fns["decode"](x, *self.head_weights)
 
-    def step(self, x, cos: np.ndarray, sin: np.ndarray, begun: bool = False) -> np.ndarray:
+    def step(self, x, cos: np.ndarray, sin: np.ndarray, begun: bool = False, argmax: bool = False):
         """x [1, H] on the host, or fp16 on the device (hybrid decode: the last streamed group's output), cos/sin
-        [1, D] on the host -> logits [1, V] float32 on the host. begun: the cache's step is already open (hybrid
-        decode's streamed blocks appended to it first); the graph appends only its own layers either way."""
-        cp, kv = self.cp, self.stage.kv
+        [1, D] on the host -> logits [1, V] float32 on the host, or with argmax their greedy token (an int: the
+        argmax runs where the logits are, and 8 bytes cross instead of V * 4). begun: the cache's step is already
+        open (hybrid decode's streamed blocks appended to it first); the graph appends only its own layers."""
+        kv = self.stage.kv
+        # the last step's result came back to the host, so its copy out of host_in is done: host_in is free
+        self.host_cos[...] = np.asarray(cos).reshape(self.host_cos.shape)
+        self.host_sin[...] = np.asarray(sin).reshape(self.host_sin.shape)
         if isinstance(x, np.ndarray):
-            self.x.set(np.ascontiguousarray(x, np.float16).reshape(self.x.shape))
-        else:
-            self.x[...] = x.reshape(self.x.shape)                  # device to device, on the compute stream
-        self.cos.set(np.ascontiguousarray(cos, np.float32).reshape(self.cos.shape))
-        self.sin.set(np.ascontiguousarray(sin, np.float32).reshape(self.sin.shape))
+            self.host_x[...] = np.asarray(x).reshape(self.host_x.shape)
+        self.dev_in.set(self.host_in, stream=self.stream)          # one copy, asynchronous from pinned memory
+        if not isinstance(x, np.ndarray):
+            self.x[...] = x.reshape(self.x.shape)                  # device to device, after that copy (one stream)
         if not begun:
             kv.begin_step(1)
         key = None if self.disabled else kv.graph_key()
@@ -90,9 +114,9 @@ class DecodeGraph:
             self.eager_steps += 1
             logits = self.to_cupy(self._body())
             kv.advance(1)
-            return cp.asnumpy(logits)
+            return logits_out(logits, argmax)
         kv.advance(1)
-        return cp.asnumpy(self.logits)
+        return logits_out(self.logits, argmax)
 
     def _capture(self, key) -> bool:
         """Capture this step's work (not run yet: the caller launches the graph). False, with graphs off for
@@ -145,18 +169,22 @@ class GpuParts:
         if self.hybrid is not None:
             self.hybrid.backend.cpu_stage.kv.reset()
 
-    def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
+    def forward(self, session, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool,
+                argmax: bool = False):
+        """Logits [S or 1, V] on the host, or with argmax (not with all_logits) the last row's greedy token."""
         from helmc.runtime.cuda_runtime import tvm_stream
         with self.stream, tvm_stream(self.stream):
             if phase == "decode" and self.hybrid is not None:
-                return self.hybrid.step(x, cos, sin)                # the plan's groups (runtime/hybrid/)
+                logits = self.hybrid.step(x, cos, sin)              # the plan's groups (runtime/hybrid/)
+                return int(np.argmax(logits[-1])) if argmax else logits
             if phase == "decode" and self.decode_graph is not None and not all_logits:
                 if self.cpu_stage_step is not None:
                     x = self.cpu_stage_step(x, cos, sin, phase)    # [1, H] float32 on the host
-                return self.decode_graph.step(x, cos, sin)
-            return self._forward(x, cos, sin, phase, all_logits)
+                return self.decode_graph.step(x, cos, sin, argmax=argmax)
+            return self._forward(x, cos, sin, phase, all_logits, argmax)
 
-    def _forward(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool):
+    def _forward(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, phase: str, all_logits: bool,
+                 argmax: bool = False):
         """x [S, H], cos/sin [S, D] on the host. A prompt stays on the host and crosses in chunks, so
         VRAM holds one chunk's activations whatever the prompt's length (the plan counts one chunk)."""
         import cupy as cp
@@ -189,7 +217,7 @@ class GpuParts:
             xg = xg[-1:]                                            # [S, H] -> [1, H]: only the last row samples
             phase = "decode"
         logits = self.head_fns[phase](to_tvm(cp.ascontiguousarray(xg)), *self.head_weights)
-        return cp.asnumpy(self.tvm_to_cupy(logits))               # [S or 1, V] float32 back to the host
+        return logits_out(self.tvm_to_cupy(logits), argmax and not all_logits)   # [S or 1, V] float32, or a token
 
     def forward_batch(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cpu_stage, cpu_caches, gpu_caches,
                       rows: list[int]) -> np.ndarray:

@@ -59,7 +59,16 @@ class Sampler:
         self.prompt = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else set()
 
     def __call__(self, logits: np.ndarray) -> int:
-        tok = self._choose(logits)
+        return self.take(self._choose(logits))
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The choice is the logits' argmax alone: the caller may find it where the logits are and take() it."""
+        return self.params.temperature == 0 and not self.params.penalized
+
+    def take(self, tok: int) -> int:
+        """Record a token chosen for this request (what penalties count)."""
+        tok = int(tok)
         self.counts[tok] = self.counts.get(tok, 0) + 1
         return tok
 

@@ -113,8 +113,10 @@ class Session:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self._embed(ids)                                   # [S, H] float32
 
-    def forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        """Run len(ids) new tokens at the current position; returns logits [S or 1, V] float32."""
+    def forward(self, ids: list[int], all_logits: bool = False, argmax: bool = False):
+        """Run len(ids) new tokens at the current position; returns logits [S or 1, V] float32, or with argmax
+        (greedy decoding) the last row's argmax as an int, found where the logits are (on the GPU: 8 bytes back
+        instead of V * 4)."""
         S = len(ids)
         if self.position + S > self.plan.max_context:
             raise HelmcError(f"context: {self.position + S} tokens needed, the plan allows {self.plan.max_context}")
@@ -123,7 +125,9 @@ class Session:
         cos, sin = self.rope.cos_sin(positions)                   # [S, D] each
         x = self.embed(np.asarray(ids, dtype=np.int64))
         if self.gpu is not None:
-            logits = self.gpu.forward(self, x, cos, sin, phase, all_logits)
+            logits = self.gpu.forward(self, x, cos, sin, phase, all_logits, argmax=argmax and not all_logits)
+            self.position += S
+            return logits
         else:
             import tvm.runtime
             dev = tvm.cpu()
@@ -131,7 +135,7 @@ class Session:
                                         tvm.runtime.tensor(sin, dev), phase)
             logits = self.head(xt, phase, all_logits)
         self.position += S
-        return logits
+        return int(np.argmax(logits[-1])) if argmax and not all_logits else logits
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
@@ -159,8 +163,7 @@ class Session:
         eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
         t0 = time.perf_counter()
         try:
-            logits = self.forward(prompt_ids)
-            tok = sampler(logits[-1])
+            tok = self._next_token(prompt_ids, sampler)
             t_first = time.perf_counter()
             out, stamps, stop = [tok], [t_first], "length"
             printed = ""
@@ -168,8 +171,7 @@ class Session:
             if tok in eos:
                 stop = "eos"
             while stop != "eos" and len(out) < max_new_tokens:
-                logits = self.forward([tok])
-                tok = sampler(logits[-1])
+                tok = self._next_token([tok], sampler)
                 out.append(tok)
                 stamps.append(time.perf_counter())
                 printed = self._stream(out, printed, on_text)
@@ -183,6 +185,11 @@ class Session:
         return GenerationResult(prompt_ids, out, text, 1000 * (t_first - t0),
                                 (len(out) - 1) / decode_s if decode_s > 0 else 0.0, per_token, stop,
                                 self.kv_capacity.tokens_fit, self.kv_capacity.limited_by)
+
+    def _next_token(self, ids: list[int], sampler: Sampler) -> int:
+        if sampler.plain_greedy:                                   # the argmax where the logits are
+            return sampler.take(self.forward(ids, argmax=True))
+        return sampler(self.forward(ids)[-1])
 
     def _stream(self, out, printed, on_text):
         if on_text is None or self.tokenizer is None:

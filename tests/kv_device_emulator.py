@@ -72,9 +72,10 @@ class TrackedArray(np.ndarray):
 class EmulatedOps:
     xp = np
 
-    def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True):
+    def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True, fused: bool = True):
         self.num_sms = num_sms
         self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
+        self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (bundles from session 15)
         self.delay_events = delay_events
         self._host = _Stream("host", 0)
         self._streams = 1
@@ -330,6 +331,18 @@ class EmulatedOps:
             pm[split] = m.reshape(h_a)
             ps[split] = w.sum(-1).reshape(h_a)
             po[split] = np.matmul(w, v).reshape(h_a, head_dim)
+
+    def has_fused_decode(self, head_dim, group):
+        return self.fused
+
+    def decode_fused(self, q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
+                     head_dim, scale, part_m, part_s, part_o, counters, out):
+        assert self.fused and not np.asarray(counters).any(), "the fused kernel's counters must be 0 at launch"
+        self.fused_launches += 1
+        self.decode_partial(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
+                            head_dim, scale, part_m, part_s, part_o)
+        self.decode_merge(part_m, part_s, part_o, split_base, split_base + n_splits, q.shape[0], head_dim,
+                          q.shape[0] // num_kv_heads, out)
 
     def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):
         pm = part_m.reshape(-1, num_heads)[split_begin:split_end]

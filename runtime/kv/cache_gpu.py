@@ -106,6 +106,7 @@ class KVCacheGPU(GpuPrefill):
         self._plan_key = None
         self._ptr_tables: dict[int, object] = {}
         self._parts = None
+        self._counters = ops.to_device(np.zeros(num_kv_heads, np.int32))   # paged_decode_fused's, 0 between launches
         self._ring_used: int | None = None
         self._step_dev = ops.device_empty((2,), np.int32)                 # [n_tokens, t_begin] of a decode step
         self._table_key = None
@@ -364,6 +365,13 @@ class KVCacheGPU(GpuPrefill):
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         compute = ops.current_stream()
 
+        res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
+        if not any(host_split[first:]) and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all
+            ops.decode_fused(q16, ptrs, self.T, self._step_dev, span, first, n_splits - first, self.h_kv, self.d,
+                             scale, pm, ps, po, self._counters, res)
+            res = res.reshape(1, h_a, self.d)                              # [h_a, d] -> [1, h_a, d]
+            return res if q.dtype == np.float16 else res.astype(q.dtype)
+
         def launch(s0, s1):
             ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
 
@@ -383,7 +391,6 @@ class KVCacheGPU(GpuPrefill):
             with self._staged(layer, table, pages, stage_of, compute):
                 for s0, s1 in runs(sp for sp in splits if sp >= first):
                     launch(s0, s1)
-        res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)

@@ -22,6 +22,8 @@ _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_dec
 # schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by bundles from session 14 on; absent, prefill keeps
 # prefill_causal and attend_blocks' tiles
 FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAME
+# partial + merge in one launch: in cubins from session 15 on; absent, decode launches the two
+FUSED_DECODE_KERNEL = "paged_decode_fused"
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 
@@ -102,16 +104,22 @@ class CudaOps:
                 raise HelmcError(f"paged attention: expected a {PAGED_ATTENTION_CUBIN} built for head_dim {head_dim}, "
                                  f"group {group}, found {path or 'none for that shape (built: ' + str(sorted(self._cubins)) + ')'}")
             mod = self.cp.RawModule(path=path)
-            try:
-                flash = mod.get_function(FLASH_KERNEL)
-            except Exception:                 # CUDA_ERROR_NOT_FOUND: an older bundle, or an arch below sm_80
-                flash = None
-            self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (flash,)
+            def optional(name):
+                try:
+                    return mod.get_function(name)
+                except Exception:             # CUDA_ERROR_NOT_FOUND: an older bundle (or flash below sm_80)
+                    return None
+            self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (
+                optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL))
         return self._kernels[key]
 
     def has_flash(self, head_dim: int, group: int) -> bool:
         """Whether the bundle's cubin for (head_dim, group) has the tensor-core prefill attention."""
         return self._functions(head_dim, group)[4] is not None
+
+    def has_fused_decode(self, head_dim: int, group: int) -> bool:
+        """Whether the bundle's cubin has paged_decode_fused (decode attention's partials and merge in one launch)."""
+        return self._functions(head_dim, group)[5] is not None
 
     def write_step(self, step, values: np.ndarray, stream) -> None:
         """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
@@ -128,6 +136,18 @@ class CudaOps:
         partial((num_kv_heads, n_splits), (WARPS * 32,),
                 (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(num_kv_heads),
                  np.float32(scale), part_m, part_s, part_o))
+
+    def decode_fused(self, q, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
+                     n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o,
+                     counters, out) -> None:
+        """decode_partial over splits [split_base, split_base + n_splits), then decode_merge of them, in one
+        launch; counters: device int32 [num_kv_heads], zero, and zero again after the kernel."""
+        group = q.shape[0] // num_kv_heads
+        fused = self._functions(head_dim, group)[5]
+        i32 = np.int32
+        fused((num_kv_heads, n_splits), (WARPS * 32,),
+              (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
+               i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:

@@ -9,6 +9,8 @@ Decode attention (one query row per head) over a page table, split-K over pages:
                         slot) are read by the same code: the split a page falls in, not where it
                         lives, decides the arithmetic, and offload does not change a single bit.
   paged_decode_merge    grid (h_a): combines splits [begin, end) into o = sum(a_i o_i) / sum(a_i s_i), fp16.
+  paged_decode_fused    both in one launch when one launch covers the step's splits (every page on the device):
+                        the last block of each KV head to finish merges that head's queries.
   paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
   prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
@@ -28,7 +30,8 @@ from __future__ import annotations
 from helmc.errors import HelmcError
 
 WARPS = 4                        # warps per block of paged_decode_partial; the source #defines the same
-KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
+KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal",
+                "paged_decode_fused")
 
 DECODE_SOURCE = r"""
 // Compile with -DHEAD_DIM=<d> -DGROUP=<h_a / h_kv>.  HEAD_DIM must be a multiple of 32 and <= 256.
@@ -73,14 +76,16 @@ __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, f
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP, HEAD_DIM] fp16
-                     const long long* __restrict__ page_ptrs,   // [n_pages] address of each page's layer slice
-                     int page_tokens, const int* __restrict__ step,   // [n_tokens, t_begin]
-                     int split_tokens, int split_base, int num_kv_heads, float scale,
-                     float* __restrict__ part_m,                // [splits, h_a]
-                     float* __restrict__ part_s,                // [splits, h_a]
-                     float* __restrict__ part_o)                // [splits, h_a, HEAD_DIM]
+// static: its __shared__ arrays stay this library's own (the CPU emulation's inline statics would be one
+// process-wide symbol across libraries built for other shapes)
+static __device__ __forceinline__ void
+decode_partial_body(const unsigned short* __restrict__ q,      // [h_kv * GROUP, HEAD_DIM] fp16
+                    const long long* __restrict__ page_ptrs,   // [n_pages] address of each page's layer slice
+                    int page_tokens, const int* __restrict__ step,   // [n_tokens, t_begin]
+                    int split_tokens, int split_base, int num_kv_heads, float scale,
+                    float* __restrict__ part_m,                // [splits, h_a]
+                    float* __restrict__ part_s,                // [splits, h_a]
+                    float* __restrict__ part_o)                // [splits, h_a, HEAD_DIM]
 {
     const int kvh = blockIdx.x;
     const int split = split_base + blockIdx.y;
@@ -174,25 +179,109 @@ paged_decode_partial(const unsigned short* __restrict__ q,      // [h_kv * GROUP
     }
 }
 
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_partial(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs,
+                     int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
+                     int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
+                     float* __restrict__ part_o)
+{
+    decode_partial_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, num_kv_heads, scale,
+                        part_m, part_s, part_o);
+}
+
+// Column c of head h's output from splits [split_begin, split_end): o = sum(a_i o_i) / sum(a_i s_i). Loads through
+// L2 (__ldcg): in paged_decode_fused another SM wrote the partials during this kernel, and this SM's L1 may hold
+// a line of them read before (a line spans heads of several KV heads).
+__device__ __forceinline__ void merge_column(const float* part_m, const float* part_s, const float* part_o,
+                                             int split_begin, int split_end, int num_heads, int h, int c,
+                                             unsigned short* __restrict__ out)
+{
+    float M = NEG_INF;
+    for (int sp = split_begin; sp < split_end; ++sp) M = fmaxf(M, __ldcg(part_m + (long long)sp * num_heads + h));
+    float S = 0.f, O = 0.f;
+    for (int sp = split_begin; sp < split_end; ++sp) {
+        const long long row = (long long)sp * num_heads + h;
+        const float mm = __ldcg(part_m + row);
+        if (mm != NEG_INF) {
+            const float a = expf(mm - M);
+            S += a * __ldcg(part_s + row);
+            O += a * __ldcg(part_o + row * HEAD_DIM + c);
+        }
+    }
+    out[h * HEAD_DIM + c] = f2h(O / S);
+}
+
 extern "C" __global__ void
 paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ part_s,
                    const float* __restrict__ part_o, int split_begin, int split_end, int num_heads,
                    unsigned short* __restrict__ out)            // [h_a, HEAD_DIM] fp16; grid h_a, block HEAD_DIM
 {
-    const int h = blockIdx.x, c = threadIdx.x;
-    float M = NEG_INF;
-    for (int sp = split_begin; sp < split_end; ++sp) M = fmaxf(M, part_m[(long long)sp * num_heads + h]);
-    float S = 0.f, O = 0.f;
-    for (int sp = split_begin; sp < split_end; ++sp) {
-        const long long row = (long long)sp * num_heads + h;
-        const float mm = part_m[row];
-        if (mm != NEG_INF) {
-            const float a = expf(mm - M);
-            S += a * part_s[row];
-            O += a * part_o[row * HEAD_DIM + c];
+    merge_column(part_m, part_s, part_o, split_begin, split_end, num_heads, blockIdx.x, threadIdx.x, out);
+}
+
+// paged_decode_partial over splits [split_base, split_base + n_splits) (all of the step's: grid (h_kv, n_splits)),
+// then the merge in the same launch: the last block of KV head j to finish (a counter per KV head, left at 0 for
+// the next launch, so a captured graph replays it) merges j's GROUP heads, one warp per head: the lanes read the
+// splits' (m, s) at once, M is their max, each lane stages a = exp(m - M) and s of 32 splits in shared memory, and
+// then adds the splits in order for its VEC columns: paged_decode_merge's operations in its order, so the same
+// bits, without its chain of one dependent load per split. One kernel where there were two.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_fused(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs,
+                   int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
+                   int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
+                   float* __restrict__ part_o, int* __restrict__ counters,   // [h_kv] int32, 0 between launches
+                   unsigned short* __restrict__ out)                          // [h_a, HEAD_DIM] fp16
+{
+    decode_partial_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, num_kv_heads, scale,
+                        part_m, part_s, part_o);
+    __threadfence();                                   // this block's partials visible to the GPU before it counts
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == n_splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int kvh = blockIdx.x, num_heads = num_kv_heads * GROUP;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int begin = split_base, end = split_base + n_splits;
+    __shared__ float st_a[WARPS][32], st_s[WARPS][32];
+    __shared__ int st_ok[WARPS][32];
+    for (int g = warp; g < GROUP; g += WARPS) {        // warp-uniform: every lane of a warp takes the same heads
+        const int h = kvh * GROUP + g;
+        float M = NEG_INF;
+        for (int sp = begin + lane; sp < end; sp += 32) M = fmaxf(M, __ldcg(part_m + (long long)sp * num_heads + h));
+#pragma unroll
+        for (int sh = 16; sh > 0; sh >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, sh));   // max: exact
+        float S = 0.f, O[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) O[i] = 0.f;
+        for (int s0 = begin; s0 < end; s0 += 32) {
+            const int sp = s0 + lane;
+            if (sp < end) {
+                const long long row = (long long)sp * num_heads + h;
+                const float mm = __ldcg(part_m + row);
+                st_ok[warp][lane] = mm != NEG_INF;
+                st_a[warp][lane] = mm != NEG_INF ? expf(mm - M) : 0.f;
+                st_s[warp][lane] = __ldcg(part_s + row);
+            }
+            __syncwarp();
+            const int n = min(32, end - s0);
+#pragma unroll 4
+            for (int j = 0; j < n; ++j) {
+                if (st_ok[warp][j]) {
+                    const float a = st_a[warp][j];
+                    const float* po = part_o + ((long long)(s0 + j) * num_heads + h) * HEAD_DIM + lane * VEC;
+                    S += a * st_s[warp][j];
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) O[i] += a * __ldcg(po + i);
+                }
+            }
+            __syncwarp();                                  // the stage is read before the next 32 splits' overwrite it
         }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[h * HEAD_DIM + lane * VEC + i] = f2h(O[i] / S);
     }
-    out[h * HEAD_DIM + c] = f2h(O / S);
+    if (threadIdx.x == 0) counters[kvh] = 0;
 }
 
 // Causal attention of S fresh query rows (positions 0..S-1) over the same rows' K/V; window > 0 keeps keys

@@ -34,10 +34,12 @@ from helmc.schedules.gpu.quant_gemv import (FORMATS, WARP, _check, _field, _half
                                             _unsigned)
 
 INT8_TYPES = ("q4_k", "q6_k")
+EPILOGUES = (None, "residual", "swiglu")     # as schedules/gpu/gemv.py's
 X_BLOCK = 32                # activations per int8 scale (ggml's q8_1 block)
 PIECE = 8                   # activations one thread quantizes: one 16-byte load
 SPAN = 1024                 # chunks of x are whole spans: 4 blocks of 256 per warp step
 SMEM_BUDGET = 40 * 1024     # static shared memory of a CTA (CUDA's static limit is 48 KiB)
+PRELOAD = 6                 # x-quantizing passes whose loads go out together (6: all of k = 12288 at m = 1)
 ROWS_PER_WARP, WARPS, UNROLL = 2, 4, 2
 _MAGIC = 12582912.0         # 1.5 * 2^23: for |v| < 2^22, v + MAGIC holds rint(v) in its low mantissa bits
 _MAGIC_BITS = 0x4B400000
@@ -46,13 +48,14 @@ _F32 = "float32"
 
 
 def gemv_int8_symbol(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                     unroll: int = UNROLL, k_split: bool = False, m: int = 1) -> str:
+                     unroll: int = UNROLL, k_split: bool = False, m: int = 1, epilogue: str | None = None) -> str:
     """n: the row count, or a tuple of them for a kernel over several weights of one x (n4096_1024_1024)."""
     n = "_".join(map(str, n)) if isinstance(n, (tuple, list)) else n
     tuned = (rows_per_warp, warps, unroll, k_split) != (ROWS_PER_WARP, WARPS, UNROLL, False)
     tail = (f"_m{m}" if m != 1 else "") + (f"_r{rows_per_warp}w{warps}u{unroll}{'s' if k_split else ''}"
                                            if tuned else "")
-    return f"helmc_gpu_gemv8_{qtype}_n{n}_k{k}{tail}"
+    kind = {None: "", "residual": "res_", "swiglu": "swiglu_"}[epilogue]
+    return f"helmc_gpu_gemv8_{kind}{qtype}_n{n}_k{k}{tail}"
 
 
 def x_chunk(m: int, k: int, spans: int = 1) -> int:
@@ -132,7 +135,8 @@ def _decode_q6_k():
 
 
 def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                       unroll: int = UNROLL, k_split: bool = False, m: int = 1) -> tirx.PrimFunc:
+                       unroll: int = UNROLL, k_split: bool = False, m: int = 1,
+                       epilogue: str | None = None) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
 
     qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
@@ -142,7 +146,11 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
     one-weight kernel's (the same lanes, blocks and order).
     k_split: the CTA's warps share its rows_per_warp rows and take every warps-th step of their blocks (more CTAs
     and more loads in flight for a short row count: 4096 rows made 256 CTAs of 16 rows for 132 SMs); their
-    sums meet in shared memory and add in warp order, the same for every m (batch invariance holds)."""
+    sums meet in shared memory and add in warp order, the same for every m (batch invariance holds).
+    epilogue (one row count, no k_split), as gemv.py's: "residual": PrimFunc(x, w, r, y), y = r + fp16(x @ w^T)
+    added in fp16; "swiglu": PrimFunc(x, wg, wu, y), y = silu(g) * u of g, u = fp16(x @ wg^T), fp16(x @ wu^T)
+    in fp16 ops, the stage's elementwise kernel's expression: a warp sums its rows of both weights (the lanes,
+    blocks and order of the one-weight kernel's), so y is the bits of the GEMVs and that kernel run apart."""
     if qtype not in INT8_TYPES:
         raise HelmcError(f"GPU int8 GEMV: a type in {INT8_TYPES} expected, found {qtype!r}")
     outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
@@ -150,6 +158,9 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
         raise HelmcError(f"GPU int8 GEMV: 1 to 3 weights expected, found {len(outs)}")
     for n_i in outs:
         fmt = _check(qtype, n_i, k)
+    if epilogue not in EPILOGUES or (epilogue and (len(outs) > 1 or k_split)):
+        raise HelmcError(f"GPU int8 GEMV: an epilogue in {EPILOGUES[1:]} over one row count without k_split, or "
+                         f"none, expected; found n={n}, epilogue={epilogue!r}, k_split={k_split}")
     if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1:
         raise HelmcError(f"GPU int8 GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
                          f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
@@ -164,6 +175,8 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
     chunk_blocks = chunk // weights
     steps = -(-chunk_blocks // (per_step * unroll * lanes_of_k))
     rows, threads = rows_per_warp, warps * WARP
+    swiglu = epilogue == "swiglu"
+    span = rows * (2 if swiglu else 1)                  # a lane's accumulator rows: gate's, then up's
     cta_rows = rows if k_split else rows * warps
     def first_row(cta, ty):
         return cta * rows if k_split else (cta * warps + ty) * rows
@@ -175,6 +188,8 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
         return step * per_step + tx // tpb
     pieces = m * chunk // PIECE                         # 8-value pieces of one chunk, every row of x
     passes = -(-pieces // threads)
+    group = min(passes, PRELOAD)                        # passes whose x loads are in flight together
+    groups = -(-passes // group)
     grids = [-(-n_i // cta_rows) for n_i in outs]
     grid = sum(grids)
     word_type = "uint32" if qtype == "q4_k" else "uint16"
@@ -183,37 +198,53 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
     decode = _decode_q4_k() if qtype == "q4_k" else _decode_q6_k()
 
     @T.macro
-    def quantize_chunk(x, xq, xd, ch, tid, tx, xh, xf, amax, inv, word):
-        """xq / xd = chunk `ch` of every row of x as int8 words and per-32 scales; 4 lanes share a 32-block."""
-        for it in T.serial(passes):
-            amax[0] = T.float32(0)
+    def quantize_pass(xq, xd, ch, tid, tx, xh, xf, amax, inv, word, it, j):
+        """Pass `it` of quantize_chunk on its loaded values xh[j]."""
+        amax[0] = T.float32(0)
+        for v in T.unroll(PIECE):
+            xf[v] = T.float32(0)
+        if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
             for v in T.unroll(PIECE):
-                xf[v] = T.float32(0)
-            if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
-                for v in T.vectorized(PIECE):
-                    xh[v] = x[(it * threads + tid) // (chunk // PIECE),
-                              ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE + v]
-                for v in T.unroll(PIECE):
-                    xf[v] = T.Cast(_F32, xh[v])
-                    amax[0] = T.max(amax[0], T.abs(xf[v]))
-            for s in T.unroll(2):
-                amax[0] = T.max(amax[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), amax[0], 1 << s, WARP, WARP))
-            if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
-                inv[0] = T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
-                for j in T.unroll(PIECE // 4):
-                    word[0] = T.uint32(0)
-                    for b in T.unroll(4):
-                        word[0] = T.bitwise_or(word[0], T.shift_left(T.bitwise_and(T.reinterpret(
-                            "uint32", xf[4 * j + b] * inv[0] + T.float32(_MAGIC)), T.uint32(0xFF)), T.uint32(8 * b)))
-                    xq[(it * threads + tid) * (PIECE // 4) + j] = _i32(word[0])
-                if tx % (X_BLOCK // PIECE) == 0:
-                    xd[(it * threads + tid) // (X_BLOCK // PIECE)] = amax[0] / T.float32(127)
+                xf[v] = T.Cast(_F32, xh[j, v])
+                amax[0] = T.max(amax[0], T.abs(xf[v]))
+        for s in T.unroll(2):
+            amax[0] = T.max(amax[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), amax[0], 1 << s, WARP, WARP))
+        if it * threads + tid < pieces and ch * chunk + (it * threads + tid) % (chunk // PIECE) * PIECE < k:
+            inv[0] = T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
+            for w4 in T.unroll(PIECE // 4):
+                word[0] = T.uint32(0)
+                for b in T.unroll(4):
+                    word[0] = T.bitwise_or(word[0], T.shift_left(T.bitwise_and(T.reinterpret(
+                        "uint32", xf[4 * w4 + b] * inv[0] + T.float32(_MAGIC)), T.uint32(0xFF)), T.uint32(8 * b)))
+                xq[(it * threads + tid) * (PIECE // 4) + w4] = _i32(word[0])
+            if tx % (X_BLOCK // PIECE) == 0:
+                xd[(it * threads + tid) // (X_BLOCK // PIECE)] = amax[0] / T.float32(127)
 
     @T.macro
-    def block_step(wv, n_rows, xq, xd, acc, first_row, gblock, b, t, qw, s1, s2, xw, dx, sx, dot):
-        """acc[tok, r] += row (first_row + r)'s block `gblock` (chunk block b) . x_q[tok], lane t's runs."""
+    def quantize_chunk(x, xq, xd, ch, tid, tx, xh, xf, amax, inv, word):
+        """xq / xd = chunk `ch` of every row of x as int8 words and per-32 scales; 4 lanes share a 32-block. The
+        x loads of `group` passes are issued before any is used: one L2 round trip where there were `group`."""
+        for gi in T.serial(groups):
+            for j in T.unroll(group):
+                if (gi * group + j < passes and (gi * group + j) * threads + tid < pieces
+                        and ch * chunk + ((gi * group + j) * threads + tid) % (chunk // PIECE) * PIECE < k):
+                    for v in T.vectorized(PIECE):
+                        xh[j, v] = x[((gi * group + j) * threads + tid) // (chunk // PIECE),
+                                     ch * chunk + ((gi * group + j) * threads + tid) % (chunk // PIECE) * PIECE + v]
+            for j in T.unroll(group):
+                if gi * group + j < passes:         # CTA-uniform: the shuffles below see every lane
+                    quantize_pass(xq, xd, ch, tid, tx, xh, xf, amax, inv, word, gi * group + j, j)
+
+    @T.macro
+    def block_step(wv, wv_up, n_rows, xq, xd, acc, first_row, gblock, b, t, qw, s1, s2, xw, dx, sx, dot):
+        """acc[tok, r] += row (first_row + r)'s block `gblock` (chunk block b) . x_q[tok], lane t's runs (swiglu:
+        acc[tok, rows + r] the same for up's row)."""
         for r in T.unroll(rows):
             decode(wv, T.min(first_row + r, n_rows - 1) * row_words + gblock * block_words, t, qw, s1, s2, r)
+        if swiglu:
+            for r in T.unroll(rows):
+                decode(wv_up, T.min(first_row + r, n_rows - 1) * row_words + gblock * block_words, t, qw, s1, s2,
+                       rows + r)
         for tok in T.unroll(m):
             if qtype == "q4_k":
                 for g in T.unroll(2):
@@ -222,7 +253,7 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                     dx[g] = xd[tok * (chunk // X_BLOCK) + b * 8 + 2 * (t // 2) + g]
                     sx[g] = _dp4a(xw[g * 4], T.int32(_ONES), _dp4a(xw[g * 4 + 1], T.int32(_ONES), _dp4a(
                         xw[g * 4 + 2], T.int32(_ONES), _dp4a(xw[g * 4 + 3], T.int32(_ONES), T.int32(0)))))
-                for r in T.unroll(rows):
+                for r in T.unroll(span):
                     for g in T.unroll(2):
                         dot[0] = T.int32(0)
                         for j in T.unroll(4):
@@ -235,7 +266,7 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                         xw[c * 2 + v] = xq[tok * (chunk // 4) + (b * 256 + 128 * (t // 4) + 32 * c + 8 * (t % 4)) // 4 + v]
                     dx[c] = xd[tok * (chunk // X_BLOCK) + b * 8 + 4 * (t // 4) + c]
                     sx[c] = _dp4a(xw[c * 2], T.int32(_ONES), _dp4a(xw[c * 2 + 1], T.int32(_ONES), T.int32(0)))
-                for r in T.unroll(rows):
+                for r in T.unroll(span):
                     for c in T.unroll(4):
                         dot[0] = _dp4a(_i32(qw[r, 2 * c]), xw[c * 2], _dp4a(_i32(qw[r, 2 * c + 1]), xw[c * 2 + 1],
                                                                              T.int32(0)))
@@ -243,11 +274,11 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
 
     @T.macro
     def weight_rows(x, wv, y, n_rows, cta, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2, xw, dx, sx, dot,
-                    red):
+                    red, wv_up=None, res=None, gu=None):
         """y[:, rows of CTA `cta`] for one weight of n_rows rows: x quantized chunk by chunk, the warp's rows summed
         (k_split: every warp's share of the CTA's rows, then the warps' sums in order)."""
         for tok in T.unroll(m):
-            for r in T.unroll(rows):
+            for r in T.unroll(span):
                 acc[tok, r] = T.float32(0)
         for ch in T.serial(chunks):
             T.tvm_storage_sync("shared")          # the previous chunk is read by every warp
@@ -257,19 +288,28 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                 for si in T.unroll(unroll):
                     if (chunk_block(so, si, ty, tx) < chunk_blocks
                             and ch * chunk_blocks + chunk_block(so, si, ty, tx) < blocks):
-                        block_step(wv, n_rows, xq, xd, acc, first_row(cta, ty),
+                        block_step(wv, wv_up, n_rows, xq, xd, acc, first_row(cta, ty),
                                    ch * chunk_blocks + chunk_block(so, si, ty, tx), chunk_block(so, si, ty, tx),
                                    tx % tpb, qw, s1, s2, xw, dx, sx, dot)
         for tok in T.unroll(m):
-            for r in T.unroll(rows):
+            for r in T.unroll(span):
                 for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
                     acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
                         T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
+            for r in T.unroll(rows):
                 if k_split:
                     if tx == (tok * rows + r) % WARP:
                         red[(ty * m + tok) * rows + r] = acc[tok, r]
                 elif tx == (tok * rows + r) % WARP and (cta * warps + ty) * rows + r < n_rows:
-                    y[tok, (cta * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
+                    if swiglu:
+                        gu[0] = T.Cast("float16", acc[tok, r])
+                        gu[1] = T.Cast("float16", acc[tok, rows + r])
+                        y[tok, (cta * warps + ty) * rows + r] = gu[0] * T.sigmoid(gu[0]) * gu[1]
+                    elif epilogue == "residual":
+                        y[tok, (cta * warps + ty) * rows + r] = res[tok, (cta * warps + ty) * rows + r] + T.Cast(
+                            "float16", acc[tok, r])
+                    else:
+                        y[tok, (cta * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
         if k_split:
             T.tvm_storage_sync("shared")
             for tok in T.unroll(m):
@@ -281,18 +321,19 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                         y[tok, cta * rows + r] = T.Cast("float16", acc[tok, r])
 
     @T.macro
-    def kernel_body(x, wvs, ys, bx, ty, tx):
+    def kernel_body(x, wvs, ys, bx, ty, tx, res=None):
         xq = T.alloc_buffer((m * chunk // 4,), "int32", scope="shared")        # [m, chunk / 4] int8 x4
         xd = T.alloc_buffer((m * chunk // X_BLOCK,), _F32, scope="shared")     # [m, chunk / 32]
-        acc = T.alloc_buffer((m, rows), _F32, scope="local")
-        xh = T.alloc_buffer((PIECE,), "float16", scope="local")
+        acc = T.alloc_buffer((m, span), _F32, scope="local")
+        xh = T.alloc_buffer((group, PIECE), "float16", scope="local")
         xf = T.alloc_buffer((PIECE,), _F32, scope="local")
         amax = T.alloc_buffer((1,), _F32, scope="local")
         inv = T.alloc_buffer((1,), _F32, scope="local")
         word = T.alloc_buffer((1,), "uint32", scope="local")
-        qw = T.alloc_buffer((rows, nq), "uint32", scope="local")
-        s1 = T.alloc_buffer((rows, ns), _F32, scope="local")
-        s2 = T.alloc_buffer((rows, ns), _F32, scope="local")
+        qw = T.alloc_buffer((span, nq), "uint32", scope="local")
+        s1 = T.alloc_buffer((span, ns), _F32, scope="local")
+        s2 = T.alloc_buffer((span, ns), _F32, scope="local")
+        gu = T.alloc_buffer((2,), "float16", scope="local")
         xw = T.alloc_buffer((8,), "int32", scope="local")
         dx = T.alloc_buffer((ns,), _F32, scope="local")
         sx = T.alloc_buffer((ns,), "int32", scope="local")
@@ -301,7 +342,7 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
         # each CTA works for one weight (the CTAs of weight i follow those of weight i - 1): bx-uniform branches
         if len(outs) == 1:
             weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
-                        xw, dx, sx, dot, red)
+                        xw, dx, sx, dot, red, wvs[-1], res, gu)
         elif len(outs) == 2:
             if bx < grids[0]:
                 weight_rows(x, wvs[0], ys[0], outs[0], bx, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2,
@@ -321,7 +362,28 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                             inv, word, qw, s1, s2, xw, dx, sx, dot, red)
 
     rb = k // weights * fmt.bytes                       # bytes per weight row
-    if len(outs) == 1:
+    if epilogue == "residual":
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((outs[0], rb), "uint8"),
+                 r: T.Buffer((m, outs[0]), "float16"), y: T.Buffer((m, outs[0]), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            wv = T.decl_buffer((outs[0] * row_words,), word_type, data=w.data)      # [n * row_bytes / width]
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        kernel_body(x, [wv], [y], bx, ty, tx, r)
+    elif swiglu:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), wg: T.Buffer((outs[0], rb), "uint8"),
+                 wu: T.Buffer((outs[0], rb), "uint8"), y: T.Buffer((m, outs[0]), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            gv = T.decl_buffer((outs[0] * row_words,), word_type, data=wg.data)
+            uv = T.decl_buffer((outs[0] * row_words,), word_type, data=wu.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        kernel_body(x, [gv, uv], [y], bx, ty, tx)
+    elif len(outs) == 1:
         @T.prim_func
         def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((outs[0], rb), "uint8"), y: T.Buffer((m, outs[0]), "float16")):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
@@ -357,4 +419,5 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                         kernel_body(x, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
 
-    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, outs, k, rows_per_warp, warps, unroll, k_split, m))
+    return gemv.with_attr("global_symbol", gemv_int8_symbol(qtype, outs, k, rows_per_warp, warps, unroll, k_split, m,
+                                                            epilogue))

@@ -237,11 +237,14 @@ def test_quantized_gpu_stage_builds_with_its_kernels(tmp_path):
     down = [p for p in lowered["post_attn_decode_t1"].params if str(p.name) == "w4"][0]
     assert str(down.ty.dtype) == "uint8" and [int(d) for d in down.ty.shape.values] == [256, 420]   # 2 q6_k blocks
     decode = lowered["post_attn_decode_t1"].script()
-    assert "helmc_gpu_gemv8_q6_k_n256_k512_r2w8u2" in decode and "R.matmul" not in decode
+    # down_proj + the residual add, gate and up + SwiGLU: one launch each (the int8 GEMV's epilogues)
+    assert "helmc_gpu_gemv8_res_q6_k_n256_k512_r2w8u2" in decode and "R.matmul" not in decode
+    assert "helmc_gpu_gemv8_swiglu_q4_k_n512_k256_r1w8u2" in decode and "R.sigmoid" not in decode
     assert "helmc_gpu_dequantize_q6_k_n256_k512" in lowered["post_attn_prefill_t1"].script()
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
-    for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_q6_k_n256_k512_r2w8u2", "gemv8_q6_k_n512_k256_r2w8u2",
+    for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_res_q6_k_n256_k512_r2w8u2", "gemv8_q6_k_n512_k256_r2w8u2",
+                   "gemv8_swiglu_q4_k_n512_k256_r1w8u2",
                    "dequantize_q4_k_n512_k256"):
         assert f"helmc_gpu_{kernel}" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"

@@ -15,7 +15,7 @@ projection shapes (and its lm_head for fp16), for m = 1 (a decode step) and m = 
         rotated over copies larger than L2) and GB/s of weight bytes, so m = 8 against m = 1 shows what the
         extra rows cost at the HBM ceiling.
       Exits 1 if any kernel fails either check.
-  One launch, several outputs (issue 16), fp16 and bf16, every m: q/k/v (4096, 1024, 1024 rows over k 4096) in one
+  One launch, several outputs (issue 16), fp16 and bf16 (and the int8 GEMV's epilogues), every m: q/k/v (4096, 1024, 1024 rows over k 4096) in one
   launch, gate/up + SwiGLU (12288 rows), down_proj + residual add (k 12288): each output bit-identical to the
   separate launches (the GEMVs, then a TIR elementwise kernel of the stage's expression: T.sigmoid, fp16 ops),
   and the time of the one launch against the separate ones queued back to back.
@@ -70,9 +70,20 @@ def kernel_entries() -> list[dict]:
 
 
 def fused_entries() -> list[dict]:
+    from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_EPILOGUE_TUNING, GEMV_INT8_TUNING
     from helmc.schedules.gpu.gemv import gemv_symbol
+    from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, gemv_int8_symbol
 
     out = []
+    for qtype in INT8_TYPES:     # the int8 GEMV's epilogues, at the tunings the GPU stage uses
+        for m in ROWS:
+            for kind, n, k in (("swiglu", GATE, 4096), ("residual", DOWN, 12288)):
+                out.append({"kind": kind, "type": qtype, "m": m, "n": [n], "k": k,
+                            "tuning": list(GEMV_INT8_EPILOGUE_TUNING[(qtype, kind)]),
+                            "symbol": gemv_int8_symbol(qtype, n, k, *GEMV_INT8_EPILOGUE_TUNING[(qtype, kind)], m=m,
+                                                       epilogue=kind),
+                            "parts": [gemv_int8_symbol(qtype, n, k, *GEMV_INT8_TUNING[qtype], m=m)],
+                            "ref": f"ref_{kind}_{m * n}"})
     for dtype in ("float16", "bfloat16"):
         for m in ROWS:
             for kind, ns, k in (("qkv", QKV, 4096), ("swiglu", (GATE,), 4096), ("residual", (DOWN,), 12288)):
@@ -106,7 +117,7 @@ def _elementwise(kind: str, size: int):
     return f
 
 
-def build(out_dir: str, arch: str) -> None:
+def build(out_dir: str, arch: str, fused_only: bool = False) -> None:
     import tvm
 
     from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_TUNING, GEMV_TUNING
@@ -116,7 +127,7 @@ def build(out_dir: str, arch: str) -> None:
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
-    entries = kernel_entries()
+    entries = [] if fused_only else kernel_entries()
     funcs = {}
     for e in entries:
         if e["type"] in ("float16", "bfloat16"):
@@ -134,14 +145,23 @@ def build(out_dir: str, arch: str) -> None:
     fused = fused_entries()
     for e in fused:
         epilogue = None if e["kind"] == "qkv" else e["kind"]
+        if e["type"] in INT8_TYPES:
+            funcs[e["symbol"]] = make_gpu_gemv_int8(e["type"], e["n"][0], e["k"], *e["tuning"], m=e["m"],
+                                                    epilogue=epilogue)
+            funcs[e["parts"][0]] = make_gpu_gemv_int8(e["type"], e["n"][0], e["k"], *GEMV_INT8_TUNING[e["type"]],
+                                                      m=e["m"])
+            funcs[e["ref"]] = _elementwise(e["kind"], e["m"] * e["n"][0]).with_attr("global_symbol", e["ref"])
+            continue
         funcs[e["symbol"]] = make_gpu_gemv(e["m"], tuple(e["n"]) if epilogue is None else e["n"][0], e["k"], e["type"],
                                            epilogue=epilogue)
+        for n, part in zip(e["n"], e["parts"]):        # the separate launches (kernel_entries' too, unless fused_only)
+            funcs[part] = make_gpu_gemv(e["m"], n, e["k"], e["type"])
         if e["ref"]:
             funcs[e["ref"]] = _elementwise(e["kind"], e["m"] * e["n"][0]).with_attr("global_symbol", e["ref"])
     files = dq._compile_gpu_stage()(tvm.IRModule(funcs), arch, out_dir, name=LIB)
     t1 = time.time()
     rng = np.random.default_rng(0)
-    for k in sorted({e["k"] for e in entries}):
+    for k in sorted({e["k"] for e in entries + fused}):
         x = rng.standard_normal((max(ROWS), k)).astype(np.float16)
         np.save(os.path.join(out_dir, f"x_k{k}.npy"), x)
         w = (0.05 * rng.standard_normal((UNIQUE_ROWS, k))).astype(np.float32)
@@ -320,8 +340,10 @@ def main(argv=None) -> int:
     ap.add_argument("--build", action="store_true", help="build DIR here (needs the compiler venv, gguf and nvcc)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="with --build: only the one-launch kernels and what they are compared with (a smaller DIR)")
     a = ap.parse_args(argv)
-    return build(a.dir, a.arch) or 0 if a.build else check(a.dir, a.out)
+    return build(a.dir, a.arch, a.fused_only) or 0 if a.build else check(a.dir, a.out)
 
 
 if __name__ == "__main__":

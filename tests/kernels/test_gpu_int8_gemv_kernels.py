@@ -246,3 +246,50 @@ def test_split_k_rows_are_batch_invariant_through_chunks(tmp_path):
     dense = check.dequantize_reference(qtype, w).astype(np.float64)
     print(f"\nk_split m=8 in chunks: max difference {_rel(y8, quantize_x(x) @ dense.T):.2e} of max |y|")
     assert _rel(y8, quantize_x(x) @ dense.T) < 2e-3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("qtype,m,tuning", [("q4_k", 1, ()), ("q6_k", 3, ()), ("q4_k", 2, (1, 8, 2))])
+def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, qtype, m, tuning):
+    """swiglu: silu(x @ wg^T) * (x @ wu^T) in one launch is the gate and up int8 GEMVs, then the stage's own
+    sigmoid-multiply kernel, bit for bit; residual: the down GEMV then the add kernel. Half arithmetic rounds to
+    fp16 in the harness as on the GPU (test_gpu_gemv_kernels.HALF_OPS)."""
+    pytest.importorskip("gguf")
+    from test_gpu_gemv_kernels import HALF_OPS, _elementwise_source, _emulate_named, _run_named
+    n, k = 21, 768
+    rows, warps = tuning[:2] if tuning else (ROWS_PER_WARP, WARPS)
+    funcs = [make_gpu_gemv_int8(qtype, n, k, *tuning, m=m, epilogue=e) for e in (None, "swiglu", "residual")]
+    source = _source({str(f.attrs["global_symbol"]): f for f in funcs})
+    elementwise = _elementwise_source(m, n)
+    assert HALF_OPS and "blockIdx" not in elementwise                 # one block of threads covers [m, n]
+    emulated = _emulate_named(tmp_path, source + elementwise[elementwise.index('extern "C" __global__'):])
+    check = _device_check()
+    rng = np.random.default_rng(29 + m)
+    wg, wu = (check.random_quant_rows(qtype, n, k, rng) for _ in range(2))
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    r = rng.standard_normal((m, n)).astype(np.float16)
+    grid, bdx = -(-n // (rows * warps)), -(-m * n // 32) * 32
+    sym = lambda e=None: f"{gemv_int8_symbol(qtype, n, k, *tuning, m=m, epilogue=e)}_kernel"   # noqa: E731
+    g, u = (np.full((m, n), np.nan, np.float16) for _ in range(2))
+    _run_named(emulated, sym(), {"x": x, "wv": wg, "y": g}, grid, 32, warps)
+    _run_named(emulated, sym(), {"x": x, "wv": wu, "y": u}, grid, 32, warps)
+    want = np.full((m, n), np.nan, np.float16)
+    _run_named(emulated, "fused_tir_sigmoid_multiply_multiply_kernel", {"g": g, "u": u, "out": want}, 1, bdx, 1)
+    got = np.full((m, n), np.nan, np.float16)
+    _run_named(emulated, sym("swiglu"), {"x": x, "gv": wg, "uv": wu, "y": got}, grid, 32, warps)
+    assert np.isfinite(got).all() and np.array_equal(got.view(np.uint16), want.view(np.uint16)), (got, want)
+    assert len(np.unique(got)) > m * n // 2                             # outputs spread: not one value
+    dense = check.dequantize_reference(qtype, wg).astype(np.float64)
+    print(f"\n{sym('swiglu')}: bit-identical to gate, up, then the elementwise kernel; gate's max difference "
+          f"{_rel(g, quantize_x(x) @ dense.T):.2e} of max |y|")
+    assert _rel(g, quantize_x(x) @ dense.T) < 2e-3
+    want = np.full((m, n), np.nan, np.float16)
+    _run_named(emulated, "add_kernel", {"r": r, "y": g, "out": want}, 1, bdx, 1)
+    got = np.full((m, n), np.nan, np.float16)
+    _run_named(emulated, sym("residual"), {"x": x, "wv": wg, "r": r, "y": got}, grid, 32, warps)
+    assert np.isfinite(got).all() and np.array_equal(got.view(np.uint16), want.view(np.uint16)), (got, want)
+    with pytest.raises(HelmcError, match="epilogue"):
+        make_gpu_gemv_int8(qtype, (n, n), k, epilogue="swiglu")
+    with pytest.raises(HelmcError, match="epilogue"):
+        make_gpu_gemv_int8(qtype, n, k, *SPLIT, epilogue="residual")

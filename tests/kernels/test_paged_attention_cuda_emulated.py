@@ -39,6 +39,10 @@ static float shfl_buf[64][32];
 #define __launch_bounds__(x)
 #define __shared__ static
 #define __syncthreads() block_barrier->arrive_and_wait()
+#define __threadfence()                 // blocks run one after another: every write is seen
+#define __syncwarp() warp_barrier[threadIdx.x >> 5]->arrive_and_wait()
+inline float __ldcg(const float* p) { return *p; }
+inline int atomicAdd(int* p, int v) { int old = *p; *p = old + v; return old; }   // thread 0 of a block only
 inline float __int_as_float(unsigned int v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
@@ -76,6 +80,12 @@ extern "C" void run_partial(const unsigned short* q, const long long* ptrs, int 
     launch(h_kv, n_splits, WARPS * 32, [&] {
         paged_decode_partial(q, ptrs, T, step, span, split_base, h_kv, scale, pm, ps, po); });
 }
+extern "C" void run_fused(const unsigned short* q, const long long* ptrs, int T, const int* step, int span,
+                          int split_base, int n_splits, int h_kv, float scale, float* pm, float* ps, float* po,
+                          int* counters, unsigned short* out) {
+    launch(h_kv, n_splits, WARPS * 32, [&] {
+        paged_decode_fused(q, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po, counters, out); });
+}
 extern "C" void run_merge(const float* pm, const float* ps, const float* po, int b, int e, int heads,
                           unsigned short* out) {
     launch(heads, 1, HEAD_DIM, [&] { paged_decode_merge(pm, ps, po, b, e, heads, out); });
@@ -106,6 +116,7 @@ def build(tmp_path, head_dim, group):
     (1, 8, 64, 8, 40, 16, 0, 2),       # two pages per split
     (2, 1, 96, 5, 23, 5, 9, 3),        # head_dim 96 (3 values per lane), a sliding window start
     (2, 4, 64, 16, 45, 4, 0, 5),       # a quarter page per split (short contexts), empty splits past n
+    (1, 2, 64, 8, 300, 8, 20, 9),      # 38 splits: the fused merge stages them 32 at a time; a window start
 ])
 def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, span, t_begin, cut):
     lib = build(tmp_path, d, group)
@@ -136,6 +147,15 @@ def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, span, t_be
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
     print(f"\nCUDA source on CPU threads, h_kv={h_kv} group={group} d={d} T={T} n={n}: max relative error {err:.2e}")
     assert err < 1e-3                                        # the output is fp16 (2^-11 relative rounding)
+    # partial + merge in one launch over the same splits: the same bits, and its counters back at 0
+    counters = np.zeros(h_kv, np.int32)
+    fused = np.full((h_a, d), np.nan, np.float16)
+    for _ in range(2):                                       # a second launch (a graph replay) needs no reset
+        pm[:], ps[:], po[:] = np.nan, np.nan, np.nan
+        lib.run_fused(fp(q.ctypes.data), fp(ptrs.ctypes.data), ip(T), fp(step.ctypes.data), ip(span), ip(first),
+                      ip(n_splits - first), ip(h_kv), f(0.3), fp(pm.ctypes.data), fp(ps.ctypes.data),
+                      fp(po.ctypes.data), fp(counters.ctypes.data), fp(fused.ctypes.data))
+        assert np.array_equal(fused.view(np.uint16), out.view(np.uint16)) and not counters.any(), counters
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

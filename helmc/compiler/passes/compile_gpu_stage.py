@@ -230,7 +230,7 @@ def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu
     """The GPU stage's Relax passes and TVM's build for CUDA `arch`, no nvcc: the VM executable, its kernels as
     CUDA source (kernel_launches reads what each function launches). merge_launches=False: as before issue 16, one
     launch per fp16 / bf16 decode linear, SwiGLU and the residual add apart, q's and k's norm + RoPE apart (the int8
-    GEMVs keep their shared-x launches)."""
+    GEMVs keep their shared-x launches and epilogues)."""
     import tvm
 
     _check_input(mod, arch)

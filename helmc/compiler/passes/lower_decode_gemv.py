@@ -47,7 +47,8 @@ def lower_decode_gemv(mod: tvm.IRModule, fuse: bool = True) -> tvm.IRModule:
     if not fuse:
         return mod
     gemvs = {gvar.name_hint: ((m, k, dtype), n) for (m, n, k, dtype), gvar in rewriter.kernels.items()}
-    mod = fuse_gemv_epilogues(mod, gemvs)
+    mod = fuse_gemv_epilogues(mod, gemvs, lambda kind, n, epilogue: make_gpu_gemv(
+        kind[0], n, kind[1], kind[2], epilogue=epilogue))
     return one_launch_per_shared_x(mod, gemvs, lambda kind, ns: make_gpu_gemv(kind[0], ns, kind[1], kind[2]))
 
 
@@ -143,9 +144,11 @@ def _users(func: relax.Function) -> dict:
     return count
 
 
-def fuse_gemv_epilogues(mod: tvm.IRModule, gemvs: dict) -> tvm.IRModule:
+def fuse_gemv_epilogues(mod: tvm.IRModule, gemvs: dict, make) -> tvm.IRModule:
     """SwiGLU over the gate and up GEMVs, and a residual add whose sum is only returned, as one GEMV launch each
-    (make_gpu_gemv's epilogues; module docstring). gemvs: {kernel name: ((m, k, dtype), rows)}."""
+    (the epilogues of make_gpu_gemv and make_gpu_gemv_int8; module docstring). gemvs: {kernel name: (kind, rows)}
+    of one-weight GEMVs (kind: what the kernel is but for its row count); make(kind, rows, epilogue) -> the
+    PrimFunc with that epilogue, its output the bits of the GEMVs and the elementwise kernels run apart."""
     multiply, add, sigmoid = (tvm.ir.Op.get(f"relax.{op}") for op in ("multiply", "add", "sigmoid"))
 
     def rewrite_block(bb, func, block):
@@ -184,11 +187,11 @@ def fuse_gemv_epilogues(mod: tvm.IRModule, gemvs: dict) -> tvm.IRModule:
         for b in bindings:
             fused = None
             if op_of(b.var, multiply) is not None and (found := swiglu(b)):
-                (m, k, dtype), n, x, wg, wu = found
-                fused = (make_gpu_gemv(m, n, k, dtype, epilogue="swiglu"), [x, wg, wu])
+                kind, n, x, wg, wu = found
+                fused = (make(kind, n, "swiglu"), [x, wg, wu])
             elif op_of(b.var, add) is not None and (found := residual(b)):
-                (m, k, dtype), n, x, w, r = found
-                fused = (make_gpu_gemv(m, n, k, dtype, epilogue="residual"), [x, w, r])
+                kind, n, x, w, r = found
+                fused = (make(kind, n, "residual"), [x, w, r])
             if fused is None:
                 new.append(b)
                 continue

@@ -21,7 +21,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.utils import copy_with_new_vars
 
-from helmc.compiler.passes.lower_decode_gemv import one_launch_per_shared_x
+from helmc.compiler.passes.lower_decode_gemv import fuse_gemv_epilogues, one_launch_per_shared_x
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
 from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, make_gpu_gemv_int8
@@ -34,6 +34,10 @@ GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": 
 # ~5.5); (rows per warp, warps, unroll) per type: the best at most of Qwen3-8B's shapes on the H100 (session 10,
 # device call D: q4_k 4096x12288 18.4 us against 20.3 at (2, 4, 2) and 25.3 for the fp32 path).
 GEMV_INT8_TUNING = {"q4_k": (2, 8, 2), "q6_k": (2, 8, 2)}
+# with an epilogue: swiglu sums two weights' rows per warp (rows_per_warp of each); the k_split variants of
+# session 15's call A were no faster than (2, 8, 2) at any Qwen3-8B shape (artifacts/bench/device-2026-11-27-s15)
+GEMV_INT8_EPILOGUE_TUNING = {(q, e): (1, 8, 2) if e == "swiglu" else GEMV_INT8_TUNING[q]
+                             for q in INT8_TYPES for e in ("swiglu", "residual")}
 _DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
 
@@ -60,10 +64,14 @@ def lower_quantized_gpu(mod: tvm.IRModule, weight_types: dict) -> tvm.IRModule:
 
 
 def _one_launch_per_shared_x(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
-    """The int8 GEMVs of one x and type (q, k, v; gate, up) as one launch over up to 3 weights (make_gpu_gemv_int8
-    with a tuple of row counts): x is quantized once per CTA for all of them, each output bit-identical to its own
-    launch's. kernels: the rewriter's {("gemv8", qtype, m, n, k): GlobalVar, ...}."""
+    """SwiGLU over the gate and up int8 GEMVs and the block's last residual add as their GEMV's epilogue (one launch
+    each, lower_decode_gemv.fuse_gemv_epilogues), then the int8 GEMVs left of one x and type (q, k, v) as one launch
+    over up to 3 weights (make_gpu_gemv_int8 with a tuple of row counts): x is quantized once per CTA for all of
+    them. Every output is bit-identical to the separate kernels'. kernels: the rewriter's {("gemv8", qtype, m, n,
+    k): GlobalVar, ...}."""
     gemvs = {gvar.name_hint: ((key[1], key[2], key[4]), key[3]) for key, gvar in kernels.items() if key[0] == "gemv8"}
+    mod = fuse_gemv_epilogues(mod, gemvs, lambda kind, n, epilogue: make_gpu_gemv_int8(
+        kind[0], n, kind[2], *GEMV_INT8_EPILOGUE_TUNING[(kind[0], epilogue)], m=kind[1], epilogue=epilogue))
     return one_launch_per_shared_x(
         mod, gemvs, lambda kind, ns: make_gpu_gemv_int8(kind[0], ns, kind[2], *GEMV_INT8_TUNING[kind[0]], m=kind[1]))
 
