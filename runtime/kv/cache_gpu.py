@@ -239,8 +239,9 @@ class KVCacheGPU(GpuPrefill):
             self.ops.decode_append(k16, v16, ptrs, self.T, self.h_kv, self.d, self._step_dev)
             self._appended.add(layer)
             return
-        kv = xp.stack((k.reshape(S, self.h_kv, self.d), v.reshape(S, self.h_kv, self.d)))   # [2, S, h_kv, d]
-        kv = kv.transpose(0, 2, 1, 3).astype(np.float16, order="C")                        # [2,S,h_kv,d] -> [2,h_kv,S,d]
+        kv = xp.empty((2, self.h_kv, S, self.d), np.float16)                              # one copy per side
+        kv[0] = k.reshape(S, self.h_kv, self.d).transpose(1, 0, 2)                        # [S,h_kv,d] -> [h_kv,S,d]
+        kv[1] = v.reshape(S, self.h_kv, self.d).transpose(1, 0, 2)
         T, start = self.T, self.length
         table = self._table()
         compute = self.ops.current_stream()

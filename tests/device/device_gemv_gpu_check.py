@@ -69,6 +69,25 @@ def kernel_entries() -> list[dict]:
     return out
 
 
+# --sweep: (rows_per_warp, warps, unroll) of the fp16 one-launch forms at m = 1 (warps 4: the bits stay the
+# default's, so a faster tuning changes no token)
+SWEEP_VARIANTS = ((1, 4, 4), (2, 4, 4), (4, 4, 4), (1, 4, 8), (2, 4, 8), (4, 4, 2), (8, 4, 2), (2, 4, 2))
+
+
+def sweep_entries() -> list[dict]:
+    from helmc.schedules.gpu.gemv import gemv_symbol
+
+    out = []
+    for kind, ns, k in (("qkv", QKV, 4096), ("swiglu", (GATE,), 4096), ("residual", (DOWN,), 12288)):
+        epilogue = None if kind == "qkv" else kind
+        for t in SWEEP_VARIANTS:
+            out.append({"kind": kind, "type": "float16", "m": 1, "n": list(ns), "k": k, "tuning": list(t),
+                        "symbol": gemv_symbol(1, ns if epilogue is None else ns[0], k, "float16", t, epilogue),
+                        "parts": [gemv_symbol(1, n, k, "float16") for n in ns],
+                        "ref": None if kind == "qkv" else f"ref_{kind}_{ns[0]}"})
+    return out
+
+
 def fused_entries() -> list[dict]:
     from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_EPILOGUE_TUNING, GEMV_INT8_TUNING
     from helmc.schedules.gpu.gemv import gemv_symbol
@@ -117,7 +136,7 @@ def _elementwise(kind: str, size: int):
     return f
 
 
-def build(out_dir: str, arch: str, fused_only: bool = False) -> None:
+def build(out_dir: str, arch: str, fused_only: bool = False, sweep: bool = False) -> None:
     import tvm
 
     from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_TUNING, GEMV_TUNING
@@ -128,6 +147,8 @@ def build(out_dir: str, arch: str, fused_only: bool = False) -> None:
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     entries = [] if fused_only else kernel_entries()
+    if sweep:      # the fp16 m = 1 GEMVs at every FLOAT_VARIANT, and the one-launch forms at every SWEEP_VARIANT
+        entries = [e for e in kernel_entries() if e["type"] == "float16" and e["m"] == 1]
     funcs = {}
     for e in entries:
         if e["type"] in ("float16", "bfloat16"):
@@ -142,7 +163,7 @@ def build(out_dir: str, arch: str, fused_only: bool = False) -> None:
             e["tuning"] = list(GEMV_TUNING[e["type"]])
             e["symbol"] = quant_symbol(e["type"], e["n"], e["k"], *GEMV_TUNING[e["type"]], m=e["m"])
             funcs[e["symbol"]] = f
-    fused = fused_entries()
+    fused = sweep_entries() if sweep else fused_entries()
     for e in fused:
         epilogue = None if e["kind"] == "qkv" else e["kind"]
         if e["type"] in INT8_TYPES:
@@ -153,7 +174,7 @@ def build(out_dir: str, arch: str, fused_only: bool = False) -> None:
             funcs[e["ref"]] = _elementwise(e["kind"], e["m"] * e["n"][0]).with_attr("global_symbol", e["ref"])
             continue
         funcs[e["symbol"]] = make_gpu_gemv(e["m"], tuple(e["n"]) if epilogue is None else e["n"][0], e["k"], e["type"],
-                                           epilogue=epilogue)
+                                           tuple(e["tuning"]) if e.get("tuning") else None, epilogue=epilogue)
         for n, part in zip(e["n"], e["parts"]):        # the separate launches (kernel_entries' too, unless fused_only)
             funcs[part] = make_gpu_gemv(e["m"], n, e["k"], e["type"])
         if e["ref"]:
@@ -287,7 +308,8 @@ def _check_fused(mod, d: str, entries: list[dict], timer) -> list[dict]:
                       for a, b in zip(got, want))
         (t_one, q1), (t_sep, q2) = timer(one), timer(separate)
         result = dict(e, bitwise=bitwise, us=t_one * 1e6, separate_us=t_sep * 1e6, queued=q1 and q2, ok=bitwise)
-        print(f"one launch {kind:8s} {dtype:8s} m={m}: {'bit-identical to' if bitwise else 'DIFFERS from'} the "
+        print(f"one launch {kind:8s} {dtype:8s} m={m}{' ' + str(e['tuning']) if e.get('tuning') else ''}: "
+              f"{'bit-identical to' if bitwise else 'DIFFERS from'} the "
               f"separate launches; {t_one * 1e6:.1f} us against {t_sep * 1e6:.1f} us", flush=True)
         results.append(result)
         del w_dev, wt
@@ -342,8 +364,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--fused-only", action="store_true",
                     help="with --build: only the one-launch kernels and what they are compared with (a smaller DIR)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="with --build: only fp16 m = 1 kernels, the one-launch forms at SWEEP_VARIANTS")
     a = ap.parse_args(argv)
-    return build(a.dir, a.arch, a.fused_only) or 0 if a.build else check(a.dir, a.out)
+    return build(a.dir, a.arch, a.fused_only, a.sweep) or 0 if a.build else check(a.dir, a.out)
 
 
 if __name__ == "__main__":
