@@ -61,7 +61,9 @@ class Session:
         self.tokenizer = tokenizer
         self.gpu = gpu
         self.rope = RopeTables(spec.rope, spec.head_dim)
-        self._embed = Embedding(checkpoint, spec)
+        gpu_only = cpu_stage is None and gpu is not None and all(
+            part is None for part in (gpu.cpu_stage_step, gpu.hybrid, gpu.streamed_prefill))
+        self._embed = Embedding(checkpoint, spec, native=gpu_only)     # rows that only ever go to the GPU stay fp16
         self.position = 0
         self.kv_capacity = None          # KVCapacity of the last request (generate)
         self._kv_tokens_touched = 0      # KV positions earlier requests wrote: memory the caches already hold
@@ -111,7 +113,7 @@ class Session:
             self.gpu.reset()
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self._embed(ids)                                   # [S, H] float32
+        return self._embed(ids)                                   # [S, H] float32 (fp16 when only the GPU reads it)
 
     def forward(self, ids: list[int], all_logits: bool = False, argmax: bool = False):
         """Run len(ids) new tokens at the current position; returns logits [S or 1, V] float32, or with argmax

@@ -40,6 +40,9 @@ def summarize_profile(hw: HardwareProfile) -> str:
                   f"HBM {g.hbm_gbs:.0f} GB/s, fp16 {g.fp16_tflops:.1f} TFLOP/s; per-block overhead "
                   f"{_ms(g.block_overhead_ms)}, per-token tail {_ms(g.step_overhead_ms)}",
                   f"link: H2D {l.h2d_gbs:.1f} GB/s, D2H {l.d2h_gbs:.1f} GB/s, latency {l.latency_us:.1f} us"]
+        if g.gemv_reads:
+            lines.insert(-1, "     helmc's GPU GEMV reads by weight type (GB/s): "
+                         + ", ".join(f"{r.weight_type} {r.gbs:.0f}" for r in g.gemv_reads))
         if l.has_concurrent:
             lines.append(f"DRAM + PCIe at once: the GEMVs {l.cpu_read_concurrent_gbs:.1f} GB/s + copies "
                          f"{l.h2d_concurrent_gbs:.1f} GB/s = {l.combined_gbs:.1f} GB/s of host memory")

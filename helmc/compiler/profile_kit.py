@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key
 from helmc.errors import HelmcError
-from helmc.hardware.kit import (FLOAT_TYPES, KERNELS_LIB, KIT_FORMAT_VERSION, QUICK_BLOCK, QUANT_TYPES, ROWS_MEASURED,
-                                BlockShape, KitKernel, ProfileKit)
+from helmc.hardware.kit import (FLOAT_TYPES, GPU_FUSED_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME, KERNELS_LIB,
+                                KIT_FORMAT_VERSION, QUICK_BLOCK, QUANT_TYPES, ROWS_MEASURED, BlockShape, KitKernel,
+                                ProfileKit)
 from helmc.hardware.profile import PROFILE_FORMAT_VERSION, CpuProfile, GpuProfile, HardwareProfile, LinkProfile
 
 SYNTHETIC_LAYERS = 8             # blocks per timed step of the synthetic stages (quick: 4)
@@ -77,6 +78,53 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
     return funcs, kernels
 
 
+def build_gpu_gemv_kernels(out_dir: str, block: BlockShape, arch: str) -> tuple[KitKernel, ...]:
+    """gpu_gemv_funcs compiled for `arch` into out_dir/GPU_GEMV_DIR (compile_gpu_stage's files, the source left
+    out)."""
+    import tvm
+    from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage
+    funcs, kernels = gpu_gemv_funcs(block)
+    d = os.path.join(out_dir, GPU_GEMV_DIR)
+    os.makedirs(d, exist_ok=True)
+    files = compile_gpu_stage(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), arch, d,
+                              name=GPU_GEMV_NAME)
+    for f in files:
+        if f.endswith(".cu"):
+            os.remove(os.path.join(d, f))           # the source, for reading only
+    return kernels
+
+
+def gpu_gemv_funcs(block: BlockShape) -> tuple[dict, tuple[KitKernel, ...]]:
+    """({symbol: PrimFunc}, KitKernels): helmc's GPU decode GEMVs of one block per weight type, at the GPU stage's
+    tunings and launch forms (lower_quantized_gpu, lower_decode_gemv)."""
+    from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_EPILOGUE_TUNING, GEMV_INT8_TUNING, GEMV_TUNING
+    from helmc.schedules.gpu.gemv import make_gpu_gemv
+    from helmc.schedules.gpu.quant_gemv import make_gpu_gemv_quant
+    from helmc.schedules.gpu.quant_gemv_int8 import make_gpu_gemv_int8
+    H, I, Q, KV = block.hidden, block.ffn, block.q_dim, block.kv_dim
+    funcs, kernels = {}, []
+
+    def add(weight_type, role, f):
+        name = str(f.attrs["global_symbol"])
+        funcs[name] = f
+        kernels.append(KitKernel(weight_type, role, name))
+    for t in FLOAT_TYPES:
+        add(t, "qkv", make_gpu_gemv(1, (Q, KV, KV), H, t))
+        add(t, "o", make_gpu_gemv(1, H, Q, t))
+        add(t, "swiglu", make_gpu_gemv(1, I, H, t, epilogue="swiglu"))
+        add(t, "down", make_gpu_gemv(1, H, I, t, epilogue="residual"))
+    for t in GPU_FUSED_TYPES[len(FLOAT_TYPES):]:
+        add(t, "qkv", make_gpu_gemv_int8(t, (Q, KV, KV), H, *GEMV_INT8_TUNING[t]))
+        add(t, "o", make_gpu_gemv_int8(t, H, Q, *GEMV_INT8_TUNING[t]))
+        add(t, "swiglu", make_gpu_gemv_int8(t, I, H, *GEMV_INT8_EPILOGUE_TUNING[(t, "swiglu")], epilogue="swiglu"))
+        add(t, "down", make_gpu_gemv_int8(t, H, I, *GEMV_INT8_EPILOGUE_TUNING[(t, "residual")], epilogue="residual"))
+    for t in QUANT_TYPES:
+        if t not in GPU_FUSED_TYPES:
+            for role, (n, k) in block.linear_shapes().items():
+                add(t, role, make_gpu_gemv_quant(t, n, k, *GEMV_TUNING[t]))
+    return funcs, tuple(kernels)
+
+
 def _target_profile(target: KitTarget) -> HardwareProfile:
     """The compile target as a HardwareProfile, for helmc's build pipeline; its rates are placeholders that no plan
     reads (the synthetic bundles' plans are given), said so in its notes."""
@@ -120,10 +168,14 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
     lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}),
                       target=llvm_target(target.features))
     lib.export_library(os.path.join(out_dir, KERNELS_LIB))
+    gpu_kernels = ()
     if not stages:
         target = dataclasses.replace(target, gpu_arch="")
     else:
         _build_stages(out_dir, target, cache_dir, progress)
+        if target.gpu_arch:
+            progress(f"profile kit: the GPU decode GEMVs of every weight type for {target.gpu_arch}")
+            gpu_kernels = build_gpu_gemv_kernels(out_dir, target.block, target.gpu_arch)
     kit = ProfileKit(format_version=KIT_FORMAT_VERSION, isa=isa.tier, required_flags=tuple(isa.required_flags),
                      l3_bytes=target.l3_bytes, cores=target.cores, block=target.block, read_elements=read_n,
                      l3_read_elements=l3_n, read_name="helmc_stream_read", l3_read_name="helmc_stream_read_l3",
@@ -131,7 +183,8 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
                      attention_name=str(attention.attrs["global_symbol"]),
                      cpu_bundle="cpu_bundle" if stages else "",
                      gpu_bundle="gpu_bundle" if target.gpu_arch else "",
-                     gpu_arch=target.gpu_arch, synthetic_layers=target.layers, quick=target.quick)
+                     gpu_arch=target.gpu_arch, synthetic_layers=target.layers, quick=target.quick,
+                     gpu_gemv_kernels=gpu_kernels)
     kit.save(out_dir)
     return kit
 
@@ -165,7 +218,9 @@ def ensure_kit(target: KitTarget, cache_dir: str | None = None, use_cache: bool 
         raise HelmcError(f"helmc profile compiles its kernels with the TVM compiler, found none here ({e}); install "
                          f"helmc[compile], or measure with a kit built elsewhere: helmc profile --kit DIR") from None
     cache = ArtifactCache(cache_dir, enabled=use_cache)
-    key = cache_key("profile-kit", f"kit-{KIT_FORMAT_VERSION}", json.dumps(dataclasses.asdict(target), sort_keys=True))
+    # "gpu-gemv": kits from session 15 on also hold the GPU decode GEMVs (a cached older kit would lack them)
+    key = cache_key("profile-kit", f"kit-{KIT_FORMAT_VERSION}-gpu-gemv",
+                    json.dumps(dataclasses.asdict(target), sort_keys=True))
     hit = cache.lookup(key)
     if hit:
         try:

@@ -8,6 +8,8 @@ real bundle's. A kit directory holds them:
     profile_kit.json       ProfileKit: target, block shape, kernel names, buffer sizes
     profile_kernels.so     the stream reads, every decode GEMV (per weight type) and a prefill GEMM, for the target's
                            CPU features
+    gpu_gemv/              helmc's GPU decode GEMVs of one block per weight type, as the GPU stage launches them
+                           (only when built for a GPU arch)
     cpu_bundle/            a bundle of the synthetic model with every unit on the CPU (plan all-CPU)
     gpu_bundle/            the same model with every unit on the GPU (only when built for a GPU arch)
 
@@ -36,6 +38,10 @@ QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
 FLOAT_ROLES = ("qkv", "o", "swiglu", "down")
 QUANT_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 SYNTHETIC_VOCAB = 4096
+# The GPU stage's decode GEMV launches per block: fp16 / bf16 and the int8-activation types fused as the CPU's
+# float ones (q/k/v one launch, gate/up with SwiGLU, down with the residual add), q8_0 / q4_0 one per linear.
+GPU_FUSED_TYPES = FLOAT_TYPES + ("q4_k", "q6_k")
+GPU_GEMV_DIR, GPU_GEMV_NAME = "gpu_gemv", "gpu_gemv"
 # Decode rows the GEMVs are measured at: one token, and a batched step of 8 sequences (`helmc serve --max-batch 8`),
 # where a CPU's GEMV may turn compute-bound; the cost model scales between them (CpuProfile.read_gbs).
 ROWS_MEASURED = (1, 8)
@@ -103,6 +109,7 @@ class ProfileKit:
     gpu_arch: str = ""               # what gpu_bundle was compiled for
     synthetic_layers: int = 0        # blocks per timed step of the synthetic bundles
     quick: bool = False              # small shapes: figures not fit for planning
+    gpu_gemv_kernels: tuple[KitKernel, ...] = ()   # in GPU_GEMV_DIR (built with gpu_arch; () in older kits)
 
     def __post_init__(self):
         if self.format_version != KIT_FORMAT_VERSION:
@@ -118,6 +125,13 @@ class ProfileKit:
                 raise HelmcError(f"profile kit: kernel {k.name} expected rows >= 1, found {k.rows}")
         if bool(self.gpu_bundle) != bool(self.gpu_arch):
             raise HelmcError("profile kit: gpu_bundle and gpu_arch expected both set or both empty")
+        for k in self.gpu_gemv_kernels:
+            roles = FLOAT_ROLES if k.weight_type in GPU_FUSED_TYPES else QUANT_ROLES if k.weight_type in QUANT_TYPES else ()
+            if k.role not in roles or k.rows != 1:
+                raise HelmcError(f"profile kit: GPU kernel {k.name} expected one row and a role of {k.weight_type!r} "
+                                 f"weights among {roles}, found {k.role!r} at {k.rows} rows")
+        if self.gpu_gemv_kernels and not self.gpu_arch:
+            raise HelmcError("profile kit: GPU GEMV kernels expected with a gpu_arch, found none")
 
     @property
     def weight_types(self) -> tuple[str, ...]:
@@ -131,6 +145,10 @@ class ProfileKit:
             if k.weight_type == weight_type and k.role == role and k.rows == rows:
                 return k.name
         raise HelmcError(f"profile kit: no {role} kernel for {weight_type} weights at {rows} rows")
+
+    def gpu_gemv_roles(self, weight_type: str) -> dict[str, str]:
+        """{role: kernel name} of one weight type's GPU decode GEMVs (in launch order)."""
+        return {k.role: k.name for k in self.gpu_gemv_kernels if k.weight_type == weight_type}
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)

@@ -177,6 +177,33 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
 
 
 # ---- the whole profile ---------------------------------------------------------------------------------
+def _gpu_steps(kit_dir: str, kit: ProfileKit, progress):
+    """measure_gpu's `then`: helmc's GPU decode GEMVs per weight type (gpu.gemv_reads), then the DRAM + PCIe
+    window, on the open backend (CuPy only)."""
+    import dataclasses
+    window = _concurrent_step(kit_dir, kit, progress)
+
+    def then(be, m: GpuMeasurement) -> GpuMeasurement:
+        why = ("" if be.name == "cupy" else f"the {be.name} backend cannot run TVM kernels on its memory (CuPy can)")
+        if not kit.gpu_gemv_kernels:
+            why = "the profile kit has no GPU GEMVs (built without a GPU arch, or before session 15)"
+        elif kit.gpu_arch != m.gpu.arch:
+            why = f"the profile kit's GPU GEMVs are for {kit.gpu_arch}, this GPU is {m.gpu.arch}"
+        if why:
+            m = dataclasses.replace(m, unmeasured=m.unmeasured + (f"gpu.gemv_reads: {why}",))
+        else:
+            from helmc.hardware.measure_gpu_gemv import measure_gpu_gemv_reads
+            progress("gpu: helmc's decode GEMVs per weight type")
+            try:
+                reads, notes = measure_gpu_gemv_reads(kit_dir, kit, be.cp)
+                m = dataclasses.replace(m, gpu=dataclasses.replace(m.gpu, gemv_reads=reads), notes=m.notes + notes)
+            except Exception as e:                   # a failed measurement is said, not invented
+                m = dataclasses.replace(m, unmeasured=m.unmeasured + (
+                    f"gpu.gemv_reads: failed ({type(e).__name__}: {e})",))
+        return window(be, m)
+    return then
+
+
 def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
     """measure_gpu's `then`: the DRAM + PCIe window on the open backend (CuPy only)."""
     import dataclasses
@@ -220,7 +247,7 @@ def profile(kit_dir: str, quick: bool = False, gpu_backend: str | None = None, p
     cpu, notes = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
     if be is not None:
         progress(f"gpu: HBM, fp16 matmul and the link ({be.name})" + (", then the DRAM + PCIe window" if pinned else ""))
-    g: GpuMeasurement = measure_gpu(quick, backend, then=_concurrent_step(kit_dir, kit, progress))
+    g: GpuMeasurement = measure_gpu(quick, backend, then=_gpu_steps(kit_dir, kit, progress))
     return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link, source="measured",
                            unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes)
 

@@ -141,6 +141,9 @@ class GpuProfile:
     # and RoPE rows' host-to-device copies as the runtime makes them, beyond the link model of eq. 4.15.
     block_overhead_ms: Optional[float] = None
     step_overhead_ms: Optional[float] = None
+    # helmc's own decode GEMVs, per weight type: a block's launches as the GPU stage makes them (one-launch q/k/v,
+    # SwiGLU and residual epilogues), over weights in HBM (measure_gpu_gemv). Empty: every type at hbm_gbs.
+    gemv_reads: tuple[KernelRead, ...] = ()
 
     def __post_init__(self):
         _require(self.arch.startswith("sm_"), f"gpu.arch expected like 'sm_90', found {self.arch!r}")
@@ -150,6 +153,11 @@ class GpuProfile:
         _require(self.fp16_tflops >= 0, f"gpu.fp16_tflops expected >= 0, found {self.fp16_tflops}")
         _check_eta("gpu", self.eta_compute, self.eta_memory)
         _check_overheads("gpu", self.block_overhead_ms, self.step_overhead_ms)
+        _require(all(r.rows == 1 for r in self.gemv_reads), "gpu.gemv_reads expected one-row (decode) figures")
+
+    def read_gbs(self, weight_type: str) -> float:
+        """M on the GPU for weights of one type: helmc's decode GEMVs' measured rate, else hbm_gbs."""
+        return next((r.gbs for r in self.gemv_reads if r.weight_type == weight_type), self.hbm_gbs)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,9 @@ class ProgramAnalysis:
     # Bytes of every block's linear weights per stored type ("float16", "q4_k", ...), summed over the blocks:
     # the CPU's GEMV read rate differs by type (quantized kernels decode more per byte), so M is their mix.
     linear_bytes_by_type: tuple[tuple[str, int], ...] = ()
+    # The lm_head's matrix as stored, (type, bytes): a quantized model's head is often fp16 (the GPU's GEMV rate
+    # differs by type as the CPU's does; the GPU's M mixes the head in, where it is the largest single matrix).
+    head_bytes_by_type: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if len(self.units) != self.num_layers + 2 or len(self.prefix) != len(self.units) + 1:
@@ -221,4 +224,5 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
         dtype=dtype, dtype_bytes=d, tied_embeddings=spec.tie_word_embeddings, tied_matrix_bytes=embed_bytes,
         sliding_window=spec.sliding_window,
         max_position_embeddings=spec.max_position_embeddings, units=tuple(units), prefix=tuple(prefix),
-        linear_bytes_by_type=tuple(sorted(by_type.items())))
+        linear_bytes_by_type=tuple(sorted(by_type.items())),
+        head_bytes_by_type=(((lm_type if dtype == spec.dtype else "") or dtype, head_bytes - H * d),))

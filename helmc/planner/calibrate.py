@@ -129,7 +129,7 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len:
         raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
     hw = _with_plan_budget(hw, plan)
     cpu = DeviceRates.of_device(hw, "cpu", analysis=a)
-    gpu = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
+    gpu = DeviceRates.of_device(hw, "gpu", analysis=a) if hw.gpu is not None else None
     w = decode_workload(plan)
     w = dataclasses.replace(w, prompt_len=prompt_len or w.prompt_len, output_len=output_len or w.output_len)
     if plan.is_hybrid:

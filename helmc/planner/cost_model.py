@@ -100,9 +100,15 @@ class DeviceRates:
                    step_overhead_ms=cpu.step_overhead_ms or 0.0, attention_gbs=cpu.attention_read_gbs)
 
     @classmethod
-    def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0) -> "DeviceRates":
-        """block_overhead_ms: the profile-wide delta, used where the GPU has no calibrated one."""
-        return cls(mem_gbs=gpu.hbm_gbs, compute_gflops=gpu.fp16_tflops * 1e3, eta_compute=gpu.eta_compute,
+    def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0,
+               weight_bytes: tuple[tuple[str, int], ...] = ()) -> "DeviceRates":
+        """block_overhead_ms: the profile-wide delta, used where the GPU has no calibrated one.
+        weight_bytes: the model's weight bytes per stored type (linears and lm_head): M is then the rate at which
+        helmc's GPU GEMVs read that mix (GpuProfile.read_gbs; hbm_gbs for a type the profile did not measure)."""
+        M = gpu.hbm_gbs
+        if weight_bytes and gpu.gemv_reads and sum(n for _, n in weight_bytes) > 0:
+            M = sum(n for _, n in weight_bytes) / sum(n / gpu.read_gbs(t) for t, n in weight_bytes)
+        return cls(mem_gbs=M, compute_gflops=gpu.fp16_tflops * 1e3, eta_compute=gpu.eta_compute,
                    eta_memory=gpu.eta_memory,
                    block_overhead_ms=block_overhead_ms if gpu.block_overhead_ms is None else gpu.block_overhead_ms,
                    step_overhead_ms=gpu.step_overhead_ms or 0.0)
@@ -115,7 +121,8 @@ class DeviceRates:
         if name == "cpu":
             rates = cls.of_cpu(hw.cpu, hw.block_overhead_ms, analysis.linear_bytes_by_type if analysis else (), rows)
         else:
-            rates = cls.of_gpu(hw.device(name), hw.block_overhead_ms)
+            rates = cls.of_gpu(hw.device(name), hw.block_overhead_ms,
+                               analysis.linear_bytes_by_type + analysis.head_bytes_by_type if analysis else ())
         if with_overheads:
             return rates
         return dataclasses.replace(rates, block_overhead_ms=0.0, step_overhead_ms=0.0)
@@ -136,6 +143,9 @@ def rate_fallbacks(hw: HardwareProfile, w: Workload | None = None) -> tuple[str,
                    "measured; helmc profile measures it)")
     if hw.cpu.host_read_gbs <= 0:
         out.append("CPU M from one contiguous buffer (helmc's GEMV read rate not measured)")
+    if hw.gpu is not None and not hw.gpu.gemv_reads:
+        out.append("GPU M = hbm_gbs for every weight type (helmc's GPU GEMVs not measured; helmc profile measures "
+                   "them)")
     if hw.gpu is not None and hw.gpu.fp16_tflops <= 0:
         out.append("GPU compute term dropped (fp16 rate not measured)")
     if hw.link is not None and not hw.link.has_concurrent:

@@ -68,7 +68,7 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
                          f"({a.max_position_embeddings}), found {w.total_context}")
     # A batched decode step (w.batch sequences) reads each CPU weight once for all rows, at the m-row GEMVs' rate.
     cpu_rates = DeviceRates.of_device(hw, "cpu", analysis=a, rows=w.batch if w.objective == "decode" else 1)
-    gpu_rates = DeviceRates.of_device(hw, "gpu") if hw.gpu is not None else None
+    gpu_rates = DeviceRates.of_device(hw, "gpu", analysis=a) if hw.gpu is not None else None
     rows, shortfalls = [], []
     for k in range(a.num_units + 1):
         cand, short = evaluate_split(a, hw, w, k, cpu_rates, gpu_rates)

@@ -342,12 +342,13 @@ def check(d: str, out_path: str | None) -> int:
                           key=lambda r: r["us"])
         flags = ("" if all(r["ok"] for r in mine.values()) else "  FAIL") + ("  best m=1 tuning r{}w{}u{}: ".format(
             *variants[0]["variant"]) + f"{variants[0]['us']:.1f} us" if variants else "")
-        print(f"{key[0]:8s} {key[1]:>6d}x{key[2]:<5d} | " + " | ".join(
-            f"{mine[m]['us']:7.1f} {mine[m]['weight_gbs']:5.0f}" for m in ROWS) + flags)
+        print(f"{key[0]:8s} {key[1]:>6d}x{key[2]:<5d} | " + " | ".join(        # --sweep builds m = 1 only
+            f"{mine[m]['us']:7.1f} {mine[m]['weight_gbs']:5.0f}" if m in mine else f"{'-':>13s}" for m in ROWS) + flags)
     if fused:
+        saved = sum(r["separate_us"] - r["us"] for r in fused
+                    if r["m"] == 1 and r["type"] == "float16" and not r.get("tuning"))
         print(f"one launch: {sum(r['bitwise'] for r in fused)} of {len(fused)} bit-identical to their separate "
-              f"launches; {sum(r['separate_us'] - r['us'] for r in fused if r['m'] == 1 and r['type'] == 'float16'):.1f}"
-              " us saved per fp16 block at m=1 (queued launches, no graph)")
+              f"launches; {saved:.1f} us saved per fp16 block at m=1 (queued launches, no graph)")
     print(f"bitwise: every row of every m-row call equals the 1-row call on it; tolerance {TOLERANCE:g}; "
           f"{'OK' if ok else 'FAILED'}")
     if out_path:

@@ -155,6 +155,9 @@ def test_real_gpu_profile():
     assert hw.link.h2d_gbs > 1 and hw.link.d2h_gbs > 1 and 0 < hw.link.latency_us < 1000
     assert hw.link.has_concurrent and 0 < hw.link.h2d_concurrent_gbs <= 1.2 * hw.link.h2d_gbs
     assert hw.gpu.block_overhead_ms is not None and hw.cpu.block_overhead_ms is not None
+    # helmc's own GPU decode GEMVs, every type the kit has (a kit built for this GPU's arch from session 15 on)
+    assert {r.weight_type for r in hw.gpu.gemv_reads} == {"float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q6_k"}
+    assert all(0.2 * hw.gpu.hbm_gbs < r.gbs < 1.5 * hw.gpu.hbm_gbs for r in hw.gpu.gemv_reads), hw.gpu.gemv_reads
 
 
 def test_format_2_fields_and_their_refusals():

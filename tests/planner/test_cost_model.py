@@ -297,6 +297,32 @@ def test_cpu_m_is_the_gemv_read_of_the_model_weight_types(laptop):
     assert DeviceRates.of_cpu(cpu, 0.0).mem_gbs == 90.0
 
 
+def test_gpu_m_is_helmcs_gpu_gemv_read_of_the_model_types_and_its_head(laptop):
+    """With helmc's GPU GEMV rates per type in the profile (gpu.gemv_reads), the GPU's M is the harmonic mix over the
+    model's linears and its lm_head as stored (a Q4_K file's head is often fp16); without them, hbm_gbs, and the
+    plan says so among its fallbacks."""
+    from helmc.hardware.profile import HardwareProfile, KernelRead
+    from helmc.planner.cost_model import rate_fallbacks
+    spec = dataclasses.replace(qwen3_spec("Qwen3-8B"), layer_types=(("q4_k",) * 7,) * 36, head_type="",
+                               embed_type="")
+    a = analyze_program(spec)
+    (head_type, head_bytes), = a.head_bytes_by_type
+    assert head_type == a.dtype and head_bytes == 151936 * 4096 * 2 and dict(a.linear_bytes_by_type).keys() == {"q4_k"}
+    q4 = dict(a.linear_bytes_by_type)["q4_k"]
+    gpu = dataclasses.replace(laptop.gpu, gemv_reads=(KernelRead(a.dtype, 240.0), KernelRead("q4_k", 150.0)))
+    hw = dataclasses.replace(laptop, gpu=gpu)
+    rates = DeviceRates.of_device(hw, "gpu", analysis=a)
+    assert rates.mem_gbs == pytest.approx((q4 + head_bytes) / (q4 / 150.0 + head_bytes / 240.0))
+    assert 150.0 < rates.mem_gbs < 240.0 and gpu.read_gbs("q6_k") == gpu.hbm_gbs      # a type not measured: hbm
+    assert DeviceRates.of_device(laptop, "gpu", analysis=a).mem_gbs == laptop.gpu.hbm_gbs
+    assert any("helmc's GPU GEMVs not measured" in f for f in rate_fallbacks(laptop))
+    assert not any("helmc's GPU GEMVs not measured" in f for f in rate_fallbacks(hw))
+    again = HardwareProfile.from_json(hw.to_json())
+    assert again.gpu.gemv_reads == gpu.gemv_reads
+    with pytest.raises(HelmcError, match="one-row"):
+        dataclasses.replace(laptop.gpu, gemv_reads=(KernelRead("q4_k", 150.0, rows=8),))
+
+
 def test_batched_decode_reads_at_the_m_row_gemv_rate(laptop):
     """`helmc profile` also times the GEMVs at 8 rows (a batched step of 8 sequences). A GEMV that turns
     compute-bound there reads its weights slower: M at B rows is min(M_1, M_8 * 8 / B), per weight type, so a

@@ -134,3 +134,25 @@ def test_host_ram_available_reads_meminfo(tmp_path):
     f.write_text("MemTotal:       24576000 kB\n")
     assert kc.host_ram_available_bytes(str(f)) is None
     assert kc.host_ram_available_bytes(str(tmp_path / "missing")) is None
+
+
+def test_forward_argmax_is_the_logits_argmax_and_embedding_rows_stay_float32(cpu_session):
+    """forward(argmax=True), what generate() asks for a plain-greedy request, is the last row's argmax of the
+    logits forward() returns; a session with CPU blocks keeps float32 embedding rows (native only when every
+    block runs on the GPU), and a native Embedding hands fp16 rows over as stored."""
+    import numpy as np
+
+    from helmc.runtime.weights.bind import Embedding
+    s = cpu_session
+    prompt = [5, 9, 13, 2, 7]
+    s.reset()
+    logits = s.forward(prompt)
+    s.reset()
+    tok = s.forward(prompt, argmax=True)
+    assert isinstance(tok, int) and tok == int(np.argmax(logits[-1]))
+    s.reset()
+    assert not s._embed.native and s.embed(np.array(prompt)).dtype == np.float32
+    native = Embedding(s.checkpoint, s.spec, native=True)
+    rows = native(np.array(prompt))
+    assert rows.dtype == (np.float16 if s._embed.table.dtype == np.float16 else np.float32)
+    np.testing.assert_array_equal(rows.astype(np.float32), s.embed(np.array(prompt)))

@@ -24,6 +24,18 @@ def test_greedy_and_penalties():
     assert s.counts == {0: 1, 1: 1}
 
 
+def test_plain_greedy_is_the_argmax_alone():
+    """Session.generate finds a plain-greedy request's token where the logits are (the GPU's argmax) and take()s
+    it: that is only right when the choice is the argmax and nothing else."""
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 3.0])
+    s = Sampler(SamplingParams())
+    assert s.plain_greedy and s(logits) == int(np.argmax(logits)) == 1      # the first of equal maxima
+    assert s.take(np.int64(4)) == 4 and s.counts == {1: 1, 4: 1}
+    for p in (SamplingParams(temperature=0.5), SamplingParams(frequency_penalty=0.1),
+              SamplingParams(repetition_penalty=1.1), SamplingParams(presence_penalty=-0.5)):
+        assert not Sampler(p).plain_greedy, p
+
+
 def test_seed_repeats_and_cuts_hold():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=64)
