@@ -101,7 +101,7 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
     for name in ck.names():
         info = ck.info(name)
         w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
-        w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(info.shape))
+        w = torch.from_numpy(np.array(w, dtype=np.float32).reshape(info.shape))   # a writable copy (F16/F32 map read-only)
         if name == "lm_head.weight" and name not in params:          # tied in HF, its own tensor in the file
             model.lm_head.weight = torch.nn.Parameter(w)
             continue
