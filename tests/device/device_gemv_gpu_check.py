@@ -15,10 +15,12 @@ projection shapes (and its lm_head for fp16), for m = 1 (a decode step) and m = 
         rotated over copies larger than L2) and GB/s of weight bytes, so m = 8 against m = 1 shows what the
         extra rows cost at the HBM ceiling.
       Exits 1 if any kernel fails either check.
-  One launch, several outputs (issue 16), fp16 and bf16 (and the int8 GEMV's epilogues), every m: q/k/v (4096, 1024, 1024 rows over k 4096) in one
-  launch, gate/up + SwiGLU (12288 rows), down_proj + residual add (k 12288): each output bit-identical to the
-  separate launches (the GEMVs, then a TIR elementwise kernel of the stage's expression: T.sigmoid, fp16 ops),
-  and the time of the one launch against the separate ones queued back to back.
+  One launch, several outputs (issue 16), fp16 and bf16 (and the q4_k / q6_k epilogues), every m: q/k/v (4096,
+  1024, 1024 rows over k 4096) in one launch, gate/up + SwiGLU (12288 rows), down_proj + residual add (k 12288):
+  each output bit-identical to the separate launches (the GEMVs, then a TIR elementwise kernel of the stage's
+  expression: T.sigmoid, fp16 ops), and the time of the one launch against the separate ones queued back to back.
+  --build --fused-only: only these (a smaller DIR); --build --sweep: the fp16 m = 1 kernels, and the one-launch
+  forms at every SWEEP_VARIANT (rows per warp, unroll; warps fixed, so the bits stay the default's).
 
   There (device tool, carry [".devrt/site", ".devrt/gemv_gpu_check"]):
     bash scripts/device_run.sh py=tests/device/device_gemv_gpu_check.py,.devrt/gemv_gpu_check,--out,$OUT/gemv.json
