@@ -89,6 +89,12 @@ class KitKernel:
     rows: int = 1                    # decode rows per call (ROWS_MEASURED): a batched step of that many sequences
 
 
+def _roles(weight_type: str, fused_types: tuple[str, ...]) -> tuple[str, ...]:
+    """A block's GEMV launches for weights of `weight_type`: the fused ones (FLOAT_ROLES) for `fused_types`, one per
+    linear (QUANT_ROLES) for the other quantized types; none for an unknown type."""
+    return FLOAT_ROLES if weight_type in fused_types else QUANT_ROLES if weight_type in QUANT_TYPES else ()
+
+
 @dataclass(frozen=True)
 class ProfileKit:
     format_version: int
@@ -117,7 +123,7 @@ class ProfileKit:
         if self.read_elements <= 0 or self.l3_read_elements <= 0:
             raise HelmcError(f"profile kit: read sizes expected > 0, found {self.read_elements}, {self.l3_read_elements}")
         for k in self.kernels:
-            roles = FLOAT_ROLES if k.weight_type in FLOAT_TYPES else QUANT_ROLES if k.weight_type in QUANT_TYPES else ()
+            roles = _roles(k.weight_type, FLOAT_TYPES)
             if k.role not in roles:
                 raise HelmcError(f"profile kit: kernel {k.name} expected a role of {k.weight_type!r} weights among "
                                  f"{roles}, found {k.role!r}")
@@ -126,7 +132,7 @@ class ProfileKit:
         if bool(self.gpu_bundle) != bool(self.gpu_arch):
             raise HelmcError("profile kit: gpu_bundle and gpu_arch expected both set or both empty")
         for k in self.gpu_gemv_kernels:
-            roles = FLOAT_ROLES if k.weight_type in GPU_FUSED_TYPES else QUANT_ROLES if k.weight_type in QUANT_TYPES else ()
+            roles = _roles(k.weight_type, GPU_FUSED_TYPES)
             if k.role not in roles or k.rows != 1:
                 raise HelmcError(f"profile kit: GPU kernel {k.name} expected one row and a role of {k.weight_type!r} "
                                  f"weights among {roles}, found {k.role!r} at {k.rows} rows")

@@ -14,22 +14,21 @@ from __future__ import annotations
 import os
 import statistics
 
+from helmc.hardware.host_read import weight_bytes
 from helmc.hardware.kit import FLOAT_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME, ProfileKit
 from helmc.hardware.profile import KernelRead
-from helmc.model.spec import QUANT_BLOCKS
 
 ROTATE_BYTES = 512 << 20      # weight sets per type span at least this (H100 / H200 L2: 50 / 60 MB)
 CALLS, TRIALS = 20, 3
 
 
-def _weight(cp, weight_type: str, n: int, k: int):
-    """A random weight as the GPU stage binds it: fp16 / bf16 [n, k] (bf16 as its uint16 bits), or raw GGUF rows
-    uint8 [n, row bytes]."""
-    if weight_type in FLOAT_TYPES:                                             # finite fp16 and bf16 bit patterns
-        bits = cp.random.randint(0, 1 << 14, (n, k), dtype=cp.uint16)
-        return bits.view(cp.float16) if weight_type == "float16" else bits
-    per, nbytes = QUANT_BLOCKS[weight_type]
-    return cp.random.randint(0, 256, (n, k // per * nbytes), dtype=cp.uint8)
+def _weight(cp, shape: tuple[int, int], dtype: str):
+    """A random weight as the GPU stage binds it (host_read.weight_bytes' shape and dtype): fp16 / bf16 [n, k] (bf16
+    as its uint16 bits), or raw GGUF rows uint8 [n, row bytes]."""
+    if dtype in FLOAT_TYPES:                                                   # finite fp16 and bf16 bit patterns
+        bits = cp.random.randint(0, 1 << 14, shape, dtype=cp.uint16)
+        return bits.view(cp.float16) if dtype == "float16" else bits
+    return cp.random.randint(0, 256, shape, dtype=cp.uint8)
 
 
 def _launches(cp, to_tvm, kit: ProfileKit, mod, weight_type: str):
@@ -38,14 +37,14 @@ def _launches(cp, to_tvm, kit: ProfileKit, mod, weight_type: str):
     H, I, Q = kit.block.hidden, kit.block.ffn, kit.block.q_dim
     roles = kit.gpu_gemv_roles(weight_type)
     tv = (lambda a: to_tvm(a, "bfloat16")) if weight_type == "bfloat16" else (lambda a: to_tvm(a))   # noqa: E731
-    one = {name: lin[name] for name in ("q", "k", "v", "o", "gate", "up", "down")}
+    stored = weight_bytes(kit, weight_type)                                      # role -> ((rows, cols), dtype)
     block_bytes = block_weight_bytes(kit, weight_type)
     sets = max(2, -(-ROTATE_BYTES // block_bytes))
-    weights = [{name: tv(_weight(cp, weight_type, n, k)) for name, (n, k) in one.items()} for _ in range(sets)]
+    weights = [{name: tv(_weight(cp, shape, dtype)) for name, (shape, dtype) in stored.items()} for _ in range(sets)]
     x = {k: to_tvm(cp.full((1, k), 0.01, cp.float16)) for k in (H, Q, I)}       # [1, k] activations
-    y = {n: to_tvm(cp.empty((1, n), cp.float16)) for n in {n for n, _ in one.values()}}
+    y = {n: to_tvm(cp.empty((1, n), cp.float16)) for n in {n for n, _ in lin.values()}}
     r = to_tvm(cp.zeros((1, H), cp.float16))                                      # the residual stream
-    out = {name: to_tvm(cp.empty((1, n), cp.float16)) for name, (n, _) in one.items()}
+    out = {name: to_tvm(cp.empty((1, n), cp.float16)) for name, (n, _) in lin.items()}
     f = {role: mod[name] for role, name in roles.items()}
 
     if "qkv" in roles:
@@ -56,7 +55,7 @@ def _launches(cp, to_tvm, kit: ProfileKit, mod, weight_type: str):
             f["down"](x[I], w["down"], r, out["down"])
     else:
         def block(w):
-            for name, (n, k) in one.items():
+            for name, (n, k) in lin.items():
                 f[name](x[k], w[name], out[name])
     return block, weights, block_bytes
 
@@ -93,7 +92,6 @@ def measure_gpu_gemv_reads(kit_dir: str, kit: ProfileKit, cp) -> tuple[tuple[Ker
 
 def block_weight_bytes(kit: ProfileKit, weight_type: str) -> int:
     """Bytes of one block's linear weights in `weight_type` (what a block's GEMVs read)."""
-    per = None if weight_type in FLOAT_TYPES else QUANT_BLOCKS[weight_type]
-    return int(sum(n * (k * 2 if per is None else k // per[0] * per[1])
-                   for n, k in kit.block.linear_shapes().values()))
+    return sum(rows * cols * (2 if dtype in FLOAT_TYPES else 1)
+               for (rows, cols), dtype in weight_bytes(kit, weight_type).values())
 

@@ -356,7 +356,7 @@ class KVCacheGPU(GpuPrefill):
         h_a = q.shape[1]
         n = self.length + 1
         table = self._table()
-        span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
+        span, n_splits, host_split, _, stage_of = self._split_plan(table)
         ptrs = self._page_ptrs(layer, table, stage_of)
         first = (max(0, n - self.window) // span) if self.window else 0
         if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
@@ -365,14 +365,22 @@ class KVCacheGPU(GpuPrefill):
                            xp.empty(rows * self.d, np.float32))
         pm, ps, po = self._parts
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
-        compute = ops.current_stream()
-
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         if not any(host_split[first:]) and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all
             ops.decode_fused(q16, ptrs, self.T, self._step_dev, span, first, n_splits - first, self.h_kv, self.d,
                              scale, pm, ps, po, self._counters, res)
-            res = res.reshape(1, h_a, self.d)                              # [h_a, d] -> [1, h_a, d]
-            return res if q.dtype == np.float16 else res.astype(q.dtype)
+        else:
+            self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
+        res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
+        return res if q.dtype == np.float16 else res.astype(q.dtype)
+
+    def _decode_in_parts(self, layer: int, table, q16, ptrs, scale: float, first: int, res) -> None:
+        """_decode's splits [first, n_splits) as partials -- the resident runs at once, the host pages' splits as
+        their pages arrive in the staging slots -- then their merge into res [h_a, d]."""
+        ops, h_a = self.ops, q16.shape[0]
+        span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
+        pm, ps, po = self._parts
+        compute = ops.current_stream()
 
         def launch(s0, s1):
             ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
@@ -394,8 +402,6 @@ class KVCacheGPU(GpuPrefill):
                 for s0, s1 in runs(sp for sp in splits if sp >= first):
                     launch(s0, s1)
         ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
-        res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
-        return res if q.dtype == np.float16 else res.astype(q.dtype)
 
     @contextlib.contextmanager
     def _staged(self, layer: int, table, pages, stage_of, compute):
