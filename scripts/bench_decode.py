@@ -23,7 +23,9 @@ each device's per-block delta and per-token tail fitted on the bundles' own comp
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
 measured / that. The calibrated profile is written beside --out. With --profile HW.json instead (what `helmc
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
-placement under that profile, no calibration (issue 17's check).
+placement under that profile, no calibration (issue 17's check). A split bundle's row also times its CPU stage per
+decode step: the read of its blocks' weights (cpu_stage_read_gbs) and the profile's M over it
+(`profile_dram_vs_measured`, --profile's or else the bundle's own hardware.json).
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate, and, with --llama-bench, `hybrid_decode_ratio_vs_llamacpp`
@@ -127,6 +129,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     # Warm-up as long as a request: every KV page bucket's CUDA graph is captured before timing (a 4-token warm-up
     # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also warms up).
     s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
+    cpu_steps = time_cpu_stage(s)
     runs = []
     for i in range(requests):
         r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
@@ -150,6 +153,11 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
                 "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
+    if cpu_steps:
+        out.update(cpu_stage_fields(s, plan, cpu_steps, calibrated))
+        log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a decode step for {out['cpu_stage_blocks']} blocks, "
+            f"{out['cpu_stage_read_gbs']:.1f} GB/s of their weights"
+            + (f"; the profile's M over that {out['profile_dram_vs_measured']:.3f}" if "profile_dram_vs_measured" in out else ""))
     if plan.is_hybrid:
         out.update(hybrid_fields(s, plan, out["per_token_ms_p50"]))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
@@ -167,6 +175,46 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
             f"{out[f'measured_over_plan_{label}']:.3f}")
     del s
     _free_gpu()
+    return out
+
+
+def time_cpu_stage(s) -> list[float] | None:
+    """A split session's CPU stage (not a hybrid's: its CPU groups interleave with copies): from here on, the
+    seconds of each decode step it runs (its blocks' weights, attention and norms: what the profile's M stands for)."""
+    gpu = s.gpu
+    if gpu is None or gpu.cpu_stage_step is None or s.plan.is_hybrid:
+        return None
+    steps, inner = [], gpu.cpu_stage_step
+
+    def timed(x, cos, sin, phase):
+        t = time.perf_counter()
+        out = inner(x, cos, sin, phase)
+        if phase == "decode":
+            steps.append(time.perf_counter() - t)
+        return out
+    gpu.cpu_stage_step = timed
+    return steps
+
+
+def cpu_stage_fields(s, plan, steps: list[float], hw=None) -> dict:
+    """What the CPU stage read per decode step (its blocks' weights over its median step), against the profile:
+    `hw` (--profile: measured in this run) or the bundle's own hardware.json. profile_dram_vs_measured is the
+    profile's M (helmc's fp16 GEMVs on every core, what the cost model charges a CPU block) over that read (issue
+    17; 1.0 is a profile that told the truth), profile_stream_read_vs_measured its DRAM stream read over it."""
+    layers = plan.cpu_layers
+    nbytes = sum(s.spec.block_weight_bytes(i) for i in layers)
+    ms = 1e3 * statistics.median(steps)
+    out = {"cpu_stage_blocks": len(layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / (ms * 1e-3) / GB}
+    if hw is not None and hw.cpu is not None:
+        cpu = {"host_read_gbs": hw.cpu.host_read_gbs, "dram_gbs": hw.cpu.dram_gbs}
+    else:
+        path = os.path.join(s.bundle_dir, "hardware.json")
+        with open(path) as f:
+            cpu = json.load(f).get("cpu") or {}
+    if cpu.get("host_read_gbs") and nbytes:
+        out["profile_dram_vs_measured"] = cpu["host_read_gbs"] / out["cpu_stage_read_gbs"]
+    if cpu.get("dram_gbs") and nbytes:
+        out["profile_stream_read_vs_measured"] = cpu["dram_gbs"] / out["cpu_stage_read_gbs"]
     return out
 
 

@@ -128,7 +128,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     row_bytes = blocks * fmt.bytes
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
     block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n)
     mins = qtype == "q4_k"
     subs = k // 32 if mins else 1  # sub-blocks of 32 whose x sums q4_k's mins need
     permuted = order is not None   # the K-quants read x in the lane order of their quant words (xp)
@@ -189,7 +189,7 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
     rows, group, rb, tile = qt.rows, qt.group, qt.block_rows, qt.tile_blocks
     passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
     block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, ahead=tile * fmt.bytes, wrap_rows=rb)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n, ahead=tile * fmt.bytes, wrap_rows=rb)
     mins = qtype == "q4_k"
     zero, load, save, finish = qt.macros(m, mins)
     subs = k // 32 if mins else 1
@@ -231,17 +231,20 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
     return gemv
 
 
-def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning, ahead: int | None = None,
+def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning, n: int, ahead: int | None = None,
               wrap_rows: int | None = None):
-    """Macro prefetch(wf, first, b), wf the flat byte view of W: the bytes `ahead` (default tuning.prefetch_bytes)
-    further along each row of the group than block b, or past the row end the same place in the same row of the
-    next group, `wrap_rows` (default rows) further on (the rows the thread reads next); ahead is capped at one
-    row, so one wrap covers it, and the address at the buffer's last byte. One prefetch per 64-byte line: blocks
-    under half a line prefetch every `every` blocks. Nothing when prefetch_bytes is 0."""
-    ahead = min(tuning.prefetch_bytes if ahead is None else ahead, row_bytes) if tuning.prefetch_bytes else 0
-    locality, wrap_rows = tuning.prefetch_locality, wrap_rows or rows
-    every = max(1, _LINE // block_bytes)
-    lines = -(-block_bytes * every // _LINE)   # consecutive prefetched addresses stay <= one line apart
+    """Macro prefetch(wf, first, b), wf the flat byte view of W (n rows): the bytes `ahead` (default
+    tuning.prefetch_bytes) further along each row of the group than block b, or past the row end the same place in
+    the same row of the next group, `wrap_rows` (default rows) further on (the rows the thread reads next); ahead is
+    capped at one row, so one wrap covers it. One prefetch per 64-byte line: blocks under half a line prefetch every
+    `every` blocks. Nothing when prefetch_bytes is 0.
+    Every address stays inside W. Where W has room, the group's first row is clamped once (min(first, safe): the
+    last groups prefetch earlier rows' bytes, which they do not need, instead of bytes past W), so each prefetch is
+    one instruction whose row and line offsets are constants; the per-address clamp it replaces cost four scalar
+    instructions per prefetch, ~12% of the Q4_K kernel's instructions at 8 rows (llvm-mca, session 16). Small W
+    (tests' tiny models) keeps the per-address clamp."""
+    ahead, every, lines, index = prefetch_plan(rows, block_bytes, row_bytes, tuning, n, ahead, wrap_rows)
+    locality = tuning.prefetch_locality
 
     @T.macro
     def prefetch(wf, first, b):
@@ -249,12 +252,33 @@ def _prefetch(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuni
             if b % every == 0:
                 for r in T.unroll(rows):
                     for line in T.unroll(lines):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wf[T.min(
-                            (first + r) * row_bytes + b * block_bytes + ahead + line * _LINE + T.if_then_else(
-                                b * block_bytes + ahead + line * _LINE >= row_bytes, (wrap_rows - 1) * row_bytes, 0),
-                            wf.shape[0] - 1)]), T.int32(0), T.int32(locality), T.int32(1)))
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(wf[
+                            index(first, r, b, line, T.min, T.if_then_else)]), T.int32(0), T.int32(locality),
+                            T.int32(1)))
 
     return prefetch
+
+
+def prefetch_plan(rows: int, block_bytes: int, row_bytes: int, tuning: QuantGemvTuning, n: int,
+                  ahead: int | None = None, wrap_rows: int | None = None):
+    """(ahead, every, lines, index) of _prefetch: index(first, r, b, line, tmin, select) is the byte prefetched for
+    row r of the group starting at `first`, block b, line `line`, built with tmin / select (T.min / T.if_then_else in
+    the kernel, min and a conditional in tests/kernels/test_gemv_quant.py's bound check)."""
+    ahead = min(tuning.prefetch_bytes if ahead is None else ahead, row_bytes) if tuning.prefetch_bytes else 0
+    wrap_rows = wrap_rows or rows
+    every = max(1, _LINE // block_bytes)
+    lines = -(-block_bytes * every // _LINE)   # consecutive prefetched addresses stay <= one line apart
+    # Highest address: row first + rows - 1 + wrap_rows - 1, at an offset under 2 rows + lines lines.
+    safe = n - rows - wrap_rows - 1 - -(-lines * _LINE // row_bytes)
+
+    def index(first, r, b, line, tmin, select):
+        along = b * block_bytes + ahead + line * _LINE
+        wrap = select(along >= row_bytes, (wrap_rows - 1) * row_bytes, 0)
+        if safe >= 0:
+            return (tmin(first, safe) + r) * row_bytes + along + wrap
+        return tmin((first + r) * row_bytes + along + wrap, n * row_bytes - 1)
+
+    return ahead, every, lines, index
 
 
 class _Vectors:

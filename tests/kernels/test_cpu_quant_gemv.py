@@ -144,3 +144,22 @@ def test_bad_shape_is_refused(qtype):
         make_gemv_quant(qtype, 8, block + 16, select_isa(AVX2))
     with pytest.raises(HelmcError, match=r"expected one of .*found 'q5_k'"):
         make_gemv_quant("q5_k", 8, 256, select_isa(AVX2))
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("n,k,rows,wrap,ahead", [(4096, 4096, 8, None, None), (64, 4096, 8, 16, 3 * 144),
+                                                 (13, 256, 4, None, None), (2, 256, 8, None, None)])
+def test_prefetch_addresses_stay_inside_the_weight(qtype, n, k, rows, wrap, ahead):
+    """Every byte the kernel's prefetches name lies in W, both where the group's first row is clamped once (the
+    cheap path, large W) and where each address is clamped (small W): brute force over every group, row, block and
+    line, with the macro's own index arithmetic (a prefetch past W would not fault on x86, so no run can show it)."""
+    from helmc.schedules.cpu.gemv_quant import prefetch_plan
+    block = QUANT_BLOCKS[qtype]
+    row_bytes = quant_row_bytes(qtype, k)
+    tuning = QuantGemvTuning(rows=rows, prefetch_bytes=1024)
+    got, every, lines, index = prefetch_plan(rows, block.bytes, row_bytes, tuning, n, ahead, wrap)
+    step = wrap or rows
+    addresses = [index(first, r, b, line, min, lambda c, a, z: a if c else z)
+                 for first in range(0, n, step) for r in range(rows) for b in range(0, k // block.weights, every)
+                 for line in range(lines)]
+    assert got > 0 and min(addresses) >= 0 and max(addresses) < n * row_bytes, (min(addresses), max(addresses))

@@ -105,7 +105,7 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     blocks = k // _BLOCK
     row_bytes = blocks * fmt.bytes
     steps = -(-n // rows)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n)
     q4k = qtype == "q4_k"
     sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
     row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
@@ -165,7 +165,7 @@ def _make_int8_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGe
     qt = int8_tiles(qtype, m, k, isa, tuning)
     rows, group, rb, tile = qt.rows, qt.group, qt.block_rows, qt.tile_blocks
     passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, ahead=tile * fmt.bytes, wrap_rows=rb)
+    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n, ahead=tile * fmt.bytes, wrap_rows=rb)
     row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
     quantize = _quantize(q4k)
     zero, load, save, finish = qt.macros(m, True)
