@@ -82,6 +82,9 @@ class Session:
         if plan is not None and (plan.num_layers, plan.batch) != (own.num_layers, own.batch):
             raise HelmcError(f"plan override: expected {own.num_layers} layers and batch {own.batch} (the bundle's), "
                              f"found {plan.num_layers} and {plan.batch}")
+        if plan is not None and plan.architecture_hash and plan.architecture_hash != spec.architecture_hash():
+            raise HelmcError(f"plan override: expected a plan made for this bundle's model (architecture "
+                             f"{spec.architecture_hash()}), found one for {plan.architecture_hash}")
         plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
         try:

@@ -23,9 +23,9 @@ each device's per-block delta and per-token tail fitted on the bundles' own comp
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
 measured / that. The calibrated profile is written beside --out. With --profile HW.json instead (what `helmc
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
-placement under that profile, no calibration (issue 17's check). A split bundle's row also times its CPU stage per
-decode step: the read of its blocks' weights (cpu_stage_read_gbs) and the profile's M over it
-(`profile_dram_vs_measured`, --profile's or else the bundle's own hardware.json).
+placement under that profile, no calibration (issue 17's check); a split's row adds its CPU stage's read per decode
+step and the profile's M over it (`profile_dram_vs_measured`). --replan runs each bundle with its plan made again
+from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate, and, with --llama-bench, `hybrid_decode_ratio_vs_llamacpp`
@@ -51,6 +51,8 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
+from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
 
 GB = 1e9
 
@@ -118,11 +120,11 @@ def rss_bytes() -> dict:
 
 
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
-                calibrated=None, cuda_graph: bool = True, label: str = "calibrated") -> dict:
+                calibrated=None, cuda_graph: bool = True, label: str = "calibrated", plan=None) -> dict:
     from helmc.runtime.session import Session
 
     t = time.perf_counter()
-    s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph)
+    s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph, plan=plan)
     load_s = time.perf_counter() - t
     plan = s.plan
     log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
@@ -155,11 +157,10 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
     if cpu_steps:
         out.update(cpu_stage_fields(s, plan, cpu_steps, calibrated))
-        log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a decode step for {out['cpu_stage_blocks']} blocks, "
-            f"{out['cpu_stage_read_gbs']:.1f} GB/s of their weights"
-            + (f"; the profile's M over that {out['profile_dram_vs_measured']:.3f}" if "profile_dram_vs_measured" in out else ""))
+        log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a step, {out['cpu_stage_read_gbs']:.1f} GB/s of its weights; "
+            f"the profile's M over that {out.get('profile_dram_vs_measured', float('nan')):.3f}")
     if plan.is_hybrid:
-        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"]))
+        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], calibrated))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
             f"PCIe ({out['pcie_gbs']:.1f} GB/s), host weights read at {out['host_weight_gbs']:.1f} GB/s"
             + (f", {out['share_of_dram_pcie']:.0%} of the profile's DRAM + PCIe rate" if "share_of_dram_pcie" in out else ""))
@@ -179,49 +180,43 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
 
 
 def time_cpu_stage(s) -> list[float] | None:
-    """A split session's CPU stage (not a hybrid's: its CPU groups interleave with copies): from here on, the
-    seconds of each decode step it runs (its blocks' weights, attention and norms: what the profile's M stands for)."""
-    gpu = s.gpu
+    """From here on, the seconds of each decode step a split's CPU stage runs (not a hybrid's: its CPU groups
+    interleave with copies); None where there is no such stage."""
+    gpu, steps = s.gpu, []
     if gpu is None or gpu.cpu_stage_step is None or s.plan.is_hybrid:
         return None
-    steps, inner = [], gpu.cpu_stage_step
+    inner = gpu.cpu_stage_step
 
     def timed(x, cos, sin, phase):
         t = time.perf_counter()
         out = inner(x, cos, sin, phase)
-        if phase == "decode":
-            steps.append(time.perf_counter() - t)
+        steps.append(time.perf_counter() - t) if phase == "decode" else None
         return out
     gpu.cpu_stage_step = timed
     return steps
 
 
 def cpu_stage_fields(s, plan, steps: list[float], hw=None) -> dict:
-    """What the CPU stage read per decode step (its blocks' weights over its median step), against the profile:
-    `hw` (--profile: measured in this run) or the bundle's own hardware.json. profile_dram_vs_measured is the
-    profile's M (helmc's fp16 GEMVs on every core, what the cost model charges a CPU block) over that read (issue
-    17; 1.0 is a profile that told the truth), profile_stream_read_vs_measured its DRAM stream read over it."""
-    layers = plan.cpu_layers
-    nbytes = sum(s.spec.block_weight_bytes(i) for i in layers)
-    ms = 1e3 * statistics.median(steps)
-    out = {"cpu_stage_blocks": len(layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / (ms * 1e-3) / GB}
-    if hw is not None and hw.cpu is not None:
-        cpu = {"host_read_gbs": hw.cpu.host_read_gbs, "dram_gbs": hw.cpu.dram_gbs}
-    else:
-        path = os.path.join(s.bundle_dir, "hardware.json")
-        with open(path) as f:
+    """The CPU stage's read of its blocks' weights over its median step, against `hw` (--profile) or the bundle's
+    hardware.json: the profile's M (fp16 GEMVs, what the cost model charges a CPU block) over that read is
+    profile_dram_vs_measured (issue 17; 1.0: the profile told the truth), its stream read's the other ratio."""
+    nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
+    out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
+    if hw is None:
+        with open(os.path.join(s.bundle_dir, "hardware.json")) as f:
             cpu = json.load(f).get("cpu") or {}
-    if cpu.get("host_read_gbs") and nbytes:
-        out["profile_dram_vs_measured"] = cpu["host_read_gbs"] / out["cpu_stage_read_gbs"]
-    if cpu.get("dram_gbs") and nbytes:
-        out["profile_stream_read_vs_measured"] = cpu["dram_gbs"] / out["cpu_stage_read_gbs"]
+    else:
+        cpu = {"host_read_gbs": hw.cpu.host_read_gbs, "dram_gbs": hw.cpu.dram_gbs} if hw.cpu else {}
+    for key, name in (("host_read_gbs", "profile_dram_vs_measured"), ("dram_gbs", "profile_stream_read_vs_measured")):
+        if cpu.get(key) and nbytes:
+            out[name] = cpu[key] / out["cpu_stage_read_gbs"]
     return out
 
 
-def hybrid_fields(s, plan, per_token_ms: float) -> dict:
+def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
     """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
     their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
-    the DRAM + PCIe rate the bundle's profile measured together (issue 17)."""
+    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile (issue 17)."""
     h = s.gpu.hybrid
     per_token = h.backend.bytes_copied / max(1, h.tokens)
     out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
@@ -229,13 +224,15 @@ def hybrid_fields(s, plan, per_token_ms: float) -> dict:
            "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
            "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
            "host_weight_gbs": plan.cpu_weight_bytes / (per_token_ms * 1e-3) / GB}
-    path = os.path.join(s.bundle_dir, "hardware.json")
-    if os.path.isfile(path):
+    link = {}
+    if hw is not None and hw.link is not None:      # --profile's (this run's), else the bundle's own
+        link = {"h2d_concurrent_gbs": hw.link.h2d_concurrent_gbs, "cpu_read_concurrent_gbs": hw.link.cpu_read_concurrent_gbs}
+    elif os.path.isfile(path := os.path.join(s.bundle_dir, "hardware.json")):
         with open(path) as f:
             link = json.load(f).get("link") or {}
-        if link.get("h2d_concurrent_gbs"):
-            out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
-            out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
+    if link.get("h2d_concurrent_gbs"):
+        out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
+        out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
     return out
 
 
@@ -364,6 +361,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None,
                     help="a profile measured in this run (`helmc profile`): each row also reports T_plan of its "
                          "bundle's placement under it and measured / that, with no calibration step")
+    ap.add_argument("--replan", action="store_true",
+                    help="with --profile: run each bundle with its plan made again from that profile (helmc plan "
+                         "BUNDLE hardware.json; the bundle's workload and VRAM budget, no compiling)")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
     ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
@@ -375,6 +375,8 @@ def main(argv=None) -> int:
                     help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.replan and not a.profile:
+        ap.error("--replan expected with --profile (the profile to plan from), found it alone")
     skip = set(filter(None, a.skip.split(",")))
 
     from helmc.model.load import is_gguf, load_spec
@@ -404,12 +406,13 @@ def main(argv=None) -> int:
         calibrated = run_calibration(a, report)
         save()
     elif a.profile:       # this run's own `helmc profile`: the plan's time for each bundle's placement, no calibration
-        from helmc.hardware.profile import HardwareProfile
         calibrated, label = HardwareProfile.load(a.profile), "profile"
         report["profile_path"] = a.profile
     for bundle in a.bundle:
+        # --replan: what a user does on a new machine (helmc profile, helmc plan BUNDLE, helmc run --plan)
+        plan = replan_bundle(bundle, calibrated)[0] if a.replan else None
         report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated,
-                                           label=label))
+                                           label=label, plan=plan) | {"replanned": plan is not None})
         save()
         if a.eager_too and report["helmc"][-1].get("cuda_graph"):
             eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False,

@@ -16,7 +16,7 @@ import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.serve_chat import chat_command, serve_command
-from helmc.cli.trust import trust_options, trust_policy
+from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -149,9 +149,10 @@ def _parse_ids(text: str | None):
 @click.option("--kv-watermark", type=float, default=0.8, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@plan_option
 @trust_options
 def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
-            kv_page_tokens, kv_watermark, no_kv_offload, as_json, trust, require_signed):
+            kv_page_tokens, kv_watermark, no_kv_offload, as_json, plan_file, trust, require_signed):
     """Generate text from a bundle."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
@@ -162,7 +163,7 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_k=top_k, top_p=top_p, seed=seed, weights_dir=weights_dir, on_text=stream, quiet=as_json,
-                **trust_policy(trust, require_signed),
+                **trust_policy(trust, require_signed), plan=read_plan(plan_file),
                 kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload)
     if as_json:
         click.echo(json.dumps(r.to_json_dict()))

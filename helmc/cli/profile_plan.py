@@ -153,16 +153,17 @@ def plot_plan(plan: Plan, path: str) -> None:
 
 
 @click.command("plan")
-@click.argument("model", metavar="MODEL_DIR_OR_CONFIG")
+@click.argument("model", metavar="MODEL_DIR_OR_CONFIG_OR_BUNDLE")
 @click.argument("hardware", metavar="HARDWARE_JSON_OR_PRESET")
-@click.option("--prompt-len", default=128, show_default=True, type=int)
-@click.option("--output-len", default=128, show_default=True, type=int)
-@click.option("--batch", default=1, show_default=True, type=int)
-@click.option("--objective", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
+@click.option("--prompt-len", default=None, type=int, help="[default: 128, or a bundle's]")
+@click.option("--output-len", default=None, type=int, help="[default: 128, or a bundle's]")
+@click.option("--batch", default=None, type=int, help="[default: 1; a bundle's own, always]")
+@click.option("--objective", type=click.Choice(["decode", "prefill"]), default=None, help="[default: decode, or a bundle's]")
 @click.option("--gpu-budget", type=float, default=None,
-              help="use at most this many GiB of VRAM in all (the profile's runtime reserve included)")
-@click.option("--kv-offload/--no-kv-offload", default=True, show_default=True,
-              help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2)")
+              help="use at most this many GiB of VRAM in all (the profile's runtime reserve included) [default: all, or "
+                   "the VRAM a bundle's plan was made for]")
+@click.option("--kv-offload/--no-kv-offload", default=None,
+              help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2) [default: on, or a bundle's]")
 @click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
               help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
 @click.option("--hybrid/--no-hybrid", default=True, show_default=True,
@@ -175,13 +176,26 @@ def plot_plan(plan: Plan, path: str) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write the Plan JSON here")
 def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, stream_prefill,
                  hybrid, dtype, as_json, plot, output) -> None:
-    """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1)."""
+    """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1). Given a bundle (a
+    directory `helmc build` wrote), plan its model and workload again for HARDWARE (`helmc profile` on the machine
+    it runs on): `-o plan.json`, then `helmc run|serve|chat BUNDLE --plan plan.json`, with no compiling."""
     from helmc.planner.search_partition import load_spec, plan
+    from helmc.runtime.bundle.plan import is_bundle_dir
     try:
-        spec = load_spec(model)
-        p = plan(spec, hardware, prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective,
-                 gpu_budget_gib=gpu_budget, kv_offload=kv_offload, dtype=dtype, stream_prefill=stream_prefill,
-                 hybrid=hybrid)
+        if is_bundle_dir(model):
+            from helmc.planner.replan_bundle import replan_bundle
+            if batch is not None or dtype is not None:
+                raise HelmcError("plan: a bundle is planned for its own batch and weights; expected no --batch or "
+                                 f"--dtype, found {'--batch' if batch is not None else '--dtype'}")
+            p, spec = replan_bundle(model, hardware, gpu_budget_gib=gpu_budget, prompt_len=prompt_len,
+                                    output_len=output_len, objective=objective, kv_offload=kv_offload,
+                                    stream_prefill=stream_prefill, hybrid=hybrid)
+        else:
+            spec = load_spec(model)
+            p = plan(spec, hardware, prompt_len=prompt_len or 128, output_len=output_len or 128, batch=batch or 1,
+                     objective=objective or "decode", gpu_budget_gib=gpu_budget,
+                     kv_offload=True if kv_offload is None else kv_offload, dtype=dtype, stream_prefill=stream_prefill,
+                     hybrid=hybrid)
         if plot:
             plot_plan(p, plot)
         if output:

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from helmc.cli.trust import trust_options, trust_policy
+from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
 
@@ -46,9 +46,10 @@ def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
 @click.option("--kv-page-tokens", type=int, default=512, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
+@plan_option
 @trust_options
-def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level, trust,
-                  require_signed):
+def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv_page_tokens, log_level, plan_file,
+                  trust, require_signed):
     """Serve BUNDLE_DIR over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
@@ -60,7 +61,7 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     policy = trust_policy(trust, require_signed)
     metrics = Metrics()
     engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens,
-                                   **policy)
+                                   plan=read_plan(plan_file), **policy)
     name = model_name or os.path.basename(os.path.normpath(bundle_dir))
     state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
     metrics.watch(engine)
@@ -85,8 +86,10 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@plan_option
 @trust_options
-def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, trust, require_signed):
+def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, plan_file, trust,
+                 require_signed):
     """Chat with BUNDLE_DIR in the terminal: tokens print as they come; /reset forgets the conversation,
     /stats shows the last reply's timings, /quit (or end of input) leaves."""
     from helmc.runtime.isolation import forbid_compiler_imports
@@ -99,7 +102,7 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.protocol import Request
     SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
-    engine, template = load_engine(bundle_dir, 1, weights_dir, **trust_policy(trust, require_signed))
+    engine, template = load_engine(bundle_dir, 1, weights_dir, plan=read_plan(plan_file), **trust_policy(trust, require_signed))
     if template is None:
         raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
                          "found none; use helmc run --prompt")

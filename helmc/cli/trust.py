@@ -1,4 +1,5 @@
-"""--trust / --require-signed, shared by every command that loads a bundle (run, serve, chat, calibrate)."""
+"""--trust / --require-signed (every command that loads a bundle: run, serve, chat, calibrate) and --plan (run,
+serve, chat)."""
 from __future__ import annotations
 
 import click
@@ -19,3 +20,19 @@ def trust_policy(trust, require_signed) -> dict:
     HELMC_TRUSTED_KEYS alone (an ambient default for every command) does not."""
     from helmc.runtime.bundle.signature import trusted_keys
     return {"trusted_keys": trusted_keys(trust), "require_signed": require_signed or bool(trust)}
+
+
+def plan_option(f):
+    """--plan FILE: run the bundle with a plan made for this machine (`helmc plan BUNDLE hardware.json -o FILE`)."""
+    return click.option("--plan", "plan_file", default=None, type=click.Path(dir_okay=False),
+                        help="run with this plan instead of the bundle's own: `helmc profile` here, then `helmc plan "
+                             "BUNDLE hardware.json -o FILE` (no compiling: the placement changes, not the code)")(f)
+
+
+def read_plan(plan_file):
+    """The Plan of --plan, or None (the bundle's own)."""
+    if plan_file is None:
+        return None
+    from helmc.runtime.bundle.plan import read_plan_file
+    return read_plan_file(plan_file)
+

@@ -24,15 +24,17 @@ def eos_token_ids(bundle_dir: str, spec) -> tuple[int, ...]:
 
 
 def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str | None = None, quiet: bool = True,
-                metrics=None, trusted_keys: tuple | None = None, require_signed: bool = False, **kv_options):
+                metrics=None, trusted_keys: tuple | None = None, require_signed: bool = False, plan=None,
+                **kv_options):
     """(Engine, ChatTemplate or None) for `bundle_dir`; max_batch defaults to the batch its plan was made for.
-    trusted_keys, require_signed: as Session.load (the signature is checked before anything else is read)."""
+    trusted_keys, require_signed: as Session.load (the signature is checked before anything else is read);
+    plan: a Plan run instead of the bundle's own (`--plan`)."""
     from helmc.runtime.session import Session
     from helmc.runtime.serve.batch_model import BatchModel
     from helmc.runtime.serve.chat_template import load_chat_template
     from helmc.runtime.serve.engine import Engine
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
-                           require_signed=require_signed, **kv_options)
+                           require_signed=require_signed, plan=plan, **kv_options)
     model = BatchModel(session, max_batch or session.plan.batch, kv_options.get("kv_watermark", 0.8))
     tok = session.tokenizer
     fallback = {}

@@ -1,0 +1,41 @@
+"""A bundle's placement made again for the machine it runs on: `helmc profile` there, then
+`helmc plan BUNDLE hardware.json -o plan.json` and `helmc run|serve|chat BUNDLE --plan plan.json`.
+
+Why: a plan is only as good as the profile it was made from, and hosts of one kind differ (session 16, two H100
+machines of the same class an hour apart: helmc's fp16 GEMVs read 66 and 111 GB/s, the DRAM + PCIe window held 96
+and 141 GB/s). A hybrid layout made for the first host streamed one block per CPU block, bound by PCIe on the
+second, where two CPU blocks per streamed one are faster. The bundle's libraries hold one block function per device
+with weights as parameters, so every split and hybrid layout of its model and batch runs without compiling anything
+(Session.load(plan=...)): only the placement changes. The workload is the bundle's own (prompt and output lengths,
+batch, objective, KV offload), and so is the VRAM budget (its plan's usable VRAM) unless one is given.
+Pure Python over the bundle's JSON files: this runs on the target with the runtime-only TVM.
+"""
+from __future__ import annotations
+
+from helmc.hardware.profile import HardwareProfile, load_hardware
+from helmc.model.spec import ModelSpec
+from helmc.runtime.bundle.plan import Plan
+
+
+def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget_gib: float | None = None,
+                  prompt_len: int | None = None, output_len: int | None = None, objective: str | None = None,
+                  kv_offload: bool | None = None, stream_prefill: bool = True, hybrid: bool = True
+                  ) -> tuple[Plan, ModelSpec]:
+    """(the plan for `hardware`, the bundle's spec). Arguments left None take the bundle's plan's values; the batch
+    is always the bundle's (its GPU stage and KV slots were built for it)."""
+    from helmc.planner.calibrate import _with_plan_budget
+    from helmc.planner.search_partition import plan
+    from helmc.runtime.bundle.manifest import verify_bundle
+    from helmc.runtime.session import _read_text
+    hw = load_hardware(hardware)
+    # The bundle's files as its manifest lists them, and its CPU features against the machine planned for (this
+    # process loads none of its libraries: the plan may be made anywhere, for the machine `hardware` describes).
+    verify_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu is not None else None)
+    spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
+    own = Plan.from_json(_read_text(bundle_dir, "plan.json"))
+    hw = hw.with_gpu_budget(gpu_budget_gib) if gpu_budget_gib is not None else _with_plan_budget(hw, own)
+    p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
+             batch=own.batch, objective=objective or own.objective,
+             kv_offload=own.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,
+             hybrid=hybrid)
+    return p, spec
