@@ -13,7 +13,9 @@
 The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
 allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
 bf16 and the quantized blocks' scales that is a normal number, so no pass runs into denormals. Each figure is
-the median of the timed passes after one warm-up (a shared machine's best pass says what it did once).
+the median of the timed passes after one warm-up (a shared machine's best pass says what it did once); the GEMVs'
+passes come in rounds over every type, so a burst of a slow host lands in a few passes of many types, not in all
+of one type's.
 Needs NumPy and the TVM runtime only.
 """
 from __future__ import annotations
@@ -223,7 +225,7 @@ class HostReads:
 
 
 def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None,
-                       pinned: bool = False) -> HostReads:
+                       pinned: bool = False, rounds: int = 3) -> HostReads:
     lib = KitLibrary(kit_dir, kit)
     arena = Arena(arena_bytes(kit), pinned)
     read = lib.lib[kit.read_name]
@@ -240,19 +242,28 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
         for _ in range(inner):
             l3_fn(l3_buf, partial)
     l3, _ = median_gbs(kit.l3_read_elements * 4 * inner, l3_pass, passes)
-    reads, notes = [], [f"cpu: dram_gbs {dram:.1f} from helmc's stream-read kernel over {kit.read_elements * 4 >> 20} "
+    notes = [f"cpu: dram_gbs {dram:.1f} from helmc's stream-read kernel over {kit.read_elements * 4 >> 20} "
                         f"MiB, l3_gbs {l3:.1f} re-reading {kit.l3_read_elements * 4 >> 20} MiB; {kit.isa} kernels, "
-                        f"every core, {'pinned' if pinned else 'pageable'} memory; each the median of {passes} passes"]
-    for t in kit.weight_types:
-        for m in kit.rows_measured(t):
-            g = GemvPass(lib, arena, t, m)
-            progress(f"host read: helmc's {t} decode GEMVs{f' at {m} rows' if m > 1 else ''} over {g.copies} block "
-                     f"copies ({g.nbytes >> 20} MiB)")
-            gbs, _ = median_gbs(g.nbytes, g.run, passes)
-            if not np.isfinite(g.check.numpy()).all():
-                raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong shapes?)")
-            reads.append(KernelRead(t, round(gbs, 2), m))
-            del g
+                        f"every core, {'pinned' if pinned else 'pageable'} memory; each the median of {passes} passes (GEMVs: of "
+                        f"{rounds} rounds of {passes})"]
+    # Every weight type's passes in `rounds` sweeps over the types, each type's figure the median of all its passes:
+    # a host's bandwidth drops in bursts of a second or so (session 16, one profile: fp16 GEMVs 61 GB/s in their
+    # 0.1 s of passes, 105 in the DRAM + PCIe window's a few seconds later), which one type's back-to-back passes
+    # would take whole.
+    rates: dict[tuple[str, int], list[float]] = {}
+    for sweep in range(rounds):
+        for t in kit.weight_types:
+            for m in kit.rows_measured(t):
+                g = GemvPass(lib, arena, t, m)
+                if sweep == 0:
+                    progress(f"host read: helmc's {t} decode GEMVs{f' at {m} rows' if m > 1 else ''} over {g.copies} "
+                             f"block copies ({g.nbytes >> 20} MiB), {rounds} rounds")
+                rates.setdefault((t, m), []).extend(median_gbs(g.nbytes, g.run, passes)[1])
+                if not np.isfinite(g.check.numpy()).all():
+                    raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong "
+                                       "shapes?)")
+                del g
+    reads = [KernelRead(t, round(statistics.median(r), 2), m) for (t, m), r in rates.items()]
     notes.append("cpu: decode GEMV reads (fused q/k/v, o, SwiGLU, down as the CPU stage launches them; "
                  f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass; "
                  "GB/s of weights, at 1 row and at a batched step's rows): "

@@ -164,7 +164,8 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
     if kit.l3_bytes < facts.l3_bytes or kit.cores != facts.cores:
         notes.append(f"cpu: the kit was built for {kit.cores} cores and an L3 of {kit.l3_bytes >> 20} MiB, this CPU "
                      f"has {facts.cores} and {facts.l3_bytes >> 20} MiB: its reads may be sized for another cache")
-    reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress, pinned=pinned)
+    reads = measure_host_reads(kit_dir, kit, passes=3 if kit.quick else 5, progress=progress, pinned=pinned,
+                               rounds=1 if kit.quick else 3)
     notes += list(reads.notes)
     if kit.quick:
         notes.append("quick mode: small buffers and a small block; the figures are not fit for planning")
