@@ -72,10 +72,13 @@ class TrackedArray(np.ndarray):
 class EmulatedOps:
     xp = np
 
-    def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True, fused: bool = True):
+    def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True, fused: bool = True,
+                 fused_append: bool | None = None):
         self.num_sms = num_sms
         self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
         self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (bundles from session 15)
+        self.fused_append = fused if fused_append is None else fused_append   # paged_decode_fused_append (s16)
+        self.fused_append_launches = 0
         self.delay_events = delay_events
         self._host = _Stream("host", 0)
         self._streams = 1
@@ -343,6 +346,17 @@ class EmulatedOps:
                             head_dim, scale, part_m, part_s, part_o)
         self.decode_merge(part_m, part_s, part_o, split_base, split_base + n_splits, q.shape[0], head_dim,
                           q.shape[0] // num_kv_heads, out)
+
+    def has_fused_append(self, head_dim, group=None):
+        return self.fused_append
+
+    def decode_fused_append(self, q, k, v, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits,
+                            num_kv_heads, head_dim, scale, part_m, part_s, part_o, counters, out):
+        self.fused_append_launches += 1
+        self.decode_append(k, v, page_ptrs, page_tokens, num_kv_heads, head_dim, step)
+        self.kernel_launches -= 1                        # one launch: the append's count is the fused one's
+        self.decode_fused(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
+                          head_dim, scale, part_m, part_s, part_o, counters, out)
 
     def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):
         pm = part_m.reshape(-1, num_heads)[split_begin:split_end]

@@ -103,6 +103,7 @@ class KVCacheGPU(GpuPrefill):
         self._pending = 0
         self._appended: set[int] = set()
         self._pending_kv: dict[int, object] = {}
+        self._rows: dict[int, tuple] = {}          # layer -> this decode step's (k, v), written by attend's launch
         self._plan_key = None
         self._ptr_tables: dict[int, object] = {}
         self._parts = None
@@ -209,6 +210,7 @@ class KVCacheGPU(GpuPrefill):
         self._appended.difference_update(layers)
         for layer in layers:
             self._pending_kv.pop(layer, None)
+            self._rows.pop(layer, None)
 
     def mark_replayed(self, layers: range | None = None) -> None:
         """A replayed graph appended the row of this decode step of `layers` (default every layer; hybrid decode:
@@ -233,10 +235,14 @@ class KVCacheGPU(GpuPrefill):
                              f"found {S}{' (second append)' if layer in self._appended else ''}")
         if S == 1:   # decode: the new row's page is on the GPU (reserve puts the newest pages there)
             table = self._table()
-            ptrs = self._page_ptrs(layer, table, self._split_plan(table)[4])
+            split_plan = self._split_plan(table)
+            ptrs = self._page_ptrs(layer, table, split_plan[4])
             k16 = xp.ascontiguousarray(k.reshape(self.h_kv, self.d), dtype=np.float16)   # [1, h_kv*d] -> [h_kv, d]
             v16 = xp.ascontiguousarray(v.reshape(self.h_kv, self.d), dtype=np.float16)
-            self.ops.decode_append(k16, v16, ptrs, self.T, self.h_kv, self.d, self._step_dev)
+            if self._one_launch(split_plan)[0] and self.ops.has_fused_append(self.d):
+                self._rows[layer] = (k16, v16)      # attend's one launch writes the row (paged_decode_fused_append)
+            else:
+                self.ops.decode_append(k16, v16, ptrs, self.T, self.h_kv, self.d, self._step_dev)
             self._appended.add(layer)
             return
         kv = xp.empty((2, self.h_kv, S, self.d), np.float16)                              # one copy per side
@@ -281,6 +287,8 @@ class KVCacheGPU(GpuPrefill):
             missing = sorted(set(range(self.L)) - self._appended)
             raise HelmcError(f"KVCacheGPU.advance: expected {self._pending} rows appended by every layer, "
                              f"found advance({S}) with layers {missing} missing")
+        # Invariant: a decode row left to the attention's launch was written by it (every append is attended).
+        assert not self._rows, f"KVCacheGPU.advance: layers {sorted(self._rows)} appended a row never attended"
         started = self.pool.advance(self._seq, S)
         if started:
             self._copy_out(started)
@@ -354,11 +362,11 @@ class KVCacheGPU(GpuPrefill):
     def _decode(self, layer: int, q, scale: float, out=None):
         xp, ops = self.xp, self.ops
         h_a = q.shape[1]
-        n = self.length + 1
         table = self._table()
-        span, n_splits, host_split, _, stage_of = self._split_plan(table)
+        split_plan = self._split_plan(table)
+        span, n_splits, _, _, stage_of = split_plan
         ptrs = self._page_ptrs(layer, table, stage_of)
-        first = (max(0, n - self.window) // span) if self.window else 0
+        one_launch, first = self._one_launch(split_plan)
         if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
             rows = max(n_splits, 64) * h_a
             self._parts = (xp.empty(rows, np.float32), xp.empty(rows, np.float32),
@@ -366,13 +374,26 @@ class KVCacheGPU(GpuPrefill):
         pm, ps, po = self._parts
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
-        if not any(host_split[first:]) and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all
+        row = self._rows.pop(layer, None)
+        if row is not None:                  # append left the row to this launch: one_launch held there, holds here
+            assert one_launch, "KVCacheGPU._decode: a deferred row needs the one-launch path"
+            ops.decode_fused_append(q16, row[0], row[1], ptrs, self.T, self._step_dev, span, first, n_splits - first,
+                                    self.h_kv, self.d, scale, pm, ps, po, self._counters, res)
+        elif one_launch and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all splits
             ops.decode_fused(q16, ptrs, self.T, self._step_dev, span, first, n_splits - first, self.h_kv, self.d,
                              scale, pm, ps, po, self._counters, res)
         else:
             self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)
+
+    def _one_launch(self, split_plan) -> tuple[bool, int]:
+        """(whether one launch covers this decode step's splits -- none of them on host pages --, the first split
+        the window keeps)."""
+        span, _, host_split, _, _ = split_plan
+        n = self.length + 1
+        first = (max(0, n - self.window) // span) if self.window else 0
+        return not any(host_split[first:]), first
 
     def _decode_in_parts(self, layer: int, table, q16, ptrs, scale: float, first: int, res) -> None:
         """_decode's splits [first, n_splits) as partials -- the resident runs at once, the host pages' splits as

@@ -24,6 +24,7 @@ _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_dec
 FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAME
 # partial + merge in one launch: in cubins from session 15 on; absent, decode launches the two
 FUSED_DECODE_KERNEL = "paged_decode_fused"
+FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # session 16: the decode append inside the fused attention
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 
@@ -110,7 +111,7 @@ class CudaOps:
                 except Exception:             # CUDA_ERROR_NOT_FOUND: an older bundle (or flash below sm_80)
                     return None
             self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (
-                optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL))
+                optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL), optional(FUSED_APPEND_KERNEL))
         return self._kernels[key]
 
     def has_flash(self, head_dim: int, group: int) -> bool:
@@ -120,6 +121,12 @@ class CudaOps:
     def has_fused_decode(self, head_dim: int, group: int) -> bool:
         """Whether the bundle's cubin has paged_decode_fused (decode attention's partials and merge in one launch)."""
         return self._functions(head_dim, group)[5] is not None
+
+    def has_fused_append(self, head_dim: int, group: int | None = None) -> bool:
+        """Whether the bundle's cubin has paged_decode_fused_append (the step's K/V row written by the attention);
+        group None: any cubin built for head_dim (one bundle's cubins come from one source)."""
+        group = next((g for d, g in sorted(self._cubins) if d == head_dim), 0) if group is None else group
+        return self._functions(head_dim, group)[6] is not None
 
     def write_step(self, step, values: np.ndarray, stream) -> None:
         """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
@@ -148,6 +155,17 @@ class CudaOps:
         fused((num_kv_heads, n_splits), (WARPS * 32,),
               (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
                i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
+
+    def decode_fused_append(self, q, k, v, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
+                            n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o,
+                            counters, out) -> None:
+        """decode_append of k, v [h_kv, d] fp16, then decode_fused, in one launch (the same bits)."""
+        group = q.shape[0] // num_kv_heads
+        kernel = self._functions(head_dim, group)[6]
+        i32 = np.int32
+        kernel((num_kv_heads, n_splits), (WARPS * 32,),
+               (q, k, v, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
+                i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:

@@ -11,6 +11,8 @@ Decode attention (one query row per head) over a page table, split-K over pages:
   paged_decode_merge    grid (h_a): combines splits [begin, end) into o = sum(a_i o_i) / sum(a_i s_i), fp16.
   paged_decode_fused    both in one launch when one launch covers the step's splits (every page on the device):
                         the last block of each KV head to finish merges that head's queries.
+  paged_decode_fused_append  paged_append_decode and paged_decode_fused in one launch (the row is read from the
+                        step's K/V, not its page, so no block waits for the write).
   paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
   prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
@@ -31,7 +33,7 @@ from helmc.errors import HelmcError
 
 WARPS = 4                        # warps per block of paged_decode_partial; the source #defines the same
 KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal",
-                "paged_decode_fused")
+                "paged_decode_fused", "paged_decode_fused_append")
 
 DECODE_SOURCE = r"""
 // Compile with -DHEAD_DIM=<d> -DGROUP=<h_a / h_kv>.  HEAD_DIM must be a multiple of 32 and <= 256.
@@ -85,7 +87,9 @@ decode_partial_body(const unsigned short* __restrict__ q,      // [h_kv * GROUP,
                     int split_tokens, int split_base, int num_kv_heads, float scale,
                     float* __restrict__ part_m,                // [splits, h_a]
                     float* __restrict__ part_s,                // [splits, h_a]
-                    float* __restrict__ part_o)                // [splits, h_a, HEAD_DIM]
+                    float* __restrict__ part_o,                // [splits, h_a, HEAD_DIM]
+                    const unsigned short* __restrict__ k_new,  // [h_kv, HEAD_DIM] token n-1's K, V; nullptr: from
+                    const unsigned short* __restrict__ v_new)  // its page (paged_decode_fused_append passes them)
 {
     const int kvh = blockIdx.x;
     const int split = split_base + blockIdx.y;
@@ -119,6 +123,11 @@ decode_partial_body(const unsigned short* __restrict__ q,      // [h_kv * GROUP,
         for (int u = 0; u < LOOKAHEAD; ++u) {
             const int t = t0 + u * WARPS;
             if (t < t_end) {
+                if (k_new != nullptr && t == n_tokens - 1) {     // this step's row: the same fp16 values as the
+                    load_row(k_new + kvh * HEAD_DIM + lane * VEC, kf[u]);   // page will hold, so the same bits
+                    load_row(v_new + kvh * HEAD_DIM + lane * VEC, vf[u]);
+                    continue;
+                }
                 const int page = t / page_tokens;
                 const unsigned short* kp = reinterpret_cast<const unsigned short*>(page_ptrs[page])
                                            + k_off + (long long)(t - page * page_tokens) * HEAD_DIM;
@@ -186,7 +195,7 @@ paged_decode_partial(const unsigned short* __restrict__ q, const long long* __re
                      float* __restrict__ part_o)
 {
     decode_partial_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, num_kv_heads, scale,
-                        part_m, part_s, part_o);
+                        part_m, part_s, part_o, nullptr, nullptr);
 }
 
 // Column c of head h's output from splits [split_begin, split_end): o = sum(a_i o_i) / sum(a_i s_i). Loads through
@@ -225,15 +234,15 @@ paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ p
 // splits' (m, s) at once, M is their max, each lane stages a = exp(m - M) and s of 32 splits in shared memory, and
 // then adds the splits in order for its VEC columns: paged_decode_merge's operations in its order, so the same
 // bits, without its chain of one dependent load per split. One kernel where there were two.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-paged_decode_fused(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs,
-                   int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
-                   int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
-                   float* __restrict__ part_o, int* __restrict__ counters,   // [h_kv] int32, 0 between launches
-                   unsigned short* __restrict__ out)                          // [h_a, HEAD_DIM] fp16
+static __device__ __forceinline__ void
+decode_fused_body(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs,
+                  int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
+                  int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
+                  float* __restrict__ part_o, int* __restrict__ counters, unsigned short* __restrict__ out,
+                  const unsigned short* __restrict__ k_new, const unsigned short* __restrict__ v_new)
 {
     decode_partial_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, num_kv_heads, scale,
-                        part_m, part_s, part_o);
+                        part_m, part_s, part_o, k_new, v_new);
     __threadfence();                                   // this block's partials visible to the GPU before it counts
     __syncthreads();
     __shared__ int last;
@@ -282,6 +291,40 @@ paged_decode_fused(const unsigned short* __restrict__ q, const long long* __rest
         for (int i = 0; i < VEC; ++i) out[h * HEAD_DIM + lane * VEC + i] = f2h(O[i] / S);
     }
     if (threadIdx.x == 0) counters[kvh] = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_fused(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs,
+                   int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
+                   int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
+                   float* __restrict__ part_o, int* __restrict__ counters,   // [h_kv] int32, 0 between launches
+                   unsigned short* __restrict__ out)                          // [h_a, HEAD_DIM] fp16
+{
+    decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
+                      part_m, part_s, part_o, counters, out, nullptr, nullptr);
+}
+
+// paged_append_decode and paged_decode_fused in one launch: block (j, 0) writes KV head j's row of this step (token
+// n-1) into its page, and every block takes that token's K and V from k_new / v_new rather than the page, so no
+// block waits for the write and none reads a half-written row. One kernel a layer where there were two.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_fused_append(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_new,
+                          const unsigned short* __restrict__ v_new, const long long* __restrict__ page_ptrs,
+                          int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
+                          int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
+                          float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
+                          unsigned short* __restrict__ out)
+{
+    if (blockIdx.y == 0) {
+        const int pos = step[0] - 1, page = pos / page_tokens, row = pos - page * page_tokens, h = blockIdx.x;
+        unsigned short* dst = reinterpret_cast<unsigned short*>(page_ptrs[page]);
+        for (int c = threadIdx.x; c < HEAD_DIM; c += WARPS * 32) {
+            dst[((long long)h * page_tokens + row) * HEAD_DIM + c] = k_new[h * HEAD_DIM + c];
+            dst[((long long)(num_kv_heads + h) * page_tokens + row) * HEAD_DIM + c] = v_new[h * HEAD_DIM + c];
+        }
+    }
+    decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
+                      part_m, part_s, part_o, counters, out, k_new, v_new);
 }
 
 // Causal attention of S fresh query rows (positions 0..S-1) over the same rows' K/V; window > 0 keeps keys

@@ -62,8 +62,11 @@ unsigned short f2h(float f) { _Float16 h = (_Float16)f; unsigned short u; std::m
 """
 
 DRIVER = r"""
+static int reverse_blocks = 0;          // 1: the grid's blocks run last to first (no block may rely on another's writes)
+extern "C" void set_reverse_blocks(int r) { reverse_blocks = r; }
 template <class F> static void launch(int gx, int gy, int threads, F body) {
-    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
+    for (int i = 0; i < gx * gy; ++i) {
+        const int j = reverse_blocks ? gx * gy - 1 - i : i, by = j / gx, bx = j % gx;
         std::barrier<> bb(threads);
         block_barrier = &bb;
         std::vector<std::barrier<>*> wbs;
@@ -85,6 +88,14 @@ extern "C" void run_fused(const unsigned short* q, const long long* ptrs, int T,
                           int* counters, unsigned short* out) {
     launch(h_kv, n_splits, WARPS * 32, [&] {
         paged_decode_fused(q, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po, counters, out); });
+}
+extern "C" void run_fused_append(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                                 const long long* ptrs, int T, const int* step, int span, int split_base, int n_splits,
+                                 int h_kv, float scale, float* pm, float* ps, float* po, int* counters,
+                                 unsigned short* out) {
+    launch(h_kv, n_splits, WARPS * 32, [&] {
+        paged_decode_fused_append(q, k, v, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po,
+                                  counters, out); });
 }
 extern "C" void run_merge(const float* pm, const float* ps, const float* po, int b, int e, int heads,
                           unsigned short* out) {
@@ -210,3 +221,56 @@ def test_prefill_kernel_on_cpu_threads(tmp_path, h_kv, group, d, S, window):
     print(f"\nprefill_causal on CPU threads, h_kv={h_kv} group={group} d={d} S={S} window={window}: "
           f"max relative error {err:.2e}")
     assert err < 1e-3
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("h_kv,group,d,T,n,span,t_begin", [
+    (2, 4, 128, 16, 45, 16, 0),        # the new row mid-page, three splits
+    (2, 4, 128, 16, 17, 4, 0),         # the new row first of its page, quarter-page splits
+    (1, 8, 64, 8, 40, 16, 0),          # the new row last of its page
+    (1, 2, 64, 8, 300, 8, 20),         # 38 splits, a window start
+])
+def test_fused_append_equals_append_then_fused(tmp_path, h_kv, group, d, T, n, span, t_begin):
+    """paged_decode_fused_append gives the bits of paged_append_decode followed by paged_decode_fused: the same
+    output and the same pages (the row written, nothing else touched), its counters back at 0."""
+    lib = build(tmp_path, d, group)
+    rng = np.random.default_rng(n + d)
+    n_pages = -(-n // T)
+    pool = rng.standard_normal((n_pages + 2, 2, h_kv, T, d)).astype(np.float16)
+    slots = rng.permutation(n_pages + 2)[:n_pages]
+    q = rng.standard_normal((h_kv * group, d)).astype(np.float16)
+    k, v = (rng.standard_normal((h_kv, d)).astype(np.float16) for _ in range(2))
+    h_a, n_splits = h_kv * group, -(-n_pages * T // span)
+    first = t_begin // span
+    step = np.array([n, t_begin], np.int32)
+    fp, ip, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    results = []
+    for fused_append in (False, True):
+        pages = pool.copy()
+        ptrs = np.array([pages.ctypes.data + int(s) * pages[0].nbytes for s in slots], np.int64)
+        pm, ps, po = (np.full(size, np.nan, np.float32) for size in (n_splits * h_a, n_splits * h_a, n_splits * h_a * d))
+        counters, out = np.zeros(h_kv, np.int32), np.full((h_a, d), np.nan, np.float16)
+        common = (ip(T), fp(step.ctypes.data), ip(span), ip(first), ip(n_splits - first), ip(h_kv), f(0.3),
+                  fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data), fp(counters.ctypes.data),
+                  fp(out.ctypes.data))
+        if fused_append:
+            # The new row's page slot holds garbage and the blocks run last to first: the split that reads token
+            # n-1 runs before block (j, 0) writes it, so only a kernel that takes the row from k/v passes.
+            page, row = divmod(n - 1, T)
+            pages[slots[page], :, :, row] = np.nan
+            lib.set_reverse_blocks(1)
+            lib.run_fused_append(fp(q.ctypes.data), fp(k.ctypes.data), fp(v.ctypes.data), fp(ptrs.ctypes.data),
+                                 *common)
+            lib.set_reverse_blocks(0)
+        else:
+            lib.run_append(fp(k.ctypes.data), fp(v.ctypes.data), fp(ptrs.ctypes.data), ip(T), ip(h_kv),
+                           fp(step.ctypes.data))
+            lib.run_fused(fp(q.ctypes.data), fp(ptrs.ctypes.data), *common)
+        assert not counters.any() and np.isfinite(out.astype(np.float32)).all()
+        results.append((out.copy(), pages))
+    (out0, pages0), (out1, pages1) = results
+    print(f"\nfused append, h_kv={h_kv} group={group} d={d} T={T} n={n}: outputs equal "
+          f"{np.array_equal(out0.view(np.uint16), out1.view(np.uint16))}, pages equal {np.array_equal(pages0, pages1)}")
+    assert np.array_equal(out0.view(np.uint16), out1.view(np.uint16)) and np.array_equal(pages0, pages1)
+    assert not np.array_equal(pages0, pool)                  # the row was written
+

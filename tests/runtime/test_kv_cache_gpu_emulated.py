@@ -177,16 +177,21 @@ def test_later_chunks_take_flash_over_device_and_staged_host_pages(gpu_pages, st
 
 
 def test_resident_decode_takes_one_fused_launch_and_host_pages_the_two():
-    """Decode attention over pages all on the device is one launch (paged_decode_fused: the partials, then the
-    merge by each KV head's last block); a step with a split over a host page, or a cubin without the kernel,
-    launches partials and merge. The outputs agree bit for bit whichever ran."""
-    def cache(fused, **kw):
+    """Decode attention over pages all on the device is one launch (paged_decode_fused_append: the step's row
+    written, the partials, then the merge by each KV head's last block); a cubin without the append in it launches
+    the append and paged_decode_fused; a step with a split over a host page, or a cubin without either, launches
+    append, partials and merge. The outputs agree bit for bit whichever ran."""
+    def cache(fused, fused_append=None, **kw):
         return KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256,
-                          staging_pages=4, ops=EmulatedOps(num_sms=2, fused=fused), **kw)
+                          staging_pages=4, ops=EmulatedOps(num_sms=2, fused=fused, fused_append=fused_append), **kw)
     fused, apart, off = cache(True, offload=False), cache(False, offload=False), cache(True, gpu_pages=2, watermark=0.5)
-    worst, identical = drive([fused, apart, off], [3 * T] + [1] * 6, seed=11)
+    no_append = cache(True, fused_append=False, offload=False)
+    worst, identical = drive([fused, apart, off, no_append], [3 * T] + [1] * 6, seed=11)
     assert worst < 1e-5 and identical
     assert fused.ops.fused_launches == 2 * 6 and apart.ops.fused_launches == 0     # every layer's decode steps
+    assert fused.ops.fused_append_launches == 2 * 6 and no_append.ops.fused_append_launches == 0
+    assert no_append.ops.fused_launches == 2 * 6 and not fused._rows
     t = off.pool.page_table(off._seq)
     assert any(not t.on_device(i) for i in range(t.n_pages)) and off.ops.fused_launches < 2 * 6
+    assert off.ops.fused_append_launches == off.ops.fused_launches    # the host-page steps appended on their own
     assert not fused._counters.any()
