@@ -153,7 +153,7 @@ def test_prefetch_addresses_stay_inside_the_weight(qtype, n, k, rows, wrap, ahea
     """Every byte the kernel's prefetches name lies in W, both where the group's first row is clamped once (the
     cheap path, large W) and where each address is clamped (small W): brute force over every group, row, block and
     line, with the macro's own index arithmetic (a prefetch past W would not fault on x86, so no run can show it)."""
-    from helmc.schedules.cpu.gemv_quant import prefetch_plan
+    from helmc.schedules.cpu.quant.prefetch import prefetch_plan
     block = QUANT_BLOCKS[qtype]
     row_bytes = quant_row_bytes(qtype, k)
     tuning = QuantGemvTuning(rows=rows, prefetch_bytes=1024)

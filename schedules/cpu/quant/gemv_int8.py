@@ -28,9 +28,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _check, _hsum, _prefetch, _sum, _token,
+from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _check, _hsum, _sum, _token,
                                             gemv_quant_symbol, quant_blocking)
 from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
 from helmc.schedules.cpu.quant.tiles import QuantTiles
 from helmc.schedules.cpu.weight_load import STACK, widen
 
