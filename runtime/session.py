@@ -212,15 +212,15 @@ def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: t
     """Manifest (signature and hashes verified before any library in the bundle loads), spec, plan and the
     weights directory."""
     manifest = verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
-    spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
-    plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
+    spec = ModelSpec.from_json(read_bundle_text(bundle_dir, "model_spec.json"))
+    plan = Plan.from_json(read_bundle_text(bundle_dir, "plan.json"))
     wdir = weights_dir or manifest.weights_dir
     if not os.path.isabs(wdir):
         wdir = os.path.join(bundle_dir, wdir)
     return manifest, spec, plan, wdir
 
 
-def _read_text(bundle_dir: str, name: str) -> str:
+def read_bundle_text(bundle_dir: str, name: str) -> str:
     try:
         with open(os.path.join(bundle_dir, name), encoding="utf-8") as f:
             return f.read()

@@ -107,7 +107,7 @@ def decode_workload(plan: Plan) -> Workload:
                     kv_offload=plan.kv_offload, hybrid=plan.is_hybrid)
 
 
-def _with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
+def with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
     """The profile capped at the VRAM the plan was made for (a budget is part of the bundle's plan)."""
     if hw.gpu is None or plan.usable_vram_bytes <= 0:
         return hw
@@ -127,7 +127,7 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len:
         raise HelmcError(f"predict: plan expected for {a.num_layers} blocks, found {plan.num_layers}")
     if plan.uses_gpu and hw.gpu is None:
         raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
-    hw = _with_plan_budget(hw, plan)
+    hw = with_plan_budget(hw, plan)
     cpu = DeviceRates.of_device(hw, "cpu", analysis=a)
     gpu = DeviceRates.of_device(hw, "gpu", analysis=a) if hw.gpu is not None else None
     w = decode_workload(plan)

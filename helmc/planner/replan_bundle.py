@@ -12,6 +12,7 @@ Pure Python over the bundle's JSON files: this runs on the target with the runti
 """
 from __future__ import annotations
 
+from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile, load_hardware
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
@@ -23,19 +24,36 @@ def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget
                   ) -> tuple[Plan, ModelSpec]:
     """(the plan for `hardware`, the bundle's spec). Arguments left None take the bundle's plan's values; the batch
     is always the bundle's (its GPU stage and KV slots were built for it)."""
-    from helmc.planner.calibrate import _with_plan_budget
+    from helmc.planner.calibrate import with_plan_budget
     from helmc.planner.search_partition import plan
     from helmc.runtime.bundle.manifest import verify_bundle
-    from helmc.runtime.session import _read_text
+    from helmc.runtime.session import read_bundle_text
     hw = load_hardware(hardware)
     # The bundle's files as its manifest lists them, and its CPU features against the machine planned for (this
     # process loads none of its libraries: the plan may be made anywhere, for the machine `hardware` describes).
-    verify_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu is not None else None)
-    spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
-    own = Plan.from_json(_read_text(bundle_dir, "plan.json"))
-    hw = hw.with_gpu_budget(gpu_budget_gib) if gpu_budget_gib is not None else _with_plan_budget(hw, own)
+    manifest = verify_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu is not None else None)
+    spec = ModelSpec.from_json(read_bundle_text(bundle_dir, "model_spec.json"))
+    own = Plan.from_json(read_bundle_text(bundle_dir, "plan.json"))
+    hw = hw.with_gpu_budget(gpu_budget_gib) if gpu_budget_gib is not None else with_plan_budget(hw, own)
     p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
              batch=own.batch, objective=objective or own.objective,
              kv_offload=own.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,
              hybrid=hybrid)
+    _check_code_for(p, manifest, hw, bundle_dir)
     return p, spec
+
+
+def _check_code_for(p: Plan, manifest, hw: HardwareProfile, bundle_dir: str) -> None:
+    """The plan's devices against the code the bundle holds: a GPU stage built for this GPU's arch, a CPU stage
+    where host blocks or the head run on the CPU (an all-GPU bundle has none)."""
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB
+    rebuild = "rebuild the bundle with this machine's profile (helmc build MODEL hardware.json -o ...)"
+    if p.uses_gpu and not manifest.cuda_arch:
+        raise HelmcError(f"plan: {p.describe()} uses the GPU; {bundle_dir} holds no GPU stage (built for a machine "
+                         f"without one): {rebuild}")
+    if p.uses_gpu and hw.gpu is not None and hw.gpu.arch != manifest.cuda_arch:
+        raise HelmcError(f"plan: {bundle_dir}'s GPU code is for {manifest.cuda_arch}, this GPU is {hw.gpu.arch}: "
+                         f"{rebuild}")
+    if (len(p.cpu_layers) or not p.head_on_gpu) and not any(f.path == CPU_STAGE_LIB for f in manifest.files):
+        raise HelmcError(f"plan: {p.describe()} runs blocks or the head on the CPU; {bundle_dir} holds no CPU stage "
+                         f"(built to run all on the GPU): {rebuild}")

@@ -20,11 +20,13 @@ def test_replan_keeps_the_bundles_workload_and_follows_the_profile(tiny, host_ha
     assert (p.num_layers, p.batch, p.prompt_len, p.output_len, p.objective) == \
            (own.num_layers, own.batch, own.prompt_len, own.output_len, own.objective)
     assert p.architecture_hash == spec.architecture_hash() and p.cpu_units == own.cpu_units == own.num_units
-    # The same bundle on this CPU beside a GPU (a preset's GPU and link): its blocks move there, the batch stays.
+    shorter, _ = replan_bundle(bundle, host_hardware, prompt_len=64, output_len=32)
+    assert (shorter.prompt_len, shorter.output_len, shorter.batch) == (64, 32, own.batch)
+    # This bundle was built for a machine without a GPU: a plan that would put its blocks on one is refused, with
+    # what to do, rather than written for code the bundle does not hold.
     laptop = load_hardware("rtx4060-laptop")
-    gpu, _ = replan_bundle(bundle, dataclasses.replace(host_hardware, gpu=laptop.gpu, link=laptop.link), prompt_len=64)
-    assert gpu.uses_gpu and gpu.batch == own.batch and gpu.prompt_len == 64
-    print(f"\nown plan {own.describe()}; beside an RTX 4060 {gpu.describe()} ({gpu.t_plan_ms:.3f} ms)")
+    with pytest.raises(HelmcError, match="holds no GPU stage"):
+        replan_bundle(bundle, dataclasses.replace(host_hardware, gpu=laptop.gpu, link=laptop.link))
     # A machine whose CPU lacks the features the bundle's CPU code was built for cannot run it: said, not planned.
     missing = [f for f in host_hardware.cpu.features if f not in laptop.cpu.features]
     if missing:
