@@ -208,19 +208,21 @@ class Session:
 
 # -------------------------------------------------------------------- helpers
 def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
-                require_signed: bool = False) -> tuple[BundleManifest, ModelSpec, Plan, str]:
+                require_signed: bool = False, cpu_flags: frozenset[str] | None = None
+                ) -> tuple[BundleManifest, ModelSpec, Plan, str]:
     """Manifest (signature and hashes verified before any library in the bundle loads), spec, plan and the
-    weights directory."""
-    manifest = verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
-    spec = ModelSpec.from_json(read_bundle_text(bundle_dir, "model_spec.json"))
-    plan = Plan.from_json(read_bundle_text(bundle_dir, "plan.json"))
+    weights directory. cpu_flags: the CPU features to check the bundle's against (default this CPU's; a plan made
+    here for another machine checks that machine's)."""
+    manifest = verify_bundle(bundle_dir, cpu_flags, trusted_keys=trusted_keys, require_signed=require_signed)
+    spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
+    plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
     wdir = weights_dir or manifest.weights_dir
     if not os.path.isabs(wdir):
         wdir = os.path.join(bundle_dir, wdir)
     return manifest, spec, plan, wdir
 
 
-def read_bundle_text(bundle_dir: str, name: str) -> str:
+def _read_text(bundle_dir: str, name: str) -> str:
     try:
         with open(os.path.join(bundle_dir, name), encoding="utf-8") as f:
             return f.read()

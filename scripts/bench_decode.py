@@ -132,6 +132,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also warms up).
     s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
     cpu_steps = time_cpu_stage(s)
+    hw = calibrated or HardwareProfile.load(os.path.join(s.bundle_dir, "hardware.json"))   # ratios' profile
     runs = []
     for i in range(requests):
         r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
@@ -156,11 +157,11 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
                 "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
     if cpu_steps:
-        out.update(cpu_stage_fields(s, plan, cpu_steps, calibrated))
+        out.update(cpu_stage_fields(s, plan, cpu_steps, hw))
         log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a step, {out['cpu_stage_read_gbs']:.1f} GB/s of its weights; "
             f"the profile's M over that {out.get('profile_dram_vs_measured', float('nan')):.3f}")
     if plan.is_hybrid:
-        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], calibrated))
+        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], hw))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
             f"PCIe ({out['pcie_gbs']:.1f} GB/s), host weights read at {out['host_weight_gbs']:.1f} GB/s"
             + (f", {out['share_of_dram_pcie']:.0%} of the profile's DRAM + PCIe rate" if "share_of_dram_pcie" in out else ""))
@@ -190,33 +191,30 @@ def time_cpu_stage(s) -> list[float] | None:
     def timed(x, cos, sin, phase):
         t = time.perf_counter()
         out = inner(x, cos, sin, phase)
-        steps.append(time.perf_counter() - t) if phase == "decode" else None
+        if phase == "decode":
+            steps.append(time.perf_counter() - t)
         return out
     gpu.cpu_stage_step = timed
     return steps
 
 
-def cpu_stage_fields(s, plan, steps: list[float], hw=None) -> dict:
-    """The CPU stage's read of its blocks' weights over its median step, against `hw` (--profile) or the bundle's
-    hardware.json: the profile's M (fp16 GEMVs, what the cost model charges a CPU block) over that read is
+def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
+    """The CPU stage's read of its blocks' weights over its median step, against `hw` (--profile, or the bundle's
+    own): the profile's M (fp16 GEMVs, what the cost model charges a CPU block) over that read is
     profile_dram_vs_measured (issue 17; 1.0: the profile told the truth), its stream read's the other ratio."""
     nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
     out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
-    if hw is None:
-        with open(os.path.join(s.bundle_dir, "hardware.json")) as f:
-            cpu = json.load(f).get("cpu") or {}
-    else:
-        cpu = {"host_read_gbs": hw.cpu.host_read_gbs, "dram_gbs": hw.cpu.dram_gbs} if hw.cpu else {}
-    for key, name in (("host_read_gbs", "profile_dram_vs_measured"), ("dram_gbs", "profile_stream_read_vs_measured")):
-        if cpu.get(key) and nbytes:
-            out[name] = cpu[key] / out["cpu_stage_read_gbs"]
+    for rate, name in ((hw.cpu.host_read_gbs, "profile_dram_vs_measured"),
+                       (hw.cpu.dram_gbs, "profile_stream_read_vs_measured")):
+        if rate and nbytes:
+            out[name] = rate / out["cpu_stage_read_gbs"]
     return out
 
 
-def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
+def hybrid_fields(s, plan, per_token_ms: float, hw) -> dict:
     """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
     their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
-    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile (issue 17)."""
+    the DRAM + PCIe rate measured together by `hw` (--profile: this run's, or the bundle's profile) (issue 17)."""
     h = s.gpu.hybrid
     per_token = h.backend.bytes_copied / max(1, h.tokens)
     out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
@@ -224,14 +222,8 @@ def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
            "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
            "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
            "host_weight_gbs": plan.cpu_weight_bytes / (per_token_ms * 1e-3) / GB}
-    link = {}
-    if hw is not None and hw.link is not None:      # --profile's (this run's), else the bundle's own
-        link = {"h2d_concurrent_gbs": hw.link.h2d_concurrent_gbs, "cpu_read_concurrent_gbs": hw.link.cpu_read_concurrent_gbs}
-    elif os.path.isfile(path := os.path.join(s.bundle_dir, "hardware.json")):
-        with open(path) as f:
-            link = json.load(f).get("link") or {}
-    if link.get("h2d_concurrent_gbs"):
-        out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
+    if hw.link is not None and hw.link.has_concurrent:
+        out["profile_dram_pcie_gbs"] = hw.link.combined_gbs
         out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
     return out
 

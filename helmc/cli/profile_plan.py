@@ -180,7 +180,7 @@ def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_
     directory `helmc build` wrote), plan its model and workload again for HARDWARE (`helmc profile` on the machine
     it runs on): `-o plan.json`, then `helmc run|serve|chat BUNDLE --plan plan.json`, with no compiling."""
     from helmc.planner.search_partition import load_spec, plan
-    from helmc.runtime.bundle.plan import is_bundle_dir
+    from helmc.runtime.bundle.manifest import is_bundle_dir
     try:
         if is_bundle_dir(model):
             from helmc.planner.replan_bundle import replan_bundle

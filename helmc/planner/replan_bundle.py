@@ -26,14 +26,11 @@ def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget
     is always the bundle's (its GPU stage and KV slots were built for it)."""
     from helmc.planner.calibrate import with_plan_budget
     from helmc.planner.search_partition import plan
-    from helmc.runtime.bundle.manifest import verify_bundle
-    from helmc.runtime.session import read_bundle_text
+    from helmc.runtime.session import read_bundle
     hw = load_hardware(hardware)
     # The bundle's files as its manifest lists them, and its CPU features against the machine planned for (this
     # process loads none of its libraries: the plan may be made anywhere, for the machine `hardware` describes).
-    manifest = verify_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu is not None else None)
-    spec = ModelSpec.from_json(read_bundle_text(bundle_dir, "model_spec.json"))
-    own = Plan.from_json(read_bundle_text(bundle_dir, "plan.json"))
+    manifest, spec, own, _ = read_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu else None)
     hw = hw.with_gpu_budget(gpu_budget_gib) if gpu_budget_gib is not None else with_plan_budget(hw, own)
     p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
              batch=own.batch, objective=objective or own.objective,
@@ -54,6 +51,6 @@ def _check_code_for(p: Plan, manifest, hw: HardwareProfile, bundle_dir: str) -> 
     if p.uses_gpu and hw.gpu is not None and hw.gpu.arch != manifest.cuda_arch:
         raise HelmcError(f"plan: {bundle_dir}'s GPU code is for {manifest.cuda_arch}, this GPU is {hw.gpu.arch}: "
                          f"{rebuild}")
-    if (len(p.cpu_layers) or not p.head_on_gpu) and not any(f.path == CPU_STAGE_LIB for f in manifest.files):
+    if (len(p.cpu_layers) or not p.head_on_gpu) and not manifest.lists(CPU_STAGE_LIB):
         raise HelmcError(f"plan: {p.describe()} runs blocks or the head on the CPU; {bundle_dir} holds no CPU stage "
                          f"(built to run all on the GPU): {rebuild}")

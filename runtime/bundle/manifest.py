@@ -51,6 +51,9 @@ class BundleManifest:
                 return f
         raise HelmcError(f"bundle manifest: no file {path!r} listed")
 
+    def lists(self, path: str) -> bool:
+        return any(f.path == path for f in self.files)
+
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)
 
@@ -79,6 +82,11 @@ def host_cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def is_bundle_dir(path: str) -> bool:
+    """A directory `helmc build` wrote (its manifest and plan), as opposed to a model directory or file."""
+    return os.path.isdir(path) and all(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST_NAME, "plan.json"))
 
 
 def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trusted_keys: tuple | None = None,

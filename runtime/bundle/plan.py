@@ -19,7 +19,6 @@ alternate, CPU first, cover cpu_layers in order, and every streamed group fits t
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
@@ -298,11 +297,6 @@ def describe_split(cpu_units: int, num_units: int) -> str:
 def all_cpu_plan(num_layers: int, max_context: int) -> Plan:
     return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=num_layers, cpu_units=num_layers + 2,
                 max_context=max_context)
-
-
-def is_bundle_dir(path: str) -> bool:
-    """A directory `helmc build` wrote (its manifest and plan), as opposed to a model directory or file."""
-    return os.path.isdir(path) and all(os.path.isfile(os.path.join(path, f)) for f in ("manifest.json", "plan.json"))
 
 
 def read_plan_file(path: str) -> Plan:

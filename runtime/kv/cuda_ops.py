@@ -125,8 +125,11 @@ class CudaOps:
     def has_fused_append(self, head_dim: int, group: int | None = None) -> bool:
         """Whether the bundle's cubin has paged_decode_fused_append (the step's K/V row written by the attention);
         group None: any cubin built for head_dim (one bundle's cubins come from one source)."""
-        group = next((g for d, g in sorted(self._cubins) if d == head_dim), 0) if group is None else group
-        return self._functions(head_dim, group)[6] is not None
+        return self._functions(head_dim, self._any_group(head_dim) if group is None else group)[6] is not None
+
+    def _any_group(self, head_dim: int) -> int:
+        """A query group some cubin for head_dim was built for (kernels that do not depend on it are in each)."""
+        return next((g for d, g in sorted(self._cubins) if d == head_dim), 0)
 
     def write_step(self, step, values: np.ndarray, stream) -> None:
         """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
@@ -177,8 +180,7 @@ class CudaOps:
     def decode_append(self, k, v, page_ptrs, page_tokens: int, num_kv_heads: int, head_dim: int, step) -> None:
         """k, v [h_kv, d] fp16 contiguous -> row step[0]-1 of their page (page_ptrs: this layer's slices).
         The kernel does not depend on the query group: any cubin built for this head_dim has it."""
-        group = next((g for d, g in sorted(self._cubins) if d == head_dim), 0)
-        append = self._functions(head_dim, group)[2]
+        append = self._functions(head_dim, self._any_group(head_dim))[2]
         append((num_kv_heads, 2), (head_dim,), (k, v, page_ptrs, np.int32(page_tokens), np.int32(num_kv_heads), step))
 
     def prefill_causal(self, q, kv, num_kv_heads: int, head_dim: int, window: int, scale: float, out) -> None:
