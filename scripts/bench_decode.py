@@ -132,7 +132,6 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also warms up).
     s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
     cpu_steps = time_cpu_stage(s)
-    hw = calibrated or HardwareProfile.load(os.path.join(s.bundle_dir, "hardware.json"))   # ratios' profile
     runs = []
     for i in range(requests):
         r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
@@ -157,11 +156,12 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
                 "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
                 "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
     if cpu_steps:
+        hw = calibrated or HardwareProfile.load(os.path.join(s.bundle_dir, "hardware.json"))
         out.update(cpu_stage_fields(s, plan, cpu_steps, hw))
         log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a step, {out['cpu_stage_read_gbs']:.1f} GB/s of its weights; "
             f"the profile's M over that {out.get('profile_dram_vs_measured', float('nan')):.3f}")
     if plan.is_hybrid:
-        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], hw))
+        out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], calibrated))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
             f"PCIe ({out['pcie_gbs']:.1f} GB/s), host weights read at {out['host_weight_gbs']:.1f} GB/s"
             + (f", {out['share_of_dram_pcie']:.0%} of the profile's DRAM + PCIe rate" if "share_of_dram_pcie" in out else ""))
@@ -211,10 +211,10 @@ def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
     return out
 
 
-def hybrid_fields(s, plan, per_token_ms: float, hw) -> dict:
+def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
     """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
     their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
-    the DRAM + PCIe rate measured together by `hw` (--profile: this run's, or the bundle's profile) (issue 17)."""
+    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile (issue 17)."""
     h = s.gpu.hybrid
     per_token = h.backend.bytes_copied / max(1, h.tokens)
     out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
@@ -222,8 +222,14 @@ def hybrid_fields(s, plan, per_token_ms: float, hw) -> dict:
            "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
            "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
            "host_weight_gbs": plan.cpu_weight_bytes / (per_token_ms * 1e-3) / GB}
-    if hw.link is not None and hw.link.has_concurrent:
-        out["profile_dram_pcie_gbs"] = hw.link.combined_gbs
+    link = {}
+    if hw is not None and hw.link is not None:      # --profile's (this run's), else the bundle's own
+        link = {"h2d_concurrent_gbs": hw.link.h2d_concurrent_gbs, "cpu_read_concurrent_gbs": hw.link.cpu_read_concurrent_gbs}
+    elif os.path.isfile(path := os.path.join(s.bundle_dir, "hardware.json")):
+        with open(path) as f:
+            link = json.load(f).get("link") or {}
+    if link.get("h2d_concurrent_gbs"):
+        out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
         out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
     return out
 
