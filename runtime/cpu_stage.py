@@ -48,7 +48,8 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
     import tvm.runtime
     from helmc.runtime.kv.cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
-    from helmc.runtime.tvm_tensors import available_cpu_count, single_threaded_blas, use_cpu_threads
+    from helmc.runtime.tvm_tensors import (available_cpu_count, cpu_tensor_view, host_view, single_threaded_blas,
+                                          use_cpu_threads)
 
     use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
     single_threaded_blas()                     # KV attention threads its own NumPy calls
@@ -68,8 +69,10 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
                         threads=default_threads(),
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim, spec.dtype))
-        stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=lambda t: t.numpy(),
-                      from_array=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev), batch_sizes=batches)
+        # Views both ways, no copies: the K/V rows are copied into the pages by append, the attention's output is a
+        # fresh array per call (KVCacheCPU.attend), read by post_attn before anything writes it again.
+        stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=host_view,
+                      from_array=lambda a: cpu_tensor_view(a, dev), batch_sizes=batches)
     head = None
     if not plan.head_on_gpu:
         hw = bind_head(checkpoint, spec, dev)

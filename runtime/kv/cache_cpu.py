@@ -292,7 +292,9 @@ class KVCacheCPU:
         k, v = self._kernel_args[layer]
         np.copyto(self._q, q[0])
         self._kernel(self._q_tensor, k, v, row0 + lo, n - lo, float(scale), self._o_tensor)
-        return self._o.reshape(1, -1, self.head_dim).astype(q.dtype)      # [h_a, d] -> [1, h_a, d] (a copy)
+        out = _aligned_empty((1, self._o.shape[0], self.head_dim), q.dtype)  # aligned: the stage's tensor is a view
+        np.copyto(out, self._o.reshape(out.shape))                           # [h_a, d] -> [1, h_a, d]
+        return out
 
     def _bind_kernel(self, num_q_heads: int) -> None:
         """Zero-copy TVM tensors over every layer's K and V arena and over the q/o staging buffers."""
