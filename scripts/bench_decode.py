@@ -24,7 +24,7 @@ model's T_plan for that bundle's split under the calibrated profile ("T_plan (ca
 measured / that. The calibrated profile is written beside --out. With --profile HW.json instead (what `helmc
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
 placement under that profile, no calibration (issue 17's check); a split's row adds its CPU stage's read per decode
-step and the profile's M over it (`profile_dram_vs_measured`). --replan runs each bundle with its plan made again
+step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `profile_gemv_read_vs_measured`). --replan runs each bundle with its plan made again
 from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
@@ -159,7 +159,8 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         hw = calibrated or HardwareProfile.load(os.path.join(s.bundle_dir, "hardware.json"))
         out.update(cpu_stage_fields(s, plan, cpu_steps, hw))
         log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a step, {out['cpu_stage_read_gbs']:.1f} GB/s of its weights; "
-            f"the profile's M over that {out.get('profile_dram_vs_measured', float('nan')):.3f}")
+            f"the profile's stage read over that {out.get('profile_dram_vs_measured', float('nan')):.3f}, its M's "
+            f"{out.get('profile_gemv_read_vs_measured', float('nan')):.3f}")
     if plan.is_hybrid:
         out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], calibrated))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
@@ -199,12 +200,13 @@ def time_cpu_stage(s) -> list[float] | None:
 
 
 def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
-    """The CPU stage's read of its blocks' weights over its median step, against `hw` (--profile, or the bundle's
-    own): the profile's M (fp16 GEMVs, what the cost model charges a CPU block) over that read is
-    profile_dram_vs_measured (issue 17; 1.0: the profile told the truth), its stream read's the other ratio."""
+    """The CPU stage's read of its blocks' weights over its median step against `hw` (--profile, or the bundle's):
+    profile_dram_vs_measured (issue 17; 1.0: the profile told the truth) is the profile's synthetic stage read (M
+    where a profile lacks it) over it; M's (GEMVs alone) and the stream read's are the other two ratios."""
     nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
     out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
-    for rate, name in ((hw.cpu.host_read_gbs, "profile_dram_vs_measured"),
+    for rate, name in ((hw.cpu.stage_read_gbs or hw.cpu.host_read_gbs, "profile_dram_vs_measured"),
+                       (hw.cpu.host_read_gbs, "profile_gemv_read_vs_measured"),
                        (hw.cpu.dram_gbs, "profile_stream_read_vs_measured")):
         if rate and nbytes:
             out[name] = rate / out["cpu_stage_read_gbs"]

@@ -33,7 +33,9 @@ def summarize_profile(hw: HardwareProfile) -> str:
              f"avx2 {c.has('avx2')}, f16c {c.has('f16c')}, avx512f {c.has('avx512f')}"]
     if reads:
         lines.append(f"     GEMV reads by weight type (GB/s): {reads}")
-    lines.append(f"     per-block overhead {_ms(c.block_overhead_ms)}, per-token tail {_ms(c.step_overhead_ms)}")
+    stage = (f"; helmc's CPU stage read its blocks' weights at {c.stage_read_gbs:.1f} GB/s (synthetic blocks, every "
+             f"part of a decode step)" if c.stage_read_gbs else "")
+    lines.append(f"     per-block overhead {_ms(c.block_overhead_ms)}, per-token tail {_ms(c.step_overhead_ms)}{stage}")
     if hw.gpu is not None and hw.link is not None:
         g, l = hw.gpu, hw.link
         lines += [f"gpu: {g.name} ({g.arch}), VRAM {g.vram_free_bytes / GIB:.1f} of {g.vram_total_bytes / GIB:.1f} GiB free, "

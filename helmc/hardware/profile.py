@@ -91,6 +91,12 @@ class CpuProfile:
     block_overhead_ms: Optional[float] = None   # per block per token beyond its roofline; None: the profile-wide figure
     step_overhead_ms: Optional[float] = None    # per token beyond the lm_head's roofline when the head runs here
                                                 # (embedding gather, RoPE tables, head, logits out, sampling); None: 0
+    # What helmc's CPU stage reads of its blocks' weights per second, everything in a decode step counted (the
+    # GEMVs, the norms between them, KV append and attention, the Python between kernels): `helmc profile`'s
+    # synthetic fp16 blocks through the compiled stage, bytes / time. The figure to hold a real stage's read
+    # against (bench_decode's profile_dram_vs_measured); M with the block overhead is how the cost model splits
+    # the same time. 0 = not measured.
+    stage_read_gbs: float = 0.0
 
     def __post_init__(self):
         _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
@@ -98,7 +104,7 @@ class CpuProfile:
         _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
                  f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
         _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads,
-                     self.attention_read_gbs) >= 0,
+                     self.attention_read_gbs, self.stage_read_gbs) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
         types = [(r.weight_type, r.rows) for r in self.gemv_reads]
         _require(len(set(types)) == len(types),

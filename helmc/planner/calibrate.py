@@ -48,6 +48,12 @@ class DeviceFit:
     modelled_tail_ms: float = 0.0     # head roofline (+ one crossing's T_comm on the GPU)
     crossing_ms: float = 0.0          # GPU: hidden state + RoPE rows host -> device, synchronised
     has_tail: bool = False
+    block_bytes: int = 0              # weight bytes of one of the blocks (0: not known)
+
+    @property
+    def read_gbs(self) -> float:
+        """The blocks' weight bytes over the measured step: what the stage read, all its work counted (0: unknown)."""
+        return self.block_bytes * self.blocks / self.measured_step_ms / 1e6 if self.block_bytes and self.blocks else 0.0
 
     @property
     def block_overhead_ms(self) -> float:
@@ -179,6 +185,8 @@ def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str, source: st
         changes = {}
         if f.blocks:
             changes["block_overhead_ms"] = round(f.block_overhead_ms, 5)
+        if f.device == "cpu" and f.read_gbs:
+            changes["stage_read_gbs"] = round(f.read_gbs, 2)
         if f.has_tail:
             changes["step_overhead_ms"] = round(f.step_overhead_ms, 5)
         devices[f.device] = dataclasses.replace(devices[f.device], **changes)
@@ -289,10 +297,11 @@ def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: i
             for device in ("cpu", "gpu"):
                 stage, tail = t.stage(device), t.tail(device)
                 if stage is not None or tail is not None:
-                    fits.append(fit_device(a, hw, w, device, stage, tail))
+                    fits.append(dataclasses.replace(fit_device(a, hw, w, device, stage, tail), block_bytes=block))
             used.append(os.path.basename(bundle))
     parts = [f"{f.device} delta {f.block_overhead_ms:+.4f} ms/block (measured {f.measured_step_ms / f.blocks:.4f}, "
-             f"roofline {f.roofline_step_ms / f.blocks:.4f}), sigma {f.step_overhead_ms:+.4f} ms/token" for f in fits]
+             f"roofline {f.roofline_step_ms / f.blocks:.4f}; the blocks' weights read at {f.read_gbs:.1f} GB/s), "
+             f"sigma {f.step_overhead_ms:+.4f} ms/token" for f in fits]
     note = (f"overheads: {'; '.join(parts)}: helmc's compiled stages ({', '.join(used)}) on a synthetic "
             f"{kit.block.hidden}x{kit.block.ffn} Qwen3 block, {steps} steps at mean context {w.decode_context:g}, "
             f"against this profile's rates (helmc calibrate refines them on a real bundle)")

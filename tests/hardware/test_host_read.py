@@ -233,7 +233,12 @@ def test_synthetic_overheads_reproduce_the_measured_step():
     fitted = apply_fits(hw, fits, note, source=hw.source)
     assert fitted.source == "measured" and note in fitted.notes
     kit = ProfileKit.load(kit_dir)
-    a = analyze_program(ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers)))
+    spec = ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers))
+    a = analyze_program(spec)
+    # The stage read the profile reports: the synthetic blocks' weight bytes over the measured step.
+    stage_gbs = f.blocks * spec.block_weight_bytes(0) / f.measured_step_ms / 1e6
+    assert fitted.cpu.stage_read_gbs == pytest.approx(stage_gbs, rel=1e-3) and stage_gbs > 0
+    assert hw.cpu.stage_read_gbs == 0.0                                   # measured only with the overheads
     rates = DeviceRates.of_device(fitted, "cpu", analysis=a)
     assert rates.mem_gbs == pytest.approx(hw.cpu.host_read_gbs, rel=1e-12)   # fp16 weights: M is the fp16 GEMV read
     w = Workload()
