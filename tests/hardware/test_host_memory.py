@@ -56,3 +56,32 @@ def test_cpu_tensor_from_numpy_rejects_a_dtype_mismatch():
 
 def test_anon_huge_page_bytes_reads_a_count():
     assert anon_huge_page_bytes() >= 0
+
+
+def test_host_view_and_cpu_tensor_view_share_memory_or_copy():
+    """The CPU stage's activation crossings (runtime/tvm_tensors.py): a view both ways where TVM allows one (the same
+    memory: a write through one is seen by the other), a copy where it does not (unaligned, non-contiguous), and
+    bf16 (which NumPy lacks) back as raw uint16 bits by copy."""
+    from helmc.runtime.tvm_tensors import cpu_tensor_view, host_view, tensor_from_numpy
+    dev = tvm.cpu()
+    t = tensor_from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4), "float32", dev)
+    v = host_view(t)
+    assert v.shape == (2, 4) and v.dtype == np.float32 and not v.flags.owndata
+    t.copyfrom(np.full((2, 4), 5.0, np.float32))
+    assert (v == 5.0).all()                                           # the view is the tensor's memory
+    raw = np.empty(4 * 64 + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    aligned = raw[start:start + 4 * 64].view(np.float32).reshape(4, 16)
+    aligned[:] = 1.5
+    tv = cpu_tensor_view(aligned, dev)
+    aligned[0, 0] = 7.0
+    assert tv.numpy()[0, 0] == 7.0 and tuple(tv.shape) == (4, 16)    # zero-copy: the same memory
+    unaligned = raw[start + 4:start + 4 + 4 * 60].view(np.float32)
+    unaligned[:] = 2.0
+    tc = cpu_tensor_view(unaligned, dev)
+    unaligned[0] = 9.0
+    assert tc.numpy()[0] == 2.0                                       # a copy: TVM needs 64-byte alignment
+    strided = np.arange(32, dtype=np.float32).reshape(4, 8)[:, ::2]
+    assert (cpu_tensor_view(strided, dev).numpy() == strided).all()   # non-contiguous: copied, values kept
+    bits = np.array([[0x3F80, 0x4000]], np.uint16)                    # bf16 1.0, 2.0
+    assert (host_view(tensor_from_numpy(bits, "bfloat16", dev)).view(np.uint16) == bits).all()

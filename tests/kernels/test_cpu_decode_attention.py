@@ -123,6 +123,8 @@ def test_cache_with_kernel_equals_numpy_path(kernels, dtype, window):
                 cache.append(layer, k, v)
                 outs.append(cache.attend(layer, q, 0.25))
             assert outs[0].shape == (S, h_a, d) and outs[0].dtype == np.float32
+            if S == 1:      # a fresh 64-byte-aligned array: the CPU stage passes it on as a tensor without a copy
+                assert outs[0].ctypes.data % 64 == 0 and outs[0].flags.c_contiguous
             worst = max(worst, float(np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()))
         for cache in (fast, slow):
             cache.advance(S)
