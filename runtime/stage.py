@@ -99,9 +99,16 @@ class Stage:
         device tensor [1, h_a*D]) that decode attention writes into, so a captured step converts no array.
         blocks: the stage's local blocks to run (default all; hybrid decode runs a CPU group at a time)."""
         S = x.shape[0]
+        # One token on a host cache with the compiled kernel: DecodeBatch's path for one sequence (the K/V rows
+        # written straight into the arena, the kernel's output buffer handed to post_attn as it is; the same
+        # kernel and bits as append + attend, without their per-call checks, lookups and copies).
+        batch = self._decode_batch_for([self.kv]) if phase == "decode" and S == 1 and attn_out is None else None
         for local in (range(len(self.bindings)) if blocks is None else blocks):
             binding, j, layer = self.bindings[local], self._signature[local], self.kv_base + local
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
+            if batch is not None:
+                x = self._post[(phase, j)](x, batch.attend([self.kv], layer, q, k, v, self.scale), *binding.post)
+                continue
             self.kv.append(layer, self.to_array(k), self.to_array(v))
             if attn_out is not None:
                 self.kv.attend(layer, self.to_array(q), self.scale, out=attn_out[0])

@@ -233,3 +233,28 @@ def test_fp16_bundle_decodes_on_the_kernel(tiny):
     err = float(np.abs(logits["kernel"] - logits["numpy"]).max() / np.abs(logits["numpy"]).max())
     print(f"\nqwen3 fp16 bundle: max relative |kernel - NumPy| decode logits over {len(steps)} steps = {err:.2e}")
     assert err < 1e-4
+
+
+def test_one_sequence_decode_fast_path_is_bitwise_append_attend(tiny):
+    """Stage.run_blocks' one-token step on a host cache with the kernel goes through DecodeBatch (rows written into
+    the arena, the kernel's buffer handed on); its logits equal the append + attend path's bit for bit, token by
+    token, and the cache holds the same rows afterwards."""
+    from helmc.runtime.session import Session
+    from helmc.runtime.stage import Stage
+    s = Session.load(tiny.bundle("qwen3", "float16"))
+    stage, kv = s.cpu_stage, s.cpu_stage.kv
+    assert stage._decode_batch_for([kv]) is not None        # the fast path applies to this session
+    prompt, steps = [3, 14, 15, 92, 65, 35], [8, 97, 9, 32, 7]
+    logits, arenas = {}, {}
+    for label in ("fast", "append_attend"):
+        s.reset()
+        if label == "append_attend":
+            stage._decode_batch_for = lambda caches: None        # this stage's instance only
+        s.forward(prompt)
+        logits[label] = np.concatenate([s.forward([t]) for t in steps])      # [steps, V]
+        n = len(prompt) + len(steps)
+        arenas[label] = np.stack([np.concatenate([b.load()[0], b.load()[1]], axis=1)
+                                  for layer in range(kv.num_layers) for b in kv._blocks(layer, n, widen=False)])
+    assert Stage._decode_batch_for is not stage._decode_batch_for
+    assert np.array_equal(logits["fast"], logits["append_attend"])
+    assert np.array_equal(arenas["fast"], arenas["append_attend"])
