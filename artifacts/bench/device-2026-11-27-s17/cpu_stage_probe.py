@@ -81,11 +81,14 @@ def stats(name, xs, nbytes=0):
 if mode == "step":
     T = {"pre": [], "append": [], "attend": [], "post": []}
 
+    decoding = [False]                      # only calls inside a decode step count (the prompt's do not)
+
     def timed(f, key):
         def g(*a, **kw):
             t = time.perf_counter()
             r = f(*a, **kw)
-            T[key].append(time.perf_counter() - t)
+            if decoding[0]:
+                T[key].append(time.perf_counter() - t)
             return r
         return g
 
@@ -100,10 +103,12 @@ if mode == "step":
     steps, inner = [], cpu.run_blocks
 
     def step(x, cos, sin, phase, *a, **kw):
+        decoding[0] = phase == "decode"
         t = time.perf_counter()
         r = inner(x, cos, sin, phase, *a, **kw)
         if phase == "decode":
             steps.append(time.perf_counter() - t)
+        decoding[0] = False
         return r
 
     cpu.run_blocks = step
@@ -113,7 +118,6 @@ if mode == "step":
     steps.clear()
     s.generate(prompt_ids=prompt, max_new_tokens=48, temperature=0.0, stop_at_eos=False)
     n = res["blocks"]
-    T = {k: v[-n * len(steps):] for k, v in T.items()}          # decode steps only (the prompt runs first)
     stats("step", steps, n * (pre_bytes + post_bytes))
     stats("pre", T["pre"], pre_bytes)
     stats("post", T["post"], post_bytes)
