@@ -2,10 +2,7 @@
 plan keeps it on the CPU. Used by Session for an all-CPU plan and by gpu_session for a split one."""
 from __future__ import annotations
 
-import os
 import sys
-
-import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
