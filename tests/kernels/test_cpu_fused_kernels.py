@@ -242,3 +242,31 @@ def test_amx_gemm_variants_compile_with_distinct_symbols():
             assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
             assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
     assert len(names) == 2 * len(BLOCKING_VARIANTS)
+
+
+@pytest.mark.parametrize("tier", ["avx512_vnni", "avx512"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("ns", [(37, 16, 16), (21, 37)])
+def test_quant_multi_gemv_is_bitwise_its_single_kernels(tier, qtype, ns):
+    """q/k/v (or gate/up) of one K-quant type in one launch: every weight's output the bits of its own kernel."""
+    pytest.importorskip("gguf")
+    from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
+    from helmc.schedules.cpu.quant.gemv_int8_multi import make_gemv_quant_int8_multi
+    from test_cpu_quant_gemv import TIERS, random_quant_weight, target
+    isa = select_isa(TIERS[tier])
+    if missing_flags(isa.required_flags, host_cpu_flags()):
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    rng = np.random.default_rng(17)
+    k = 768
+    ws = [tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k)) for n in ns]
+    x = tvm.runtime.tensor(rng.standard_normal((1, k)).astype(np.float32))
+
+    def run(f, weights, outs_n):
+        lib = tvm.compile(f, target=target(isa))
+        outs = [tvm.runtime.empty((1, n), "float32", tvm.cpu()) for n in outs_n]
+        lib[str(f.attrs["global_symbol"])](x, *weights, *outs)
+        return [o.numpy() for o in outs]
+    fused = run(make_gemv_quant_int8_multi(qtype, ns, k, isa), ws, ns)
+    for i, n in enumerate(ns):
+        (single,) = run(make_gemv_quant(qtype, n, k, isa), [ws[i]], (n,))
+        assert np.array_equal(fused[i].view(np.uint32), single.view(np.uint32)), (qtype, ns, i)

@@ -35,7 +35,9 @@ Quantized weights (`weight_types`: a GGUF file or `helmc build --quant`): the we
 blocks, uint8 [N, row bytes] as the file stores them, and its linear calls the quantized kernels
 (schedules/cpu/gemv_quant.py, quant/gemm.py): decode (a static count of tokens <= GEMV_MAX_ROWS: one token, or
 one per sequence of a batched decode step) a GEMV that dequantizes in registers; other token counts one kernel that dequantizes the weight to an fp16 scratch and runs the fp16 GEMM's loop nest on it.
-Quantized linears are not fused.
+Quantized one-token decode linears on the int8 path (Q4_K / Q6_K on AVX-512) that read the same x with weights of
+one type become one launch as the fp16 ones do (quant/gemv_int8_multi.py: x quantized once, every output the bits
+of its own kernel); other quantized linears are not fused.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
 from helmc.schedules.cpu.quant.gemm import make_gemm_quant
 from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
+from helmc.schedules.cpu.quant.gemv_int8 import int8_gemv_applies
+from helmc.schedules.cpu.quant.gemv_int8_multi import QUANT_MULTI_MAX_WEIGHTS, make_gemv_quant_int8_multi
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
 
 
@@ -106,7 +110,7 @@ def lower_linear_with_report(mod: tvm.IRModule, features: tuple[str, ...], cores
         # shares its parameter Vars, which Relax's FuseOps rejects ("appears at multiple definition sites").
         fresh = copy_with_new_vars(func)
         rewriter.quantized = raw_weight_params(fresh, (weight_types or {}).get(gvar.name_hint, {}))
-        rewriter.plan = _plan_fusion(fresh, rewriter.isa, frozenset(rewriter.quantized))
+        rewriter.plan = _plan_fusion(fresh, rewriter.isa, rewriter.quantized)
         new_func = relax.analysis.remove_all_unused(rewriter.visit_expr(fresh))
         if rewriter.quantized:
             # The float weight parameters are unused now (their astype/permute bindings went with the matmul):
@@ -171,6 +175,7 @@ class _FusedGroup:
     """Linears of one function fused into one kernel, emitted where the first of them was bound."""
     kind: str                         # "multi": one output per linear | "swiglu": one output, g*sigmoid(g)*u
                                       # | "amx_multi": prefill GEMMs on AMX, one output per linear
+                                      # | "qmulti": one-token GEMVs of one K-quant type, one output per linear
     x: relax.Var                      # the shared input, (m, K) fp32: static m <= GEMV_MAX_ROWS, or any
                                       # (symbolic) m for "amx_multi"
     linears: tuple[relax.Var, ...]    # bound to the matmuls, in binding order ("swiglu": gate, up)
@@ -184,9 +189,11 @@ class _FusionPlan:
     dropped: frozenset                # vars whose bindings the group replaces
 
 
-def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: frozenset = frozenset()) -> _FusionPlan:
+def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: dict | None = None) -> _FusionPlan:
     """Find the decode GEMV linears that share x, gate/up pairs used only as g * sigmoid(g) * u, and the
-    prefill linears on AMX that share x. Linears of `quantized` weights stay unfused."""
+    prefill linears on AMX that share x. Linears of `quantized` weights ({param: (type, raw param)}) share a
+    launch only as one-token GEMVs of one type on the int8 path ("qmulti"); the others stay unfused."""
+    quantized = quantized or {}
     if not isinstance(func.body, relax.SeqExpr):
         return _FusionPlan({}, frozenset())
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
@@ -206,11 +213,15 @@ def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: frozenset = fr
         if not (isinstance(b.value, relax.Call) and isinstance(b.var, relax.DataflowVar)):
             continue
         matched = match_linear(b.value, resolve)
-        if matched is None or not isinstance(matched[0], relax.Var) or matched[0].ty.ndim != 2 \
-                or matched[1] in quantized:
+        if matched is None or not isinstance(matched[0], relax.Var) or matched[0].ty.ndim != 2:
             continue
         m = _static_int(matched[0].ty.shape.values[0])
         dtype = _dtype_name(matched[1].ty)
+        if matched[1] in quantized:
+            qtype = quantized[matched[1]][0]
+            if m == 1 and int8_gemv_applies(qtype, isa):
+                by_x.setdefault((matched[0], qtype, "qmulti"), []).append((b.var, matched[1]))
+            continue
         if m is not None and m <= GEMV_MAX_ROWS:
             kind = "multi"
         else:
@@ -230,8 +241,9 @@ def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: frozenset = fr
                 groups[first] = _FusedGroup("swiglu", x, (gate, up), (wg, wu), out)
                 dropped |= {gate, up, sig, gated, out} - {first}
                 continue
-        for i in range(0, len(members) - 1, MULTI_MAX_WEIGHTS):
-            chunk = members[i:i + MULTI_MAX_WEIGHTS]
+        most = QUANT_MULTI_MAX_WEIGHTS if kind == "qmulti" else MULTI_MAX_WEIGHTS
+        for i in range(0, len(members) - 1, most):
+            chunk = members[i:i + most]
             if len(chunk) < 2:
                 continue
             groups[chunk[0][0]] = _FusedGroup(kind, x, tuple(v for v, _ in chunk), tuple(w for _, w in chunk))
@@ -298,7 +310,13 @@ class _LinearRewriter(PyExprMutator):
         m, k = x.ty.shape.values[0], int(x.ty.shape.values[1])
         dtype = _dtype_name(weights[0].ty)
         ns = tuple(int(w.ty.shape.values[0]) for w in weights)
-        if group.kind == "amx_multi":
+        if group.kind == "qmulti":                 # the raw blocks replace the float weights (as _emit_quantized)
+            dtype = self.quantized[group.weights[0]][0]
+            weights = [self.quantized[w][1] for w in group.weights]
+            key = ("gemv_quant_multi", dtype, ns, k)
+            make = lambda: make_gemv_quant_int8_multi(dtype, ns, k, self.isa)  # noqa: E731
+            out_ty = [relax.TensorType([1, n], "float32") for n in ns]
+        elif group.kind == "amx_multi":
             key = ("gemm_amx_multi", ns, k, dtype)
             make = lambda: make_gemm_amx_multi(ns, k, dtype, blocking=self._amx_blocking(sum(ns), k, dtype),  # noqa: E731
                                                split_activations=self._amx_split(dtype))
