@@ -101,19 +101,17 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
     fmt = _check(qtype, n, k)
     assert m >= 1, m
-    rows, group = quant_blocking(qtype, m, isa, tuning)
-    passes = -(-m // group)
-    blocks = k // _BLOCK
-    row_bytes = blocks * fmt.bytes
-    steps = -(-n // rows)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n)
-    q4k = qtype == "q4_k"
-    sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
-    row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
-    quantize = _quantize(q4k)
     if m > 1:
         return _make_int8_tiled(qtype, n, k, isa, tuning, m).with_attr("global_symbol",
                                                                         gemv_quant_symbol(qtype, n, k, m))
+    rows, _ = quant_blocking(qtype, 1, isa, tuning)
+    blocks = k // _BLOCK
+    row_bytes = blocks * fmt.bytes
+    steps = -(-n // rows)
+    q4k = qtype == "q4_k"
+    sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
+    quantize = _quantize(q4k)
+    step_rows = one_token_step(qtype, n, k, isa, tuning)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
@@ -125,28 +123,41 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
         xq = T.alloc_buffer((m, k), "int8")
         dx = T.alloc_buffer((m, blocks), "float32")
         xs = T.alloc_buffer((m, blocks * sums), "float32" if q4k else "int16")
-        for t in T.serial(m):
-            for b in T.serial(blocks):
-                quantize(x, xq, dx, xs, t, b)
+        for b in T.serial(blocks):
+            quantize(x, xq, dx, xs, 0, b)
         for step in T.parallel(steps):
-            for p in T.serial(passes):
-                acc = T.alloc_buffer((group, rows, 16), "float32", scope="global", annotations=STACK)
-                accm = T.alloc_buffer((group, rows, 8), "float32", scope="global", annotations=STACK)
-                for t in T.unroll(group):
-                    for r in T.unroll(rows):
-                        acc[t, r, _ramp(0, 16)] = _const(0.0, "float32", 16)
-                        accm[t, r, _ramp(0, 8)] = _const(0.0, "float32", 8)
-                for b in T.serial(blocks):
-                    prefetch(wf, step * rows, b)
-                    for r in T.unroll(rows):
-                        row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, T.min(step * rows + r, n - 1), r, b, p)
-                for t in T.unroll(group):
-                    for r in T.unroll(rows):
-                        if step * rows + r < n and p * group + t < m:
-                            y[p * group + t, step * rows + r] = _hsum(acc[t, r, _ramp(0, 16)]) - _hsum(
-                                accm[t, r, _ramp(0, 8)])
+            step_rows(w, wi, wh, wf, wu, xq, dx, xs, y, step)
 
     return gemv.with_attr("global_symbol", gemv_quant_symbol(qtype, n, k, m))
+
+
+def one_token_step(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING):
+    """The one-token kernel's parallel step over a weight of n rows, as a macro (w, its int8 / fp16 / byte / uint32
+    views, the quantized x's xq, dx, xs, y [1, n], step): `rows` rows' dot products over every block, written to y.
+    make_gemv_quant_int8 (m = 1) runs it over its weight, gemv_int8_multi over each of its weights."""
+    tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
+    fmt = _check(qtype, n, k)
+    rows, group = quant_blocking(qtype, 1, isa, tuning)
+    assert group == 1, group
+    blocks = k // _BLOCK
+    prefetch = _prefetch(rows, fmt.bytes, blocks * fmt.bytes, tuning, n)
+    row_dot = (_q4_k_row if qtype == "q4_k" else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, 1, 1)
+
+    @T.macro
+    def step_rows(w, wi, wh, wf, wu, xq, dx, xs, y, step):
+        acc = T.alloc_buffer((1, rows, 16), "float32", scope="global", annotations=STACK)
+        accm = T.alloc_buffer((1, rows, 8), "float32", scope="global", annotations=STACK)
+        for r in T.unroll(rows):
+            acc[0, r, _ramp(0, 16)] = _const(0.0, "float32", 16)
+            accm[0, r, _ramp(0, 8)] = _const(0.0, "float32", 8)
+        for b in T.serial(blocks):
+            prefetch(wf, step * rows, b)
+            for r in T.unroll(rows):
+                row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, T.min(step * rows + r, n - 1), r, b, 0)
+        for r in T.unroll(rows):
+            if step * rows + r < n:
+                y[0, step * rows + r] = _hsum(acc[0, r, _ramp(0, 16)]) - _hsum(accm[0, r, _ramp(0, 8)])
+    return step_rows
 
 
 def int8_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:

@@ -2,8 +2,8 @@
 
 Why (issue 15; the fp16 stage has had it since issue 3, gemv_fused.py): a Q4_K block's q/k/v and gate/up were five
 calls, each quantizing x to int8 on one core before its parallel loop. Here x is quantized once and each weight's
-rows run in a parallel loop of their own, one after the other, by make_gemv_quant_int8's own step (same blocking,
-prefetch, row_dot and sums), so y_i is bit-identical to the one-weight kernel's; no weight is repacked.
+rows run in a parallel loop of their own, one after the other, by the one-weight kernel's own step
+(gemv_int8.one_token_step), so y_i is bit-identical to that kernel's; no weight is repacked.
 One parallel loop over every weight's steps (as gemv_fused does for fp16) ran slower than the separate kernels
 (2-core EPYC, Q4_K q/k/v of 4096, 1024 and 1024 rows x 4096: 496 against 354 us; each weight's step in a branch
 of an if chain, the Q4_K step's unrolled rows and constants three times over in one loop body). A loop per weight,
@@ -17,12 +17,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from helmc.schedules.cpu.gemv_quant import DEFAULT_TUNING, QuantGemvTuning, _check, _hsum, quant_blocking
+from helmc.schedules.cpu.gemv_quant import DEFAULT_TUNING, QuantGemvTuning, _check, quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import (_BLOCK, INT8_TUNING, _const, _dot_step, _q4_k_row, _q6_k_row,
-                                                 _quantize, _ramp, int8_gemv_applies)
-from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
-from helmc.schedules.cpu.weight_load import STACK
+from helmc.schedules.cpu.quant.gemv_int8 import _BLOCK, INT8_TUNING, _quantize, int8_gemv_applies, one_token_step
 
 QUANT_MULTI_MAX_WEIGHTS = 3
 
@@ -37,37 +34,14 @@ def make_gemv_quant_int8_multi(qtype: str, ns: tuple[int, ...], k: int, isa: Vec
     assert 2 <= len(ns) <= QUANT_MULTI_MAX_WEIGHTS, ns
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
     fmt = [_check(qtype, n, k) for n in ns][0]
-    rows, group = quant_blocking(qtype, 1, isa, tuning)
-    assert group == 1, group
+    rows, _ = quant_blocking(qtype, 1, isa, tuning)
     blocks = k // _BLOCK
     row_bytes = blocks * fmt.bytes
     q4k = qtype == "q4_k"
     sums = 8 if q4k else 16
-    row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, 1, 1)
     quantize = _quantize(q4k)
     steps = [-(-n // rows) for n in ns]
-
-    def weight_step(n: int):
-        """make_gemv_quant_int8's parallel step for a weight of n rows (m = 1: one pass, one token)."""
-        prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n)
-
-        @T.macro
-        def run(w, wi, wh, wf, wu, xq, dx, xs, y, step):
-            acc = T.alloc_buffer((1, rows, 16), "float32", scope="global", annotations=STACK)
-            accm = T.alloc_buffer((1, rows, 8), "float32", scope="global", annotations=STACK)
-            for r in T.unroll(rows):
-                acc[0, r, _ramp(0, 16)] = _const(0.0, "float32", 16)
-                accm[0, r, _ramp(0, 8)] = _const(0.0, "float32", 8)
-            for b in T.serial(blocks):
-                prefetch(wf, step * rows, b)
-                for r in T.unroll(rows):
-                    row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, T.min(step * rows + r, n - 1), r, b, 0)
-            for r in T.unroll(rows):
-                if step * rows + r < n:
-                    y[0, step * rows + r] = _hsum(acc[0, r, _ramp(0, 16)]) - _hsum(accm[0, r, _ramp(0, 8)])
-        return run
-
-    runs = [weight_step(n) for n in ns]
+    runs = [one_token_step(qtype, n, k, isa, tuning) for n in ns]
     name = gemv_quant_multi_symbol(qtype, tuple(ns), k)
     xs_dtype = "float32" if q4k else "int16"
     n0, n1 = ns[0], ns[1]
