@@ -76,13 +76,15 @@ def test_quant_gemv_rows_are_single_rows(tier, qtype):
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
 def test_quant_gemv_rows_over_several_k_tiles(qtype):
     """k = 4096 and n = 21: the m-row kernels walk K in several tiles (the last shorter for some m) and the last
-    block of rows is partial, on this CPU's best tier (the int8 K-quant kernel on AVX-512)."""
+    block of rows is partial, on this CPU's best tier (the int8 kernel on AVX-512)."""
     pytest.importorskip("gguf")
     from helmc.schedules.cpu.quant.decode_gemv import quant_tiles
+    from helmc.schedules.cpu.quant.gemv_int8 import INT8_UNITS, int8_gemv_applies
     isa = select_isa(host_cpu_flags())
     rng = np.random.default_rng(17)
     n, k = 21, 4096
-    blocks = k // QUANT_BLOCKS[qtype].weights
+    # What the kernel steps over along K: the type's block, or the int8 path's unit (Q4_0: four blocks)
+    blocks = k // (INT8_UNITS[qtype] if int8_gemv_applies(qtype, isa, k) else QUANT_BLOCKS[qtype]).weights
     for m in ROWS:
         tiles = quant_tiles(qtype, m, k, isa)
         assert n % tiles.block_rows and tiles.rows * tiles.group * 2 <= isa.vector_registers, (m, tiles)

@@ -73,10 +73,11 @@ def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
     return y.numpy().reshape(n)                                                                              # [1, n] -> [n]
 
 
-def int8_activations(x: np.ndarray) -> np.ndarray:
-    """x [m, k] as quant/gemv_int8.py sees it, in float64: per 256 values dx = max|x| / 127 and
-    xq = rint(x * (127 / max|x|)) in fp32 arithmetic, then xq * dx."""
-    blocks = x.reshape(x.shape[0], -1, 256)                                             # [m, k] -> [m, k / 256, 256]
+def int8_activations(x: np.ndarray, qtype: str = "q4_k") -> np.ndarray:
+    """x [m, k] as quant/gemv_int8.py sees it, in float64: per 256 values (Q4_0: per 32, its weight block)
+    dx = max|x| / 127 and xq = rint(x * (127 / max|x|)) in fp32 arithmetic, then xq * dx."""
+    block = 32 if qtype == "q4_0" else 256
+    blocks = x.reshape(x.shape[0], -1, block)                                           # [m, k] -> [m, k / b, b]
     amax = np.abs(blocks).max(-1, keepdims=True)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
     xq = np.rint(blocks * inv)
@@ -92,8 +93,8 @@ def check_against_float64(qtype, tier, n, k, tuning=QuantGemvTuning()):
     ref = dequant @ x.astype(np.float64)
     got = run_gemv(qtype, tier, raw, x, tuning)
     err = float(np.abs(got - ref).max()) / float(np.abs(ref).max())
-    if int8_gemv_applies(qtype, select_isa(TIERS[tier])):
-        ref8 = dequant @ int8_activations(x.reshape(1, k))[0]
+    if int8_gemv_applies(qtype, select_isa(TIERS[tier]), k):
+        ref8 = dequant @ int8_activations(x.reshape(1, k), qtype)[0]
         err8 = float(np.abs(got - ref8).max()) / float(np.abs(ref8).max())
         print(f"{qtype} {tier} n={n} k={k} {tuning}: rel err {err8:.2e} against int8 x, {err:.2e} against fp32 x")
         assert err8 < 1e-5 and err < 3e-2
@@ -129,9 +130,10 @@ def test_avx512_tier_cross_compiles_to_zmm():
         for qtype in QUANT_BLOCKS:
             asm = tvm.compile(make_gemv_quant(qtype, 8, 512, isa), target=target(isa)).mod.inspect_source("asm")
             assert "zmm" in asm and "prefetcht0" in asm, qtype
-            if int8_gemv_applies(qtype, isa):   # integer dot products: one vpdpwssd per 64 weights with VNNI
-                assert re.search(r"vpmaddubsw\s[^\n]*zmm", asm), qtype
-                assert bool(re.search(r"vpdpwssd\s[^\n]*zmm", asm)) == ("avx512_vnni" in flags), qtype
+            if int8_gemv_applies(qtype, isa, 512):   # integer dot products: vpdpwssd / vpdpbusd with VNNI
+                vnni = "vpdpbusd" if qtype == "q4_0" else "vpdpwssd"
+                assert bool(re.search(r"vpmaddubsw\s[^\n]*zmm", asm)) != (qtype == "q4_0" and "avx512_vnni" in flags), qtype
+                assert bool(re.search(vnni + r"\s[^\n]*zmm", asm)) == ("avx512_vnni" in flags), qtype
             elif qtype != "q8_0":
                 assert re.search(r"vperm(ps|d)\s[^\n]*zmm", asm), qtype
 

@@ -219,7 +219,8 @@ def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: dict | None = 
         dtype = _dtype_name(matched[1].ty)
         if matched[1] in quantized:
             qtype = quantized[matched[1]][0]
-            if m == 1 and int8_gemv_applies(qtype, isa):
+            k = _static_int(matched[0].ty.shape.values[1])
+            if m == 1 and k is not None and int8_gemv_applies(qtype, isa, k):
                 by_x.setdefault((matched[0], qtype, "qmulti"), []).append((b.var, matched[1]))
             continue
         if m is not None and m <= GEMV_MAX_ROWS:

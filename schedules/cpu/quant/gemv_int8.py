@@ -25,6 +25,8 @@ the same way for every m, so y[t] is bit-identical to the m = 1 kernel's on x[t]
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -32,23 +34,54 @@ from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _ch
                                             gemv_quant_symbol, quant_blocking)
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
+from helmc.schedules.cpu.quant.q4_0_int8 import UNIT as Q4_0_UNIT, UNIT_BYTES as Q4_0_UNIT_BYTES, q4_0_row, quantize_q4_0
 from helmc.schedules.cpu.quant.tiles import QuantTiles
 from helmc.schedules.cpu.weight_load import STACK, widen
 
-INT8_QTYPES = ("q4_k", "q6_k")
+
+@dataclass(frozen=True)
+class Int8Unit:
+    """What the int8 kernels step over along K for one type: a K-quant block, or four Q4_0 blocks (q4_0_int8.py)."""
+    weights: int      # weights per unit
+    bytes: int        # W bytes per unit and row
+    dx_lanes: int     # x scales per unit and token (dx: [m, units * dx_lanes])
+    sums: int         # x sums per unit and token (xs: [m, units * sums])
+    xs_dtype: str
+    mins: bool        # accm holds a term subtracted from each row's sum
+
+    @property
+    def x_bytes(self) -> int:
+        """One token's quantized-x bytes read per unit: int8 x, fp32 scales, sums."""
+        return self.weights + 4 * self.dx_lanes + self.sums * (2 if self.xs_dtype == "int16" else 4)
+
+
+INT8_UNITS = {"q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
+              "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
+INT8_QTYPES = tuple(INT8_UNITS)
 # Rows per step for one token (quant_blocking divides them among more tokens) and prefetch distance, per type: the
 # best of experiments/quant_gemv_variants.py on the GPU machine's 16-core Xeon (session 11, call C, one run, best of
 # 5 passes, 12288 x 4096 over 4x L3 beside helmc's stream read): Q4_K 8 rows / 1 KiB 85.2 GB/s (0.76 of the read;
 # 4 rows / 2 KiB 79.1, 8 rows / 2 KiB 78.3), Q6_K 4 rows / 1 KiB 109.9 (0.96; 8 rows / 2 KiB 99.5). On the 2-core
 # EPYC (one thread, from cache) 8 rows also beat 4 for Q4_K (33-36 against 30 GB/s): more rows give the core
 # independent work beside each block's chain of integer steps.
-INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024), "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=1024)}
+# Q4_0: 8 rows as Q4_K (its unit is as short: 72 bytes against 144, the same per-row chain of integer steps).
+INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024), "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=1024),
+               "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=1024)}
 _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
 
-def int8_gemv_applies(qtype: str, isa: VectorIsa) -> bool:
-    """AVX-512 (BW's byte and word instructions) runs the K-quants through int8 dot products."""
-    return isa.tier == "avx512" and qtype in INT8_QTYPES
+def int8_gemv_applies(qtype: str, isa: VectorIsa, k: int) -> bool:
+    """AVX-512 (BW's byte and word instructions) runs Q4_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
+    K is whole units of four blocks (every real model's; tiny test models may have K = 32 or 64)."""
+    return isa.tier == "avx512" and qtype in INT8_UNITS and k % INT8_UNITS[qtype].weights == 0
+
+
+def _macros(qtype: str, isa: VectorIsa, group: int, m: int):
+    """(quantize, row_dot) macros of qtype's int8 kernel."""
+    vnni = "avx512_vnni" in isa.required_flags
+    if qtype == "q4_0":
+        return quantize_q4_0(_max_tree), q4_0_row(vnni, group, m, _token)
+    return _quantize(qtype == "q4_k"), (_q4_k_row if qtype == "q4_k" else _q6_k_row)(_dot_step(vnni), isa, group, m)
 
 
 def _ramp(base, lanes: int):
@@ -97,20 +130,19 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
     x is quantized per token and 256-weight block: dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an
     all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant_float (decode_gemv picks one).
     """
-    assert int8_gemv_applies(qtype, isa), (qtype, isa.tier)
+    _check(qtype, n, k)
+    assert int8_gemv_applies(qtype, isa, k), (qtype, isa.tier, k)
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
-    fmt = _check(qtype, n, k)
     assert m >= 1, m
     if m > 1:
         return _make_int8_tiled(qtype, n, k, isa, tuning, m).with_attr("global_symbol",
                                                                         gemv_quant_symbol(qtype, n, k, m))
     rows, _ = quant_blocking(qtype, 1, isa, tuning)
-    blocks = k // _BLOCK
-    row_bytes = blocks * fmt.bytes
+    unit = INT8_UNITS[qtype]
+    blocks = k // unit.weights
+    row_bytes = blocks * unit.bytes
     steps = -(-n // rows)
-    q4k = qtype == "q4_k"
-    sums = 8 if q4k else 16                   # x sums per block: q4_k's sub-blocks of 32, q6_k's of 16
-    quantize = _quantize(q4k)
+    quantize, _ = _macros(qtype, isa, 1, 1)
     step_rows = one_token_step(qtype, n, k, isa, tuning)
 
     @T.prim_func
@@ -121,8 +153,8 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
         wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)        # [n * row_bytes]: prefetch addresses
         wu = T.decl_buffer((n, row_bytes // 4), "uint32", data=w.data)    # [n, row_bytes / 4]: q4_k's scale words
         xq = T.alloc_buffer((m, k), "int8")
-        dx = T.alloc_buffer((m, blocks), "float32")
-        xs = T.alloc_buffer((m, blocks * sums), "float32" if q4k else "int16")
+        dx = T.alloc_buffer((m, blocks * unit.dx_lanes), "float32")
+        xs = T.alloc_buffer((m, blocks * unit.sums), unit.xs_dtype)
         for b in T.serial(blocks):
             quantize(x, xq, dx, xs, 0, b)
         for step in T.parallel(steps):
@@ -136,12 +168,13 @@ def one_token_step(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemv
     views, the quantized x's xq, dx, xs, y [1, n], step): `rows` rows' dot products over every block, written to y.
     make_gemv_quant_int8 (m = 1) runs it over its weight, gemv_int8_multi over each of its weights."""
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
-    fmt = _check(qtype, n, k)
+    _check(qtype, n, k)
+    unit = INT8_UNITS[qtype]
     rows, group = quant_blocking(qtype, 1, isa, tuning)
     assert group == 1, group
-    blocks = k // _BLOCK
-    prefetch = _prefetch(rows, fmt.bytes, blocks * fmt.bytes, tuning, n)
-    row_dot = (_q4_k_row if qtype == "q4_k" else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, 1, 1)
+    blocks = k // unit.weights
+    prefetch = _prefetch(rows, unit.bytes, blocks * unit.bytes, tuning, n)
+    _, row_dot = _macros(qtype, isa, 1, 1)
 
     @T.macro
     def step_rows(w, wi, wh, wf, wu, xq, dx, xs, y, step):
@@ -156,31 +189,32 @@ def one_token_step(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemv
                 row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, T.min(step * rows + r, n - 1), r, b, 0)
         for r in T.unroll(rows):
             if step * rows + r < n:
-                y[0, step * rows + r] = _hsum(acc[0, r, _ramp(0, 16)]) - _hsum(accm[0, r, _ramp(0, 8)])
+                if unit.mins:
+                    y[0, step * rows + r] = _hsum(acc[0, r, _ramp(0, 16)]) - _hsum(accm[0, r, _ramp(0, 8)])
+                else:
+                    y[0, step * rows + r] = _hsum(acc[0, r, _ramp(0, 16)])
     return step_rows
 
 
 def int8_tiles(qtype: str, m: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning = DEFAULT_TUNING) -> QuantTiles:
-    """The m > 1 loop of make_gemv_quant_int8. x read per block and token: 256 int8, its scale, 8 (q4_k, fp32)
-    or 16 (q6_k, int16) sums."""
+    """The m > 1 loop of make_gemv_quant_int8 (x read per unit and token: Int8Unit.x_bytes)."""
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
-    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // _BLOCK, _BLOCK + 4 + 32, 16)
+    unit = INT8_UNITS[qtype]
+    return QuantTiles.make(*quant_blocking(qtype, m, isa, tuning), m, k // unit.weights, unit.x_bytes, 16)
 
 
 def _make_int8_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGemvTuning, m: int):
     """m > 1: quant/tiles.QuantTiles' order over the same prologue and row_dot (each token's sums as at m = 1)."""
-    fmt = _check(qtype, n, k)
-    blocks = k // _BLOCK
-    row_bytes = blocks * fmt.bytes
-    q4k = qtype == "q4_k"
-    sums = 8 if q4k else 16
+    _check(qtype, n, k)
+    unit = INT8_UNITS[qtype]
+    blocks = k // unit.weights
+    row_bytes = blocks * unit.bytes
     qt = int8_tiles(qtype, m, k, isa, tuning)
     rows, group, rb, tile = qt.rows, qt.group, qt.block_rows, qt.tile_blocks
     passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
-    prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n, ahead=tile * fmt.bytes, wrap_rows=rb)
-    row_dot = (_q4_k_row if q4k else _q6_k_row)(_dot_step("avx512_vnni" in isa.required_flags), isa, group, m)
-    quantize = _quantize(q4k)
-    zero, load, save, finish = qt.macros(m, True)
+    prefetch = _prefetch(rows, unit.bytes, row_bytes, tuning, n, ahead=tile * unit.bytes, wrap_rows=rb)
+    quantize, row_dot = _macros(qtype, isa, group, m)
+    zero, load, save, finish = qt.macros(m, unit.mins)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float32")):
@@ -190,8 +224,8 @@ def _make_int8_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantGe
         wf = T.decl_buffer((n * row_bytes,), "uint8", data=w.data)
         wu = T.decl_buffer((n, row_bytes // 4), "uint32", data=w.data)
         xq = T.alloc_buffer((m, k), "int8")
-        dx = T.alloc_buffer((m, blocks), "float32")
-        xs = T.alloc_buffer((m, blocks * sums), "float32" if q4k else "int16")
+        dx = T.alloc_buffer((m, blocks * unit.dx_lanes), "float32")
+        xs = T.alloc_buffer((m, blocks * unit.sums), unit.xs_dtype)
         for t in T.serial(m):
             for b in T.serial(blocks):
                 quantize(x, xq, dx, xs, t, b)

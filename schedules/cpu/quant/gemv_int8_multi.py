@@ -1,4 +1,4 @@
-"""One-token decode GEMVs over 2 or 3 K-quant weights of one type and K that read the same x, as one kernel call.
+"""One-token decode GEMVs over 2 or 3 int8-path weights (Q4_K, Q6_K, Q4_0) of one type and K that read the same x, as one kernel call.
 
 Why (issue 15; the fp16 stage has had it since issue 3, gemv_fused.py): a Q4_K block's q/k/v and gate/up were five
 calls, each quantizing x to int8 on one core before its parallel loop. Here x is quantized once and each weight's
@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from helmc.schedules.cpu.gemv_quant import DEFAULT_TUNING, QuantGemvTuning, _check, quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import _BLOCK, INT8_TUNING, _quantize, int8_gemv_applies, one_token_step
+from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _macros, int8_gemv_applies, one_token_step
 
 QUANT_MULTI_MAX_WEIGHTS = 3
 
@@ -30,20 +30,20 @@ def gemv_quant_multi_symbol(qtype: str, ns: tuple[int, ...], k: int) -> str:
 
 def make_gemv_quant_int8_multi(qtype: str, ns: tuple[int, ...], k: int, isa: VectorIsa,
                                tuning: QuantGemvTuning = DEFAULT_TUNING) -> tirx.PrimFunc:
-    assert int8_gemv_applies(qtype, isa), (qtype, isa.tier)
+    for n in ns:
+        _check(qtype, n, k)
+    assert int8_gemv_applies(qtype, isa, k), (qtype, isa.tier, k)
     assert 2 <= len(ns) <= QUANT_MULTI_MAX_WEIGHTS, ns
     tuning = INT8_TUNING[qtype] if tuning == DEFAULT_TUNING else tuning
-    fmt = [_check(qtype, n, k) for n in ns][0]
+    unit = INT8_UNITS[qtype]
     rows, _ = quant_blocking(qtype, 1, isa, tuning)
-    blocks = k // _BLOCK
-    row_bytes = blocks * fmt.bytes
-    q4k = qtype == "q4_k"
-    sums = 8 if q4k else 16
-    quantize = _quantize(q4k)
+    blocks = k // unit.weights
+    row_bytes = blocks * unit.bytes
+    quantize, _ = _macros(qtype, isa, 1, 1)
     steps = [-(-n // rows) for n in ns]
     runs = [one_token_step(qtype, n, k, isa, tuning) for n in ns]
     name = gemv_quant_multi_symbol(qtype, tuple(ns), k)
-    xs_dtype = "float32" if q4k else "int16"
+    dx_len, xs_len, xs_dtype = blocks * unit.dx_lanes, blocks * unit.sums, unit.xs_dtype
     n0, n1 = ns[0], ns[1]
     s0 = steps[0]
     run0, run1 = runs[0], runs[1]
@@ -63,8 +63,8 @@ def make_gemv_quant_int8_multi(qtype: str, ns: tuple[int, ...], k: int, isa: Vec
             wf1 = T.decl_buffer((n1 * row_bytes,), "uint8", data=w1.data)
             wu1 = T.decl_buffer((n1, row_bytes // 4), "uint32", data=w1.data)
             xq = T.alloc_buffer((1, k), "int8")
-            dx = T.alloc_buffer((1, blocks), "float32")
-            xs = T.alloc_buffer((1, blocks * sums), xs_dtype)
+            dx = T.alloc_buffer((1, dx_len), "float32")
+            xs = T.alloc_buffer((1, xs_len), xs_dtype)
             for b in T.serial(blocks):
                 quantize(x, xq, dx, xs, 0, b)
             for step in T.parallel(s0):
@@ -94,8 +94,8 @@ def make_gemv_quant_int8_multi(qtype: str, ns: tuple[int, ...], k: int, isa: Vec
         wf2 = T.decl_buffer((n2 * row_bytes,), "uint8", data=w2.data)
         wu2 = T.decl_buffer((n2, row_bytes // 4), "uint32", data=w2.data)
         xq = T.alloc_buffer((1, k), "int8")
-        dx = T.alloc_buffer((1, blocks), "float32")
-        xs = T.alloc_buffer((1, blocks * sums), xs_dtype)
+        dx = T.alloc_buffer((1, dx_len), "float32")
+        xs = T.alloc_buffer((1, xs_len), xs_dtype)
         for b in T.serial(blocks):
             quantize(x, xq, dx, xs, 0, b)
         for step in T.parallel(s0):
