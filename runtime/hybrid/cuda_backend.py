@@ -60,12 +60,14 @@ class CupyArrays:
 
 class CudaHybridBackend:
     def __init__(self, schedule: HybridSchedule, arenas: dict, ring, streamed_stages: list, cpu_stage, gpu_kv,
-                 resident, spec, to_tvm, to_cupy, ops=None, arrays=None):
+                 resident, spec, to_tvm, to_cupy, ops=None, arrays=None, graph_stream=None):
         """arenas: layer -> PinnedBlockArena of every streamed block; ring: the device uint8 buffer the stages'
         bindings view; streamed_stages[i]: a Stage over S_i's blocks (bindings on the ring, kv_base its first
         GPU-cache layer); cpu_stage: the Stage over every CPU group's blocks; resident(x, cos, sin): the
         resident blocks and the head on device x, committing the GPU cache's step, logits on the host.
-        ops: streams, events and copies (default the GPU cache's: kv/cuda_ops.CudaOps); arrays: CupyArrays."""
+        ops: streams, events and copies (default the GPU cache's: kv/cuda_ops.CudaOps); arrays: CupyArrays;
+        graph_stream: the session's compute stream, to run each streamed group as a CUDA graph on (group_graph.py;
+        None: eagerly)."""
         assert ring.nbytes >= schedule.ring_bytes, (ring.nbytes, schedule.ring_bytes)
         for p in schedule.pairs:
             for s in p.slots:
@@ -84,6 +86,10 @@ class CudaHybridBackend:
         self.sin = ops.device_empty((1, spec.head_dim), np.float32)
         self.attn = ops.device_empty((1, spec.q_dim), np.float16)
         self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]
+        self.graphs = None
+        if graph_stream is not None:
+            from helmc.runtime.hybrid.group_graph import GroupGraph
+            self.graphs = [GroupGraph(st, self.views, self.attn, graph_stream, to_cupy) for st in streamed_stages]
         self.cos_host = self.sin_host = self.cos_np = self.sin_np = None
         self.bytes_copied = 0
 
@@ -122,6 +128,8 @@ class CudaHybridBackend:
         xt, cos, sin, attn = self.views
         if x is not self.x:
             self.arrays.copy(self.x, x)
+        if self.graphs is not None:
+            return self.graphs[p.index].run()
         out = self.stages[p.index].run_blocks(xt, cos, sin, "decode", attn_out=(self.attn, attn))
         return self.to_cupy(out)
 

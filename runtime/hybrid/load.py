@@ -48,7 +48,8 @@ def ring_bindings(ring, arena, offset: int, spec, to_tvm):
 def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_stage, stage, graph, head_fns,
                   head_weights, to_tvm, to_cupy):
     """HybridDecode over CudaHybridBackend: one Stage per streamed group (the GPU's compiled block functions, its
-    blocks' parameters on the ring), the resident part through `graph` (DecodeGraph) or eagerly without one."""
+    blocks' parameters on the ring), the resident part through `graph` (DecodeGraph) or eagerly without one; with
+    `graph`, each streamed group as a CUDA graph of its own too (group_graph.py), on the same stream."""
     import cupy as cp
 
     from helmc.runtime.hybrid.cuda_backend import CudaHybridBackend
@@ -77,5 +78,6 @@ def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_st
             return cp.asnumpy(to_cupy(head_fns["decode"](xt, *head_weights)))
 
     backend = CudaHybridBackend(schedule, {i: by_layer[i] for i in schedule.streamed_layers}, ring, streamed,
-                                cpu_stage, stage.kv, resident, spec, to_tvm, to_cupy)
+                                cpu_stage, stage.kv, resident, spec, to_tvm, to_cupy,
+                                graph_stream=graph.stream if graph is not None else None)
     return HybridDecode(schedule, backend)

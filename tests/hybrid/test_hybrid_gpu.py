@@ -103,12 +103,17 @@ def test_tokens_against_transformers(name):
         assert ref[first] in top5, (name, first, ref[first], top5)
 
 
-def test_hybrid_without_cuda_graphs_and_a_second_request():
+def test_hybrid_with_and_without_cuda_graphs_and_a_second_request():
+    """The streamed groups replay CUDA graphs of their own (group_graph.py) and give the eager run's tokens."""
     path, refs = bundles()
     prompt, n = refs["prompt"], len(refs["greedy"])
-    _, want, _ = greedy(path, "hybrid2", prompt, n)
+    graphed, want, _ = greedy(path, "hybrid2", prompt, n)
+    groups = graphed.gpu.hybrid.backend.graphs     # each streamed group captured once, then replayed per token
+    print("streamed groups' graphs: replays", [g.replays for g in groups], "captures", [g.captures for g in groups],
+          "eager steps", [g.eager_steps for g in groups])
+    assert groups and all(g.captures >= 1 and g.replays >= n - 4 and not g.disabled for g in groups)
     s, eager, _ = greedy(path, "hybrid2", prompt, n, cuda_graph=False)
-    assert s.gpu.decode_graph is None and eager == want
+    assert s.gpu.decode_graph is None and s.gpu.hybrid.backend.graphs is None and eager == want
     again = s.generate(prompt_ids=prompt, max_new_tokens=n, stop_at_eos=False).tokens   # the ring and caches reused
     assert again == want
 
