@@ -58,25 +58,32 @@ class Contention:
     @classmethod
     def of(cls, hw: HardwareProfile, cpu_rates: DeviceRates) -> "Contention":
         """From the profile's window, where helmc's fp16 GEMVs (alone M_f = host_read_gbs) and the copies (alone
-        B = h2d_gbs) got M' and B', together C = M' + B'. A model whose GEMVs read M (cpu_rates.mem_gbs: its weight
-        types' mix) demands M + B; what exceeds C is lost by each side in the shares the window showed (for fp16
-        weights: exactly M_f / M' and B / B'); a demand within C (e.g. quantized GEMVs that decode at well under
-        DRAM speed) loses nothing."""
+        B = h2d_gbs) got M' and B', together C = M' + B'. Two effects, the larger slowdown of each side wins:
+        - capacity: a model whose GEMVs read M (cpu_rates.mem_gbs: its weight types' mix) demands M + B; what
+          exceeds C is lost by each side in the shares the window showed (for fp16 weights: exactly M_f / M' and
+          B / B');
+        - latency: each side slows at least as the window's did (M_f / M', B / B'), whatever the demand. Quantized
+          GEMVs read below DRAM speed because each core waits on its loads between its decode steps, not because
+          DRAM is full, and the copies lengthen those waits: Q4_K under 3 GiB (session 18, H200 hosts, two runs)
+          measured 38.8 / 38.3 ms where capacity alone predicted 34.8 / 31.6 (a demand within C lost nothing) and
+          this floor predicts 38.4 / 35.1 (device-2026-11-27-s18/hybrid_contention_eval.py; the fp16 runs, whose
+          demand exceeds C, are unchanged)."""
         link = hw.link
         m_f = hw.cpu.host_read_gbs or hw.cpu.stream_gbs            # the figure the window's CPU rate was taken beside
         b = link.h2d_gbs
+        floor = (max(1.0, m_f / link.cpu_read_concurrent_gbs), max(1.0, b / link.h2d_concurrent_gbs))
         capacity = link.cpu_read_concurrent_gbs + link.h2d_concurrent_gbs
         m = cpu_rates.mem_gbs
         excess = m + b - capacity
         if excess <= 0:
-            return cls(1.0, 1.0)
+            return cls(*floor)
         cpu_lost, copy_lost = max(0.0, m_f - link.cpu_read_concurrent_gbs), max(0.0, b - link.h2d_concurrent_gbs)
         if cpu_lost + copy_lost <= 0:              # the window lost nothing, this demand exceeds it: share by demand
             cpu_lost, copy_lost = m, b
         cpu_share = cpu_lost / (cpu_lost + copy_lost)
         m_left = max(m - excess * cpu_share, 1e-9 * m)
         b_left = max(b - excess * (1 - cpu_share), 1e-9 * b)
-        return cls(cpu_slowdown=m / m_left, copy_slowdown=b / b_left)
+        return cls(cpu_slowdown=max(m / m_left, floor[0]), copy_slowdown=max(b / b_left, floor[1]))
 
 
 def overlapped_ms(cpu: StageTime, copy_ms: float, c: Contention) -> float:

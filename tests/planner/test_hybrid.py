@@ -287,15 +287,18 @@ def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
 
 def test_contention_follows_the_demand_on_dram():
     """The window (fp16 GEMVs 92 -> 80 GB/s, copies 54 -> 40: 120 of 146 demanded) gives fp16 weights exactly its
-    own slowdowns; GEMVs that demand less (quantized kernels decoding below DRAM speed) lose less, and a demand
-    within the 120 GB/s loses nothing."""
+    own slowdowns; GEMVs that demand more lose more of the excess, and a smaller demand (quantized kernels decoding
+    below DRAM speed) still slows as the window's GEMVs did: its cores wait on DRAM the copies share."""
     hw = gpu_machine(cpu_while_copying=80.0, pcie_while_reading=40.0)
     fp16 = Contention.of(hw, DeviceRates(mem_gbs=92.0, compute_gflops=0.0))
     assert fp16.cpu_slowdown == pytest.approx(92 / 80) and fp16.copy_slowdown == pytest.approx(54 / 40)
-    # 26 GB/s over capacity at fp16 split 12 : 14; a 80 GB/s demand is 14 over: the CPU loses 14 x 12/26.
-    q = Contention.of(hw, DeviceRates(mem_gbs=80.0, compute_gflops=0.0))
-    assert q.cpu_slowdown == pytest.approx(80 / (80 - 14 * 12 / 26)) and q.copy_slowdown == pytest.approx(54 / (54 - 14 * 14 / 26))
-    assert Contention.of(hw, DeviceRates(mem_gbs=60.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
+    # 26 GB/s over capacity at fp16 split 12 : 14; a 110 GB/s demand is 44 over: the CPU loses 44 x 12/26.
+    more = Contention.of(hw, DeviceRates(mem_gbs=110.0, compute_gflops=0.0))
+    assert more.cpu_slowdown == pytest.approx(110 / (110 - 44 * 12 / 26))
+    assert more.copy_slowdown == pytest.approx(54 / (54 - 44 * 14 / 26))
+    for demand in (80.0, 60.0):              # 14 over capacity, and within it: the window's own slowdowns
+        q = Contention.of(hw, DeviceRates(mem_gbs=demand, compute_gflops=0.0))
+        assert q.cpu_slowdown == pytest.approx(92 / 80) and q.copy_slowdown == pytest.approx(54 / 40), demand
     # A window that lost nothing: no contention up to its capacity, beyond it shared by demand.
     free = gpu_machine()
     assert Contention.of(free, DeviceRates(mem_gbs=92.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
