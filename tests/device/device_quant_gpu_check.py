@@ -70,16 +70,16 @@ def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
     """uint8 [rows, row_bytes]: valid GGUF rows of `qtype` (every fp16 field finite, weights of order 1)."""
     from gguf import GGMLQuantizationType, quants
 
-    from helmc.schedules.gpu.quant_gemv import FORMATS
+    from helmc.model.spec import QUANT_BLOCKS      # a plain table: runs where only TVM's runtime is (bench_cpu_gemv)
 
-    fmt = FORMATS[qtype]
+    block_weights, block_bytes = QUANT_BLOCKS[qtype]
     if qtype in ("q8_0", "q4_0"):
         dense = rng.standard_normal((rows, k)).astype(np.float32)
         return np.ascontiguousarray(quants.quantize(dense, GGMLQuantizationType[_GGUF_TYPE[qtype]]))
-    blocks = rng.integers(0, 256, (rows, k // fmt.weights, fmt.bytes), dtype=np.uint8)   # [rows, blocks, bytes]
+    blocks = rng.integers(0, 256, (rows, k // block_weights, block_bytes), dtype=np.uint8)  # [rows, blocks, bytes]
 
     def halves(lo, hi, signed):
-        v = rng.uniform(lo, hi, (rows, k // fmt.weights))
+        v = rng.uniform(lo, hi, (rows, k // block_weights))
         v = np.where(rng.random(v.shape) < 0.5, -v, v) if signed else v
         return v.astype(np.float16)[..., None].view(np.uint8)                            # [rows, blocks, 2]
 

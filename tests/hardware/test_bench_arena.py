@@ -40,3 +40,18 @@ def test_a_full_arena_names_the_sizes():
     arena.tensor((1024,), "float32")
     with pytest.raises(ValueError, match="8192 bytes expected to fit at offset 4096, found 8192 bytes in all"):
         arena.tensor((1024, 2), "float32")
+
+
+def test_quantized_copies_need_only_the_runtime():
+    """--run-only runs where TVM is runtime-only (the GPU machine): making its quantized weight rows must import
+    nothing of the TVM compiler (session 18: `tvm.script` came in through the GPU kernels' format table)."""
+    import subprocess
+    pytest.importorskip("gguf")
+    code = ("import sys, numpy as np; sys.path.insert(0, 'tests/device'); "
+            "from device_quant_gpu_check import random_quant_rows; "
+            "print([random_quant_rows(q, 2, 256, np.random.default_rng(0)).shape for q in ('q4_0', 'q4_k', 'q6_k')]); "
+            "assert not [m for m in sys.modules if m.startswith(('tvm.script', 'tvm.relax', 'helmc.schedules'))]")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[(2, 144), (2, 144), (2, 210)]" in r.stdout, r.stdout
