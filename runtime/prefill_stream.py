@@ -101,6 +101,8 @@ def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=
     arenas = []
     for n, i in enumerate(layers):
         arenas.append(PinnedBlockArena(block_views(ck, spec, i), spec, i))
+        for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
+            ck.release(f"model.layers.{i}.{name}")          # copied into the arena: one copy in RAM
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound (pinned, streams to the GPU for prefill)")
     return [a.binding for a in arenas], arenas
 

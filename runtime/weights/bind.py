@@ -90,8 +90,10 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
     out = []
     for n, i in enumerate(layers):
         def load(name):
-            return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
-                                          spec.dtype), dev)
+            full = f"model.layers.{i}.{name}"
+            bound = to_device(*weight_view(ck, full, shapes[name], spec.weight_type(i, name), spec.dtype), dev)
+            ck.release(full)                    # copied (to_device returns once it has read the view): one copy
+            return bound
         out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
                                 post=[load(w) for w in spec.post_attn_weight_names()]))
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
@@ -100,8 +102,10 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
 
 def bind_head(ck: Checkpoint, spec: ModelSpec, dev, to_device: Callable = tensor_to_device) -> list:
     norm, lm = spec.head_weight_names()
-    return [to_device(*weight_view(ck, norm, (spec.hidden_size,), "", spec.dtype), dev),
-            to_device(*weight_view(ck, lm, (spec.vocab_size, spec.hidden_size), spec.head_type, spec.dtype), dev)]
+    out = [to_device(*weight_view(ck, norm, (spec.hidden_size,), "", spec.dtype), dev),
+           to_device(*weight_view(ck, lm, (spec.vocab_size, spec.hidden_size), spec.head_type, spec.dtype), dev)]
+    ck.release(lm)                              # a tied head's pages are the embedding's: its rows fault back in
+    return out
 
 
 class Embedding:

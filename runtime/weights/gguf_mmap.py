@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.weights.page_release import release_pages
 from helmc.model.gguf_spec import (GGUFTensor, check_gguf_tensors, gguf_name, permuted_heads, qk_rows_to_hf,
                                    read_gguf_header, spec_from_gguf_header)
 from helmc.model.spec import ModelSpec
@@ -119,6 +120,11 @@ class GGUFCheckpoint:
         arr = np.frombuffer(self._map, dtype=np_dtype, count=count, offset=i.offset).reshape(i.shape)  # flat -> HF shape
         idx = self.hf_row_order(hf_name)
         return arr if idx is None else arr[idx]
+
+    def release(self, hf_name: str) -> int:
+        """After the runtime copied `hf_name` into memory of its own: its mapped pages go (page_release.py)."""
+        i = self.info(hf_name)
+        return release_pages(self._map, i.offset, i.offset + i.nbytes)
 
     def close(self):
         try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.weights.page_release import release_pages
 
 # bf16 has no NumPy dtype: its raw bits are exposed as uint16 and converted by the consumer.
 _DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16"),
@@ -101,6 +102,11 @@ class SafetensorsFile:
         count = (t.end - t.begin) // np.dtype(np_dtype).itemsize
         return np.frombuffer(self._map, dtype=np_dtype, count=count, offset=t.begin).reshape(t.shape)  # flat -> shape
 
+    def release(self, name: str) -> int:
+        """The tensor's pages unmapped from this process (page_release.py); a later view() reads them again."""
+        t = self.tensors[name]
+        return release_pages(self._map, t.begin, t.end)
+
     def close(self):
         try:
             if self._map is not None:
@@ -157,6 +163,11 @@ class Checkpoint:
         if expect_shape is not None and tuple(info.shape) != tuple(expect_shape):
             raise HelmcError(f"weights: {name} shape expected {list(expect_shape)} from config.json, found {list(info.shape)}")
         return self.where[name].view(name)
+
+    def release(self, name: str) -> int:
+        """After the runtime copied `name` into memory of its own: its mapped pages go (page_release.py)."""
+        self.info(name)
+        return self.where[name].release(name)
 
     def close(self):
         for f in self.files:
