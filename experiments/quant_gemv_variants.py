@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Which row count and prefetch distance let the int8 Q4_K / Q6_K decode GEMV (schedules/cpu/quant/gemv_int8.py)
-read closest to DRAM on every core (issue 15's >= 80% bar), beside helmc's stream read in the same run.
+"""Which row count, prefetch distance and prefetch level let the int8 Q4_K / Q6_K / Q4_0 decode GEMVs
+(schedules/cpu/quant/gemv_int8.py, quant/q4_0_int8.py) read closest to DRAM on every core (issue 15's >= 80% bar),
+beside helmc's stream read in the same run.
 
   python experiments/quant_gemv_variants.py --build-only DIR --hardware hw.json    # here, with the compiler
   python experiments/quant_gemv_variants.py --run-only DIR                         # there: tvm.runtime only
 Each variant is timed over weight copies of >= 4x L3 (12288 x 4096, the gate/up shape), best of --rounds passes,
 interleaved with the stream read; prints GB/s of quantized bytes and the ratio to the read, and each type's fp32-lane
-kernel (gemv_quant.make_gemv_quant_float) as the baseline. Q4_0 runs its fp32-lane kernel at each tuning (session 11,
-call F: an int8 Q4_0 kernel, two blocks per vpdpbusd, read 50-62 GB/s against this kernel's 53-60, so it was dropped).
+kernel (gemv_quant.make_gemv_quant_float) as the baseline. Session 11 (call F): an int8 Q4_0 kernel of two blocks per
+vpdpbusd read 50-62 GB/s against the fp32-lane kernel's 53-60 and was dropped; session 18's (four blocks a step,
+q - 8 folded into the chain's start) read 70-77 GB/s in `helmc profile` on three hosts where the fp32-lane kernel
+had read 55 on a fourth: this run puts both beside one stream read. Variants: (rows, prefetch bytes, locality:
+3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ from bench_cpu_gemv import built_only, experiment_parser, target_features  # noq
 
 N, K = 12288, 4096
 QTYPES = ("q4_k", "q6_k", "q4_0")
-VARIANTS = {"q4_k": [(8, 1024), (8, 2048), (12, 1024)], "q6_k": [(4, 1024), (8, 1024)],
-            "q4_0": [(rows, prefetch) for rows in (4, 8) for prefetch in (1024, 2048)]}
+VARIANTS = {"q4_k": [(rows, prefetch, 3) for rows in (4, 8) for prefetch in (1024, 2048, 4096)] + [(8, 2048, 2),
+                                                                                                 (8, 4096, 2)],
+            "q6_k": [(4, 1024, 3), (8, 1024, 3), (4, 2048, 2)],
+            "q4_0": [(rows, prefetch, 3) for rows in (4, 8) for prefetch in (1024, 2048)] + [(8, 2048, 2)]}
 
 
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
@@ -38,11 +44,11 @@ def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
     isa = select_isa(features)
     funcs, kernels = {}, []
     for qtype in QTYPES:
-        for rows, prefetch in VARIANTS[qtype]:
-            name = f"v_{qtype}_r{rows}_p{prefetch}"
-            funcs[name] = make_gemv_quant(qtype, N, K, isa, QuantGemvTuning(rows=rows, prefetch_bytes=prefetch)
-                                          ).with_attr("global_symbol", name)
-            kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch,
+        for rows, prefetch, locality in VARIANTS[qtype]:
+            name = f"v_{qtype}_r{rows}_p{prefetch}_l{locality}"
+            tuning = QuantGemvTuning(rows=rows, prefetch_bytes=prefetch, prefetch_locality=locality)
+            funcs[name] = make_gemv_quant(qtype, N, K, isa, tuning).with_attr("global_symbol", name)
+            kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch, "locality": locality,
                             "row_bytes": quant_row_bytes(qtype, K)})
         # The fp32-lane kernel at its default tuning, the baseline the integer one must beat.
         name = f"v_{qtype}_float"
