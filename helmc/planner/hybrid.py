@@ -40,9 +40,10 @@ from helmc.planner.cost_model import (DeviceRates, StageTime, Workload, comm_tim
 from helmc.hardware.profile import HardwareProfile
 from helmc.runtime.bundle.plan import PAIR_TIE_SHARE, HybridCandidate, Plan, PlanGroup
 
-# The model charges a pair its two crossings only (eq. 4.15 each); what the executor will spend per pair beyond
-# them (a GPU stage call, an event wait) is not measured yet, so the layouts stay within a few pairs per ten blocks,
-# and the search ~O(L^2).
+# The model charges a pair its two crossings only (eq. 4.15 each). Beyond them, with each streamed group replayed as a
+# CUDA graph (runtime/hybrid/group_graph.py), the executor spent ~0.28 ms of host time a pair (session 18, call B,
+# 8 pairs: gpu 0.54 + to_host 0.94 + to_gpu 0.78 ms a token, the group's kernels inside to_host's wait), and plans
+# of 8-15 pairs came within 2% of measured (calls B, C); the cap keeps the search ~O(L^2).
 MAX_PAIRS = 16
 # For the same reason a layout with fewer pairs wins a near-tie (PAIR_TIE_SHARE, runtime/bundle/plan.py, where the
 # plan's check allows it): session 13, 8 sequences, 13 pairs of single blocks predicted 106.3 ms and 5 pairs
