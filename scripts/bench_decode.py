@@ -15,8 +15,8 @@ count and length are separate (--peer-requests, --accelerate-new-tokens; decode 
 
 Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU
 HBM (device copy, bytes read + written, taken as the read rate) and pinned host-to-device
-bandwidth; the roofline per token is cpu_weight_bytes / host + gpu_weight_bytes / HBM from each
-bundle's plan, beside the plan's T_plan.
+bandwidth; the roofline per token is the bytes each side reads per token (a unit's weights; of the embedding
+table, one row) over its rate, beside the plan's T_plan.
 With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.planner.calibrate:
 each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
@@ -70,9 +70,7 @@ def summarize(results: list[dict]) -> dict:
             "new_tokens": len(results[0]["tokens"])}
 
 
-# ------------------------------------------------------------------------------------------------
-# Machine ceilings, measured now
-# ------------------------------------------------------------------------------------------------
+# ---- Machine ceilings, measured now ------------------------------------------------------------
 def measure_bandwidths() -> dict:
     import torch
 
@@ -95,26 +93,23 @@ def measure_bandwidths() -> dict:
 def _timed(fn, cuda: bool = False) -> float:
     import torch
 
-    if cuda:
-        torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     t = time.perf_counter()
     fn()
-    if cuda:
-        torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t
 
 
-# ------------------------------------------------------------------------------------------------
-# helmc
-# ------------------------------------------------------------------------------------------------
+# ---- helmc -------------------------------------------------------------------------------------
 def rss_bytes() -> dict:
-    """This process's resident memory by kind (/proc/self/status): anonymous (copies the process made) and
-    file-backed (mmapped weights' pages in the page cache, not a copy)."""
+    """This process's resident memory by kind (/proc/self/status): anonymous (copies the process made), file-backed
+    (mmapped weights' pages: the runtime unmaps each once bound) and shared (pinned host memory: the host blocks)."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -147,8 +142,10 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         log(f"  CUDA graph: {out['cuda_graph_steps']}")
     out["rss_after_requests"] = rss = rss_bytes()
     log(f"  resident: anonymous {rss.get('RssAnon', 0) / 2**30:.2f} GiB, file-backed (mmapped weights) "
-        f"{rss.get('RssFile', 0) / 2**30:.2f} GiB; weights as stored {(plan.cpu_weight_bytes + plan.gpu_weight_bytes) / 2**30:.2f} GiB")
-    roof_ms = 1e3 * (plan.cpu_weight_bytes / (bw["host_read_gbs"] * GB) + plan.gpu_weight_bytes / (bw["hbm_copy_gbs"] * GB))
+        f"{rss.get('RssFile', 0) / 2**30:.2f} GiB, pinned {rss.get('RssShmem', 0) / 2**30:.2f} GiB, peak "
+        f"{rss.get('VmHWM', 0) / 2**30:.2f} GiB; weights as stored {(plan.cpu_weight_bytes + plan.gpu_weight_bytes) / 2**30:.2f} GiB")
+    host_read, gpu_read = read_bytes(s.spec, plan)
+    roof_ms = 1e3 * (host_read / (bw["host_read_gbs"] * GB) + gpu_read / (bw["hbm_copy_gbs"] * GB))
     out["decode_fraction_of_roofline"] = roof_ms / out["per_token_ms_p50"]
     out.update({"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "cpu_units": plan.cpu_units,
                 "t_plan_ms": plan.t_plan_ms, "cpu_weight_bytes": plan.cpu_weight_bytes,
@@ -213,6 +210,14 @@ def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
     return out
 
 
+def read_bytes(spec, plan) -> tuple[int, int]:
+    """Weight bytes (host, GPU) read per decode token: the units' W_param, one embedding row (analyze_program's)."""
+    from helmc.planner.analyze_program import analyze_program
+    a = analyze_program(spec)
+    return tuple(x.param_bytes + x.gather_bytes_per_token for x in (a.stage(0, plan.cpu_units),
+                                                                    a.stage(plan.cpu_units, a.num_units)))
+
+
 def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
     """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
     their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
@@ -223,7 +228,7 @@ def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
            "streamed_blocks": len(h.schedule.streamed_layers), "ring_bytes": h.schedule.ring_bytes,
            "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
            "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
-           "host_weight_gbs": plan.cpu_weight_bytes / (per_token_ms * 1e-3) / GB}
+           "host_weight_gbs": read_bytes(s.spec, plan)[0] / (per_token_ms * 1e-3) / GB}
     link = {}
     if hw is not None and hw.link is not None:      # --profile's (this run's), else the bundle's own
         link = {"h2d_concurrent_gbs": hw.link.h2d_concurrent_gbs, "cpu_read_concurrent_gbs": hw.link.cpu_read_concurrent_gbs}
@@ -250,9 +255,7 @@ def _free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-# ------------------------------------------------------------------------------------------------
-# Hugging Face peers
-# ------------------------------------------------------------------------------------------------
+# ---- Hugging Face peers ------------------------------------------------------------------------
 def bench_hf(model_dir: str, prompt: list[int], new_tokens: int, requests: int, max_memory: dict | None,
              keep_scores: bool = False, device: str = "cuda") -> dict:
     import torch
@@ -389,10 +392,9 @@ def main(argv=None) -> int:
 
     def save():
         if a.out:
-            tmp = a.out + ".tmp"
-            with open(tmp, "w") as f:
+            with open(a.out + ".tmp", "w") as f:
                 json.dump(report, f, indent=2)
-            os.replace(tmp, a.out)
+            os.replace(a.out + ".tmp", a.out)
 
     import torch
 
@@ -446,8 +448,7 @@ def main(argv=None) -> int:
         best = max(r["decode_tok_s_p50"] for r in report["llamacpp"])       # llama.cpp's best -ngl of this run
         for h in report["helmc"]:
             h["decode_ratio_vs_llamacpp_best"] = h["decode_tok_s_p50"] / best
-            if h.get("hybrid"):
-                h["hybrid_decode_ratio_vs_llamacpp"] = h["decode_tok_s_p50"] / best
+            h.update({"hybrid_decode_ratio_vs_llamacpp": h["decode_tok_s_p50"] / best} if h.get("hybrid") else {})
         save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)
@@ -459,7 +460,6 @@ def main(argv=None) -> int:
         report["accelerate"] = bench_hf(a.model, prompt, a.accelerate_new_tokens, a.accelerate_requests,
                                         {0: f"{a.gpu_budget:g}GiB", "cpu": "100GiB"})
         save()
-
     print(f"\n| system | plan | decode tok/s | TTFT ms | p50 per token ms | T_plan ms | T_plan ({label}) ms | "
           f"measured/plan ({label}) | roofline ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

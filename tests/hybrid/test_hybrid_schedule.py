@@ -153,20 +153,28 @@ def test_builds_search_hybrid_only_where_the_runtime_runs_it():
 
 def test_bench_decode_reports_a_hybrid_bundle(tmp_path):
     # scripts/bench_decode.hybrid_fields on a stand-in session: the ring's bytes per token, their PCIe rate, the
-    # host weights' rate and its share of the profile's DRAM + PCIe rate.
+    # host weights' rate (the host units' weights and one embedding row a token, not the embedding table) and its
+    # share of the profile's DRAM + PCIe rate.
     import json
     import sys
     from types import SimpleNamespace
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
     from bench_decode import hybrid_fields
+    from qwen3_configs import qwen3_spec
 
+    from helmc.planner.analyze_program import analyze_program
     s = schedule_of(hybrid_plan(((1, 2), (1, 1)), num_layers=6), lambda layer: 1000)
     (tmp_path / "hardware.json").write_text(json.dumps({"link": {"h2d_concurrent_gbs": 40.0,
                                                                  "cpu_read_concurrent_gbs": 80.0}}))
-    session = SimpleNamespace(bundle_dir=str(tmp_path), gpu=SimpleNamespace(hybrid=SimpleNamespace(
+    spec = qwen3_spec("Qwen3-8B")
+    session = SimpleNamespace(bundle_dir=str(tmp_path), spec=spec, gpu=SimpleNamespace(hybrid=SimpleNamespace(
         schedule=s, tokens=10, backend=SimpleNamespace(bytes_copied=10 * 3000))))
-    plan = SimpleNamespace(t_copy_ms=0.5, cpu_weight_bytes=6_000_000)
-    out = hybrid_fields(session, plan, per_token_ms=0.1)
+    plan = SimpleNamespace(t_copy_ms=0.5, cpu_units=6)                 # the embedding and blocks 0-4 on the host
+    out = hybrid_fields(session, plan, per_token_ms=100.0)
     assert out["streamed_bytes_per_token"] == 3000 and out["hybrid_pairs"] == 2 and out["streamed_blocks"] == 3
-    assert out["pcie_gbs"] == pytest.approx(3000 / 1e-4 / 1e9)
-    assert out["host_weight_gbs"] == pytest.approx(60.0) and out["share_of_dram_pcie"] == pytest.approx(0.5)
+    assert out["pcie_gbs"] == pytest.approx(3000 / 0.1 / 1e9)
+    block = spec.block_weight_bytes(0)
+    read = 5 * block + spec.hidden_size * 2                             # fp16: 5 blocks and one embedding row
+    assert analyze_program(spec).stage(0, 6).stored_bytes > read + 1e9    # the table is 1.2 GB of what is stored
+    assert out["host_weight_gbs"] == pytest.approx(read / 0.1 / 1e9)
+    assert out["share_of_dram_pcie"] == pytest.approx(read / 0.1 / 1e9 / 120.0)
