@@ -13,10 +13,9 @@ the last token) and per-token latencies; reported as the median over requests (a
 request of the same length). Accelerate at ~0.8 tok/s would need ~3 min per 128-token request, so its request
 count and length are separate (--peer-requests, --accelerate-new-tokens; decode is steady-state).
 
-Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU
-HBM (device copy, bytes read + written, taken as the read rate) and pinned host-to-device
-bandwidth; the roofline per token is the bytes each side reads per token (a unit's weights; of the embedding
-table, one row) over its rate, beside the plan's T_plan.
+Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU HBM (device copy,
+bytes read + written, taken as the read rate) and pinned host-to-device bandwidth; the roofline per token is the
+bytes each side reads per token (a unit's weights; of the embedding table, one row) over its rate, beside T_plan.
 With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.planner.calibrate:
 each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
@@ -52,6 +51,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
+from helmc.planner.analyze_program import analyze_program  # noqa: E402
 from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
 
 GB = 1e9
@@ -212,7 +212,6 @@ def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
 
 def read_bytes(spec, plan) -> tuple[int, int]:
     """Weight bytes (host, GPU) read per decode token: the units' W_param, one embedding row (analyze_program's)."""
-    from helmc.planner.analyze_program import analyze_program
     a = analyze_program(spec)
     return tuple(x.param_bytes + x.gather_bytes_per_token for x in (a.stage(0, plan.cpu_units),
                                                                     a.stage(plan.cpu_units, a.num_units)))
@@ -448,7 +447,8 @@ def main(argv=None) -> int:
         best = max(r["decode_tok_s_p50"] for r in report["llamacpp"])       # llama.cpp's best -ngl of this run
         for h in report["helmc"]:
             h["decode_ratio_vs_llamacpp_best"] = h["decode_tok_s_p50"] / best
-            h.update({"hybrid_decode_ratio_vs_llamacpp": h["decode_tok_s_p50"] / best} if h.get("hybrid") else {})
+            if h.get("hybrid"):
+                h["hybrid_decode_ratio_vs_llamacpp"] = h["decode_tok_s_p50"] / best
         save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)

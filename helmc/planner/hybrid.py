@@ -17,9 +17,10 @@ Cost per token (each term from cost_model, the same rates as a plain split):
 
 overlap() is max(T_cpu(C_i), T_copy(S_i)) under contention: both read host DRAM, and `helmc profile` measured
 what helmc's fp16 GEMVs and the copies get running together (link.cpu_read_concurrent_gbs, h2d_concurrent_gbs).
-While both run, each is slower than alone by its share of what their demand exceeds that combined rate
-(Contention.of: for fp16 weights exactly the window's M / M' and B / B'); when one finishes, the other goes on
-alone.
+While both run, each is slower than alone by its share of what their demand exceeds that combined rate, and
+at least as much slower as the window's own were (Contention.of: for fp16 weights exactly the window's M / M' and
+B / B'; quantized GEMVs, whose demand is lower, slow by the window's ratios too); when one finishes, the other
+goes on alone.
 Crossings: the token ids back, the activation to the GPU before each S_i and back after each S_i but the last
 (eq. 4.15 each: latency + bytes / bandwidth). Streamed blocks' KV is the GPU cache's, as a GPU block's.
 
@@ -70,6 +71,8 @@ class Contention:
           this floor predicts 38.4 / 35.1 (device-2026-11-27-s18/hybrid_contention_eval.py; the fp16 runs, whose
           demand exceeds C, are unchanged)."""
         link = hw.link
+        if not link.has_concurrent:                # no window measured: nothing to scale (no hybrid is planned)
+            return cls(1.0, 1.0)
         m_f = hw.cpu.host_read_gbs or hw.cpu.stream_gbs            # the figure the window's CPU rate was taken beside
         b = link.h2d_gbs
         floor = (max(1.0, m_f / link.cpu_read_concurrent_gbs), max(1.0, b / link.h2d_concurrent_gbs))

@@ -11,6 +11,9 @@ attention buffers (the step's inputs are written into them before the launch), a
 allocators, the second captures, a step that cannot replay runs eagerly). The copy into the slot is ordered before
 the launch by the backend's copied[i] event on the same compute stream. Eager and replayed steps run the same
 kernels on the same buffers: tokens do not depend on which ran.
+TVM's own intermediate buffers, freed after a capture, may be handed to other work (another group's capture, the
+resident graph, an eager step): safe because everything of a step runs in order on the one compute stream and no
+graph's intermediate outlives its launch; the output, which does, stays referenced here.
 """
 from __future__ import annotations
 

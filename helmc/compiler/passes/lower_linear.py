@@ -175,7 +175,8 @@ class _FusedGroup:
     """Linears of one function fused into one kernel, emitted where the first of them was bound."""
     kind: str                         # "multi": one output per linear | "swiglu": one output, g*sigmoid(g)*u
                                       # | "amx_multi": prefill GEMMs on AMX, one output per linear
-                                      # | "qmulti": one-token GEMVs of one K-quant type, one output per linear
+                                      # | "qmulti": one-token GEMVs of one int8-path quantized type (Q4_K,
+                                      #   Q6_K, Q4_0: gemv_int8_multi.py), one output per linear
     x: relax.Var                      # the shared input, (m, K) fp32: static m <= GEMV_MAX_ROWS, or any
                                       # (symbolic) m for "amx_multi"
     linears: tuple[relax.Var, ...]    # bound to the matmuls, in binding order ("swiglu": gate, up)

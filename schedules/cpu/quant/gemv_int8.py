@@ -1,4 +1,5 @@
-"""Decode GEMV over Q4_K / Q6_K with int8 activations: integer dot products, as llama.cpp's CPU kernels do.
+"""Decode GEMV over Q4_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
+integer dot products, as llama.cpp's CPU kernels do.
 
 Why (issue 15: each CPU GEMV type at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
 lane (table lookup + FMA per 16 weights), and on the GPU machine's Xeon that kept Q4_K at 58 and Q6_K at 65
@@ -127,8 +128,9 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
                          tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]): y = (xq * dx) @ dequant(w)^T.
 
-    x is quantized per token and 256-weight block: dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an
-    all-zero block). Same symbol and signature as gemv_quant.make_gemv_quant_float (decode_gemv picks one).
+    x is quantized per token and 256-weight block (Q4_0: per 32-weight block, each dx in the 4 lanes of its block):
+    dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an all-zero block). Same symbol and signature as
+    gemv_quant.make_gemv_quant_float (decode_gemv picks one).
     """
     _check(qtype, n, k)
     assert int8_gemv_applies(qtype, isa, k), (qtype, isa.tier, k)

@@ -10,8 +10,9 @@ two x scales) and four weight blocks are one 512-bit step:
 - low nibbles are weights 0-15 of each block, high nibbles 16-31 (ggml's block_q4_0), so x is stored per unit as
   [block 0..3 weights 0-15 | block 0..3 weights 16-31] and both halves multiply their nibbles directly;
 - q - 8 costs nothing in the loop: the dot product chain starts from -8 * (sum of the 8 x bytes of each int32
-  lane), formed once per call (xs), then adds the nibbles' products, vpdpbusd twice with AVX512-VNNI (vpmaddubsw,
-  vpaddw, vpmaddwd without it: the same integers, 2 * 15 * 127 * 2 < 2^15);
+  lane), formed once per call (xs), then adds the nibbles' products, vpdpbusd twice with AVX512-VNNI (without it
+  vpmaddubsw, vpmaddwd by ones, vpaddd per half: the same integers; a vpmaddubsw lane is at most 2 * 15 * 127 <
+  2^15, so it cannot saturate);
 - one convert and one FMA with d * dx (both per block, broadcast to the block's 4 lanes) per unit and row.
 Products and sums are exact integers, so a row equals dequant(W) @ (xq * dx) up to the fp32 rounding of the
 per-unit terms. The macros plug into gemv_int8's loops (one token and m-row tiles) by its row_dot interface.
