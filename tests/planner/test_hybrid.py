@@ -304,6 +304,10 @@ def test_contention_follows_the_demand_on_dram():
     assert Contention.of(free, DeviceRates(mem_gbs=92.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
     over = Contention.of(free, DeviceRates(mem_gbs=100.0, compute_gflops=0.0))
     assert over.cpu_slowdown == pytest.approx(100 / (100 - 8 * 100 / 154))
+    # No window measured (both concurrent rates 0): nothing to scale by, and no division by them.
+    none = dataclasses.replace(free, link=dataclasses.replace(free.link, h2d_concurrent_gbs=0.0,
+                                                              cpu_read_concurrent_gbs=0.0))
+    assert Contention.of(none, DeviceRates(mem_gbs=92.0, compute_gflops=0.0)) == Contention(1.0, 1.0)
 
 
 def test_q4_k_m_streams_more_because_its_gemvs_decode_below_dram_speed():
