@@ -230,6 +230,22 @@ def tvm_to_cupy(t):
     return cp.from_dlpack(t)
 
 
+def capture_graph(stream, body):
+    """(graph, pool, out): body() captured on the CuPy `stream` as a CUDA graph, not run (the caller launches it),
+    its CuPy temporaries from `pool`, a memory pool of the graph's own that must live as long as the graph. Raises
+    what the capture raised; a failed capture enqueued nothing. Shared by gpu_session.DecodeGraph and
+    hybrid/group_graph.GroupGraph."""
+    import cupy as cp
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        stream.begin_capture()
+        try:
+            out = body()
+        finally:
+            graph = stream.end_capture()
+    return graph, pool, out
+
+
 def tvm_stream(stream, device_id: int = 0):
     """Context manager: TVM launches on this CuPy stream (tvm_ffi's environment stream)."""
     import tvm_ffi

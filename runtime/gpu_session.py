@@ -66,7 +66,7 @@ class DecodeGraph:
 
     def __init__(self, stage, head_fns, head_weights, spec, stream, to_tvm, to_cupy):
         import cupy as cp
-        self.cp, self.stage, self.head_fns, self.head_weights, self.stream = cp, stage, head_fns, head_weights, stream
+        self.stage, self.head_fns, self.head_weights, self.stream = stage, head_fns, head_weights, stream
         self.to_cupy = to_cupy
         # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
         H, D = spec.hidden_size, spec.head_dim
@@ -128,16 +128,10 @@ class DecodeGraph:
     def _capture(self, key) -> bool:
         """Capture this step's work (not run yet: the caller launches the graph). False, with graphs off for
         the session and the step's appends forgotten, if the stream cannot be captured."""
-        cp = self.cp
+        from helmc.runtime.cuda_runtime import capture_graph
         self.graph = self.logits = None                 # the old graph goes before its memory pool
-        pool = cp.cuda.MemoryPool()
         try:
-            with cp.cuda.using_allocator(pool.malloc):
-                self.stream.begin_capture()
-                try:
-                    logits = self._body()
-                finally:
-                    graph = self.stream.end_capture()
+            graph, pool, logits = capture_graph(self.stream, self._body)
         except Exception as e:   # a capture that fails enqueued nothing: the step reruns eagerly
             import warnings
             self.disabled = f"{type(e).__name__}: {e}"

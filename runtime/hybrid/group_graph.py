@@ -25,8 +25,7 @@ class GroupGraph:
         """stage: the group's Stage (bindings on its ring slot, kv the GPU cache); views: TVM views of the backend's
         (x, cos, sin, attn) device buffers, made once outside captures; attn: the CuPy attention buffer; stream: the
         session's compute stream (the one the backend's ops run on)."""
-        import cupy as cp
-        self.cp, self.stage, self.views, self.attn, self.stream, self.to_cupy = cp, stage, views, attn, stream, to_cupy
+        self.stage, self.views, self.attn, self.stream, self.to_cupy = stage, views, attn, stream, to_cupy
         self.layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))   # the cache layers it appends
         self.graph = self.pool = self.key = self.seen = self.out = self._out_tensor = None
         self.disabled = ""                     # why this group runs without a graph ("" while it may have one)
@@ -58,16 +57,10 @@ class GroupGraph:
     def _capture(self, key) -> bool:
         """Capture the group's work (not run yet: run launches it). False, with this group's graph off for the
         session and the step's appends to its layers forgotten, if the stream cannot be captured."""
-        cp = self.cp
+        from helmc.runtime.cuda_runtime import capture_graph
         self.graph = self.out = self._out_tensor = None         # the old graph goes before its memory pool
-        pool = cp.cuda.MemoryPool()
         try:
-            with cp.cuda.using_allocator(pool.malloc):
-                self.stream.begin_capture()
-                try:
-                    out = self._body()
-                finally:
-                    graph = self.stream.end_capture()
+            graph, pool, out = capture_graph(self.stream, self._body)
         except Exception as e:   # a capture that fails enqueued nothing: the step reruns eagerly
             self.disabled = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture of a streamed group failed, running it eagerly: {self.disabled}")
