@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from bench_cpu_gemv import built_only, experiment_parser, target_features  # noqa: E402
+from variants_lib import export_variants, load_variants  # noqa: E402
 
 N, K, M = 12288, 4096, 8
 # (TILE_BLOCK_ROWS, X_TILE_BYTES, TILE_PREFETCH_LOCALITY); the first is the committed setting
@@ -33,11 +34,8 @@ VARIANTS = [(8, 16384, 3), (4, 16384, 3), (16, 16384, 3), (8, 32768, 3), (4, 327
 
 
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
-    import tvm
-    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu import gemv
     from helmc.schedules.cpu.isa import select_isa
-    from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
     isa = select_isa(features)
     funcs, kernels = {"v_m1": gemv.make_gemv(1, N, K, "float16", isa)}, [{"name": "v_m1", "m": 1}]
@@ -50,29 +48,13 @@ def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
             kernels.append({"name": name, "m": M, "block_rows": rows, "x_tile_bytes": tile, "locality": locality})
     finally:
         gemv.TILE_BLOCK_ROWS, gemv.X_TILE_BYTES, gemv.TILE_PREFETCH_LOCALITY = saved
-    funcs = {n: f.with_attr("global_symbol", n) for n, f in funcs.items()}
-    elements = stream_read_elements(4 * l3, isa)
-    funcs["helmc_stream_read"] = make_stream_read(elements, isa)
-    lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
-    os.makedirs(out_dir, exist_ok=True)
-    lib.export_library(os.path.join(out_dir, "variants.so"))
-    with open(os.path.join(out_dir, "variants.json"), "w") as f:
-        json.dump({"kernels": kernels, "read_elements": elements, "l3": l3, "isa": isa.tier}, f, indent=1)
+    export_variants(out_dir, funcs, kernels, features, l3, isa)
 
 
 def run(out_dir: str, rounds: int) -> None:
     import tvm   # runtime only there
 
-    meta = json.load(open(os.path.join(out_dir, "variants.json")))
-    lib = tvm.runtime.load_module(os.path.join(out_dir, "variants.so"))
-    read = lib["helmc_stream_read"]
-    buf = tvm.runtime.tensor(np.full(meta["read_elements"], 1.0, np.float32))
-    partial = tvm.runtime.tensor(np.zeros(1024, np.float32))   # READ_TASKS
-
-    def read_gbs():
-        t = time.perf_counter()
-        read(buf, partial)
-        return 4 * meta["read_elements"] / (time.perf_counter() - t) / 1e9
+    meta, lib, read_gbs = load_variants(out_dir)
     rng = np.random.default_rng(0)
     copies = -(-4 * meta["l3"] // (N * K * 2))
     ws = [tvm.runtime.tensor((0.02 * rng.standard_normal((N, K))).astype(np.float16)) for _ in range(copies)]

@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from bench_cpu_gemv import built_only, experiment_parser, target_features  # noqa: E402
+from variants_lib import export_variants, load_variants  # noqa: E402
 
 N, K = 12288, 4096
 QTYPES = ("q4_k", "q6_k", "q4_0")
@@ -34,12 +35,9 @@ VARIANTS = {"q4_k": [(rows, prefetch, 3) for rows in (4, 8) for prefetch in (102
 
 
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
-    import tvm
-    from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu.gemv_quant import QuantGemvTuning, make_gemv_quant_float, quant_row_bytes
     from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
     from helmc.schedules.cpu.isa import select_isa
-    from helmc.schedules.cpu.stream_read import make_stream_read, stream_read_elements
 
     isa = select_isa(features)
     funcs, kernels = {}, []
@@ -47,36 +45,21 @@ def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:
         for rows, prefetch, locality in VARIANTS[qtype]:
             name = f"v_{qtype}_r{rows}_p{prefetch}_l{locality}"
             tuning = QuantGemvTuning(rows=rows, prefetch_bytes=prefetch, prefetch_locality=locality)
-            funcs[name] = make_gemv_quant(qtype, N, K, isa, tuning).with_attr("global_symbol", name)
+            funcs[name] = make_gemv_quant(qtype, N, K, isa, tuning)
             kernels.append({"name": name, "qtype": qtype, "rows": rows, "prefetch": prefetch, "locality": locality,
                             "row_bytes": quant_row_bytes(qtype, K)})
         # The fp32-lane kernel at its default tuning, the baseline the integer one must beat.
         name = f"v_{qtype}_float"
-        funcs[name] = make_gemv_quant_float(qtype, N, K, isa).with_attr("global_symbol", name)
+        funcs[name] = make_gemv_quant_float(qtype, N, K, isa)
         kernels.append({"name": name, "qtype": qtype, "rows": 4, "prefetch": 2048, "float": True,
                         "row_bytes": quant_row_bytes(qtype, K)})
-    elements = stream_read_elements(4 * l3, isa)
-    funcs["helmc_stream_read"] = make_stream_read(elements, isa)
-    lib = tvm.compile(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), target=llvm_target(features))
-    os.makedirs(out_dir, exist_ok=True)
-    lib.export_library(os.path.join(out_dir, "variants.so"))
-    with open(os.path.join(out_dir, "variants.json"), "w") as f:
-        json.dump({"kernels": kernels, "read_elements": elements, "l3": l3, "isa": isa.tier}, f, indent=1)
+    export_variants(out_dir, funcs, kernels, features, l3, isa)
 
 
 def run(out_dir: str, rounds: int) -> None:
     import tvm   # runtime only there: no helmc.schedules import (it needs the TVM compiler)
 
-    meta = json.load(open(os.path.join(out_dir, "variants.json")))
-    lib = tvm.runtime.load_module(os.path.join(out_dir, "variants.so"))
-    read = lib["helmc_stream_read"]
-    buf = tvm.runtime.tensor(np.full(meta["read_elements"], 1.0, np.float32))
-    partial = tvm.runtime.tensor(np.zeros(1024, np.float32))   # READ_TASKS
-
-    def read_gbs():
-        t = time.perf_counter()
-        read(buf, partial)
-        return 4 * meta["read_elements"] / (time.perf_counter() - t) / 1e9
+    meta, lib, read_gbs = load_variants(out_dir)
     rng = np.random.default_rng(0)
     x = tvm.runtime.tensor(rng.standard_normal((1, K)).astype(np.float32))
     y = tvm.runtime.tensor(np.zeros((1, N), np.float32))
