@@ -31,7 +31,7 @@ from helmc.model.spec import ModelSpec
 from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.stage import StageBinding, block_function_name
-from helmc.runtime.weights.bind import weight_view
+from helmc.runtime.weights.bind import release_block, weight_view
 
 ARENA_ALIGN = 256                       # TVM and DLPack want aligned tensor data; 256 also suits DMA
 _NUMPY_OF = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16, "uint8": np.uint8}
@@ -101,8 +101,7 @@ def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=
     arenas = []
     for n, i in enumerate(layers):
         arenas.append(PinnedBlockArena(block_views(ck, spec, i), spec, i))
-        for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
-            ck.release(f"model.layers.{i}.{name}")          # copied into the arena: one copy in RAM
+        release_block(ck, spec, i)                                 # copied into the arena: one copy in RAM
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound (pinned, streams to the GPU for prefill)")
     return [a.binding for a in arenas], arenas
 

@@ -90,14 +90,20 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
     out = []
     for n, i in enumerate(layers):
         def load(name):
-            full = f"model.layers.{i}.{name}"
-            bound = to_device(*weight_view(ck, full, shapes[name], spec.weight_type(i, name), spec.dtype), dev)
-            ck.release(full)                    # copied (to_device returns once it has read the view): one copy
-            return bound
+            return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
+                                          spec.dtype), dev)
         out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
                                 post=[load(w) for w in spec.post_attn_weight_names()]))
+        release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
     return out
+
+
+def release_block(ck, spec: ModelSpec, layer: int) -> None:
+    """Once block `layer`'s weights are copied into memory of the runtime's own: their file pages go
+    (weights/page_release.py)."""
+    for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
+        ck.release(f"model.layers.{layer}.{name}")
 
 
 def bind_head(ck: Checkpoint, spec: ModelSpec, dev, to_device: Callable = tensor_to_device) -> list:
