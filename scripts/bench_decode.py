@@ -27,10 +27,8 @@ step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `pro
 from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
-and its share of the profile's DRAM + PCIe rate, and, with --llama-bench, `hybrid_decode_ratio_vs_llamacpp`
-(decode tok/s over llama.cpp's best -ngl of the run; every row gets `decode_ratio_vs_llamacpp_best`);
-`prefill_speedup_vs_llamacpp_ngl{N}` is llama.cpp's prompt time over helmc's TTFT, and with --prompt-len 32768
-`prefill_32k_ratio_vs_llamacpp` that against llama.cpp's fastest prompt of the -ngl values given (issue 16).
+and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
+llama.cpp's runs (llamacpp_peer.ratios says which).
 Greedy tokens of the first request are compared with HF's (all on the GPU): first divergence, and
 whether helmc's token there is in HF's top 5. Results are written to --out after every system, so a
 run cut short still leaves what it measured.
@@ -48,10 +46,13 @@ import time
 import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+for _path in (_ROOT, _SCRIPTS):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+import llamacpp_peer  # noqa: E402  (the peer's options, runs and ratios)
 from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
-from helmc.planner.analyze_program import analyze_program  # noqa: E402
+from helmc.planner.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes  # noqa: E402
 from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
 
 GB = 1e9
@@ -196,50 +197,6 @@ def time_cpu_stage(s) -> list[float] | None:
     return steps
 
 
-def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
-    """The CPU stage's read of its blocks' weights over its median step against `hw` (--profile, or the bundle's):
-    profile_dram_vs_measured (issue 17; 1.0: the profile told the truth) is the profile's synthetic stage read (M
-    where a profile lacks it) over it; M's (GEMVs alone) and the stream read's are the other two ratios."""
-    nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
-    out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
-    for rate, name in ((hw.cpu.stage_read_gbs or hw.cpu.host_read_gbs, "profile_dram_vs_measured"),
-                       (hw.cpu.host_read_gbs, "profile_gemv_read_vs_measured"),
-                       (hw.cpu.dram_gbs, "profile_stream_read_vs_measured")):
-        if rate and nbytes:
-            out[name] = rate / out["cpu_stage_read_gbs"]
-    return out
-
-
-def read_bytes(spec, plan) -> tuple[int, int]:
-    """Weight bytes (host, GPU) read per decode token: the units' W_param, one embedding row (analyze_program's)."""
-    a = analyze_program(spec)
-    return tuple(x.param_bytes + x.gather_bytes_per_token for x in (a.stage(0, plan.cpu_units),
-                                                                    a.stage(plan.cpu_units, a.num_units)))
-
-
-def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
-    """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
-    their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
-    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile (issue 17)."""
-    h = s.gpu.hybrid
-    per_token = h.backend.bytes_copied / max(1, h.tokens)
-    out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
-           "streamed_blocks": len(h.schedule.streamed_layers), "ring_bytes": h.schedule.ring_bytes,
-           "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
-           "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
-           "host_weight_gbs": read_bytes(s.spec, plan)[0] / (per_token_ms * 1e-3) / GB}
-    link = {}
-    if hw is not None and hw.link is not None:      # --profile's (this run's), else the bundle's own
-        link = {"h2d_concurrent_gbs": hw.link.h2d_concurrent_gbs, "cpu_read_concurrent_gbs": hw.link.cpu_read_concurrent_gbs}
-    elif os.path.isfile(path := os.path.join(s.bundle_dir, "hardware.json")):
-        with open(path) as f:
-            link = json.load(f).get("link") or {}
-    if link.get("h2d_concurrent_gbs"):
-        out["profile_dram_pcie_gbs"] = link["h2d_concurrent_gbs"] + link.get("cpu_read_concurrent_gbs", 0.0)
-        out["share_of_dram_pcie"] = out["host_weight_gbs"] / out["profile_dram_pcie_gbs"]
-    return out
-
-
 def _free_gpu() -> None:
     gc.collect()
     try:
@@ -367,12 +324,7 @@ def main(argv=None) -> int:
                     help="with --profile: run each bundle with its plan made again from that profile (helmc plan "
                          "BUNDLE hardware.json; the bundle's workload and VRAM budget, no compiling)")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
-    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
-    ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
-    ap.add_argument("--llama-gguf", default=None,
-                    help="the GGUF file llama-bench runs (default --model; for an HF --model, the same shapes as GGUF)")
-    ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
-    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench repetitions (-r; a 32K prompt takes minutes)")
+    llamacpp_peer.add_arguments(ap)
     ap.add_argument("--eager-too", action="store_true",
                     help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
     ap.add_argument("--out", default=None)
@@ -426,29 +378,13 @@ def main(argv=None) -> int:
             report["helmc"].append(eager)
             save()
     if a.llama_bench:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from llamacpp_peer import llama_bench
         report["llamacpp"] = []
-        for ngl in (int(n) for n in a.llama_ngl.split(",")):
-            r = llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, reps=a.llama_reps,
-                            threads=a.threads)
-            vram = f", peak VRAM {r['peak_vram_gib']:.2f} GiB" if r.get("peak_vram_gib") is not None else ""
-            log(f"llama.cpp -ngl {ngl}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s{vram}")
+        for r in llamacpp_peer.bench_each_ngl(a):
+            log(llamacpp_peer.describe(r))
             report["llamacpp"].append(r)
-            for h in report["helmc"]:
-                h[f"decode_ratio_vs_llamacpp_ngl{ngl}"] = h["decode_tok_s_p50"] / r["decode_tok_s_p50"]
-                h[f"ttft_ratio_vs_llamacpp_ngl{ngl}"] = h["ttft_ms_p50"] / r["ttft_ms_p50"]
-                # How many times faster helmc's prompt is (issue 16 wants >= 2 at 32K tokens under 7 GiB).
-                h[f"prefill_speedup_vs_llamacpp_ngl{ngl}"] = r["ttft_ms_p50"] / h["ttft_ms_p50"]
-                if a.prompt_len >= 32768:         # against llama.cpp's fastest prompt of the -ngl values given
-                    h["prefill_32k_ratio_vs_llamacpp"] = min(h.get("prefill_32k_ratio_vs_llamacpp", float("inf")),
-                                                             r["ttft_ms_p50"] / h["ttft_ms_p50"])
             save()
-        best = max(r["decode_tok_s_p50"] for r in report["llamacpp"])       # llama.cpp's best -ngl of this run
         for h in report["helmc"]:
-            h["decode_ratio_vs_llamacpp_best"] = h["decode_tok_s_p50"] / best
-            if h.get("hybrid"):
-                h["hybrid_decode_ratio_vs_llamacpp"] = h["decode_tok_s_p50"] / best
+            h.update(llamacpp_peer.ratios(h, report["llamacpp"], a.prompt_len))
         save()
     if "hf_gpu" not in skip:
         report["hf_gpu"] = bench_hf(a.model, prompt, a.new_tokens, a.peer_requests, None, keep_scores=True)

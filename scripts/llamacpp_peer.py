@@ -6,6 +6,8 @@
 Build the binary with ../shared/peers/build_llamacpp.sh (with CUDA on the GPU machine). `-ngl N` keeps the
 last N blocks on the GPU (0: all on the CPU, 99: all on the GPU); llama-bench's own JSON output is parsed,
 never its table. TTFT is taken as prompt_len / prompt tok/s (llama-bench times the prompt alone).
+bench_decode takes its llama.cpp options (add_arguments), its runs (bench_each_ngl) and each helmc row's ratios
+against them (ratios) from here.
 """
 from __future__ import annotations
 
@@ -13,6 +15,49 @@ import json
 import os
 import shutil
 import subprocess
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
+    ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
+    ap.add_argument("--llama-gguf", default=None,
+                    help="the GGUF file llama-bench runs (default --model; for an HF --model, the same shapes as GGUF)")
+    ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench repetitions (-r; a 32K prompt takes minutes)")
+
+
+def bench_each_ngl(a):
+    """llama_bench for each --llama-ngl value in turn, yielding each result as it comes (bench_decode saves it then,
+    so a run cut short keeps what it measured)."""
+    for ngl in (int(n) for n in a.llama_ngl.split(",")):
+        yield llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, reps=a.llama_reps,
+                          threads=a.threads)
+
+
+def describe(r: dict) -> str:
+    vram = f", peak VRAM {r['peak_vram_gib']:.2f} GiB" if r.get("peak_vram_gib") is not None else ""
+    return f"llama.cpp -ngl {r['ngl']}: decode {r['decode_tok_s_p50']:.2f} tok/s, prompt {r['prompt_tok_s']:.0f} tok/s{vram}"
+
+
+def ratios(helmc: dict, llama: list[dict], prompt_len: int) -> dict:
+    """A helmc row of bench_decode against llama.cpp's runs: per -ngl N, decode and TTFT ratios and
+    `prefill_speedup_vs_llamacpp_ngl{N}` (llama.cpp's prompt time over helmc's TTFT); at a 32K prompt,
+    `prefill_32k_ratio_vs_llamacpp` against the fastest prompt of the -ngl values given (issue 16 wants >= 2 under
+    7 GiB); `decode_ratio_vs_llamacpp_best` over llama.cpp's best -ngl of the run, and for a hybrid decode bundle
+    (issue 17) the same as `hybrid_decode_ratio_vs_llamacpp`."""
+    out = {}
+    for r in llama:
+        out[f"decode_ratio_vs_llamacpp_ngl{r['ngl']}"] = helmc["decode_tok_s_p50"] / r["decode_tok_s_p50"]
+        out[f"ttft_ratio_vs_llamacpp_ngl{r['ngl']}"] = helmc["ttft_ms_p50"] / r["ttft_ms_p50"]
+        out[f"prefill_speedup_vs_llamacpp_ngl{r['ngl']}"] = r["ttft_ms_p50"] / helmc["ttft_ms_p50"]
+        if prompt_len >= 32768:
+            out["prefill_32k_ratio_vs_llamacpp"] = min(out.get("prefill_32k_ratio_vs_llamacpp", float("inf")),
+                                                       r["ttft_ms_p50"] / helmc["ttft_ms_p50"])
+    best = max(r["decode_tok_s_p50"] for r in llama)
+    out["decode_ratio_vs_llamacpp_best"] = helmc["decode_tok_s_p50"] / best
+    if helmc.get("hybrid"):
+        out["hybrid_decode_ratio_vs_llamacpp"] = helmc["decode_tok_s_p50"] / best
+    return out
 
 
 def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int, reps: int = 3,
