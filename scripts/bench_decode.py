@@ -29,6 +29,13 @@ A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked l
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
 llama.cpp's runs (llamacpp_peer.ratios says which).
+helmc's `peak_vram_gib`, beside llama.cpp's per -ngl: PeakVram (bench_context.py) samples the device's used memory
+every 20 ms through a bundle's load, warm-up and requests; the figure is the most seen above what nvidia-smi showed
+when this script started, before any CUDA call, so it counts this process's CUDA context (as llama.cpp's counts its
+own) and whatever earlier steps left on the device (the bandwidth buffers, calibration and earlier bundles: their
+memory is handed back, torch's cache emptied and CuPy's pools freed, but not the libraries' code and handles).
+None without nvidia-smi. llama.cpp's nvidia-smi samples every 100 ms, so it may miss a peak helmc's does not: the
+within-VRAM comparison (llamacpp_peer.within_vram) leans, if anything, in llama.cpp's favour.
 Greedy tokens of the first request are compared with HF's (all on the GPU): first divergence, and
 whether helmc's token there is in HF's top 5. Results are written to --out after every system, so a
 run cut short still leaves what it measured.
@@ -36,6 +43,7 @@ run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -51,6 +59,7 @@ for _path in (_ROOT, _SCRIPTS):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 import llamacpp_peer  # noqa: E402  (the peer's options, runs and ratios)
+from bench_context import PeakVram  # noqa: E402
 from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
 from helmc.planner.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes  # noqa: E402
 from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
@@ -116,25 +125,34 @@ def rss_bytes() -> dict:
 
 
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
-                calibrated=None, cuda_graph: bool = True, label: str = "calibrated", plan=None) -> dict:
+                calibrated=None, cuda_graph: bool = True, label: str = "calibrated", plan=None,
+                vram_baseline_mib: int | None = None) -> dict:
+    import torch
+
     from helmc.runtime.session import Session
 
-    t = time.perf_counter()
-    s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph, plan=plan)
-    load_s = time.perf_counter() - t
-    plan = s.plan
-    log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
-    # Warm-up as long as a request: every KV page bucket's CUDA graph is captured before timing (a 4-token warm-up
-    # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also warms up).
-    s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
-    cpu_steps = time_cpu_stage(s)
-    runs = []
-    for i in range(requests):
-        r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
-        runs.append({"tokens": list(r.tokens), "ttft_ms": r.ttft_ms, "decode_tok_s": r.decode_tok_s,
-                     "per_token_ms": list(r.per_token_ms)})
-        log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
+    vram = None if vram_baseline_mib is None else PeakVram(torch.cuda.mem_get_info, vram_baseline_mib * 2**20)
+    with contextlib.nullcontext() if vram is None else vram:
+        t = time.perf_counter()
+        s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph, plan=plan)
+        load_s = time.perf_counter() - t
+        plan = s.plan
+        log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
+        # Warm-up as long as a request: every KV page bucket's CUDA graph is captured before timing (a 4-token warm-up
+        # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also
+        # warms up).
+        s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
+        cpu_steps = time_cpu_stage(s)
+        runs = []
+        for i in range(requests):
+            r = s.generate(prompt_ids=prompt, max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
+            runs.append({"tokens": list(r.tokens), "ttft_ms": r.ttft_ms, "decode_tok_s": r.decode_tok_s,
+                         "per_token_ms": list(r.per_token_ms)})
+            log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
     out = summarize(runs)
+    out["peak_vram_gib"] = None if vram is None else vram.peak_gib
+    if vram is not None:
+        log(f"  peak VRAM {vram.peak_gib:.2f} GiB (load, warm-up and requests; llama.cpp's -ngl runs report theirs)")
     graph = getattr(s.gpu, "decode_graph", None)
     out["cuda_graph"] = graph is not None and not graph.disabled
     if graph is not None:
@@ -331,6 +349,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.replan and not a.profile:
         ap.error("--replan expected with --profile (the profile to plan from), found it alone")
+    # Before torch or the runtime makes this process's CUDA context, so helmc's peak VRAM counts that context as
+    # llama.cpp's figure counts its own.
+    vram_baseline_mib = llamacpp_peer.gpu_memory_used_mib()
     skip = set(filter(None, a.skip.split(",")))
 
     from helmc.model.load import is_gguf, load_spec
@@ -365,11 +386,12 @@ def main(argv=None) -> int:
         # --replan: what a user does on a new machine (helmc profile, helmc plan BUNDLE, helmc run --plan)
         plan = replan_bundle(bundle, calibrated)[0] if a.replan else None
         report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated,
-                                           label=label, plan=plan) | {"replanned": plan is not None})
+                                           label=label, plan=plan, vram_baseline_mib=vram_baseline_mib)
+                               | {"replanned": plan is not None})
         save()
         if a.eager_too and report["helmc"][-1].get("cuda_graph"):
             eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False,
-                                label=label)
+                                label=label, vram_baseline_mib=vram_baseline_mib)
             graphed = report["helmc"][-1]
             graphed["tokens_equal_without_graph"] = eager["tokens_first_request"] == graphed["tokens_first_request"]
             graphed["speedup_over_no_graph"] = graphed["decode_tok_s_p50"] / eager["decode_tok_s_p50"]
@@ -403,7 +425,8 @@ def main(argv=None) -> int:
         cal = (f"{h[f't_plan_{label}_ms']:.1f} | {h[f'measured_over_plan_{label}']:.3f}"
                if f"t_plan_{label}_ms" in h else "- | -")
         graph = "" if h.get("cuda_graph", True) else " (no graph)"
-        print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))}{graph} | {h['plan']} | {h['decode_tok_s_p50']:.2f} | "
+        vram = f" ({h['peak_vram_gib']:.2f} GiB VRAM)" if h.get("peak_vram_gib") is not None else ""
+        print(f"| helmc {os.path.basename(h['bundle'].rstrip('/'))}{graph} | {h['plan']}{vram} | {h['decode_tok_s_p50']:.2f} | "
               f"{h['ttft_ms_p50']:.0f} | {h['per_token_ms_p50']:.1f} | {h['t_plan_ms']:.1f} | {cal} | {h['roofline_ms']:.1f} |")
     for r in report.get("llamacpp", []):
         vram = f" ({r['peak_vram_gib']:.2f} GiB VRAM)" if r.get("peak_vram_gib") is not None else ""
@@ -411,8 +434,10 @@ def main(argv=None) -> int:
               f"{r['per_token_ms_p50']:.1f} | - | - | - | - |")
     for h in report["helmc"]:
         for k, v in h.items():
-            if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp", "hybrid_decode_ratio")):
-                print(f"helmc {h['plan']}{'' if h.get('cuda_graph', True) else ' (no graph)'}: {k} = {v:.3f}")
+            if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp", "hybrid_decode_ratio",
+                             "llamacpp_ngl_within_vram")):
+                shown = f"{v:.3f}" if isinstance(v, float) else v        # an -ngl, or None: no VRAM figure or fit
+                print(f"helmc {h['plan']}{'' if h.get('cuda_graph', True) else ' (no graph)'}: {k} = {shown}")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):
         if key in report:
             r = report[key]

@@ -7,7 +7,7 @@ Build the binary with ../shared/peers/build_llamacpp.sh (with CUDA on the GPU ma
 last N blocks on the GPU (0: all on the CPU, 99: all on the GPU); llama-bench's own JSON output is parsed,
 never its table. TTFT is taken as prompt_len / prompt tok/s (llama-bench times the prompt alone).
 bench_decode takes its llama.cpp options (add_arguments), its runs (bench_each_ngl) and each helmc row's ratios
-against them (ratios) from here.
+against them (ratios, within_vram) from here.
 """
 from __future__ import annotations
 
@@ -57,7 +57,20 @@ def ratios(helmc: dict, llama: list[dict], prompt_len: int) -> dict:
     out["decode_ratio_vs_llamacpp_best"] = helmc["decode_tok_s_p50"] / best
     if helmc.get("hybrid"):
         out["hybrid_decode_ratio_vs_llamacpp"] = helmc["decode_tok_s_p50"] / best
-    return out
+    return out | within_vram(helmc, llama)
+
+
+def within_vram(helmc: dict, llama: list[dict]) -> dict:
+    """helmc's decode against llama.cpp's fastest -ngl whose peak VRAM is no more than helmc's: what a user with
+    helmc's VRAM would run instead. Both None where helmc's peak went unmeasured (no nvidia-smi) or no -ngl's
+    measured peak is within it."""
+    peak = helmc.get("peak_vram_gib")
+    fits = [r for r in llama if peak is not None and r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= peak]
+    peer = max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+    if peer is None:
+        return {"llamacpp_ngl_within_vram": None, "decode_ratio_vs_llamacpp_within_vram": None}
+    return {"llamacpp_ngl_within_vram": peer["ngl"],
+            "decode_ratio_vs_llamacpp_within_vram": helmc["decode_tok_s_p50"] / peer["decode_tok_s_p50"]}
 
 
 def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int, reps: int = 3,
@@ -68,7 +81,7 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
            "-o", "json", *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    baseline, sampler = _gpu_memory_mib(), _start_sampling()
+    baseline, sampler = gpu_memory_used_mib(), _start_sampling()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = _stop_sampling(sampler)
     if proc.returncode != 0:
@@ -84,7 +97,7 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
             "peak_vram_gib": (peak - baseline) / 1024 if peak is not None and baseline is not None else None}
 
 
-def _gpu_memory_mib() -> int | None:
+def gpu_memory_used_mib() -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],

@@ -1,0 +1,60 @@
+"""scripts/llamacpp_peer.py's comparisons of bench_decode's helmc rows with llama.cpp's runs, on stand-in rows
+(no GPU, no llama-bench): which -ngl fits helmc's VRAM, and the ratios that existed before that one."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
+import llamacpp_peer  # noqa: E402
+
+LLAMA = [{"ngl": 0, "decode_tok_s_p50": 8.0, "ttft_ms_p50": 800.0, "peak_vram_gib": 0.5},
+         {"ngl": 10, "decode_tok_s_p50": 16.0, "ttft_ms_p50": 400.0, "peak_vram_gib": 3.0},
+         {"ngl": 20, "decode_tok_s_p50": 12.0, "ttft_ms_p50": 300.0, "peak_vram_gib": 5.75},
+         {"ngl": 99, "decode_tok_s_p50": 64.0, "ttft_ms_p50": 100.0, "peak_vram_gib": 16.5}]
+
+
+def helmc_row(peak_vram_gib):
+    return {"decode_tok_s_p50": 24.0, "ttft_ms_p50": 200.0, "peak_vram_gib": peak_vram_gib}
+
+
+def test_within_vram_takes_the_fastest_run_that_fits():
+    # -ngl 20 fits 6 GiB too, but -ngl 10 decodes faster in less: the peer is the fastest that fits, not the largest.
+    assert llamacpp_peer.within_vram(helmc_row(6.0), LLAMA) == {"llamacpp_ngl_within_vram": 10,
+                                                                "decode_ratio_vs_llamacpp_within_vram": 1.5}
+    assert llamacpp_peer.within_vram(helmc_row(16.5), LLAMA) == {"llamacpp_ngl_within_vram": 99,   # equal fits
+                                                                 "decode_ratio_vs_llamacpp_within_vram": 0.375}
+    assert llamacpp_peer.within_vram(helmc_row(0.5), LLAMA)["llamacpp_ngl_within_vram"] == 0
+
+
+@pytest.mark.parametrize("peak, llama", [
+    (0.25, LLAMA),                                                         # no -ngl fits
+    (None, LLAMA),                                                         # helmc's VRAM unmeasured
+    (6.0, [dict(r, peak_vram_gib=None) for r in LLAMA]),                   # llama.cpp's unmeasured
+])
+def test_within_vram_none_without_a_fit_or_a_figure(peak, llama):
+    assert llamacpp_peer.within_vram(helmc_row(peak), llama) == {"llamacpp_ngl_within_vram": None,
+                                                                 "decode_ratio_vs_llamacpp_within_vram": None}
+
+
+def test_ratios_keep_their_keys_and_add_the_vram_match():
+    r = llamacpp_peer.ratios(dict(helmc_row(6.0), hybrid=True), LLAMA[:2], prompt_len=32768)
+    assert r == {"decode_ratio_vs_llamacpp_ngl0": 3.0, "ttft_ratio_vs_llamacpp_ngl0": 0.25,
+                 "prefill_speedup_vs_llamacpp_ngl0": 4.0,
+                 "prefill_32k_ratio_vs_llamacpp": 2.0,                     # against the faster prompt, -ngl 10's
+                 "decode_ratio_vs_llamacpp_ngl10": 1.5, "ttft_ratio_vs_llamacpp_ngl10": 0.5,
+                 "prefill_speedup_vs_llamacpp_ngl10": 2.0,
+                 "decode_ratio_vs_llamacpp_best": 1.5, "hybrid_decode_ratio_vs_llamacpp": 1.5,
+                 "llamacpp_ngl_within_vram": 10, "decode_ratio_vs_llamacpp_within_vram": 1.5}
+    unmeasured = {k: v for k, v in helmc_row(None).items() if k != "peak_vram_gib"}    # a row from before the figure
+    assert llamacpp_peer.ratios(unmeasured, LLAMA, prompt_len=128)["decode_ratio_vs_llamacpp_within_vram"] is None
+
+
+def test_bench_decode_takes_the_peer_options(capsys):
+    import bench_decode
+
+    with pytest.raises(SystemExit) as e:
+        bench_decode.main(["--help"])
+    assert e.value.code == 0 and "--llama-ngl" in capsys.readouterr().out
