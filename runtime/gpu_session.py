@@ -337,7 +337,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
-    from helmc.runtime.prefill_stream import streamed_prefill_bytes
+    from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, progress
     from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_head, bind_layers
@@ -385,6 +385,12 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
             if plan.prefill_on_gpu else 0)
     ring_lends = hybrid and plan.batch > 1 and ring.nbytes >= loan
+    # One sequence: the ring lends the block's staging, the pool holds the prompt's buffers (cost_model's
+    # pool_loan_bytes counts the same).
+    arena_bytes = max(a.nbytes for a in arenas) if plan.prefill_on_gpu else 0
+    arena_in_ring = hybrid and plan.batch == 1 and ring.nbytes >= arena_bytes
+    if arena_in_ring:
+        loan -= aligned_bytes(arena_bytes)
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
     if kv_layers:
@@ -419,7 +425,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
                                    kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None,
-                                   ops=stage.kv.ops if stage is not None else None)
+                                   ops=stage.kv.ops if stage is not None else None,
+                                   lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
              if stage is not None and kv_options.get("cuda_graph", True) else None)

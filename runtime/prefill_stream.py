@@ -118,11 +118,13 @@ class StreamedPrefill:
 
     VRAM: one block's weights, the prompt's hidden state [S, H] and K, V [2, h_kv, S, d] (fp16) and
     cos, sin [S, d] (fp32), held only while run() runs: borrowed from the GPU stage's empty KV page
-    pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated."""
+    pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated.
+    lend_arena(nbytes), where given, lends the block's weights apart (a hybrid plan's idle staging ring of at
+    least one block, runtime/hybrid/load.ring_lender): `lend` is then asked for the prompt's buffers only."""
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
                  cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,
-                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None, ops=None):
+                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None, ops=None, lend_arena=None):
         import cupy as cp
 
         if not arenas:
@@ -137,7 +139,7 @@ class StreamedPrefill:
         # Per type signature (one for unquantized models): its prefill functions.
         self.fns = {j: (vm[block_function_name("pre_attn", "prefill", j)], vm[block_function_name("post_attn", "prefill", j)])
                     for j in {spec.signature_index(a.layer) for a in arenas}}
-        self.lend = lend
+        self.lend, self.lend_arena = lend, lend_arena
         # The bundle's tensor-core attention (runtime/kv/cuda_ops.CudaOps.flash_prefill) when its cubin has it:
         # one kernel per chunk and block over the scratch's rows where attend_blocks runs fp32 score tiles.
         self.flash = ops if ops is not None and ops.has_flash(spec.head_dim, spec.group_size) else None
@@ -153,9 +155,10 @@ class StreamedPrefill:
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
 
     def buffer_bytes(self, S: "int | list[int]") -> int:
-        """VRAM one run() over S tokens (or run_sequences over prompts of S[b] tokens) needs: the block arena
-        and each prompt's buffers, each ARENA_ALIGN-aligned."""
-        return streamed_prefill_bytes(self.arena_bytes, S, self.spec)
+        """VRAM one run() over S tokens (or run_sequences over prompts of S[b] tokens) asks `lend` for: each
+        prompt's buffers and, unless lend_arena lends it, the block arena, each ARENA_ALIGN-aligned."""
+        arena = 0 if self.lend_arena is not None else self.arena_bytes
+        return streamed_prefill_bytes(arena, S, self.spec)
 
     @property
     def arena_bytes(self) -> int:
@@ -185,7 +188,11 @@ class StreamedPrefill:
         self.borrowed = buf is not None
         if buf is None:
             buf = cp.empty((total,), cp.uint8)
-        device, off = buf[:self.arena_bytes], aligned_bytes(self.arena_bytes)
+        if self.lend_arena is not None:
+            device, off = self.lend_arena(self.arena_bytes), 0
+            assert device is not None, ("lend_arena lends at least one block", self.arena_bytes)
+        else:
+            device, off = buf[:self.arena_bytes], aligned_bytes(self.arena_bytes)
         seqs = []                        # per prompt: x, K/V scratch, cos, sin on the device
         for (x, cos, sin), S in zip(prompts, lengths):
             parts = []

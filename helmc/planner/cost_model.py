@@ -321,9 +321,25 @@ RING_LOAN_SLACK_BYTES = 1 << 20
 def ring_hosts_loan(ring_bytes: int, lent: int) -> bool:
     """Whether a hybrid plan's staging ring holds the streamed prefill's loan: the ring is idle between decode
     steps, when prompts prefill (runtime/gpu_session.load_gpu_parts lends it), so the loan needs no VRAM of its
-    own beside the pages. Taken for plans of several sequences (serving) only: one sequence's loan borrows the
-    empty page pool, and its layouts stay those measured in sessions 10-11."""
+    own beside the pages. Taken for plans of several sequences (serving) only: one sequence's prompt buffers
+    borrow the empty page pool, the ring its block staging (pool_loan_bytes)."""
     return bool(ring_bytes) and bool(lent) and ring_bytes >= lent + RING_LOAN_SLACK_BYTES
+
+
+def pool_loan_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workload, ring_bytes: int) -> int:
+    """What of the streamed prefill's loan the KV page pool holds (one sequence) or keeps beside its pages
+    (several). A hybrid ring, idle between decode steps when prompts prefill, lends instead: all of the loan
+    where it holds it and the plan serves several sequences (ring_hosts_loan); else the block's staging where
+    it holds one block (runtime/gpu_session.load_gpu_parts: StreamedPrefill's lend_arena), the pool keeping
+    only the prompt's buffers. One sequence's pool then needs no block of weights as its floor: at 7 GiB
+    that is one more resident block (session 19)."""
+    lent = prefill_lent_bytes(a, cpu, gpu, w)
+    staging = prefill_staging_bytes(a, cpu, gpu, w)
+    if w.batch > 1 and ring_hosts_loan(ring_bytes, lent):
+        return 0
+    if w.batch == 1 and staging and ring_bytes >= staging:
+        return lent - staging
+    return lent
 
 
 def gpu_prefill_tokens(w: Workload) -> int:
@@ -356,9 +372,7 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
         return host, MemoryNeed(available=hw.usable_vram_bytes)
     computed = gpu + s                        # every block the GPU runs, resident or streamed
     gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
-    lent = prefill_lent_bytes(a, cpu, gpu, w)
-    if B > 1 and ring_hosts_loan(ring_bytes, lent):
-        lent = 0                              # hybrid: the streamed prefill borrows the idle ring instead
+    lent = pool_loan_bytes(a, cpu, gpu, w, ring_bytes)    # hybrid: the idle ring lends the rest
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
     if (gpu.blocks or s.blocks) and B > 1:
         # Serving: newcomers' prompts stream while the running sequences hold their pages, so the loan (if any:
@@ -394,8 +408,7 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if gpu.units and not w.kv_offload and gpu_kv_tok:
         # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits; serving (B > 1)
         # holds the loan beside the pages (memory_needs).
-        lent = prefill_lent_bytes(a, cpu, gpu, w)
-        beside = lent if B > 1 and (gpu.blocks or s.blocks) and not ring_hosts_loan(ring_bytes, lent) else 0
+        beside = pool_loan_bytes(a, cpu, gpu, w, ring_bytes) if B > 1 and (gpu.blocks or s.blocks) else 0
         gpu_fit = (gpu0.available - (gpu0.total - gpu0.kv) - beside) // (B * gpu_kv_tok)
         fit = gpu_fit if fit is None else min(fit, gpu_fit)
     if fit is None:

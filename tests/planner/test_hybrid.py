@@ -52,31 +52,33 @@ def _pairs_of(first_cpu: int, pairs: int, cpu: int = 2, streamed: int = 1) -> li
 
 
 def test_qwen3_8b_fp16_under_7_gib_on_the_gpu_machine(q8):
-    """The issue's case. The ring of one block costs the GPU-resident part a block (cpu(25) -> cpu(26)); 8 pairs of
-    (2 CPU blocks, 1 streamed), the first CPU group holding the embedding and 3 blocks: a streamed block's copy
-    (7.15 ms) hides under 2 CPU blocks (8.39 ms), so the host part moves at 92 + 54 GB/s less that slack."""
+    """The issue's case. The ring of one block costs the GPU-resident part no block (cpu(25) as the plain split):
+    the streamed prefill borrows the idle ring for its block staging, so the page pool's floor is the prompt's
+    buffers, not a block (cost_model.pool_loan_bytes; session 18's plans were cpu(26)). 8 pairs of (2 CPU blocks,
+    1 streamed), the first CPU group holding the embedding and 2 blocks: a streamed block's copy (7.15 ms) hides
+    under 2 CPU blocks (8.39 ms), so the host part moves at 92 + 54 GB/s less that slack."""
     hw = gpu_machine()
     p = plan(q8, hw, gpu_budget_gib=7)
     split = plan(q8, hw, gpu_budget_gib=7, hybrid=False)
     print(f"\nhybrid {p.describe()}: {p.t_plan_ms:.2f} ms; plain {split.describe()}: {split.t_plan_ms:.2f} ms; "
           f"{split.t_plan_ms / p.t_plan_ms:.3f}x")
     assert split.describe() == "cpu(25) -> cuda(13)" and not split.groups
-    assert p.cpu_units == 26 and _layout(p) == _pairs_of(3, 8)
-    assert p.staging_ring_bytes == BLOCK and p.streamed_layers == (3, 6, 9, 12, 15, 18, 21, 24)
-    assert len(p.cpu_compute_layers) == 17 and set(p.cpu_compute_layers) | set(p.streamed_layers) == set(p.cpu_layers)
+    assert p.cpu_units == 25 and _layout(p) == _pairs_of(2, 8)
+    assert p.staging_ring_bytes == BLOCK and p.streamed_layers == (2, 5, 8, 11, 14, 17, 20, 23)
+    assert len(p.cpu_compute_layers) == 16 and set(p.cpu_compute_layers) | set(p.streamed_layers) == set(p.cpu_layers)
     # By hand from the cost model's own parts: each pair is CPU-bound (no contention), so its time is the CPU's.
     a = analyze_program(q8)
     cpu_rates = DeviceRates.of_device(hw, "cpu", analysis=a)
     copy = 8.3e-3 + BLOCK / 54e9 * 1e3
     w = Workload()
-    cpu_groups = [stage_time(a, a.stage(0, 4), cpu_rates, w, blend_l3=True).total_ms] + \
-        [stage_time(a, a.stage(u, u + 2), cpu_rates, w, blend_l3=True).total_ms for u in range(5, 26, 3)]
+    cpu_groups = [stage_time(a, a.stage(0, 3), cpu_rates, w, blend_l3=True).total_ms] + \
+        [stage_time(a, a.stage(u, u + 2), cpu_rates, w, blend_l3=True).total_ms for u in range(4, 25, 3)]
     assert all(t > copy for t in cpu_groups)
     assert p.t_cpu_ms == pytest.approx(sum(cpu_groups), rel=1e-12)
     assert [g.t_copy_ms for g in p.groups if g.kind == "streamed"] == [pytest.approx(copy, rel=1e-12)] * 8
     crossings = (8.3e-3 + 4 / 54e9 * 1e3) + 8 * (8.3e-3 + ACT / 54e9 * 1e3) + 7 * (8.3e-3 + ACT / 54e9 * 1e3)
     assert p.t_comm_ms == pytest.approx(crossings, rel=1e-12)
-    # What the issue asks: ~1.5x at best (c / 92 = s / 54); here 1.38x, the host part at >= 90% of 92 + 54 GB/s.
+    # What the issue asks: ~1.5x at best (c / 92 = s / 54); here 1.46x, the host part at >= 90% of 92 + 54 GB/s.
     host_bytes = sum(g.weight_bytes for g in p.groups)
     assert host_bytes / p.t_cpu_ms / 1e6 > 0.9 * (92 + 54)
     assert 1.3 < split.t_plan_ms / p.t_plan_ms < 1.5
@@ -89,13 +91,15 @@ def test_contention_keeps_the_layout_and_costs_what_the_window_said(q8):
     p = plan(q8, hw, gpu_budget_gib=7)
     ideal = plan(q8, gpu_machine(), gpu_budget_gib=7)
     split = plan(q8, hw, gpu_budget_gib=7, hybrid=False)
-    assert _layout(p) == _pairs_of(3, 8) and p.t_plan_ms > ideal.t_plan_ms
+    assert _layout(p) == _pairs_of(2, 8) and p.t_plan_ms > ideal.t_plan_ms
     assert 1.15 < split.t_plan_ms / p.t_plan_ms < ideal_ratio(ideal, split)
     g0, s0 = p.groups[0], p.groups[1]
     a_cpu = g0.t_compute_ms * 92 / 80                      # no overhead in this profile: all of it is DRAM-bound
     b_copy = s0.t_copy_ms * 54 / 40
-    assert b_copy < a_cpu
-    assert s0.t_overlap_ms == pytest.approx(b_copy + (1 - b_copy / a_cpu) * g0.t_compute_ms, rel=1e-12)
+    # The first CPU group (the embedding and 2 blocks) slowed and the block's copy slowed end within 0.1%:
+    # the copy outlasts it, and runs alone for the rest of its bytes.
+    assert a_cpu < b_copy < 1.001 * a_cpu
+    assert s0.t_overlap_ms == pytest.approx(a_cpu + (1 - a_cpu / b_copy) * s0.t_copy_ms, rel=1e-12)
 
 
 def ideal_ratio(ideal: Plan, split: Plan) -> float:
@@ -201,11 +205,11 @@ def test_bad_hybrid_plans_are_refused(q8):
         _replace_groups(p, [g[1], g[0]] + g[2:])
     with pytest.raises(HelmcError, match="ending with a streamed group"):
         _replace_groups(p, g[:-1])
-    with pytest.raises(HelmcError, match="streamed group expected to start at block 3, found 4"):
+    with pytest.raises(HelmcError, match="streamed group expected to start at block 2, found 4"):
         _replace_groups(p, [g[0], dataclasses.replace(g[1], first_layer=4)] + g[2:])
-    with pytest.raises(HelmcError, match="groups expected to cover the 25 host-resident blocks, found 24"):
-        _replace_groups(p, g[:-2] + [dataclasses.replace(g[-2], num_layers=1), dataclasses.replace(g[-1], first_layer=23)])
-    with pytest.raises(HelmcError, match=r"fit the staging ring of 385892864 B, found groups at blocks \[3\] larger"):
+    with pytest.raises(HelmcError, match="groups expected to cover the 24 host-resident blocks, found 23"):
+        _replace_groups(p, g[:-2] + [dataclasses.replace(g[-2], num_layers=1), dataclasses.replace(g[-1], first_layer=22)])
+    with pytest.raises(HelmcError, match=r"fit the staging ring of 385892864 B, found groups at blocks \[2\] larger"):
         _replace_groups(p, [g[0], dataclasses.replace(g[1], weight_bytes=BLOCK + 1)] + g[2:])
     with pytest.raises(HelmcError, match="t_cpu_ms of a hybrid plan expected the groups' sum"):
         dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + 1, t_plan_ms=p.t_plan_ms + 1)
@@ -246,14 +250,14 @@ def test_a_layout_is_scored_as_its_parts(q8):
     hw = gpu_machine(cpu_delta=0.2, gpu_delta=0.3).with_gpu_budget(7)
     a = analyze_program(q8)
     cpu, gpu = DeviceRates.of_device(hw, "cpu", analysis=a), DeviceRates.of_device(hw, "gpu")
-    e = evaluate_layout(a, hw, Workload(), 26, ((5, 2), (10, 1), (6, 1)), cpu, gpu)
+    e = evaluate_layout(a, hw, Workload(), 26, ((5, 3), (9, 1), (6, 1)), cpu, gpu)
     c = e.candidate
-    assert [g.num_layers for g in e.groups] == [5, 2, 10, 1, 6, 1] and c.ring_bytes == 2 * BLOCK
+    assert [g.num_layers for g in e.groups] == [5, 3, 9, 1, 6, 1] and c.ring_bytes == 3 * BLOCK
     assert c.t_plan_ms == pytest.approx(c.t_cpu_ms + c.t_gpu_ms + c.t_comm_ms)
     assert c.t_cpu_ms == pytest.approx(sum(g.t_overlap_ms for g in e.groups))
     assert c.t_copy_ms == pytest.approx(sum(g.t_copy_ms for g in e.groups))
     assert c.t_gpu_ms > sum(g.t_compute_ms for g in e.groups if g.kind == "streamed")    # plus the resident part
-    assert not c.feasible and "VRAM short by" in c.why          # a 2-block ring beside 12 resident units: too much
+    assert not c.feasible and "VRAM short by" in c.why          # a 3-block ring beside 12 resident units: too much
 
 
 def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
@@ -267,21 +271,21 @@ def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
     assert r.exit_code == 0, r.output
     print("\n" + r.output)
     lines = r.output.splitlines()
-    assert "chosen: cpu(26) -> cuda(12), hybrid decode: 8 x (cpu + streamed), 8 blocks streamed" in r.output
+    assert "chosen: cpu(25) -> cuda(13), hybrid decode: 8 x (cpu + streamed), 8 blocks streamed" in r.output
     assert any(l.startswith("decode order (hybrid): 8 pairs") and "staging ring 0.36 GiB" in l for l in lines)
     rows = [l.split() for l in lines if l[:5].strip().isdigit() and l.split()[1] in ("cpu", "streamed")]
-    assert [(row[1], row[2]) for row in rows[:4]] == [("cpu", "emb+0-2"), ("streamed", "3"), ("cpu", "4-5"),
-                                                       ("streamed", "6")]
+    assert [(row[1], row[2]) for row in rows[:4]] == [("cpu", "emb+0-1"), ("streamed", "2"), ("cpu", "3-4"),
+                                                       ("streamed", "5")]
     assert len(rows) == 16
     overlap = next(l for l in lines if l.startswith("predicted overlap:"))
     assert "100% of the copy time is hidden" in overlap                  # every pair is CPU-bound on these figures
-    assert "hybrid decode beats every split" in r.output and "1.38x" in r.output
+    assert "hybrid decode beats every split" in r.output and "1.46x" in r.output
     assert not [l for l in lines if l.startswith(">")]                   # no split row is the chosen plan
     r = CliRunner().invoke(plan_command, [model, str(hw), "--gpu-budget", "7", "--no-hybrid"])
     assert r.exit_code == 0 and "decode order" not in r.output and "chosen: cpu(25) -> cuda(13) " in r.output
     r = CliRunner().invoke(plan_command, [model, str(hw), "--gpu-budget", "7", "--json"])
     d = json.loads(r.output)
-    assert d["plan"].startswith("cpu(26) -> cuda(12), hybrid") and len(d["groups"]) == 16
+    assert d["plan"].startswith("cpu(25) -> cuda(13), hybrid") and len(d["groups"]) == 16
     assert d["staging_ring_bytes"] == BLOCK and d["t_copy_ms"] > 0
 
 
@@ -313,7 +317,7 @@ def test_contention_follows_the_demand_on_dram():
 def test_q4_k_m_streams_more_because_its_gemvs_decode_below_dram_speed():
     """Qwen3-8B in Q4_K_M's mix (q6_k v and down in every other block) under 3 GiB, with the CPU's quantized GEMVs
     at 37 (q4_k) and 49 (q6_k) GB/s as measured on the GPU machine's Xeon (they decode, not stream, at that
-    rate): a CPU block costs as long as copying ~1.3 blocks, so 4 pairs of (3 CPU, 4 streamed) blocks; their
+    rate): a CPU block costs as long as copying ~1.3 blocks, so 4 pairs of (2 CPU, 3 streamed) blocks and 2 of (1, 2); their
     demand on DRAM stays within the window's capacity, so no contention slows either."""
     from helmc.hardware.profile import KernelRead
     hw = gpu_machine()
@@ -327,7 +331,8 @@ def test_q4_k_m_streams_more_because_its_gemvs_decode_below_dram_speed():
     split = plan(spec, hw, gpu_budget_gib=3, hybrid=False)
     print(f"\nQ4_K_M under 3 GiB: {p.describe()} {p.t_plan_ms:.2f} ms, plain {split.describe()} {split.t_plan_ms:.2f} ms")
     assert split.describe() == "cpu(25) -> cuda(13)"
-    assert p.cpu_units == 29 and _layout(p) == _pairs_of(3, 4, cpu=3, streamed=4)
+    assert p.cpu_units == 27 and _layout(p) == _pairs_of(2, 4, cpu=2, streamed=3) + [
+        ("cpu", 20, 1), ("streamed", 21, 2), ("cpu", 23, 1), ("streamed", 24, 2)]
     a = analyze_program(spec)
     assert Contention.of(hw, DeviceRates.of_device(hw, "cpu", analysis=a)) == Contention(1.0, 1.0)
     assert all(g.t_overlap_ms == max(c.t_compute_ms, g.t_copy_ms) for c, g in zip(p.groups[::2], p.groups[1::2]))
