@@ -28,10 +28,11 @@ from variants_lib import export_variants, load_variants  # noqa: E402
 
 N, K = 12288, 4096
 QTYPES = ("q4_k", "q6_k", "q4_0")
-VARIANTS = {"q4_k": [(rows, prefetch, 3) for rows in (4, 8) for prefetch in (1024, 2048, 4096)] + [(8, 2048, 2),
-                                                                                                 (8, 4096, 2)],
-            "q6_k": [(4, 1024, 3), (8, 1024, 3), (4, 2048, 2)],
-            "q4_0": [(rows, prefetch, 3) for rows in (4, 8) for prefetch in (1024, 2048)] + [(8, 2048, 2)]}
+# (rows, prefetch bytes, locality); each type's first is its committed INT8_TUNING
+VARIANTS = {"q4_k": [(8, 1024, 3), (8, 1024, 2), (8, 4096, 2), (8, 8192, 2), (4, 4096, 2), (16, 2048, 2),
+                     (16, 4096, 2)],
+            "q6_k": [(4, 1024, 3), (4, 2048, 2), (8, 2048, 2)],
+            "q4_0": [(8, 2048, 2), (8, 1024, 3), (8, 4096, 2), (4, 2048, 2), (16, 2048, 2)]}
 
 
 def build(out_dir: str, features: tuple[str, ...], l3: int) -> None:

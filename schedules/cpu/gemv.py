@@ -193,10 +193,13 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
 # The prefetch's lead is one block tile (block rows x tile x 2 bytes: 8 KiB at m = 8), and it matters: on the
 # 2-core EPYC (one thread, 12288 x 4096 fp16, m = 8) 8 KiB tiles (4 KiB lead) read 10.3 GB/s, 16 KiB 17.2, 32 KiB
 # 17.3; 4 rows per block 12.9, 16 rows 16.5; no prefetch 8.4. Prefetching into L2 (locality 2) instead came out
-# within -8..+7% of into L1 at m = 2, 4, 8 on two shapes (no consistent sign), so the m = 1 kernel's L1 stays.
+# within -8..+7% of into L1 at m = 2, 4, 8 on two shapes there (no consistent sign); on the GPU machine's 16-core
+# Xeon (session 19, call A, experiments/batch_gemv_variants.py, 12288 x 4096, m = 8, beside a 96-99 GB/s stream
+# read) L2 read 67.4 GB/s where L1 read 56.3 (no prefetch 52.2; 4-row blocks 61.4, 16 rows 58.1, 32 KiB tiles
+# 56.5): each core's 16 KiB lead of lines no longer evicts the x tile and the accumulators from its 48 KiB L1.
 X_TILE_BYTES = 16384   # x bytes per tile (m tokens x tile K x 4): a third of a 48 KiB L1
 TILE_BLOCK_ROWS = 8    # weight rows per parallel step; x's L2 reads are 2m / 8 of the weight bytes at fp16
-TILE_PREFETCH_LOCALITY = 3   # llvm.prefetch locality of the tiled kernel (3: into L1), 0: no prefetch
+TILE_PREFETCH_LOCALITY = 2   # llvm.prefetch locality of the tiled kernel (2: into L2, 3: L1), 0: no prefetch
 
 
 @dataclass(frozen=True)
