@@ -51,6 +51,7 @@ def summarize_profile(hw: HardwareProfile) -> str:
     if hw.block_overhead_ms:
         lines.append(f"profile-wide per-block overhead {hw.block_overhead_ms:.3f} ms (devices without their own)")
     lines += [f"unmeasured: {u}" for u in hw.unmeasured]
+    lines += [f"warning: doubtful figure: {d}" for d in hw.doubtful]
     return "\n".join(lines)
 
 

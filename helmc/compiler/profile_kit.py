@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key
 from helmc.errors import HelmcError
-from helmc.hardware.kit import (FLOAT_TYPES, GPU_FUSED_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME, KERNELS_LIB,
-                                KIT_FORMAT_VERSION, QUICK_BLOCK, QUANT_TYPES, ROWS_MEASURED, BlockShape, KitKernel,
-                                ProfileKit)
+from helmc.hardware.kit import (FLOAT_TYPES, FUSED_LINEARS, GPU_FUSED_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME,
+                                KERNELS_LIB, KIT_FORMAT_VERSION, QUANT_FUSED_ROLES, QUANT_ROLES, QUANT_TYPES,
+                                QUICK_BLOCK, ROWS_MEASURED, BlockShape, KitKernel, ProfileKit)
 from helmc.hardware.profile import PROFILE_FORMAT_VERSION, CpuProfile, GpuProfile, HardwareProfile, LinkProfile
 
 SYNTHETIC_LAYERS = 8             # blocks per timed step of the synthetic stages (quick: 4)
@@ -56,6 +56,7 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
     from helmc.schedules.cpu.gemv import make_gemv
     from helmc.schedules.cpu.gemv_fused import make_gemv_multi, make_gemv_swiglu
     from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
+    from helmc.schedules.cpu.quant.gemv_int8_multi import make_gemv_quant_int8_multi, quant_gemvs_fuse
     b = target.block
     H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
     funcs, kernels = {}, []
@@ -72,9 +73,14 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
             add(t, "o", m, make_gemv(m, H, Q, t, isa))
             add(t, "swiglu", m, make_gemv_swiglu(m, I, H, t, isa))
             add(t, "down", m, make_gemv(m, H, I, t, isa))
+        shapes = b.linear_shapes()
         for t in QUANT_TYPES:
-            for role, (n, k) in b.linear_shapes().items():
-                add(t, role, m, make_gemv_quant(t, n, k, isa, m=m))
+            # the launches the stage would fuse (q/k/v, gate/up) read x of K = hidden
+            for role in QUANT_FUSED_ROLES if quant_gemvs_fuse(t, isa, m, H) else QUANT_ROLES:
+                linears = FUSED_LINEARS.get(role, (role,))
+                n, k = shapes[linears[0]]
+                add(t, role, m, make_gemv_quant_int8_multi(t, tuple(shapes[x][0] for x in linears), k, isa)
+                    if len(linears) > 1 else make_gemv_quant(t, n, k, isa, m=m))
     return funcs, kernels
 
 

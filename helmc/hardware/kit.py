@@ -28,15 +28,20 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 
-KIT_FORMAT_VERSION = 2          # 2: GEMVs at every ROWS_MEASURED
+KIT_FORMAT_VERSION = 3          # 2: GEMVs at every ROWS_MEASURED; 3: quantized GEMVs fused where the stage fuses them
 KIT_FILE = "profile_kit.json"
 KERNELS_LIB = "profile_kernels.so"
 FLOAT_TYPES = ("float16", "bfloat16")
 QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
 # One decode step's GEMV launches over a block, as helmc's CPU stage makes them (lower_linear): float weights
-# fused (q/k/v in one launch, gate/up with the SwiGLU), quantized ones one launch per linear.
+# fused (q/k/v in one launch, gate/up with the SwiGLU); quantized ones one launch per linear, except where the
+# stage fuses those that share x (gemv_int8_multi.quant_gemvs_fuse: one token on the int8 path), q/k/v in one
+# launch and gate/up in another (the SwiGLU a separate elementwise op).
 FLOAT_ROLES = ("qkv", "o", "swiglu", "down")
 QUANT_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+QUANT_FUSED_ROLES = ("qkv", "o", "gate_up", "down")
+# The linears a multi-output quantized launch covers, its outputs in this order; any other role covers itself.
+FUSED_LINEARS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 SYNTHETIC_VOCAB = 4096
 # The GPU stage's decode GEMV launches per block: fp16 / bf16 and the int8-activation types fused as the CPU's
 # float ones (q/k/v one launch, gate/up with SwiGLU, down with the residual add), q8_0 / q4_0 one per linear.
@@ -84,7 +89,7 @@ QUICK_BLOCK = BlockShape(hidden=1024, ffn=3072, heads=8, kv_heads=2, head_dim=12
 @dataclass(frozen=True)
 class KitKernel:
     weight_type: str                 # FLOAT_TYPES or QUANT_TYPES
-    role: str                        # FLOAT_ROLES or QUANT_ROLES
+    role: str                        # FLOAT_ROLES, QUANT_ROLES or QUANT_FUSED_ROLES
     name: str                        # the function's symbol in profile_kernels.so
     rows: int = 1                    # decode rows per call (ROWS_MEASURED): a batched step of that many sequences
 
@@ -124,11 +129,18 @@ class ProfileKit:
             raise HelmcError(f"profile kit: read sizes expected > 0, found {self.read_elements}, {self.l3_read_elements}")
         for k in self.kernels:
             roles = _roles(k.weight_type, FLOAT_TYPES)
+            roles += QUANT_FUSED_ROLES if roles == QUANT_ROLES else ()
             if k.role not in roles:
                 raise HelmcError(f"profile kit: kernel {k.name} expected a role of {k.weight_type!r} weights among "
                                  f"{roles}, found {k.role!r}")
             if k.rows < 1:
                 raise HelmcError(f"profile kit: kernel {k.name} expected rows >= 1, found {k.rows}")
+        for t in self.weight_types:
+            for m in self.rows_measured(t):
+                launches = self.gemv_roles(t, m)
+                if launches not in (FLOAT_ROLES, QUANT_ROLES, QUANT_FUSED_ROLES):
+                    raise HelmcError(f"profile kit: {t} GEMVs at {m} rows expected one block's launches in order, "
+                                     f"found roles {launches}")
         if bool(self.gpu_bundle) != bool(self.gpu_arch):
             raise HelmcError("profile kit: gpu_bundle and gpu_arch expected both set or both empty")
         for k in self.gpu_gemv_kernels:
@@ -145,6 +157,10 @@ class ProfileKit:
 
     def rows_measured(self, weight_type: str) -> tuple[int, ...]:
         return tuple(sorted({k.rows for k in self.kernels if k.weight_type == weight_type}))
+
+    def gemv_roles(self, weight_type: str, rows: int = 1) -> tuple[str, ...]:
+        """The roles of one block's GEMV launches for `weight_type` at `rows`, in launch order."""
+        return tuple(k.role for k in self.kernels if k.weight_type == weight_type and k.rows == rows)
 
     def kernel(self, weight_type: str, role: str, rows: int = 1) -> str:
         for k in self.kernels:

@@ -13,7 +13,8 @@ HBM bandwidth, P_pre, pinned host<->device bandwidth and l_link; with CuPy, the 
 Per-block overheads come from helmc's compiled stages on the kit's synthetic model (planner/calibrate.py,
 synthetic_overheads); helmc.api.profile runs everything in order and builds the kit where the compiler is.
 
-What cannot be measured is listed in `unmeasured` with the reason, never guessed.
+What cannot be measured is listed in `unmeasured` with the reason, never guessed; a figure implausible against
+the others even when measured again, in `doubtful` (host_read.recheck).
 Run alone (TVM runtime only): python -m helmc.hardware.measure --kit KIT_DIR -o hardware.json [--quick]
 """
 from __future__ import annotations
@@ -155,9 +156,9 @@ def cpu_facts() -> CpuFacts:
 
 
 def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda m: None,
-                pinned: bool = False) -> tuple[CpuProfile, list[str]]:
-    """The CPU part of the profile: facts plus helmc's kernels' read rates (kit built for this CPU's flags), over
-    pinned memory where the runtime would pin the CPU blocks (a GPU is present)."""
+                pinned: bool = False) -> tuple[CpuProfile, list[str], tuple[str, ...]]:
+    """(the CPU part of the profile, notes, doubtful figures): facts plus helmc's kernels' read rates (kit built for
+    this CPU's flags), over pinned memory where the runtime would pin the CPU blocks (a GPU is present)."""
     from helmc.hardware.host_read import measure_host_reads
     check_kit_runs_here(kit, facts.features)
     notes = list(facts.notes)
@@ -174,15 +175,15 @@ def measure_cpu(kit_dir: str, kit: ProfileKit, facts: CpuFacts, progress=lambda 
                      gemv_reads=reads.gemv_reads, l3_gbs=reads.l3_gbs, fp32_gflops=reads.gemm_gflops,
                      attention_read_gbs=reads.attention_gbs,
                      ram_total_bytes=facts.ram_total_bytes, ram_free_bytes=facts.ram_free_bytes)
-    return cpu, notes
+    return cpu, notes, reads.doubtful
 
 
 # ---- the whole profile ---------------------------------------------------------------------------------
-def _gpu_steps(kit_dir: str, kit: ProfileKit, progress):
+def _gpu_steps(kit_dir: str, kit: ProfileKit, progress, cpu_gbs: float):
     """measure_gpu's `then`: helmc's GPU decode GEMVs per weight type (gpu.gemv_reads), then the DRAM + PCIe
-    window, on the open backend (CuPy only)."""
+    window, on the open backend (CuPy only); cpu_gbs: the fp16 GEMVs' read measured before."""
     import dataclasses
-    window = _concurrent_step(kit_dir, kit, progress)
+    window = _concurrent_step(kit_dir, kit, progress, cpu_gbs)
 
     def then(be, m: GpuMeasurement) -> GpuMeasurement:
         why = ("" if be.name == "cupy" else f"the {be.name} backend cannot run TVM kernels on its memory (CuPy can)")
@@ -205,7 +206,7 @@ def _gpu_steps(kit_dir: str, kit: ProfileKit, progress):
     return then
 
 
-def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
+def _concurrent_step(kit_dir: str, kit: ProfileKit, progress, cpu_gbs: float):
     """measure_gpu's `then`: the DRAM + PCIe window on the open backend (CuPy only)."""
     import dataclasses
 
@@ -221,7 +222,7 @@ def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
             gemv = GemvPass(lib, Arena(arena_bytes(kit), pinned=True), "float16")   # as hybrid decode's blocks
             r = measure_concurrent(be, gemv, m.link.h2d_gbs, seconds=0.3 if kit.quick else 1.0,
                                    chunk=(16 if kit.quick else 256) << 20, host_bytes=(64 << 20) if kit.quick else GIB,
-                                   progress=progress)
+                                   progress=progress, cpu_gbs_hint=cpu_gbs)
         except Exception as e:                       # a failed window is said, not invented
             return dataclasses.replace(m, unmeasured=m.unmeasured + (
                 f"link.h2d_concurrent_gbs, link.cpu_read_concurrent_gbs: failed ({type(e).__name__}: {e})",))
@@ -229,7 +230,7 @@ def _concurrent_step(kit_dir: str, kit: ProfileKit, progress):
         note = (f"DRAM + PCIe at once ({r.window_s:.2f} s window, median of 3): helmc's fp16 GEMVs read "
                 f"{r.cpu_gbs:.1f} GB/s (alone {r.cpu_alone_gbs:.1f}) while copies to the GPU moved {r.h2d_gbs:.1f} "
                 f"GB/s (alone {r.h2d_alone_gbs:.1f}): {r.combined_gbs:.1f} GB/s of host memory together")
-        return dataclasses.replace(m, link=link, notes=m.notes + (note,))
+        return dataclasses.replace(m, link=link, notes=m.notes + (note,), doubtful=m.doubtful + r.doubtful)
     return then
 
 
@@ -245,12 +246,13 @@ def profile(kit_dir: str, quick: bool = False, gpu_backend: str | None = None, p
     pinned = be is not None and be.name == "cupy"      # the runtime pins CPU blocks (with CuPy) beside a GPU
     if be is not None:
         be.release()
-    cpu, notes = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
+    cpu, notes, doubtful = measure_cpu(kit_dir, kit, facts, progress, pinned=pinned)
     if be is not None:
         progress(f"gpu: HBM, fp16 matmul and the link ({be.name})" + (", then the DRAM + PCIe window" if pinned else ""))
-    g: GpuMeasurement = measure_gpu(quick, backend, then=_gpu_steps(kit_dir, kit, progress))
+    g: GpuMeasurement = measure_gpu(quick, backend, then=_gpu_steps(kit_dir, kit, progress, cpu.host_read_gbs))
     return HardwareProfile(format_version=PROFILE_FORMAT_VERSION, cpu=cpu, gpu=g.gpu, link=g.link, source="measured",
-                           unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes)
+                           unmeasured=facts.unmeasured + g.unmeasured, notes=tuple(notes) + g.notes,
+                           doubtful=doubtful + g.doubtful)
 
 
 def main(argv: list[str] | None = None) -> int:

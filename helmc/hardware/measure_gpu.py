@@ -38,6 +38,7 @@ class GpuMeasurement:
     link: Optional[LinkProfile] = None
     unmeasured: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    doubtful: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,9 @@ class HardwareProfile:
     source: str = "measured"         # "measured", "preset:<name>" or "calibrated" (helmc calibrate)
     unmeasured: tuple[str, ...] = () # "field: why it was not measured"
     notes: tuple[str, ...] = ()
+    # Figures implausible against others of the same run even when measured again (helmc/hardware/host_read.recheck),
+    # kept as measured and said so; absent in profiles from before session 19.
+    doubtful: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.format_version != PROFILE_FORMAT_VERSION:

@@ -187,3 +187,11 @@ def test_format_2_fields_and_their_refusals():
     assert link.has_concurrent and link.combined_gbs == 120.0
     again = dataclasses.replace(hw, cpu=cpu, link=link)
     assert HardwareProfile.from_json(again.to_json()) == again
+    # A doubtful figure is kept with what it stayed below, and printed as a warning; a profile from before the
+    # field (the preset) loads with none.
+    from helmc.cli.profile_plan import summarize_profile
+    assert hw.doubtful == () and "warning" not in summarize_profile(hw)
+    why = "cpu.dram_gbs (helmc's stream read) 11.7 GB/s stayed below 0.75 x 89.3 GB/s"
+    doubted = dataclasses.replace(again, doubtful=(why,))
+    assert HardwareProfile.from_json(doubted.to_json()) == doubted
+    assert f"warning: doubtful figure: {why}" in summarize_profile(doubted).splitlines()

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helmc.errors import HelmcError
-from helmc.hardware.kit import (FLOAT_TYPES, GPU_FUSED_TYPES, QUANT_TYPES, QUICK_BLOCK, KitKernel, ProfileKit)
+from helmc.hardware.kit import (FLOAT_TYPES, GPU_FUSED_TYPES, KIT_FORMAT_VERSION, QUANT_TYPES, QUICK_BLOCK, KitKernel,
+                                ProfileKit)
 
 tvm = pytest.importorskip("tvm")
 
@@ -96,7 +97,7 @@ def test_kit_gpu_gemvs_compile_for_sm90(tmp_path):
 
 
 def _kit(kernels, **kw):
-    return ProfileKit(format_version=2, isa="avx2", required_flags=(), l3_bytes=1 << 25, cores=2, block=QUICK_BLOCK,
+    return ProfileKit(format_version=KIT_FORMAT_VERSION, isa="avx2", required_flags=(), l3_bytes=1 << 25, cores=2, block=QUICK_BLOCK,
                       read_elements=1, l3_read_elements=1, read_name="r", l3_read_name="r3", kernels=(),
                       gemm_name="g", gpu_bundle="gpu_bundle", gpu_arch="sm_90", gpu_gemv_kernels=tuple(kernels), **kw)
 

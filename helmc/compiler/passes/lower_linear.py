@@ -58,8 +58,8 @@ from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
 from helmc.schedules.cpu.quant.gemm import make_gemm_quant
 from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
-from helmc.schedules.cpu.quant.gemv_int8 import int8_gemv_applies
-from helmc.schedules.cpu.quant.gemv_int8_multi import QUANT_MULTI_MAX_WEIGHTS, make_gemv_quant_int8_multi
+from helmc.schedules.cpu.quant.gemv_int8_multi import (QUANT_MULTI_MAX_WEIGHTS, make_gemv_quant_int8_multi,
+                                                     quant_gemvs_fuse)
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
 
 
@@ -221,7 +221,7 @@ def _plan_fusion(func: relax.Function, isa: VectorIsa, quantized: dict | None = 
         if matched[1] in quantized:
             qtype = quantized[matched[1]][0]
             k = _static_int(matched[0].ty.shape.values[1])
-            if m == 1 and k is not None and int8_gemv_applies(qtype, isa, k):
+            if k is not None and quant_gemvs_fuse(qtype, isa, m, k):
                 by_x.setdefault((matched[0], qtype, "qmulti"), []).append((b.var, matched[1]))
             continue
         if m is not None and m <= GEMV_MAX_ROWS:

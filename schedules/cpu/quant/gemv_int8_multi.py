@@ -24,6 +24,12 @@ from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _macros
 QUANT_MULTI_MAX_WEIGHTS = 3
 
 
+def quant_gemvs_fuse(qtype: str, isa: VectorIsa, m: int | None, k: int) -> bool:
+    """Whether the CPU stage runs one decode step's `qtype` GEMVs that read the same x of K = k as one launch
+    (lower_linear's "qmulti"; the profile kit times the launches the stage makes): one token on the int8 path."""
+    return m == 1 and int8_gemv_applies(qtype, isa, k)
+
+
 def gemv_quant_multi_symbol(qtype: str, ns: tuple[int, ...], k: int) -> str:
     return f"helmc_gemv{len(ns)}_{qtype}_n{'_'.join(map(str, ns))}_k{k}"
 
