@@ -385,10 +385,10 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
             if plan.prefill_on_gpu else 0)
     ring_lends = hybrid and plan.batch > 1 and ring.nbytes >= loan
-    # One sequence: the ring lends the block's staging, the pool holds the prompt's buffers (cost_model's
-    # pool_loan_bytes counts the same).
+    # Otherwise the ring lends the block's staging, the pool (or, serving, the loan beside its pages) holding the
+    # prompts' buffers (cost_model.pool_loan_bytes counts the same).
     arena_bytes = max(a.nbytes for a in arenas) if plan.prefill_on_gpu else 0
-    arena_in_ring = hybrid and plan.batch == 1 and ring.nbytes >= arena_bytes
+    arena_in_ring = hybrid and not ring_lends and ring.nbytes >= arena_bytes
     if arena_in_ring:
         loan -= aligned_bytes(arena_bytes)
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first

@@ -331,13 +331,13 @@ def pool_loan_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workl
     (several). A hybrid ring, idle between decode steps when prompts prefill, lends instead: all of the loan
     where it holds it and the plan serves several sequences (ring_hosts_loan); else the block's staging where
     it holds one block (runtime/gpu_session.load_gpu_parts: StreamedPrefill's lend_arena), the pool keeping
-    only the prompt's buffers. One sequence's pool then needs no block of weights as its floor: at 7 GiB
-    that is one more resident block (session 19)."""
+    only the prompts' buffers. The pool then needs no block of weights as its floor: at 7 GiB that is one more
+    resident block (session 19)."""
     lent = prefill_lent_bytes(a, cpu, gpu, w)
     staging = prefill_staging_bytes(a, cpu, gpu, w)
     if w.batch > 1 and ring_hosts_loan(ring_bytes, lent):
         return 0
-    if w.batch == 1 and staging and ring_bytes >= staging:
+    if staging and ring_bytes >= staging:
         return lent - staging
     return lent
 
