@@ -13,6 +13,9 @@ Decode attention (one query row per head) over a page table, split-K over pages:
                         the last block of each KV head to finish merges that head's queries.
   paged_decode_fused_append  paged_append_decode and paged_decode_fused in one launch (the row is read from the
                         step's K/V, not its page, so no block waits for the write).
+  paged_decode_fused_append_batch  paged_decode_fused_append for each sequence of a batched decode step (grid z:
+                        the sequence, its page table, step and splits read from a table of its own): one launch a
+                        layer for all sequences, each getting its one-sequence launch's bits.
   paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
   prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
@@ -33,7 +36,9 @@ from helmc.errors import HelmcError
 
 WARPS = 4                        # warps per block of paged_decode_partial; the source #defines the same
 KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal",
-                "paged_decode_fused", "paged_decode_fused_append")
+                "paged_decode_fused", "paged_decode_fused_append", "paged_decode_fused_append_batch")
+# paged_decode_fused_append_batch's table row per sequence: int64 fields at these indices (the source #defines them)
+SEQ_FIELDS = ("page_ptrs", "step", "part_m", "part_s", "part_o", "counters", "split_tokens", "split_base", "n_splits")
 
 DECODE_SOURCE = r"""
 // Compile with -DHEAD_DIM=<d> -DGROUP=<h_a / h_kv>.  HEAD_DIM must be a multiple of 32 and <= 256.
@@ -307,13 +312,13 @@ paged_decode_fused(const unsigned short* __restrict__ q, const long long* __rest
 // paged_append_decode and paged_decode_fused in one launch: block (j, 0) writes KV head j's row of this step (token
 // n-1) into its page, and every block takes that token's K and V from k_new / v_new rather than the page, so no
 // block waits for the write and none reads a half-written row. One kernel a layer where there were two.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-paged_decode_fused_append(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_new,
-                          const unsigned short* __restrict__ v_new, const long long* __restrict__ page_ptrs,
-                          int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
-                          int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
-                          float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
-                          unsigned short* __restrict__ out)
+static __device__ __forceinline__ void
+decode_fused_append_body(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_new,
+                         const unsigned short* __restrict__ v_new, const long long* __restrict__ page_ptrs,
+                         int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
+                         int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
+                         float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
+                         unsigned short* __restrict__ out)
 {
     if (blockIdx.y == 0) {
         const int pos = step[0] - 1, page = pos / page_tokens, row = pos - page * page_tokens, h = blockIdx.x;
@@ -325,6 +330,54 @@ paged_decode_fused_append(const unsigned short* __restrict__ q, const unsigned s
     }
     decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
                       part_m, part_s, part_o, counters, out, k_new, v_new);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_fused_append(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_new,
+                          const unsigned short* __restrict__ v_new, const long long* __restrict__ page_ptrs,
+                          int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
+                          int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
+                          float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
+                          unsigned short* __restrict__ out)
+{
+    decode_fused_append_body(q, k_new, v_new, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits,
+                             num_kv_heads, scale, part_m, part_s, part_o, counters, out);
+}
+
+// A batched decode step of one layer: sequence b (blockIdx.z) is paged_decode_fused_append's launch for that
+// sequence alone -- rows b of q, k_new, v_new and out, and its own page table, step, splits, partials and counters
+// from seqs[b] -- so each sequence gets that kernel's bits, in one launch for all of them. seqs[b]: SEQ_FIELDS
+// int64 (SEQ_* below). grid (h_kv, max_b n_splits_b, B): the blocks past a sequence's splits return at once
+// (before any barrier or count, so its counters still reach n_splits_b).
+#define SEQ_PAGE_PTRS 0
+#define SEQ_STEP 1
+#define SEQ_PART_M 2
+#define SEQ_PART_S 3
+#define SEQ_PART_O 4
+#define SEQ_COUNTERS 5
+#define SEQ_SPLIT_TOKENS 6
+#define SEQ_SPLIT_BASE 7
+#define SEQ_N_SPLITS 8
+#define SEQ_FIELDS 9
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+paged_decode_fused_append_batch(const unsigned short* __restrict__ q,       // [B, h_a, HEAD_DIM] fp16
+                                const unsigned short* __restrict__ k_new,   // [B, h_kv, HEAD_DIM] fp16
+                                const unsigned short* __restrict__ v_new,   // [B, h_kv, HEAD_DIM] fp16
+                                const long long* __restrict__ seqs,         // [B, SEQ_FIELDS]
+                                int page_tokens, int num_kv_heads, float scale,
+                                unsigned short* __restrict__ out)           // [B, h_a, HEAD_DIM] fp16
+{
+    const long long* seq = seqs + (long long)blockIdx.z * SEQ_FIELDS;
+    const int n_splits = (int)seq[SEQ_N_SPLITS];
+    if ((int)blockIdx.y >= n_splits) return;
+    const long long b = blockIdx.z, q_row = b * num_kv_heads * GROUP * HEAD_DIM, kv_row = b * num_kv_heads * HEAD_DIM;
+    decode_fused_append_body(q + q_row, k_new + kv_row, v_new + kv_row,
+                             reinterpret_cast<const long long*>(seq[SEQ_PAGE_PTRS]), page_tokens,
+                             reinterpret_cast<const int*>(seq[SEQ_STEP]), (int)seq[SEQ_SPLIT_TOKENS],
+                             (int)seq[SEQ_SPLIT_BASE], n_splits, num_kv_heads, scale,
+                             reinterpret_cast<float*>(seq[SEQ_PART_M]), reinterpret_cast<float*>(seq[SEQ_PART_S]),
+                             reinterpret_cast<float*>(seq[SEQ_PART_O]), reinterpret_cast<int*>(seq[SEQ_COUNTERS]),
+                             out + q_row);
 }
 
 // Causal attention of S fresh query rows (positions 0..S-1) over the same rows' K/V; window > 0 keeps keys

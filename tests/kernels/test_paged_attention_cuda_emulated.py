@@ -64,16 +64,16 @@ unsigned short f2h(float f) { _Float16 h = (_Float16)f; unsigned short u; std::m
 DRIVER = r"""
 static int reverse_blocks = 0;          // 1: the grid's blocks run last to first (no block may rely on another's writes)
 extern "C" void set_reverse_blocks(int r) { reverse_blocks = r; }
-template <class F> static void launch(int gx, int gy, int threads, F body) {
-    for (int i = 0; i < gx * gy; ++i) {
-        const int j = reverse_blocks ? gx * gy - 1 - i : i, by = j / gx, bx = j % gx;
+template <class F> static void launch(int gx, int gy, int threads, F body, int gz = 1) {
+    for (int i = 0; i < gx * gy * gz; ++i) {
+        const int j = reverse_blocks ? gx * gy * gz - 1 - i : i, bz = j / (gx * gy), by = j / gx % gy, bx = j % gx;
         std::barrier<> bb(threads);
         block_barrier = &bb;
         std::vector<std::barrier<>*> wbs;
         for (int w = 0; w < (threads + 31) / 32; ++w) wbs.push_back(warp_barrier[w] = new std::barrier<>(32));
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] {
-            threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
+            threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz; body(); });
         for (auto& th : ts) th.join();
         for (auto* b : wbs) delete b;
     }
@@ -96,6 +96,12 @@ extern "C" void run_fused_append(const unsigned short* q, const unsigned short* 
     launch(h_kv, n_splits, WARPS * 32, [&] {
         paged_decode_fused_append(q, k, v, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po,
                                   counters, out); });
+}
+extern "C" void run_fused_append_batch(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                                       const long long* seqs, int T, int h_kv, float scale, unsigned short* out,
+                                       int max_splits, int batch) {
+    launch(h_kv, max_splits, WARPS * 32, [&] {
+        paged_decode_fused_append_batch(q, k, v, seqs, T, h_kv, scale, out); }, batch);
 }
 extern "C" void run_merge(const float* pm, const float* ps, const float* po, int b, int e, int heads,
                           unsigned short* out) {
@@ -274,3 +280,86 @@ def test_fused_append_equals_append_then_fused(tmp_path, h_kv, group, d, T, n, s
     assert np.array_equal(out0.view(np.uint16), out1.view(np.uint16)) and np.array_equal(pages0, pages1)
     assert not np.array_equal(pages0, pool)                  # the row was written
 
+
+
+def test_batch_table_fields_match_the_source():
+    """The host's row of paged_decode_fused_append_batch's table (runtime/kv/decode_batch_gpu.py) and the schedule's
+    field list name the source's SEQ_* indices."""
+    import re
+
+    from helmc.runtime.kv.decode_batch_gpu import SEQ_FIELDS as RUNTIME_FIELDS
+    from helmc.schedules.gpu.paged_attention import SEQ_FIELDS
+    defines = dict(re.findall(r"#define SEQ_(\w+) (\d+)", DECODE_SOURCE))
+    assert RUNTIME_FIELDS == SEQ_FIELDS
+    assert {name.upper(): str(i) for i, name in enumerate(SEQ_FIELDS)} | {"FIELDS": str(len(SEQ_FIELDS))} == defines
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("h_kv,group,d,T", [(2, 4, 128, 16), (1, 2, 64, 8)])
+def test_fused_append_batch_is_each_sequence_alone(tmp_path, h_kv, group, d, T):
+    """paged_decode_fused_append_batch over sequences of different lengths, page tables (each its own pool, slots
+    shuffled), splits (whole pages, quarter pages, a window's first split) and partial buffers: each sequence's
+    output and pages are the bits of paged_decode_fused_append run for it alone, within fp16 rounding of the float64
+    reference, its counters back at 0; the padding row after the sequences' is left alone. Blocks run last to first
+    with the new rows' page slots poisoned, as in test_fused_append_equals_append_then_fused."""
+    from helmc.schedules.gpu.paged_attention import SEQ_FIELDS
+    lib = build(tmp_path, d, group)
+    rng = np.random.default_rng(d + T)
+    # (tokens after the append, tokens per split, window start): 3 splits; 4 quarter-page splits of 1 page;
+    # 38 splits staged 32 at a time, from split 2 on (a window); the new row first of its page
+    seqs = [(45, T, 0), (T // 2, T // 4, 0), (38 * T - 3, T, 2 * T + 1), (2 * T + 1, T, 0)]
+    B, h_a = len(seqs), h_kv * group
+    q = rng.standard_normal((B + 1, h_a, d)).astype(np.float16)          # row B: padding
+    k, v = (rng.standard_normal((B + 1, h_kv, d)).astype(np.float16) for _ in range(2))
+    fp, ip, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    alone, keep = [], []
+    table = np.zeros((B, len(SEQ_FIELDS)), np.int64)
+    pools, batch_pools = [], []
+    for b, (n, span, t_begin) in enumerate(seqs):
+        n_pages = -(-n // T)
+        pool = rng.standard_normal((n_pages + 2, 2, h_kv, T, d)).astype(np.float16)
+        slots = rng.permutation(n_pages + 2)[:n_pages]
+        n_splits, first = -(-n_pages * T // span), t_begin // span
+        step = np.array([n, t_begin], np.int32)
+        one = pool.copy()
+        ptrs = np.array([one.ctypes.data + int(s) * one[0].nbytes for s in slots], np.int64)
+        pm, ps, po = (np.full(size, np.nan, np.float32) for size in (n_splits * h_a, n_splits * h_a, n_splits * h_a * d))
+        counters, out = np.zeros(h_kv, np.int32), np.full((h_a, d), np.nan, np.float16)
+        lib.run_fused_append(fp(q[b].ctypes.data), fp(k[b].ctypes.data), fp(v[b].ctypes.data), fp(ptrs.ctypes.data),
+                             ip(T), fp(step.ctypes.data), ip(span), ip(first), ip(n_splits - first), ip(h_kv), f(0.3),
+                             fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data), fp(counters.ctypes.data),
+                             fp(out.ctypes.data))
+        alone.append(out)
+        pools.append((one, slots))
+        many = pool.copy()
+        page, row = divmod(n - 1, T)
+        many[slots[page], :, :, row] = np.nan                            # the batch kernel must take it from k, v
+        bptrs = np.array([many.ctypes.data + int(s) * many[0].nbytes for s in slots], np.int64)
+        parts = tuple(np.full(size, np.nan, np.float32) for size in (n_splits * h_a, n_splits * h_a, n_splits * h_a * d))
+        bcounters = np.zeros(h_kv, np.int32)
+        keep.append((bptrs, step, parts, bcounters))
+        batch_pools.append(many)
+        table[b] = [bptrs.ctypes.data, step.ctypes.data, *(a.ctypes.data for a in parts), bcounters.ctypes.data,
+                    span, first, n_splits - first]
+    out = np.zeros((B + 1, h_a, d), np.float16)
+    lib.set_reverse_blocks(1)
+    lib.run_fused_append_batch(fp(q.ctypes.data), fp(k.ctypes.data), fp(v.ctypes.data), fp(table.ctypes.data), ip(T),
+                               ip(h_kv), f(0.3), fp(out.ctypes.data), ip(int(table[:, -1].max())), ip(B))
+    lib.set_reverse_blocks(0)
+    assert not out[B].any(), "the padding row was written"
+    for b, (n, span, t_begin) in enumerate(seqs):
+        (one, slots), many = pools[b], batch_pools[b]
+        assert not keep[b][3].any(), (b, keep[b][3])
+        assert np.array_equal(out[b].view(np.uint16), alone[b].view(np.uint16)), f"sequence {b}: output differs"
+        assert np.array_equal(many, one), f"sequence {b}: pages differ"
+        pages = []
+        for i, s in enumerate(slots):
+            a, e = max(t_begin, i * T), min(n, (i + 1) * T)
+            if a < e:
+                pages.append((one[s, 0, :, a - i * T:e - i * T].astype(np.float64),
+                              one[s, 1, :, a - i * T:e - i * T].astype(np.float64)))
+        ref = streaming_attention_decode(q[b].astype(np.float64), ListPageSource(pages), 0.3)
+        err = float(np.abs(out[b].astype(np.float64) - ref).max() / np.abs(ref).max())
+        print(f"\nbatched fused append, sequence {b} (n={n}, span={span}, t_begin={t_begin}): bits equal to its "
+              f"own launch; max relative error {err:.2e}")
+        assert err < 1e-3
