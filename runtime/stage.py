@@ -87,6 +87,7 @@ class Stage:
         self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in phases for j in set(self._signature)}
         self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
+        self._gpu_decode_batch = None   # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""
@@ -135,7 +136,8 @@ class Stage:
         assert len(caches) == len(rows) and decode_step_rows(rows, self.batch_sizes) == S, (len(caches), rows, S)
         phase = batch_phase(S) if len(rows) > 1 and all(n == 1 for n in rows) else "decode" if S == 1 else "prefill"
         starts = [sum(rows[:b]) for b in range(len(rows))]
-        batch = self._decode_batch_for(caches) if all(n == 1 for n in rows) else None
+        batch = (self._decode_batch_for(caches) or self._gpu_decode_batch_for(caches)) if all(n == 1 for n in rows) \
+            else None
         for local in (range(len(self.bindings)) if blocks is None else blocks):
             binding, j = self.bindings[local], self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
@@ -150,9 +152,13 @@ class Stage:
         """forward_batch's attention for one block: sequence b's rows starts[b].. append to and attend over
         caches[b]; rows past sum(rows) are padding (zero output). Returns a device tensor [S, h_a*D].
         batch: a kv.cache_cpu.DecodeBatch (one token per sequence, host caches on the compiled kernel), which
-        does the same per sequence without the per-call overheads; else per-sequence append + attend."""
+        does the same per sequence without the per-call overheads, or a kv.decode_batch_gpu.GpuDecodeBatch (GPU
+        caches: one launch for all sequences), which returns None for a step it leaves to the per-sequence path;
+        else per-sequence append + attend."""
         if batch is not None:
-            return batch.attend(caches, layer, q, k, v, self.scale)
+            o = batch.attend(caches, layer, q, k, v, self.scale)
+            if o is not None:
+                return o
         q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
         outs = []
         for kv, a, n in zip(caches, starts, rows):
@@ -169,6 +175,17 @@ class Stage:
             from helmc.runtime.kv.cache_cpu import DecodeBatch
             self._decode_batch = DecodeBatch(self.spec.num_heads, self.spec.head_dim)
         return self._decode_batch if self._decode_batch.applies(caches, self.spec.q_dim) else None
+
+    def _gpu_decode_batch_for(self, caches: list):
+        """The stage's GpuDecodeBatch when every cache is a GPU cache whose cubin has the batched decode kernel,
+        else None. Only batched steps take it: one sequence's decode keeps its cache's path (its captured graph)."""
+        from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
+        if not GpuDecodeBatch.applies(caches, self.spec.q_dim):
+            return None
+        if self._gpu_decode_batch is None:
+            self._gpu_decode_batch = GpuDecodeBatch(self.spec.num_heads, self.spec.head_dim, self.to_array,
+                                                    self.from_array)
+        return self._gpu_decode_batch
 
 
 def _array_module(a):

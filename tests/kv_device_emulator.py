@@ -73,12 +73,15 @@ class EmulatedOps:
     xp = np
 
     def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True, fused: bool = True,
-                 fused_append: bool | None = None):
+                 fused_append: bool | None = None, fused_append_batch: bool | None = None):
         self.num_sms = num_sms
         self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
         self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (bundles from session 15)
         self.fused_append = fused if fused_append is None else fused_append   # paged_decode_fused_append (s16)
         self.fused_append_launches = 0
+        # paged_decode_fused_append_batch (s19)
+        self.fused_append_batch = self.fused_append if fused_append_batch is None else fused_append_batch
+        self.batch_launches = 0
         self.delay_events = delay_events
         self._host = _Stream("host", 0)
         self._streams = 1
@@ -357,6 +360,34 @@ class EmulatedOps:
         self.kernel_launches -= 1                        # one launch: the append's count is the fused one's
         self.decode_fused(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
                           head_dim, scale, part_m, part_s, part_o, counters, out)
+
+    def has_fused_append_batch(self, head_dim, group):
+        return self.fused_append_batch
+
+    def _view(self, addr: int, n: int, dtype) -> np.ndarray:
+        """n elements of dtype at a device address (a buffer the kernel was handed through a table)."""
+        return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(addr), dtype)
+
+    def decode_fused_append_batch(self, q, k, v, seqs_ptr, n_seqs, max_splits, page_tokens, num_kv_heads, head_dim,
+                                  scale, out):
+        """The kernel's contract: decode_fused_append of sequence b on rows b of q, k, v, out, with the page table,
+        step, partials, counters and splits its row of the table [n_seqs, 9] int64 names."""
+        assert self.fused_append_batch
+        self.batch_launches += 1
+        launches = self.kernel_launches
+        h_a = q.shape[1] // head_dim
+        for b, row in enumerate(self._view(seqs_ptr, n_seqs * 9, np.int64).reshape(n_seqs, 9)):
+            ptrs, step, pm, ps, po, counters, span, base, n = (int(x) for x in row)
+            assert 1 <= n <= max_splits, (n, max_splits)
+            step = self._view(step, 2, np.int32)
+            rows = (base + n) * h_a
+            self.decode_fused_append(
+                q[b].reshape(h_a, head_dim), k[b].reshape(num_kv_heads, head_dim), v[b].reshape(num_kv_heads, head_dim),
+                self._view(ptrs, -(-int(step[0]) // page_tokens), np.int64), page_tokens, step, span, base, n,
+                num_kv_heads, head_dim, scale, self._view(pm, rows, np.float32), self._view(ps, rows, np.float32),
+                self._view(po, rows * head_dim, np.float32), self._view(counters, num_kv_heads, np.int32),
+                out[b].reshape(h_a, head_dim))
+        self.kernel_launches = launches + 1
 
     def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):
         pm = part_m.reshape(-1, num_heads)[split_begin:split_end]

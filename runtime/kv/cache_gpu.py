@@ -367,11 +367,7 @@ class KVCacheGPU(GpuPrefill):
         span, n_splits, _, _, stage_of = split_plan
         ptrs = self._page_ptrs(layer, table, stage_of)
         one_launch, first = self._one_launch(split_plan)
-        if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
-            rows = max(n_splits, 64) * h_a
-            self._parts = (xp.empty(rows, np.float32), xp.empty(rows, np.float32),
-                           xp.empty(rows * self.d, np.float32))
-        pm, ps, po = self._parts
+        pm, ps, po = self._partials(n_splits, h_a)
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         row = self._rows.pop(layer, None)
@@ -386,6 +382,13 @@ class KVCacheGPU(GpuPrefill):
             self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)
+
+    def _partials(self, n_splits: int, h_a: int) -> tuple:
+        """The split partials (m, s, o) for n_splits splits of h_a heads, grown (never shrunk) as contexts grow."""
+        if self._parts is None or self._parts[0].shape[0] < n_splits * h_a:
+            rows = max(n_splits, 64) * h_a
+            self._parts = tuple(self.xp.empty(n, np.float32) for n in (rows, rows, rows * self.d))
+        return self._parts
 
     def _one_launch(self, split_plan) -> tuple[bool, int]:
         """(whether one launch covers this decode step's splits -- none of them on host pages --, the first split

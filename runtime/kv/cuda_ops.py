@@ -25,6 +25,9 @@ FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAM
 # partial + merge in one launch: in cubins from session 15 on; absent, decode launches the two
 FUSED_DECODE_KERNEL = "paged_decode_fused"
 FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # session 16: the decode append inside the fused attention
+# paged_decode_fused_append for every sequence of a batched decode step in one launch: in cubins from session 19 on;
+# absent, a batched step launches per sequence
+FUSED_APPEND_BATCH_KERNEL = "paged_decode_fused_append_batch"
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 
@@ -111,7 +114,8 @@ class CudaOps:
                 except Exception:             # CUDA_ERROR_NOT_FOUND: an older bundle (or flash below sm_80)
                     return None
             self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (
-                optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL), optional(FUSED_APPEND_KERNEL))
+                optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL), optional(FUSED_APPEND_KERNEL),
+                optional(FUSED_APPEND_BATCH_KERNEL))
         return self._kernels[key]
 
     def has_flash(self, head_dim: int, group: int) -> bool:
@@ -126,6 +130,10 @@ class CudaOps:
         """Whether the bundle's cubin has paged_decode_fused_append (the step's K/V row written by the attention);
         group None: any cubin built for head_dim (one bundle's cubins come from one source)."""
         return self._functions(head_dim, self._any_group(head_dim) if group is None else group)[6] is not None
+
+    def has_fused_append_batch(self, head_dim: int, group: int) -> bool:
+        """Whether the bundle's cubin has paged_decode_fused_append_batch (a batched decode step in one launch)."""
+        return self._functions(head_dim, group)[7] is not None
 
     def _any_group(self, head_dim: int) -> int:
         """A query group some cubin for head_dim was built for (kernels that do not depend on it are in each)."""
@@ -169,6 +177,17 @@ class CudaOps:
         kernel((num_kv_heads, n_splits), (WARPS * 32,),
                (q, k, v, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
                 i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
+
+    def decode_fused_append_batch(self, q, k, v, seqs_ptr: int, n_seqs: int, max_splits: int, page_tokens: int,
+                                  num_kv_heads: int, head_dim: int, scale: float, out) -> None:
+        """decode_fused_append for each of n_seqs sequences in one launch: rows b < n_seqs of q, out [>= n_seqs,
+        h_a*d] and k, v [>= n_seqs, h_kv*d] fp16 contiguous; seqs_ptr: the device address of the sequences' table
+        [n_seqs, SEQ_FIELDS] int64 (runtime/kv/decode_batch_gpu.py); max_splits: the most splits any sequence
+        launches."""
+        group = q.shape[1] // (num_kv_heads * head_dim)
+        kernel = self._functions(head_dim, group)[7]
+        kernel((num_kv_heads, max_splits, n_seqs), (WARPS * 32,),
+               (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:

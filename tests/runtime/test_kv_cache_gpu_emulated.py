@@ -195,3 +195,71 @@ def test_resident_decode_takes_one_fused_launch_and_host_pages_the_two():
     assert any(not t.on_device(i) for i in range(t.n_pages)) and off.ops.fused_launches < 2 * 6
     assert off.ops.fused_append_launches == off.ops.fused_launches    # the host-page steps appended on their own
     assert not fused._counters.any()
+
+
+def test_gpu_decode_batch_equals_each_sequence_alone():
+    """GpuDecodeBatch (Stage.forward_batch's attention on GPU caches: one launch a layer for every sequence) against
+    twin caches' own append + attend: the same output bits per sequence, padding rows zero (also once a smaller batch
+    reuses the buffer), the same pages afterwards, advance()'s invariants held, one launch per layer."""
+    from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
+    ops = EmulatedOps(num_sms=2)
+    kw = dict(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256, staging_pages=4, ops=ops)
+    prompts = (3, 17, 8)                       # the new rows cross page boundaries at different steps
+    batched, alone = [KVCacheGPU(**kw) for _ in prompts], [KVCacheGPU(**kw) for _ in prompts]
+    rng = np.random.default_rng(5)
+    for n, a, b in zip(prompts, batched, alone):
+        for layer in range(2):
+            k, v = rng.standard_normal((2, n, H_KV, D)).astype(np.float32)
+            q = rng.standard_normal((n, H_KV * GROUP, D)).astype(np.float32)
+            for c in (a, b):
+                c.append(layer, k, v)
+                c.attend(layer, q, 0.2)
+        a.advance(n)
+        b.advance(n)
+    batch = GpuDecodeBatch(H_KV * GROUP, D, lambda t: t, lambda a: a)
+    assert GpuDecodeBatch.applies(batched, H_KV * GROUP * D)
+    S, steps = 4, 0
+    for B in (3,) * 10 + (2,) * 3:                 # row 2 written, then padding: it must read zero again
+        for layer in range(2):
+            q = rng.standard_normal((S, H_KV * GROUP * D)).astype(np.float16)
+            k, v = rng.standard_normal((2, S, H_KV * D)).astype(np.float16)
+            got = batch.attend(batched[:B], layer, q, k, v, 0.2)
+            assert got is not None and got.shape == (S, H_KV * GROUP * D) and not got[B:].any()
+            for b, c in enumerate(alone[:B]):
+                c.append(layer, k[b:b + 1], v[b:b + 1])
+                want = c.attend(layer, q[b:b + 1], 0.2).reshape(-1)
+                assert np.array_equal(got[b].view(np.uint16), want.view(np.uint16)), (B, layer, b)
+        for c in batched[:B] + alone[:B]:
+            c.advance(1)
+        steps += 1
+    assert ops.batch_launches == 2 * steps
+    for a, b in zip(batched, alone):
+        assert a.length == b.length and np.array_equal(np.asarray(a.gpu_store).view(np.uint16),
+                                                        np.asarray(b.gpu_store).view(np.uint16))
+
+
+def test_gpu_decode_batch_falls_back_where_a_step_reads_host_pages():
+    """A sequence whose step reads pages on the host (offload past the watermark) is not one launch: attend returns
+    None with every cache's step opened, and the per-sequence append + attend (Stage.attend_rows) completes it."""
+    from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
+    ops = EmulatedOps(num_sms=2)
+    kw = dict(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256, staging_pages=4, ops=ops)
+    caches = [KVCacheGPU(**kw), KVCacheGPU(**kw, gpu_pages=2, watermark=0.01)]
+    rng = np.random.default_rng(6)
+    for c in caches:
+        for layer in range(2):
+            c.append(layer, *rng.standard_normal((2, 40, H_KV, D)).astype(np.float32))
+        c.advance(40)
+    batch = GpuDecodeBatch(H_KV * GROUP, D, lambda t: t, lambda a: a)
+    assert GpuDecodeBatch.applies(caches, H_KV * GROUP * D)
+    for layer in range(2):
+        q = rng.standard_normal((2, H_KV * GROUP * D)).astype(np.float16)
+        k, v = rng.standard_normal((2, 2, H_KV * D)).astype(np.float16)
+        assert batch.attend(caches, layer, q, k, v, 0.2) is None
+        assert all(c._pending == 1 for c in caches)
+        for b, c in enumerate(caches):
+            c.append(layer, k[b:b + 1], v[b:b + 1])
+            assert np.isfinite(c.attend(layer, q[b:b + 1], 0.2).astype(np.float32)).all()
+    for c in caches:
+        c.advance(1)
+    assert ops.batch_launches == 0 and all(c.length == 41 for c in caches)
