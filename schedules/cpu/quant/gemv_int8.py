@@ -67,8 +67,13 @@ INT8_QTYPES = tuple(INT8_UNITS)
 # independent work beside each block's chain of integer steps.
 # Q4_0: 8 rows as Q4_K (its unit is as short: 72 bytes against 144, the same per-row chain of integer steps), its
 # lines 2 KiB ahead into L2 (session 19, call A: 108.5 GB/s, 0.82 of a 133 GB/s read beside it, against 88.0 and
-# 0.62 for 1 KiB into L1; 4 rows / 1 KiB / L1 104.2, 0.77).
-INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024), "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=1024),
+# 0.62 for 1 KiB into L1; call B: 0.83 against 0.75).
+# Session 19, call B (7 rounds beside a 106-119 GB/s read): prefetching into L2 rather than L1 also won for Q4_K
+# (8 rows / 1 KiB: 0.81 against 0.71; 4 / 8 / 16 KiB or 4 / 16 rows 0.72-0.77) and Q6_K (4 rows / 2 KiB: 0.90
+# against 0.86 for 1 KiB into L1; 0.93 against 0.89 in call A): the lines ahead no longer evict the int8 x and the
+# scales every row reads from the 48 KiB L1.
+INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
+               "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
                "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2)}
 _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
