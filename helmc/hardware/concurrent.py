@@ -15,7 +15,8 @@ The median of `trials` windows (by combined rate) is kept; each side alone is me
 figure is the median over all of them, so a burst of a slow host lands in one of several (session 19: the GEMVs
 alone 14.3 GB/s in their 0.1 s, 86.6 in the windows after). An alone rate below what the same run measured of it
 (the profile's GEMV pass, the link alone) or below its own rate in the windows is measured again
-(host_read.recheck). Needs CuPy (the backend's queue_h2d), the TVM runtime and the profile kit; the arithmetic
+(host_read.recheck); a window whose two rates add up to less than the faster side alone is taken again
+(window_plausible), after the GEMVs first settle at their earlier rate (settle). Needs CuPy (the backend's queue_h2d), the TVM runtime and the profile kit; the arithmetic
 (window_rates) is plain Python.
 """
 from __future__ import annotations
@@ -61,6 +62,33 @@ def window_rates(passes: list[tuple[float, float]], pass_bytes: int, copy_start:
     return cpu, h2d, inside[-1][1] - start
 
 
+# Sharing one memory, the two sides together move at least about what the faster one moves alone; a window below
+# this share of it was taken in a disturbance of the host (session 19, call B: 29.3 + 53.5 GB/s at once beside
+# GEMVs that read 96.5 alone a second later; the plans made from it overestimated hybrid tokens by 1.35x).
+WINDOW_PLAUSIBLE_SHARE = 0.9
+WINDOW_RETRIES = 3
+# Before the first window the GEMVs run until they reach this share of their rate measured earlier in the run (or
+# for SETTLE_S at most): the window's pinned buffers were just allocated, and the passes right after read at a
+# fraction of it (sessions 18-19: 14.3 GB/s in two runs, ~90 in the windows after).
+SETTLE_SHARE, SETTLE_S = 0.75, 5.0
+
+
+def window_plausible(cpu_gbs: float, h2d_gbs: float, cpu_alone_gbs: float, h2d_alone_gbs: float) -> bool:
+    """Whether a window's two rates add up to at least WINDOW_PLAUSIBLE_SHARE of the faster side alone."""
+    return cpu_gbs + h2d_gbs >= WINDOW_PLAUSIBLE_SHARE * max(cpu_alone_gbs, h2d_alone_gbs)
+
+
+def settle(gemv, target_gbs: float, seconds: float = SETTLE_S) -> float:
+    """Run GEMV passes until one reads >= target_gbs or `seconds` pass; -> the last pass's GB/s."""
+    end, gbs = time.perf_counter() + seconds, 0.0
+    while True:
+        t0 = time.perf_counter()
+        gemv.run()
+        gbs = gemv.nbytes / (time.perf_counter() - t0) / 1e9
+        if gbs >= target_gbs or time.perf_counter() >= end:
+            return gbs
+
+
 def _copies_alone_gbs(be, dev, host, host_bytes: int, chunk: int, count: int) -> float:
     handle = be.queue_h2d(dev, host, host_bytes, chunk, count)
     ends = be.copy_end_times(handle)
@@ -85,10 +113,10 @@ def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chun
 
     def h2d_alone() -> float:
         return _copies_alone_gbs(be, dev, host, host_bytes, chunk, max(8, count // 4))
-    results, cpu_rates, h2d_rates = [], [], []
-    for _ in range(trials):
-        cpu_rates += cpu_alone()
-        h2d_rates.append(h2d_alone())
+    if cpu_gbs_hint:
+        settle(gemv, SETTLE_SHARE * cpu_gbs_hint)
+
+    def window() -> tuple[float, float, float]:
         handle = be.queue_h2d(dev, host, host_bytes, chunk, count)
         copy_start = handle[1]
         passes = []
@@ -96,9 +124,25 @@ def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chun
             t = time.perf_counter()
             gemv.run()
             passes.append((t, time.perf_counter()))
-        ends = be.copy_end_times(handle)
-        results.append(window_rates(passes, gemv.nbytes, copy_start, ends, chunk))
-    cpu, h2d, window = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
+        return window_rates(passes, gemv.nbytes, copy_start, be.copy_end_times(handle), chunk)
+    results, cpu_rates, h2d_rates, retries, doubt_window = [], [], [], 0, ""
+    for _ in range(trials):
+        alone = cpu_alone()
+        cpu_rates += alone
+        h2d_rates.append(h2d_alone())
+        r = window()
+        while not window_plausible(r[0], r[1], max(alone), h2d_rates[-1]) and retries < WINDOW_RETRIES:
+            retries += 1
+            progress(f"DRAM + PCIe: a window of {r[0]:.1f} + {r[1]:.1f} GB/s is implausible beside {max(alone):.1f} "
+                     f"and {h2d_rates[-1]:.1f} GB/s alone: measuring it again ({retries} of {WINDOW_RETRIES})")
+            time.sleep(1.0)
+            alone = cpu_alone()
+            r = window()
+        if not window_plausible(r[0], r[1], max(alone), h2d_rates[-1]):
+            doubt_window = (f"the DRAM + PCIe window {r[0]:.1f} + {r[1]:.1f} GB/s stayed below "
+                            f"{WINDOW_PLAUSIBLE_SHARE:.2f} x the faster side alone after {WINDOW_RETRIES} more windows")
+        results.append(r)
+    cpu, h2d, window_s = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
     # Contention only slows a side: alone it reads at least what it read in the window, and what it read earlier.
     cpu_solo, doubt_cpu = recheck("the window's GEMVs alone", statistics.median(cpu_rates), max(cpu, cpu_gbs_hint),
                                   lambda: statistics.median(cpu_alone()), progress)
@@ -106,5 +150,5 @@ def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chun
                                   h2d_alone, progress)
     progress(f"DRAM + PCIe: alone the GEMVs read {cpu_solo:.1f} GB/s and the copies move {h2d_solo:.1f} GB/s; at once "
              f"{cpu:.1f} + {h2d:.1f} GB/s")
-    return ConcurrentRates(round(cpu_solo, 2), round(h2d_solo, 2), round(cpu, 2), round(h2d, 2), round(window, 3),
-                           tuple(d for d in (doubt_cpu, doubt_h2d) if d))
+    return ConcurrentRates(round(cpu_solo, 2), round(h2d_solo, 2), round(cpu, 2), round(h2d, 2), round(window_s, 3),
+                           tuple(d for d in (doubt_cpu, doubt_h2d, doubt_window) if d))

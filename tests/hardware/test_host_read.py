@@ -15,7 +15,7 @@ import pytest
 
 from helmc.errors import HelmcError
 from helmc.hardware import host_read as hr
-from helmc.hardware.concurrent import measure_concurrent, window_rates
+from helmc.hardware.concurrent import measure_concurrent, settle, window_plausible, window_rates
 from helmc.hardware.kit import (QUANT_FUSED_ROLES, QUANT_ROLES, QUANT_TYPES, BlockShape, ProfileKit, check_kit_runs_here,
                                 synthetic_tensors, write_synthetic_weights)
 
@@ -215,6 +215,35 @@ def test_concurrent_window_on_a_stand_in():
           f"over {r.window_s} s")
     assert r.cpu_gbs > 0 and r.h2d_gbs > 0 and r.window_s > 0 and r.cpu_alone_gbs > 0 and r.h2d_alone_gbs > 0
     assert r.combined_gbs == pytest.approx(r.cpu_gbs + r.h2d_gbs)
+
+
+def test_a_window_below_the_faster_side_alone_is_implausible():
+    # session 19, call B's window beside what each side read alone
+    assert not window_plausible(29.3, 53.5, 96.5, 54.6)
+    assert window_plausible(86.6, 47.2, 96.5, 55.4)                   # call A's: contention, not a disturbance
+    assert window_plausible(0.0, 0.9 * 96.5, 96.5, 54.6) and not window_plausible(0.0, 0.89 * 96.5, 96.5, 54.6)
+
+
+class DisturbedPass(SumPass):
+    """Slow (a sleep in each) for its first `slow` passes: the host disturbed when the window starts."""
+    def __init__(self, nbytes, slow):
+        super().__init__(nbytes)
+        self.slow = slow
+
+    def run(self):
+        if self.slow:
+            self.slow -= 1
+            time.sleep(0.05)
+        super().run()
+
+
+def test_the_window_waits_for_the_gemvs_to_settle():
+    undisturbed = hr.median_gbs(8 << 20, SumPass(8 << 20).run, 5)[0]
+    g = DisturbedPass(8 << 20, slow=10)
+    gbs = settle(g, 0.3 * undisturbed)             # a slow pass reads 8 MiB in > 50 ms: < 0.17 GB/s
+    print(f"\nundisturbed {undisturbed:.2f} GB/s, settled at {gbs:.2f}")
+    assert g.slow == 0 and gbs >= 0.3 * undisturbed
+    assert settle(DisturbedPass(8 << 20, slow=1000), 1e9, seconds=0.2) < 1.0     # bounded in time, not in passes
 
 
 def test_kit_json_round_trip_and_refusals(full_kit):
