@@ -151,6 +151,8 @@ def rate_fallbacks(hw: HardwareProfile, w: Workload | None = None) -> tuple[str,
     if hw.link is not None and not hw.link.has_concurrent:
         out.append("no hybrid decode considered: the profile has no DRAM + PCIe concurrent rate (helmc profile "
                    "measures it on the machine)")
+    # A figure the profile measured again and still found implausible: the plan rests on it all the same, and says so.
+    out += [f"the profile marks a figure doubtful (measure again: helmc profile): {d}" for d in hw.doubtful]
     for name, dev in (("CPU", hw.cpu), ("GPU", hw.gpu)):
         if dev is not None and dev.block_overhead_ms is None:
             out.append(f"{name} per-block overhead delta = {hw.block_overhead_ms:g} ms, the profile-wide figure "

@@ -352,3 +352,14 @@ def test_batched_decode_reads_at_the_m_row_gemv_rate(laptop):
     assert any("no batched GEMV figures" in f for f in before.fallbacks)
     assert not any("no batched GEMV figures" in f for f in batched.fallbacks)
     assert plan(spec, hw, hybrid=False).t_plan_ms == pytest.approx(plan(spec, flat, hybrid=False).t_plan_ms)
+
+
+def test_a_plan_says_which_of_its_profile_figures_are_doubtful(laptop):
+    """A figure `helmc profile` measured again and still found implausible travels in the profile (doubtful), and
+    every plan made from it names it among its notes."""
+    from helmc.planner.cost_model import rate_fallbacks
+    why = "the DRAM + PCIe window 29.3 + 53.5 GB/s stayed below 0.90 x the faster side alone after 3 more windows"
+    assert not any("doubtful" in f for f in rate_fallbacks(laptop))
+    notes = rate_fallbacks(dataclasses.replace(laptop, doubtful=(why,)))
+    assert [f for f in notes if "doubtful" in f] == [f"the profile marks a figure doubtful (measure again: helmc "
+                                                     f"profile): {why}"]
