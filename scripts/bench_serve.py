@@ -99,16 +99,22 @@ def time_cpu_stage(model) -> None:
         BatchHybridBackend.resident = _timed(BatchHybridBackend.resident, RESIDENT_S)
 
 
-def step_split(steps: list[dict], n: int) -> dict:
-    """Median ms of the pure decode steps of n sequences, and of their CPU-stage part."""
-    pure = [s for s in steps if s["decoded"] == n and not s["prefilled"]]
+SPLIT_PARTS = (("step_ms", "s"), ("cpu_stage_ms", "cpu_s"), ("cpu_attention_ms", "attn_s"), ("hybrid_wait_ms", "wait_s"),
+               ("resident_ms", "resident_s"))
+
+
+def step_split(steps: list[dict], n: int, slowest: int = 5) -> dict:
+    """Median ms of the pure decode steps of n sequences and of their parts, their mean, and the `slowest` of them
+    with their parts and index among all steps: a mean far over the median (session 19, call B: 191.6 against
+    119.4 ms) is a few slow steps, and their parts say where."""
+    pure = [(i, s) for i, s in enumerate(steps) if s["decoded"] == n and not s["prefilled"]]
     if not pure:
         return {}
-    return {"step_ms": 1000 * float(np.median([s["s"] for s in pure])),
-            "cpu_stage_ms": 1000 * float(np.median([s["cpu_s"] for s in pure])),
-            "cpu_attention_ms": 1000 * float(np.median([s["attn_s"] for s in pure])),
-            "hybrid_wait_ms": 1000 * float(np.median([s["wait_s"] for s in pure])),
-            "resident_ms": 1000 * float(np.median([s["resident_s"] for s in pure]))}
+    out = {name: 1000 * float(np.median([s[key] for _, s in pure])) for name, key in SPLIT_PARTS}
+    out["step_ms_mean"] = 1000 * float(np.mean([s["s"] for _, s in pure]))
+    out["slowest"] = [dict({"step": i}, **{name: round(1000 * s[key], 2) for name, key in SPLIT_PARTS})
+                      for i, s in sorted(pure, key=lambda p: -p[1]["s"])[:slowest]]
+    return out
 
 
 def decode_rate(recs: list[dict]) -> float:

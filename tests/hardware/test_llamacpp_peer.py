@@ -1,5 +1,6 @@
 """scripts/llamacpp_peer.py's comparisons of bench_decode's helmc rows with llama.cpp's runs, on stand-in rows
-(no GPU, no llama-bench): which -ngl fits helmc's VRAM, and the ratios that existed before that one."""
+(no GPU, no llama-bench): which -ngl fits helmc's VRAM, and the ratios that existed before that one; and
+bench_serve's split of its decode steps."""
 from __future__ import annotations
 
 import os
@@ -58,3 +59,20 @@ def test_bench_decode_takes_the_peer_options(capsys):
     with pytest.raises(SystemExit) as e:
         bench_decode.main(["--help"])
     assert e.value.code == 0 and "--llama-ngl" in capsys.readouterr().out
+
+
+def test_bench_serve_names_its_slowest_decode_steps():
+    """bench_serve's step split: medians over the pure decode steps of n sequences (steps with a prefill or fewer
+    sequences left out), their mean, and the slowest with their index among all steps and their parts."""
+    import bench_serve
+
+    def step(ms, decoded=8, prefilled=0, cpu=0.0):
+        return {"s": ms / 1e3, "decoded": decoded, "prefilled": prefilled, "cpu_s": cpu / 1e3, "attn_s": 0.0,
+                "wait_s": 0.0, "resident_s": 0.0}
+    steps = [step(3000, prefilled=8)] + [step(100, cpu=80)] * 4 + [step(2100, cpu=2050), step(50, decoded=3)]
+    out = bench_serve.step_split(steps, 8, slowest=2)
+    assert out["step_ms"] == pytest.approx(100) and out["cpu_stage_ms"] == pytest.approx(80)
+    assert out["step_ms_mean"] == pytest.approx((4 * 100 + 2100) / 5)
+    assert [(s["step"], s["step_ms"], s["cpu_stage_ms"]) for s in out["slowest"]] == [(5, 2100.0, 2050.0),
+                                                                                       (1, 100.0, 80.0)]
+    assert bench_serve.step_split(steps, 4) == {}
