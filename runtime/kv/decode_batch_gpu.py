@@ -63,8 +63,12 @@ class GpuDecodeBatch:
         new token, the rest padding: appends each row's K, V to its cache and returns the [S, h_a*d] attention outputs
         (padding rows zero) as a tensor over this object's buffer, which the next call overwrites (stream order: the
         caller's work on it is enqueued first). None when some sequence's step needs the per-sequence path (a split
-        of its window on host pages): then the caller appends and attends per sequence, in the steps opened here."""
+        of its window on host pages; q, k, v not contiguous fp16): then the caller appends and attends per sequence
+        (in the steps opened here, if any)."""
         B, S = len(caches), q.shape[0]
+        q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
+        if any(a.dtype != np.float16 or not a.flags.c_contiguous for a in (q, k, v)):
+            return None          # the kernel reads contiguous fp16 (the GPU stage's); other stages' rows go per sequence
         for kv in caches:
             if not 0 <= layer < kv.L or layer in kv._appended or kv._pending > 1:
                 raise HelmcError(f"GpuDecodeBatch: layer {layer} expected once per decode step in 0..{kv.L - 1}, "
@@ -74,9 +78,6 @@ class GpuDecodeBatch:
         step = self._step_table(caches)
         if step.rows is None:
             return None
-        q, k, v = self.to_array(q), self.to_array(k), self.to_array(v)
-        if any(a.dtype != np.float16 or not a.flags.c_contiguous for a in (q, k, v)):
-            raise HelmcError(f"GpuDecodeBatch: contiguous fp16 q, k, v expected, found {q.dtype}, {k.dtype}, {v.dtype}")
         q, k, v = q.reshape(S, -1), k.reshape(S, -1), v.reshape(S, -1)    # [S, h, d] or [S, h*d] -> [S, h*d]
         out = self._out(S, B, caches[0].xp)
         first = caches[0]
