@@ -145,7 +145,9 @@ def test_llama_quantize_q4_k_m_file_matches(tmp_path, cpu_hardware, cache_dir):
 
 def test_calibrate_measures_a_quantized_bundle(tmp_path, cpu_hardware, cache_dir):
     """helmc calibrate on a GGUF bundle: its stages bind the raw blocks and the embedding dequantizes its rows
-    (runtime/weights/bind.Embedding), and the fit comes out finite and positive."""
+    (runtime/weights/bind.Embedding), and the fit comes out finite. Not its sign: two tiny blocks are read from
+    cache, and the quick profile's DRAM roofline for them may be above or below their measured step (CI, session
+    19: 0.203 ms measured against 0.228, the profile's reads now medians of their passes)."""
     import math
 
     from helmc import api
@@ -158,5 +160,5 @@ def test_calibrate_measures_a_quantized_bundle(tmp_path, cpu_hardware, cache_dir
     result = calibrate(r.bundle_dir, cpu_hardware, steps=4)
     f = result.fits[0]
     print(result.summary())
-    assert f.device == "cpu" and f.blocks == 2 and f.measured_step_ms > f.roofline_step_ms > 0
-    assert math.isfinite(f.block_overhead_ms) and f.block_overhead_ms > 0
+    assert f.device == "cpu" and f.blocks == 2 and f.measured_step_ms > 0 and f.roofline_step_ms > 0
+    assert math.isfinite(f.block_overhead_ms) and math.isfinite(f.measured_tail_ms) and f.measured_tail_ms > 0
