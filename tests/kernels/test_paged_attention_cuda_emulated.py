@@ -118,6 +118,17 @@ extern "C" void run_append(const unsigned short* k, const unsigned short* v, con
 """
 
 
+def reference(q, pool, slots, T: int, t_begin: int, n: int, scale: float):
+    """Algorithm 3 in float64 over the tokens t_begin..n-1 of the pages slots[i] of pool [pages, 2, h_kv, T, d]."""
+    pages = []
+    for i, s in enumerate(slots):
+        a, e = max(t_begin, i * T), min(n, (i + 1) * T)
+        if a < e:
+            pages.append((pool[s, 0, :, a - i * T:e - i * T].astype(np.float64),
+                          pool[s, 1, :, a - i * T:e - i * T].astype(np.float64)))
+    return streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+
+
 def build(tmp_path, head_dim, group):
     src = tmp_path / f"kernel_{head_dim}_{group}.cpp"
     src.write_text(HARNESS + DECODE_SOURCE + DRIVER)
@@ -154,13 +165,7 @@ def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, span, t_be
                         ip(s1 - s0), ip(h_kv), f(0.3), fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data))
     lib.run_merge(fp(pm.ctypes.data), fp(ps.ctypes.data), fp(po.ctypes.data), ip(first), ip(n_splits), ip(h_a),
                   fp(out.ctypes.data))
-    pages = []
-    for i, s in enumerate(slots):
-        a, b = max(t_begin, i * T), min(n, (i + 1) * T)
-        if a < b:
-            pages.append((pool[s, 0, :, a - i * T:b - i * T].astype(np.float64),
-                          pool[s, 1, :, a - i * T:b - i * T].astype(np.float64)))
-    ref = streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), 0.3)
+    ref = reference(q, pool, slots, T, t_begin, n, 0.3)
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
     print(f"\nCUDA source on CPU threads, h_kv={h_kv} group={group} d={d} T={T} n={n}: max relative error {err:.2e}")
     assert err < 1e-3                                        # the output is fp16 (2^-11 relative rounding)
@@ -352,13 +357,7 @@ def test_fused_append_batch_is_each_sequence_alone(tmp_path, h_kv, group, d, T):
         assert not keep[b][3].any(), (b, keep[b][3])
         assert np.array_equal(out[b].view(np.uint16), alone[b].view(np.uint16)), f"sequence {b}: output differs"
         assert np.array_equal(many, one), f"sequence {b}: pages differ"
-        pages = []
-        for i, s in enumerate(slots):
-            a, e = max(t_begin, i * T), min(n, (i + 1) * T)
-            if a < e:
-                pages.append((one[s, 0, :, a - i * T:e - i * T].astype(np.float64),
-                              one[s, 1, :, a - i * T:e - i * T].astype(np.float64)))
-        ref = streaming_attention_decode(q[b].astype(np.float64), ListPageSource(pages), 0.3)
+        ref = reference(q[b], one, slots, T, t_begin, n, 0.3)
         err = float(np.abs(out[b].astype(np.float64) - ref).max() / np.abs(ref).max())
         print(f"\nbatched fused append, sequence {b} (n={n}, span={span}, t_begin={t_begin}): bits equal to its "
               f"own launch; max relative error {err:.2e}")
