@@ -382,12 +382,11 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan for several
     # sequences whose ring, idle between decode steps, holds it lends the ring (cost_model.ring_hosts_loan): then
     # the pool keeps no room for it.
-    loan = (streamed_prefill_bytes(max(a.nbytes for a in arenas), [plan.prompt_len] * plan.batch, spec)
-            if plan.prefill_on_gpu else 0)
+    arena_bytes = max(a.nbytes for a in arenas) if plan.prefill_on_gpu else 0
+    loan = streamed_prefill_bytes(arena_bytes, [plan.prompt_len] * plan.batch, spec) if plan.prefill_on_gpu else 0
     ring_lends = hybrid and plan.batch > 1 and ring.nbytes >= loan
     # Otherwise the ring lends the block's staging, the pool (or, serving, the loan beside its pages) holding the
     # prompts' buffers (cost_model.pool_loan_bytes counts the same).
-    arena_bytes = max(a.nbytes for a in arenas) if plan.prefill_on_gpu else 0
     arena_in_ring = hybrid and not ring_lends and ring.nbytes >= arena_bytes
     if arena_in_ring:
         loan -= aligned_bytes(arena_bytes)

@@ -66,7 +66,6 @@ def window_rates(passes: list[tuple[float, float]], pass_bytes: int, copy_start:
 # this share of it was taken in a disturbance of the host (session 19, call B: 29.3 + 53.5 GB/s at once beside
 # GEMVs that read 96.5 alone a second later; the plans made from it overestimated hybrid tokens by 1.35x).
 WINDOW_PLAUSIBLE_SHARE = 0.9
-WINDOW_RETRIES = 3
 # Before the first window the GEMVs run until they reach this share of their rate measured earlier in the run (or
 # for SETTLE_S at most): the window's pinned buffers were just allocated, and the passes right after read at a
 # fraction of it (sessions 18-19: 14.3 GB/s in two runs, ~90 in the windows after).
@@ -101,7 +100,7 @@ def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chun
     """gemv: an object with run() (one pass of helmc's fp16 decode GEMVs) and nbytes; h2d_gbs_hint: the link's
     rate alone, to size the queue of copies to about `seconds`; cpu_gbs_hint: the same GEMVs' rate measured
     earlier in the run (0: none), which their rate alone here cannot be far below."""
-    from helmc.hardware.host_read import median_gbs, recheck
+    from helmc.hardware.host_read import RETRIES, RETRY_PAUSE_S, median_gbs, recheck
     host = be.pinned(host_bytes)
     dev = be.full((chunk,), 0, "uint8")
     # The copies are queued longer than the GEMVs need (contention slows them), each trial at least `seconds`.
@@ -131,16 +130,16 @@ def measure_concurrent(be, gemv, h2d_gbs_hint: float, seconds: float = 1.5, chun
         cpu_rates += alone
         h2d_rates.append(h2d_alone())
         r = window()
-        while not window_plausible(r[0], r[1], max(alone), h2d_rates[-1]) and retries < WINDOW_RETRIES:
+        while not window_plausible(r[0], r[1], max(alone), h2d_rates[-1]) and retries < RETRIES:
             retries += 1
             progress(f"DRAM + PCIe: a window of {r[0]:.1f} + {r[1]:.1f} GB/s is implausible beside {max(alone):.1f} "
-                     f"and {h2d_rates[-1]:.1f} GB/s alone: measuring it again ({retries} of {WINDOW_RETRIES})")
-            time.sleep(1.0)
+                     f"and {h2d_rates[-1]:.1f} GB/s alone: measuring it again ({retries} of {RETRIES})")
+            time.sleep(RETRY_PAUSE_S)
             alone = cpu_alone()
             r = window()
         if not window_plausible(r[0], r[1], max(alone), h2d_rates[-1]):
             doubt_window = (f"the DRAM + PCIe window {r[0]:.1f} + {r[1]:.1f} GB/s stayed below "
-                            f"{WINDOW_PLAUSIBLE_SHARE:.2f} x the faster side alone after {WINDOW_RETRIES} more windows")
+                            f"{WINDOW_PLAUSIBLE_SHARE:.2f} x the faster side alone after {RETRIES} more windows")
         results.append(r)
     cpu, h2d, window_s = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
     # Contention only slows a side: alone it reads at least what it read in the window, and what it read earlier.
