@@ -182,7 +182,15 @@ class Stage:
         from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
         if not GpuDecodeBatch.applies(caches, self.spec.q_dim):
             return None
+        return self.shared_gpu_decode_batch()
+
+    def shared_gpu_decode_batch(self):
+        """This stage's GpuDecodeBatch, made on first use. Stages over one set of GPU caches (a hybrid plan's
+        streamed groups and its resident blocks) share it: its per-step table of every GPU-cache layer is then
+        built once a step, not once per stage (at batch 8, 12 streamed groups + the resident part: 13 builds of
+        [L, B, fields], each B x L Python rows and an upload, before the sharing)."""
         if self._gpu_decode_batch is None:
+            from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
             self._gpu_decode_batch = GpuDecodeBatch(self.spec.num_heads, self.spec.head_dim, self.to_array,
                                                     self.from_array)
         return self._gpu_decode_batch

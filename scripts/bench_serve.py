@@ -53,13 +53,12 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
         out.append(rec)
     while any(r["done"] is None for r in out):
         rows, firsts, t = engine.decode_rows, sum(bool(r["stamps"]) for r in out), time.perf_counter()
-        cpu, attn, wait, res = CPU_STAGE_S[0], CPU_ATTN_S[0], HYBRID_WAIT_S[0], RESIDENT_S[0]
+        before = {key: acc[0] for key, acc in TIMERS.items()}
         engine.step()
         if steps is not None:
-            steps.append({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
-                          "prefilled": sum(bool(r["stamps"]) for r in out) - firsts, "cpu_s": CPU_STAGE_S[0] - cpu,
-                          "attn_s": CPU_ATTN_S[0] - attn, "wait_s": HYBRID_WAIT_S[0] - wait,
-                          "resident_s": RESIDENT_S[0] - res})
+            steps.append(dict({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
+                               "prefilled": sum(bool(r["stamps"]) for r in out) - firsts},
+                              **{key: acc[0] - before[key] for key, acc in TIMERS.items()}))
     bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
     if bad:
         raise RuntimeError(f"bench_serve: a request ended early: {bad[0]}")
@@ -70,6 +69,11 @@ CPU_STAGE_S = [0.0]     # seconds spent in the CPU stage's forward_batch (time_c
 CPU_ATTN_S = [0.0]      # of which in its attention (Stage.attend_rows: KV append, attention, output rows)
 HYBRID_WAIT_S = [0.0]   # batched hybrid decode: the host waiting for each streamed group (its copy and kernels)
 RESIDENT_S = [0.0]      # batched hybrid decode: the resident blocks, the head and the logits back
+MODEL_S = [0.0]         # the model's decode call (the rest of a step: sampling, detokenizing, the clients' chunks)
+STREAMED_GPU_S = [0.0]  # batched hybrid decode: the host enqueuing the streamed groups' GPU work
+GPU_TABLE_S = [0.0]     # batched GPU attention: building the sequences' step tables (kv/decode_batch_gpu.py)
+TIMERS = {"cpu_s": CPU_STAGE_S, "attn_s": CPU_ATTN_S, "wait_s": HYBRID_WAIT_S, "resident_s": RESIDENT_S,
+          "model_s": MODEL_S, "sgpu_s": STREAMED_GPU_S, "table_s": GPU_TABLE_S}
 
 
 def _timed(inner, acc: list):
@@ -87,6 +91,9 @@ def time_cpu_stage(model) -> None:
     them), by wrapping the stage's forward_batch and its attend_rows (per block: every sequence's KV append and
     attention and the output rows; before session 13 the figure wrapped each cache's attend alone, which the
     batched decode path no longer calls)."""
+    model.decode = _timed(model.decode, MODEL_S)
+    from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
+    GpuDecodeBatch._step_table = _timed(GpuDecodeBatch._step_table, GPU_TABLE_S)
     stage = model.session.cpu_stage
     if stage is None:
         return
@@ -97,10 +104,12 @@ def time_cpu_stage(model) -> None:
         from helmc.runtime.hybrid.batch import BatchHybridBackend
         BatchHybridBackend.to_host = _timed(BatchHybridBackend.to_host, HYBRID_WAIT_S)
         BatchHybridBackend.resident = _timed(BatchHybridBackend.resident, RESIDENT_S)
+        BatchHybridBackend.gpu = _timed(BatchHybridBackend.gpu, STREAMED_GPU_S)
 
 
-SPLIT_PARTS = (("step_ms", "s"), ("cpu_stage_ms", "cpu_s"), ("cpu_attention_ms", "attn_s"), ("hybrid_wait_ms", "wait_s"),
-               ("resident_ms", "resident_s"))
+SPLIT_PARTS = (("step_ms", "s"), ("model_ms", "model_s"), ("cpu_stage_ms", "cpu_s"), ("cpu_attention_ms", "attn_s"),
+               ("hybrid_wait_ms", "wait_s"), ("resident_ms", "resident_s"), ("streamed_gpu_ms", "sgpu_s"),
+               ("gpu_table_ms", "table_s"))
 
 
 def step_split(steps: list[dict], n: int, slowest: int = 5) -> dict:

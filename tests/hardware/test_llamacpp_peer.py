@@ -67,8 +67,8 @@ def test_bench_serve_names_its_slowest_decode_steps():
     import bench_serve
 
     def step(ms, decoded=8, prefilled=0, cpu=0.0):
-        return {"s": ms / 1e3, "decoded": decoded, "prefilled": prefilled, "cpu_s": cpu / 1e3, "attn_s": 0.0,
-                "wait_s": 0.0, "resident_s": 0.0}
+        return dict({key: 0.0 for key in bench_serve.TIMERS}, s=ms / 1e3, decoded=decoded, prefilled=prefilled,
+                    cpu_s=cpu / 1e3)
     steps = [step(3000, prefilled=8)] + [step(100, cpu=80)] * 4 + [step(2100, cpu=2050), step(50, decoded=3)]
     out = bench_serve.step_split(steps, 8, slowest=2)
     assert out["step_ms"] == pytest.approx(100) and out["cpu_stage_ms"] == pytest.approx(80)
