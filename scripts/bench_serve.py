@@ -157,6 +157,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's -ngl (layers on the GPU)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
+    ap.add_argument("--profile", default=None, help="plan the bundle again for this `helmc profile` of the machine "
+                    "(what `helmc plan BUNDLE PROFILE -o plan.json; helmc serve BUNDLE --plan plan.json` runs)")
+    ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) of the "
+                    "run at --concurrency here (where the host's share of a step goes; the timings then carry its cost)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
     if a.llama_batched_bench and not a.gguf:
@@ -164,7 +168,11 @@ def main(argv=None) -> int:
 
     from helmc.runtime.serve.load import load_engine
     t = time.perf_counter()
-    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False)
+    plan = None
+    if a.profile:
+        from helmc.planner.replan_bundle import replan_bundle
+        plan = replan_bundle(a.bundle, a.profile)[0]
+    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False, plan=plan)
     print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {engine.model.session.plan.describe()}, "
           f"max batch {engine.model.max_batch}, context {engine.model.max_context}", file=sys.stderr)
     time_cpu_stage(engine.model)
@@ -176,13 +184,23 @@ def main(argv=None) -> int:
     singles = [run_requests(engine, [p], a.new_tokens, f"one{i}", one_steps)[0] for i, p in enumerate(prompts)]
     rate1 = [decode_rate([r]) for r in singles]
     steps: list[dict] = []
-    together = run_requests(engine, prompts, a.new_tokens, "all", steps)
+    if a.cprofile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        together = prof.runcall(run_requests, engine, prompts, a.new_tokens, "all", steps)
+        with open(a.cprofile, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+    else:
+        together = run_requests(engine, prompts, a.new_tokens, "all", steps)
     rate_n, steps_n, e2e_n = decode_rate(together), decode_steps_rate(steps, a.concurrency), end_to_end_rate(together)
     equal = [s["tokens"] == b["tokens"] for s, b in zip(singles, together)]
     first_diff = [next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y), None)
                   for s, b in zip(singles, together)]
     report = {"bundle": os.path.abspath(a.bundle), "concurrency": a.concurrency, "prompt_len": a.prompt_len,
-              "new_tokens": a.new_tokens, "decode_tok_s_at_1": float(np.median(rate1)),
+              "new_tokens": a.new_tokens, "replanned_from": a.profile,
+              "plan": engine.model.session.plan.describe(), "plan_step_ms": engine.model.session.plan.t_plan_ms,
+              "decode_tok_s_at_1": float(np.median(rate1)),
               f"decode_steps_tok_s_at_{a.concurrency}": steps_n,
               f"decode_tok_s_total_at_{a.concurrency}": rate_n,
               f"end_to_end_tok_s_at_{a.concurrency}": e2e_n,
@@ -194,6 +212,9 @@ def main(argv=None) -> int:
               "ttft_ms_at_1": [1000 * (r["stamps"][0] - r["t_submit"]) for r in singles],
               "step_split_at_1": step_split(one_steps, 1),
               f"step_split_at_{a.concurrency}": step_split(steps, a.concurrency)}
+    split_n = report[f"step_split_at_{a.concurrency}"]
+    if split_n and report["plan_step_ms"]:
+        report[f"step_vs_plan_at_{a.concurrency}"] = split_n["step_ms"] / report["plan_step_ms"]   # median step / T_plan
     print(json.dumps(report, indent=2), file=sys.stderr)     # helmc's figures stand even if the peer fails
     if a.out:
         with open(a.out, "w") as f:
