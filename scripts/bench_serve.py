@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench binary")
     ap.add_argument("--gguf", default=None, help="the GGUF file llama-batched-bench runs (the same model)")
-    ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's -ngl (layers on the GPU)")
+    ap.add_argument("--ngl", default="0", help="llama.cpp's -ngl (layers on the GPU), or several comma-separated: "
+                    "each is run, and the first names the plain ratios")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
     ap.add_argument("--profile", default=None, help="plan the bundle again for this `helmc profile` of the machine "
@@ -165,6 +166,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.llama_batched_bench and not a.gguf:
         ap.error("--llama-batched-bench needs --gguf")
+    try:
+        ngls = [int(n) for n in a.ngl.split(",")]
+    except ValueError:
+        ap.error(f"--ngl expected integers separated by commas, found {a.ngl!r}")
 
     from helmc.runtime.serve.load import load_engine
     t = time.perf_counter()
@@ -212,6 +217,9 @@ def main(argv=None) -> int:
               "ttft_ms_at_1": [1000 * (r["stamps"][0] - r["t_submit"]) for r in singles],
               "step_split_at_1": step_split(one_steps, 1),
               f"step_split_at_{a.concurrency}": step_split(steps, a.concurrency)}
+    batch_decode = getattr(engine.model.session.gpu, "_batch_decode", None)
+    graphs = batch_decode.backend.graphs if batch_decode is not None else None
+    report["batch_group_graphs"] = graphs.stats() if graphs is not None else None     # hybrid/batch_graph.py
     split_n = report[f"step_split_at_{a.concurrency}"]
     if split_n and report["plan_step_ms"]:
         report[f"step_vs_plan_at_{a.concurrency}"] = split_n["step_ms"] / report["plan_step_ms"]   # median step / T_plan
@@ -221,9 +229,14 @@ def main(argv=None) -> int:
             f.write(json.dumps(report, indent=2) + "\n")
     if a.llama_batched_bench:
         from llamacpp_peer import llama_batched_bench
-        lc = llama_batched_bench(a.llama_batched_bench, a.gguf, a.ngl, a.prompt_len, a.new_tokens,
-                                 (1, a.concurrency), a.threads)
-        report["llamacpp"] = lc
+        runs = {}
+        for ngl in ngls:
+            runs[ngl] = llama_batched_bench(a.llama_batched_bench, a.gguf, ngl, a.prompt_len, a.new_tokens,
+                                            (1, a.concurrency), a.threads)
+            report[f"serve_decode_ratio_vs_llamacpp_ngl{ngl}"] = \
+                steps_n / runs[ngl]["by_batch"][a.concurrency]["decode_tok_s"]
+        report["llamacpp_by_ngl"] = runs
+        lc = report["llamacpp"] = runs[ngls[0]]
         at_n = lc["by_batch"][a.concurrency]
         report["serve_decode_ratio_vs_llamacpp"] = steps_n / at_n["decode_tok_s"]          # S_TG against S_TG
         report["serve_decode_total_ratio_vs_llamacpp"] = rate_n / at_n["decode_tok_s"]

@@ -220,8 +220,12 @@ class EmulatedOps:
         return np.frombuffer(buf, dtype=np.float16).reshape(shape)
 
     def write_step(self, step, values, stream):
-        self.access(stream, step, write=True)
-        np.ndarray.__setitem__(step, slice(None), np.asarray(values, np.int32))
+        self.write(step, np.asarray(values, np.int32), stream)
+
+    def write(self, dst, values, stream):
+        assert values.dtype == dst.dtype and values.nbytes == dst.nbytes, (values.dtype, dst.dtype)
+        self.access(stream, dst, write=True)
+        np.ndarray.__setitem__(dst, Ellipsis, values.reshape(dst.shape))
 
     def _step(self, step) -> tuple[int, int]:
         self.access(self._compute, step, write=False)

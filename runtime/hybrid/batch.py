@@ -29,6 +29,13 @@ class BatchHybridBackend:
         self.head_fns, self.head_weights = head_fns, head_weights
         self.cpu_caches = self.gpu_caches = self.rows = None
         self.cos = self.sin = self.cos_dev = self.sin_dev = None
+        self.graphs = None            # batch_graph.BatchGroupGraphs where the session captures graphs
+        if base.graphs:
+            from helmc.runtime.hybrid.batch_graph import BatchGroupGraphs
+            spec = resident_stage.spec
+            self.graphs = BatchGroupGraphs(base.stages, resident_stage.shared_gpu_decode_batch(), base.arrays,
+                                           base.graphs[0].stream, base.to_tvm,
+                                           base.to_cupy, spec.hidden_size, spec.head_dim)
 
     def bind(self, cpu_caches: list, gpu_caches: list, rows: list[int]) -> None:
         """The step's sequences: their CPU- and GPU-cache objects and rows (one each)."""
@@ -39,7 +46,12 @@ class BatchHybridBackend:
         arrays, to_tvm = self.base.arrays, self.base.to_tvm
         cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)   # [S, D] each
         self.cos, self.sin = arrays.host_tensor(cos), arrays.host_tensor(sin)
-        self.cos_dev, self.sin_dev = to_tvm(arrays.device(cos)), to_tvm(arrays.device(sin))
+        if self.graphs is not None:            # the static inputs every graph of S rows reads
+            _, cos_d, sin_d, (_, self.cos_dev, self.sin_dev) = self.graphs.inputs(cos.shape[0])
+            arrays.put(cos_d, cos)
+            arrays.put(sin_d, sin)
+        else:
+            self.cos_dev, self.sin_dev = to_tvm(arrays.device(cos)), to_tvm(arrays.device(sin))
 
     def copy(self, p) -> None:
         self.base.copy(p)
@@ -52,12 +64,21 @@ class BatchHybridBackend:
         return self.base.arrays.host_array(out)
 
     def to_gpu(self, x: np.ndarray):
-        return self.base.arrays.device(np.ascontiguousarray(x, np.float16))        # the host-to-device crossing
+        if self.graphs is not None:
+            x_d = self.graphs.inputs(x.shape[0])[0]
+            self.base.arrays.put(x_d, x)                                           # the host-to-device crossing
+            return x_d
+        return self.base.arrays.device(np.ascontiguousarray(x, np.float16))
 
     def wait_copy(self, p) -> None:
         self.base.wait_copy(p)
 
     def gpu(self, p, x):
+        if self.graphs is not None and self.graphs.applies(self.gpu_caches):
+            x_d = self.graphs.inputs(x.shape[0])[0]
+            if x is not x_d:
+                self.base.arrays.copy(x_d, x)
+            return self.graphs.run(p.index, self.gpu_caches, self.rows, x.shape[0])
         out = self.base.stages[p.index].forward_batch(self.base.to_tvm(x), self.cos_dev, self.sin_dev,
                                                       self.gpu_caches, self.rows, advance=False)
         return self.base.to_cupy(out)

@@ -142,8 +142,13 @@ class CudaOps:
     def write_step(self, step, values: np.ndarray, stream) -> None:
         """Write int32 `values` into the device array `step` on `stream` (from pageable memory: the driver
         has read `values` when this returns, so the caller may reuse it at once)."""
-        values = np.ascontiguousarray(values, np.int32)
-        self.cp.cuda.runtime.memcpyAsync(step.data.ptr, values.ctypes.data, values.nbytes, H2D, stream.ptr)
+        self.write(step, np.ascontiguousarray(values, np.int32), stream)
+
+    def write(self, dst, values: np.ndarray, stream) -> None:
+        """Write host `values` (dst's dtype and size) into the device array `dst` on `stream`, as write_step."""
+        assert values.dtype == dst.dtype and values.nbytes == dst.nbytes and values.flags.c_contiguous, \
+            (values.dtype, dst.dtype, values.nbytes, dst.nbytes)
+        self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, values.ctypes.data, values.nbytes, H2D, stream.ptr)
 
     def decode_partial(self, q, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
                        n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o) -> None:

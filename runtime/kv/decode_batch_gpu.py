@@ -46,6 +46,9 @@ class GpuDecodeBatch:
         self.to_array, self.from_array = to_array, from_array
         self._step: _StepTable | None = None
         self._outs: dict[int, list] = {}     # rows S -> [out [S, h_a*d] fp16, its tensor, rows that may be non-zero]
+        # sequences B -> the device table [L, B, SEQ_FIELDS] int64 every step of B sequences writes: one address,
+        # so a CUDA graph of a batched step (hybrid/batch_graph.py) reads each step's table where it was captured
+        self._rows_dev: dict[int, object] = {}
 
     @staticmethod
     def applies(caches: list, q_dim: int) -> bool:
@@ -123,6 +126,24 @@ class GpuDecodeBatch:
                 host[layer, b] = [kv.ops.ptr(kv._page_ptrs(layer, table, stage_of))] + fixed
             max_splits = max(max_splits, n_splits - split_base)
         assert not ok or max_splits >= 1, "a decode step has at least one split"
-        self._step = _StepTable(list(caches), tables, [kv._parts for kv in caches],
-                                first.ops.to_device(host) if ok else None, max_splits)
+        rows = None
+        if ok:
+            rows = self._rows_dev.get(B)
+            if rows is None or rows.shape != host.shape:
+                rows = self._rows_dev[B] = first.ops.device_empty(host.shape, np.int64)
+            # stream order: the last step's kernels have read the table before this overwrites it
+            first.ops.write(rows, host, first.ops.current_stream())
+        self._step = _StepTable(list(caches), tables, [kv._parts for kv in caches], rows, max_splits)
         return self._step
+
+    def prepare(self, caches: list, S: int):
+        """Before a captured or replayed step of these sequences: each cache's step opened, the step's table
+        written and the output buffer for S rows made, so that the capture records only kernels. The step's
+        _StepTable (rows None: a sequence needs the per-sequence path, no graph)."""
+        for kv in caches:
+            if kv._pending == 0:
+                kv.begin_step(1)
+        step = self._step_table(caches)
+        if step.rows is not None:
+            self._out(S, len(caches), caches[0].xp)
+        return step

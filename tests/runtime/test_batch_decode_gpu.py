@@ -54,6 +54,11 @@ def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
     compare(singles, batched, f"{name} on the GPU")
     print(f"{name}: {len(ps)} sequences, batched decode steps of {sorted(set(sizes))} sequences, "
           f"every logit bit-identical to the single runs")
+    if name == "fp16_hybrid":      # the streamed groups' batched steps replayed as CUDA graphs (hybrid/batch_graph.py)
+        graphs = s.gpu._batch_decode.backend.graphs
+        assert graphs is not None and not graphs.disabled, graphs and graphs.disabled
+        print(f"batched streamed-group graphs: {graphs.stats()}")
+        assert graphs.captures > 0 and graphs.replays > 0, graphs.stats()
 
 
 @pytest.mark.parametrize("name", ["fp16_streamed", "fp16_hybrid"])
