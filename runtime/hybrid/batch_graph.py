@@ -1,5 +1,6 @@
 """A streamed group's GPU part of a batched hybrid decode step (runtime/hybrid/batch.py) as CUDA graphs, one per
-(group, step shape), replayed per step: group_graph.py's graphs for several sequences.
+(group, step shape), replayed per step: group_graph.py's graphs for several sequences; the resident blocks and the
+head the same way (gpu_session.DecodeGraph's share of a one-sequence step).
 
 Why (issue 19): run eagerly, the host enqueued each streamed group's batched work in Relax VM calls and launches
 while the CPU waited for it (session 20, call B, H200 host, fp16 Qwen3-8B at 8 sequences, 12 one-block groups:
@@ -29,8 +30,9 @@ class BatchGroupGraphs:
         self.stages, self.decode_batch, self.arrays, self.stream = stages, decode_batch, arrays, stream
         self.to_tvm, self.to_cupy, self.hidden, self.head_dim = to_tvm, to_cupy, hidden, head_dim
         self._inputs: dict[int, tuple] = {}                    # S -> (x, cos, sin device arrays, their TVM views)
-        self._graphs: list[dict] = [{} for _ in stages]       # per group: key -> (graph, pool, out tensor, out)
-        self._seen: list[set] = [set() for _ in stages]
+        # per group, then the resident part: key -> (graph, pool, out tensor, out)
+        self._graphs: list[dict] = [{} for _ in range(len(stages) + 1)]
+        self._seen: list[set] = [set() for _ in range(len(stages) + 1)]
         self.disabled = ""                                     # why graphs are off ("" while on)
         self.replays = self.captures = self.eager_steps = 0
 
@@ -56,14 +58,26 @@ class BatchGroupGraphs:
         device (CuPy [S, H]); replayed, captured and launched, or eager."""
         stage = self.stages[index]
         _, _, _, (x, cos, sin) = self.inputs(S)
+
+        def body():
+            return stage.forward_batch(x, cos, sin, caches, rows, advance=False)
+        return self._run(index, stage, body, caches, S)
+
+    def run_resident(self, stage, head, caches: list, rows: list[int], S: int):
+        """The resident blocks (`stage`) and head(x) -> logits [S, V] on the device (CuPy), as run() runs a group;
+        the caller commits the caches' step (KVCacheGPU.advance: host bookkeeping and eviction copies, outside
+        any graph)."""
+        _, _, _, (x, cos, sin) = self.inputs(S)
+
+        def body():
+            return head(stage.forward_batch(x, cos, sin, caches, rows, advance=False))
+        return self._run(len(self.stages), stage, body, caches, S)
+
+    def _run(self, index: int, stage, body, caches: list, S: int):
         step = self.decode_batch.prepare(caches, S)
         key = None if self.disabled or step.rows is None else (S, len(caches), step.max_splits)
         layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))
         graphs = self._graphs[index]
-
-        def body():
-            return stage.forward_batch(x, cos, sin, caches, rows, advance=False)
-
         if key is not None and key in graphs:
             for kv in caches:
                 kv.mark_replayed(layers)
