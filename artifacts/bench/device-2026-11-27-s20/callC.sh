@@ -15,7 +15,6 @@ echo "== start $(date +%T)"; nvidia-smi --query-gpu=name --format=csv,noheader
 export PATH=/usr/local/cuda/bin:$PATH
 ( HELMC_GPU_BATCH_BUNDLES=$B/batch_session "$PY" -m pytest -q -s -p no:cacheprovider tests/runtime/test_batch_decode_gpu.py
   HELMC_GPU_HYBRID_BUNDLES=$B/hybrid "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/hybrid/test_hybrid_gpu.py
-  HELMC_GPU_BATCH_BUNDLES=$B/batch_session "$PY" -m pytest -q -p no:cacheprovider tests/serve/test_serve_warmup.py
 ) > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; grep -E "passed|failed|graphs:" "$OUT/gpu_tests.log"
 wait; sync
 tail -1 "$OUT/llamacpp_build.log"
