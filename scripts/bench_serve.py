@@ -1,6 +1,6 @@
 """Batched decode of `helmc serve`'s engine against llama.cpp's llama-batched-bench, in the same run.
 
-    python scripts/bench_serve.py BUNDLE [--concurrency 8] [--prompt-len 128] [--new-tokens 128] [--out serve.json]
+    python scripts/bench_serve.py BUNDLE [--concurrency 8] [--prompt-len 128] [--new-tokens 128] [--out serve.json] [--no-warm-up]
         [--llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf model.gguf --ngl 16]
 
 The engine runs in this process (no HTTP: what is measured is the model's batched step). Each of N random
@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) of the "
                     "run at --concurrency here (where the host's share of a step goes; the timings then carry its cost)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--no-warm-up", action="store_true", help="load the engine without its warm-up and GC freeze "
+                    "(runtime/serve/warmup.py): the first batched steps pay the first-use costs, as before")
     a = ap.parse_args(argv)
     if a.llama_batched_bench and not a.gguf:
         ap.error("--llama-batched-bench needs --gguf")
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
     if a.profile:
         from helmc.planner.replan_bundle import replan_bundle
         plan = replan_bundle(a.bundle, a.profile)[0]
-    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False, plan=plan)
+    engine, _ = load_engine(a.bundle, a.concurrency, weights_dir=a.weights, quiet=False, plan=plan,
+                            warm_up=not a.no_warm_up)
     print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {engine.model.session.plan.describe()}, "
           f"max batch {engine.model.max_batch}, context {engine.model.max_context}", file=sys.stderr)
     time_cpu_stage(engine.model)
@@ -203,6 +206,7 @@ def main(argv=None) -> int:
     first_diff = [next((j for j, (x, y) in enumerate(zip(s["tokens"], b["tokens"])) if x != y), None)
                   for s, b in zip(singles, together)]
     report = {"bundle": os.path.abspath(a.bundle), "concurrency": a.concurrency, "prompt_len": a.prompt_len,
+              "warm_up": not a.no_warm_up,
               "new_tokens": a.new_tokens, "replanned_from": a.profile,
               "plan": engine.model.session.plan.describe(), "plan_step_ms": engine.model.session.plan.t_plan_ms,
               "decode_tok_s_at_1": float(np.median(rate1)),

@@ -60,8 +60,8 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     from helmc.runtime.serve.server import ServeState, serve
     policy = trust_policy(trust, require_signed)
     metrics = Metrics()
-    engine, template = load_engine(bundle_dir, max_batch, weights_dir, metrics=metrics, kv_page_tokens=kv_page_tokens,
-                                   plan=read_plan(plan_file), **policy)
+    engine, template = load_engine(bundle_dir, max_batch, weights_dir, quiet=False, metrics=metrics,
+                                   kv_page_tokens=kv_page_tokens, plan=read_plan(plan_file), **policy)   # warm-up: stderr
     name = model_name or os.path.basename(os.path.normpath(bundle_dir))
     state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
     metrics.watch(engine)

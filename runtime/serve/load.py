@@ -1,4 +1,6 @@
-"""A bundle made ready to serve: its Session, one KV cache per batch slot, the engine, the chat template, EOS."""
+"""A bundle made ready to serve: its Session, one KV cache per batch slot, the engine, the chat template, EOS; warmed up
+(every decode batch size run once, the slots' CPU KV committed: runtime/serve/warmup.py) and the cyclic GC's view
+of what loading made frozen."""
 from __future__ import annotations
 
 import json
@@ -25,10 +27,12 @@ def eos_token_ids(bundle_dir: str, spec) -> tuple[int, ...]:
 
 def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str | None = None, quiet: bool = True,
                 metrics=None, trusted_keys: tuple | None = None, require_signed: bool = False, plan=None,
-                **kv_options):
+                warm_up: bool = True, **kv_options):
     """(Engine, ChatTemplate or None) for `bundle_dir`; max_batch defaults to the batch its plan was made for.
     trusted_keys, require_signed: as Session.load (the signature is checked before anything else is read);
-    plan: a Plan run instead of the bundle's own (`--plan`)."""
+    plan: a Plan run instead of the bundle's own (`--plan`). warm_up: run warmup.warm_up (its lines on stderr unless
+    quiet) and freeze the GC (warmup.freeze_gc) before the engine takes requests."""
+    import sys
     from helmc.runtime.session import Session
     from helmc.runtime.serve.batch_model import BatchModel
     from helmc.runtime.serve.chat_template import load_chat_template
@@ -36,6 +40,9 @@ def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str 
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
     model = BatchModel(session, max_batch or session.plan.batch, kv_options.get("kv_watermark", 0.8))
+    if warm_up:
+        from helmc.runtime.serve import warmup
+        warmup.warm_up(model, None if quiet else (lambda line: print("  " + line, file=sys.stderr, flush=True)))
     tok = session.tokenizer
     fallback = {}
     if tok is not None:                       # a GGUF bundle has no tokenizer_config.json: bos/eos by id
@@ -44,4 +51,7 @@ def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str 
             if text is not None:
                 fallback[name] = text
     template = load_chat_template(bundle_dir, fallback)
-    return Engine(model, tok, eos_token_ids(bundle_dir, session.spec), metrics), template
+    engine = Engine(model, tok, eos_token_ids(bundle_dir, session.spec), metrics)
+    if warm_up:
+        warmup.freeze_gc()
+    return engine, template
