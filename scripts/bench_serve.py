@@ -53,11 +53,13 @@ def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None 
         out.append(rec)
     while any(r["done"] is None for r in out):
         rows, firsts, t = engine.decode_rows, sum(bool(r["stamps"]) for r in out), time.perf_counter()
-        before = {key: acc[0] for key, acc in TIMERS.items()}
+        before, sys0 = {key: acc[0] for key, acc in TIMERS.items()}, system_counters()
         engine.step()
         if steps is not None:
+            sys1 = system_counters()
             steps.append(dict({"s": time.perf_counter() - t, "decoded": engine.decode_rows - rows,
-                               "prefilled": sum(bool(r["stamps"]) for r in out) - firsts},
+                               "prefilled": sum(bool(r["stamps"]) for r in out) - firsts,
+                               "system": {k: round(v - sys0.get(k, 0), 3) for k, v in sys1.items()}},
                               **{key: acc[0] - before[key] for key, acc in TIMERS.items()}))
     bad = [r["done"].error for r in out if r["done"].finish_reason != "length"]
     if bad:
@@ -74,6 +76,26 @@ STREAMED_GPU_S = [0.0]  # batched hybrid decode: the host enqueuing the streamed
 GPU_TABLE_S = [0.0]     # batched GPU attention: building the sequences' step tables (kv/decode_batch_gpu.py)
 TIMERS = {"cpu_s": CPU_STAGE_S, "attn_s": CPU_ATTN_S, "wait_s": HYBRID_WAIT_S, "resident_s": RESIDENT_S,
           "model_s": MODEL_S, "sgpu_s": STREAMED_GPU_S, "table_s": GPU_TABLE_S}
+
+
+VMSTAT = ("pgfault", "pgmajfault", "thp_fault_alloc", "compact_stall", "pgmigrate_success", "numa_hint_faults",
+          "thp_collapse_alloc")
+
+
+def system_counters() -> dict:
+    """This process's CPU seconds in user and kernel mode and the kernel's counters of the VMSTAT events (Linux),
+    so that a slow step says whether the time went to faults, compaction or page migration rather than kernels."""
+    t = os.times()
+    out = {"user_s": t.user, "system_s": t.system}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in VMSTAT:
+                    out[name] = int(value)
+    except OSError:
+        pass
+    return out
 
 
 def _timed(inner, acc: list):
@@ -121,8 +143,11 @@ def step_split(steps: list[dict], n: int, slowest: int = 5) -> dict:
         return {}
     out = {name: 1000 * float(np.median([s[key] for _, s in pure])) for name, key in SPLIT_PARTS}
     out["step_ms_mean"] = 1000 * float(np.mean([s["s"] for _, s in pure]))
-    out["slowest"] = [dict({"step": i}, **{name: round(1000 * s[key], 2) for name, key in SPLIT_PARTS})
+    out["slowest"] = [dict({"step": i, "system": s.get("system", {})},
+                           **{name: round(1000 * s[key], 2) for name, key in SPLIT_PARTS})
                       for i, s in sorted(pure, key=lambda p: -p[1]["s"])[:slowest]]
+    out["median_system"] = {k: float(np.median([s.get("system", {}).get(k, 0) for _, s in pure]))
+                            for k in pure[0][1].get("system", {})}
     return out
 
 
