@@ -50,12 +50,20 @@ MAX_ROWS = 8             # largest m (runtime.stage.decode_batch_sizes stays wit
 _F32 = "float32"
 
 
+# One-row tunings to use instead of default_tuning's, by epilogue (None, "residual", "swiglu"); empty: its own.
+# Benchmarks may set it (experiments/gpu_gemv_tunings.py): the per-row bits depend on warps only, so a tuning that
+# keeps warps = 4 keeps every output bit-identical and the m-row calls' rows equal to one-row calls.
+M1_TUNING: dict = {}
+
+
 def default_tuning(m: int, epilogue: str | None = None) -> tuple[int, int, int]:
     """(rows_per_warp, warps, unroll): one row of x: 2 rows per warp, 4 warps, 4 steps in flight; more rows of
     x: 4 rows per warp (each x load serves 4 rows, see the module docstring) and 2 steps in flight, which keeps
     the m x 4 accumulators and the staged weights in registers. Per-row bits depend on warps only (the k split),
     so warps is the same for every m. swiglu sums rows of two weights per thread block: half the rows of each
     keeps the accumulators and loads in flight as they were."""
+    if m == 1 and epilogue in M1_TUNING:
+        return M1_TUNING[epilogue]
     if epilogue == "swiglu":
         return (1, 4, 4) if m == 1 else (2, 4, 2)
     return (2, 4, 4) if m == 1 else (4, 4, 2)
