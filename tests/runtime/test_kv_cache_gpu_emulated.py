@@ -263,3 +263,38 @@ def test_gpu_decode_batch_falls_back_where_a_step_reads_host_pages():
     for c in caches:
         c.advance(1)
     assert ops.batch_launches == 0 and all(c.length == 41 for c in caches)
+
+
+def test_gpu_decode_batch_table_stays_at_one_address_per_batch_and_is_rewritten_each_step():
+    """What a CUDA graph of a batched step (runtime/hybrid/batch_graph.py) relies on: prepare() opens every cache's
+    step and writes the step's table before any launch, into one device buffer per sequence count whose address
+    never changes, with the contents a table built from scratch has (page addresses, steps and splits of this step,
+    as the caches cross page boundaries); the layers' launches then reuse that table."""
+    from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
+    ops = EmulatedOps(num_sms=2)
+    kw = dict(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256, staging_pages=4, ops=ops)
+    caches = [KVCacheGPU(**kw) for _ in range(3)]
+    rng = np.random.default_rng(7)
+    for n, c in zip((5, 6, 13), caches):                    # each crosses a page boundary within the steps below
+        for layer in range(2):
+            c.append(layer, *rng.standard_normal((2, n, H_KV, D)).astype(np.float32))
+        c.advance(n)
+    batch = GpuDecodeBatch(H_KV * GROUP, D, lambda t: t, lambda a: a)
+    where, contents = {}, []
+    for B in (3, 3, 3, 3, 2, 2, 3):
+        step = batch.prepare(caches[:B], 4)
+        assert step.rows is not None and all(c._pending == 1 for c in caches[:B])
+        where.setdefault(B, set()).add(ops.ptr(step.rows))
+        fresh = GpuDecodeBatch(H_KV * GROUP, D, lambda t: t, lambda a: a)._step_table(caches[:B])
+        assert ops.ptr(fresh.rows) != ops.ptr(step.rows)
+        assert np.array_equal(np.asarray(step.rows), np.asarray(fresh.rows)) and step.max_splits == fresh.max_splits
+        contents.append(np.asarray(step.rows).copy())
+        for layer in range(2):
+            q = rng.standard_normal((4, H_KV * GROUP * D)).astype(np.float16)
+            k, v = rng.standard_normal((2, 4, H_KV * D)).astype(np.float16)
+            assert batch.attend(caches[:B], layer, q, k, v, 0.2) is not None
+            assert batch._step is step                      # the layers' launches read the prepared table
+        for c in caches[:B]:
+            c.advance(1)
+    assert {B: len(a) for B, a in where.items()} == {3: 1, 2: 1}
+    assert not all(np.array_equal(contents[0], c) for c in contents[1:4]), "the page crossings changed no table row"
