@@ -5,7 +5,9 @@
         [--prompt-len 128] [--steps 64] [--out step.json]
 
 First, without a profiler: the wall time per decode step over --steps steps (CUDA graph replays once the page
-table is stable), and the GPU time of the same steps from CUDA events on the session's stream. Then, with
+table is stable), and the GPU time of the same steps from CUDA events on the session's stream; the same steps as
+greedy decoding runs them (argmax on the GPU); and the captured step's graph replayed back to back, with no host
+work between (their difference is what the token loop's host work costs the step). Then, with
 --ncu, the script runs itself under Nsight Compute (`--profile-from-start off`: only one decode step, between
 cudaProfilerStart/Stop, is profiled; graph nodes one by one) and reads each kernel's gpu__time_duration.
 The table: kernels grouped by name, count, total microseconds, share of the step; the sum of kernel times
@@ -51,8 +53,25 @@ def timed_steps(s, tok: int, steps: int) -> dict:
     wall_ms = 1e3 * (time.perf_counter() - t) / steps
     end.record(stream)
     end.synchronize()
+    stream_ms = cp.cuda.get_elapsed_time(start, end) / steps
+    t = time.perf_counter()
+    for _ in range(steps):                  # the greedy token loop's step: the argmax on the GPU, 8 bytes back
+        tok = s.forward([tok], argmax=True)
+    greedy_ms = 1e3 * (time.perf_counter() - t) / steps
     graph = s.gpu.decode_graph
-    return {"wall_ms_per_step": wall_ms, "stream_ms_per_step": cp.cuda.get_elapsed_time(start, end) / steps,
+    replay_ms = None
+    if graph is not None and graph.graph is not None:
+        # the captured step alone, replayed back to back (it rewrites the same KV row with the same values): what a
+        # step costs the GPU with no host work between steps
+        stream.synchronize()
+        start.record(stream)
+        for _ in range(steps):
+            graph.graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        replay_ms = cp.cuda.get_elapsed_time(start, end) / steps
+    return {"wall_ms_per_step": wall_ms, "stream_ms_per_step": stream_ms, "greedy_wall_ms_per_step": greedy_ms,
+            "graph_replay_ms_per_step": replay_ms,
             "graph": None if graph is None else {"replays": graph.replays, "captures": graph.captures,
                                                  "eager": graph.eager_steps, "disabled": graph.disabled},
             "last_token": tok}
@@ -106,8 +125,11 @@ def main(argv=None) -> int:
         return inner(a)
     s, tok = load_and_warm(a.bundle, a.weights, a.prompt_len)
     report = {"bundle": a.bundle, "plan": s.plan.describe(), **timed_steps(s, tok, a.steps)}
-    print(f"{a.bundle} ({report['plan']}): {report['wall_ms_per_step']:.3f} ms per step (wall), "
-          f"{report['stream_ms_per_step']:.3f} ms on the stream; graph {report['graph']}", flush=True)
+    replay = report["graph_replay_ms_per_step"]
+    print(f"{a.bundle} ({report['plan']}): {report['wall_ms_per_step']:.3f} ms per step (wall, logits to the host), "
+          f"{report['stream_ms_per_step']:.3f} ms on the stream; greedy (argmax on the GPU) "
+          f"{report['greedy_wall_ms_per_step']:.3f} ms; the captured step replayed back to back "
+          f"{'-' if replay is None else f'{replay:.3f}'} ms; graph {report['graph']}", flush=True)
     del s
     if a.ncu:
         # no clock locking or cache flushing: the kernels run as in the timed step (ncu's defaults lock the
