@@ -42,7 +42,7 @@ def load_and_warm(bundle: str, weights: str, prompt_len: int):
     return s, r.tokens[-1]
 
 
-def timed_steps(s, tok: int, steps: int) -> dict:
+def timed_steps(s, tok: int, steps: int, cprofile: str | None = None) -> dict:
     import cupy as cp
     stream = s.gpu.stream
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -58,6 +58,15 @@ def timed_steps(s, tok: int, steps: int) -> dict:
     for _ in range(steps):                  # the greedy token loop's step: the argmax on the GPU, 8 bytes back
         tok = s.forward([tok], argmax=True)
     greedy_ms = 1e3 * (time.perf_counter() - t) / steps
+    if cprofile:                            # where the host's share of those steps goes (cProfile's own cost added)
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        for _ in range(steps):
+            tok = prof.runcall(s.forward, [tok], argmax=True)
+        with open(cprofile, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(30)
     graph = s.gpu.decode_graph
     replay_ms = None
     if graph is not None and graph.graph is not None:
@@ -119,12 +128,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ncu", default=None, help="Nsight Compute's ncu: per-kernel times of one step")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cprofile", default=None, help="write cProfile's view of the greedy steps' host work here")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.inner:
         return inner(a)
     s, tok = load_and_warm(a.bundle, a.weights, a.prompt_len)
-    report = {"bundle": a.bundle, "plan": s.plan.describe(), **timed_steps(s, tok, a.steps)}
+    report = {"bundle": a.bundle, "plan": s.plan.describe(), **timed_steps(s, tok, a.steps, a.cprofile)}
     replay = report["graph_replay_ms_per_step"]
     print(f"{a.bundle} ({report['plan']}): {report['wall_ms_per_step']:.3f} ms per step (wall, logits to the host), "
           f"{report['stream_ms_per_step']:.3f} ms on the stream; greedy (argmax on the GPU) "
