@@ -32,10 +32,29 @@ def inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
 
 
 class RopeTables:
+    # A decode step's one position comes from a table of CHUNK positions made when the step first enters it: the
+    # per-step NumPy calls cost ~47 us of the host's path between two all-GPU decode steps (session 20, H200 host,
+    # cProfile), against ~1 us for the rows' copy. The table's rows are the one-position computation's bits: NumPy's
+    # cos / sin are elementwise, and each row's D values take the same vector path whatever the rows around them
+    # (tests/runtime/test_rope_tables.py checks it).
+    CHUNK = 256
+
     def __init__(self, rope: RopeSpec, head_dim: int):
         self.inv_freq = inv_freq(rope, head_dim)
+        self._chunk: tuple[int, np.ndarray, np.ndarray] | None = None     # (first position, cos, sin)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [S, D] float32 of the positions (new arrays: the caller may keep or change them)."""
+        if len(positions) != 1:
+            return self._compute(positions)
+        p = int(positions[0])
+        first = p - p % self.CHUNK
+        if self._chunk is None or self._chunk[0] != first:
+            self._chunk = (first, *self._compute(np.arange(first, first + self.CHUNK)))
+        i = p - first
+        return self._chunk[1][i:i + 1].copy(), self._chunk[2][i:i + 1].copy()
+
+    def _compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]   # [S] x [D/2] -> [S, D/2]
         emb = np.concatenate([freqs, freqs], axis=-1)                             # [S, D/2] -> [S, D]
         return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
