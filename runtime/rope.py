@@ -36,7 +36,7 @@ class RopeTables:
     # per-step NumPy calls cost ~47 us of the host's path between two all-GPU decode steps (session 20, H200 host,
     # cProfile), against ~1 us for the rows' copy. The table's rows are the one-position computation's bits: NumPy's
     # cos / sin are elementwise, and each row's D values take the same vector path whatever the rows around them
-    # (tests/runtime/test_rope_tables.py checks it).
+    # (tests/model/test_rope_tables.py checks it).
     CHUNK = 256
 
     def __init__(self, rope: RopeSpec, head_dim: int):

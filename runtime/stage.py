@@ -65,7 +65,7 @@ class StageBinding:
 class Stage:
     def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv, bindings: list[StageBinding],
                  to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = (),
-                 kv_base: int = 0):
+                 kv_base: int = 0, gpu_decode_batch=None):
         assert len(bindings) == len(layers), "one weight binding per block of the stage"
         assert kv_base >= 0, kv_base
         self.name = name
@@ -87,7 +87,9 @@ class Stage:
         self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in phases for j in set(self._signature)}
         self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
-        self._gpu_decode_batch = None   # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches
+        # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches, or another stage's over the same caches
+        # (shared_gpu_decode_batch)
+        self._gpu_decode_batch = gpu_decode_batch
 
     def forward(self, x, cos, sin, phase: str):
         """x: device tensor [S, H]; cos/sin: device tensors [S, D]; phase: prefill | decode."""

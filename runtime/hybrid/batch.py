@@ -73,11 +73,17 @@ class BatchHybridBackend:
     def wait_copy(self, p) -> None:
         self.base.wait_copy(p)
 
+    def _graphed(self, x) -> bool:
+        """Whether this step's GPU part runs through the graphs; if so, x is (now) in their static input."""
+        if self.graphs is None or not self.graphs.applies(self.gpu_caches):
+            return False
+        x_d = self.graphs.inputs(x.shape[0])[0]
+        if x is not x_d:
+            self.base.arrays.copy(x_d, x)
+        return True
+
     def gpu(self, p, x):
-        if self.graphs is not None and self.graphs.applies(self.gpu_caches):
-            x_d = self.graphs.inputs(x.shape[0])[0]
-            if x is not x_d:
-                self.base.arrays.copy(x_d, x)
+        if self._graphed(x):
             return self.graphs.run(p.index, self.gpu_caches, self.rows, x.shape[0])
         out = self.base.stages[p.index].forward_batch(self.base.to_tvm(x), self.cos_dev, self.sin_dev,
                                                       self.gpu_caches, self.rows, advance=False)
@@ -91,11 +97,8 @@ class BatchHybridBackend:
 
     def resident(self, x):
         to_tvm, to_cupy = self.base.to_tvm, self.base.to_cupy
-        if self.graphs is not None and self.graphs.applies(self.gpu_caches):
+        if self._graphed(x):
             S = x.shape[0]
-            x_d = self.graphs.inputs(S)[0]
-            if x is not x_d:
-                self.base.arrays.copy(x_d, x)
             head = self.head_fns[batch_phase(S)]
             logits = self.graphs.run_resident(self.resident_stage, lambda xt: head(xt, *self.head_weights),
                                               self.gpu_caches, self.rows, S)

@@ -65,8 +65,8 @@ def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_st
         bindings = [ring_bindings(ring, by_layer[s.layer], s.offset, spec, to_tvm) for s in p.slots]
         layers = range(p.slots[0].layer, p.slots[-1].layer + 1)
         streamed.append(Stage(f"streamed{p.index}", vm, spec, layers, stage.kv, bindings, to_array=to_cupy,
-                              from_array=to_tvm, batch_sizes=stage.batch_sizes, kv_base=p.gpu_kv_base))
-        streamed[-1]._gpu_decode_batch = stage.shared_gpu_decode_batch()     # one step table for every GPU stage
+                              from_array=to_tvm, batch_sizes=stage.batch_sizes, kv_base=p.gpu_kv_base,
+                              gpu_decode_batch=stage.shared_gpu_decode_batch()))   # one step table for every stage
 
     if graph is not None:
         def resident(x, cos, sin):
