@@ -73,7 +73,7 @@ class EmulatedOps:
     xp = np
 
     def __init__(self, num_sms: int = 4, delay_events: bool = False, flash: bool = True, fused: bool = True,
-                 fused_append: bool | None = None, fused_append_batch: bool | None = None):
+                 fused_append: bool | None = None, fused_append_batch: bool | None = None, short: bool | None = None):
         self.num_sms = num_sms
         self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
         self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (bundles from session 15)
@@ -82,6 +82,9 @@ class EmulatedOps:
         # paged_decode_fused_append_batch (s19)
         self.fused_append_batch = self.fused_append if fused_append_batch is None else fused_append_batch
         self.batch_launches = 0
+        # paged_decode_short* (s21): bundles with the batched kernel have them unless a test says otherwise
+        self.short = self.fused_append_batch if short is None else short
+        self.short_launches = 0
         self.delay_events = delay_events
         self._host = _Stream("host", 0)
         self._streams = 1
@@ -382,7 +385,9 @@ class EmulatedOps:
         h_a = q.shape[1] // head_dim
         for b, row in enumerate(self._view(seqs_ptr, n_seqs * 9, np.int64).reshape(n_seqs, 9)):
             ptrs, step, pm, ps, po, counters, span, base, n = (int(x) for x in row)
-            assert 1 <= n <= max_splits, (n, max_splits)
+            assert 0 <= n <= max_splits, (n, max_splits)
+            if n == 0:
+                continue                                  # the short kernel's sequence: its blocks return at once
             step = self._view(step, 2, np.int32)
             rows = (base + n) * h_a
             self.decode_fused_append(
@@ -391,6 +396,51 @@ class EmulatedOps:
                 num_kv_heads, head_dim, scale, self._view(pm, rows, np.float32), self._view(ps, rows, np.float32),
                 self._view(po, rows * head_dim, np.float32), self._view(counters, num_kv_heads, np.int32),
                 out[b].reshape(h_a, head_dim))
+        self.kernel_launches = launches + 1
+
+    def has_short_decode(self, head_dim, group):
+        return self.short
+
+    def decode_short(self, q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out):
+        """The kernel's contract: softmax(q K^T * scale) V over the step's window [t_begin, n_tokens), fp16 out."""
+        assert self.short
+        self.kernel_launches += 1
+        self.short_launches += 1
+        n_tokens, t_begin = self._step(step)
+        h_a = q.shape[0]
+        ks, vs = [], []
+        for page in range(t_begin // page_tokens, (n_tokens - 1) // page_tokens + 1):
+            sl = self._page(int(page_ptrs[page]), (2, num_kv_heads, page_tokens, head_dim))
+            a, b = max(t_begin, page * page_tokens) - page * page_tokens, min(n_tokens, (page + 1) * page_tokens) - page * page_tokens
+            ks.append(sl[0, :, a:b])
+            vs.append(sl[1, :, a:b])
+        k = np.concatenate(ks, 1).astype(np.float32)                       # [h_kv, n, d]
+        v = np.concatenate(vs, 1).astype(np.float32)
+        qg = np.asarray(q, np.float32).reshape(num_kv_heads, h_a // num_kv_heads, head_dim)   # -> [h_kv, g, d]
+        e = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)       # [h_kv, g, n]
+        w = np.exp(e - e.max(-1, keepdims=True))
+        o = np.matmul(w, v) / w.sum(-1, keepdims=True)                     # [h_kv, g, d]
+        out[...] = o.reshape(h_a, head_dim).astype(np.float16)
+
+    def decode_short_append(self, q, k, v, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out):
+        self.decode_append(k, v, page_ptrs, page_tokens, num_kv_heads, head_dim, step)
+        self.kernel_launches -= 1                        # one launch
+        self.decode_short(q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out)
+
+    def decode_short_append_batch(self, q, k, v, seqs_ptr, n_seqs, page_tokens, num_kv_heads, head_dim, scale, out):
+        """The kernel's contract: decode_short_append of each sequence whose n_splits field is 0, rows b of q, k,
+        v, out; the others untouched."""
+        assert self.short
+        launches = self.kernel_launches
+        h_a = q.shape[1] // head_dim
+        for b, row in enumerate(self._view(seqs_ptr, n_seqs * 9, np.int64).reshape(n_seqs, 9)):
+            if int(row[8]) != 0:
+                continue
+            step = self._view(int(row[1]), 2, np.int32)
+            self.decode_short_append(
+                q[b].reshape(h_a, head_dim), k[b].reshape(num_kv_heads, head_dim), v[b].reshape(num_kv_heads, head_dim),
+                self._view(int(row[0]), -(-int(step[0]) // page_tokens), np.int64), page_tokens, step, num_kv_heads,
+                head_dim, scale, out[b].reshape(h_a, head_dim))
         self.kernel_launches = launches + 1
 
     def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):

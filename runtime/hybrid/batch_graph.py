@@ -75,7 +75,7 @@ class BatchGroupGraphs:
 
     def _run(self, index: int, stage, body, caches: list, S: int):
         step = self.decode_batch.prepare(caches, S)
-        key = None if self.disabled or step.rows is None else (S, len(caches), step.max_splits)
+        key = None if self.disabled or step.rows is None else (S, len(caches), step.max_splits, step.n_short)
         layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))
         graphs = self._graphs[index]
         if key is not None and key in graphs:

@@ -10,21 +10,20 @@ Buffers (placement decided by kv_pages.PagePool):
 Eviction: advance() commits the step; pages above the watermark (default 80% of the slots the VRAM
 holds) are copied device-to-host on a dedicated copy stream, off the critical path; their GPU slot
 is freed when the copy's event has completed (polled at the next step, waited only when short).
-Decode attention: one table of page addresses per layer; resident pages are read in place, host
-pages are copied into staging half by half on the copy stream (events order copy -> kernel ->
-reuse), so at most `staging_pages` non-resident pages are on the GPU while the kernel walks the
-rest. Splits are whole pages fixed by the page count alone, so offload never changes the result.
+Decode attention: one table of page addresses per layer; resident pages are read in place, host pages are copied
+into staging half by half on the copy stream (events order copy -> kernel -> reuse). Up to SHORT_MAX_TOKENS of
+pages one block per query head reads the whole window (paged_decode_short), else splits of whole pages (or page
+parts); both fixed by the page count alone, so offload never changes the result.
 Prefill attention (prefill_gpu.py, a base of this class): the tensor-core kernel where the bundle has it and
 the keys are on the device, else KeyBlocks (paged_attention.attend_blocks, on CuPy) over the cached pages and
 this step's new rows; no S x S buffer.
-Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed
-prefill of the CPU blocks (prefill_stream.py), which finishes before the first append. Invariant:
-the store holds at least `loan_bytes` whenever its VRAM does, even beyond its whole slots (a loan
-that is not whole pages, a short max_tokens): the plan counts the loan as the pool's floor.
-Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append
-with one kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a
-host value that changes within a page table, so the whole step can be captured once as a CUDA graph and
-replayed while graph_key() stays the same (runtime/gpu_session.DecodeGraph).
+Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed prefill of the
+CPU blocks (prefill_stream.py), which finishes before the first append. Invariant: the store holds at least
+`loan_bytes` whenever its VRAM does, even beyond its whole slots: the plan counts the loan as the pool's floor.
+Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append with one
+kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a host value that
+changes within a page table, so the whole step is captured once as a CUDA graph and replayed while graph_key()
+stays the same (runtime/gpu_session.DecodeGraph).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -37,7 +36,7 @@ from helmc.errors import HelmcError
 
 from helmc.runtime.kv.pages import PagePool, PoolExhausted
 from helmc.runtime.kv.cuda_ops import D2D, D2H, H2D
-from helmc.runtime.kv.decode_splits import plan_splits, runs
+from helmc.runtime.kv.decode_splits import plan_splits, short_path, runs
 from helmc.runtime.kv.prefill_gpu import GpuPrefill
 from helmc.runtime.memory.allocation import allocate
 
@@ -371,7 +370,16 @@ class KVCacheGPU(GpuPrefill):
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         row = self._rows.pop(layer, None)
-        if row is not None:                  # append left the row to this launch: one_launch held there, holds here
+        short = self._short(table, h_a)
+        if short and not one_launch:         # some pages on the host: all of them staged in one chunk, then one launch
+            _, _, _, chunks, _ = split_plan
+            assert len(chunks) == 1 and row is None, "KVCacheGPU._decode: short-path host pages fit one chunk"
+            with self._staged(layer, table, chunks[0][1], stage_of, self._after_host_writes()):
+                ops.decode_short(q16, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res)
+        elif short:                          # a row append left to this launch (one_launch held there) goes in it
+            ops.decode_short(q16, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res) if row is None else \
+                ops.decode_short_append(q16, *row, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res)
+        elif row is not None:
             assert one_launch, "KVCacheGPU._decode: a deferred row needs the one-launch path"
             ops.decode_fused_append(q16, row[0], row[1], ptrs, self.T, self._step_dev, span, first, n_splits - first,
                                     self.h_kv, self.d, scale, pm, ps, po, self._counters, res)
@@ -382,6 +390,10 @@ class KVCacheGPU(GpuPrefill):
             self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)
+
+    def _short(self, table, h_a: int) -> bool:
+        """Whether this step's attention is paged_decode_short's (decode_splits.short_path, and the cubin has it)."""
+        return short_path(table.n_pages, self.T, self.staging_pages) and self.ops.has_short_decode(self.d, h_a // self.h_kv)
 
     def _partials(self, n_splits: int, h_a: int) -> tuple:
         """The split partials (m, s, o) for n_splits splits of h_a heads, grown (never shrunk) as contexts grow."""
@@ -404,28 +416,26 @@ class KVCacheGPU(GpuPrefill):
         ops, h_a = self.ops, q16.shape[0]
         span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
         pm, ps, po = self._parts
-        compute = ops.current_stream()
 
         def launch(s0, s1):
             ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
 
-        run = None
-        for sp in range(first, n_splits + 1):                            # resident splits: no waiting
-            if sp < n_splits and not host_split[sp]:
-                run = sp if run is None else run
-            elif run is not None:
-                launch(run, sp)
-                run = None
+        for s0, s1 in runs(sp for sp in range(first, n_splits) if not host_split[sp]):   # resident: no waiting
+            launch(s0, s1)
         todo = [(splits, pages) for splits, pages in chunks if splits[-1] >= first]
-        if todo:
-            written = ops.new_event()
-            ops.record(written, compute)                                  # host pages written this step
-            ops.wait(self.copy_stream, written)
+        compute = self._after_host_writes() if todo else None
         for splits, pages in todo:
             with self._staged(layer, table, pages, stage_of, compute):
                 for s0, s1 in runs(sp for sp in splits if sp >= first):
                     launch(s0, s1)
         ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
+
+    def _after_host_writes(self):
+        """The copy stream waits for the compute stream's work so far (host pages written this step); returns it."""
+        compute, written = self.ops.current_stream(), self.ops.new_event()
+        self.ops.record(written, compute)
+        self.ops.wait(self.copy_stream, written)
+        return compute
 
     @contextlib.contextmanager
     def _staged(self, layer: int, table, pages, stage_of, compute):

@@ -28,6 +28,9 @@ FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # session 16: the decode app
 # paged_decode_fused_append for every sequence of a batched decode step in one launch: in cubins from session 19 on;
 # absent, a batched step launches per sequence
 FUSED_APPEND_BATCH_KERNEL = "paged_decode_fused_append_batch"
+# schedules/gpu/paged_decode_short.py: decode attention at short contexts, in cubins from session 21 on
+SHORT_KERNELS = ("paged_decode_short", "paged_decode_short_append", "paged_decode_short_append_batch")
+SHORT_THREADS = 16 * 32          # = the source's SHORT_WARPS * 32
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
 
 
@@ -115,7 +118,7 @@ class CudaOps:
                     return None
             self._kernels[key] = tuple(mod.get_function(n) for n in _KERNEL_NAMES) + (
                 optional(FLASH_KERNEL), optional(FUSED_DECODE_KERNEL), optional(FUSED_APPEND_KERNEL),
-                optional(FUSED_APPEND_BATCH_KERNEL))
+                optional(FUSED_APPEND_BATCH_KERNEL)) + tuple(optional(n) for n in SHORT_KERNELS)
         return self._kernels[key]
 
     def has_flash(self, head_dim: int, group: int) -> bool:
@@ -193,6 +196,35 @@ class CudaOps:
         kernel = self._functions(head_dim, group)[7]
         kernel((num_kv_heads, max_splits, n_seqs), (WARPS * 32,),
                (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out))
+
+    def has_short_decode(self, head_dim: int, group: int) -> bool:
+        """Whether the bundle's cubin has the short-context decode kernels (paged_decode_short*)."""
+        return all(f is not None for f in self._functions(head_dim, group)[8:11])
+
+    def decode_short(self, q, page_ptrs, page_tokens: int, step, num_kv_heads: int, head_dim: int, scale: float,
+                     out) -> None:
+        """Decode attention of q [h_a, d] fp16 over the step's window in one launch, no partials (short contexts)."""
+        group = q.shape[0] // num_kv_heads
+        self._functions(head_dim, group)[8](
+            (num_kv_heads, group), (SHORT_THREADS,),
+            (q, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out))
+
+    def decode_short_append(self, q, k, v, page_ptrs, page_tokens: int, step, num_kv_heads: int, head_dim: int,
+                            scale: float, out) -> None:
+        """decode_append of k, v [h_kv, d] fp16, then decode_short, in one launch (the same bits)."""
+        group = q.shape[0] // num_kv_heads
+        self._functions(head_dim, group)[9](
+            (num_kv_heads, group), (SHORT_THREADS,),
+            (q, k, v, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out))
+
+    def decode_short_append_batch(self, q, k, v, seqs_ptr: int, n_seqs: int, page_tokens: int, num_kv_heads: int,
+                                  head_dim: int, scale: float, out) -> None:
+        """decode_short_append for each sequence of the table whose n_splits field is 0 (the others: the split
+        kernel's, untouched); arguments as decode_fused_append_batch's."""
+        group = q.shape[1] // (num_kv_heads * head_dim)
+        self._functions(head_dim, group)[10](
+            (num_kv_heads, group, n_seqs), (SHORT_THREADS,),
+            (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
                      head_dim: int, group: int, out) -> None:

@@ -4,7 +4,9 @@ Stage.forward_batch serves several sequences a step, each on its own KVCacheGPU 
 append + attend per sequence and a concatenate cost a few launches and ~10 Python calls per sequence: hundreds per
 step at batch 8 over ~23 GPU layers. GpuDecodeBatch launches paged_decode_fused_append_batch once per layer
 instead (schedules/gpu/paged_attention.py): block row z is sequence z's paged_decode_fused_append, on its own page
-table, step array, splits, partials and counters, so each sequence gets the bits of its one-sequence decode.
+table, step array, splits, partials and counters, so each sequence gets the bits of its one-sequence decode. The
+sequences whose page count takes the short kernel alone (decode_splits.short_path) are marked n_splits 0 and get
+paged_decode_short_append_batch's launch instead (a step of both kinds launches both, each skipping the other's).
 
 What each sequence's launch needs comes from a table [L, B, SEQ_FIELDS] int64 on the device, built once a step
 (when any cache's page table changed, as it does at every step) from what KVCacheGPU.begin_step already made: each
@@ -29,9 +31,10 @@ SEQ_FIELDS = ("page_ptrs", "step", "part_m", "part_s", "part_o", "counters", "sp
 class _StepTable:
     """The sequences' table of one step and what it was built from (held, so no identity is reused while it lives)."""
 
-    def __init__(self, caches, tables, parts, rows, max_splits):
+    def __init__(self, caches, tables, parts, rows, max_splits, n_short):
         self.caches, self.tables, self.parts = caches, tables, parts
         self.rows, self.max_splits = rows, max_splits        # rows: device [L, B, SEQ_FIELDS] int64, or None
+        self.n_short = n_short                               # sequences on the short kernel (their n_splits field 0)
 
     def holds(self, caches, tables) -> bool:
         return (len(caches) == len(self.caches) and all(a is b for a, b in zip(caches, self.caches))
@@ -86,8 +89,11 @@ class GpuDecodeBatch:
         first = caches[0]
         ops = first.ops
         row_bytes = step.rows.strides[0]
-        ops.decode_fused_append_batch(q, k, v, ops.ptr(step.rows) + layer * row_bytes, B, step.max_splits, first.T,
-                                      first.h_kv, first.d, scale, out[0])
+        rows = ops.ptr(step.rows) + layer * row_bytes
+        if step.n_short:
+            ops.decode_short_append_batch(q, k, v, rows, B, first.T, first.h_kv, first.d, scale, out[0])
+        if step.max_splits:
+            ops.decode_fused_append_batch(q, k, v, rows, B, step.max_splits, first.T, first.h_kv, first.d, scale, out[0])
         for kv in caches:
             kv._appended.add(layer)          # the launch wrote its row: what append + attend leave behind
         return out[1]
@@ -111,7 +117,7 @@ class GpuDecodeBatch:
             return self._step
         B, first = len(caches), caches[0]
         host = np.empty((first.L, B, len(SEQ_FIELDS)), np.int64)
-        max_splits, ok = 0, True
+        max_splits, n_short, ok = 0, 0, True
         for b, (kv, table) in enumerate(zip(caches, tables)):
             split_plan = kv._split_plan(table)
             span, n_splits, _, _, stage_of = split_plan
@@ -119,13 +125,15 @@ class GpuDecodeBatch:
             if not one_launch:
                 ok = False
                 break
+            short = kv._short(table, self.h_a)       # its step is paged_decode_short's, as alone: n_splits 0 says so
             pm, ps, po = kv._partials(n_splits, self.h_a)
             fixed = [kv.ops.ptr(kv._step_dev), kv.ops.ptr(pm), kv.ops.ptr(ps), kv.ops.ptr(po), kv.ops.ptr(kv._counters),
-                     span, split_base, n_splits - split_base]
+                     span, split_base, 0 if short else n_splits - split_base]
             for layer in range(kv.L):
                 host[layer, b] = [kv.ops.ptr(kv._page_ptrs(layer, table, stage_of))] + fixed
-            max_splits = max(max_splits, n_splits - split_base)
-        assert not ok or max_splits >= 1, "a decode step has at least one split"
+            n_short += short
+            max_splits = max(max_splits, 0 if short else n_splits - split_base)
+        assert not ok or max_splits >= 1 or n_short == B, "a decode step has at least one split or the short kernel"
         rows = None
         if ok:
             rows = self._rows_dev.get(B)
@@ -133,7 +141,7 @@ class GpuDecodeBatch:
                 rows = self._rows_dev[B] = first.ops.device_empty(host.shape, np.int64)
             # stream order: the last step's kernels have read the table before this overwrites it
             first.ops.write(rows, host, first.ops.current_stream())
-        self._step = _StepTable(list(caches), tables, [kv._parts for kv in caches], rows, max_splits)
+        self._step = _StepTable(list(caches), tables, [kv._parts for kv in caches], rows, max_splits, n_short)
         return self._step
 
     def prepare(self, caches: list, S: int):

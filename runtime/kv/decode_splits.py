@@ -40,6 +40,20 @@ def plan_splits(n_pages: int, T: int, num_sms: int, h_kv: int, staging_pages: in
     return span, n_splits, host_split, chunks, stage_of
 
 
+# Up to this many tokens of pages, decode attention runs paged_decode_short (one block per query head, no split
+# partials; schedules/gpu/paged_decode_short.py): session 21 measured it at 5.2 us a layer against the split kernel's
+# 9.9 (11.7 before its loads were straightened) at 190 tokens of Qwen3-8B on an H200, 14.7 against 16.8 at 1000,
+# even at 2000 (experiments/paged_decode_variants.py).
+SHORT_MAX_TOKENS = 1024
+
+
+def short_path(n_pages: int, T: int, staging_pages: int) -> bool:
+    """Whether a decode step over n_pages pages of T tokens runs the short kernel: a function of the page count
+    alone, like the splits, so offload never changes which kernel (and so which bits) a step gets; the pages fit
+    half the staging slots, so a step with some of them on the host stages them all in one chunk."""
+    return n_pages * T <= SHORT_MAX_TOKENS and n_pages <= staging_pages // 2
+
+
 def runs(splits) -> list[tuple[int, int]]:
     """Consecutive integers -> [(start, end)) ranges."""
     out: list[list[int]] = []

@@ -118,27 +118,24 @@ decode_partial_body(const unsigned short* __restrict__ q,      // [h_kv * GROUP,
     }
     const long long k_off = (long long)kvh * page_tokens * HEAD_DIM + lane * VEC;
     const long long v_off = (long long)num_kv_heads * page_tokens * HEAD_DIM;
-    // A warp's tokens t_start + warp, + WARPS, ... in that order; LOOKAHEAD of them are loaded (page address,
-    // then K and V rows) before any is used, so their memory latencies overlap instead of adding up (at short
-    // contexts a warp has a handful of tokens and the loop was two dependent loads per token). Same order of
-    // operations as one token at a time: the same bits.
+    // A warp's tokens t_start + warp, + WARPS, ... in that order; LOOKAHEAD of them are loaded (page addresses,
+    // then K and V rows) before any is used, so their memory latencies overlap instead of adding up. Same order
+    // of operations as one token at a time: the same bits.
     for (int t0 = t_start + warp; t0 < t_end; t0 += WARPS * LOOKAHEAD) {
+        // Straight-line loads: the page addresses first, then the rows (a token past t_end loads token t_end - 1,
+        // unused), so no branch keeps a load from being issued before the one ahead of it returns.
         float kf[LOOKAHEAD][VEC], vf[LOOKAHEAD][VEC];
+        long long pg[LOOKAHEAD];
+#pragma unroll
+        for (int u = 0; u < LOOKAHEAD; ++u) pg[u] = page_ptrs[min(t0 + u * WARPS, t_end - 1) / page_tokens];
 #pragma unroll
         for (int u = 0; u < LOOKAHEAD; ++u) {
-            const int t = t0 + u * WARPS;
-            if (t < t_end) {
-                if (k_new != nullptr && t == n_tokens - 1) {     // this step's row: the same fp16 values as the
-                    load_row(k_new + kvh * HEAD_DIM + lane * VEC, kf[u]);   // page will hold, so the same bits
-                    load_row(v_new + kvh * HEAD_DIM + lane * VEC, vf[u]);
-                    continue;
-                }
-                const int page = t / page_tokens;
-                const unsigned short* kp = reinterpret_cast<const unsigned short*>(page_ptrs[page])
-                                           + k_off + (long long)(t - page * page_tokens) * HEAD_DIM;
-                load_row(kp, kf[u]);
-                load_row(kp + v_off, vf[u]);
-            }
+            const int t = min(t0 + u * WARPS, t_end - 1), page = t / page_tokens;
+            const bool fresh = k_new != nullptr && t == n_tokens - 1;   // this step's row: the same fp16 values as
+            const unsigned short* kp = fresh ? k_new + kvh * HEAD_DIM + lane * VEC     // the page will hold
+                : reinterpret_cast<const unsigned short*>(pg[u]) + k_off + (long long)(t - page * page_tokens) * HEAD_DIM;
+            load_row(kp, kf[u]);
+            load_row(fresh ? v_new + kvh * HEAD_DIM + lane * VEC : kp + v_off, vf[u]);
         }
 #pragma unroll
         for (int u = 0; u < LOOKAHEAD; ++u) {

@@ -16,6 +16,7 @@ import pytest
 
 from helmc.runtime.kv.paged_attention import ListPageSource, streaming_attention_decode
 from helmc.schedules.gpu.paged_attention import DECODE_SOURCE
+from helmc.schedules.gpu.paged_decode_short import SHORT_SOURCE
 
 HARNESS = r"""
 #include <barrier>
@@ -115,6 +116,23 @@ extern "C" void run_append(const unsigned short* k, const unsigned short* v, con
                            const int* step) {
     launch(h_kv, 2, HEAD_DIM, [&] { paged_append_decode(k, v, ptrs, T, h_kv, step); });
 }
+#ifdef SHORT_WARPS
+extern "C" void run_short(const unsigned short* q, const long long* ptrs, int T, const int* step, int h_kv,
+                          float scale, unsigned short* out) {
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short(q, ptrs, T, step, h_kv, scale, out); });
+}
+extern "C" void run_short_append(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                                 const long long* ptrs, int T, const int* step, int h_kv, float scale,
+                                 unsigned short* out) {
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short_append(q, k, v, ptrs, T, step, h_kv, scale, out); });
+}
+extern "C" void run_short_append_batch(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                                       const long long* seqs, int T, int h_kv, float scale, unsigned short* out,
+                                       int batch) {
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short_append_batch(q, k, v, seqs, T, h_kv, scale, out); },
+           batch);
+}
+#endif
 """
 
 
@@ -131,7 +149,7 @@ def reference(q, pool, slots, T: int, t_begin: int, n: int, scale: float):
 
 def build(tmp_path, head_dim, group):
     src = tmp_path / f"kernel_{head_dim}_{group}.cpp"
-    src.write_text(HARNESS + DECODE_SOURCE + DRIVER)
+    src.write_text(HARNESS + DECODE_SOURCE + SHORT_SOURCE + DRIVER)
     lib = tmp_path / f"kernel_{head_dim}_{group}.so"
     subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-DHEAD_DIM={head_dim}",
                     f"-DGROUP={group}", "-DHELMC_CPU_EMULATION", str(src), "-o", str(lib)], check=True)
@@ -362,3 +380,64 @@ def test_fused_append_batch_is_each_sequence_alone(tmp_path, h_kv, group, d, T):
         print(f"\nbatched fused append, sequence {b} (n={n}, span={span}, t_begin={t_begin}): bits equal to its "
               f"own launch; max relative error {err:.2e}")
         assert err < 1e-3
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("h_kv,group,d,T,n,t_begin", [
+    (2, 4, 128, 16, 45, 0),            # three pages, the last partly filled
+    (1, 8, 64, 8, 40, 9),              # a window start; the new row last of its page
+    (1, 2, 32, 512, 300, 0),           # one big page; 128 rows a pass (4 lanes a row)
+    (1, 4, 256, 16, 1, 0),             # the first token: one row, 32 lanes a row
+])
+def test_short_kernels_on_cpu_threads(tmp_path, h_kv, group, d, T, n, t_begin):
+    """paged_decode_short (schedules/gpu/paged_decode_short.py) after paged_append_decode is within fp16 rounding of
+    the float64 reference; paged_decode_short_append gives its bits and pages with the new row's slot poisoned and
+    the blocks run last to first; the batch kernel gives a short sequence the same bits and leaves a sequence
+    marked for the split kernel (n_splits > 0) alone."""
+    from helmc.schedules.gpu.paged_attention import SEQ_FIELDS
+    lib = build(tmp_path, d, group)
+    rng = np.random.default_rng(n + d + T)
+    n_pages, h_a = -(-n // T), h_kv * group
+    pool = rng.standard_normal((n_pages + 2, 2, h_kv, T, d)).astype(np.float16)
+    slots = rng.permutation(n_pages + 2)[:n_pages]
+    q = rng.standard_normal((2, h_a, d)).astype(np.float16)              # row 1: the split-marked sequence
+    k, v = (rng.standard_normal((2, h_kv, d)).astype(np.float16) for _ in range(2))
+    step = np.array([n, t_begin], np.int32)
+    fp, ip, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    page, row = divmod(n - 1, T)
+
+    def pages_and_ptrs(poison: bool):
+        pages = pool.copy()
+        if poison:
+            pages[slots[page], :, :, row] = np.nan
+        return pages, np.array([pages.ctypes.data + int(s) * pages[0].nbytes for s in slots], np.int64)
+
+    pages_a, ptrs_a = pages_and_ptrs(False)
+    out_a = np.full((h_a, d), np.nan, np.float16)
+    lib.run_append(fp(k[0].ctypes.data), fp(v[0].ctypes.data), fp(ptrs_a.ctypes.data), ip(T), ip(h_kv),
+                   fp(step.ctypes.data))
+    lib.run_short(fp(q[0].ctypes.data), fp(ptrs_a.ctypes.data), ip(T), fp(step.ctypes.data), ip(h_kv), f(0.3),
+                  fp(out_a.ctypes.data))
+    ref = reference(q[0], pages_a, slots, T, t_begin, n, 0.3)
+    err = float(np.abs(out_a.astype(np.float64) - ref).max() / np.abs(ref).max())
+    pages_b, ptrs_b = pages_and_ptrs(True)
+    out_b = np.full((h_a, d), np.nan, np.float16)
+    lib.set_reverse_blocks(1)
+    lib.run_short_append(fp(q[0].ctypes.data), fp(k[0].ctypes.data), fp(v[0].ctypes.data), fp(ptrs_b.ctypes.data),
+                         ip(T), fp(step.ctypes.data), ip(h_kv), f(0.3), fp(out_b.ctypes.data))
+    pages_c, ptrs_c = pages_and_ptrs(True)
+    other_pages, other_ptrs = pages_and_ptrs(True)
+    table = np.zeros((2, len(SEQ_FIELDS)), np.int64)
+    table[0, :2] = ptrs_c.ctypes.data, step.ctypes.data                  # n_splits 0: the short kernel's
+    table[1, :2] = other_ptrs.ctypes.data, step.ctypes.data
+    table[1, SEQ_FIELDS.index("n_splits")] = 1                           # the split kernel's: left alone
+    out_c = np.zeros((2, h_a, d), np.float16)
+    lib.run_short_append_batch(fp(q.ctypes.data), fp(k.ctypes.data), fp(v.ctypes.data), fp(table.ctypes.data), ip(T),
+                               ip(h_kv), f(0.3), fp(out_c.ctypes.data), ip(2))
+    lib.set_reverse_blocks(0)
+    same = [np.array_equal(out_a.view(np.uint16), o.view(np.uint16)) for o in (out_b, out_c[0])]
+    print(f"\nshort decode, h_kv={h_kv} group={group} d={d} T={T} n={n} t_begin={t_begin}: max relative error "
+          f"{err:.2e}; append and batch bits equal {same}")
+    assert err < 1e-3                                                     # the output is fp16
+    assert all(same) and np.array_equal(pages_b, pages_a) and np.array_equal(pages_c, pages_a)
+    assert not out_c[1].any() and np.isnan(other_pages[slots[page], :, :, row]).all()

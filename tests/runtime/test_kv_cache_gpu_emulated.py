@@ -298,3 +298,27 @@ def test_gpu_decode_batch_table_stays_at_one_address_per_batch_and_is_rewritten_
             c.advance(1)
     assert {B: len(a) for B, a in where.items()} == {3: 1, 2: 1}
     assert not all(np.array_equal(contents[0], c) for c in contents[1:4]), "the page crossings changed no table row"
+
+
+def test_short_contexts_take_the_short_kernel_and_offload_keeps_its_bits():
+    """Up to decode_splits.short_path's page count (here 2 pages: half the 4 staging slots) a decode step is one
+    paged_decode_short launch per layer, its row appended in it; with a page evicted to the host the step stages it
+    and still runs the short kernel, so offload changes no bit; past that page count the split kernels run. A cubin
+    without the short kernels keeps the split path throughout, within the same tolerance."""
+    def cache(short=None, **kw):
+        return KVCacheGPU(num_layers=2, num_kv_heads=H_KV, head_dim=D, page_tokens=T, max_tokens=256, staging_pages=4,
+                          ops=EmulatedOps(num_sms=2, short=short), **kw)
+    resident, off, old = cache(offload=False), cache(gpu_pages=2, watermark=0.5), cache(short=False, offload=False)
+    steps = [T - 3] + [1] * 8                      # 5 tokens of prompt, then decode up to 2 pages (13 tokens)
+    worst, identical = drive([resident, off], steps, seed=13)
+    t = off.pool.page_table(off._seq)
+    print(f"\nshort decode: max error {worst:.2e}; offload bit-identical {identical}; short launches "
+          f"{resident.ops.short_launches} / {off.ops.short_launches}; host pages at the end "
+          f"{sum(not t.on_device(i) for i in range(t.n_pages))}")
+    assert worst < 1e-5 and identical
+    assert resident.ops.short_launches == off.ops.short_launches == 2 * 8 and resident.ops.fused_launches == 0
+    assert any(not t.on_device(i) for i in range(t.n_pages)) and not resident._rows
+    worst_old, _ = drive([old], steps, seed=13)
+    assert worst_old < 1e-5 and old.ops.short_launches == 0 and old.ops.fused_append_launches == 2 * 8
+    drive([resident], [1] * 4, seed=14)            # 14-16 tokens: 2 pages; 17: 3 pages, the split kernels
+    assert resident.ops.short_launches == 2 * 11 and resident.ops.fused_launches == 2 * 1

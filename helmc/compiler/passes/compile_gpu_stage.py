@@ -329,19 +329,20 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
 
 
 def compile_paged_attention(head_dim: int, group: int, arch: str, out_dir: str) -> str:
-    """The paged decode attention kernels (schedules/gpu/paged_attention.py) and the tensor-core prefill
-    attention (schedules/gpu/flash_prefill.py, sm_80+) for one (head_dim, query group) and `arch` ->
+    """The paged decode attention kernels (schedules/gpu/paged_attention.py, paged_decode_short.py) and the
+    tensor-core prefill attention (schedules/gpu/flash_prefill.py, sm_80+) for one (head_dim, query group) and `arch` ->
     `out_dir/paged_attention.cubin`, which the runtime's CudaOps loads. Returns the file name."""
     from helmc.runtime.kv.cuda_ops import PAGED_ATTENTION_CUBIN
     from helmc.schedules.gpu.flash_prefill import FLASH_SOURCE
     from helmc.schedules.gpu.paged_attention import DECODE_SOURCE, kernel_defines
+    from helmc.schedules.gpu.paged_decode_short import SHORT_SOURCE
 
     if arch not in SUPPORTED_ARCHS:
         raise HelmcError(f"compile_paged_attention: expected a CUDA arch in {SUPPORTED_ARCHS}, found {arch!r}")
     defines = kernel_defines(head_dim, group)
     tmp = os.path.join(out_dir, f".tmp-{PAGED_ATTENTION_CUBIN}")
     try:
-        compile_cuda_source(DECODE_SOURCE + FLASH_SOURCE, arch, tmp, defines=defines)
+        compile_cuda_source(DECODE_SOURCE + SHORT_SOURCE + FLASH_SOURCE, arch, tmp, defines=defines)
         os.replace(tmp, os.path.join(out_dir, PAGED_ATTENTION_CUBIN))
     finally:
         if os.path.exists(tmp):
