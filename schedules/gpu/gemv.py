@@ -32,8 +32,17 @@ One launch, several outputs (issue 16: a decode step's graph nodes cost ~1 us ea
   block sums rows_per_warp rows of both weights.
 Every row of y is summed as in the one-weight kernel (same lanes, steps, butterfly, warp order) and rounded to
 fp16 at the same point, so the outputs are bit-identical to the separate launches'.
+
+RMSNorm as a prologue (norm_eps; issue 16: two norm launches a layer, ~4 us each, ahead of the GEMVs that read
+their output): PrimFunc(x, g, w..., y...) computes y = fp16(inv * sum_k x[k] g[k] w[j, k]), inv = 1 / sqrt(mean(x^2)
++ eps): the block's warps read all of x anyway, so each lane also sums x^2 over its k (meeting in the same butterfly
+and warp order, so every row of y of one x gets the same inv, whatever m). The normed x is never rounded to fp16
+(the separate norm kernel rounds it): outputs agree with rms_norm-then-GEMV to fp16 rounding, not bit for bit, and
+a one-row call is still bit-identical to a row of an m-row call. Forms: one weight, several weights, swiglu.
 """
 from __future__ import annotations
+
+import struct
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -70,7 +79,7 @@ def default_tuning(m: int, epilogue: str | None = None) -> tuple[int, int, int]:
 
 
 def gemv_symbol(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, int] | None = None,
-                epilogue: str | None = None) -> str:
+                epilogue: str | None = None, norm_eps: float | None = None) -> str:
     """The PrimFunc's global symbol (a tuning other than default_tuning(m) appended); its kernel is + "_kernel".
     n: the row count, or a tuple of them for one launch over several weights of one x (n4096_1024_1024);
     epilogue: None, "residual" or "swiglu" (make_gpu_gemv's)."""
@@ -78,6 +87,8 @@ def gemv_symbol(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, in
     n = "_".join(map(str, n)) if isinstance(n, (tuple, list)) else n
     tail = "" if tuning is None or tuning == default_tuning(m, epilogue) else "_r{}w{}u{}".format(*tuning)
     kind = {None: "", "residual": "res_", "swiglu": "swiglu_"}[epilogue]
+    if norm_eps is not None:            # the eps's float32 bits: a symbol names its constant exactly
+        kind = f"norm{struct.unpack('<I', struct.pack('<f', norm_eps))[0]:08x}_" + kind
     return f"helmc_gpu_gemv_{kind}{short}_m{m}_n{n}_k{k}{tail}"
 
 
@@ -105,15 +116,19 @@ def _widen(word, half, weight_dtype: str):
 
 
 def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, int] | None = None,
-                  epilogue: str | None = None) -> tirx.PrimFunc:
+                  epilogue: str | None = None, norm_eps: float | None = None) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: weight_dtype[n, k], y: float16[m, n]) with y = x @ w^T (fp32 sums).
     tuning: (rows_per_warp, warps, unroll), default default_tuning(m, epilogue). n a tuple of 2 or 3 row counts,
-    or an epilogue: the one-launch forms of the module docstring."""
+    or an epilogue: the one-launch forms of the module docstring. norm_eps: the RMSNorm prologue, g: float16[k]
+    after x (not with the residual epilogue)."""
     tuning = tuning or default_tuning(m, epilogue)
     outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
-    if epilogue not in EPILOGUES or not 1 <= len(outs) <= MAX_WEIGHTS or (epilogue and len(outs) > 1):
+    if epilogue not in EPILOGUES or not 1 <= len(outs) <= MAX_WEIGHTS or (epilogue and len(outs) > 1) or (
+            norm_eps is not None and (epilogue == "residual" or not norm_eps > 0)):
         raise HelmcError(f"GPU GEMV: 1 to {MAX_WEIGHTS} weights without an epilogue, or one of {EPILOGUES[1:]} "
-                         f"over one row count expected, found n={n}, epilogue={epilogue!r}")
+                         f"over one row count, a norm prologue (eps > 0) but with the residual epilogue, expected, "
+                         f"found n={n}, epilogue={epilogue!r}, norm_eps={norm_eps!r}")
+    norm = norm_eps is not None
     for n_i in outs:
         _check(m, n_i, k, weight_dtype, tuning)
     rows, warps, unroll = tuning
@@ -135,22 +150,33 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
                         (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2, kw - words) + v]
 
     @T.macro
-    def warp_sums(xv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf):
-        """red[(t * span + r) * warps + w] = warp w's sum of accumulator row r for row t of x."""
+    def warp_sums(xv, gv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf, gl, ss, red_ss):
+        """red[(t * span + r) * warps + w] = warp w's sum of accumulator row r for row t of x (with norm, of x * g,
+        and red_ss[t * warps + w] its sum of x^2)."""
         for t in T.unroll(m):
             for r in T.unroll(span):
                 acc[t, r] = T.float32(0)
+            if norm:
+                ss[t] = T.float32(0)
         for so in T.serial(outer):
             load_rows(wv, n_rows, cta, wl, 0, so, ty, tx)
             if epilogue == "swiglu":
                 load_rows(wv_up, n_rows, cta, wl, rows, so, ty, tx)
             for si in T.unroll(unroll):
                 if ((so * unroll + si) * warps + ty) * STEP + tx * VEC < k:
+                    if norm:
+                        for v in T.vectorized(words):
+                            gl[v] = gv[(((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2 + v]
                     for t in T.unroll(m):
                         for v in T.vectorized(words):
                             xl[v] = xv[t * kw + (((so * unroll + si) * warps + ty) * STEP + tx * VEC) // 2 + v]
                         for e in T.unroll(VEC):
-                            xf[e] = _widen(xl[e // 2], e % 2, "float16")
+                            if norm:
+                                ss[t] = ss[t] + _widen(xl[e // 2], e % 2, "float16") * _widen(xl[e // 2], e % 2,
+                                                                                               "float16")
+                                xf[e] = _widen(xl[e // 2], e % 2, "float16") * _widen(gl[e // 2], e % 2, "float16")
+                            else:
+                                xf[e] = _widen(xl[e // 2], e % 2, "float16")
                         for r in T.unroll(span):
                             for e in T.unroll(VEC):
                                 acc[t, r] = acc[t, r] + xf[e] * _widen(wl[si, r, e // 2], e % 2, weight_dtype)
@@ -161,6 +187,11 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
                         T.uint32(0xFFFFFFFF), acc[t, r], 16 >> s, WARP, WARP)
                 if tx == 0:
                     red[(t * span + r) * warps + ty] = acc[t, r]
+            if norm:
+                for s in T.unroll(5):
+                    ss[t] = ss[t] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), ss[t], 16 >> s, WARP, WARP)
+                if tx == 0:
+                    red_ss[t * warps + ty] = ss[t]
         T.tvm_storage_sync("shared")
 
     @T.macro
@@ -171,22 +202,33 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             tot[0] = tot[0] + red[base + v + 1]
 
     @T.macro
-    def rows_of(xv, wv, wv_up, res, y, n_rows, cta, ty, tx):
+    def rows_of(xv, gv, wv, wv_up, res, y, n_rows, cta, ty, tx):
         """y[:, rows of thread block `cta`] for one weight of n_rows rows (with up's rows for swiglu)."""
         red = T.alloc_buffer((m * span * warps,), _F32, scope="shared")   # [m, span, warps]
+        red_ss = T.alloc_buffer((m * warps,), _F32, scope="shared")       # [m, warps]: with norm
         acc = T.alloc_buffer((m, span), _F32, scope="local")
+        ss = T.alloc_buffer((m,), _F32, scope="local")
         wl = T.alloc_buffer((unroll, span, words), "uint32", scope="local")
         xl = T.alloc_buffer((words,), "uint32", scope="local")
+        gl = T.alloc_buffer((words,), "uint32", scope="local")
         xf = T.alloc_buffer((VEC,), _F32, scope="local")
         tot = T.alloc_buffer((1,), _F32, scope="local")
-        warp_sums(xv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf)
+        inv = T.alloc_buffer((1,), _F32, scope="local")
+        warp_sums(xv, gv, wv, wv_up, n_rows, cta, ty, tx, red, acc, wl, xl, xf, gl, ss, red_ss)
         # one thread per (t, r) writes y[t, row r]
         if ty == 0 and tx < m * rows and cta * rows + tx % rows < n_rows:
+            if norm:                          # 1 / sqrt(mean(x^2) + eps) of row t of x
+                row_sum(red_ss, (tx // rows) * warps, tot)
+                inv[0] = T.float32(1) / T.sqrt(tot[0] / T.float32(k) + T.float32(norm_eps))
             if epilogue == "swiglu":
                 gu = T.alloc_buffer((2,), "float16", scope="local")
                 row_sum(red, ((tx // rows) * span + tx % rows) * warps, tot)
+                if norm:
+                    tot[0] = tot[0] * inv[0]
                 gu[0] = T.Cast("float16", tot[0])
                 row_sum(red, ((tx // rows) * span + rows + tx % rows) * warps, tot)
+                if norm:
+                    tot[0] = tot[0] * inv[0]
                 gu[1] = T.Cast("float16", tot[0])
                 y[tx // rows, cta * rows + tx % rows] = gu[0] * T.sigmoid(gu[0]) * gu[1]
             else:
@@ -195,26 +237,30 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
                     y[tx // rows, cta * rows + tx % rows] = res[tx // rows, cta * rows + tx % rows] + T.Cast(
                         "float16", tot[0])
                 else:
+                    if norm:
+                        tot[0] = tot[0] * inv[0]
                     y[tx // rows, cta * rows + tx % rows] = T.Cast("float16", tot[0])
 
     @T.macro
-    def shared_x(xv, wvs, ys, bx, ty, tx):
+    def shared_x(xv, gv, wvs, ys, bx, ty, tx):
         # each thread block works for one weight (those of weight i follow those of weight i - 1): bx-uniform
         if len(outs) == 2:
             if bx < grids[0]:
-                rows_of(xv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
+                rows_of(xv, gv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
             else:
-                rows_of(xv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
+                rows_of(xv, gv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
         else:
             if bx < grids[0]:
-                rows_of(xv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
+                rows_of(xv, gv, wvs[0], None, None, ys[0], outs[0], bx, ty, tx)
             elif bx < grids[0] + grids[1]:
-                rows_of(xv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
+                rows_of(xv, gv, wvs[1], None, None, ys[1], outs[1], bx - grids[0], ty, tx)
             else:
-                rows_of(xv, wvs[2], None, None, ys[2], outs[2], bx - grids[0] - grids[1], ty, tx)
+                rows_of(xv, gv, wvs[2], None, None, ys[2], outs[2], bx - grids[0] - grids[1], ty, tx)
 
     n0, grid, wd = outs[0], sum(grids), weight_dtype
-    if len(outs) == 1 and epilogue is None:
+    if norm:
+        gemv = _norm_prim_func(m, outs, k, wd, epilogue, grid, warps, rows_of, shared_x)
+    elif len(outs) == 1 and epilogue is None:
         @T.prim_func
         def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n0, k), wd), y: T.Buffer((m, n0), "float16")):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
@@ -223,7 +269,7 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(warps, thread="threadIdx.y"):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                        rows_of(xv, wv, None, None, y, n0, bx, ty, tx)
+                        rows_of(xv, None, wv, None, None, y, n0, bx, ty, tx)
     elif epilogue == "residual":
         @T.prim_func
         def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n0, k), wd), r: T.Buffer((m, n0), "float16"),
@@ -234,7 +280,7 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(warps, thread="threadIdx.y"):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                        rows_of(xv, wv, None, r, y, n0, bx, ty, tx)
+                        rows_of(xv, None, wv, None, r, y, n0, bx, ty, tx)
     elif epilogue == "swiglu":
         @T.prim_func
         def gemv(x: T.Buffer((m, k), "float16"), wg: T.Buffer((n0, k), wd), wu: T.Buffer((n0, k), wd),
@@ -246,7 +292,7 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(warps, thread="threadIdx.y"):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                        rows_of(xv, gv, uv, None, y, n0, bx, ty, tx)
+                        rows_of(xv, None, gv, uv, None, y, n0, bx, ty, tx)
     elif len(outs) == 2:
         n1 = outs[1]
 
@@ -260,7 +306,7 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(warps, thread="threadIdx.y"):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                        shared_x(xv, [wv0, wv1], [y0, y1], bx, ty, tx)
+                        shared_x(xv, None, [wv0, wv1], [y0, y1], bx, ty, tx)
     else:
         n1, n2 = outs[1], outs[2]
 
@@ -276,7 +322,70 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(warps, thread="threadIdx.y"):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                        shared_x(xv, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
+                        shared_x(xv, None, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
 
     return gemv.with_attr("global_symbol", gemv_symbol(m, outs if len(outs) > 1 else n0, k, weight_dtype, tuning,
-                                                       epilogue))
+                                                       epilogue, norm_eps))
+
+
+def _norm_prim_func(m, outs, k, wd, epilogue, grid, warps, rows_of, shared_x):
+    """make_gpu_gemv's forms with the RMSNorm prologue: g (the norm's weight, float16[k]) after x."""
+    kw, n0 = k // 2, outs[0]
+    if epilogue == "swiglu":
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), g: T.Buffer((k,), "float16"), wg: T.Buffer((n0, k), wd),
+                 wu: T.Buffer((n0, k), wd), y: T.Buffer((m, n0), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            nv = T.decl_buffer((kw,), "uint32", data=g.data)          # [k] 16-bit -> [k / 2] words
+            gv = T.decl_buffer((n0 * kw,), "uint32", data=wg.data)    # [n, k] 16-bit -> [n * k / 2] words
+            uv = T.decl_buffer((n0 * kw,), "uint32", data=wu.data)    # [n, k] 16-bit -> [n * k / 2] words
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        rows_of(xv, nv, gv, uv, None, y, n0, bx, ty, tx)
+    elif len(outs) == 1:
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), g: T.Buffer((k,), "float16"), w: T.Buffer((n0, k), wd),
+                 y: T.Buffer((m, n0), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            nv = T.decl_buffer((kw,), "uint32", data=g.data)          # [k] 16-bit -> [k / 2] words
+            wv = T.decl_buffer((n0 * kw,), "uint32", data=w.data)     # [n, k] 16-bit -> [n * k / 2] words
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        rows_of(xv, nv, wv, None, None, y, n0, bx, ty, tx)
+    elif len(outs) == 2:
+        n1 = outs[1]
+
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), g: T.Buffer((k,), "float16"), w0: T.Buffer((n0, k), wd),
+                 w1: T.Buffer((n1, k), wd), y0: T.Buffer((m, n0), "float16"), y1: T.Buffer((m, n1), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            nv = T.decl_buffer((kw,), "uint32", data=g.data)          # [k] 16-bit -> [k / 2] words
+            wv0 = T.decl_buffer((n0 * kw,), "uint32", data=w0.data)   # [n_i, k] 16-bit -> [n_i * k / 2] words
+            wv1 = T.decl_buffer((n1 * kw,), "uint32", data=w1.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        shared_x(xv, nv, [wv0, wv1], [y0, y1], bx, ty, tx)
+    else:
+        n1, n2 = outs[1], outs[2]
+
+        @T.prim_func
+        def gemv(x: T.Buffer((m, k), "float16"), g: T.Buffer((k,), "float16"), w0: T.Buffer((n0, k), wd),
+                 w1: T.Buffer((n1, k), wd), w2: T.Buffer((n2, k), wd), y0: T.Buffer((m, n0), "float16"),
+                 y1: T.Buffer((m, n1), "float16"), y2: T.Buffer((m, n2), "float16")):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            xv = T.decl_buffer((m * kw,), "uint32", data=x.data)      # [m, k] 16-bit -> [m * k / 2] words
+            nv = T.decl_buffer((kw,), "uint32", data=g.data)          # [k] 16-bit -> [k / 2] words
+            wv0 = T.decl_buffer((n0 * kw,), "uint32", data=w0.data)   # [n_i, k] 16-bit -> [n_i * k / 2] words
+            wv1 = T.decl_buffer((n1 * kw,), "uint32", data=w1.data)
+            wv2 = T.decl_buffer((n2 * kw,), "uint32", data=w2.data)
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        shared_x(xv, nv, [wv0, wv1, wv2], [y0, y1, y2], bx, ty, tx)
+    return gemv

@@ -123,7 +123,7 @@ def make_rms_norm(shape: tuple[int, ...], eps: float, add: bool = False) -> tirx
                             xh[v] = xv[bx * d + tx * vec + v]
                     normalize(w, yv, bx, tx, xh, xf, part, red, inv)
 
-        return rms_norm.with_attr("global_symbol", norm_symbol("rms_norm", shape))
+        return rms_norm.with_attr("global_symbol", norm_symbol("rms_norm", shape)).with_attr("helmc_eps", float(eps))
 
     @T.prim_func
     def add_rms_norm(a: T.Buffer(shape, _F16), b: T.Buffer(shape, _F16), w: T.Buffer((d,), _F16),
@@ -152,7 +152,9 @@ def make_rms_norm(shape: tuple[int, ...], eps: float, add: bool = False) -> tirx
                         sv[bx * d + tx * vec + v] = xh[v]
                 normalize(w, yv, bx, tx, xh, xf, part, red, inv)
 
-    return add_rms_norm.with_attr("global_symbol", norm_symbol("add_rms_norm", shape))
+    # helmc_eps: fuse_norm_gemv folds a decode norm into the GEMVs that read it and needs its eps
+    return add_rms_norm.with_attr("global_symbol", norm_symbol("add_rms_norm", shape)).with_attr(
+        "helmc_eps", float(eps))
 
 
 def make_rms_norm_rope(shape: tuple[int, ...], eps: float, shape_k: tuple | None = None) -> tirx.PrimFunc:

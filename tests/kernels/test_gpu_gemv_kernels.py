@@ -313,3 +313,61 @@ def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, m):
         _run_named(emulated, f"{gemv_symbol(m, n, k, dtype, epilogue='residual')}_kernel",
                    {"xv": x, "wv": wg, "r": r, "y": got}, -(-n // rows), WARP, warps)
         assert _same_bits(got, want), (dtype, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_norm_prologue_is_rms_norm_then_gemv_and_rows_bitwise(tmp_path, dtype):
+    """The RMSNorm prologue (norm_eps): one weight, three weights of one x and swiglu, for m = 1 and 3, against
+    float64 rms_norm(x) * g then the GEMV (and SwiGLU) within fp16 rounding; each row of the 3-row call is the
+    1-row call's bits on that row alone. The prologue's x rows differ in scale by 100x: the norm is per row."""
+    k, eps = 264, 1e-6
+    forms = [((13,), None), ((13, 5, 5), None), ((13,), "swiglu")]
+    funcs = [make_gpu_gemv(m, n if len(n) > 1 else n[0], k, dtype, epilogue=e, norm_eps=eps)
+             for m in (1, 3) for n, e in forms]
+    emulated = _emulate_named(tmp_path, _cuda_source({str(f.attrs["global_symbol"]): f for f in funcs}))
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, k)) * np.array([[1.0], [100.0], [0.01]])).astype(np.float16)
+    g = (1 + 0.5 * rng.standard_normal(k)).astype(np.float16)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + eps) * g.astype(np.float64)
+    worst = 0.0
+    for n, epilogue in forms:
+        ws = [_weights(rng, dtype, n_i, k) for n_i in (n[:1] * 2 if epilogue else n)]
+        rows, warps, _ = default_tuning(1, epilogue)
+        outs = {}
+        for m in (1, 3):
+            rows, warps, _ = default_tuning(m, epilogue)
+            sym = gemv_symbol(m, n if len(n) > 1 else n[0], k, dtype, epilogue=epilogue, norm_eps=eps)
+            ys = [np.full((m, n_i), np.nan, np.float16) for n_i in (n[:1] if epilogue else n)]
+            named = {"xv": x[:m], "nv": g}
+            if epilogue:
+                named |= {"gv": ws[0], "uv": ws[1], "y": ys[0]}
+            elif len(n) == 1:
+                named |= {"wv": ws[0], "y": ys[0]}
+            else:
+                named |= {f"wv{i}": w for i, w in enumerate(ws)} | {f"y{i}": y for i, y in enumerate(ys)}
+            if m == 1:
+                per_row = []
+                for t in range(3):
+                    for y in ys:
+                        y[:] = np.nan
+                    _run_named(emulated, f"{sym}_kernel", named | {"xv": np.ascontiguousarray(x[t:t + 1])},
+                               sum(-(-n_i // rows) for n_i in n), WARP, warps)
+                    per_row.append([y.copy() for y in ys])
+                outs[1] = [np.concatenate([r[i] for r in per_row]) for i in range(len(ys))]
+            else:
+                _run_named(emulated, f"{sym}_kernel", named, sum(-(-n_i // rows) for n_i in n), WARP, warps)
+                outs[3] = ys
+        for one, many in zip(outs[1], outs[3]):
+            assert _same_bits(one, many), (n, epilogue)
+        refs = [normed @ _wide(w, dtype).T for w in ws]
+        if epilogue:
+            gate, up = refs
+            refs = [gate / (1 + np.exp(-gate)) * up]
+        for got, ref in zip(outs[3], refs):
+            worst = max(worst, _rel(got, ref))
+    print(f"\nGEMV with the RMSNorm prologue ({dtype}): max relative error {worst:.2e} against float64 rms_norm + GEMV; "
+          f"rows of the 3-row call bit-identical to 1-row calls")
+    assert worst < 5e-3
