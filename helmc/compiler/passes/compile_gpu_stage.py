@@ -251,7 +251,7 @@ def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu
         from helmc.compiler.passes.fuse_gpu_norms import fuse_gpu_norms
         mod = fuse_gpu_norms(mod, one_launch_qk=merge_launches)
         if merge_launches:  # the decode norms folded into the GEMVs that read them
-            from helmc.compiler.passes.fuse_norm_gemv import fuse_norm_gemv
+            from helmc.compiler.passes.fuse_gpu_norms import fuse_norm_gemv
             mod = fuse_norm_gemv(mod)
     if prefill_cublas:      # prefill linears on tensor cores: cuBLAS through the runtime's CuPy
         from helmc.compiler.passes.dispatch_prefill_gemm import dispatch_prefill_gemm
