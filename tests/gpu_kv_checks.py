@@ -50,6 +50,34 @@ def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages
     return float(np.abs(got - ref).max() / np.abs(ref).max()), got
 
 
+def short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0):
+    """paged_decode_short_append over pages in shuffled pool slots, the step's row (token n-1) from k, v: (rel err
+    against Algorithm 3 over the pages with that row written, whether the kernel wrote it)."""
+    ops = prebuilt_cuda_ops(cp, [(d, group)])
+    rng = np.random.default_rng(seed)
+    n_pages = -(-n_tokens // page_tokens)
+    pool = rng.standard_normal((n_pages + 3, 2, h_kv, page_tokens, d)).astype(np.float16)
+    slots = rng.permutation(n_pages + 3)[:n_pages]
+    q = (rng.standard_normal((h_kv * group, d)) * 2).astype(np.float16)
+    k, v = (rng.standard_normal((h_kv, d)).astype(np.float16) for _ in range(2))
+    dpool = cp.asarray(pool)
+    ptrs = cp.asarray(np.array([dpool.data.ptr + int(s) * pool[0].nbytes for s in slots], np.int64))
+    out = cp.empty((h_kv * group, d), np.float16)
+    scale = 1 / np.sqrt(d)
+    step = cp.asarray(np.array([n_tokens, 0], np.int32))
+    ops.decode_short_append(cp.asarray(q), cp.asarray(k), cp.asarray(v), ptrs, page_tokens, step, h_kv, d, scale, out)
+    got = cp.asnumpy(out).astype(np.float64)
+    page, row = divmod(n_tokens - 1, page_tokens)
+    pool[slots[page], 0, :, row], pool[slots[page], 1, :, row] = k, v
+    written = bool(np.array_equal(cp.asnumpy(dpool), pool))
+    pages = []
+    for i, s in enumerate(slots):
+        n_i = min(page_tokens, n_tokens - i * page_tokens)
+        pages.append((pool[s, 0, :, :n_i].astype(np.float64), pool[s, 1, :, :n_i].astype(np.float64)))
+    ref = streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+    return float(np.abs(got - ref).max() / np.abs(ref).max()), written
+
+
 def drive(cp, caches, steps, seed, h_kv, group, d):
     """Feed identical fp16 rows to every cache (CuPy); return (max relative error vs full softmax,
     whether every decode output was bitwise equal across caches)."""

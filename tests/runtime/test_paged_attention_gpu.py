@@ -8,7 +8,7 @@ each cache's own decode bit for bit. Run: pytest -m gpu tests/runtime/test_paged
 """
 import pytest
 
-from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference, prebuilt_cuda_ops
+from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference, prebuilt_cuda_ops, short_kernel_vs_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +35,36 @@ def test_kernel_matches_reference_fp16(h_kv, group, d, page_tokens, n_tokens, pp
     err, _ = kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, pages_per_split=pps)
     print(f"\nkernel h_kv={h_kv} group={group} d={d} T={page_tokens} n={n_tokens}: max relative error {err:.2e}")
     assert err < 1e-3
+
+
+@pytest.mark.parametrize("h_kv,group,d,page_tokens,n_tokens", [
+    (8, 4, 128, 512, 190), (8, 4, 128, 512, 1000), (8, 4, 128, 512, 1), (2, 8, 64, 16, 100), (4, 2, 32, 32, 77),
+])
+def test_short_kernel_matches_reference(h_kv, group, d, page_tokens, n_tokens):
+    """paged_decode_short_append (schedules/gpu/paged_decode_short.py): within fp16 rounding of Algorithm 3, the
+    step's row written into its page."""
+    cp = _cupy()
+    err, written = short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens)
+    print(f"\nshort kernel h_kv={h_kv} group={group} d={d} T={page_tokens} n={n_tokens}: max relative error "
+          f"{err:.2e}, row written {written}")
+    assert err < 1e-3 and written
+
+
+def test_short_contexts_offload_gives_identical_decode():
+    """Up to decode_splits.short_path's page count (here 8 pages of 64: half the staging slots), evicted pages are
+    staged and the step still runs the short kernel: the same bits as with every page on the GPU."""
+    cp = _cupy()
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    kw = dict(num_layers=3, num_kv_heads=8, head_dim=128, page_tokens=64, max_tokens=1024)
+    ops = prebuilt_cuda_ops(cp, [(128, 4)])
+    off = KVCacheGPU(**kw, gpu_pages=4, watermark=0.01, ops=ops)
+    full = KVCacheGPU(**kw, offload=False, ops=ops)
+    worst, identical = drive(cp, [off, full], [300] + [1] * 60 + [100] + [1] * 20, 1, 8, 4, 128)
+    t = off.pool.page_table(off._seq)
+    on_host = sum(not t.on_device(i) for i in range(t.n_pages))
+    print(f"\nshort-context GPU KV: {t.n_pages} pages, {on_host} on the host; max relative error {worst:.2e}; "
+          f"offload == no offload bit for bit: {identical}")
+    assert t.n_pages <= 8 and on_host >= 1 and identical and worst < 1e-2
 
 
 def test_forced_eviction_gives_identical_decode():
