@@ -17,6 +17,8 @@ Decode attention (one query row per head) over a page table, split-K over pages:
                         the sequence, its page table, step and splits read from a table of its own): one launch a
                         layer for all sequences, each getting its one-sequence launch's bits.
   paged_append_decode   grid (h_kv, 2): writes this step's K and V row of one layer into its page.
+  (paged_decode_short*  up to 1024 tokens of pages, one block per query head: paged_decode_short.py, compiled after
+                        this source)
   prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
                         reading the step's own K/V [2, h_kv, S, HEAD_DIM]; one launch per layer where the
