@@ -42,6 +42,7 @@ a one-row call is still bit-identical to a row of an m-row call. Forms: one weig
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 from tvm import tirx
@@ -120,8 +121,17 @@ def make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, 
     """PrimFunc(x: float16[m, k], w: weight_dtype[n, k], y: float16[m, n]) with y = x @ w^T (fp32 sums).
     tuning: (rows_per_warp, warps, unroll), default default_tuning(m, epilogue). n a tuple of 2 or 3 row counts,
     or an epilogue: the one-launch forms of the module docstring. norm_eps: the RMSNorm prologue, g: float16[k]
-    after x (not with the residual epilogue)."""
-    tuning = tuning or default_tuning(m, epilogue)
+    after x (not with the residual epilogue). Made once per process for each argument set (a PrimFunc is
+    immutable; parsing one takes 0.2-0.9 s and a GPU stage's passes ask for the same kernels per decode function)."""
+    return _make_gpu_gemv(m, tuple(n) if isinstance(n, (tuple, list)) else n, k, weight_dtype,
+                          tuple(tuning or default_tuning(m, epilogue)), epilogue, norm_eps, default_tuning(m, epilogue))
+
+
+@functools.lru_cache(maxsize=512)
+def _make_gpu_gemv(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, int], epilogue: str | None,
+                   norm_eps: float | None, default: tuple[int, int, int]) -> tirx.PrimFunc:
+    # `default` (today's default_tuning, which M1_TUNING can change) is in the key only: the symbol names a tuning
+    # by whether it is the default, so a PrimFunc made under another default must not be reused
     outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
     if epilogue not in EPILOGUES or not 1 <= len(outs) <= MAX_WEIGHTS or (epilogue and len(outs) > 1) or (
             norm_eps is not None and (epilogue == "residual" or not norm_eps > 0)):
