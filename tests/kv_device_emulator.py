@@ -313,6 +313,16 @@ class EmulatedOps:
         else:
             np.ndarray.__setitem__(out, Ellipsis, (o / l[..., None]).transpose(1, 0, 2).astype(np.float16))
 
+    def _tokens(self, page_ptrs, page_tokens, num_kv_heads, head_dim, t0, t1):
+        """fp32 K and V [h_kv, t1 - t0, d] of tokens [t0, t1) through the page address table."""
+        ks, vs = [], []
+        for page in range(t0 // page_tokens, (t1 - 1) // page_tokens + 1):
+            sl = self._page(int(page_ptrs[page]), (2, num_kv_heads, page_tokens, head_dim))
+            a, b = max(t0, page * page_tokens) - page * page_tokens, min(t1, (page + 1) * page_tokens) - page * page_tokens
+            ks.append(sl[0, :, a:b])
+            vs.append(sl[1, :, a:b])
+        return np.concatenate(ks, 1).astype(np.float32), np.concatenate(vs, 1).astype(np.float32)
+
     def decode_partial(self, q, page_ptrs, page_tokens, step, split_tokens, split_base,
                        n_splits, num_kv_heads, head_dim, scale, part_m, part_s, part_o):
         self.kernel_launches += 1
@@ -329,14 +339,7 @@ class EmulatedOps:
             if t0 >= t1:
                 pm[split], ps[split], po[split] = -np.inf, 0, 0
                 continue
-            ks, vs = [], []
-            for page in range(t0 // page_tokens, (t1 - 1) // page_tokens + 1):
-                sl = self._page(int(page_ptrs[page]), (2, num_kv_heads, page_tokens, head_dim))
-                a, b = max(t0, page * page_tokens) - page * page_tokens, min(t1, (page + 1) * page_tokens) - page * page_tokens
-                ks.append(sl[0, :, a:b])
-                vs.append(sl[1, :, a:b])
-            k = np.concatenate(ks, 1).astype(np.float32)                   # [h_kv, n, d]
-            v = np.concatenate(vs, 1).astype(np.float32)
+            k, v = self._tokens(page_ptrs, page_tokens, num_kv_heads, head_dim, t0, t1)   # [h_kv, n, d] each
             qg = q.reshape(num_kv_heads, g, head_dim)                      # [h_a, d] -> [h_kv, g, d]
             e = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)   # [h_kv, g, n]
             m = e.max(-1)
@@ -408,14 +411,7 @@ class EmulatedOps:
         self.short_launches += 1
         n_tokens, t_begin = self._step(step)
         h_a = q.shape[0]
-        ks, vs = [], []
-        for page in range(t_begin // page_tokens, (n_tokens - 1) // page_tokens + 1):
-            sl = self._page(int(page_ptrs[page]), (2, num_kv_heads, page_tokens, head_dim))
-            a, b = max(t_begin, page * page_tokens) - page * page_tokens, min(n_tokens, (page + 1) * page_tokens) - page * page_tokens
-            ks.append(sl[0, :, a:b])
-            vs.append(sl[1, :, a:b])
-        k = np.concatenate(ks, 1).astype(np.float32)                       # [h_kv, n, d]
-        v = np.concatenate(vs, 1).astype(np.float32)
+        k, v = self._tokens(page_ptrs, page_tokens, num_kv_heads, head_dim, t_begin, n_tokens)   # [h_kv, n, d] each
         qg = np.asarray(q, np.float32).reshape(num_kv_heads, h_a // num_kv_heads, head_dim)   # -> [h_kv, g, d]
         e = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)       # [h_kv, g, n]
         w = np.exp(e - e.max(-1, keepdims=True))
