@@ -43,6 +43,7 @@ a one-row call is still bit-identical to a row of an m-row call. Forms: one weig
 from __future__ import annotations
 
 import functools
+import re
 import struct
 
 from tvm import tirx
@@ -91,6 +92,22 @@ def gemv_symbol(m: int, n, k: int, weight_dtype: str, tuning: tuple[int, int, in
     if norm_eps is not None:            # the eps's float32 bits: a symbol names its constant exactly
         kind = f"norm{struct.unpack('<I', struct.pack('<f', norm_eps))[0]:08x}_" + kind
     return f"helmc_gpu_gemv_{kind}{short}_m{m}_n{n}_k{k}{tail}"
+
+
+_SYMBOL = re.compile(r"^helmc_gpu_gemv_(res_|swiglu_)?(f16|bf16)_m(\d+)_n([\d_]+)_k(\d+)(?:_r(\d+)w(\d+)u(\d+))?$")
+
+
+def parse_gemv_symbol(name: str) -> tuple | None:
+    """gemv_symbol's arguments (m, n or row counts, k, weight dtype, tuning or None, epilogue) back from a symbol
+    without the norm prologue; None for any other name. A later pass rebuilds a kernel it finds in a module."""
+    found = _SYMBOL.match(name)
+    if not found:
+        return None
+    kind, short, m, n, k, *tune = found.groups()
+    ns = tuple(int(v) for v in n.split("_"))
+    tuning = tuple(int(v) for v in tune) if tune[0] else None
+    epilogue = {None: None, "res_": "residual", "swiglu_": "swiglu"}[kind]
+    return int(m), ns if len(ns) > 1 else ns[0], int(k), {"f16": "float16", "bf16": "bfloat16"}[short], tuning, epilogue
 
 
 def _check(m: int, n: int, k: int, weight_dtype: str, tuning: tuple[int, int, int]) -> None:

@@ -16,7 +16,8 @@ tvm = pytest.importorskip("tvm")
 pytest.importorskip("tvm.script")
 
 from helmc.errors import HelmcError  # noqa: E402
-from helmc.schedules.gpu.gemv import WARP, WEIGHT_DTYPES, default_tuning, gemv_symbol, make_gpu_gemv  # noqa: E402
+from helmc.schedules.gpu.gemv import (  # noqa: E402
+    WARP, WEIGHT_DTYPES, default_tuning, gemv_symbol, make_gpu_gemv, parse_gemv_symbol)
 from helmc.schedules.gpu import quant_gemv  # noqa: E402
 from test_gpu_quant_kernels import HARNESS, _cuda_source, _device_check, _rel, cgs  # noqa: E402
 
@@ -243,6 +244,10 @@ def test_one_launch_primfuncs_and_bad_input():
                                                                        (1, 12288)]
     assert gemv_symbol(4, 64, 128, "float16", (2, 4, 2), "swiglu") == "helmc_gpu_gemv_swiglu_f16_m4_n64_k128"
     assert gemv_symbol(4, 64, 128, "float16", (2, 4, 2), "residual") == "helmc_gpu_gemv_res_f16_m4_n64_k128_r2w4u2"
+    for args in ((4, 64, 128, "float16", (2, 4, 2), "residual"), (1, (4096, 1024, 1024), 4096, "bfloat16", None, None),
+                 (2, 12288, 4096, "float16", None, "swiglu")):      # parse_gemv_symbol inverts gemv_symbol
+        assert parse_gemv_symbol(gemv_symbol(*args)) == args, args
+    assert parse_gemv_symbol(gemv_symbol(1, 64, 128, "float16", norm_eps=1e-6)) is None
     for bad in (dict(n=(8, 8, 8, 8)), dict(n=(8, 8), epilogue="swiglu"), dict(n=8, epilogue="gelu"),
                 dict(n=(8, 12), k=12)):
         args = dict(n=8, k=64, epilogue=None) | bad
@@ -368,6 +373,6 @@ def test_norm_prologue_is_rms_norm_then_gemv_and_rows_bitwise(tmp_path, dtype):
             refs = [gate / (1 + np.exp(-gate)) * up]
         for got, ref in zip(outs[3], refs):
             worst = max(worst, _rel(got, ref))
-    print(f"\nGEMV with the RMSNorm prologue ({dtype}): max relative error {worst:.2e} against float64 rms_norm + GEMV; "
-          f"rows of the 3-row call bit-identical to 1-row calls")
+    print(f"\nGEMV with the RMSNorm prologue ({dtype}): max relative error {worst:.2e} against float64 rms_norm + "
+          f"GEMV; rows of the 3-row call bit-identical to 1-row calls")
     assert worst < 5e-3

@@ -22,14 +22,12 @@ fuse_norm_gemv (below, run after this pass): the decode RMSNorms then go into th
 """
 from __future__ import annotations
 
-import re
-
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from helmc.compiler.passes.lower_decode_gemv import _users, local_var, rewrite_decode_blocks, with_bindings
-from helmc.schedules.gpu.gemv import make_gpu_gemv
+from helmc.schedules.gpu.gemv import make_gpu_gemv, parse_gemv_symbol
 from helmc.schedules.gpu.norm_rope import make_rms_norm, make_rms_norm_rope
 
 _BIG = 2 ** 62          # a slice's "to the end" bound as the ONNX import spells it (INT64_MAX)
@@ -319,8 +317,6 @@ class _Fuser(PyExprMutator):
 # rounding, not bit for bit; a batched step's rows are still each sequence's one-row bits (the prologue is per row).
 # Runs after fuse_gpu_norms (whose kernels carry their eps as the attribute helmc_eps).
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-_GEMV = re.compile(r"^helmc_gpu_gemv_(swiglu_)?(f16|bf16)_m(\d+)_n([\d_]+)_k(\d+)(?:_r(\d+)w(\d+)u(\d+))?$")
-_DTYPE = {"f16": "float16", "bf16": "bfloat16"}
 
 
 def _kernel(value) -> str | None:
@@ -330,15 +326,9 @@ def _kernel(value) -> str | None:
 
 
 def _gemv_of(name: str | None):
-    """(m, n or row counts, k, dtype, tuning or None, epilogue) of a gemv.py kernel name without a prologue or the
-    residual epilogue, else None."""
-    found = _GEMV.match(name or "")
-    if not found:
-        return None
-    swiglu, dtype, m, n, k, *tune = found.groups()
-    ns = tuple(int(v) for v in n.split("_"))
-    tuning = tuple(int(v) for v in tune) if tune[0] else None
-    return int(m), ns if len(ns) > 1 else ns[0], int(k), _DTYPE[dtype], tuning, "swiglu" if swiglu else None
+    """parse_gemv_symbol of a gemv.py kernel the prologue can join (no residual epilogue), else None."""
+    found = parse_gemv_symbol(name or "")
+    return found if found and found[5] != "residual" else None
 
 
 def fuse_norm_gemv(mod: tvm.IRModule) -> tvm.IRModule:
