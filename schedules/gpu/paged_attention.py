@@ -308,6 +308,22 @@ paged_decode_fused(const unsigned short* __restrict__ q, const long long* __rest
                       part_m, part_s, part_o, counters, out, nullptr, nullptr);
 }
 
+// Block (j, 0) of a launch of `threads` threads writes KV head j's row of this step (token step[0] - 1) into its page
+// (the fused and short append kernels: their reads take that row from k_new / v_new, so none waits for the write).
+__device__ __forceinline__ void append_step_row(const unsigned short* __restrict__ k_new,
+                                                const unsigned short* __restrict__ v_new,
+                                                const long long* __restrict__ page_ptrs, int page_tokens,
+                                                const int* __restrict__ step, int num_kv_heads, int threads)
+{
+    if (blockIdx.y != 0) return;
+    const int pos = step[0] - 1, page = pos / page_tokens, row = pos - page * page_tokens, h = blockIdx.x;
+    unsigned short* dst = reinterpret_cast<unsigned short*>(page_ptrs[page]);
+    for (int c = threadIdx.x; c < HEAD_DIM; c += threads) {
+        dst[((long long)h * page_tokens + row) * HEAD_DIM + c] = k_new[h * HEAD_DIM + c];
+        dst[((long long)(num_kv_heads + h) * page_tokens + row) * HEAD_DIM + c] = v_new[h * HEAD_DIM + c];
+    }
+}
+
 // paged_append_decode and paged_decode_fused in one launch: block (j, 0) writes KV head j's row of this step (token
 // n-1) into its page, and every block takes that token's K and V from k_new / v_new rather than the page, so no
 // block waits for the write and none reads a half-written row. One kernel a layer where there were two.
@@ -319,14 +335,7 @@ decode_fused_append_body(const unsigned short* __restrict__ q, const unsigned sh
                          float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
                          unsigned short* __restrict__ out)
 {
-    if (blockIdx.y == 0) {
-        const int pos = step[0] - 1, page = pos / page_tokens, row = pos - page * page_tokens, h = blockIdx.x;
-        unsigned short* dst = reinterpret_cast<unsigned short*>(page_ptrs[page]);
-        for (int c = threadIdx.x; c < HEAD_DIM; c += WARPS * 32) {
-            dst[((long long)h * page_tokens + row) * HEAD_DIM + c] = k_new[h * HEAD_DIM + c];
-            dst[((long long)(num_kv_heads + h) * page_tokens + row) * HEAD_DIM + c] = v_new[h * HEAD_DIM + c];
-        }
-    }
+    append_step_row(k_new, v_new, page_ptrs, page_tokens, step, num_kv_heads, WARPS * 32);
     decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
                       part_m, part_s, part_o, counters, out, k_new, v_new);
 }

@@ -24,8 +24,8 @@ phase (session 21, H200: 5.2 us a layer at 190 tokens against the split kernel's
 The window start and token count come from `step` in device memory, as in the split kernels, so one captured
 graph replays at every position of a page layout; the host takes this path while the layout holds at most
 decode_splits.SHORT_MAX_TOKENS tokens (runtime/kv/decode_splits.short_path), host pages staged first.
-Compiled after paged_attention.DECODE_SOURCE (it uses h2f / f2h, NEG_INF and the SEQ_* fields) for head_dim in
-SHORT_HEAD_DIMS; other head sizes keep the split kernels.
+Compiled after paged_attention.DECODE_SOURCE (it uses h2f / f2h, NEG_INF, append_step_row and the SEQ_* fields)
+for head_dim in SHORT_HEAD_DIMS; other head sizes keep the split kernels.
 """
 from __future__ import annotations
 
@@ -139,21 +139,6 @@ decode_short_body(const unsigned short* __restrict__ q,       // [h_kv * GROUP, 
     }
 }
 
-// Block (j, 0) writes KV head j's row of this step into its page; the reads take that row from k_new / v_new.
-__device__ __forceinline__ void short_append_row(const unsigned short* __restrict__ k_new,
-                                                 const unsigned short* __restrict__ v_new,
-                                                 const long long* __restrict__ page_ptrs, int page_tokens,
-                                                 const int* __restrict__ step, int num_kv_heads)
-{
-    if (blockIdx.y != 0) return;
-    const int pos = step[0] - 1, page = pos / page_tokens, row = pos - page * page_tokens, h = blockIdx.x;
-    unsigned short* dst = reinterpret_cast<unsigned short*>(page_ptrs[page]);
-    for (int c = threadIdx.x; c < HEAD_DIM; c += SHORT_WARPS * 32) {
-        dst[((long long)h * page_tokens + row) * HEAD_DIM + c] = k_new[h * HEAD_DIM + c];
-        dst[((long long)(num_kv_heads + h) * page_tokens + row) * HEAD_DIM + c] = v_new[h * HEAD_DIM + c];
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(SHORT_WARPS * 32)
 paged_decode_short(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs, int page_tokens,
                    const int* __restrict__ step, int num_kv_heads, float scale, unsigned short* __restrict__ out)
@@ -167,7 +152,7 @@ paged_decode_short_append(const unsigned short* __restrict__ q, const unsigned s
                           int page_tokens, const int* __restrict__ step, int num_kv_heads, float scale,
                           unsigned short* __restrict__ out)
 {
-    short_append_row(k_new, v_new, page_ptrs, page_tokens, step, num_kv_heads);
+    append_step_row(k_new, v_new, page_ptrs, page_tokens, step, num_kv_heads, SHORT_WARPS * 32);
     decode_short_body(q, page_ptrs, page_tokens, step, num_kv_heads, scale, out, k_new, v_new);
 }
 
@@ -184,7 +169,7 @@ paged_decode_short_append_batch(const unsigned short* __restrict__ q,       // [
     const long long b = blockIdx.z, q_row = b * num_kv_heads * GROUP * HEAD_DIM, kv_row = b * num_kv_heads * HEAD_DIM;
     const long long* ptrs = reinterpret_cast<const long long*>(seq[SEQ_PAGE_PTRS]);
     const int* st = reinterpret_cast<const int*>(seq[SEQ_STEP]);
-    short_append_row(k_new + kv_row, v_new + kv_row, ptrs, page_tokens, st, num_kv_heads);
+    append_step_row(k_new + kv_row, v_new + kv_row, ptrs, page_tokens, st, num_kv_heads, SHORT_WARPS * 32);
     decode_short_body(q + q_row, ptrs, page_tokens, st, num_kv_heads, scale, out + q_row, k_new + kv_row,
                       v_new + kv_row);
 }
