@@ -21,7 +21,8 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     """Measure this machine with the code helmc runs on it: the profile kit (helmc/hardware/kit.py) for this CPU's
     features and this GPU's arch, built (or taken from the artifact cache) here unless `kit_dir` gives one built
     elsewhere; then the rates (hardware/measure.py) and, with `overheads`, each device's per-block overhead on the
-    kit's compiled stages (planner/calibrate.synthetic_overheads). quick: small sizes, for tests."""
+    kit's compiled stages (planner/calibrate.synthetic_overheads) and the VRAM the runtime holds beyond a plan
+    (hardware/gpu_reserve.py). quick: small sizes, for tests."""
     import os
     import sys
     import time
@@ -42,6 +43,8 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     if overheads:
         from helmc.planner.calibrate import synthetic_overheads
         hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress)
+        from helmc.hardware.gpu_reserve import profile_gpu_reserve
+        hw = profile_gpu_reserve(hw, kit_dir, progress=progress)
     return hw
 
 

@@ -18,6 +18,8 @@ from helmc.errors import HelmcError
 from helmc.model.spec import DTYPE_BYTES, LINEAR_NAMES, ModelSpec
 
 UNIT_KINDS = ("embedding", "block", "head")
+PRE_ATTN_LINEARS = LINEAR_NAMES[:3]     # q, k, v: the pre_attn function's; the rest are post_attn's
+FP16_BYTES = 2                          # a dequantized weight (the GPU prefill's GEMMs read fp16)
 # The runtime attends over KV in tiles of this many keys during prefill (the KV page size of thesis
 # 4.2.2), so prefill attention scores take B*h_a*S*min(S, tile)*4 bytes, not B*h_a*S*S*4.
 ATTENTION_TILE_TOKENS = 512
@@ -118,6 +120,11 @@ class ProgramAnalysis:
     # The lm_head's matrix as stored, (type, bytes): a quantized model's head is often fp16 (the GPU's GEMV rate
     # differs by type as the CPU's does; the GPU's M mixes the head in, where it is the largest single matrix).
     head_bytes_by_type: tuple[tuple[str, int], ...] = ()
+    # VRAM the GPU prefill of a block with quantized weights holds: each prefill function dequantizes its weights to
+    # fp16 one at a time into one reused buffer, the largest (lower_quantized_gpu): pre_attn's plus post_attn's.
+    quantized_prefill_scratch_bytes: int = 0
+    # The same for a quantized lm_head on the GPU, whose prefill function serving steps of several rows call.
+    quantized_head_scratch_bytes: int = 0
 
     def __post_init__(self):
         if len(self.units) != self.num_layers + 2 or len(self.prefix) != len(self.units) + 1:
@@ -209,12 +216,17 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
                                gather_bytes_per_token=0, stored_bytes=head_bytes, proj_flops_per_token=2 * H * V,
                                kv_bytes_per_token=0, attn_flops_per_context_token=0, act_bytes_per_token=0))
     by_type: dict[str, int] = {}
+    scratch: dict[bool, int] = {}                   # pre_attn's linear? -> its largest quantized weight in fp16
     for i in range(spec.num_layers):
         for name in LINEAR_NAMES:
             qtype = spec.weight_type(i, name) if dtype == spec.dtype else ""
             shape = spec.block_weight_shapes()[name]
             by_type[qtype or dtype] = by_type.get(qtype or dtype, 0) + (
                 spec.tensor_bytes(shape, qtype) if qtype else _shape_elems(shape) * d)
+            if qtype:
+                pre = name in PRE_ATTN_LINEARS
+                scratch[pre] = max(scratch.get(pre, 0), _shape_elems(shape) * FP16_BYTES)
+    head_quantized = dtype == spec.dtype and bool(lm_type)
     prefix = [StageLoad()]
     for u in units:
         prefix.append(prefix[-1] + StageLoad.of(u))
@@ -225,4 +237,6 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
         sliding_window=spec.sliding_window,
         max_position_embeddings=spec.max_position_embeddings, units=tuple(units), prefix=tuple(prefix),
         linear_bytes_by_type=tuple(sorted(by_type.items())),
-        head_bytes_by_type=(((lm_type if dtype == spec.dtype else "") or dtype, head_bytes - H * d),))
+        head_bytes_by_type=(((lm_type if dtype == spec.dtype else "") or dtype, head_bytes - H * d),),
+        quantized_prefill_scratch_bytes=sum(scratch.values()),
+        quantized_head_scratch_bytes=V * H * FP16_BYTES if head_quantized else 0)

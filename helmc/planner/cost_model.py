@@ -298,6 +298,17 @@ def prefill_staging_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w:
     return max(u.stored_bytes for u in a.units if u.kind == "block")
 
 
+def quantized_prefill_scratch_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, computed: StageLoad,
+                                    w: Workload) -> int:
+    """VRAM the GPU's prefill functions hold for quantized weights dequantized to fp16 (lower_quantized_gpu: one
+    reused buffer per function), kept by the VM's pooled allocator once a prompt has run: wherever the GPU runs a
+    block's prefill (its own blocks, streamed ones, or the CPU blocks' streamed prefill), and, serving several
+    sequences, the head's when it is quantized and on the GPU (its prefill function takes their last rows)."""
+    blocks_on_gpu = computed.blocks or (w.stream_prefill and cpu.blocks and gpu.units)
+    head = a.quantized_head_scratch_bytes if gpu.heads and w.batch > 1 else 0
+    return (a.quantized_prefill_scratch_bytes if blocks_on_gpu else 0) + head
+
+
 def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1) -> int:
     """VRAM the streamed prefill holds for the whole prompt while it runs one CPU block over every
     chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
@@ -373,7 +384,8 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     if gpu.units == 0:
         return host, MemoryNeed(available=hw.usable_vram_bytes)
     computed = gpu + s                        # every block the GPU runs, resident or streamed
-    gpu_ws = a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
+    gpu_ws = (a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
+              + quantized_prefill_scratch_bytes(a, cpu, gpu, computed, w))
     lent = pool_loan_bytes(a, cpu, gpu, w, ring_bytes)    # hybrid: the idle ring lends the rest
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks
     if (gpu.blocks or s.blocks) and B > 1:

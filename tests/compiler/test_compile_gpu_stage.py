@@ -248,3 +248,32 @@ def test_quantized_gpu_stage_builds_with_its_kernels(tmp_path):
                    "dequantize_q4_k_n512_k256"):
         assert f"helmc_gpu_{kernel}" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
+
+
+def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
+    """The prefill functions dequantize one weight at a time, inside the dataflow block, right before the matmul
+    that reads it: each fp16 copy is dead after its matmul, so the VM's memory planning reuses one buffer (what the
+    plan counts, analyze_program.quantized_prefill_scratch_bytes) instead of holding every weight's copy."""
+    import re
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
+    from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
+    from helmc.compiler.passes.quantize_functions import quantize_functions
+    from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
+    from helmc.testing import tiny_config
+
+    cfg = tiny_config("qwen3", num_layers=1, head_dim=64, dtype="float16", tie=False, hidden_size=256,
+                      intermediate_size=512).to_dict()
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    spec = with_weight_types(ModelSpec.from_hf_config(cfg), {f"model.layers.0.{n}": "q4_k" for n in LINEAR_NAMES})
+    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
+    lowered = lower_quantized_gpu(mod, weight_types)
+    for name, weights in (("pre_attn_prefill", 3), ("post_attn_prefill", 4)):
+        script = lowered[name].script()
+        body = script[script.index("R.dataflow()"):]
+        events = [m.group(0) for m in re.finditer(r"helmc_gpu_dequantize_q4_k_\w+|R\.matmul", body)]
+        assert events.count("R.matmul") == weights and len(events) == 2 * weights, (name, events)
+        # dequantize, its matmul, dequantize, its matmul, ...: never two copies alive at once
+        assert all(e.startswith("helmc_gpu_dequantize") for e in events[0::2]), (name, events)
+        assert all(e == "R.matmul" for e in events[1::2]), (name, events)
+        assert "helmc_gpu_dequantize" not in script[:script.index("R.dataflow()")], name

@@ -158,6 +158,9 @@ def test_real_gpu_profile():
     # helmc's own GPU decode GEMVs, every type the kit has (a kit built for this GPU's arch from session 15 on)
     assert {r.weight_type for r in hw.gpu.gemv_reads} == {"float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q6_k"}
     assert all(0.2 * hw.gpu.hbm_gbs < r.gbs < 1.5 * hw.gpu.hbm_gbs for r in hw.gpu.gemv_reads), hw.gpu.gemv_reads
+    # the runtime's VRAM beyond a plan, measured in a fresh process (a CUDA context alone is ~0.3-0.5 GiB)
+    reserve = [n for n in hw.notes if n.startswith("gpu reserve:")]
+    assert reserve and 64 << 20 < hw.gpu_reserve_bytes < 4 << 30 and hw.gpu_reserve_bytes != 10 ** 9, reserve
 
 
 def test_format_2_fields_and_their_refusals():

@@ -145,3 +145,20 @@ def test_shapes_match_transformers_qwen3_module():
         assert a.units[-1].param_bytes == d * (model.lm_head.weight.numel() + model.model.norm.weight.numel())
         n_params = sum(p.numel() for p in model.parameters())       # parameters() dedupes the tied matrix
         assert a.held_bytes(a.stage(0, a.num_units)) == d * n_params
+
+
+def test_quantized_prefill_scratch_is_each_functions_largest_fp16_weight():
+    """lower_quantized_gpu dequantizes a prefill function's weights one at a time into one reused buffer: the plan
+    counts pre_attn's largest (q: 4096 x 4096) plus post_attn's largest (gate / up / down: 12288 x 4096) in fp16."""
+    import dataclasses
+    mix = ("q4_k",) * 2 + ("q6_k",) + ("q4_k",) * 3 + ("q6_k",)             # q, k, v, o, gate, up, down
+    spec = dataclasses.replace(qwen3_spec("Qwen3-8B"), layer_types=(mix,) * 36, head_type="q6_k", embed_type="q4_k")
+    a = analyze_program(spec)
+    assert a.quantized_prefill_scratch_bytes == (4096 * 4096 + 12288 * 4096) * 2
+    assert a.quantized_head_scratch_bytes == 151936 * 4096 * 2
+    plain = analyze_program(qwen3_spec("Qwen3-8B"))
+    assert plain.quantized_prefill_scratch_bytes == plain.quantized_head_scratch_bytes == 0
+    # only v quantized: pre_attn's buffer is v's, post_attn has none
+    only_v = ("",) * 2 + ("q8_0",) + ("",) * 4
+    a_v = analyze_program(dataclasses.replace(qwen3_spec("Qwen3-8B"), layer_types=(only_v,) * 36))
+    assert a_v.quantized_prefill_scratch_bytes == 4096 * 1024 * 2 and a_v.quantized_head_scratch_bytes == 0

@@ -363,3 +363,26 @@ def test_a_plan_says_which_of_its_profile_figures_are_doubtful(laptop):
     notes = rate_fallbacks(dataclasses.replace(laptop, doubtful=(why,)))
     assert [f for f in notes if "doubtful" in f] == [f"the profile marks a figure doubtful (measure again: helmc "
                                                      f"profile): {why}"]
+
+
+def test_quantized_prefill_scratch_is_vram_where_the_gpu_prefills_blocks(laptop):
+    """A Q4_K model's GPU need holds its prefill functions' fp16 buffers (analyze_program's scratch) wherever the GPU
+    runs a block's prefill: its own blocks, or the CPU blocks' streamed prefill; not for a GPU holding only the
+    head with the prompt on the CPU; the quantized head's buffer only when serving several sequences. fp16: none."""
+    from helmc.planner.cost_model import memory_needs
+    spec = dataclasses.replace(qwen3_spec("Qwen3-8B"), layer_types=(("q4_k",) * 7,) * 36, head_type="q6_k")
+    a = analyze_program(spec)
+    none = dataclasses.replace(a, quantized_prefill_scratch_bytes=0, quantized_head_scratch_bytes=0)
+    blocks, head = a.quantized_prefill_scratch_bytes, a.quantized_head_scratch_bytes
+    assert blocks == (4096 * 4096 + 12288 * 4096) * 2 and head == 151936 * 4096 * 2
+
+    def extra(k, **kw):
+        w = Workload(**kw)
+        return (memory_needs(a, laptop, a.stage(0, k), a.stage(k, 38), w)[1].workspace
+                - memory_needs(none, laptop, none.stage(0, k), none.stage(k, 38), w)[1].workspace)
+    assert extra(21) == blocks                                       # GPU blocks
+    assert extra(37, stream_prefill=True) == blocks                  # only the head on the GPU, CPU blocks streamed
+    assert extra(37, stream_prefill=False) == 0                      # only the head, the prompt on the CPU
+    assert extra(21, batch=4) == blocks + head                       # serving: the head's prefill takes last rows
+    q8 = analyze_program(qwen3_spec("Qwen3-8B"))
+    assert q8.quantized_prefill_scratch_bytes == 0
