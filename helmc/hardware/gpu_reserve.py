@@ -5,14 +5,19 @@ also holds the CUDA context, the loaded kernels, CuPy's and cuBLAS's handles and
 Until session 22 the profile kept back a fixed 10^9 bytes for them, where Qwen3-8B's runs used ~0.52 GiB: under a
 7 GiB budget that was most of a block the GPU could have held.
 
-`helmc profile` now loads the profile kit's all-GPU synthetic bundle (Qwen3-8B's block shape, so the same kernels)
+`helmc profile` loads the profile kit's all-GPU synthetic bundle (Qwen3-8B's block shape, so the same kernels)
 in a fresh process, as `helmc run` would start, planned for a budget just above its needs so that the KV page
 pool takes the rest of the budget; the child runs one request (a PROMPT_TOKENS prompt and NEW_TOKENS tokens)
-while this process samples the device's used memory. What the child held above its plan's allocations is
+while this process samples the device's used memory. Two figures:
 
-    overhead = peak used - (usable VRAM of its plan - the reserve that plan kept back)
+    context  = used once the child's CUDA context, CuPy and cuBLAS are up, before any allocation of its own
+    beyond   = peak used - (usable VRAM of its plan - the reserve that plan kept back)
 
-and the profile's gpu_reserve_bytes becomes overhead + max(MARGIN_BYTES, MARGIN_SHARE * overhead).
+and the profile's gpu_reserve_bytes = max(context, beyond) + max(MARGIN_BYTES, MARGIN_SHARE of it). Session 22
+(H200): context 529 MiB; beyond 343 MiB for the kit (its plan counts more than it allocates) where real split
+plans of Qwen3-8B held 516 (fp16, 6 streamed groups) and 634 MiB (Q4_K, 14 groups, each a CUDA graph) beyond
+theirs: the margin covers what a plan of many streamed groups holds beyond the context
+(artifacts/bench/device-2026-11-27-s22/vram_phases.py).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from helmc.errors import HelmcError
 PROMPT_TOKENS = 128
 NEW_TOKENS = 16
 HEADROOM_BYTES = 256 << 20          # the child's budget above its plan's needs: the KV page pool's share
-MARGIN_BYTES = 64 << 20             # kept back beyond the measured overhead (allocation granularity, other kernels)
+MARGIN_BYTES = 112 << 20            # kept back beyond the measured overhead (see above: up to 105 MiB of plan error)
 MARGIN_SHARE = 0.10
 SAMPLE_S = 0.002
 CHILD_TIMEOUT_S = 300
@@ -44,15 +49,20 @@ def reserve_with_margin(overhead_bytes: int) -> int:
 class ReserveMeasurement:
     peak_used_bytes: int            # the device's used memory above its level before the child started
     planned_bytes: int              # what the child's plan allocates: its usable VRAM less the reserve it assumed
+    context_bytes: int = 0          # used once the child's context, CuPy and cuBLAS were up
 
     def __post_init__(self):
-        if self.peak_used_bytes < 0 or self.planned_bytes <= 0:
-            raise HelmcError(f"gpu reserve: expected peak used >= 0 and planned > 0 bytes, found "
-                             f"{self.peak_used_bytes} and {self.planned_bytes}")
+        if self.peak_used_bytes < 0 or self.planned_bytes <= 0 or self.context_bytes < 0:
+            raise HelmcError(f"gpu reserve: expected peak used >= 0, planned > 0 and context >= 0 bytes, found "
+                             f"{self.peak_used_bytes}, {self.planned_bytes} and {self.context_bytes}")
+
+    @property
+    def beyond_plan_bytes(self) -> int:
+        return max(0, self.peak_used_bytes - self.planned_bytes)
 
     @property
     def overhead_bytes(self) -> int:
-        return max(0, self.peak_used_bytes - self.planned_bytes)
+        return max(self.context_bytes, self.beyond_plan_bytes)
 
     @property
     def reserve_bytes(self) -> int:
@@ -60,9 +70,10 @@ class ReserveMeasurement:
 
     def note(self) -> str:
         gib = lambda n: f"{n / 2 ** 30:.3f} GiB"                           # noqa: E731
-        return (f"gpu reserve: a fresh runtime process with the kit's GPU stage held {gib(self.peak_used_bytes)} at "
-                f"its peak, {gib(self.overhead_bytes)} above its plan's {gib(self.planned_bytes)} (context, kernels, "
-                f"handles, graphs); reserve {gib(self.reserve_bytes)} with the margin")
+        return (f"gpu reserve: a fresh runtime process held {gib(self.context_bytes)} with its context, CuPy and "
+                f"cuBLAS up, and with the kit's GPU stage {gib(self.peak_used_bytes)} at its peak, "
+                f"{gib(self.beyond_plan_bytes)} above its plan's {gib(self.planned_bytes)}; reserve "
+                f"{gib(self.reserve_bytes)} with the margin")
 
 
 class _PeakSampler:
@@ -107,7 +118,8 @@ def measure_gpu_reserve(hw, bundle_dir: str, weights_dir: str, used=None, progre
         base = used()
         sampler = _PeakSampler(used, base)
         env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
-        child = subprocess.Popen([sys.executable, "-m", "helmc.hardware.gpu_reserve", bundle_dir, weights_dir, hw_path],
+        child = subprocess.Popen([sys.executable, "-m", "helmc.hardware.gpu_reserve", bundle_dir, weights_dir, hw_path,
+                                  str(base)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env)
         try:
@@ -126,7 +138,8 @@ def measure_gpu_reserve(hw, bundle_dir: str, weights_dir: str, used=None, progre
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-    m = ReserveMeasurement(peak_used_bytes=peak, planned_bytes=int(line["planned_bytes"]))
+    m = ReserveMeasurement(peak_used_bytes=peak, planned_bytes=int(line["planned_bytes"]),
+                           context_bytes=int(line["context_bytes"]))
     progress(m.note())
     return m
 
@@ -165,9 +178,15 @@ def _read_result(child) -> dict:
                      f"ended without a result ({tail[:200]})")
 
 
-def _child(bundle_dir: str, weights_dir: str, hw_path: str) -> None:
-    """Plan the bundle for a budget just above its needs, load it, run one request, report the plan's allocations,
-    then hold everything until the parent (which samples the device meanwhile) writes a line."""
+def _child(bundle_dir: str, weights_dir: str, hw_path: str, base: str) -> None:
+    """Bring up the CUDA context, CuPy and cuBLAS and take the device's used memory above `base` (the parent's
+    figure before this process started); then plan the bundle for a budget just above its needs, load it, run one
+    request, report both, and hold everything until the parent (which samples the device meanwhile) writes a line."""
+    import cupy
+    cupy.zeros(1)
+    cupy.cuda.device.get_cublas_handle()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    context = int(total - free) - int(base)
     from helmc.hardware.profile import load_hardware
     from helmc.planner.replan_bundle import replan_bundle
     from helmc.runtime.session import Session
@@ -180,9 +199,9 @@ def _child(bundle_dir: str, weights_dir: str, hw_path: str) -> None:
     ids = [3 + i % max(1, spec.vocab_size - 3) for i in range(PROMPT_TOKENS)]
     session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
     planned = plan.usable_vram_bytes - hw.with_gpu_budget(budget).gpu_reserve_bytes
-    print(json.dumps({"planned_bytes": planned}), flush=True)
+    print(json.dumps({"planned_bytes": planned, "context_bytes": max(0, context)}), flush=True)
     sys.stdin.readline()
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    _child(*sys.argv[1:5])

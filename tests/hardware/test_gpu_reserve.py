@@ -12,17 +12,21 @@ from helmc.hardware.profile import load_hardware
 MIB = 1 << 20
 
 
-def test_overhead_is_what_the_process_held_beyond_its_plan():
-    m = ReserveMeasurement(peak_used_bytes=3000 * MIB, planned_bytes=2470 * MIB)
-    assert m.overhead_bytes == 530 * MIB
-    assert m.reserve_bytes == 530 * MIB + MARGIN_BYTES        # 10% of it (53 MiB) is under the 64 MiB floor
-    assert reserve_with_margin(1000 * MIB) == 1100 * MIB       # above the floor: 10%
-    small = ReserveMeasurement(peak_used_bytes=300 * MIB, planned_bytes=100 * MIB)
-    assert small.reserve_bytes == 200 * MIB + MARGIN_BYTES     # the floor of the margin
+def test_overhead_is_the_larger_of_the_context_and_what_the_process_held_beyond_its_plan():
+    m = ReserveMeasurement(peak_used_bytes=3000 * MIB, planned_bytes=2470 * MIB, context_bytes=400 * MIB)
+    assert m.beyond_plan_bytes == 530 * MIB and m.overhead_bytes == 530 * MIB
+    assert m.reserve_bytes == 530 * MIB + MARGIN_BYTES        # 10% of it (53 MiB) is under the margin's floor
+    assert reserve_with_margin(2000 * MIB) == 2200 * MIB       # above the floor: 10%
+    # the kit's plan counting more than it allocates (session 22): the context alone is the larger figure
+    kit = ReserveMeasurement(peak_used_bytes=3754 * MIB, planned_bytes=3411 * MIB, context_bytes=529 * MIB)
+    assert kit.beyond_plan_bytes == 343 * MIB and kit.overhead_bytes == 529 * MIB
+    assert kit.reserve_bytes == 529 * MIB + MARGIN_BYTES
     assert ReserveMeasurement(peak_used_bytes=100, planned_bytes=200).overhead_bytes == 0
-    assert "above its plan" in m.note()
+    assert "above its plan" in m.note() and "context" in m.note()
     with pytest.raises(HelmcError, match="planned > 0"):
         ReserveMeasurement(peak_used_bytes=1, planned_bytes=0)
+    with pytest.raises(HelmcError, match="context >= 0"):
+        ReserveMeasurement(peak_used_bytes=1, planned_bytes=1, context_bytes=-1)
 
 
 def test_no_gpu_keeps_the_reserve():
