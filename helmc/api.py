@@ -22,7 +22,7 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     features and this GPU's arch, built (or taken from the artifact cache) here unless `kit_dir` gives one built
     elsewhere; then the rates (hardware/measure.py) and, with `overheads`, each device's per-block overhead on the
     kit's compiled stages (planner/calibrate.synthetic_overheads) and the VRAM the runtime holds beyond a plan
-    (hardware/gpu_reserve.py). quick: small sizes, for tests."""
+    (planner/measure_reserve.py). quick: small sizes, for tests."""
     import os
     import sys
     import time
@@ -43,7 +43,7 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     if overheads:
         from helmc.planner.calibrate import synthetic_overheads
         hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress)
-        from helmc.hardware.gpu_reserve import profile_gpu_reserve
+        from helmc.planner.measure_reserve import profile_gpu_reserve
         hw = profile_gpu_reserve(hw, kit_dir, progress=progress)
     return hw
 

@@ -1,6 +1,6 @@
 """Where a bundle's VRAM goes beyond its plan (session 22, call B): load it with its plan made again from a profile
 under a budget, run one request, and print the device's used memory after each phase beside the plan's parts and
-CuPy's pool. The profile's gpu reserve (hardware/gpu_reserve.py, the kit's all-GPU stage) measured 0.335 GiB where
+CuPy's pool. The profile's gpu reserve (planner/measure_reserve.py, the kit's all-GPU stage) measured 0.335 GiB where
 the real split runs used ~0.51 (fp16) and ~0.59 (Q4_K) beyond their plans (call A).
 
   python vram_phases.py BUNDLE WEIGHTS PROFILE BUDGET_GIB

@@ -1,4 +1,4 @@
-"""The profile's GPU reserve (hardware/gpu_reserve.py): what a runtime process holds beyond its plan's allocations,
+"""The profile's GPU reserve (planner/measure_reserve.py): what a runtime process holds beyond its plan's allocations,
 plus a margin. The measurement itself needs a GPU (tests/hardware/test_profile_hardware.py::test_real_gpu_profile);
 here: its arithmetic, and that a profile without a GPU or without a kit GPU stage keeps its reserve and says why."""
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from helmc.errors import HelmcError
-from helmc.hardware.gpu_reserve import MARGIN_BYTES, ReserveMeasurement, profile_gpu_reserve, reserve_with_margin
+from helmc.planner.measure_reserve import MARGIN_BYTES, ReserveMeasurement, profile_gpu_reserve, reserve_with_margin
 from helmc.hardware.profile import load_hardware
 
 MIB = 1 << 20

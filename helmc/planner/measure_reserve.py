@@ -119,7 +119,7 @@ def measure_gpu_reserve(hw, bundle_dir: str, weights_dir: str, used=None, progre
         base = used()
         sampler = _PeakSampler(used, base)
         env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
-        child = subprocess.Popen([sys.executable, "-m", "helmc.hardware.gpu_reserve", bundle_dir, weights_dir, hw_path,
+        child = subprocess.Popen([sys.executable, "-m", "helmc.planner.measure_reserve", bundle_dir, weights_dir, hw_path,
                                   str(base)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env)
