@@ -151,6 +151,8 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
             log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
     out = summarize(runs)
     out["peak_vram_gib"] = None if vram is None else vram.peak_gib
+    if plan.usable_vram_bytes and plan.uses_gpu:      # the budget the plan was made for (a whole GPU's free VRAM if none)
+        out["gpu_budget_gib"] = round(plan.usable_vram_bytes / 2 ** 30, 3)
     if vram is not None:
         log(f"  peak VRAM {vram.peak_gib:.2f} GiB (load, warm-up and requests; llama.cpp's -ngl runs report theirs)")
     graph = getattr(s.gpu, "decode_graph", None)
@@ -435,7 +437,7 @@ def main(argv=None) -> int:
     for h in report["helmc"]:
         for k, v in h.items():
             if k.startswith(("decode_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp", "hybrid_decode_ratio",
-                             "llamacpp_ngl_within_vram")):
+                             "llamacpp_ngl_within", "helmc_within_budget")):
                 shown = f"{v:.3f}" if isinstance(v, float) else v        # an -ngl, or None: no VRAM figure or fit
                 print(f"helmc {h['plan']}{'' if h.get('cuda_graph', True) else ' (no graph)'}: {k} = {shown}")
     for key, label in (("accelerate", f"HF Accelerate ({a.gpu_budget:g} GiB)"), ("hf_gpu", "HF whole GPU")):

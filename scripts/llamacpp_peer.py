@@ -57,7 +57,27 @@ def ratios(helmc: dict, llama: list[dict], prompt_len: int) -> dict:
     out["decode_ratio_vs_llamacpp_best"] = helmc["decode_tok_s_p50"] / best
     if helmc.get("hybrid"):
         out["hybrid_decode_ratio_vs_llamacpp"] = helmc["decode_tok_s_p50"] / best
-    return out | within_vram(helmc, llama)
+    return out | within_vram(helmc, llama) | within_budget(helmc, llama)
+
+
+def within_budget(helmc: dict, llama: list[dict]) -> dict:
+    """The issues' comparison under a VRAM budget (issue 17): helmc's decode against llama.cpp's fastest -ngl whose
+    peak VRAM is within the budget helmc's plan was made for (`gpu_budget_gib`, the row's), and whether helmc's own
+    peak stayed within it. Nothing where the row has no budget (a plan for the whole GPU) or llama.cpp's peaks
+    went unmeasured."""
+    budget = helmc.get("gpu_budget_gib")
+    if budget is None:
+        return {}
+    fits = [r for r in llama if r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= budget]
+    peer = max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+    peak = helmc.get("peak_vram_gib")
+    out = {"helmc_within_budget": None if peak is None else peak <= budget,
+           "llamacpp_ngl_within_budget": None if peer is None else peer["ngl"],
+           "decode_ratio_vs_llamacpp_within_budget": (None if peer is None else
+                                                      helmc["decode_tok_s_p50"] / peer["decode_tok_s_p50"])}
+    if helmc.get("hybrid"):
+        out["hybrid_decode_ratio_vs_llamacpp_within_budget"] = out["decode_ratio_vs_llamacpp_within_budget"]
+    return out
 
 
 def within_vram(helmc: dict, llama: list[dict]) -> dict:

@@ -119,12 +119,13 @@ def measure_gpu_reserve(hw, bundle_dir: str, weights_dir: str, used=None, progre
         base = used()
         sampler = _PeakSampler(used, base)
         env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
-        child = subprocess.Popen([sys.executable, "-m", "helmc.planner.measure_reserve", bundle_dir, weights_dir, hw_path,
-                                  str(base)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=env)
+        log_path = os.path.join(tmp, "child.log")
+        with open(log_path, "w") as log:       # a file, not a pipe: a child that writes much to stderr never blocks
+            child = subprocess.Popen([sys.executable, "-m", "helmc.planner.measure_reserve", bundle_dir, weights_dir,
+                                      hw_path, str(base)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         try:
-            line = _read_result(child)
+            line = _read_result(child, log_path)
             peak = sampler.stop()
         finally:
             sampler.stop()
@@ -161,20 +162,32 @@ def profile_gpu_reserve(hw, kit_dir: str, progress=lambda m: None):
     with tempfile.TemporaryDirectory(prefix="helmc-reserve-weights-") as weights:
         progress(f"gpu reserve: the kit's GPU stage ({kit.synthetic_layers} blocks) in a fresh process, one request")
         write_synthetic_weights(weights, kit.block, kit.synthetic_layers)
-        m = measure_gpu_reserve(hw, os.path.join(kit_dir, kit.gpu_bundle), weights, progress=progress)
+        try:
+            m = measure_gpu_reserve(hw, os.path.join(kit_dir, kit.gpu_bundle), weights, progress=progress)
+        except HelmcError as e:            # the rest of the profile stands; the plan keeps the default reserve
+            return dataclasses.replace(hw, unmeasured=hw.unmeasured + (
+                f"gpu_reserve_bytes: {e}; kept {hw.gpu_reserve_bytes} bytes",))
     return dataclasses.replace(hw, gpu_reserve_bytes=m.reserve_bytes, notes=tuple(hw.notes) + (m.note(),))
 
 
-def _read_result(child) -> dict:
+def _read_result(child, log_path: str) -> dict:
+    """The child's JSON line, waiting at most CHILD_TIMEOUT_S for it."""
+    import selectors
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = child.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            return json.loads(line)
-    err = child.stderr.read() if child.poll() is not None else ""
-    tail = err.strip().splitlines()[-1] if err.strip() else "no output"
+    with selectors.DefaultSelector() as sel:
+        sel.register(child.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(timeout=left):
+                break
+            line = child.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                return json.loads(line)
+    with open(log_path) as f:
+        err = f.read().strip()
+    tail = err.splitlines()[-1] if err else ("no output" if child.poll() is not None else
+                                             f"no result in {CHILD_TIMEOUT_S} s")
     raise HelmcError(f"gpu reserve: expected the kit's GPU stage to run a request in a fresh process, found it "
                      f"ended without a result ({tail[:200]})")
 

@@ -40,6 +40,21 @@ def test_within_vram_none_without_a_fit_or_a_figure(peak, llama):
                                                                  "decode_ratio_vs_llamacpp_within_vram": None}
 
 
+def test_within_budget_takes_the_fastest_run_within_the_plans_budget():
+    """Issue 17's comparison: llama.cpp's fastest -ngl within the budget helmc's plan was made for, whatever helmc's
+    own peak (which is said beside it)."""
+    row = dict(helmc_row(2.9), gpu_budget_gib=3.0, hybrid=True)
+    assert llamacpp_peer.within_budget(row, LLAMA) == {
+        "helmc_within_budget": True, "llamacpp_ngl_within_budget": 10, "decode_ratio_vs_llamacpp_within_budget": 1.5,
+        "hybrid_decode_ratio_vs_llamacpp_within_budget": 1.5}
+    assert llamacpp_peer.within_vram(row, LLAMA)["llamacpp_ngl_within_vram"] == 0      # helmc held less than -ngl 10
+    over = llamacpp_peer.within_budget(dict(helmc_row(3.01), gpu_budget_gib=3.0), LLAMA)
+    assert over["helmc_within_budget"] is False and "hybrid_decode_ratio_vs_llamacpp_within_budget" not in over
+    assert llamacpp_peer.within_budget(dict(helmc_row(2.0), gpu_budget_gib=0.25), LLAMA)[
+        "decode_ratio_vs_llamacpp_within_budget"] is None                              # no -ngl within it
+    assert llamacpp_peer.within_budget(helmc_row(2.0), LLAMA) == {}                     # no budget: nothing
+
+
 def test_ratios_keep_their_keys_and_add_the_vram_match():
     r = llamacpp_peer.ratios(dict(helmc_row(6.0), hybrid=True), LLAMA[:2], prompt_len=32768)
     assert r == {"decode_ratio_vs_llamacpp_ngl0": 3.0, "ttft_ratio_vs_llamacpp_ngl0": 0.25,

@@ -44,3 +44,15 @@ def test_a_kit_without_a_gpu_stage_for_this_arch_is_said(tmp_path):
     out = profile_gpu_reserve(hw, str(tmp_path))
     assert out.gpu_reserve_bytes == hw.gpu_reserve_bytes
     assert any(u.startswith("gpu_reserve_bytes: the kit has no GPU stage") for u in out.unmeasured)
+
+
+def test_a_child_that_cannot_run_is_a_clear_error(tmp_path):
+    """The real child process, on a machine where it cannot bring a GPU up (no CuPy here, or no bundle): the error
+    names what was expected and the child's last line; nothing is left running. (With a GPU the same call measures:
+    tests/hardware/test_profile_hardware.py::test_real_gpu_profile.)"""
+    from helmc.planner.measure_reserve import measure_gpu_reserve
+    hw = load_hardware("h100-sxm-measured")
+    with pytest.raises(HelmcError, match="expected the kit's GPU stage to run a request in a fresh process") as e:
+        measure_gpu_reserve(hw, str(tmp_path / "no-bundle"), str(tmp_path), used=lambda: 0)
+    print(f"\n{e.value}")
+    assert "Error" in str(e.value)            # the child's own last line (an import or a missing bundle)
