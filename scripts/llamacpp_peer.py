@@ -60,6 +60,12 @@ def ratios(helmc: dict, llama: list[dict], prompt_len: int) -> dict:
     return out | within_vram(helmc, llama) | within_budget(helmc, llama)
 
 
+def fastest_within(llama: list[dict], gib: float) -> dict | None:
+    """llama.cpp's fastest decoding run whose measured peak VRAM is at most `gib` (None: none is)."""
+    fits = [r for r in llama if r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= gib]
+    return max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+
+
 def within_budget(helmc: dict, llama: list[dict]) -> dict:
     """The issues' comparison under a VRAM budget (issue 17): helmc's decode against llama.cpp's fastest -ngl whose
     peak VRAM is within the budget helmc's plan was made for (`gpu_budget_gib`, the row's), and whether helmc's own
@@ -68,8 +74,7 @@ def within_budget(helmc: dict, llama: list[dict]) -> dict:
     budget = helmc.get("gpu_budget_gib")
     if budget is None:
         return {}
-    fits = [r for r in llama if r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= budget]
-    peer = max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+    peer = fastest_within(llama, budget)
     peak = helmc.get("peak_vram_gib")
     out = {"helmc_within_budget": None if peak is None else peak <= budget,
            "llamacpp_ngl_within_budget": None if peer is None else peer["ngl"],
@@ -85,8 +90,7 @@ def within_vram(helmc: dict, llama: list[dict]) -> dict:
     helmc's VRAM would run instead. Both None where helmc's peak went unmeasured (no nvidia-smi) or no -ngl's
     measured peak is within it."""
     peak = helmc.get("peak_vram_gib")
-    fits = [r for r in llama if peak is not None and r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= peak]
-    peer = max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+    peer = None if peak is None else fastest_within(llama, peak)
     if peer is None:
         return {"llamacpp_ngl_within_vram": None, "decode_ratio_vs_llamacpp_within_vram": None}
     return {"llamacpp_ngl_within_vram": peer["ngl"],

@@ -304,7 +304,7 @@ def quantized_prefill_scratch_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: Sta
     reused buffer per function), kept by the VM's pooled allocator once a prompt has run: wherever the GPU runs a
     block's prefill (its own blocks, streamed ones, or the CPU blocks' streamed prefill), and, serving several
     sequences, the head's when it is quantized and on the GPU (its prefill function takes their last rows)."""
-    blocks_on_gpu = computed.blocks or (w.stream_prefill and cpu.blocks and gpu.units)
+    blocks_on_gpu = computed.blocks or prefill_staging_bytes(a, cpu, gpu, w)
     head = a.quantized_head_scratch_bytes if gpu.heads and w.batch > 1 else 0
     return (a.quantized_prefill_scratch_bytes if blocks_on_gpu else 0) + head
 

@@ -126,9 +126,8 @@ def measure_gpu_reserve(hw, bundle_dir: str, weights_dir: str, used=None, progre
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         try:
             line = _read_result(child, log_path)
-            peak = sampler.stop()
         finally:
-            sampler.stop()
+            peak = sampler.stop()
             if child.poll() is None:
                 try:
                     child.stdin.write("\n")
@@ -199,8 +198,7 @@ def _child(bundle_dir: str, weights_dir: str, hw_path: str, base: str) -> None:
     import cupy
     cupy.zeros(1)
     cupy.cuda.device.get_cublas_handle()
-    free, total = cupy.cuda.runtime.memGetInfo()
-    context = int(total - free) - int(base)
+    context = device_used_bytes()() - int(base)
     from helmc.hardware.profile import load_hardware
     from helmc.planner.replan_bundle import replan_bundle
     from helmc.runtime.session import Session
@@ -212,7 +210,7 @@ def _child(bundle_dir: str, weights_dir: str, hw_path: str, base: str) -> None:
     session = Session.load(bundle_dir, weights_dir, plan=plan)
     ids = [3 + i % max(1, spec.vocab_size - 3) for i in range(PROMPT_TOKENS)]
     session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
-    planned = plan.usable_vram_bytes - hw.with_gpu_budget(budget).gpu_reserve_bytes
+    planned = plan.usable_vram_bytes - hw.gpu_reserve_bytes
     print(json.dumps({"planned_bytes": planned, "context_bytes": max(0, context)}), flush=True)
     sys.stdin.readline()
 

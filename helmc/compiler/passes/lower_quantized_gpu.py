@@ -39,6 +39,7 @@ GEMV_INT8_TUNING = {"q4_k": (2, 8, 2), "q6_k": (2, 8, 2)}
 # session 15's call A were no faster than (2, 8, 2) at any Qwen3-8B shape (artifacts/bench/device-2026-11-27-s15)
 GEMV_INT8_EPILOGUE_TUNING = {(q, e): (1, 8, 2) if e == "swiglu" else GEMV_INT8_TUNING[q]
                              for q in INT8_TYPES for e in ("swiglu", "residual")}
+OP_PATTERN_OPAQUE = 8               # relax OpPatternKind kOpaque: FuseOps fuses it with nothing
 _DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
 
@@ -111,7 +112,8 @@ def _in_root_block(func):
     kernel's body is a loop nest)."""
     from tvm import s_tir
     root = s_tir.SBlock(iter_vars=[], reads=[], writes=[], name_hint="root", body=func.body)
-    return func.with_body(s_tir.SBlockRealize(iter_values=[], predicate=True, block=root)).with_attr("op_pattern", 8)
+    body = s_tir.SBlockRealize(iter_values=[], predicate=True, block=root)
+    return func.with_body(body).with_attr("op_pattern", OP_PATTERN_OPAQUE)
 
 
 @mutator
