@@ -344,6 +344,10 @@ def main(argv=None) -> int:
                     help="with --profile: run each bundle with its plan made again from that profile (helmc plan "
                          "BUNDLE hardware.json; the bundle's workload and VRAM budget, no compiling)")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="decode steps timed per device (default: the plan's)")
+    ap.add_argument("--variants", default="",
+                    help="with --replan, comma-separated: split (each bundle's plain split in its budget too: the "
+                         "profile's DRAM against its CPU stage, and the hybrid's tokens against it), all_gpu (the "
+                         "same bundle planned for the whole GPU)")
     llamacpp_peer.add_arguments(ap)
     ap.add_argument("--eager-too", action="store_true",
                     help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
@@ -351,6 +355,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.replan and not a.profile:
         ap.error("--replan expected with --profile (the profile to plan from), found it alone")
+    variants = set(filter(None, a.variants.split(",")))
+    if variants - {"split", "all_gpu"} or (variants and not a.replan):
+        ap.error(f"--variants expected split and/or all_gpu, with --replan; found {a.variants!r}"
+                 f"{'' if a.replan else ' without --replan'}")
     # Before torch or the runtime makes this process's CUDA context, so helmc's peak VRAM counts that context as
     # llama.cpp's figure counts its own.
     vram_baseline_mib = llamacpp_peer.gpu_memory_used_mib()
@@ -391,6 +399,20 @@ def main(argv=None) -> int:
                                            label=label, plan=plan, vram_baseline_mib=vram_baseline_mib)
                                | {"replanned": plan is not None})
         save()
+        main_row = report["helmc"][-1]
+        for variant in sorted(variants):
+            # the same bundle, another placement (no compiling): the split in the same budget, or the whole GPU
+            vplan = (replan_bundle(bundle, calibrated, hybrid=False)[0] if variant == "split" else
+                     replan_bundle(bundle, calibrated, gpu_budget_gib=calibrated.gpu.vram_total_bytes / 2**30)[0])
+            if vplan.describe() == plan.describe():
+                continue
+            row = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, label=label,
+                              plan=vplan, vram_baseline_mib=vram_baseline_mib) | {"replanned": True, "variant": variant}
+            report["helmc"].append(row)
+            if variant == "split" and main_row.get("hybrid"):
+                main_row["tokens_equal_split"] = row["tokens_first_request"] == main_row["tokens_first_request"]
+                log(f"  hybrid and plain split: the same greedy tokens: {main_row['tokens_equal_split']}")
+            save()
         if a.eager_too and report["helmc"][-1].get("cuda_graph"):
             eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False,
                                 label=label, vram_baseline_mib=vram_baseline_mib)
