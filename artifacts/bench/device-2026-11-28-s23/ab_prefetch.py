@@ -1,8 +1,9 @@
-"""Session 23, call B: the same hybrid session decoding with this session's op order (S_0 prefetched during the
-resident part, each next copy queued before the crossing back) and with session 22's (every copy issued when its
-pair starts), alternately on one loaded session, so only the order differs.
+"""Session 23, calls B and C: one loaded hybrid session decoding with several op orders in turn, so only the order
+differs. Orders: old (session 22: every copy issued when its pair starts), prefetch (old + S_0 of the next token
+queued after the last group), early (old + each next copy queued before the crossing back), new (both: this
+session's token_ops), new_pinned (new, the crossing back through a pinned buffer instead of cupy.asnumpy).
 
-    python ab_prefetch.py PROFILE BUNDLE WEIGHTS [--rounds 4] [--tokens 64]
+    python ab_prefetch.py PROFILE BUNDLE WEIGHTS [--rounds 4] [--tokens 64] [--orders old,new]
 """
 import argparse
 import statistics
@@ -11,44 +12,65 @@ import sys
 import numpy as np
 
 
-def old_ops(num_pairs):
+def ops_of(num_pairs, prefetch: bool, early: bool):
     from helmc.runtime.hybrid.schedule import Op
-    ops = [Op("begin")]
+    ops = [Op("begin"), Op("copy", 0)]
     for i in range(num_pairs):
-        ops += [Op("copy", i), Op("cpu", i), Op("to_gpu", i), Op("wait_copy", i), Op("gpu", i), Op("release_ring", i)]
+        ops += [Op("cpu", i), Op("to_gpu", i), Op("wait_copy", i), Op("gpu", i), Op("release_ring", i)]
         if i + 1 < num_pairs:
-            ops.append(Op("to_host", i))
-    return tuple(ops + [Op("resident"), Op("finish")])
+            ops += [Op("copy", i + 1), Op("to_host", i)] if early else [Op("to_host", i), Op("copy", i + 1)]
+    return tuple(ops + ([Op("prefetch", 0)] if prefetch else []) + [Op("resident"), Op("finish")])
+
+
+def pinned_get():
+    import cupy as cp
+    import cupyx
+    bufs = {}
+
+    def get(dev):
+        key = (dev.shape, dev.dtype.str)
+        if key not in bufs:
+            bufs[key] = cupyx.empty_pinned(dev.shape, dev.dtype)
+        dev.get(out=bufs[key], stream=cp.cuda.get_current_stream(), blocking=True)
+        return bufs[key].copy()
+    return get
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("profile"); ap.add_argument("bundle"); ap.add_argument("weights")
     ap.add_argument("--rounds", type=int, default=4); ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--orders", default="old,prefetch,early,new,new_pinned")
     a = ap.parse_args()
     from helmc.planner.replan_bundle import replan_bundle
     from helmc.runtime.session import Session
     plan = replan_bundle(a.bundle, a.profile)[0]
     s = Session.load(a.bundle, weights_dir=a.weights, plan=plan)
     h = s.gpu.hybrid
-    new = h.schedule.ops
-    old = old_ops(len(h.schedule.pairs))
+    m_pairs = len(h.schedule.pairs)
+    assert h.schedule.ops == ops_of(m_pairs, True, True)
+    orders = {"old": (ops_of(m_pairs, False, False), False), "prefetch": (ops_of(m_pairs, True, False), False),
+              "early": (ops_of(m_pairs, False, True), False), "new": (ops_of(m_pairs, True, True), False),
+              "new_pinned": (ops_of(m_pairs, True, True), True)}
+    names = a.orders.split(",")
+    plain_get, fast_get = h.backend.arrays.get, pinned_get()
     prompt = np.random.default_rng(0).integers(3, s.spec.vocab_size, 128).tolist()
-    res = {"new": [], "old": []}
-    toks = {}
+    res, toks = {n: [] for n in names}, {}
     for r in range(a.rounds + 1):
-        for name, ops in (("new", new), ("old", old)):
-            object.__setattr__(h.schedule, "ops", ops)     # the experiment's only change: the order of the ops
+        for name in names:
+            ops, pinned = orders[name]
+            object.__setattr__(h.schedule, "ops", ops)     # the experiment's change: the order of the ops
+            h.backend.arrays.get = fast_get if pinned else plain_get
             h.backend.forget_prefetch()
             g = s.generate(prompt_ids=prompt, max_new_tokens=a.tokens, temperature=0.0, stop_at_eos=False)
-            if r:                                          # round 0 warms up both
+            if r:                                          # round 0 warms up every order
                 res[name].append(statistics.median(g.per_token_ms))
             toks[name] = list(g.tokens)
     m = {k: statistics.median(v) for k, v in res.items()}
     print(f"{a.bundle}: {plan.describe()}, T_plan {plan.t_plan_ms:.2f} ms")
-    print(f"  prefetch order: {m['new']:.2f} ms/token {['%.2f' % x for x in res['new']]}")
-    print(f"  session 22's:   {m['old']:.2f} ms/token {['%.2f' % x for x in res['old']]}")
-    print(f"  old / new {m['old'] / m['new']:.3f}; same tokens {toks['new'] == toks['old']}")
+    for name in names:
+        print(f"  {name:<10} {m[name]:7.2f} ms/token  old/this {m[names[0]] / m[name]:.3f}  "
+              f"rounds {['%.2f' % x for x in res[name]]}  same tokens {toks[name] == toks[names[0]]}")
     return 0
 
 
