@@ -1,7 +1,9 @@
 """Session 23, calls B and C: one loaded hybrid session decoding with several op orders in turn, so only the order
 differs. Orders: old (session 22: every copy issued when its pair starts), prefetch (old + S_0 of the next token
 queued after the last group), early (old + each next copy queued before the crossing back), new (both: this
-session's token_ops), new_pinned (new, the crossing back through a pinned buffer instead of cupy.asnumpy).
+session's token_ops), new_pinned (new, the crossing back through a pinned buffer instead of cupy.asnumpy);
+call D adds old_pinned and prefetch_pinned, and the *_pinned orders take the resident part's logits through a pinned
+buffer too (is a pageable device-to-host copy held up behind the prefetch's copy?).
 
     python ab_prefetch.py PROFILE BUNDLE WEIGHTS [--rounds 4] [--tokens 64] [--orders old,new]
 """
@@ -41,6 +43,7 @@ def main():
     ap.add_argument("profile"); ap.add_argument("bundle"); ap.add_argument("weights")
     ap.add_argument("--rounds", type=int, default=4); ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--orders", default="old,prefetch,early,new,new_pinned")
+    ap.add_argument("--pinned-logits", action="store_true", help="the *_pinned orders also take the logits pinned")
     a = ap.parse_args()
     from helmc.planner.replan_bundle import replan_bundle
     from helmc.runtime.session import Session
@@ -51,7 +54,14 @@ def main():
     assert h.schedule.ops == ops_of(m_pairs, True, True)
     orders = {"old": (ops_of(m_pairs, False, False), False), "prefetch": (ops_of(m_pairs, True, False), False),
               "early": (ops_of(m_pairs, False, True), False), "new": (ops_of(m_pairs, True, True), False),
-              "new_pinned": (ops_of(m_pairs, True, True), True)}
+              "new_pinned": (ops_of(m_pairs, True, True), True), "old_pinned": (ops_of(m_pairs, False, False), True),
+              "prefetch_pinned": (ops_of(m_pairs, True, False), True)}
+    import cupy as cp
+    import helmc.runtime.gpu_session as gs
+    plain_logits = gs.logits_out
+
+    def pinned_logits(logits, argmax):
+        return plain_logits(logits, argmax) if argmax else fast_get(cp.ascontiguousarray(logits))
     names = a.orders.split(",")
     plain_get, fast_get = h.backend.arrays.get, pinned_get()
     prompt = np.random.default_rng(0).integers(3, s.spec.vocab_size, 128).tolist()
@@ -61,6 +71,7 @@ def main():
             ops, pinned = orders[name]
             object.__setattr__(h.schedule, "ops", ops)     # the experiment's change: the order of the ops
             h.backend.arrays.get = fast_get if pinned else plain_get
+            gs.logits_out = pinned_logits if pinned and a.pinned_logits else plain_logits
             h.backend.forget_prefetch()
             g = s.generate(prompt_ids=prompt, max_new_tokens=a.tokens, temperature=0.0, stop_at_eos=False)
             if r:                                          # round 0 warms up every order
