@@ -416,17 +416,16 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}
-    streamed = lender = None
+    streamed = None
     if plan.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill
-        from helmc.runtime.hybrid.load import RingLender, prefill_kv_targets
-        lender = RingLender(ring) if ring_lends or arena_in_ring else None
-        lend = lender if ring_lends else (stage.kv.lend_empty_pool if stage else None)
+        from helmc.runtime.hybrid.load import prefill_kv_targets, ring_lender
+        lend = ring_lender(ring) if ring_lends else (stage.kv.lend_empty_pool if stage else None)
         streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
                                    kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None,
                                    ops=stage.kv.ops if stage is not None else None,
-                                   lend_arena=lender if arena_in_ring else None)
+                                   lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
              if stage is not None and kv_options.get("cuda_graph", True) else None)
@@ -434,7 +433,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if hybrid:
         from helmc.runtime.hybrid.load import hybrid_decode
         decode = hybrid_decode(schedule, ring, arenas, vm, spec, cpu_stage, stage, graph, head_fns, head_weights,
-                               cupy_to_tvm, tvm_to_cupy, lender=lender)
+                               cupy_to_tvm, tvm_to_cupy)
         progress(f"  hybrid decode: {schedule.describe()}", quiet)
         cpu_step = None    # the CPU stage holds only the CPU groups: decode goes through the schedule
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,

@@ -120,7 +120,7 @@ class StreamedPrefill:
     cos, sin [S, d] (fp32), held only while run() runs: borrowed from the GPU stage's empty KV page
     pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated.
     lend_arena(nbytes), where given, lends the block's weights apart (a hybrid plan's idle staging ring of at
-    least one block, runtime/hybrid/load.RingLender): `lend` is then asked for the prompt's buffers only."""
+    least one block, runtime/hybrid/load.ring_lender): `lend` is then asked for the prompt's buffers only."""
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
                  cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,

@@ -24,7 +24,9 @@ measured / that. The calibrated profile is written beside --out. With --profile 
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
 placement under that profile, no calibration (issue 17's check); a split's row adds its CPU stage's read per decode
 step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `profile_gemv_read_vs_measured`). --replan runs each bundle with its plan made again
-from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own.
+from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own;
+--variants split,all_gpu also runs each bundle as its plain split in the same budget (a hybrid row then says whether
+its greedy tokens equal the split's: `tokens_equal_split`) and planned for the whole GPU, each its own row.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
@@ -400,7 +402,9 @@ def main(argv=None) -> int:
                                | {"replanned": plan is not None})
         save()
         main_row = report["helmc"][-1]
-        for variant in sorted(variants):
+        # The split before the all-GPU run: session 23's call A ran them the other way and read 20.39 GiB of peak
+        # VRAM for the 7 GiB split, the memory the all-GPU bundle left held on the device.
+        for variant in (v for v in ("split", "all_gpu") if v in variants):
             # the same bundle, another placement (no compiling): the split in the same budget, or the whole GPU
             vplan = (replan_bundle(bundle, calibrated, hybrid=False)[0] if variant == "split" else
                      replan_bundle(bundle, calibrated, gpu_budget_gib=calibrated.gpu.vram_total_bytes / 2**30)[0])

@@ -15,9 +15,6 @@ Cost per token (each term from cost_model, the same rates as a plain split):
 
     T = sum_i [ overlap(C_i, copy S_i) + T_gpu(S_i) ] + T_gpu(resident) + crossings
 
-S_0's copy is queued at the end of the token before (runtime/hybrid/schedule.py, `prefetch`): it runs alone while
-the GPU computes the resident blocks and the head, and C_0 overlaps only what is left of it.
-
 overlap() is max(T_cpu(C_i), T_copy(S_i)) under contention: both read host DRAM, and `helmc profile` measured
 what helmc's fp16 GEMVs and the copies get running together (link.cpu_read_concurrent_gbs, h2d_concurrent_gbs).
 While both run, each is slower than alone by its share of what their demand exceeds that combined rate, and
@@ -165,21 +162,18 @@ def evaluate_layout(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, k: int
         kv_all = w.batch * w.decode_context * (gpu.kv_bytes_per_token + streamed.kv_bytes_per_token)
         share = min(1.0, gpu_kv_resident_bytes(gpu_need) / kv_all) if kv_all else 1.0
     contention = Contention.of(hw, cpu_rates)
-    t_resident = timed("gpu", k, n, share).total_ms
-    groups, t_cpu, t_gpu, t_copy = [], 0.0, t_resident, 0.0
+    groups, t_cpu, t_gpu, t_copy = [], 0.0, 0.0, 0.0
     for first_unit, c, s_load in loads:
         tc = timed("cpu", 0 if first_unit == 1 else first_unit, first_unit + c, None)    # C_0 holds the embedding
         ts = timed("gpu", first_unit + c, first_unit + c + s_load.blocks, share)
         t_move = copy_ms(s_load.stored_bytes, hw)
-        # S_0's copy was queued at the end of the previous token (the runtime's prefetch) and ran alone while the
-        # GPU computed the resident part: C_0 overlaps only what is left of it.
-        left = max(0.0, t_move - t_resident) if first_unit == 1 else t_move
-        both = overlapped_ms(tc, left, contention)
+        both = overlapped_ms(tc, t_move, contention)
         blocks_bytes = a.stage(first_unit, first_unit + c).stored_bytes          # the group's blocks, no embedding
         groups += [PlanGroup("cpu", first_unit - 1, c, blocks_bytes, tc.total_ms),
                    PlanGroup("streamed", first_unit - 1 + c, s_load.blocks, s_load.stored_bytes, ts.total_ms, t_move,
                              both)]
         t_cpu, t_gpu, t_copy = t_cpu + both, t_gpu + ts.total_ms, t_copy + t_move
+    t_gpu += timed("gpu", k, n, share).total_ms
     t_comm = crossings_ms(a, k, len(pairs), w, hw)
     feasible = host_need.fits and gpu_need.fits
     why = "" if feasible else shortfall_text(host_need, gpu_need)

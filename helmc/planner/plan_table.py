@@ -99,7 +99,7 @@ def hybrid_lines(plan: Plan) -> list[str]:
     copied = sum(g.weight_bytes for g in plan.groups if g.kind == "streamed")
     lines.append(f"predicted overlap: the copies take {plan.t_copy_ms:.2f} ms alone and the CPU groups "
                  f"{cpu_alone:.2f} ms alone; together {plan.t_cpu_ms:.2f} ms, so {100 * max(0.0, min(1.0, hidden)):.0f}% "
-                 f"of the copy time is hidden (S_0's copy starts in the token before, beside the resident part); per token the CPU reads {cpu_bytes / 1e9:.2f} GB and PCIe carries "
+                 f"of the copy time is hidden; per token the CPU reads {cpu_bytes / 1e9:.2f} GB and PCIe carries "
                  f"{copied / 1e9:.2f} GB in those {plan.t_cpu_ms:.2f} ms ({(cpu_bytes + copied) / plan.t_cpu_ms / 1e6:.1f} GB/s "
                  f"of host memory)")
     lines.append(f"hybrid layouts tried, the best per pair count ('>' chosen):")

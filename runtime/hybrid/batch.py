@@ -4,8 +4,8 @@ The same schedule as one sequence's (schedule.py: copy S_i, C_i on the CPU, cros
 cross back, ..., the resident blocks and the head), run by HybridDecode on this backend: each streamed group's
 weights cross PCIe once per step for every sequence in it, the CPU groups read their weights once for all rows,
 and attention runs per sequence on its slot's caches (Stage.forward_batch). The ring, its copies and events are
-the one-sequence backend's (CudaHybridBackend: copy, wait_copy, release_ring, prefetch), so the
-copy-after-last-read and read-after-copy orders are the ones its tests check.
+the one-sequence backend's (CudaHybridBackend: copy, wait_copy, release_ring), so the copy-after-last-read and
+read-after-copy orders are the ones its tests check.
 
 Rows: x [S, H] with S = decode_step_rows(rows, ...) (one token per sequence, padded to a compiled batch size);
 each stage runs its decode_b{S} variant, whose rows are bit-identical to one-row decodes, so every sequence's
@@ -94,9 +94,6 @@ class BatchHybridBackend:
 
     def to_host(self, x) -> np.ndarray:
         return self.base.arrays.get(x)
-
-    def prefetch(self, p) -> None:
-        self.base.prefetch(p)
 
     def resident(self, x):
         to_tvm, to_cupy = self.base.to_tvm, self.base.to_cupy

@@ -18,14 +18,8 @@ current CuPy stream and TVM's environment stream while GpuParts.forward runs). T
               group's copies overwrite the ring (next pair, or the next token's first pair).
 cudaStreamWaitEvent takes the event's latest record at the time of the call, so one event object per role,
 re-recorded every token, orders each token's copies after the previous reads.
-Prefetch: the next token's S_0 copy is queued at the end of a step (schedule.token_ops), so `prefetched` says the
-ring's first slots hold S_0 (or will, by copied[0]) and the next `copy` of pair 0 is skipped. Invariant: while
-`prefetched`, nothing but that copy writes the ring; the streamed prefill, which borrows it, first calls
-`forget_prefetch` (runtime/hybrid/load.RingLender), which waits for the copy and clears the flag.
 """
 from __future__ import annotations
-
-import weakref
 
 import numpy as np
 
@@ -87,10 +81,6 @@ class CudaHybridBackend:
         self.copied = [ops.new_event() for _ in schedule.pairs]
         self.ring_free = ops.new_event()
         self.ring_read = False                 # whether ring_free has been recorded (a group has read the ring)
-        self.prefetched = False                # the ring holds S_0 for the next step (see the module docstring)
-        # A step may return with the prefetch still copying: the ring and the arenas must outlive it, so whoever
-        # drops this backend (a session going away) waits for the copy stream first.
-        self._wait_copies = weakref.finalize(self, _wait_quietly, ops, self.copy_stream)
         self.x = ops.device_empty((1, spec.hidden_size), np.float16)
         self.cos = ops.device_empty((1, spec.head_dim), np.float32)
         self.sin = ops.device_empty((1, spec.head_dim), np.float32)
@@ -111,9 +101,6 @@ class CudaHybridBackend:
         self.gpu_kv.begin_step(1)              # reserves the row's page, writes the step's token count
 
     def copy(self, p: Pair) -> None:
-        if p.index == 0 and self.prefetched:  # the previous step's prefetch queued it, copied[0] records its end
-            self.prefetched = False
-            return
         ops = self.ops
         if self.ring_read:
             ops.wait(self.copy_stream, self.ring_free)        # the last group's kernels have read the ring
@@ -153,19 +140,6 @@ class CudaHybridBackend:
     def to_host(self, x) -> np.ndarray:
         return self.arrays.get(x)              # synchronizes the compute stream only: the copy stream goes on
 
-    def prefetch(self, p: Pair) -> None:
-        """The next step's copy of pair 0, queued now (after this step's last ring_free)."""
-        assert p.index == 0, p
-        self.prefetched = False
-        self.copy(p)
-        self.prefetched = True
-
-    def forget_prefetch(self) -> None:
-        """Before anything else writes the ring: let the prefetch's copy end and have the next step copy again."""
-        if self.prefetched:
-            self.ops.synchronize_stream(self.copy_stream)
-            self.prefetched = False
-
     def resident(self, x):
         return self.resident_fn(x, self.cos_np, self.sin_np)
 
@@ -174,12 +148,4 @@ class CudaHybridBackend:
 
     def close(self) -> None:
         """Wait for the copies in flight (before the ring or the arenas go)."""
-        self._wait_copies()
-
-
-def _wait_quietly(ops, stream) -> None:
-    """The finalizer's wait: at interpreter exit the device may be gone already, and then nothing is in flight."""
-    try:
-        ops.synchronize_stream(stream)
-    except Exception:                          # noqa: BLE001 - a dead context has no copies left to wait for
-        pass
+        self.ops.synchronize_stream(self.copy_stream)

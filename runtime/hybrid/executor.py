@@ -11,7 +11,6 @@ A backend has one method per op kind (schedule.OP_KINDS):
     gpu(pair, x) -> x          S_i on the GPU from the ring, device activation in and out
     release_ring(pair)         compute stream: record ring_free
     to_host(x) -> x            device -> host (synchronous)
-    prefetch(pair)             the next token's copy of pair 0 (its `copy` then skips it, unless the ring was lent)
     resident(x) -> logits      GPU-resident blocks and the head (commits the GPU cache's step); host logits
     finish()                   commit the CPU cache's step
 Invariant (asserted at every op): the activation is where the op needs it (host for cpu and to_gpu, device for
@@ -57,8 +56,6 @@ class HybridDecode:
                 b.release_ring(p)
             elif op.kind == "to_host":
                 x = b.to_host(x)
-            elif op.kind == "prefetch":
-                b.prefetch(p)
             elif op.kind == "resident":
                 logits = b.resident(x)
             elif op.kind == "finish":

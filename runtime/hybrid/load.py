@@ -19,25 +19,14 @@ def allocate_ring(plan, arenas: list) -> tuple[HybridSchedule, object]:
     return schedule, cp.empty((schedule.ring_bytes,), cp.uint8)
 
 
-class RingLender:
-    """lend(nbytes) over the staging ring for the streamed prefill (StreamedPrefill.lend / lend_arena): its first
-    nbytes, or None when the ring is smaller (the prefill then allocates its own). Safe between decode steps: a
-    step's copies into the ring are all waited for by its groups, and the step ends with the host waiting for the
-    compute stream (the logits), so no kernel reads or writes the ring then; the prefill's kernels run on that
+def ring_lender(ring):
+    """lend(nbytes) over the staging ring for the streamed prefill (StreamedPrefill.lend): its first nbytes, or
+    None when the ring is smaller (the prefill then allocates its own). Safe between decode steps: a step's
+    copies into the ring are all waited for by its groups, and the step ends with the host waiting for the
+    compute stream (the logits), so nothing reads or writes the ring then; the prefill's kernels run on that
     stream and it ends the same way (its hidden state back to the host) before the next step's first copy is
-    issued. The one copy that may still run then, the next step's prefetch of S_0, is waited for first and
-    forgotten (`before_lend`: the decode backend's forget_prefetch, set by hybrid_decode)."""
-
-    def __init__(self, ring):
-        self.ring = ring
-        self.before_lend = None
-
-    def __call__(self, nbytes: int):
-        if nbytes > self.ring.nbytes:
-            return None
-        if self.before_lend is not None:
-            self.before_lend()
-        return self.ring[:nbytes]
+    issued."""
+    return lambda nbytes: ring[:nbytes] if nbytes <= ring.nbytes else None
 
 
 def prefill_kv_targets(schedule: HybridSchedule, arenas: list) -> tuple[tuple[str, int], ...]:
@@ -57,11 +46,10 @@ def ring_bindings(ring, arena, offset: int, spec, to_tvm):
 
 
 def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_stage, stage, graph, head_fns,
-                  head_weights, to_tvm, to_cupy, lender: RingLender | None = None):
+                  head_weights, to_tvm, to_cupy):
     """HybridDecode over CudaHybridBackend: one Stage per streamed group (the GPU's compiled block functions, its
     blocks' parameters on the ring), the resident part through `graph` (DecodeGraph) or eagerly without one; with
-    `graph`, each streamed group as a CUDA graph of its own too (group_graph.py), on the same stream. lender: the
-    ring's lender to the streamed prefill, which must forget the backend's prefetch before lending."""
+    `graph`, each streamed group as a CUDA graph of its own too (group_graph.py), on the same stream."""
     import cupy as cp
 
     from helmc.runtime.hybrid.cuda_backend import CudaHybridBackend
@@ -93,6 +81,4 @@ def hybrid_decode(schedule: HybridSchedule, ring, arenas: list, vm, spec, cpu_st
     backend = CudaHybridBackend(schedule, {i: by_layer[i] for i in schedule.streamed_layers}, ring, streamed,
                                 cpu_stage, stage.kv, resident, spec, to_tvm, to_cupy,
                                 graph_stream=graph.stream if graph is not None else None)
-    if lender is not None:
-        lender.before_lend = backend.forget_prefetch
     return HybridDecode(schedule, backend)

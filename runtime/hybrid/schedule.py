@@ -5,27 +5,20 @@ The plan (runtime/bundle/plan.py, `groups`) orders the host-resident blocks as p
 
     C_0 S_0 C_1 S_1 ... C_{m-1} S_{m-1} | GPU-resident blocks, head
 
-Per token (`HybridSchedule.ops`; S_0's copy is usually in flight already, see `prefetch`):
+Per token, for each pair i in order (`HybridSchedule.ops`):
 
-    copy 0          copy stream: wait `ring_free` (the GPU's last read of the ring), copy S_0's block arenas
-                    from pinned host memory into their ring slots, record `copied[0]` (skipped when the
-                    previous token's `prefetch` did it and nothing borrowed the ring since)
-    for each pair i:
-      cpu i           the CPU computes C_i (the copy runs meanwhile: both read host DRAM)
-      to_gpu i        the activation crosses to the GPU (compute stream)
-      wait_copy i     the compute stream waits `copied[i]`
-      gpu i           the GPU computes S_i with the ring slots' tensors as the blocks' parameters
-      release_ring i  compute stream: record `ring_free`
-      copy i+1        S_{i+1}'s copy, queued before the host waits for S_i's output: the copy stream starts it
-                      when S_i's kernels end (ring_free), not after the crossing back and the host's turn
-      to_host i       the activation crosses back for C_{i+1} (not after the last pair: the resident part follows)
-    prefetch 0      the next token's copy of S_0, queued after the last group's reads: it runs while the GPU
-                    computes the resident blocks and the head and the host samples, so C_0 then reads DRAM alone
+    copy i          copy stream: wait `ring_free` (the GPU's last read of the ring), copy S_i's block arenas
+                    from pinned host memory into their ring slots, record `copied[i]`
+    cpu i           the CPU computes C_i (the copy runs meanwhile: both read host DRAM)
+    to_gpu i        the activation crosses to the GPU (compute stream)
+    wait_copy i     the compute stream waits `copied[i]`
+    gpu i           the GPU computes S_i with the ring slots' tensors as the blocks' parameters
+    release_ring i  compute stream: record `ring_free`
+    to_host i       the activation crosses back for C_{i+1} (not after the last pair: the resident part follows)
 
 then `resident` (the GPU-resident blocks and the head, the captured decode graph where it replays) and `finish`
 (commit the step in both KV caches). `begin` opens the GPU cache's step first, so every block the GPU computes
-(streamed or resident) appends to the same step. The ring holds S_0's weights between tokens only until something
-else writes it (the streamed prefill borrows it: runtime/hybrid/load.RingLender makes the backend forget it).
+(streamed or resident) appends to the same step.
 
 Ring slots: S_i's blocks take consecutive ARENA_ALIGN-aligned slots from offset 0 (one arena per block, the
 layout runtime/prefill_stream.PinnedBlockArena gives it, so each block is one DMA); the ring is the largest
@@ -43,8 +36,7 @@ from typing import Callable
 from helmc.errors import HelmcError
 
 ARENA_ALIGN = 256                       # runtime/prefill_stream.ARENA_ALIGN (checked equal in the tests)
-OP_KINDS = ("begin", "copy", "cpu", "to_gpu", "wait_copy", "gpu", "release_ring", "to_host", "prefetch", "resident",
-            "finish")
+OP_KINDS = ("begin", "copy", "cpu", "to_gpu", "wait_copy", "gpu", "release_ring", "to_host", "resident", "finish")
 
 
 def aligned(n: int) -> int:
@@ -168,19 +160,18 @@ def _span(layers: tuple[int, ...]) -> str:
 
 def token_ops(num_pairs: int) -> tuple[Op, ...]:
     """The per-token order (see the module docstring)."""
-    ops = [Op("begin"), Op("copy", 0)]
+    ops = [Op("begin")]
     for i in range(num_pairs):
-        ops += [Op("cpu", i), Op("to_gpu", i), Op("wait_copy", i), Op("gpu", i), Op("release_ring", i)]
+        ops += [Op("copy", i), Op("cpu", i), Op("to_gpu", i), Op("wait_copy", i), Op("gpu", i), Op("release_ring", i)]
         if i + 1 < num_pairs:
-            ops += [Op("copy", i + 1), Op("to_host", i)]
-    return tuple(ops + [Op("prefetch", 0), Op("resident"), Op("finish")])
+            ops.append(Op("to_host", i))
+    return tuple(ops + [Op("resident"), Op("finish")])
 
 
 def check_ops(ops: tuple[Op, ...], num_pairs: int) -> None:
-    """What any correct order keeps: the GPU reads a group only after its copy's event, a copy (or the next
-    token's prefetch) overwrites the ring only after the previous group's last read, the activation crosses
-    before each streamed group and back between them (2m - 1 crossings), the CPU computes C_i only with the
-    activation on the host, each op once per pair."""
+    """What any correct order keeps: the GPU reads a group only after its copy's event, a copy overwrites the ring
+    only after the previous group's last read, the activation crosses before each streamed group and back between
+    them (2m - 1 crossings), the CPU computes C_i only with the activation on the host, each op once per pair."""
     def fail(why):
         raise HelmcError(f"hybrid schedule ops: {why}: {[(o.kind, o.pair) for o in ops]}")
 
@@ -191,14 +182,12 @@ def check_ops(ops: tuple[Op, ...], num_pairs: int) -> None:
         seen[(op.kind, op.pair)] = n
     per_pair = ("copy", "cpu", "to_gpu", "wait_copy", "gpu", "release_ring")
     want = {(k, i) for i in range(num_pairs) for k in per_pair} | {("to_host", i) for i in range(num_pairs - 1)}
-    want |= {("begin", -1), ("prefetch", 0), ("resident", -1), ("finish", -1)}
+    want |= {("begin", -1), ("resident", -1), ("finish", -1)}
     if set(seen) != want:
         fail(f"expected exactly {sorted(want)}")
     at = lambda k, i=-1: seen[(k, i)]                                                    # noqa: E731
     if not (at("begin") == 0 and at("finish") == len(ops) - 1 and at("resident") == len(ops) - 2):
         fail("expected begin first, resident then finish last")
-    if not at("release_ring", num_pairs - 1) < at("prefetch", 0) < at("resident"):
-        fail("the next token's prefetch expected after the last group's read of the ring, before the resident part")
     for i in range(num_pairs):
         if not at("copy", i) < at("wait_copy", i) < at("gpu", i) < at("release_ring", i):
             fail(f"pair {i}: expected copy < wait_copy < gpu < release_ring")

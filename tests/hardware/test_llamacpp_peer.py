@@ -76,6 +76,18 @@ def test_bench_decode_takes_the_peer_options(capsys):
     assert e.value.code == 0 and "--llama-ngl" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args, why", [(["--variants", "split"], "without --replan"),
+                                       (["--profile", "p.json", "--replan", "--variants", "split,cpu"], "'split,cpu'")])
+def test_bench_decode_refuses_variants_it_cannot_run(capsys, args, why):
+    # --variants replans each bundle (a plain split in its budget, the whole GPU): only with --replan, only those two
+    import bench_decode
+
+    with pytest.raises(SystemExit) as e:
+        bench_decode.main(["--model", "m"] + args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--variants expected split and/or all_gpu" in err and why in err
+
+
 def test_bench_serve_names_its_slowest_decode_steps():
     """bench_serve's step split: medians over the pure decode steps of n sequences (steps with a prefill or fewer
     sequences left out), their mean, and the slowest with their index among all steps and their parts."""

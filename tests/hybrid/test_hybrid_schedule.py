@@ -32,10 +32,8 @@ def test_slots_kv_indices_and_ops_of_two_pairs():
     assert s.gpu_kv_layers == (1, 2, 4, 5)                # GPU cache: streamed blocks first, then resident
     assert [(o.kind, o.pair) for o in s.ops] == [
         ("begin", -1),
-        ("copy", 0), ("cpu", 0), ("to_gpu", 0), ("wait_copy", 0), ("gpu", 0), ("release_ring", 0),
-        ("copy", 1), ("to_host", 0),                       # S_1's copy queued before the host waits for S_0's output
-        ("cpu", 1), ("to_gpu", 1), ("wait_copy", 1), ("gpu", 1), ("release_ring", 1),
-        ("prefetch", 0),                                   # the next token's S_0, during the resident part
+        ("copy", 0), ("cpu", 0), ("to_gpu", 0), ("wait_copy", 0), ("gpu", 0), ("release_ring", 0), ("to_host", 0),
+        ("copy", 1), ("cpu", 1), ("to_gpu", 1), ("wait_copy", 1), ("gpu", 1), ("release_ring", 1),
         ("resident", -1), ("finish", -1)]
     assert s.crossings == 3                                # 2 pairs: there, back, there
     assert s.describe() == "C0[0] S0[1..2] C1[3] S1[4] | resident [5], ring 0.0 MiB"
@@ -50,7 +48,6 @@ def test_uneven_arenas_and_no_resident_blocks():
     assert s.ring_bytes == 1536 and s.resident_layers == () and s.gpu_kv_layers == (1, 2, 3, 5)
     assert s.pairs[0].copy_bytes == 1256
     assert [o.kind for o in s.ops if o.pair == 1] == ["copy", "cpu", "to_gpu", "wait_copy", "gpu", "release_ring"]
-    assert [o.kind for o in s.ops if o.pair == 0][-2:] == ["to_host", "prefetch"]
 
 
 def test_one_pair_has_one_crossing():
@@ -70,7 +67,6 @@ def test_a_plain_split_has_no_schedule():
     ((("wait_copy", 0), ("gpu", 0)), "copy < wait_copy < gpu"),
     ((("cpu", 1), ("to_host", 0)), "previous streamed group's output back first"),
     ((("to_gpu", 0), ("cpu", 0)), "the CPU group, then the crossing"),
-    ((("prefetch", 0), ("release_ring", 1)), "prefetch expected after the last group's read"),
 ])
 def test_orders_that_break_an_invariant_are_refused(swap, why):
     ops = list(token_ops(2))
@@ -87,7 +83,7 @@ def test_missing_or_repeated_ops_are_refused():
     with pytest.raises(HelmcError, match="twice"):
         check_ops(ops[:3] + (Op("cpu", 0),) + ops[3:], 2)
     with pytest.raises(HelmcError, match="kind expected"):
-        Op("evict", 0)
+        Op("prefetch", 0)
 
 
 def test_constructed_schedules_check_their_slots_and_bases():

@@ -93,21 +93,13 @@ def test_contention_keeps_the_layout_and_costs_what_the_window_said(q8):
     split = plan(q8, hw, gpu_budget_gib=7, hybrid=False)
     assert _layout(p) == _pairs_of(2, 8) and p.t_plan_ms > ideal.t_plan_ms
     assert 1.15 < split.t_plan_ms / p.t_plan_ms < ideal_ratio(ideal, split)
-    g0, s0, g1, s1 = p.groups[:4]
-    a_cpu = g1.t_compute_ms * 92 / 80                      # no overhead in this profile: all of it is DRAM-bound
-    b_copy = s1.t_copy_ms * 54 / 40
-    # The second CPU group (2 blocks) slowed ends before the block's copy slowed: the copy runs alone for the rest
-    # of its bytes.
-    assert a_cpu < b_copy
-    assert s1.t_overlap_ms == pytest.approx(a_cpu + (1 - a_cpu / b_copy) * s1.t_copy_ms, rel=1e-12)
-    # S_0's copy was prefetched during the previous token's resident part, alone: C_0 (the embedding and 2 blocks)
-    # overlaps only what is left of it, and outlasts it.
-    t_resident = p.t_gpu_ms - sum(g.t_compute_ms for g in p.groups if g.kind == "streamed")
-    left = s0.t_copy_ms - t_resident
-    a0, b0 = g0.t_compute_ms * 92 / 80, left * 54 / 40
-    print(f"\nresident part {t_resident:.2f} ms; S_0's copy {s0.t_copy_ms:.2f} ms, {left:.2f} left beside C_0")
-    assert 0 < left < s0.t_copy_ms and b0 < a0
-    assert s0.t_overlap_ms == pytest.approx(b0 + (1 - b0 / a0) * g0.t_compute_ms, rel=1e-12)
+    g0, s0 = p.groups[0], p.groups[1]
+    a_cpu = g0.t_compute_ms * 92 / 80                      # no overhead in this profile: all of it is DRAM-bound
+    b_copy = s0.t_copy_ms * 54 / 40
+    # The first CPU group (the embedding and 2 blocks) slowed and the block's copy slowed end within 0.1%:
+    # the copy outlasts it, and runs alone for the rest of its bytes.
+    assert a_cpu < b_copy < 1.001 * a_cpu
+    assert s0.t_overlap_ms == pytest.approx(a_cpu + (1 - a_cpu / b_copy) * s0.t_copy_ms, rel=1e-12)
 
 
 def ideal_ratio(ideal: Plan, split: Plan) -> float:
