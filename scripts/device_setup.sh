@@ -21,3 +21,17 @@ if [ ! -f "$HELMC_ROOT/.devrt/site/tvm/lib/libtvm_runtime_cuda.so" ]; then
   echo "device_setup: expected the runtime-only TVM in $HELMC_ROOT/.devrt/site (carry .devrt), found none" >&2
   return 2 2>/dev/null || exit 2
 fi
+
+# The inputs of the hybrid-decode benchmarks (issue 17), made in the background; the caller `wait`s for them:
+# llama.cpp with CUDA built into /tmp/lc (.devrt/peers carried), the random GGUFs (Qwen3-8B F16 and Q4_K, Qwen3-14B
+# Q4_K) and the random fp16 Qwen3-8B HF directory under $HELMC_MODELS. Logs go to $1 (default $OUT).
+start_bench_inputs() {
+  local logs=${1:-$OUT} m=$HELMC_MODELS
+  ( bash "$HELMC_ROOT/.devrt/peers/build_llamacpp.sh" /tmp/lc > "$logs/llamacpp_build.log" 2>&1
+    echo "build rc=$?" >> "$logs/llamacpp_build.log" ) &
+  ( "$PY" "$HELMC_ROOT/.devrt/peers/mkgguf.py" "$m/q8b_f16.gguf" --config 8b --type f16 > "$logs/mkgguf.log" 2>&1
+    "$PY" "$HELMC_ROOT/.devrt/peers/mkgguf.py" "$m/q8b_q4k.gguf" --config 8b --type q4_k >> "$logs/mkgguf.log" 2>&1
+    "$PY" "$HELMC_ROOT/.devrt/peers/mkgguf.py" "$m/q14b_q4k.gguf" --config 14b --type q4_k >> "$logs/mkgguf.log" 2>&1 ) &
+  ( "$PY" "$HELMC_ROOT/scripts/make_random_model.py" "$m/q8fp16" --config qwen3-8b --dtype float16 \
+      > "$logs/make_model.log" 2>&1 ) &
+}
