@@ -42,7 +42,7 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
     if overheads:
         from helmc.planner.calibrate import synthetic_overheads
-        hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress)
+        hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress, rounds=2 if quick else 3)
         from helmc.planner.measure_reserve import profile_gpu_reserve
         hw = profile_gpu_reserve(hw, kit_dir, progress=progress)
     return hw

@@ -133,7 +133,10 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
 
     from helmc.runtime.session import Session
 
+    _free_gpu()                    # what an earlier row left in a pool is not this row's
     vram = None if vram_baseline_mib is None else PeakVram(torch.cuda.mem_get_info, vram_baseline_mib * 2**20)
+    free, total = torch.cuda.mem_get_info() if vram is not None else (0, 0)
+    held_before = None if vram is None else max(0, total - free - vram_baseline_mib * 2**20) / 2**30  # context, leftovers
     with contextlib.nullcontext() if vram is None else vram:
         t = time.perf_counter()
         s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph, plan=plan)
@@ -153,10 +156,12 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
             log(f"  request {i}: TTFT {r.ttft_ms:.1f} ms, {r.decode_tok_s:.2f} tok/s")
     out = summarize(runs)
     out["peak_vram_gib"] = None if vram is None else vram.peak_gib
+    out["vram_held_before_load_gib"] = None if held_before is None else round(held_before, 3)
     if plan.usable_vram_bytes and plan.uses_gpu:      # the budget the plan was made for (a whole GPU's free VRAM if none)
         out["gpu_budget_gib"] = round(plan.usable_vram_bytes / 2 ** 30, 3)
     if vram is not None:
-        log(f"  peak VRAM {vram.peak_gib:.2f} GiB (load, warm-up and requests; llama.cpp's -ngl runs report theirs)")
+        log(f"  peak VRAM {vram.peak_gib:.2f} GiB (load, warm-up and requests; llama.cpp's -ngl runs report theirs; "
+            f"{held_before:.2f} GiB of it held before the load: the CUDA context, what earlier rows left)")
     graph = getattr(s.gpu, "decode_graph", None)
     out["cuda_graph"] = graph is not None and not graph.disabled
     if graph is not None:
@@ -196,7 +201,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         log(f"  T_plan ({label}) {c.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms:.2f} + T_gpu {c.t_gpu_ms:.2f} + "
             f"T_comm {c.t_comm_ms:.4f}); measured p50 {out['per_token_ms_p50']:.2f} ms, ratio "
             f"{out[f'measured_over_plan_{label}']:.3f}")
-    del s
+    del s, graph          # every reference gone first (session 24: `graph` kept, the next row's peak read 7.57 GiB)
     _free_gpu()
     return out
 
@@ -226,6 +231,11 @@ def _free_gpu() -> None:
 
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except ImportError:
+        pass
+    try:                                        # TVM's pooled device allocations (the VMs' storage) likewise
+        import tvm_ffi
+        (tvm_ffi.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True) or (lambda: None))()
     except ImportError:
         pass
     import torch

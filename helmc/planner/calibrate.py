@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from helmc.planner.analyze_program import ProgramAnalysis, analyze_program
 from helmc.planner.cost_model import DeviceRates, Workload, comm_time_ms, stage_time
@@ -32,6 +33,9 @@ from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile, load_hardware
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Candidate, Plan
+
+if TYPE_CHECKING:
+    from helmc.runtime.measure_bundle import BundleTimings
 
 SOURCE = "calibrated"
 
@@ -257,11 +261,20 @@ def _merge(old: DeviceFit | None, new: DeviceFit) -> DeviceFit:
     return dataclasses.replace(old, **{k: getattr(new, k) for k in take})
 
 
+# Rounds of the synthetic stages' timing, every round's steps pooled into one median. One round of 16 steps is half a
+# second of the CPU stage, and a host's bandwidth drops in bursts of about that (host_read.py): session 24's call B
+# timed the same synthetic stage three times in a minute at 55-93 GB/s where the real split's CPU stage read 82-83
+# (a 64-token run each), and call A's profile, one round, read 11% above the split's stage in the bench beside it.
+SYNTHETIC_ROUNDS = 3
+
+
 def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: int = 3,
-                   progress=lambda m: None) -> tuple[list[DeviceFit], str, tuple[str, ...]]:
+                   progress=lambda m: None, rounds: int = SYNTHETIC_ROUNDS
+                   ) -> tuple[list[DeviceFit], str, tuple[str, ...]]:
     """(fits, note, unmeasured) of `helmc profile`'s per-device delta and sigma: calibrate's fit on the profile kit's
     synthetic bundles (helmc's compiled CPU stage, and GPU stage where the kit has one for this GPU), with random
-    weights written for the blocks a timed step binds, against hw's rates."""
+    weights written for the blocks a timed step binds, against hw's rates. Each bundle is timed in `rounds` rounds,
+    the bundles taking turns, and each device's fit is over the median of every round's steps."""
     import tempfile
 
     from helmc.hardware.kit import ProfileKit, write_synthetic_weights
@@ -290,9 +303,14 @@ def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: i
         progress(f"overheads: writing {layers} synthetic blocks of {kit.block.hidden}x{kit.block.ffn} "
                  f"({layers * block >> 20} MiB)")
         write_synthetic_weights(weights, kit.block, layers)
-        for bundle in bundles:
-            progress(f"overheads: {steps} decode steps through {os.path.basename(bundle)} ({kit.synthetic_layers} blocks)")
-            t = measure_bundle(bundle, weights, steps=steps, warmup=warmup, cpu_cache_bytes=cache)
+        timed = {bundle: [] for bundle in bundles}
+        for r in range(rounds):
+            for bundle in bundles:
+                progress(f"overheads: {steps} decode steps through {os.path.basename(bundle)} ({kit.synthetic_layers} "
+                         f"blocks), round {r + 1} of {rounds}")
+                timed[bundle].append(measure_bundle(bundle, weights, steps=steps, warmup=warmup, cpu_cache_bytes=cache))
+        for bundle, runs in timed.items():
+            t = pool_rounds(runs)
             a, w = analyze_program(t.spec), decode_workload(t.plan)
             for device in ("cpu", "gpu"):
                 stage, tail = t.stage(device), t.tail(device)
@@ -303,7 +321,7 @@ def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: i
              f"roofline {f.roofline_step_ms / f.blocks:.4f}; the blocks' weights read at {f.read_gbs:.1f} GB/s), "
              f"sigma {f.step_overhead_ms:+.4f} ms/token" for f in fits]
     note = (f"overheads: {'; '.join(parts)}: helmc's compiled stages ({', '.join(used)}) on a synthetic "
-            f"{kit.block.hidden}x{kit.block.ffn} Qwen3 block, {steps} steps at mean context {w.decode_context:g}, "
+            f"{kit.block.hidden}x{kit.block.ffn} Qwen3 block, {rounds} rounds of {steps} steps at mean context {w.decode_context:g}, "
             f"against this profile's rates (helmc calibrate refines them on a real bundle)")
     return fits, note, skipped
 
@@ -325,10 +343,27 @@ def clamp_negative_deltas(hw: HardwareProfile) -> HardwareProfile:
         f"profile's own rates)",))
 
 
+def pool_rounds(runs: "list[BundleTimings]") -> "BundleTimings":
+    """One bundle's timings of several rounds as one: every stage's and tail's samples in round order."""
+    first = runs[0]
+    for t in runs[1:]:
+        if ([(s.device, s.blocks, s.distinct_blocks) for s in t.stages] !=
+                [(s.device, s.blocks, s.distinct_blocks) for s in first.stages] or
+                [x.device for x in t.tails] != [x.device for x in first.tails]):
+            raise HelmcError(f"calibrate: the rounds of {first.bundle_dir} timed different parts; expected the same "
+                             f"stages and tails in every round")
+    stages = tuple(dataclasses.replace(s, step_ms=tuple(x for t in runs for x in t.stages[i].step_ms))
+                   for i, s in enumerate(first.stages))
+    tails = tuple(dataclasses.replace(x, tail_ms=tuple(v for t in runs for v in t.tails[i].tail_ms),
+                                      crossing_ms=tuple(v for t in runs for v in t.tails[i].crossing_ms))
+                  for i, x in enumerate(first.tails))
+    return dataclasses.replace(first, stages=stages, tails=tails, steps=sum(t.steps for t in runs))
+
+
 def synthetic_overheads(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: int = 3,
-                        progress=lambda m: None) -> HardwareProfile:
+                        progress=lambda m: None, rounds: int = SYNTHETIC_ROUNDS) -> HardwareProfile:
     """hw with each device's delta and sigma from synthetic_fits; the rates are hw's own, its source unchanged."""
-    fits, note, skipped = synthetic_fits(hw, kit_dir, steps, warmup, progress)
+    fits, note, skipped = synthetic_fits(hw, kit_dir, steps, warmup, progress, rounds)
     out = apply_fits(hw, fits, note, source=hw.source)
     out = clamp_negative_deltas(out)
     return dataclasses.replace(out, unmeasured=out.unmeasured + skipped)

@@ -301,8 +301,9 @@ def test_synthetic_overheads_reproduce_the_measured_step():
     target = dataclasses.replace(_here(), quick=True)
     kit_dir = ensure_kit(target, progress=lambda m: None)
     hw = profile(quick=True, gpu_backend="none", kit_dir=kit_dir, overheads=False, progress=lambda m: None)
-    fits, note, skipped = synthetic_fits(hw, kit_dir, steps=6, warmup=2)
+    fits, note, skipped = synthetic_fits(hw, kit_dir, steps=6, warmup=2, rounds=2)
     (f,) = fits
+    assert "2 rounds of 6 steps" in note
     assert f.device == "cpu" and f.blocks == ProfileKit.load(kit_dir).synthetic_layers and f.has_tail and not skipped
     assert math.isfinite(f.block_overhead_ms) and math.isfinite(f.step_overhead_ms) and f.measured_step_ms > 0
     fitted = apply_fits(hw, fits, note, source=hw.source)
@@ -327,3 +328,32 @@ def test_synthetic_overheads_reproduce_the_measured_step():
                                    link=LinkProfile(50.0, 50.0, 8.0))
     _, _, skipped = synthetic_fits(with_gpu, kit_dir, steps=2, warmup=0)
     assert skipped and "no GPU stage for sm_90" in skipped[0]
+
+
+def test_rounds_of_a_synthetic_stage_pool_every_step():
+    """helmc profile times its synthetic stage in rounds (a host's bandwidth drops in bursts as long as one round)
+    and fits the median of all their steps; rounds that timed different parts are refused, not mixed."""
+    import os
+    import tempfile
+
+    from helmc.compiler.profile_kit import ensure_kit
+    from helmc.errors import HelmcError
+    from helmc.hardware.kit import ProfileKit, write_synthetic_weights
+    from helmc.model.spec import ModelSpec
+    from helmc.planner.calibrate import pool_rounds
+    from helmc.runtime.measure_bundle import measure_bundle
+    kit_dir = ensure_kit(dataclasses.replace(_here(), quick=True), progress=lambda m: None)
+    kit = ProfileKit.load(kit_dir)
+    block = ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers)).block_weight_bytes(0)
+    bundle = os.path.join(kit_dir, kit.cpu_bundle)
+    with tempfile.TemporaryDirectory() as weights:
+        write_synthetic_weights(weights, kit.block, kit.synthetic_layers)
+        runs = [measure_bundle(bundle, weights, steps=3, warmup=1, cpu_cache_bytes=block) for _ in range(2)]
+        other = measure_bundle(bundle, weights, steps=3, warmup=1, cpu_cache_bytes=4 * block)
+    pooled = pool_rounds(runs)
+    stage = pooled.stage("cpu")
+    assert stage.step_ms == runs[0].stage("cpu").step_ms + runs[1].stage("cpu").step_ms and pooled.steps == 6
+    assert pooled.tail("cpu").tail_ms == runs[0].tail("cpu").tail_ms + runs[1].tail("cpu").tail_ms
+    assert stage.distinct_blocks == runs[0].stage("cpu").distinct_blocks != other.stage("cpu").distinct_blocks
+    with pytest.raises(HelmcError, match="timed different parts"):
+        pool_rounds([runs[0], other])
