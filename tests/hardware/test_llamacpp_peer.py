@@ -64,6 +64,12 @@ def test_ratios_keep_their_keys_and_add_the_vram_match():
                  "prefill_speedup_vs_llamacpp_ngl10": 2.0,
                  "decode_ratio_vs_llamacpp_best": 1.5, "hybrid_decode_ratio_vs_llamacpp": 1.5,
                  "llamacpp_ngl_within_vram": 10, "decode_ratio_vs_llamacpp_within_vram": 1.5}
+    # With a budget the hybrid's ratio is issue 17's: against the fastest -ngl within it (-ngl 10, 16 tok/s), not the
+    # run's best (-ngl 99, 64 tok/s, 16.5 GiB)
+    budgeted = llamacpp_peer.ratios(dict(helmc_row(2.9), hybrid=True, gpu_budget_gib=3.0), LLAMA, prompt_len=128)
+    assert budgeted["hybrid_decode_ratio_vs_llamacpp"] == 1.5 and budgeted["decode_ratio_vs_llamacpp_best"] == 0.375
+    tight = llamacpp_peer.ratios(dict(helmc_row(0.2), hybrid=True, gpu_budget_gib=0.25), LLAMA, prompt_len=128)
+    assert tight["hybrid_decode_ratio_vs_llamacpp"] == 0.375                  # no -ngl within 0.25 GiB: the best
     unmeasured = {k: v for k, v in helmc_row(None).items() if k != "peak_vram_gib"}    # a row from before the figure
     assert llamacpp_peer.ratios(unmeasured, LLAMA, prompt_len=128)["decode_ratio_vs_llamacpp_within_vram"] is None
 
