@@ -97,6 +97,12 @@ class CpuProfile:
     # against (bench_decode's profile_dram_vs_measured); M with the block overhead is how the cost model splits
     # the same time. 0 = not measured.
     stage_read_gbs: float = 0.0
+    # The weight bytes of the blocks block_overhead_ms was fitted on, per block: the cost model charges a block of b
+    # bytes delta * b / overhead_block_bytes (0 = unknown: delta whole per block). Session 24 (call E) measured the
+    # overhead a real split's CPU stage implies per block: fp16 8B blocks 0.89 x the fp16-fitted delta, Q4_K 8B
+    # blocks (0.28 of the bytes) 0.40 x, Q4_K 14B (0.48 of the bytes) 0.21 x; charged whole, the Q4_K splits were
+    # planned 29-32% slow.
+    overhead_block_bytes: int = 0
 
     def __post_init__(self):
         _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
@@ -104,7 +110,7 @@ class CpuProfile:
         _require(self.ram_total_bytes > 0 and 0 < self.ram_free_bytes <= self.ram_total_bytes,
                  f"cpu.ram_free_bytes expected in (0, ram_total_bytes={self.ram_total_bytes}], found {self.ram_free_bytes}")
         _require(min(self.l3_bytes, self.host_read_gbs, self.l3_gbs, self.fp32_gflops, self.threads,
-                     self.attention_read_gbs, self.stage_read_gbs) >= 0,
+                     self.attention_read_gbs, self.stage_read_gbs, self.overhead_block_bytes) >= 0,
                  "cpu figures expected >= 0 (0 = not measured)")
         types = [(r.weight_type, r.rows) for r in self.gemv_reads]
         _require(len(set(types)) == len(types),

@@ -69,6 +69,7 @@ class StageLoad:
     head_flops_per_token: int = 0
     kv_bytes_per_token: int = 0
     attn_flops_per_context_token: int = 0
+    block_param_bytes: int = 0          # param_bytes of the block units alone (what a per-block overhead scales by)
 
     def __add__(self, other: "StageLoad") -> "StageLoad":
         return StageLoad(*(a + b for a, b in zip(_load_values(self), _load_values(other))))
@@ -88,7 +89,8 @@ class StageLoad:
                    block_flops_per_token=unit.proj_flops_per_token if not head else 0,
                    head_flops_per_token=unit.proj_flops_per_token if head else 0,
                    kv_bytes_per_token=unit.kv_bytes_per_token,
-                   attn_flops_per_context_token=unit.attn_flops_per_context_token)
+                   attn_flops_per_context_token=unit.attn_flops_per_context_token,
+                   block_param_bytes=unit.param_bytes if block else 0)
 
 
 # The fields in order, read without dataclasses.astuple's deep copy: the hybrid search adds and subtracts

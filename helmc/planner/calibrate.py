@@ -53,6 +53,7 @@ class DeviceFit:
     crossing_ms: float = 0.0          # GPU: hidden state + RoPE rows host -> device, synchronised
     has_tail: bool = False
     block_bytes: int = 0              # weight bytes of one of the blocks (0: not known)
+    overhead_block_bytes: int = 0     # the cost model's weight bytes per timed block (what delta is charged per)
 
     @property
     def read_gbs(self) -> float:
@@ -171,7 +172,8 @@ def fit_device(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, device: str
         load = a.stage(1, 1 + stage.blocks)                            # `blocks` blocks, nothing else
         roof = stage_time(a, load, rates, w, blend_l3=blend).total_ms
         fit = dataclasses.replace(fit, blocks=stage.blocks, distinct_blocks=stage.distinct_blocks,
-                                  measured_step_ms=stage.p50_ms, roofline_step_ms=roof)
+                                  measured_step_ms=stage.p50_ms, roofline_step_ms=roof,
+                                  overhead_block_bytes=load.block_param_bytes // stage.blocks)
     if tail is not None:
         n = a.num_units
         modelled = stage_time(a, a.stage(n - 1, n), rates, w, blend_l3=blend).total_ms
@@ -191,6 +193,8 @@ def apply_fits(hw: HardwareProfile, fits: list[DeviceFit], note: str, source: st
             changes["block_overhead_ms"] = round(f.block_overhead_ms, 5)
         if f.device == "cpu" and f.read_gbs:
             changes["stage_read_gbs"] = round(f.read_gbs, 2)
+        if f.device == "cpu" and f.blocks:
+            changes["overhead_block_bytes"] = f.overhead_block_bytes
         if f.has_tail:
             changes["step_overhead_ms"] = round(f.step_overhead_ms, 5)
         devices[f.device] = dataclasses.replace(devices[f.device], **changes)
@@ -249,7 +253,7 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
                              mean_context)
 
 
-_BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms")
+_BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms", "overhead_block_bytes")
 _TAIL_FIELDS = ("measured_tail_ms", "modelled_tail_ms", "crossing_ms", "has_tail")
 
 

@@ -82,6 +82,7 @@ class DeviceRates:
     block_overhead_ms: float = 0.0 # delta: per block per token beyond the roofline
     step_overhead_ms: float = 0.0  # sigma: per token, charged to the stage that holds the lm_head
     attention_gbs: float = 0.0     # KV read of the device's decode attention kernel (0: eq. 4.14's blend of M, B_L3)
+    overhead_block_bytes: int = 0  # delta is per block of these weight bytes, scaled by a block's own (0: per block)
 
     @classmethod
     def of_cpu(cls, cpu: CpuProfile, block_overhead_ms: float = 0.0,
@@ -97,7 +98,8 @@ class DeviceRates:
                    eta_compute=cpu.eta_compute, eta_memory=cpu.eta_memory, l3_bytes=cpu.l3_bytes,
                    l3_gbs=cpu.l3_gbs if cpu.l3_gbs > 0 else L3_TO_DRAM_RATIO * M,
                    block_overhead_ms=block_overhead_ms if cpu.block_overhead_ms is None else cpu.block_overhead_ms,
-                   step_overhead_ms=cpu.step_overhead_ms or 0.0, attention_gbs=cpu.attention_read_gbs)
+                   step_overhead_ms=cpu.step_overhead_ms or 0.0, attention_gbs=cpu.attention_read_gbs,
+                   overhead_block_bytes=cpu.overhead_block_bytes if cpu.block_overhead_ms is not None else 0)
 
     @classmethod
     def of_gpu(cls, gpu: GpuProfile, block_overhead_ms: float = 0.0,
@@ -228,7 +230,16 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
             raise HelmcError("cost model: KV beyond device memory needs a link profile to stream over")
         t_stream = _ms(streamed, link.h2d_gbs * 1e9)
     return StageTime(proj_ms=t_proj, attn_ms=t_attn, kv_stream_ms=t_stream,
-                     overhead_ms=load.blocks * rates.block_overhead_ms + load.heads * rates.step_overhead_ms)
+                     overhead_ms=block_overheads_ms(load, rates) + load.heads * rates.step_overhead_ms)
+
+
+def block_overheads_ms(load: StageLoad, rates: DeviceRates) -> float:
+    """delta for each block of the stage: whole per block, or scaled by the blocks' weight bytes where the rates say
+    which block size delta was fitted on (the CPU's: its stage reads below its lone GEMVs by time per byte, and a
+    quantized block has a third of an fp16 block's bytes)."""
+    if rates.overhead_block_bytes > 0:
+        return rates.block_overhead_ms * load.block_param_bytes / rates.overhead_block_bytes
+    return load.blocks * rates.block_overhead_ms
 
 
 def comm_time_ms(a: ProgramAnalysis, cpu_units: int, w: Workload, link: LinkProfile | None) -> float:

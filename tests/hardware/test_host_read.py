@@ -311,6 +311,7 @@ def test_synthetic_overheads_reproduce_the_measured_step():
     kit = ProfileKit.load(kit_dir)
     spec = ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers))
     a = analyze_program(spec)
+    assert fitted.cpu.overhead_block_bytes == a.stage(1, 2).block_param_bytes > 0    # delta is per block of these
     # The stage read the profile reports: the synthetic blocks' weight bytes over the measured step.
     stage_gbs = f.blocks * spec.block_weight_bytes(0) / f.measured_step_ms / 1e6
     assert fitted.cpu.stage_read_gbs == pytest.approx(stage_gbs, rel=1e-3) and stage_gbs > 0

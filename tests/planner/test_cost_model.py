@@ -120,6 +120,25 @@ def test_block_overhead_delta_per_block(q8):
     assert stage_time(q8, q8.stage(37, 38), rates, Workload(), blend_l3=False).overhead_ms == 0.0   # head only
 
 
+def test_block_overhead_scales_with_the_blocks_bytes_where_the_fit_says_its_block(q8, laptop):
+    """A delta fitted on blocks of B bytes (cpu.overhead_block_bytes) is charged delta * b / B to a block of b bytes:
+    session 24 measured a quantized block's overhead at a fraction of the fp16-fitted delta. Without the figure,
+    or where the CPU takes the profile-wide delta, it is charged whole per block, as before."""
+    w = Workload()
+    load = q8.stage(0, 11)                                                     # embedding + 10 blocks
+    assert load.block_param_bytes == 10 * BLOCK_BYTES
+    half = dataclasses.replace(laptop.cpu, block_overhead_ms=0.5, overhead_block_bytes=2 * BLOCK_BYTES)
+    scaled = stage_time(q8, load, DeviceRates.of_cpu(half), w, blend_l3=True)
+    assert scaled.overhead_ms == pytest.approx(10 * 0.5 / 2, rel=1e-12)       # half the fitted block's bytes
+    same = dataclasses.replace(half, overhead_block_bytes=BLOCK_BYTES)
+    assert stage_time(q8, load, DeviceRates.of_cpu(same), w, blend_l3=True).overhead_ms == pytest.approx(5.0)
+    unknown = dataclasses.replace(half, overhead_block_bytes=0)
+    assert stage_time(q8, load, DeviceRates.of_cpu(unknown), w, blend_l3=True).overhead_ms == pytest.approx(5.0)
+    wide = dataclasses.replace(half, block_overhead_ms=None)                   # the profile-wide delta: per block
+    assert DeviceRates.of_cpu(wide, block_overhead_ms=0.5).overhead_block_bytes == 0
+    assert stage_time(q8, q8.stage(37, 38), DeviceRates.of_cpu(half), w, blend_l3=True).overhead_ms == 0.0  # head
+
+
 def test_kv_streams_over_the_link_when_vram_is_short(q8, laptop):
     gpu = DeviceRates.of_gpu(laptop.gpu, 0.0)
     w = Workload(prompt_len=20000, output_len=2000)
