@@ -314,7 +314,7 @@ def test_synthetic_overheads_reproduce_the_measured_step():
     assert fitted.cpu.overhead_block_bytes == a.stage(1, 2).block_param_bytes > 0    # delta is per block of these
     # The stage read the profile reports: the synthetic blocks' weight bytes over the measured step.
     stage_gbs = f.blocks * spec.block_weight_bytes(0) / f.measured_step_ms / 1e6
-    assert fitted.cpu.stage_read_gbs == pytest.approx(stage_gbs, rel=1e-3) and stage_gbs > 0
+    assert fitted.cpu.stage_read_gbs == pytest.approx(stage_gbs, rel=1e-3, abs=0.006) and stage_gbs > 0  # 2 decimals
     assert hw.cpu.stage_read_gbs == 0.0                                   # measured only with the overheads
     rates = DeviceRates.of_device(fitted, "cpu", analysis=a)
     assert rates.mem_gbs == pytest.approx(hw.cpu.host_read_gbs, rel=1e-12)   # fp16 weights: M is the fp16 GEMV read
