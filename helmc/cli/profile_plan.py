@@ -35,7 +35,9 @@ def summarize_profile(hw: HardwareProfile) -> str:
         lines.append(f"     GEMV reads by weight type (GB/s): {reads}")
     stage = (f"; helmc's CPU stage read its blocks' weights at {c.stage_read_gbs:.1f} GB/s (synthetic blocks, every "
              f"part of a decode step)" if c.stage_read_gbs else "")
-    lines.append(f"     per-block overhead {_ms(c.block_overhead_ms)}, per-token tail {_ms(c.step_overhead_ms)}{stage}")
+    per = (f" per {c.overhead_block_bytes / 2**20:.1f} MiB block (charged by a block's bytes)"
+           if c.overhead_block_bytes and c.block_overhead_ms is not None else "")
+    lines.append(f"     per-block overhead {_ms(c.block_overhead_ms)}{per}, per-token tail {_ms(c.step_overhead_ms)}{stage}")
     if hw.gpu is not None and hw.link is not None:
         g, l = hw.gpu, hw.link
         lines += [f"gpu: {g.name} ({g.arch}), VRAM {g.vram_free_bytes / GIB:.1f} of {g.vram_total_bytes / GIB:.1f} GiB free, "

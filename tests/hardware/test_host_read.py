@@ -312,6 +312,9 @@ def test_synthetic_overheads_reproduce_the_measured_step():
     spec = ModelSpec.from_hf_config(kit.block.hf_config(kit.synthetic_layers))
     a = analyze_program(spec)
     assert fitted.cpu.overhead_block_bytes == a.stage(1, 2).block_param_bytes > 0    # delta is per block of these
+    from helmc.cli.profile_plan import summarize_profile
+    assert f"per {fitted.cpu.overhead_block_bytes / 2**20:.1f} MiB block (charged by a block's bytes)" in \
+        summarize_profile(fitted)
     # The stage read the profile reports: the synthetic blocks' weight bytes over the measured step.
     stage_gbs = f.blocks * spec.block_weight_bytes(0) / f.measured_step_ms / 1e6
     assert fitted.cpu.stage_read_gbs == pytest.approx(stage_gbs, rel=1e-3, abs=0.006) and stage_gbs > 0  # 2 decimals
