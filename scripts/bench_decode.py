@@ -133,7 +133,6 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
 
     from helmc.runtime.session import Session
 
-    _free_gpu()                    # what an earlier row left in a pool is not this row's
     vram = None if vram_baseline_mib is None else PeakVram(torch.cuda.mem_get_info, vram_baseline_mib * 2**20)
     free, total = torch.cuda.mem_get_info() if vram is not None else (0, 0)
     held_before = None if vram is None else max(0, total - free - vram_baseline_mib * 2**20) / 2**30  # context, leftovers

@@ -3,7 +3,7 @@
 # keeps (session 22's hybrid op order), then ab_threads.py on the Q4_K 3 GiB and fp16 7 GiB plans of the same profile.
 # Carry: .devrt/site .devrt/peers .devrt/s23.tar.xz (session 22's fp16_7g, q4k_3g, q14b_6g bundles, the profile kit,
 # tests/device/build_hybrid_bundles.py's tiny hybrid bundles). Run under setsid with RUN_OUT=/tmp/callA; poll for
-# "== done" (two calls).
+# "== done" (two calls). THREADS_AB=0 stops after the checks (callD.sh).
 set -u
 source scripts/device_setup.sh
 OUT=${RUN_OUT:-$OUT}; mkdir -p "$OUT"
@@ -30,7 +30,7 @@ for case in "fp16_7g $M/q8fp16 $B/fp16_7g 14,15,99 $M/q8b_f16.gguf split,all_gpu
     "$OUT/$1.log" | grep -v Warning | tail -16
 done
 echo "== checks done $(date +%T)"
-for case in "q4k_3g $M/q8b_q4k.gguf" "fp16_7g $M/q8fp16"; do
+[ "${THREADS_AB:-1}" = 1 ] && for case in "q4k_3g $M/q8b_q4k.gguf" "fp16_7g $M/q8fp16"; do
   set -- $case
   echo "== threads $1 $(date +%T)"
   "$PY" $D/ab_threads.py $B/$1 "$2" --profile "$OUT/profile.json" --settings 16,15,14,12,16u --rounds 3 \
