@@ -96,6 +96,29 @@ class PeakVram:
 
 
 # ------------------------------------------------------------------ workers
+def free_device_pools() -> None:
+    """Hand back what this process's libraries pool on the device (bench_decode between rows: an earlier row's
+    pooled memory would count in the next one's peak): CuPy's pools, TVM's VM storage, torch's cache."""
+    import gc
+
+    gc.collect()
+    try:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except ImportError:
+        pass
+    try:                                        # TVM's pooled device allocations (the VMs' storage) likewise
+        import tvm_ffi
+        (tvm_ffi.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True) or (lambda: None))()
+    except ImportError:
+        pass
+    import torch
+
+    torch.cuda.empty_cache()
+
+
 def worker_helmc(args) -> None:
     sys.path.insert(0, ROOT)
     import cupy

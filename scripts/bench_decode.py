@@ -7,26 +7,26 @@ for a GGUF file, helmc vs llama.cpp's llama-bench on the same file.
     python scripts/bench_decode.py --model model.gguf --bundle BUNDLE --llama-bench /tmp/lc/build/bin/llama-bench
         --llama-ngl 0,99 [--threads 16] ...      (HF peers are skipped for a GGUF file; llamacpp_peer.py)
 
-Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at
-EOS. Per request: TTFT (prompt in -> first token out), decode tok/s ((n - 1) / time from the first to
-the last token) and per-token latencies; reported as the median over requests (after one warm-up
-request of the same length). Accelerate at ~0.8 tok/s would need ~3 min per 128-token request, so its request
-count and length are separate (--peer-requests, --accelerate-new-tokens; decode is steady-state).
-
-Also measured in the same run: host DRAM read bandwidth (torch sum over 2 GiB, all threads), GPU HBM (device copy,
-bytes read + written, taken as the read rate) and pinned host-to-device bandwidth; the roofline per token is the
-bytes each side reads per token (a unit's weights; of the embedding table, one row) over its rate, beside T_plan.
+Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at EOS. Per request:
+TTFT (prompt in -> first token out), decode tok/s ((n - 1) / time from the first to the last token) and per-token
+latencies; the median over requests, after one warm-up request of the same length. Accelerate (~0.8 tok/s) has its
+own request count and length (--peer-requests, --accelerate-new-tokens; decode is steady-state).
+Also measured in the same run: host DRAM read (torch sum over 2 GiB, all threads), GPU HBM (device copy, read +
+written) and pinned host-to-device bandwidth; the roofline per token is the bytes each side reads per token over
+its rate, beside T_plan.
 With --calibrate, `helmc calibrate` runs first in the same process on the same machine (helmc.planner.calibrate:
 each device's per-block delta and per-token tail fitted on the bundles' own compiled stages against
 --hardware, default the first bundle's hardware.json), and every helmc row also reports the cost
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
-measured / that. The calibrated profile is written beside --out. With --profile HW.json instead (what `helmc
+measured / that (the calibrated profile is written beside --out). With --profile HW.json instead (what `helmc
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
 placement under that profile, no calibration (issue 17's check); a split's row adds its CPU stage's read per decode
-step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `profile_gemv_read_vs_measured`). --replan runs each bundle with its plan made again
-from --profile (`helmc plan BUNDLE hardware.json`, no compiling), as a user does on a machine of their own;
+step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `profile_gemv_read_vs_measured`).
+--replan runs each bundle with its plan made again from --profile (`helmc plan BUNDLE hardware.json`, no
+compiling), as a user does on a machine of their own;
 --variants split,all_gpu also runs each bundle as its plain split in the same budget (a hybrid row then says whether
-its greedy tokens equal the split's: `tokens_equal_split`) and planned for the whole GPU, each its own row.
+its greedy tokens equal the split's, and where not, whether they part at a logit tie: helmc.testing.GreedyTrace) and planned
+for the whole GPU, each its own row.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -61,10 +60,11 @@ for _path in (_ROOT, _SCRIPTS):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 import llamacpp_peer  # noqa: E402  (the peer's options, runs and ratios)
-from bench_context import PeakVram  # noqa: E402
+from bench_context import PeakVram, free_device_pools  # noqa: E402
 from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
 from helmc.planner.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes  # noqa: E402
 from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
+from helmc.testing import GreedyTrace, compare_greedy, greedy_trace  # noqa: E402  (numpy only)
 
 GB = 1e9
 
@@ -128,7 +128,7 @@ def rss_bytes() -> dict:
 
 def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, requests: int, bw: dict,
                 calibrated=None, cuda_graph: bool = True, label: str = "calibrated", plan=None,
-                vram_baseline_mib: int | None = None) -> dict:
+                vram_baseline_mib: int | None = None, trace: bool = False) -> dict:
     import torch
 
     from helmc.runtime.session import Session
@@ -200,9 +200,23 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         log(f"  T_plan ({label}) {c.t_plan_ms:.2f} ms (T_cpu {c.t_cpu_ms:.2f} + T_gpu {c.t_gpu_ms:.2f} + "
             f"T_comm {c.t_comm_ms:.4f}); measured p50 {out['per_token_ms_p50']:.2f} ms, ratio "
             f"{out[f'measured_over_plan_{label}']:.3f}")
+    if trace:             # untimed, after every timed figure (time_cpu_stage's list included)
+        out.update(trace_fields(s, prompt, new_tokens, runs[0]["tokens"]))
     del s, graph          # every reference gone first (session 24: `graph` kept, the next row's peak read 7.57 GiB)
-    _free_gpu()
+    free_device_pools()
     return out
+
+
+def trace_fields(session, prompt: list[int], n: int, request_tokens: list[int]) -> dict:
+    """A row's greedy trace (JSON) and whether its tokens are the timed first request's (the same argmax rule)."""
+    t = greedy_trace(session, prompt, n)
+    return {"greedy_trace": t.to_json(), "greedy_trace_equals_request": list(t.tokens) == list(request_tokens)}
+
+
+def compare_rows(hybrid_row: dict, split_row: dict) -> dict:
+    """compare_greedy over two rows' traces (trace_fields): tokens_equal_split, where they part, and if at a tie."""
+    a, b = (GreedyTrace(**{k: tuple(v) for k, v in r["greedy_trace"].items()}) for r in (hybrid_row, split_row))
+    return compare_greedy(a, b)
 
 
 def time_cpu_stage(s) -> list[float] | None:
@@ -221,25 +235,6 @@ def time_cpu_stage(s) -> list[float] | None:
         return out
     gpu.cpu_stage_step = timed
     return steps
-
-
-def _free_gpu() -> None:
-    gc.collect()
-    try:
-        import cupy
-
-        cupy.get_default_memory_pool().free_all_blocks()
-        cupy.get_default_pinned_memory_pool().free_all_blocks()
-    except ImportError:
-        pass
-    try:                                        # TVM's pooled device allocations (the VMs' storage) likewise
-        import tvm_ffi
-        (tvm_ffi.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True) or (lambda: None))()
-    except ImportError:
-        pass
-    import torch
-
-    torch.cuda.empty_cache()
 
 
 # ---- Hugging Face peers ------------------------------------------------------------------------
@@ -301,7 +296,7 @@ def bench_hf(model_dir: str, prompt: list[int], new_tokens: int, requests: int, 
         out["top5_first_request"] = runs[0]["top5"]
     del model
     if device != "cpu":
-        _free_gpu()
+        free_device_pools()
     return out
 
 
@@ -327,7 +322,7 @@ def run_calibration(a, report: dict):
         path = os.path.splitext(a.out)[0] + "-calibrated-hardware.json"
         r.profile.save(path)
         report["calibration"]["profile_path"] = path
-    _free_gpu()
+    free_device_pools()
     return r.profile
 
 
@@ -406,11 +401,11 @@ def main(argv=None) -> int:
     for bundle in a.bundle:
         # --replan: what a user does on a new machine (helmc profile, helmc plan BUNDLE, helmc run --plan)
         plan = replan_bundle(bundle, calibrated)[0] if a.replan else None
-        report["helmc"].append(bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated,
-                                           label=label, plan=plan, vram_baseline_mib=vram_baseline_mib)
-                               | {"replanned": plan is not None})
+        main_row = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, label=label, plan=plan,
+                               vram_baseline_mib=vram_baseline_mib, trace="split" in variants and bool(plan and plan.is_hybrid)
+                               ) | {"replanned": plan is not None}
+        report["helmc"].append(main_row)
         save()
-        main_row = report["helmc"][-1]
         # The split before the all-GPU run: session 23's call A ran them the other way and read 20.39 GiB of peak
         # VRAM for the 7 GiB split, the memory the all-GPU bundle left held on the device.
         for variant in (v for v in ("split", "all_gpu") if v in variants):
@@ -419,12 +414,15 @@ def main(argv=None) -> int:
                      replan_bundle(bundle, calibrated, gpu_budget_gib=calibrated.gpu.vram_total_bytes / 2**30)[0])
             if vplan.describe() == plan.describe():
                 continue
-            row = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, label=label,
-                              plan=vplan, vram_baseline_mib=vram_baseline_mib) | {"replanned": True, "variant": variant}
+            row = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, label=label, plan=vplan,
+                              vram_baseline_mib=vram_baseline_mib, trace=variant == "split" and main_row["hybrid"])
+            row |= {"replanned": True, "variant": variant}
             report["helmc"].append(row)
             if variant == "split" and main_row.get("hybrid"):
-                main_row["tokens_equal_split"] = row["tokens_first_request"] == main_row["tokens_first_request"]
-                log(f"  hybrid and plain split: the same greedy tokens: {main_row['tokens_equal_split']}")
+                main_row.update(compare_rows(main_row, row))
+                log(f"  hybrid and plain split: the same greedy tokens: {main_row['tokens_equal_split']} (first "
+                    f"divergence {main_row['tokens_first_divergence_vs_split']}, at a tie: "
+                    f"{main_row.get('tokens_divergence_at_tie', '-')})")
             save()
         if a.eager_too and report["helmc"][-1].get("cuda_graph"):
             eager = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, cuda_graph=False,
