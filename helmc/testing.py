@@ -166,9 +166,10 @@ def greedy_trace(session, prompt: list[int], n: int) -> GreedyTrace:
 def compare_greedy(a: GreedyTrace, b: GreedyTrace) -> dict:
     """bench_decode's fields for run a against run b: equal, the first step they part (len where none), and whether
     either run's logits tie there (a rounding difference, not a wrong block)."""
-    first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+    n = min(len(a.tokens), len(b.tokens))
+    first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), n)
     out = {"tokens_equal_split": a.tokens == b.tokens, "tokens_first_divergence_vs_split": first}
-    if first < min(len(a.tokens), len(b.tokens)):
+    if first < n:
         out["tokens_divergence_at_tie"] = a.is_tie(first) or b.is_tie(first)
         out["tokens_divergence_leads"] = [a.lead[first], b.lead[first]]
     return out

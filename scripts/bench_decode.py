@@ -25,8 +25,8 @@ step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `pro
 --replan runs each bundle with its plan made again from --profile (`helmc plan BUNDLE hardware.json`, no
 compiling), as a user does on a machine of their own;
 --variants split,all_gpu also runs each bundle as its plain split in the same budget (a hybrid row then says whether
-its greedy tokens equal the split's, and where not, whether they part at a logit tie: helmc.testing.GreedyTrace) and planned
-for the whole GPU, each its own row.
+its greedy tokens equal the split's, and where not, whether they part at a logit tie: helmc.testing.GreedyTrace)
+and planned for the whole GPU, each its own row.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
                               vram_baseline_mib=vram_baseline_mib, trace=variant == "split" and main_row["hybrid"])
             row |= {"replanned": True, "variant": variant}
             report["helmc"].append(row)
-            if variant == "split" and main_row.get("hybrid"):
+            if variant == "split" and main_row["hybrid"]:
                 main_row.update(compare_rows(main_row, row))
                 log(f"  hybrid and plain split: the same greedy tokens: {main_row['tokens_equal_split']} (first "
                     f"divergence {main_row['tokens_first_divergence_vs_split']}, at a tie: "
