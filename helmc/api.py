@@ -84,14 +84,21 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
         weights_dir: str | None = None, on_text=None, quiet: bool = True, trusted_keys: tuple | None = None,
-        require_signed: bool = False, plan=None, **kv_options):
+        require_signed: bool = False, plan=None, warm_up: bool = True, **kv_options):
     """trusted_keys: signature.PublicKey of the keys whose signature is accepted (signature.trusted_keys(paths)
     reads them, with HELMC_TRUSTED_KEYS); require_signed: refuse a bundle without such a signature.
-    plan: a Plan (e.g. replan_bundle's for this machine) run instead of the bundle's own."""
+    plan: a Plan (e.g. replan_bundle's for this machine) run instead of the bundle's own.
+    warm_up: pay the first calls' one-time costs while loading (runtime/session_warmup.py), so that the request's
+    TTFT and decode rate are a warm process's."""
     from helmc.runtime.session import Session
+    from helmc.runtime.session_warmup import warm_up_session
     check_run_arguments(max_new_tokens, temperature, top_k, top_p, seed, **kv_options)
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
+    if warm_up:
+        prompt_tokens = len(prompt_ids) if prompt_ids is not None else \
+            len(session.tokenizer.encode(prompt).ids) if prompt is not None and session.tokenizer is not None else 0
+        warm_up_session(session, prompt_tokens + max_new_tokens)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
 

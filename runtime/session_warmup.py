@@ -1,0 +1,63 @@
+"""What a fresh process's first request would pay once, paid while loading instead (`helmc run`, `helmc chat`).
+
+A one-shot `helmc run` is a fresh process: its first prefill and its first decode steps are also the first calls of
+every compiled function (TVM loads a function's kernels on first call, CuPy compiles its elementwise kernels,
+cuBLAS picks its algorithms), the first writes into the host KV arena (the OS commits its pages then), the first
+decode step of each CUDA-graph key (run eagerly once, captured the next time) and the cyclic GC walking everything
+the load made. `warm_up_session` runs a short dummy prompt and a few decode steps, commits the host KV rows the
+request will use, resets the caches and freezes the GC, so that the request's TTFT and decode rate are those of a
+warm process. Tokens never depend on it: the caches are reset, and a reset cache never reads its stale rows.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+from helmc.errors import HelmcError
+
+DUMMY_PROMPT_TOKENS = 2      # more than one row: the prefill functions (and a streamed prefill), not a decode step
+DECODE_STEPS = 3             # the first step of a graph key runs eagerly, the second captures, the third replays
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What warming up did: host KV bytes committed and the seconds it took."""
+    kv_bytes: int
+    seconds: float
+
+
+def host_kv_caches(session) -> list:
+    """The session's host KV caches (KVCacheCPU): the CPU stage's, whatever the plan."""
+    from helmc.runtime.kv.cache_cpu import KVCacheCPU
+    caches = []
+    if session.cpu_stage is not None:
+        caches.append(session.cpu_stage.kv)
+    if session.gpu is not None and session.gpu.cpu_kv is not None:
+        caches.append(session.gpu.cpu_kv)
+    unique = {id(kv): kv for kv in caches if isinstance(kv, KVCacheCPU)}
+    return list(unique.values())
+
+
+def warm_up_session(session, tokens: int) -> WarmUp:
+    """Run a dummy prompt and DECODE_STEPS decode steps, commit the host KV rows of the first `tokens` positions,
+    leave every cache empty and freeze the GC. `tokens`: the request's prompt plus new tokens (at most the plan's
+    context)."""
+    t0 = time.perf_counter()
+    vocab = session.spec.vocab_size
+    session.reset()
+    try:
+        ids = [t % vocab for t in range(1, DUMMY_PROMPT_TOKENS + 1)]
+        session.forward(ids, argmax=True)
+        for step in range(DECODE_STEPS):
+            session.forward([(step + 1) % vocab], argmax=True)
+        session.forward([1], all_logits=False)                 # the sampled path: logits to the host
+    finally:
+        session.reset()
+    tokens = max(0, min(int(tokens), session.plan.max_context))
+    kv_bytes = sum(kv.prefault(tokens) for kv in host_kv_caches(session))
+    if session.position:
+        raise HelmcError(f"warm-up: expected an empty session after it, found {session.position} tokens")
+    gc.collect()
+    gc.freeze()
+    return WarmUp(kv_bytes, time.perf_counter() - t0)
