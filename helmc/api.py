@@ -5,6 +5,10 @@ import os
 
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
+from helmc.model.weight_types import QUANT_MIXES
+
+# `build`'s quant choices (the CLI's --quant): weight_types' mixes.
+QUANT_CHOICES = tuple(QUANT_MIXES)
 
 
 def _hardware(hardware) -> HardwareProfile:
@@ -60,8 +64,8 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
           quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = "",
           batch: int = 1, hybrid: bool = True, sign_key: str | None = None):
     """model_dir: a Hugging Face model directory or a GGUF file. quant: "" (the checkpoint's weights as stored) or
-    q8_0 | q4_0 | q4_k | q4_k_m (a Hugging Face checkpoint quantized once into the weights cache; q4_k_m is
-    llama.cpp's mix: q6_k for the lm_head and, in some blocks, v and down).
+    one of QUANT_CHOICES (a Hugging Face checkpoint quantized once into the weights cache; weight_types.QUANT_MIXES
+    says what each writes, e.g. llama.cpp's Q4_K_M mix: Q6_K for the lm_head and, in some blocks, v and down).
     prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
     bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only.
     batch: sequences decoded at once (`helmc serve --max-batch`): the plan counts their KV and activations.

@@ -17,6 +17,7 @@ import click
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.serve_chat import chat_command, serve_command
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.api import QUANT_CHOICES
 from helmc.errors import HelmcError
 
 
@@ -101,7 +102,7 @@ def main(debug):
 @click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default="model", show_default=True,
               help="AMX prefill GEMM inputs: rounded to the model's bf16 (as HF's bf16 model; fastest) or fp32 "
                    "(bf16 hi + lo, ~1e-5 of an fp32 GEMM, 1.3-1.6x the GEMM time)")
-@click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k", "q4_k_m"]), default=None,
+@click.option("--quant", type=click.Choice(QUANT_CHOICES), default=None,
               help="quantize a Hugging Face checkpoint's linear weights to this llama.cpp block format (once, into "
                    "the weights cache); a GGUF file keeps its own types")
 @click.option("--max-batch", type=int, default=1, show_default=True,

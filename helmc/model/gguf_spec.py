@@ -25,9 +25,10 @@ import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec, RopeSpec
+from helmc.model.weight_types import WEIGHT_TYPES
 
 GGUF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-SUPPORTED_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 
 # ---- names: one table, read both ways -------------------------------------------------------------
 HF_TO_GGUF_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -95,7 +96,7 @@ def permuted_heads(gguf_arch: str, spec: ModelSpec, gguf_tensor: str) -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str                 # llama.cpp name
-    type: str                 # lower-case GGML type name: f16, q4_k, ... (also unsupported ones: q5_k)
+    type: str                 # lower-case GGML type name (also unsupported ones: q5_k)
     dims: tuple[int, ...]     # ne0 first, as the file lists them
     offset: int               # absolute byte offset of the data in the file
     nbytes: int
@@ -450,6 +451,6 @@ def read_gguf_spec(path: str) -> ModelSpec:
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF tensor name -> lower-case type name (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k); any other type
+    """HF tensor name -> lower-case type name (a weight_types.WEIGHT_TYPES key); any other type
     raises a HelmcError naming the tensor and its type."""
     return _types(read_gguf_header(path))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
+from helmc.model.weight_types import quant_blocks
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -25,8 +26,8 @@ SIZE_LIMITS = {"hidden_size": 1 << 18, "intermediate_size": 1 << 20, "num_layers
 # The block's linear weights, in the order ModelSpec.layer_types lists their types.
 LINEAR_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-# Weights of one block of each quantized type and its bytes (llama.cpp's formats, GGUF).
-QUANT_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
+# Weights of one block of each quantized type and its bytes (llama.cpp's formats, GGUF): weight_types' table.
+QUANT_BLOCKS = quant_blocks()
 
 
 def check_quant_shape(qtype: str, n: int, k: int, who: str) -> tuple[int, int]:
@@ -75,7 +76,7 @@ class ModelSpec:
     bos_token_id: int = -1
     eos_token_ids: tuple[int, ...] = ()
     # Quantized weights (a GGUF file, or `helmc build --quant`): per block, the type of each LINEAR_NAMES weight
-    # ("q4_k", ... or "" for `dtype`); the lm_head's and the token embedding's types. Empty: all in `dtype`.
+    # (a weight_types block format, or "" for `dtype`); the lm_head's and the token embedding's types. Empty: all in `dtype`.
     # Norms and biases are always in `dtype`.
     layer_types: tuple[tuple[str, ...], ...] = ()
     head_type: str = ""
@@ -333,7 +334,7 @@ def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:
 
 
 def with_weight_types(spec: ModelSpec, types: dict[str, str]) -> ModelSpec:
-    """`spec` with the quantized types of a checkpoint's tensors ({HF name: "q4_k" | "f16" | ...}, as
+    """`spec` with the quantized types of a checkpoint's tensors ({HF name: a weight_types name}, as
     gguf_spec.gguf_tensor_types gives): float types become "" (read as `spec.dtype`)."""
     def q(name: str) -> str:
         t = types.get(name, "")
