@@ -43,7 +43,8 @@ import gguf
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.gguf_spec import GGUF_ARCHITECTURES, gguf_name, permuted_heads, qk_rows_to_gguf
+from helmc.model.arch import ARCHITECTURES
+from helmc.model.gguf_spec import gguf_name, permuted_heads, qk_rows_to_gguf
 from helmc.model.gguf_tokenizer import PRE_TOKENIZERS
 from helmc.model.quant_formats import quant_type, quantize
 from helmc.model.spec import ModelSpec
@@ -53,8 +54,8 @@ from helmc.runtime.weights.safetensors_mmap import Checkpoint
 CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
 FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
-# HF architecture -> general.architecture; llama.cpp's converter writes Mistral as llama.
-_GGUF_ARCH = {**{hf: g for g, hf in GGUF_ARCHITECTURES.items()}, "MistralForCausalLM": "llama"}
+# HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
+_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -235,7 +236,7 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
-    if _GGUF_ARCH[spec.architecture] == "llama":
+    if ARCHITECTURES[spec.architecture].gguf_vocab_and_rope_dims:
         w.add_vocab_size(spec.vocab_size)
         w.add_rope_dimension_count(spec.head_dim)
 
@@ -302,6 +303,6 @@ def _tokenizer_pre(tok: dict, spec: ModelSpec, say: Progress) -> str:
     for name in ("qwen2", "llama-bpe"):
         if pattern is not None and pattern == PRE_TOKENIZERS[name].regex:
             return name
-    guess = "qwen2" if spec.architecture in ("Qwen3ForCausalLM", "Qwen2ForCausalLM") else "llama-bpe"
+    guess = ARCHITECTURES[spec.architecture].pre_tokenizer
     say(f"quantize: tokenizer.json's pre-tokenizer is neither Qwen2's, Llama 3's nor GPT-2's; written as {guess!r}")
     return guess

@@ -1,7 +1,7 @@
 """ModelSpec: what helmc needs to know about a decoder-only transformer, read from config.json.
 
-A build needs this file only; weights bind at run time. Supported: Qwen3 (q/k RMSNorm), Qwen2
-(q/k/v bias), Llama and Mistral (plain). Everything the compiler, the cost model and the runtime
+A build needs this file only; weights bind at run time. Supported: the architectures of helmc.model.arch (Qwen3,
+Qwen2, Llama, Mistral), which says what differs between them. Everything the compiler, the cost model and the runtime
 derive from the architecture (bytes per block, head layout, RoPE frequencies) comes from here.
 """
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
+from helmc.model.arch import ARCHITECTURES
 from helmc.model.weight_types import quant_blocks
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Far above any released model (Llama 3.1 405B: 126 blocks, hidden 16384, 128 heads; vocabularies ~256k), but
 # below what a corrupt header can ask for: the checks that list one tensor per block, or the planner's tables,
@@ -274,8 +275,9 @@ class ModelSpec:
             raise HelmcError(f"{where}: eos_token_id expected an integer or a list of them, found {cfg['eos_token_id']!r:.60}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r:.60}")
+        entry = ARCHITECTURES[arch]
         sliding = 0
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window") is True:
+        if entry.sliding_window or cfg.get("use_sliding_window") is True:
             sliding = number("sliding_window", 0, positive=False)
         bos = cfg.get("bos_token_id")
         fields = dict(
@@ -286,8 +288,8 @@ class ModelSpec:
             max_position_embeddings=number("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings") is True,
             dtype=_TORCH_DTYPE_NAMES[dtype_name],
-            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias") is True,
-            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
+            qkv_bias=entry.qkv_bias or cfg.get("attention_bias") is True,
+            qk_norm=entry.qk_norm, sliding_window=sliding,
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
             eos_token_ids=tuple(eos))
         try:
