@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import os
 
+from helmc.compiler.options import BuildOptions, build_options
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
+from helmc.model.weight_types import QUANT_MIXES
+from helmc.runtime.kv.options import KV_PAGE_TOKENS, KV_WATERMARK, KVOptions
+# The KV defaults the CLI shows (runtime/kv/options.py defines them): KV_PAGE_TOKENS, KV_WATERMARK.
+
+# `build`'s quant choices (the CLI's --quant): weight_types' mixes; its defaults (BuildOptions').
+QUANT_CHOICES = tuple(QUANT_MIXES)
+BUILD_DEFAULTS = BuildOptions()
 
 
 def _hardware(hardware) -> HardwareProfile:
@@ -55,19 +63,20 @@ def plan(model_dir_or_config: str, hardware, prompt_len: int = 128, output_len: 
                   objective=objective, gpu_budget_gib=gpu_budget_gib, kv_offload=kv_offload, hybrid=hybrid)
 
 
-def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, copy_weights: bool = False,
-          use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
-          quiet: bool = False, stream_prefill: bool = True, prefill_activations: str = "model", quant: str = "",
-          batch: int = 1, hybrid: bool = True, sign_key: str | None = None):
-    """model_dir: a Hugging Face model directory or a GGUF file. quant: "" (the checkpoint's weights as stored) or
-    q8_0 | q4_0 | q4_k | q4_k_m (a Hugging Face checkpoint quantized once into the weights cache; q4_k_m is
-    llama.cpp's mix: q6_k for the lm_head and, in some blocks, v and down).
+def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, sign_key: str | None = None,
+          options: BuildOptions | None = None, **keywords):
+    """model_dir: a Hugging Face model directory or a GGUF file. options: a BuildOptions (compiler/options.py: the
+    fields and their defaults), or its fields as keywords:
+    quant: "" (the checkpoint's weights as stored) or
+    one of QUANT_CHOICES (a Hugging Face checkpoint quantized once into the weights cache; weight_types.QUANT_MIXES
+    says what each writes, e.g. llama.cpp's Q4_K_M mix: Q6_K for the lm_head and, in some blocks, v and down).
     prefill_activations: "model" (bf16 weights: the AMX prefill GEMM rounds its activations to bf16, as HF's
     bf16 model) or "fp32" (hi + lo split, ~1e-5 of an fp32 GEMM, slower); CPU stages on AMX targets only.
     batch: sequences decoded at once (`helmc serve --max-batch`): the plan counts their KV and activations.
     hybrid: allow hybrid decode layouts (compiler/pipeline.hybrid_allowed says when they are searched).
     sign_key: a private key file (`helmc keygen`) to sign the bundle's manifest with; read before anything is built."""
     from helmc.compiler.pipeline import build as run_pipeline
+    options = build_options(options, keywords)
     signer = None
     if sign_key is not None:
         from helmc.runtime.bundle.signature import load_private_key
@@ -75,10 +84,7 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
     if not os.path.exists(model_dir):
         raise HelmcError(f"model: expected a Hugging Face model directory or a GGUF file, found nothing at {model_dir}")
     hw = _hardware(hardware).with_gpu_budget(gpu_budget_gib)
-    return run_pipeline(model_dir, hw, out_dir, copy_weights=copy_weights, use_cache=use_cache, cache_dir=cache_dir,
-                        prompt_len=prompt_len, output_len=output_len, quiet=quiet, stream_prefill=stream_prefill,
-                        prefill_activations=prefill_activations, quant=quant, batch=batch, hybrid=hybrid,
-                        signer=signer)
+    return run_pipeline(model_dir, hw, out_dir, options, signer=signer)
 
 
 def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
@@ -104,13 +110,10 @@ def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None
 
 
 def check_run_arguments(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-                        kv_page_tokens: int = 512, kv_watermark: float = 0.8, **_):
+                        **kv_options):
     """run's arguments, checked before the bundle is read: a typo costs no load (and writes nothing)."""
     from helmc.runtime.sampling import SamplingParams
     if max_new_tokens < 1:
         raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
     SamplingParams(temperature, top_k, top_p, seed)
-    if kv_page_tokens < 1:
-        raise HelmcError(f"--kv-page-tokens expected a positive integer, found {kv_page_tokens}")
-    if not 0 < kv_watermark <= 1:
-        raise HelmcError(f"--kv-watermark expected in (0, 1], found {kv_watermark}")
+    KVOptions.from_keywords(kv_options)

@@ -7,6 +7,7 @@ import sys
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.kv.options import KVOptions
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
 CPU_STAGE_LIB = "cpu_stage.so"
@@ -39,7 +40,7 @@ def load_stage_library(bundle_dir: str, manifest, name: str, dev=None, load=None
 
 
 def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, layers=None,
-                    **kv_options):
+                    kv: KVOptions = KVOptions()):
     """The CPU stage over `layers` (default plan.cpu_layers; hybrid decode: plan.cpu_compute_layers, the CPU groups'
     blocks) or None if there are none, and the head if it is on the CPU.
     `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
@@ -61,7 +62,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
         if bindings is None:
             bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        page_tokens=kv_options.get("kv_page_tokens", 512), max_tokens=plan.max_context,
+                        page_tokens=kv.page_tokens, max_tokens=plan.max_context,
                         dtype=spec.dtype, sliding_window=spec.sliding_window or None,
                         threads=default_threads(),
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,

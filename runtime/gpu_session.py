@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.kv.options import KVOptions
 from helmc.runtime.stage import batch_phase
 
 GPU_LIB = "gpu_stage.so"
@@ -330,7 +331,7 @@ class GpuParts:
                 a += n
             return self._head_of_last_rows(last)                                    # [B, V], B = len(rows) > 1
 
-def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options):
+def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
     import cupy as cp
     import tvm.runtime
 
@@ -362,7 +363,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
                 pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
         cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
-                                       **kv_options)
+                                       kv=kv_options)
         dev_cpu = tvm.cpu()
 
         def cpu_step(x, cos, sin, phase):
@@ -395,7 +396,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if kv_layers:
         bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
-        page_tokens = kv_options.get("kv_page_tokens", 512)
+        page_tokens = kv_options.page_tokens
         pool_loan = 0 if ring_lends else loan
         if plan.gpu_kv_pool_bytes:
             # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
@@ -408,7 +409,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
             budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
         kv = KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                         max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
-                        watermark=kv_options.get("kv_watermark", 0.8), offload=kv_options.get("kv_offload", True),
+                        watermark=kv_options.watermark, offload=kv_options.offload,
                         sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
                         ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
@@ -428,7 +429,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                                    lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
-             if stage is not None and kv_options.get("cuda_graph", True) else None)
+             if stage is not None and kv_options.cuda_graph else None)
     decode = None
     if hybrid:
         from helmc.runtime.hybrid.load import hybrid_decode

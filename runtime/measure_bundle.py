@@ -29,6 +29,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.kv.options import KV_PAGE_TOKENS   # the sessions' default page size
 
 from helmc.runtime.rope import RopeTables
 from helmc.runtime.weights.bind import Embedding, open_checkpoint
@@ -36,7 +37,6 @@ from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
 
 PARTS = ("cpu_blocks", "gpu_blocks", "cpu_head", "gpu_head")
-KV_PAGE_TOKENS = 512                # the sessions' default page size
 MIN_DISTINCT_BLOCKS = 2             # a block never follows itself, whatever the cache size
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.kv.options import KVOptions
 
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.rope import RopeTables
@@ -78,6 +79,7 @@ class Session:
         signature.verify_manifest_signature; the signature is checked before any other file is read.
         On failure nothing stays held: the checkpoint is closed and the error carries no traceback into the
         frames that held half-bound weights or KV memory, so a server that keeps the error keeps no memory."""
+        kv = KVOptions.from_keywords(kv_options)
         manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
         if plan is not None and (plan.num_layers, plan.batch) != (own.num_layers, own.batch):
             raise HelmcError(f"plan override: expected {own.num_layers} layers and batch {own.batch} (the bundle's), "
@@ -88,7 +90,7 @@ class Session:
         plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
         try:
-            return cls._load_parts(bundle_dir, manifest, spec, plan, checkpoint, quiet, **kv_options)
+            return cls._load_parts(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv)
         except HelmcError as e:
             checkpoint.close()
             raise e.with_traceback(None) from None
@@ -97,14 +99,14 @@ class Session:
             raise
 
     @classmethod
-    def _load_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, quiet, **kv_options) -> "Session":
+    def _load_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, quiet, kv: KVOptions) -> "Session":
         check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
         if plan.uses_gpu:
             from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
-            return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, **kv_options)
+            return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv)
         vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
-        cpu_stage, head = build_cpu_stage(vm, spec, plan, checkpoint, quiet, **kv_options)
+        cpu_stage, head = build_cpu_stage(vm, spec, plan, checkpoint, quiet, kv=kv)
         return cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, head, tokenizer)
 
     # ---------------------------------------------------------------- model steps

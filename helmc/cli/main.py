@@ -17,6 +17,7 @@ import click
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.serve_chat import chat_command, serve_command
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.api import BUILD_DEFAULTS as _BUILD, KV_PAGE_TOKENS, KV_WATERMARK, QUANT_CHOICES
 from helmc.errors import HelmcError
 
 
@@ -94,19 +95,21 @@ def main(debug):
 @click.option("--gpu-budget", type=float, default=None, help="cap the plan's VRAM at this many GiB")
 @click.option("--copy-weights", is_flag=True, help="copy the safetensors into the bundle")
 @click.option("--no-cache", is_flag=True, help="rebuild even if artifacts/ has this build")
-@click.option("--prompt-len", type=int, default=128, show_default=True, help="workload the plan optimises for")
-@click.option("--output-len", type=int, default=128, show_default=True)
-@click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
+@click.option("--prompt-len", type=int, default=_BUILD.prompt_len, show_default=True,
+              help="workload the plan optimises for")
+@click.option("--output-len", type=int, default=_BUILD.output_len, show_default=True)
+@click.option("--stream-prefill/--no-stream-prefill", default=_BUILD.stream_prefill, show_default=True,
               help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
-@click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default="model", show_default=True,
+@click.option("--prefill-activations", type=click.Choice(["model", "fp32"]), default=_BUILD.prefill_activations,
+              show_default=True,
               help="AMX prefill GEMM inputs: rounded to the model's bf16 (as HF's bf16 model; fastest) or fp32 "
                    "(bf16 hi + lo, ~1e-5 of an fp32 GEMM, 1.3-1.6x the GEMM time)")
-@click.option("--quant", type=click.Choice(["q8_0", "q4_0", "q4_k", "q4_k_m"]), default=None,
+@click.option("--quant", type=click.Choice(QUANT_CHOICES), default=None,
               help="quantize a Hugging Face checkpoint's linear weights to this llama.cpp block format (once, into "
                    "the weights cache); a GGUF file keeps its own types")
-@click.option("--max-batch", type=int, default=1, show_default=True,
+@click.option("--max-batch", type=int, default=_BUILD.batch, show_default=True,
               help="sequences `helmc serve` decodes at once: the plan counts their KV and activations")
-@click.option("--hybrid/--no-hybrid", default=True, show_default=True,
+@click.option("--hybrid/--no-hybrid", default=_BUILD.hybrid, show_default=True,
               help="allow hybrid decode (host blocks in CPU groups and streamed groups) where the plan predicts it "
                    "faster; one sequence at a time, with --stream-prefill")
 @click.option("--sign", "sign_key", default=None, type=click.Path(),
@@ -145,8 +148,8 @@ def _parse_ids(text: str | None):
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
-@click.option("--kv-page-tokens", type=int, default=512, show_default=True)
-@click.option("--kv-watermark", type=float, default=0.8, show_default=True)
+@click.option("--kv-page-tokens", type=int, default=KV_PAGE_TOKENS, show_default=True)
+@click.option("--kv-watermark", type=float, default=KV_WATERMARK, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
 @plan_option

@@ -9,6 +9,7 @@ import time
 
 import click
 
+from helmc.api import KV_PAGE_TOKENS
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
@@ -44,7 +45,7 @@ def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
 @click.option("--max-batch", type=int, default=None, help="sequences decoded at once [default: what the plan was made for]")
 @click.option("--model-name", default=None, help="the model id clients send [default: the bundle directory's name]")
 @click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
-@click.option("--kv-page-tokens", type=int, default=512, show_default=True)
+@click.option("--kv-page-tokens", type=int, default=KV_PAGE_TOKENS, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
 @plan_option
 @trust_options

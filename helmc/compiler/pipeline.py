@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key, tvm_version
+from helmc.compiler.options import BuildOptions, build_options
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
@@ -99,31 +100,31 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
     return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
 
 
-def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weights: bool = False,
-          use_cache: bool = True, cache_dir: str | None = None, prompt_len: int = 128, output_len: int = 128,
-          plan: Plan | None = None, quiet: bool = False, stream_prefill: bool = True,
-          prefill_activations: str = "model", quant: str = "", batch: int = 1, hybrid: bool = True,
-          signer=None) -> BuildResult:
-    """signer: an ed25519 private key (signature.load_private_key) to sign the manifest with, or None."""
-    progress = Progress(quiet)
+def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: BuildOptions | None = None, *,
+          plan: Plan | None = None, signer=None, **keywords) -> BuildResult:
+    """options: a BuildOptions, or its fields as keywords. plan: this plan instead of the search's.
+    signer: an ed25519 private key (signature.load_private_key) to sign the manifest with, or None."""
+    o = build_options(options, keywords)
+    progress = Progress(o.quiet)
     from helmc.compiler.passes.lower_linear import check_prefill_activations
     from helmc.compiler.read_model import read_model
     from helmc.compiler.write_bundle import BundleInputs, write_bundle
-    check_prefill_activations(prefill_activations)
+    check_prefill_activations(o.prefill_activations)
 
-    source = read_model(model_dir, quant, os.path.join(cache_dir, "weights") if cache_dir else None, progress=progress)
+    weights_cache = os.path.join(o.cache_dir, "weights") if o.cache_dir else None
+    source = read_model(model_dir, o.quant, weights_cache, progress=progress)
     spec, config_sha = source.spec, source.config_sha256
     types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
-    plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill, batch, hybrid)
+    plan = plan or search_plan(spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
     need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu
     need_gpu = plan.uses_gpu
     if need_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
-    cache = ArtifactCache(cache_dir, enabled=use_cache)
+    cache = ArtifactCache(o.cache_dir, enabled=o.use_cache)
     from helmc.runtime.stage import decode_batch_sizes
     batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds
     batch_key = f"|batch={','.join(map(str, batches))}" if batches else ""
@@ -132,7 +133,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     if need_cpu:
         # cores set the kernels' parallel split counts, so they are part of what the library was made for
         jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
-                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={prefill_activations}{batch_key}")
+                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={o.prefill_activations}{batch_key}")
     if need_gpu:
         jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch + batch_key)
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
@@ -155,7 +156,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
                 progress(f"import_relax: {len(mod.functions)} functions (prefill, decode"
                          f"{', batched decode for ' + '/'.join(map(str, batches)) + ' sequences' if batches else ''})")
                 lib = os.path.join(work, CPU_LIB)
-                compile_cpu(mod, hardware, lib, spec, prefill_activations)
+                compile_cpu(mod, hardware, lib, spec, o.prefill_activations)
                 hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
                 progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
             if need_gpu and not hits["gpu"]:
@@ -180,7 +181,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
             model_config_sha256=config_sha, libraries=tuple(libraries),
             target_hash=hashlib.sha256(f"{llvm_desc}|{hardware.gpu.arch if need_gpu else ''}".encode()).hexdigest()[:16],
             cpu_features_required=cpu_required, llvm_target=llvm_desc,
-            cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=copy_weights,
-            prefill_activations=prefill_activations if need_cpu else "", signer=signer))
+            cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=o.copy_weights,
+            prefill_activations=o.prefill_activations if need_cpu else "", signer=signer))
     progress(f"write_bundle: {out_dir}")
     return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

@@ -103,10 +103,9 @@ def build_gpu_gemv_kernels(out_dir: str, block: BlockShape, arch: str) -> tuple[
 def gpu_gemv_funcs(block: BlockShape) -> tuple[dict, tuple[KitKernel, ...]]:
     """({symbol: PrimFunc}, KitKernels): helmc's GPU decode GEMVs of one block per weight type, at the GPU stage's
     tunings and launch forms (lower_quantized_gpu, lower_decode_gemv)."""
-    from helmc.compiler.passes.lower_quantized_gpu import GEMV_INT8_EPILOGUE_TUNING, GEMV_INT8_TUNING, GEMV_TUNING
+    from helmc.compiler.passes.lower_quantized_gpu import (GEMV_INT8_EPILOGUE_TUNING, GEMV_INT8_TUNING, GEMV_TUNING,
+                                                           make_gpu_gemv_int8, make_gpu_gemv_quant)
     from helmc.schedules.gpu.gemv import make_gpu_gemv
-    from helmc.schedules.gpu.quant_gemv import make_gpu_gemv_quant
-    from helmc.schedules.gpu.quant_gemv_int8 import make_gpu_gemv_int8
     H, I, Q, KV = block.hidden, block.ffn, block.q_dim, block.kv_dim
     funcs, kernels = {}, []
 

@@ -1,16 +1,16 @@
 """Quantize-at-build: a Hugging Face checkpoint -> one GGUF file in llama.cpp's block formats, cached.
 
-    path = quantize_checkpoint("Qwen3-8B/", "q4_k", "artifacts/cache/gguf", progress=print)
+    path = quantize_checkpoint("Qwen3-8B/", "q4_k_m", "artifacts/cache/gguf", progress=print)
 
 What is quantized: the 2-D linear weights of every block (q/k/v/o, gate/up/down) and the lm_head, to `quant`
-(q8_0 | q4_0 | q4_k). Norm weights and biases stay F32: they are tiny and the activations they scale are
+(a weight_types.QUANT_MIXES name: one block type, or llama.cpp's mix of two). Norm weights and biases stay F32: they are tiny and the activations they scale are
 fp32 anyway. The token embedding is written F16 (as llama.cpp's converter writes it at --outtype f16, and
 llama-quantize keeps it above the linears' precision): its rows are gathered one token at a time, never
 multiplied as a matrix, so a block format would save disk but no bandwidth that matters. A checkpoint
 with tied embeddings gets an output.weight too, quantized from the embedding, so the lm_head GEMV reads
 `quant` bytes like every other linear (llama.cpp loads it in place of the tied embedding).
-A linear whose input width k is not a multiple of the block size (q4_k: 256; e.g. Qwen2.5-0.5B's 896)
-falls back to q8_0 when k is a multiple of 32, else F16, as llama-quantize falls back to a smaller
+A linear whose input width k is not a multiple of the block size (Q4_K: 256; e.g. Qwen2.5-0.5B's 896)
+falls back to the mix's fallback (Q8_0) when k is a multiple of its block, else F16, as llama-quantize falls back to a smaller
 block; progress says which, and each tensor's type is in the file.
 
 File contents follow llama.cpp's convert_hf_to_gguf.py for qwen3 / qwen2 / llama (Mistral is llama there):
@@ -43,20 +43,19 @@ import gguf
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.gguf_spec import GGUF_ARCHITECTURES, gguf_name, permuted_heads, qk_rows_to_gguf
+from helmc.model.arch import ARCHITECTURES
+from helmc.model.gguf_spec import gguf_name, permuted_heads, qk_rows_to_gguf
 from helmc.model.gguf_tokenizer import PRE_TOKENIZERS
 from helmc.model.quant_formats import quant_type, quantize
 from helmc.model.spec import ModelSpec
+from helmc.model.weight_types import QUANT_MIXES, quant_mix
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
-CHECKPOINT_QUANTS = ("q8_0", "q4_0", "q4_k", "q4_k_m")
+CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
 FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
-# HF architecture -> general.architecture; llama.cpp's converter writes Mistral as llama.
-_GGUF_ARCH = {**{hf: g for g, hf in GGUF_ARCHITECTURES.items()}, "MistralForCausalLM": "llama"}
-_FILE_TYPE = {"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-              "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}       # "mostly Q4_K": display only in llama.cpp
+# HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
+_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -67,8 +66,7 @@ Progress = Callable[[str], None]
 def quantize_checkpoint(model_dir: str, quant: str, cache_dir: str, progress: Progress | None = None) -> str:
     """Path of the GGUF file of model_dir's weights quantized to `quant`; made once, then found in the cache."""
     say = progress or (lambda _msg: None)
-    if quant not in CHECKPOINT_QUANTS:
-        raise HelmcError(f"quantize: type expected one of {', '.join(CHECKPOINT_QUANTS)}, found {quant!r}")
+    quant_mix(quant)                                     # a HelmcError naming the choices for anything else
     spec = ModelSpec.from_model_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     try:
@@ -115,15 +113,9 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
 
 
 def mixed_type(quant: str, hf: str, n_layers: int) -> str:
-    """The block type of linear `hf` under `quant`: itself, or for q4_k_m llama.cpp's mix (q4_k; q6_k for the
-    lm_head and, in use_more_bits blocks, for v and down)."""
-    if quant != "q4_k_m":
-        return quant
-    if hf == "lm_head.weight":
-        return "q6_k"
-    layer, _, local = hf.removeprefix("model.layers.").partition(".")
-    more = local in ("self_attn.v_proj.weight", "mlp.down_proj.weight") and use_more_bits(int(layer), n_layers)
-    return "q6_k" if more else "q4_k"
+    """The block type of linear `hf` under `quant`: its mix's (weight_types.QuantMix.type_of), the blocks that keep
+    more bits picked by use_more_bits."""
+    return quant_mix(quant).type_of(hf, lambda layer: use_more_bits(layer, n_layers))
 
 
 def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -> list[tuple[str, str, str, tuple]]:
@@ -133,15 +125,18 @@ def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -
         quant_here = mixed_type(quant, hf, spec.num_layers)
         return fitting_type(hf, shape, quant_here)
 
-    def fitting_type(hf: str, shape, quant: str) -> str:
+    fallback = quant_mix(quant).fallback
+
+    def fitting_type(hf: str, shape, qtype: str) -> str:
         k = shape[-1]
-        for t in (quant, "q8_0"):
+        for t in (qtype, fallback):
             if k % quant_type(t).block_weights == 0:
-                if t != quant:
-                    say(f"quantize: {hf} {list(shape)}: {k} is not a multiple of the {quant} block "
-                        f"({quant_type(quant).block_weights}), written as {t}")
+                if t != qtype:
+                    say(f"quantize: {hf} {list(shape)}: {k} is not a multiple of the {qtype} block "
+                        f"({quant_type(qtype).block_weights}), written as {t}")
                 return t
-        say(f"quantize: {hf} {list(shape)}: {k} is not a multiple of 32, written as f16")
+        say(f"quantize: {hf} {list(shape)}: {k} is not a multiple of {quant_type(fallback).block_weights}, "
+            "written as f16")
         return "f16"
 
     def entry(hf, kind, expect, source=None):
@@ -227,7 +222,7 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(os.path.basename(os.path.normpath(model_dir)))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_file_type(_FILE_TYPE[quant])
+    w.add_file_type(gguf.LlamaFileType(quant_mix(quant).file_type))
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -241,7 +236,7 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
-    if _GGUF_ARCH[spec.architecture] == "llama":
+    if ARCHITECTURES[spec.architecture].gguf_vocab_and_rope_dims:
         w.add_vocab_size(spec.vocab_size)
         w.add_rope_dimension_count(spec.head_dim)
 
@@ -308,6 +303,6 @@ def _tokenizer_pre(tok: dict, spec: ModelSpec, say: Progress) -> str:
     for name in ("qwen2", "llama-bpe"):
         if pattern is not None and pattern == PRE_TOKENIZERS[name].regex:
             return name
-    guess = "qwen2" if spec.architecture in ("Qwen3ForCausalLM", "Qwen2ForCausalLM") else "llama-bpe"
+    guess = ARCHITECTURES[spec.architecture].pre_tokenizer
     say(f"quantize: tokenizer.json's pre-tokenizer is neither Qwen2's, Llama 3's nor GPT-2's; written as {guess!r}")
     return guess

@@ -1,7 +1,7 @@
 """Phase 1 of a build: the model, from a Hugging Face directory or a GGUF file, as a ModelSource.
 
 - a Hugging Face directory: config.json -> ModelSpec; the weights stay in its safetensors;
-- the same with `quant` (q8_0 | q4_0 | q4_k): its weights quantized once into a GGUF file in the weights
+- the same with `quant` (a weight_types.QUANT_MIXES name): its weights quantized once into a GGUF file in the weights
   cache (quantize_checkpoint; streamed tensor by tensor), which the bundle then reads like any GGUF;
 - a GGUF file: architecture, hyper-parameters, per-tensor types and the tokenizer from the file.
 Only headers are read here (and, with `quant`, the weights once); weights bind at run time.

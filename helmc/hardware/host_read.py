@@ -39,9 +39,8 @@ MIN_CYCLE_BYTES = 256 << 20       # weight copies per pass at least this, and at
 
 
 def quant_row_bytes(qtype: str, k: int) -> int:
-    from helmc.model.spec import QUANT_BLOCKS
-    weights, nbytes = QUANT_BLOCKS[qtype]
-    return k // weights * nbytes
+    from helmc.model.weight_types import WEIGHT_TYPES
+    return WEIGHT_TYPES[qtype].tensor_bytes(k)
 
 
 def weight_bytes(kit: ProfileKit, weight_type: str) -> dict[str, tuple[tuple[int, int], str]]:

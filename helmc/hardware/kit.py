@@ -27,12 +27,15 @@ import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
+from helmc.model.arch import ARCHITECTURES
+from helmc.model.weight_types import GPU_INT8_TYPES, KIT_BLOCK_TYPES, KIT_FLOAT_DTYPES
 
 KIT_FORMAT_VERSION = 3          # 2: GEMVs at every ROWS_MEASURED; 3: quantized GEMVs fused where the stage fuses them
 KIT_FILE = "profile_kit.json"
 KERNELS_LIB = "profile_kernels.so"
-FLOAT_TYPES = ("float16", "bfloat16")
-QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
+# The weight types the kit measures (weight_types' `kit` entries): float ones by their dtype, block formats by name.
+FLOAT_TYPES = KIT_FLOAT_DTYPES
+QUANT_TYPES = KIT_BLOCK_TYPES
 # One decode step's GEMV launches over a block, as helmc's CPU stage makes them (lower_linear): float weights
 # fused (q/k/v in one launch, gate/up with the SwiGLU); quantized ones one launch per linear, except where the
 # stage fuses those that share x (gemv_int8_multi.quant_gemvs_fuse: one token on the int8 path), q/k/v in one
@@ -43,9 +46,10 @@ QUANT_FUSED_ROLES = ("qkv", "o", "gate_up", "down")
 # The linears a multi-output quantized launch covers, its outputs in this order; any other role covers itself.
 FUSED_LINEARS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 SYNTHETIC_VOCAB = 4096
+SYNTHETIC_ARCH = "Qwen3ForCausalLM"     # the synthetic model's architecture (helmc.model.arch)
 # The GPU stage's decode GEMV launches per block: fp16 / bf16 and the int8-activation types fused as the CPU's
-# float ones (q/k/v one launch, gate/up with SwiGLU, down with the residual add), q8_0 / q4_0 one per linear.
-GPU_FUSED_TYPES = FLOAT_TYPES + ("q4_k", "q6_k")
+# float ones (q/k/v one launch, gate/up with SwiGLU, down with the residual add), the other block types one per linear.
+GPU_FUSED_TYPES = FLOAT_TYPES + tuple(t for t in GPU_INT8_TYPES if t in QUANT_TYPES)
 GPU_GEMV_DIR, GPU_GEMV_NAME = "gpu_gemv", "gpu_gemv"
 # Decode rows the GEMVs are measured at: one token, and a batched step of 8 sequences (`helmc serve --max-batch 8`),
 # where a CPU's GEMV may turn compute-bound; the cost model scales between them (CpuProfile.read_gbs).
@@ -76,7 +80,8 @@ class BlockShape:
 
     def hf_config(self, layers: int, vocab: int = SYNTHETIC_VOCAB) -> dict:
         """config.json of the synthetic model: a Qwen3 of this block, fp16, a small vocabulary."""
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": self.hidden,
+        arch = ARCHITECTURES[SYNTHETIC_ARCH]
+        return {"architectures": [arch.hf_class], "model_type": arch.model_type, "hidden_size": self.hidden,
                 "intermediate_size": self.ffn, "num_hidden_layers": layers, "num_attention_heads": self.heads,
                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": vocab,
                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,

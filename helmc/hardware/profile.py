@@ -54,7 +54,7 @@ def _check_eta(where: str, eta_compute: float, eta_memory: float) -> None:
 class KernelRead:
     """What one of helmc's decode GEMVs reads from DRAM on every core: weights of one type (a float dtype or a
     QUANT_BLOCKS key) in the shapes of a transformer block, cycled over more than the L3 holds."""
-    weight_type: str                 # "float16", "bfloat16", "float32", "q8_0", "q4_0", "q4_k", "q6_k"
+    weight_type: str                 # a float dtype (float16, ...) or a weight_types block format
     gbs: float
     rows: int = 1                    # decode rows per call (a batched step of that many sequences reads each weight once)
 

@@ -24,27 +24,22 @@ from functools import lru_cache
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF
+from helmc.model.arch.tensors import DENSE_BLOCK, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
 from helmc.model.spec import ModelSpec, RopeSpec
+from helmc.model.weight_types import WEIGHT_TYPES
 
-GGUF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-SUPPORTED_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+# general.architecture -> the HF class a file of it reads as (helmc.model.arch's entries).
+GGUF_ARCHITECTURES = {g: a.hf_class for g, a in ARCH_BY_GGUF.items()}
+SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 
-# ---- names: one table, read both ways -------------------------------------------------------------
-HF_TO_GGUF_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}
-HF_TO_GGUF_BLOCK = {  # suffixes under model.layers.N. <-> blk.N.
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+# ---- names: one table (helmc.model.arch.tensors, every architecture's block), read both ways ---------------
+HF_TO_GGUF_ROOT = ROOT_TENSORS
+HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() for h, g in a.block_tensors.items()}}
 GGUF_TO_HF_ROOT = {g: h for h, g in HF_TO_GGUF_ROOT.items()}
 GGUF_TO_HF_BLOCK = {g: h for h, g in HF_TO_GGUF_BLOCK.items()}
-# Tensors a GGUF may carry that have no HF parameter: llama3 RoPE factors (folded into ModelSpec.rope).
-EXTRA_TENSORS = ("rope_freqs.weight",)
-# llama.cpp's converter reorders the rows of these for the `llama` architecture (see qk_rows_to_hf).
-PERMUTED_FOR_LLAMA = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}
+# The tensors llama.cpp's llama converter reorders per head (see qk_rows_to_hf); which files have them: the arch entry.
+PERMUTED_FOR_LLAMA = QK_PERMUTED
 
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -87,7 +82,8 @@ def qk_rows_to_gguf(n_heads: int, head_dim: int) -> np.ndarray:
 def permuted_heads(gguf_arch: str, spec: ModelSpec, gguf_tensor: str) -> int:
     """Heads whose rows llama.cpp permuted in this tensor of a `gguf_arch` file (0: stored in HF order)."""
     m = _GGUF_BLOCK.fullmatch(gguf_tensor)
-    kind = PERMUTED_FOR_LLAMA.get(m.group(2)) if m and gguf_arch == "llama" else None
+    entry = ARCH_BY_GGUF.get(gguf_arch)
+    kind = entry.permuted_tensors.get(m.group(2)) if m and entry is not None else None
     return {"q": spec.num_heads, "k": spec.num_kv_heads}.get(kind, 0)
 
 
@@ -95,7 +91,7 @@ def permuted_heads(gguf_arch: str, spec: ModelSpec, gguf_tensor: str) -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str                 # llama.cpp name
-    type: str                 # lower-case GGML type name: f16, q4_k, ... (also unsupported ones: q5_k)
+    type: str                 # lower-case GGML type name (also unsupported ones: q5_k)
     dims: tuple[int, ...]     # ne0 first, as the file lists them
     offset: int               # absolute byte offset of the data in the file
     nbytes: int
@@ -331,7 +327,7 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         tie_word_embeddings="output.weight" not in h.tensors,
         # the activation / KV precision reference: quantized weights carry their own type per tensor
         dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
-        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=arch == "qwen3", sliding_window=0,
+        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=ARCH_BY_GGUF[arch].qk_norm, sliding_window=0,
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
     try:
         return ModelSpec(**fields)
@@ -450,6 +446,6 @@ def read_gguf_spec(path: str) -> ModelSpec:
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF tensor name -> lower-case type name (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k); any other type
+    """HF tensor name -> lower-case type name (a weight_types.WEIGHT_TYPES key); any other type
     raises a HelmcError naming the tensor and its type."""
     return _types(read_gguf_header(path))

@@ -46,7 +46,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants as gguf_quants
 
 from helmc.errors import HelmcError
-from helmc.model.spec import QUANT_BLOCKS
+from helmc.model.weight_types import WEIGHT_TYPES
 
 _EPS = np.float32(1e-15)      # ggml's GROUP_MAX_EPS: a group whose absmax is below it is all zeros
 _CHUNK_WEIGHTS = 1 << 16      # weights per vectorised chunk: 256 KiB of float32 per temporary, cache-sized
@@ -54,7 +54,8 @@ _CHUNK_WEIGHTS = 1 << 16      # weights per vectorised chunk: 256 KiB of float32
 
 @dataclass(frozen=True)
 class QuantType:
-    name: str                 # helmc's name: q8_0 | q4_0 | q4_k | q6_k | f16 | bf16 | f32
+    """A weight type's geometry with gguf's type enum (weight_types.WEIGHT_TYPES is the table)."""
+    name: str                 # helmc's name: a weight_types.WEIGHT_TYPES key
     ggml_type: GGMLType
     block_weights: int        # weights per block (1 for the plain float types)
     block_bytes: int
@@ -69,20 +70,11 @@ class QuantType:
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one row of k weights; k must be a whole number of blocks."""
-        if k % self.block_weights:
-            raise HelmcError(f"{self.name}: a row of {k} weights is not a multiple of the block size {self.block_weights}")
-        return k // self.block_weights * self.block_bytes
+        return WEIGHT_TYPES[self.name].row_bytes(k)
 
 
-QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
-    QuantType("q8_0", GGMLType.Q8_0, *QUANT_BLOCKS["q8_0"]),
-    QuantType("q4_0", GGMLType.Q4_0, *QUANT_BLOCKS["q4_0"]),
-    QuantType("q4_k", GGMLType.Q4_K, *QUANT_BLOCKS["q4_k"]),
-    QuantType("q6_k", GGMLType.Q6_K, *QUANT_BLOCKS["q6_k"]),
-    QuantType("f16", GGMLType.F16, 1, 2),
-    QuantType("bf16", GGMLType.BF16, 1, 2),
-    QuantType("f32", GGMLType.F32, 1, 4),
-)}
+QUANT_TYPES: dict[str, QuantType] = {t.name: QuantType(t.name, GGMLType(t.ggml_id), t.block_weights, t.block_bytes)
+                                     for t in WEIGHT_TYPES.values()}
 
 
 def quant_type(name: str) -> QuantType:
@@ -113,6 +105,7 @@ def quantize(w: np.ndarray, name: str, threads: int | None = None) -> np.ndarray
     if rows == 0 or k == 0:
         return out
     step = max(1, _CHUNK_WEIGHTS // k)
+    block_quantizer = WEIGHT_TYPES[name].maker("block_quantizer")
     spans = [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
     def one(span):
@@ -121,7 +114,7 @@ def quantize(w: np.ndarray, name: str, threads: int | None = None) -> np.ndarray
         if not np.isfinite(x).all():
             raise HelmcError(f"quantize: tensor of shape {list(w2.shape)} has a non-finite weight in rows [{r0}, {r1})")
         blocks = x.reshape(-1, qt.block_weights)           # [rows*k/bw, bw]: a row is a whole number of blocks
-        out[r0:r1] = _QUANTIZERS[name](blocks).reshape(r1 - r0, -1)
+        out[r0:r1] = block_quantizer(blocks).reshape(r1 - r0, -1)
 
     n = threads if threads is not None else min(8, os.cpu_count() or 1)
     if n <= 1 or len(spans) == 1:
@@ -316,5 +309,8 @@ def _q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(nb, 2)], axis=1)
 
 
-_QUANTIZERS = {"q8_0": _gguf_blocks(GGMLType.Q8_0), "q4_0": _gguf_blocks(GGMLType.Q4_0),
-               "q4_k": _q4_k_blocks, "q6_k": _q6_k_blocks}
+# The block quantizers, by weight_types' references.
+q8_0_blocks = _gguf_blocks(GGMLType.Q8_0)
+q4_0_blocks = _gguf_blocks(GGMLType.Q4_0)
+q4_k_blocks = _q4_k_blocks
+q6_k_blocks = _q6_k_blocks

@@ -1,7 +1,7 @@
 """ModelSpec: what helmc needs to know about a decoder-only transformer, read from config.json.
 
-A build needs this file only; weights bind at run time. Supported: Qwen3 (q/k RMSNorm), Qwen2
-(q/k/v bias), Llama and Mistral (plain). Everything the compiler, the cost model and the runtime
+A build needs this file only; weights bind at run time. Supported: the architectures of helmc.model.arch (Qwen3,
+Qwen2, Llama, Mistral), which says what differs between them. Everything the compiler, the cost model and the runtime
 derive from the architecture (bytes per block, head layout, RoPE frequencies) comes from here.
 """
 from __future__ import annotations
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
+from helmc.model.arch import ARCHITECTURES
+from helmc.model.weight_types import quant_blocks
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Far above any released model (Llama 3.1 405B: 126 blocks, hidden 16384, 128 heads; vocabularies ~256k), but
 # below what a corrupt header can ask for: the checks that list one tensor per block, or the planner's tables,
@@ -25,8 +27,8 @@ SIZE_LIMITS = {"hidden_size": 1 << 18, "intermediate_size": 1 << 20, "num_layers
 # The block's linear weights, in the order ModelSpec.layer_types lists their types.
 LINEAR_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-# Weights of one block of each quantized type and its bytes (llama.cpp's formats, GGUF).
-QUANT_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
+# Weights of one block of each quantized type and its bytes (llama.cpp's formats, GGUF): weight_types' table.
+QUANT_BLOCKS = quant_blocks()
 
 
 def check_quant_shape(qtype: str, n: int, k: int, who: str) -> tuple[int, int]:
@@ -75,7 +77,7 @@ class ModelSpec:
     bos_token_id: int = -1
     eos_token_ids: tuple[int, ...] = ()
     # Quantized weights (a GGUF file, or `helmc build --quant`): per block, the type of each LINEAR_NAMES weight
-    # ("q4_k", ... or "" for `dtype`); the lm_head's and the token embedding's types. Empty: all in `dtype`.
+    # (a weight_types block format, or "" for `dtype`); the lm_head's and the token embedding's types. Empty: all in `dtype`.
     # Norms and biases are always in `dtype`.
     layer_types: tuple[tuple[str, ...], ...] = ()
     head_type: str = ""
@@ -273,8 +275,9 @@ class ModelSpec:
             raise HelmcError(f"{where}: eos_token_id expected an integer or a list of them, found {cfg['eos_token_id']!r:.60}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r:.60}")
+        entry = ARCHITECTURES[arch]
         sliding = 0
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window") is True:
+        if entry.sliding_window or cfg.get("use_sliding_window") is True:
             sliding = number("sliding_window", 0, positive=False)
         bos = cfg.get("bos_token_id")
         fields = dict(
@@ -285,8 +288,8 @@ class ModelSpec:
             max_position_embeddings=number("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings") is True,
             dtype=_TORCH_DTYPE_NAMES[dtype_name],
-            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias") is True,
-            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
+            qkv_bias=entry.qkv_bias or cfg.get("attention_bias") is True,
+            qk_norm=entry.qk_norm, sliding_window=sliding,
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
             eos_token_ids=tuple(eos))
         try:
@@ -333,7 +336,7 @@ def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:
 
 
 def with_weight_types(spec: ModelSpec, types: dict[str, str]) -> ModelSpec:
-    """`spec` with the quantized types of a checkpoint's tensors ({HF name: "q4_k" | "f16" | ...}, as
+    """`spec` with the quantized types of a checkpoint's tensors ({HF name: a weight_types name}, as
     gguf_spec.gguf_tensor_types gives): float types become "" (read as `spec.dtype`)."""
     def q(name: str) -> str:
         t = types.get(name, "")

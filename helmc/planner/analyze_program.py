@@ -116,7 +116,7 @@ class ProgramAnalysis:
     max_position_embeddings: int
     units: tuple[PartitionUnit, ...]
     prefix: tuple[StageLoad, ...]     # prefix[i] = sum of units[:i]; len = num_units + 1
-    # Bytes of every block's linear weights per stored type ("float16", "q4_k", ...), summed over the blocks:
+    # Bytes of every block's linear weights per stored type (a float dtype or a weight_types block format), summed over the blocks:
     # the CPU's GEMV read rate differs by type (quantized kernels decode more per byte), so M is their mix.
     linear_bytes_by_type: tuple[tuple[str, int], ...] = ()
     # The lm_head's matrix as stored, (type, bytes): a quantized model's head is often fp16 (the GPU's GEMV rate

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from helmc.planner.analyze_program import ProgramAnalysis, StageLoad
 from helmc.errors import HelmcError
 from helmc.hardware.profile import CpuProfile, GpuProfile, HardwareProfile, LinkProfile
+from helmc.runtime.kv.options import KV_PAGE_TOKENS, KV_WATERMARK
 
 OBJECTIVES = ("decode", "prefill")
 TOKEN_ID_BYTES = 4              # int32 token id returned to the host per sequence and step
-KV_PAGE_TOKENS = 512            # thesis 4.2.2: one KV page holds 512 tokens
+# KV_PAGE_TOKENS (thesis 4.2.2: one KV page holds 512 tokens) and KV_WATERMARK (KV may fill 80% of the VRAM left after
+# weights): the sessions' defaults, runtime/kv/options.py.
 KV_PREFETCH_PAGES = 2           # the page being attended and the one being prefetched (thesis 4.2.3)
-KV_WATERMARK = 0.8              # thesis 4.2.2: KV may fill 80% of the VRAM left after weights
 L3_TO_DRAM_RATIO = 3.0          # thesis 4.1.2: B_L3 estimated as 3 x M
 PREFILL_CHUNK_TOKENS = 512      # the GPU runs a prompt in chunks of this many tokens: activations stay bounded
 KV_SCORE_TILE_BYTES = 32 << 20  # the GPU KV cache's prefill score tile (runtime/kv/cache_gpu.py)

@@ -112,8 +112,8 @@ def hybrid_lines(plan: Plan) -> list[str]:
 
 
 def weights_line(spec) -> str:
-    """The weights' format per unit and the model's size as stored, e.g. 'weights: embedding q4_k, 28 blocks
-    q4_k, 8 blocks q4_k + q6_k (v, down), head q6_k; 4.68 GiB'."""
+    """The weights' format per unit and the model's size as stored, e.g. 'weights: embedding float16, 28 blocks
+    A, 8 blocks A + B (v, down), head B; 4.68 GiB' for a Q4_K_M file (A, B: its two types' names)."""
     from helmc.model.spec import LINEAR_NAMES
     gib = 1024 ** 3
     V, H = spec.vocab_size, spec.hidden_size

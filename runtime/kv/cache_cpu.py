@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.kv.options import KV_PAGE_TOKENS
 
 from helmc.runtime.kv.pages import PagePool
 from helmc.runtime.memory.allocation import allocate
@@ -73,7 +74,7 @@ def kv_dtype_name(dtype) -> str:
 
 
 class KVCacheCPU:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
                  max_tokens: int = 4096, dtype=np.float32, sliding_window: int | None = None,
                  threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20,
                  attend_kernel=None):

@@ -33,6 +33,7 @@ import contextlib
 import numpy as np
 
 from helmc.errors import HelmcError
+from helmc.runtime.kv.options import KV_PAGE_TOKENS, KV_WATERMARK
 
 from helmc.runtime.kv.pages import PagePool, PoolExhausted
 from helmc.runtime.kv.cuda_ops import D2D, D2H, H2D
@@ -42,9 +43,9 @@ from helmc.runtime.memory.allocation import allocate
 
 
 class KVCacheGPU(GpuPrefill):
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
                  max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
-                 watermark: float = 0.8, offload: bool = True, staging_pages: int = 16,
+                 watermark: float = KV_WATERMARK, offload: bool = True, staging_pages: int = 16,
                  host_extent_pages: int = 8, sliding_window: int | None = None,
                  score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, loan_bytes: int = 0,
                  ops=None):
@@ -115,7 +116,7 @@ class KVCacheGPU(GpuPrefill):
 
     # ------------------------------------------------------------------ sizes and state
     @staticmethod
-    def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int = 512,
+    def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
                         staging_pages: int = 16, score_budget_bytes: int = 32 << 20, max_splits: int = 128,
                         caches: int = 1) -> int:
         """VRAM `caches` caches use beyond their page pools: each one's staging and split partials (held for

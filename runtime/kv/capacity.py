@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from helmc.errors import HelmcError
+from helmc.runtime.kv.options import KV_PAGE_TOKENS, KV_WATERMARK
 
 GIB = 1024 ** 3
 HOST_RAM, VRAM, MODEL_WINDOW = "host RAM", "VRAM", "the model's context window"
@@ -98,8 +99,8 @@ def _most_pages(fits, hi: int) -> int:
 
 
 def plan_kv_capacity(cpu_bytes_per_token: int, gpu_bytes_per_token: int, host_free_bytes: int,
-                     vram_free_bytes: int, watermark: float = 0.8, offload: bool = True,
-                     page_tokens: int = 512, model_max_tokens: int = 0, *, resident_pages: int | None = None,
+                     vram_free_bytes: int, watermark: float = KV_WATERMARK, offload: bool = True,
+                     page_tokens: int = KV_PAGE_TOKENS, model_max_tokens: int = 0, *, resident_pages: int | None = None,
                      host_extent_pages: int = 1, plan_max_tokens: int = 0) -> KVCapacity:
     """The most tokens whose KV fits, and which memory runs out first.
 

@@ -35,7 +35,7 @@ _MUST_MATCH = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "n
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
-    type: str                  # f32 | f16 | bf16 | q8_0 | q4_0 | q4_k | q6_k
+    type: str                  # a helmc.model.weight_types name
     shape: tuple[int, ...]     # logical shape in HF order (rows, cols)
     offset: int                # absolute byte offset of the data in the file
     nbytes: int

@@ -57,7 +57,7 @@ from helmc.schedules.cpu.gemv_fused import MULTI_MAX_WEIGHTS, make_gemv_multi, m
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.schedules.cpu.isa import VectorIsa, select_isa
 from helmc.schedules.cpu.quant.gemm import make_gemm_quant
-from helmc.schedules.cpu.quant.decode_gemv import make_gemv_quant
+from helmc.model.weight_types import WEIGHT_TYPES
 from helmc.schedules.cpu.quant.gemv_int8_multi import (QUANT_MULTI_MAX_WEIGHTS, make_gemv_quant_int8_multi,
                                                      quant_gemvs_fuse)
 from helmc.schedules.cpu.weight_load import WEIGHT_DTYPES
@@ -409,7 +409,8 @@ class _LinearRewriter(PyExprMutator):
     def _emit_quantized(self, x2d, static_tokens, tokens, n: int, k: int, qtype: str, blocks: relax.Var):
         if static_tokens is not None and static_tokens <= GEMV_MAX_ROWS:
             m = static_tokens
-            gvar = self._kernel(("gemv_quant", qtype, m, n, k), lambda: make_gemv_quant(qtype, n, k, self.isa, m=m))
+            gvar = self._kernel(("gemv_quant", qtype, m, n, k), lambda: WEIGHT_TYPES[qtype].maker("cpu_gemv")(
+                qtype, n, k, self.isa, m=m))
             out = relax.call_tir(gvar, [x2d, blocks], relax.TensorType([m, n], "float32"))
         else:
             gvar = self._kernel(("gemm_quant", qtype, n, k), lambda: make_gemm_quant(qtype, n, k, self.isa))

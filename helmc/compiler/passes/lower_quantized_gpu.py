@@ -3,7 +3,8 @@
 For each function with quantized weight parameters (quantize_functions gives which, per function):
 - decode (one token, or one per sequence in the batched decode_b{B} variants): every linear over a quantized
   weight becomes a call to the fused dequantize-GEMV for that many rows (schedules/gpu/quant_gemv.
-  make_gpu_gemv_quant; for q4_k / q6_k quant_gemv_int8.make_gpu_gemv_int8, over int8 activations as llama.cpp's
+  make_gpu_gemv_quant; for the types weight_types gives a gpu_gemv_int8, quant_gemv_int8.make_gpu_gemv_int8, over
+  int8 activations as llama.cpp's
   CUDA decode: the weight is read once, as stored, and each row's sums are formed as in the one-row kernel, so
   a batched step gives each sequence its own decode's bits);
 - prefill: the weight is dequantized to fp16 once per call (make_gpu_dequantize) and the graph is left as it
@@ -24,21 +25,26 @@ from tvm.relax.utils import copy_with_new_vars
 
 from helmc.compiler.passes.lower_decode_gemv import fuse_gemv_epilogues, one_launch_per_shared_x
 from helmc.compiler.passes.quantize_functions import raw_weight_params
-from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_quant
-from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, make_gpu_gemv_int8
+from helmc.model.weight_types import BLOCK_TYPES, GPU_INT8_EPILOGUES, GPU_INT8_TYPES, WEIGHT_TYPES
+from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize
 
 
-# (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
-# session 7's device call 5 (tests/device/device_quant_gpu_check.py; artifacts/bench/device-2026-11-24-s7/call5).
-GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": (1, 4, 4)}
-# q4_k / q6_k decode GEMVs take int8 activations (quant_gemv_int8: dp4a, ~1 issue slot per weight instead of
-# ~5.5); (rows per warp, warps, unroll) per type: the best at most of Qwen3-8B's shapes on the H100 (session 10,
-# device call D: q4_k 4096x12288 18.4 us against 20.3 at (2, 4, 2) and 25.3 for the fp32 path).
-GEMV_INT8_TUNING = {"q4_k": (2, 8, 2), "q6_k": (2, 8, 2)}
-# with an epilogue: swiglu sums two weights' rows per warp (rows_per_warp of each); the k_split variants of
-# session 15's call A were no faster than (2, 8, 2) at any Qwen3-8B shape (artifacts/bench/device-2026-11-27-s15)
-GEMV_INT8_EPILOGUE_TUNING = {(q, e): (1, 8, 2) if e == "swiglu" else GEMV_INT8_TUNING[q]
-                             for q in INT8_TYPES for e in ("swiglu", "residual")}
+# (rows per warp, warps, unroll) of the decode GEMV per type, and of the int8-activation GEMV (alone and with each
+# epilogue) for the types that have one: weight_types' table, which says where each tuning was measured.
+GEMV_TUNING = {q: WEIGHT_TYPES[q].gpu_gemv_tuning for q in BLOCK_TYPES}
+GEMV_INT8_TUNING = {q: WEIGHT_TYPES[q].gpu_int8_tuning for q in GPU_INT8_TYPES}
+GEMV_INT8_EPILOGUE_TUNING = {(q, e): WEIGHT_TYPES[q].gpu_epilogue_tuning(e)
+                             for q in GPU_INT8_TYPES for e in GPU_INT8_EPILOGUES}
+
+
+def make_gpu_gemv_int8(qtype: str, *args, **kw):
+    """The int8-activation decode GEMV of `qtype` (weight_types' gpu_gemv_int8 maker)."""
+    return WEIGHT_TYPES[qtype].maker("gpu_gemv_int8")(qtype, *args, **kw)
+
+
+def make_gpu_gemv_quant(qtype: str, *args, **kw):
+    """The decode GEMV of `qtype` (weight_types' gpu_gemv maker)."""
+    return WEIGHT_TYPES[qtype].maker("gpu_gemv")(qtype, *args, **kw)
 OP_PATTERN_OPAQUE = 8               # relax OpPatternKind kOpaque: FuseOps fuses it with nothing
 _DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
@@ -162,7 +168,7 @@ class _QuantizedLinears(PyExprMutator):
         n, k = (int(d) for d in w.ty.shape.values)
         m = int(x.ty.shape.values[0])
         assert [int(d) for d in x.ty.shape.values] == [m, k], f"decode linear expected x of shape [m, {k}]"
-        if qtype in INT8_TYPES:
+        if WEIGHT_TYPES[qtype].gpu_gemv_int8:
             gvar = self.kernel(("gemv8", qtype, m, n, k),
                                lambda: make_gpu_gemv_int8(qtype, n, k, *GEMV_INT8_TUNING[qtype], m=m))
         else:

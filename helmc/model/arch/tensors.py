@@ -1,0 +1,18 @@
+"""Tensor names of the architectures' blocks: Hugging Face's and llama.cpp's (GGUF), one table read both ways."""
+
+# Outside the blocks: HF name -> GGUF name.
+ROOT_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+# A dense decoder block (attention, then a SwiGLU FFN): suffixes under model.layers.N. <-> blk.N.
+DENSE_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+# The GGUF block tensors llama.cpp's llama converter reorders per head (see gguf_spec.qk_rows_to_hf): q's rows per
+# attention head ("q"), k's per KV head ("k").
+QK_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}
+# Tensors a GGUF may carry that have no HF parameter: llama3 RoPE factors (folded into ModelSpec.rope).
+EXTRA_TENSORS = ("rope_freqs.weight",)
