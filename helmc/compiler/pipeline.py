@@ -119,6 +119,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, *, copy_weigh
     plan = plan or search_plan(spec, hardware, prompt_len, output_len, stream_prefill, batch, hybrid)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
+    if spec.moe is not None and plan.uses_gpu:
+        raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) runs on the CPU stage only, found a "
+                         f"plan placing {plan.describe()}; build with a hardware profile without a GPU")
     need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu
     need_gpu = plan.uses_gpu
     if need_gpu and hardware.gpu is None:
