@@ -124,7 +124,7 @@ def export_functions(spec: ModelSpec, act_dtype: str = "float32", example_seq: i
     ]
     if spec.moe is not None:                # routed blocks: post_moe and the expert function (export_moe.py)
         from helmc.compiler.passes.export_moe import moe_jobs
-        jobs += moe_jobs(spec, act_dtype, example_seq)
+        jobs += moe_jobs(spec, act_dtype, example_seq, *block_ops(spec, act_dtype))
     return export_jobs(jobs)
 
 

@@ -10,16 +10,15 @@ not grow with the number of experts or blocks. The runtime (runtime/moe_experts.
 """
 from __future__ import annotations
 
-from helmc.compiler.passes.export_block import block_ops
 from helmc.model.spec import ModelSpec
 
 
-def moe_jobs(spec: ModelSpec, act_dtype: str, example_seq: int) -> list:
-    """export_block.export_jobs's entries for post_moe and expert."""
+def moe_jobs(spec: ModelSpec, act_dtype: str, example_seq: int, rms_norm, linear) -> list:
+    """export_block.export_jobs's entries for post_moe and expert; rms_norm and linear as export_block.block_ops
+    makes them (the dense functions' own)."""
     import torch
     import torch.nn.functional as F
 
-    rms_norm, linear = block_ops(spec, act_dtype)
     act, wdt = getattr(torch, act_dtype), getattr(torch, spec.dtype)
     moe, S, H = spec.moe, example_seq, spec.hidden_size
     I = moe.expert_intermediate_size
