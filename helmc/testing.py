@@ -56,6 +56,11 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
         moe.update({k: common.pop(k) for k in list(moe) if k in common})
         cfg = Qwen3MoeConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, rope_theta=1000000.0,
                              **moe, **common)
+    elif arch == "mixtral":
+        from transformers import MixtralConfig
+        common.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+        cfg = MixtralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None,
+                            **common)
     elif arch == "mistral":
         cfg = MistralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None, **common)
     else:

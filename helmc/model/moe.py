@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Checkpoint names (relative to model.layers.{i}.) per naming scheme: the router's weight, and one expert's
 # gate, up and down weights with {e} its index.
 NAMINGS = {
@@ -76,7 +76,8 @@ class MoeSpec:
 def moe_from_hf_config(cfg: dict, arch: str, num_layers: int, where: str) -> MoeSpec | None:
     """The MoE layout of a config.json of `arch` (None for a dense architecture). Qwen3-MoE writes num_experts
     (transformers >= 5 also num_local_experts); a block is dense when listed in mlp_only_layers or when
-    (i + 1) is not a multiple of decoder_sparse_step."""
+    (i + 1) is not a multiple of decoder_sparse_step. Mixtral: every block routed, intermediate_size the
+    experts', the top-k always renormalised."""
     if arch not in MOE_ARCHITECTURES:
         return None
 
@@ -87,6 +88,12 @@ def moe_from_hf_config(cfg: dict, arch: str, num_layers: int, where: str) -> Moe
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise HelmcError(f"{where}: {key!r} expected a non-negative integer for {arch}, found {v!r:.60}")
         return v
+    if arch == "MixtralForCausalLM":
+        try:
+            return MoeSpec(num_experts=integer("num_local_experts"), top_k=integer("num_experts_per_tok"),
+                           norm_topk_prob=True, expert_intermediate_size=integer("intermediate_size"), naming="mixtral")
+        except HelmcError as e:
+            raise HelmcError(f"{where}: {e}") from None
     experts = integer("num_experts", alt="num_local_experts")
     step = integer("decoder_sparse_step", 1)
     only = cfg.get("mlp_only_layers") or []

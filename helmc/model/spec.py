@@ -1,7 +1,8 @@
 """ModelSpec: what helmc needs to know about a decoder-only transformer, read from config.json.
 
 A build needs this file only; weights bind at run time. Supported: Qwen3 (q/k RMSNorm), Qwen2
-(q/k/v bias), Llama and Mistral (plain). Everything the compiler, the cost model and the runtime
+(q/k/v bias), Llama and Mistral (plain), and
+the mixtures of experts Qwen3-MoE and Mixtral (their router and experts' layout: helmc/model/moe.py). Everything the compiler, the cost model and the runtime
 derive from the architecture (bytes per block, head layout, RoPE frequencies) comes from here.
 """
 from __future__ import annotations
@@ -298,7 +299,7 @@ class ModelSpec:
         if cfg.get("hidden_act", "silu") != "silu":
             raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r:.60}")
         sliding = 0
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window") is True:
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM") or cfg.get("use_sliding_window") is True:
             sliding = number("sliding_window", 0, positive=False)
         bos = cfg.get("bos_token_id")
         fields = dict(

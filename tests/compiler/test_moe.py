@@ -102,14 +102,15 @@ def moe_model(tmp_path_factory, cpu_hardware, cache_dir):
     from helmc.testing import make_tiny_model
     made = {}
 
-    def get(dtype: str, batch: int = 1):
-        if (dtype, batch) not in made:
-            d = str(tmp_path_factory.mktemp(f"moe-{dtype}") / "model")
-            ref = make_tiny_model(d, "qwen3_moe", num_layers=3, dtype=dtype).float().eval()
+    def get(dtype: str, batch: int = 1, arch: str = "qwen3_moe"):
+        if (dtype, batch, arch) not in made:
+            d = str(tmp_path_factory.mktemp(f"{arch}-{dtype}") / "model")
+            ref = make_tiny_model(d, arch, num_layers=3, dtype=dtype).float().eval()
             r = api.build(d, cpu_hardware, d + ".bundle", cache_dir=cache_dir, quiet=True, batch=batch)
-            assert r.plan.cpu_units == r.spec.num_units and r.spec.moe.dense_layers == (1,)
-            made[dtype, batch] = Session.load(r.bundle_dir), ref
-        return made[dtype, batch]
+            assert r.plan.cpu_units == r.spec.num_units
+            assert r.spec.moe.dense_layers == ((1,) if arch == "qwen3_moe" else ())
+            made[dtype, batch, arch] = Session.load(r.bundle_dir), ref
+        return made[dtype, batch, arch]
     return get
 
 
@@ -136,6 +137,42 @@ def test_16bit_greedy_matches_transformers(moe_model, dtype):
     ours = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
     # transformers in fp32 over the 16-bit weights: helmc's CPU stage keeps fp32 activations too
     assert ours == hf_greedy(ref, PROMPT, NEW_TOKENS)
+
+
+def test_mixtral_is_the_same_code_with_other_values(moe_model):
+    s, ref = moe_model("float32", arch="mixtral")
+    assert (s.spec.moe.naming, s.spec.moe.norm_topk_prob, s.spec.qk_norm) == ("mixtral", True, False)
+    ours, theirs = s.forward(PROMPT, all_logits=True), hf_logits(ref, PROMPT)
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
+    expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
+    assert s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens == expected
+    assert len(set(expected)) > 4
+
+
+def test_quant_is_refused_in_one_line(tmp_path):
+    from helmc.compiler.read_model import read_model
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "model")
+    make_tiny_model(d, "qwen3_moe", num_layers=2)
+    with pytest.raises(HelmcError, match="--quant: expected a dense model, found the mixture of experts") as e:
+        read_model(d, "q8_0", str(tmp_path / "cache"))
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "cache")
+
+
+def test_missing_expert_is_one_line(tmp_path):
+    """Weights without one expert's tensor (config.json and the weights disagree): refused before anything loads."""
+    from safetensors.numpy import load_file, save_file
+    from helmc.compiler.read_model import read_model
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "model")
+    make_tiny_model(d, "qwen3_moe", num_layers=2)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(HelmcError, match="model.layers.1.mlp.experts.5.up_proj.weight") as e:
+        read_model(d)
+    assert "\n" not in str(e.value)
 
 
 def test_gpu_plan_is_refused(tmp_path, cache_dir):
