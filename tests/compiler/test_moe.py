@@ -130,6 +130,14 @@ def test_fp32_logits_greedy_and_batched_decode_match(moe_model):
     batched, sizes = batched_runs(s, ps, 8, max_batch=4, stagger=1)
     assert {2, 3, 4} <= set(sizes), sizes                # padded (3 -> 4) and exact steps both ran
     compare(singles, batched, "qwen3_moe fp32")
+    # the serve engine's joint prefill of several prompts (their rows share each expert's call): each prompt's
+    # logits bit-identical to its lone prefill
+    from helmc.runtime.serve.batch_model import BatchModel
+    m = BatchModel(s, 4)
+    joint = m.prefill_many([(slot, p) for slot, p in enumerate(ps[:4])])
+    for slot, (p, row) in enumerate(zip(ps[:4], joint)):
+        m.free(slot)
+        assert np.array_equal(row, singles[slot][0]), f"prompt {slot}: joint prefill differs from its lone prefill"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
