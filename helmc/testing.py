@@ -49,6 +49,18 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
         cfg = Qwen2Config(tie_word_embeddings=False if tie is None else tie, rope_theta=1000000.0, **common)
     elif arch == "llama":
         cfg = LlamaConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, **common)
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        moe = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=48,
+                   mlp_only_layers=[1] if num_layers > 2 else [])
+        moe.update({k: common.pop(k) for k in list(moe) if k in common})
+        cfg = Qwen3MoeConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, rope_theta=1000000.0,
+                             **moe, **common)
+    elif arch == "mixtral":
+        from transformers import MixtralConfig
+        common.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+        cfg = MixtralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None,
+                            **common)
     elif arch == "mistral":
         cfg = MistralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None, **common)
     else:

@@ -86,6 +86,12 @@ class Stage:
         phases = ("prefill", "decode") + tuple(batch_phase(b) for b in self.batch_sizes)
         self._pre = {(p, j): vm[block_function_name("pre_attn", p, j)] for p in phases for j in set(self._signature)}
         self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
+        # Mixture of experts: the routed blocks' feed-forward (runtime/moe_experts.py) in place of post_attn.
+        self._moe_layer = [spec.is_moe_layer(i) for i in layers]
+        self._moe = None
+        if any(self._moe_layer):
+            from helmc.runtime.moe_experts import MoeFeedForward
+            self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array)
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
         # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches, or another stage's over the same caches
         # (shared_gpu_decode_batch)
@@ -110,7 +116,7 @@ class Stage:
             binding, j, layer = self.bindings[local], self._signature[local], self.kv_base + local
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             if batch is not None:
-                x = self._post[(phase, j)](x, batch.attend([self.kv], layer, q, k, v, self.scale), *binding.post)
+                x = self._post_fn(local, phase, j)(x, batch.attend([self.kv], layer, q, k, v, self.scale), *binding.post)
                 continue
             self.kv.append(layer, self.to_array(k), self.to_array(v))
             if attn_out is not None:
@@ -119,7 +125,7 @@ class Stage:
             else:
                 o = self.kv.attend(layer, self.to_array(q), self.scale)      # [S, h_a, D]
                 attn = self.from_array(o.reshape(S, self.spec.q_dim))        # [S, h_a, D] -> [S, h_a*D]
-            x = self._post[(phase, j)](x, attn, *binding.post)
+            x = self._post_fn(local, phase, j)(x, attn, *binding.post)
         return x
 
     def forward_batch(self, x, cos, sin, caches: list, rows: list[int], blocks: range | None = None,
@@ -144,11 +150,15 @@ class Stage:
             binding, j = self.bindings[local], self._signature[local]
             q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
             o = self.attend_rows(self.kv_base + local, q, k, v, caches, starts, rows, S, batch)
-            x = self._post[(phase, j)](x, o, *binding.post)
+            x = self._post_fn(local, phase, j)(x, o, *binding.post)
         if advance:
             for kv, n in zip(caches, rows):
                 kv.advance(n)
         return x
+
+    def _post_fn(self, local: int, phase: str, signature: int):
+        """The post-attention call of the stage's block `local`: the compiled post_attn, or a MoE block's."""
+        return self._moe(phase) if self._moe_layer[local] else self._post[(phase, signature)]
 
     def attend_rows(self, layer: int, q, k, v, caches: list, starts: list[int], rows: list[int], S: int, batch=None):
         """forward_batch's attention for one block: sequence b's rows starts[b].. append to and attend over

@@ -100,6 +100,16 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
     return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
 
 
+def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> None:
+    """A plan this build can carry out: a GPU where it places units; a mixture-of-experts model's blocks on the CPU
+    stage (its routed feed-forward runs there only: runtime/moe_experts.py)."""
+    if plan.uses_gpu and hardware.gpu is None:
+        raise HelmcError("plan uses a GPU but the hardware profile has none")
+    if spec.moe is not None and plan.uses_gpu:
+        raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) runs on the CPU stage only, found a "
+                         f"plan placing {plan.describe()}; build with a hardware profile without a GPU")
+
+
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: BuildOptions | None = None, *,
           plan: Plan | None = None, signer=None, **keywords) -> BuildResult:
     """options: a BuildOptions, or its fields as keywords. plan: this plan instead of the search's.
@@ -120,10 +130,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     plan = plan or search_plan(spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
-    need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu
-    need_gpu = plan.uses_gpu
-    if need_gpu and hardware.gpu is None:
-        raise HelmcError("plan uses a GPU but the hardware profile has none")
+    check_placement(spec, plan, hardware)
+    need_cpu, need_gpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu, plan.uses_gpu
     cache = ArtifactCache(o.cache_dir, enabled=o.use_cache)
     from helmc.runtime.stage import decode_batch_sizes
     batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds

@@ -55,7 +55,7 @@ CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
 FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
 # HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
-_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()}
+_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items() if not a.moe}   # MoE experts are not quantized yet
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")

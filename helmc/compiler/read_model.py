@@ -47,6 +47,9 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if not quant:
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
+    if spec.moe is not None:
+        raise HelmcError(f"--quant: expected a dense model, found the mixture of experts {spec.architecture} "
+                         "(quantized experts are not supported yet: build it without --quant)")
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)

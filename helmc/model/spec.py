@@ -1,7 +1,8 @@
 """ModelSpec: what helmc needs to know about a decoder-only transformer, read from config.json.
 
 A build needs this file only; weights bind at run time. Supported: the architectures of helmc.model.arch (Qwen3,
-Qwen2, Llama, Mistral), which says what differs between them. Everything the compiler, the cost model and the runtime
+Qwen2, Llama, Mistral, and the mixtures of experts Qwen3-MoE and Mixtral, whose router and experts' layout
+helmc/model/moe.py reads), which says what differs between them. Everything the compiler, the cost model and the runtime
 derive from the architecture (bytes per block, head layout, RoPE frequencies) comes from here.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, load_json_file, parse_json, to_dict
 from helmc.model.arch import ARCHITECTURES
+from helmc.model.moe import MoeSpec, moe_from_hf_config
 from helmc.model.weight_types import quant_blocks
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -82,6 +84,8 @@ class ModelSpec:
     layer_types: tuple[tuple[str, ...], ...] = ()
     head_type: str = ""
     embed_type: str = ""
+    # Mixture of experts (helmc/model/moe.py): the router and expert layout; None for a dense model.
+    moe: MoeSpec | None = None
 
     def __post_init__(self):
         # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
@@ -102,6 +106,13 @@ class ModelSpec:
                                  or any(x not in quant for t in self.layer_types for x in t)):
             raise HelmcError(f"model spec: layer_types expected {self.num_layers} lists of {len(LINEAR_NAMES)} types "
                              f"from {sorted(quant)}, found {str(self.layer_types)[:80]}")
+        if self.moe is not None:
+            if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
+                raise HelmcError(f"model spec: moe dense_layers expected indices below {self.num_layers}, found "
+                                 f"{self.moe.dense_layers[-1]}")
+            if self.layer_types:
+                raise HelmcError("model spec: expected float weights for a mixture-of-experts model, found quantized "
+                                 "block types (quantized experts are not supported yet)")
         if self.head_type not in quant or self.embed_type not in quant:
             raise HelmcError(f"model spec: head_type and embed_type expected one of {sorted(quant)}, found "
                              f"{self.head_type!r}, {self.embed_type!r}")
@@ -139,7 +150,7 @@ class ModelSpec:
     def block_weight_bytes(self, layer: int) -> int:
         """Bytes of block `layer`'s weights as stored (quantized linears at their block size)."""
         return sum(self.tensor_bytes(shape, self.weight_type(layer, name))
-                   for name, shape in self.block_weight_shapes().items())
+                   for name, shape in self.block_weight_shapes(layer).items())
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -167,9 +178,14 @@ class ModelSpec:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
-    def block_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    def block_weight_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
         """HF parameter names under `model.layers.{i}.` and their shapes, in the order the compiled
-        block functions take them."""
+        block functions take them. For a MoE block (`layer` given and routed), the router and experts replace
+        the dense MLP; without `layer`, a dense block's."""
         H, I, Q, KV, D = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.head_dim
         s = {"input_layernorm.weight": (H,),
              "self_attn.q_proj.weight": (Q, H), "self_attn.k_proj.weight": (KV, H),
@@ -180,6 +196,10 @@ class ModelSpec:
             s.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
         s.update({"self_attn.o_proj.weight": (H, Q), "post_attention_layernorm.weight": (H,),
                   "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
+        if layer is not None and self.is_moe_layer(layer):
+            for name in self.post_attn_weight_names()[2:]:
+                del s[name]
+            s.update(self.moe.layer_weight_shapes(H))
         return s
 
     def pre_attn_weight_names(self) -> tuple[str, ...]:
@@ -191,7 +211,11 @@ class ModelSpec:
             names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
         return names
 
-    def post_attn_weight_names(self) -> tuple[str, ...]:
+    def post_attn_weight_names(self, layer: int | None = None) -> tuple[str, ...]:
+        """The compiled post-attention function's weights; for a MoE block (`layer` routed), post_moe's
+        (o_proj, the norm, the router), its experts bound apart (runtime/moe_experts.py)."""
+        if layer is not None and self.is_moe_layer(layer):
+            return ("self_attn.o_proj.weight", "post_attention_layernorm.weight", self.moe.router_name)
         return ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
@@ -291,7 +315,7 @@ class ModelSpec:
             qkv_bias=entry.qkv_bias or cfg.get("attention_bias") is True,
             qk_norm=entry.qk_norm, sliding_window=sliding,
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
-            eos_token_ids=tuple(eos))
+            eos_token_ids=tuple(eos), moe=moe_from_hf_config(cfg, arch, number("num_hidden_layers"), where))
         try:
             return cls(**fields)
         except HelmcError as e:              # ModelSpec's own checks (sizes, heads): say which file they are about

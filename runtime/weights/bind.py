@@ -63,12 +63,11 @@ def weight_view(ck, name: str, shape: tuple[int, ...], qtype: str, dtype: str) -
     return (bf16_bits_from_float32(values) if dtype == "bfloat16" else values.astype(dtype)), dtype
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    shapes = spec.block_weight_shapes()
     out = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     for i in range(spec.num_layers):
-        for name, shape in shapes.items():
+        for name, shape in spec.block_weight_shapes(i).items():
             out[f"model.layers.{i}.{name}"] = shape
     return out
 
@@ -86,14 +85,19 @@ def tensor_to_device(view: np.ndarray, dtype: str, dev):
 def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 progress: Callable[[str], None] = lambda m: None,
                 to_device: Callable = tensor_to_device) -> list[StageBinding]:
-    shapes = spec.block_weight_shapes()
     out = []
     for n, i in enumerate(layers):
+        shapes = spec.block_weight_shapes(i)
+
         def load(name):
             return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
                                           spec.dtype), dev)
-        out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
-                                post=[load(w) for w in spec.post_attn_weight_names()]))
+        post = [load(w) for w in spec.post_attn_weight_names(i)]
+        if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
+            from helmc.runtime.moe_experts import LayerExperts
+            post.append(LayerExperts(tuple(tuple(load(w) for w in spec.moe.expert_weight_names(e))
+                                           for e in range(spec.moe.num_experts))))
+        out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
         release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
         progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
     return out
@@ -102,7 +106,7 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
 def release_block(ck, spec: ModelSpec, layer: int) -> None:
     """Once block `layer`'s weights are copied into memory of the runtime's own: their file pages go
     (weights/page_release.py)."""
-    for name in (*spec.pre_attn_weight_names(), *spec.post_attn_weight_names()):
+    for name in spec.block_weight_shapes(layer):
         ck.release(f"model.layers.{layer}.{name}")
 
 

@@ -26,7 +26,7 @@ def test_entries_are_transformers_classes_and_gguf_architectures():
     assert gguf_architecture("llama").hf_class == "LlamaForCausalLM" and gguf_architecture("gpt2") is None
 
 
-@pytest.mark.parametrize("hf", list(ARCHITECTURES))
+@pytest.mark.parametrize("hf", [n for n, a in ARCHITECTURES.items() if not a.moe])   # MoE configs: tests/compiler/test_moe.py
 def test_config_reading_follows_the_entry(hf):
     a = architecture(hf)
     spec = ModelSpec.from_hf_config({**_CONFIG, "architectures": [hf]})

@@ -32,12 +32,12 @@ class ExportedFunction:
     weight_names: tuple[str, ...] # HF names relative to model.layers.{i}. (blocks) or the model root (head)
 
 
-def _modules(spec: ModelSpec, act_dtype: str):
+def block_ops(spec: ModelSpec, act_dtype: str):
+    """(rms_norm, linear) as every exported function computes them, activations in `act_dtype`."""
     import torch
     import torch.nn.functional as F
 
-    act = getattr(torch, act_dtype)
-    eps, D = spec.rms_norm_eps, spec.head_dim
+    act, eps = getattr(torch, act_dtype), spec.rms_norm_eps
 
     def rms_norm(t, w):
         # x*x instead of pow(x, 2): CUDA fast-math powf of a negative base is NaN (device-notes).
@@ -47,6 +47,16 @@ def _modules(spec: ModelSpec, act_dtype: str):
 
     def linear(t, w, b=None):
         return F.linear(t, w.to(act), None if b is None else b.to(act))
+    return rms_norm, linear
+
+
+def _modules(spec: ModelSpec, act_dtype: str):
+    import torch
+    import torch.nn.functional as F
+
+    act = getattr(torch, act_dtype)
+    D = spec.head_dim
+    rms_norm, linear = block_ops(spec, act_dtype)
 
     def rotate_half(t):
         return torch.cat([-t[..., D // 2:], t[..., : D // 2]], dim=-1)
@@ -96,7 +106,6 @@ def export_functions(spec: ModelSpec, act_dtype: str = "float32", example_seq: i
     S, H, D = example_seq, spec.hidden_size, spec.head_dim
     shapes = spec.block_weight_shapes()
     pre, post, head = _modules(spec, act_dtype)
-    seq = torch.export.Dim("seq", min=1, max=1 << 20)
 
     def weights(names, shape_of):
         return tuple(torch.zeros(shape_of(n), dtype=wdt) for n in names)
@@ -113,6 +122,17 @@ def export_functions(spec: ModelSpec, act_dtype: str = "float32", example_seq: i
         ("head", head, (torch.zeros(S, H, dtype=act),) + weights(head_w, head_shapes.get),
          ("x",), head_w, ("logits",)),
     ]
+    if spec.moe is not None:                # routed blocks: post_moe and the expert function (export_moe.py)
+        from helmc.compiler.passes.export_moe import moe_jobs
+        jobs += moe_jobs(spec, act_dtype, example_seq, *block_ops(spec, act_dtype))
+    return export_jobs(jobs)
+
+
+def export_jobs(jobs) -> tuple[ExportedFunction, ...]:
+    """Each (name, module, example args, activation names, weight names, output names) through
+    torch.onnx.export, the activations' first dimension symbolic (`seq`)."""
+    import torch
+    seq = torch.export.Dim("seq", min=1, max=1 << 20)
     out = []
     for name, module, args, act_names, wnames, outputs in jobs:
         input_names = act_names + tuple(f"w{i}" for i in range(len(wnames)))

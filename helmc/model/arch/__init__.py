@@ -42,9 +42,10 @@ class Architecture:
     # Writes {arch}.vocab_size and rope.dimension_count, as llama.cpp's converter does for this architecture.
     gguf_vocab_and_rope_dims: bool = False
     pre_tokenizer: str = "llama-bpe" # GGUF tokenizer.ggml.pre when tokenizer.json's pre-tokenizer is not recognised
+    moe: bool = False                # a routed mixture of experts as the feed-forward (layout: helmc/model/moe.py)
 
 
-_MODULES = ("qwen3", "qwen2", "llama", "mistral")
+_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.hf_class: a for a in (importlib.import_module(f"helmc.model.arch.{m}").ARCH for m in _MODULES)}

@@ -1,0 +1,83 @@
+"""A mixture-of-experts block's feed-forward on the CPU stage: the router's top-k, each selected expert once for
+all the rows that chose it, the weighted sum.
+
+The compiled parts (compiler/passes/export_moe.py) are position-wise and take weights as parameters, so one
+function serves every MoE block and every expert:
+    h, m, logits = post_moe(x, attn, w_o, ln2, w_router)     # h = x + o_proj(attn), m = norm(h), fp32 logits
+    y            = expert(m_rows, w_gate, w_up, w_down)      # down(silu(gate(m)) * up(m)), fp32 [rows, H]
+The routing is NumPy in fp32 as transformers computes it (softmax over the logits, top-k, renormalised when
+norm_topk_prob), and each row's sum runs over its experts in ascending expert order whatever else is in the
+step, so a row's bits do not depend on the other rows. Decode rows run the expert's GEMV variants (one row, or
+the smallest batched variant that holds them, padded; every row bit-identical to its one-row GEMV); prefill rows
+(any count) its GEMM variant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from helmc.model.moe import MoeSpec
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """One MoE block's experts' weights on the stage's device: per expert (gate, up, down), the expert
+    function's parameter order. One copy, bound from the checkpoint as the block's other weights."""
+    experts: tuple[tuple[Any, Any, Any], ...]
+
+
+def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(experts [S, k] int64, weights [S, k] float32) of router logits [S, E]: softmax in fp32, the k largest
+    probabilities (largest first; ties to the lower index), renormalised to sum 1 when norm_topk_prob."""
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :moe.top_k]
+    w = np.take_along_axis(p, idx, axis=-1)
+    if moe.norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return idx, w.astype(np.float32)
+
+
+class MoeFeedForward:
+    """The post-attention half of a MoE block, called as the dense post_attn is:
+    `ffn(phase)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a device tensor [S, H])."""
+
+    def __init__(self, vm, moe: MoeSpec, phases: tuple[str, ...], batch_sizes: tuple[int, ...],
+                 to_array: Callable, from_array: Callable):
+        self.moe = moe
+        self.to_array, self.from_array = to_array, from_array
+        self._post = {p: vm[f"post_moe_{p}"] for p in phases}
+        self._expert = {p: vm[f"expert_{p}"] for p in phases}
+        self._decode_rows = (1,) + tuple(batch_sizes)    # the expert's decode variants, by row count
+        self._calls = {p: (lambda *a, _p=p: self.forward(_p, *a)) for p in phases}
+
+    def __call__(self, phase: str) -> Callable:
+        return self._calls[phase]
+
+    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts):
+        h, m, logits = self._post[phase](x, attn, w_o, ln2, w_router)
+        h = np.array(self.to_array(h), dtype=np.float32)                  # [S, H], a copy of our own
+        m = self.to_array(m)                                              # [S, H]
+        idx, w = route(self.to_array(logits), self.moe)                   # [S, E] -> [S, k] each
+        decode = phase != "prefill"
+        out = np.zeros_like(h)
+        for e in np.unique(idx):                                          # ascending: each row's sum order fixed
+            rows, slot = np.nonzero(idx == e)
+            y = self._run_expert(decode, np.ascontiguousarray(m[rows]), experts.experts[e])
+            out[rows] += w[rows, slot, None] * y
+        return self.from_array(h + out)
+
+    def _run_expert(self, decode: bool, rows: np.ndarray, weights) -> np.ndarray:
+        """The expert on `rows` [r, H]: decode on the one-row GEMV or the smallest batched variant that holds r
+        (padded with zero rows, dropped after), prefill on the GEMM variant with r rows."""
+        r = rows.shape[0]
+        if not decode:
+            return np.array(self.to_array(self._expert["prefill"](self.from_array(rows), *weights)))
+        n = next(b for b in self._decode_rows if b >= r)
+        if n > r:
+            rows = np.concatenate([rows, np.zeros((n - r, rows.shape[1]), rows.dtype)])
+        phase = "decode" if n == 1 else f"decode_b{n}"
+        return np.array(self.to_array(self._expert[phase](self.from_array(rows), *weights)))[:r]
