@@ -39,10 +39,17 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
         arch, _ = probe_arch(backend)
         target = KitTarget(facts.features, facts.l3_bytes, facts.cores, arch, quick)
         kit_dir = ensure_kit(target, cache_dir=cache_dir, use_cache=use_cache, progress=progress)
-    hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
+
+    def measure_once() -> HardwareProfile:
+        hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
+        if overheads:
+            from helmc.planner.calibrate import synthetic_overheads
+            hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress, rounds=2 if quick else 3)
+        return hw
+    # Rates measured while other jobs use the cores are too low: such a window is measured again, else refused.
+    from helmc.hardware.host_load import measure_on_quiet_host
+    hw = measure_on_quiet_host(measure_once, os.cpu_count() or facts.threads, quick=quick, progress=progress)
     if overheads:
-        from helmc.planner.calibrate import synthetic_overheads
-        hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress, rounds=2 if quick else 3)
         from helmc.planner.measure_reserve import profile_gpu_reserve
         hw = profile_gpu_reserve(hw, kit_dir, progress=progress)
     return hw

@@ -302,7 +302,12 @@ def all_cpu_plan(num_layers: int, max_context: int) -> Plan:
 def read_plan_file(path: str) -> Plan:
     """A Plan JSON written by `helmc plan ... -o FILE`, for `helmc run|serve|chat --plan FILE` (a regular file of at
     most 64 MiB: a FIFO or device is refused before it is opened)."""
+    import os
+
     from helmc.jsonio import read_regular_file
+    if not os.path.exists(path):
+        raise HelmcError(f"--plan: expected a plan JSON file (helmc plan BUNDLE hardware.json -o FILE), found nothing "
+                         f"at {path}")
     data = read_regular_file(path, "--plan", limit=64 << 20)
     try:
         text = data.decode("utf-8")
