@@ -21,6 +21,7 @@ from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 from helmc.runtime.bundle.plan_check import check_plan, machine_memory
+from helmc.runtime.bundle.weights_digest import check_pinned_weights
 
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.rope import RopeTables
@@ -223,6 +224,8 @@ def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: t
     wdir = weights_dir or manifest.weights_dir
     if not os.path.isabs(wdir):
         wdir = os.path.join(bundle_dir, wdir)
+    if require_signed and manifest.weights:     # the signature covers the weights' digests: check them before binding
+        check_pinned_weights(wdir, manifest.weights)
     return manifest, spec, plan, wdir
 
 

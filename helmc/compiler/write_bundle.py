@@ -30,6 +30,7 @@ from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.bundle.weights_digest import pin_weights
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def _write_bundle(b: BundleInputs, out: str):
                 if name.endswith(".safetensors") or name in ("model.safetensors.index.json", "config.json"):
                     shutil.copy2(os.path.join(b.weights, name), os.path.join(wd, name))
             weights_dir = "weights"
+        weights_root = weights_dir if os.path.isabs(weights_dir) else os.path.join(tmp, weights_dir)
         files = []
         for root, _, names in os.walk(tmp):
             for name in sorted(names):
@@ -140,7 +142,7 @@ def _write_bundle(b: BundleInputs, out: str):
             hardware_hash=b.hardware.profile_hash(), target_hash=b.target_hash,
             cpu_features_required=b.cpu_features_required, llvm_target=b.llvm_target, cuda_arch=b.cuda_arch,
             weights_dir=weights_dir, files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time(),
-            prefill_activations=b.prefill_activations)
+            prefill_activations=b.prefill_activations, weights=pin_weights(weights_root))
         atomic_write_text(os.path.join(tmp, MANIFEST_NAME), manifest.to_json() + "\n")
         if b.signer is not None:
             from helmc.runtime.bundle.signature import sign_manifest
