@@ -12,6 +12,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from helmc.compiler.model_files import check_model_files
 from helmc.errors import HelmcError
 from helmc.jsonio import read_regular_file
 from helmc.model.load import is_gguf, load_spec
@@ -44,6 +45,7 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     config = os.path.join(path, "config.json") if os.path.isdir(path) else path
     config_sha = hashlib.sha256(read_regular_file(config, "model config")).hexdigest()
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    check_model_files(model_dir)                 # before anything is compiled: what the bundle will copy
     if not quant:
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
