@@ -97,10 +97,24 @@ def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None
     plan: a Plan (e.g. replan_bundle's for this machine) run instead of the bundle's own."""
     from helmc.runtime.session import Session
     check_run_arguments(max_new_tokens, temperature, top_k, top_p, seed, **kv_options)
+    check_prompt_text(prompt)
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
+
+
+def check_prompt_text(prompt: str | None, what: str = "--prompt") -> None:
+    """A prompt is text: bytes that are not UTF-8 in argv arrive as lone surrogates (Python's surrogateescape), which
+    no tokenizer takes; refused in one line, before the bundle is read."""
+    if prompt is None:
+        return
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = prompt.encode("utf-8", "surrogateescape")[max(0, e.start - 8):e.end + 8]
+        raise HelmcError(f"{what}: expected UTF-8 text, found bytes that are not UTF-8 at character {e.start} "
+                         f"(near {raw!r}); check the terminal's or the script's encoding") from None
 
 
 def check_run_arguments(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
