@@ -47,10 +47,17 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
         arch, _ = probe_arch(backend)
         target = KitTarget(facts.features, facts.l3_bytes, facts.cores, arch, quick)
         kit_dir = ensure_kit(target, cache_dir=cache_dir, use_cache=use_cache, progress=progress)
-    hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
+
+    def measure_once() -> HardwareProfile:
+        hw = measure(kit_dir, quick=quick, gpu_backend=backend, progress=progress, facts=facts)
+        if overheads:
+            from helmc.planner.calibrate import synthetic_overheads
+            hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress, rounds=2 if quick else 3)
+        return hw
+    # Rates measured while other jobs use the cores are too low: such a window is measured again, else refused.
+    from helmc.hardware.host_load import measure_on_quiet_host
+    hw = measure_on_quiet_host(measure_once, os.cpu_count() or facts.threads, quick=quick, progress=progress)
     if overheads:
-        from helmc.planner.calibrate import synthetic_overheads
-        hw = synthetic_overheads(hw, kit_dir, steps=8 if quick else 16, progress=progress, rounds=2 if quick else 3)
         from helmc.planner.measure_reserve import profile_gpu_reserve
         hw = profile_gpu_reserve(hw, kit_dir, progress=progress)
     return hw
@@ -99,6 +106,7 @@ def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None
     from helmc.runtime.session import Session
     from helmc.runtime.session_warmup import warm_up_session
     check_run_arguments(max_new_tokens, temperature, top_k, top_p, seed, **kv_options)
+    check_prompt_text(prompt)
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
     if warm_up:
@@ -107,6 +115,19 @@ def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None
         warm_up_session(session, prompt_tokens + max_new_tokens)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
+
+
+def check_prompt_text(prompt: str | None, what: str = "--prompt") -> None:
+    """A prompt is text: bytes that are not UTF-8 in argv arrive as lone surrogates (Python's surrogateescape), which
+    no tokenizer takes; refused in one line, before the bundle is read."""
+    if prompt is None:
+        return
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = prompt.encode("utf-8", "surrogateescape")[max(0, e.start - 8):e.end + 8]
+        raise HelmcError(f"{what}: expected UTF-8 text, found bytes that are not UTF-8 at character {e.start} "
+                         f"(near {raw!r}); check the terminal's or the script's encoding") from None
 
 
 def check_run_arguments(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,

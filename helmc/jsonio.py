@@ -134,10 +134,47 @@ def atomic_write_text(path: str, text: str) -> None:
         raise
 
 
+def require_regular_file(path: str, what: str) -> os.stat_result:
+    """os.stat of path (links followed) after checking it is a regular file: a FIFO, device, socket or directory is
+    refused in one line before anything opens it."""
+    import stat as st
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise HelmcError(f"{what}: file not found: {path}") from None
+    except OSError as e:
+        raise HelmcError(f"{what}: could not read {path} ({e.strerror or e})") from None
+    if not st.S_ISREG(info.st_mode):
+        kind = ("a directory" if st.S_ISDIR(info.st_mode) else "a FIFO" if st.S_ISFIFO(info.st_mode)
+                else "a socket" if st.S_ISSOCK(info.st_mode) else "a device")
+        raise HelmcError(f"{what}: expected a regular file, found {kind} at {path}")
+    return info
+
+
+def read_regular_file(path: str, what: str, limit: int = 256 << 20) -> bytes:
+    """The bytes of the regular file at path (links followed), at most `limit` of them. A FIFO, device, socket or
+    directory is refused before it is opened (opening a FIFO with no writer blocks forever; a device may never
+    end), and the open itself does not block (O_NONBLOCK, in case the path is swapped between the two)."""
+    import stat as st
+    info = require_regular_file(path, what)
+    if info.st_size > limit:
+        raise HelmcError(f"{what}: expected at most {limit} bytes, found a file of {info.st_size} at {path}")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not st.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise HelmcError(f"{what}: expected a regular file at {path}, found it replaced by something else")
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise HelmcError(f"{what}: could not read {path} ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise HelmcError(f"{what}: expected at most {limit} bytes, found more at {path}")
+    return data
+
+
 def load_json_file(path: str, what: str) -> Any:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(read_regular_file(path, what).decode("utf-8"))
     except FileNotFoundError:
         raise HelmcError(f"{what}: file not found: {path}") from None
     except json.JSONDecodeError as e:

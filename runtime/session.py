@@ -20,8 +20,9 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.bundle.plan_check import check_plan, machine_memory
+from helmc.runtime.bundle.weights_digest import check_pinned_weights
 from helmc.runtime.kv.options import KVOptions
-
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.rope import RopeTables
 from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpoint
@@ -87,6 +88,8 @@ class Session:
         if plan is not None and plan.architecture_hash and plan.architecture_hash != spec.architecture_hash():
             raise HelmcError(f"plan override: expected a plan made for this bundle's model (architecture "
                              f"{spec.architecture_hash()}), found one for {plan.architecture_hash}")
+        if plan is not None:   # made on this machine, unauthenticated: checked against the model and the machine
+            check_plan(plan, spec, own, "plan override", machine_memory(plan.uses_gpu))
         plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
         try:
@@ -218,9 +221,12 @@ def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: t
     manifest = verify_bundle(bundle_dir, cpu_flags, trusted_keys=trusted_keys, require_signed=require_signed)
     spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
     plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
+    check_plan(plan, spec, plan, "bundle: plan.json")
     wdir = weights_dir or manifest.weights_dir
     if not os.path.isabs(wdir):
         wdir = os.path.join(bundle_dir, wdir)
+    if require_signed and manifest.weights:     # the signature covers the weights' digests: check them before binding
+        check_pinned_weights(wdir, manifest.weights)
     return manifest, spec, plan, wdir
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 
 import click
@@ -39,6 +41,10 @@ class _Group(click.Group):
             _drop_stdout()
             ctx.exit(141)
         except Exception as e:
+            if _interrupted(e):
+                # Ctrl-C inside native code (TVM's compiler, LLVM) comes back wrapped in the library's own error.
+                click.echo("helmc: interrupted", err=True)
+                ctx.exit(130)
             if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
                 traceback.print_exc()
             else:
@@ -47,6 +53,36 @@ class _Group(click.Group):
                            f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
                            err=True)
             ctx.exit(1)
+
+
+_SIGINT_SEEN: list[float] = []
+
+
+def _on_sigint(signum, frame):
+    _SIGINT_SEEN.append(time.monotonic())
+    raise KeyboardInterrupt
+
+
+def _watch_sigint() -> None:
+    """Note every SIGINT (then raise KeyboardInterrupt as Python's own handler does), so an error that a native
+    library made of it is still reported as an interruption."""
+    _SIGINT_SEEN.clear()
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:          # not the main thread: nothing to watch
+        pass
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether e came of a Ctrl-C: a SIGINT was seen, or a KeyboardInterrupt is in its chain or its words."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt) or "KeyboardInterrupt" in str(e)[:2000]:
+            return True
+        e = e.__cause__ or e.__context__
+    return bool(_SIGINT_SEEN)
 
 
 def _drop_stdout() -> None:
@@ -73,7 +109,7 @@ def _write_crash_log(ctx) -> str:
         try:
             os.makedirs(d, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix=time.strftime("helmc-%Y%m%d-%H%M%S-"), suffix=".log", dir=d)
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:   # argv may hold any bytes
                 f.write(text)
             return path
         except OSError:
@@ -86,6 +122,7 @@ def _write_crash_log(ctx) -> str:
 @click.option("--debug", is_flag=True, help="show the traceback of an unexpected error")
 def main(debug):
     """helmc: compile a Hugging Face model for one CPU + one GPU, and run it."""
+    _watch_sigint()
 
 
 @main.command("build")

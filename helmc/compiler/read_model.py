@@ -12,7 +12,9 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from helmc.compiler.model_files import check_model_files
 from helmc.errors import HelmcError
+from helmc.jsonio import read_regular_file
 from helmc.model.load import is_gguf, load_spec
 from helmc.model.spec import ModelSpec
 
@@ -41,9 +43,9 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
         return _read_gguf(path, progress=progress)
     spec = ModelSpec.from_model_dir(path)
     config = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    with open(config, "rb") as f:
-        config_sha = hashlib.sha256(f.read()).hexdigest()
+    config_sha = hashlib.sha256(read_regular_file(config, "model config")).hexdigest()
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    check_model_files(model_dir)                 # before anything is compiled: what the bundle will copy
     if not quant:
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 from helmc import __version__
 from helmc.errors import HelmcError
+from helmc.compiler.model_files import TOKENIZER_FILES, copy_text_file, copy_weight_file
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.bundle.weights_digest import pin_weights
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,6 @@ class BundleInputs:
     signer: object = None                       # an ed25519 private key: write manifest.sig
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
 
 
 FAULT_ENV = "HELMC_FAULT_BUILD"
@@ -103,9 +103,8 @@ def _write_bundle(b: BundleInputs, out: str):
             shutil.copy2(src, os.path.join(tmp, name))
         fault_point("files_copied")
         for name in TOKENIZER_FILES if b.tokenizer_dir else ():
-            src = os.path.join(b.tokenizer_dir, name)
-            if os.path.exists(src):
-                shutil.copy2(src, os.path.join(tmp, name))
+            if os.path.lexists(os.path.join(b.tokenizer_dir, name)):   # a dangling link too: refused, not skipped
+                copy_text_file(b.tokenizer_dir, name, os.path.join(tmp, name))
         if b.tokenizer_json and not b.tokenizer_dir:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(b.tokenizer_json)
@@ -120,14 +119,16 @@ def _write_bundle(b: BundleInputs, out: str):
         if b.copy_weights and os.path.isfile(b.weights):          # one GGUF file
             os.makedirs(os.path.join(tmp, "weights"))
             weights_dir = os.path.join("weights", os.path.basename(b.weights))
-            shutil.copy2(b.weights, os.path.join(tmp, weights_dir))
+            copy_weight_file(os.path.dirname(os.path.abspath(b.weights)), os.path.basename(b.weights),
+                             os.path.join(tmp, weights_dir))
         elif b.copy_weights:
             wd = os.path.join(tmp, "weights")
             os.makedirs(wd)
             for name in sorted(os.listdir(b.weights)):
                 if name.endswith(".safetensors") or name in ("model.safetensors.index.json", "config.json"):
-                    shutil.copy2(os.path.join(b.weights, name), os.path.join(wd, name))
+                    copy_weight_file(b.weights, name, os.path.join(wd, name))
             weights_dir = "weights"
+        weights_root = weights_dir if os.path.isabs(weights_dir) else os.path.join(tmp, weights_dir)
         files = []
         for root, _, names in os.walk(tmp):
             for name in sorted(names):
@@ -140,7 +141,7 @@ def _write_bundle(b: BundleInputs, out: str):
             hardware_hash=b.hardware.profile_hash(), target_hash=b.target_hash,
             cpu_features_required=b.cpu_features_required, llvm_target=b.llvm_target, cuda_arch=b.cuda_arch,
             weights_dir=weights_dir, files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time(),
-            prefill_activations=b.prefill_activations)
+            prefill_activations=b.prefill_activations, weights=pin_weights(weights_root))
         atomic_write_text(os.path.join(tmp, MANIFEST_NAME), manifest.to_json() + "\n")
         if b.signer is not None:
             from helmc.runtime.bundle.signature import sign_manifest

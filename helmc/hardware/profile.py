@@ -36,9 +36,48 @@ def _require(condition: bool, message: str) -> None:
         raise HelmcError(f"hardware profile: {message}")
 
 
+# Bounds on what a profile may say, far outside any real machine but inside what the planner's arithmetic and the
+# allocations it sizes can take: a figure past them is a corrupt or hand-edited file, refused when it is read.
+MAX_GBS = 1e5                    # bytes/s of any memory or link, in GB/s (HBM3e: ~5e3)
+MAX_FLOPS = 1e7                  # GFLOP/s or TFLOP/s
+MAX_BYTES = 1 << 50              # any memory size (1 PiB)
+MAX_COUNT = 1 << 16              # cores, threads, rows
+MAX_OVERHEAD_MS = 1e3            # |delta| or |sigma| per block or token
+MAX_LATENCY_US = 1e6
+
+
+def _bound_of(name: str) -> "tuple[float, float] | None":
+    if name.endswith("overhead_ms"):
+        return -MAX_OVERHEAD_MS, MAX_OVERHEAD_MS
+    if name.endswith("_gbs"):
+        return 0.0, MAX_GBS
+    if name.endswith(("_gflops", "_tflops")):
+        return 0.0, MAX_FLOPS
+    if name.endswith("_bytes"):
+        return 0, MAX_BYTES
+    if name.endswith("_us"):
+        return 0.0, MAX_LATENCY_US
+    if name in ("cores", "threads", "rows"):
+        return 0, MAX_COUNT
+    return None
+
+
+def _check_numbers(where: str, obj) -> None:
+    """Every number of a profile part finite and within _bound_of its name."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        bound = _bound_of(f.name)
+        _require(math.isfinite(v) and (bound is None or bound[0] <= v <= bound[1]),
+                 f"{where}.{f.name} expected a finite number" + (f" in [{bound[0]:g}, {bound[1]:g}]" if bound else "")
+                 + f", found {v}")
+
+
 def _check_overheads(where: str, block_overhead_ms: Optional[float], step_overhead_ms: Optional[float]) -> None:
-    # Calibrated deltas may be negative: a device that beats the roofline of the profile's rates
-    # (e.g. a profile measured on another machine) gets a delta that brings the roofline down to it.
+    # Calibrated deltas may be negative: a device that beats the roofline of the profile's rates (e.g. a profile
+    # measured on another machine) gets a delta that brings the roofline down to it; the cost model never lets a
+    # stage's time fall below 0 (cost_model.StageTime), and _check_numbers bounds them.
     for name, value in (("block_overhead_ms", block_overhead_ms), ("step_overhead_ms", step_overhead_ms)):
         _require(value is None or math.isfinite(value),
                  f"{where}.{name} expected a finite number or null (not calibrated), found {value}")
@@ -62,6 +101,7 @@ class KernelRead:
         _require(bool(self.weight_type) and self.gbs > 0 and self.rows >= 1,
                  f"cpu.gemv_reads expected a weight type, gbs > 0 and rows >= 1, found {self.weight_type!r}, "
                  f"{self.gbs}, {self.rows}")
+        _check_numbers("gemv_reads", self)
 
 
 @dataclass(frozen=True)
@@ -117,6 +157,7 @@ class CpuProfile:
                  f"cpu.gemv_reads expected one entry per weight type and row count, found {types}")
         _check_eta("cpu", self.eta_compute, self.eta_memory)
         _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
+        _check_numbers("cpu", self)
 
     def has(self, *flags: str) -> bool:
         return all(f in self.features for f in flags)
@@ -166,6 +207,7 @@ class GpuProfile:
         _check_eta("gpu", self.eta_compute, self.eta_memory)
         _check_overheads("gpu", self.block_overhead_ms, self.step_overhead_ms)
         _require(all(r.rows == 1 for r in self.gemv_reads), "gpu.gemv_reads expected one-row (decode) figures")
+        _check_numbers("gpu", self)
 
     def read_gbs(self, weight_type: str) -> float:
         """M on the GPU for weights of one type: helmc's decode GEMVs' measured rate, else hbm_gbs."""
@@ -191,6 +233,7 @@ class LinkProfile:
                  and min(self.h2d_concurrent_gbs, self.cpu_read_concurrent_gbs) >= 0,
                  f"link.h2d_concurrent_gbs and link.cpu_read_concurrent_gbs expected both > 0 (measured together) "
                  f"or both 0, found {self.h2d_concurrent_gbs}, {self.cpu_read_concurrent_gbs}")
+        _check_numbers("link", self)
 
     @property
     def has_concurrent(self) -> bool:
@@ -232,6 +275,7 @@ class HardwareProfile:
         _require(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes expected >= 0, found {self.gpu_budget_bytes}")
         _require(self.block_overhead_ms >= 0, f"block_overhead_ms expected >= 0, found {self.block_overhead_ms}")
         _require(self.gpu_reserve_bytes >= 0 and self.host_reserve_bytes >= 0, "reserves expected >= 0")
+        _check_numbers("profile", self)
 
     @property
     def has_gpu(self) -> bool:

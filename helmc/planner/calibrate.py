@@ -335,15 +335,18 @@ def clamp_negative_deltas(hw: HardwareProfile) -> HardwareProfile:
     faster than their roofline is a measurement artefact (cache hits, a bandwidth figure from a slow minute), not a
     negative cost: the planner would promise a block for less than its bytes take to read. (calibrate on a real
     bundle keeps negative deltas: its profile may come from another machine.)"""
-    clamped = {}
+    clamped, said = {}, []
     for name in ("cpu", "gpu"):
         device = getattr(hw, name)
-        if device is not None and device.block_overhead_ms is not None and device.block_overhead_ms < 0:
-            clamped[name] = dataclasses.replace(device, block_overhead_ms=0.0)
+        for field in ("block_overhead_ms", "step_overhead_ms"):   # sigma too: a busy host's tail fit goes below 0
+            value = getattr(device, field, None) if device is not None else None
+            if value is not None and value < 0:
+                device = clamped[name] = dataclasses.replace(device, **{field: 0.0})
+                said.append(f"{name} {'delta' if field == 'block_overhead_ms' else 'sigma'}")
     if not clamped:
         return hw
     return dataclasses.replace(hw, **clamped, notes=tuple(hw.notes) + (
-        f"overheads: the {' and '.join(clamped)} delta below 0 set to 0 (the synthetic stage ran faster than the "
+        f"overheads: the {' and '.join(said)} below 0 set to 0 (the synthetic stage ran faster than the "
         f"profile's own rates)",))
 
 

@@ -184,7 +184,8 @@ class StageTime:
 
     @property
     def total_ms(self) -> float:
-        return max(self.proj_ms + self.attn_ms, self.kv_stream_ms) + self.overhead_ms
+        # A negative delta (calibrated against another machine's rates) brings the roofline down, never below 0.
+        return max(0.0, max(self.proj_ms + self.attn_ms, self.kv_stream_ms) + self.overhead_ms)
 
 
 def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workload, *,

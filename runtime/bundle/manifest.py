@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 from helmc.jsonio import from_dict, parse_json, to_dict
+from helmc.runtime.bundle.weights_digest import WeightFile
 
 BUNDLE_FORMAT_VERSION = 5              # 2: paged attention prebuilt; 3: step read from device memory; 4: splits in tokens;
                                        # 5: batched decode variants (decode_b{B}) for plans of batch > 1
@@ -44,6 +45,9 @@ class BundleManifest:
     # Precision of the CPU stage's AMX prefill activations (helmc build --prefill-activations): "model" or
     # "fp32"; "" without a CPU stage, and in bundles written before the option (which were "model").
     prefill_activations: str = ""
+    # Each weight file's size and digest (weights_digest.py), beside the bundle or copied in: a signed manifest pins
+    # the weights too, and --require-signed checks them before binding. Empty in bundles written before.
+    weights: tuple[WeightFile, ...] = ()
 
     def file(self, path: str) -> BundleFile:
         for f in self.files:

@@ -300,12 +300,18 @@ def all_cpu_plan(num_layers: int, max_context: int) -> Plan:
 
 
 def read_plan_file(path: str) -> Plan:
-    """A Plan JSON written by `helmc plan ... -o FILE`, for `helmc run|serve|chat --plan FILE`."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise HelmcError(f"--plan: expected a plan JSON file (helmc plan BUNDLE hardware.json -o FILE), could not read "
-                         f"{path}: {e.strerror if isinstance(e, OSError) else e}") from None
-    return Plan.from_json(text)
+    """A Plan JSON written by `helmc plan ... -o FILE`, for `helmc run|serve|chat --plan FILE` (a regular file of at
+    most 64 MiB: a FIFO or device is refused before it is opened)."""
+    import os
 
+    from helmc.jsonio import read_regular_file
+    if not os.path.exists(path):
+        raise HelmcError(f"--plan: expected a plan JSON file (helmc plan BUNDLE hardware.json -o FILE), found nothing "
+                         f"at {path}")
+    data = read_regular_file(path, "--plan", limit=64 << 20)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HelmcError(f"--plan: expected a plan JSON file (helmc plan BUNDLE hardware.json -o FILE), found "
+                         f"bytes that are not UTF-8 in {path}") from None
+    return Plan.from_json(text)

@@ -64,6 +64,8 @@ def _crypto():
 # ---- keys -----------------------------------------------------------------------------------------
 def generate_keypair(key_path: str) -> PublicKey:
     """Write a new private key to key_path (0600, never overwriting) and its public key to key_path.pub."""
+    if not key_path or key_path.endswith(("/", os.sep)):
+        raise HelmcError(f"keygen: expected a file name for the private key, found {key_path!r}")
     ed25519, serialization, _ = _crypto()
     pub_path = key_path + ".pub"
     for p in (key_path, pub_path):
@@ -76,24 +78,51 @@ def generate_keypair(key_path: str) -> PublicKey:
     d = os.path.dirname(os.path.abspath(key_path))
     if not os.path.isdir(d):
         raise HelmcError(f"keygen: expected an existing directory for {key_path}, found nothing at {d}")
-    # O_EXCL + 0600 from the start: the private key is never readable by others, not even for a moment.
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    fd = os.open(pub_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{PUBLIC_KEY_PREFIX} {base64.b64encode(raw).decode()}\n")
+    written = []
+    try:
+        # O_EXCL + 0600 from the start: the private key is never readable by others, not even for a moment.
+        for path, mode, data in ((key_path, 0o600, pem),
+                                 (pub_path, 0o644, f"{PUBLIC_KEY_PREFIX} {base64.b64encode(raw).decode()}\n".encode())):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+            written.append(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+    except OSError as e:
+        for path in written:          # no half pair left behind (a private key without its .pub, or an empty one)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise HelmcError(f"keygen: expected a writable new file, could not write {e.filename or key_path} "
+                         f"({e.strerror or e})") from None
     return PublicKey(raw, pub_path)
+
+
+def _key_bytes(path: str, what: str, limit: int) -> bytes:
+    """The bytes of a key file: a regular file (a FIFO or device refused before it is opened), at most limit."""
+    from helmc.jsonio import read_regular_file
+    if not os.path.lexists(path):
+        raise HelmcError(f"{what}, could not read {path} (no such file)")
+    return read_regular_file(path, what, limit=limit)
+
+
+def _warn_if_readable_by_others(key_path: str) -> None:
+    """A private key others can read is no longer the owner's alone: say so (once, on stderr), still use it."""
+    import stat
+    import sys
+    try:
+        mode = stat.S_IMODE(os.stat(key_path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        print(f"helmc: warning: private key {key_path} is readable by {'others' if mode & 0o007 else 'its group'} "
+              f"(mode {mode:04o}); anyone who can read it can sign bundles as you: chmod 600 {key_path}",
+              file=sys.stderr)
 
 
 def load_private_key(key_path: str):
     ed25519, serialization, _ = _crypto()
-    try:
-        with open(key_path, "rb") as f:
-            data = f.read(1 << 16)
-    except OSError as e:
-        raise HelmcError(f"--sign: expected a private key file from `helmc keygen`, could not read {key_path} "
-                         f"({e.strerror})") from None
+    data = _key_bytes(key_path, "--sign: expected a private key file from `helmc keygen`", 1 << 16)
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
@@ -101,24 +130,30 @@ def load_private_key(key_path: str):
                          f"found something else in {key_path}") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise HelmcError(f"--sign: expected an ed25519 private key, found a {type(key).__name__} in {key_path}")
+    _warn_if_readable_by_others(key_path)
     return key
 
 
 def load_public_key(path: str) -> PublicKey:
+    data = _key_bytes(path, "trusted key: expected a public key file (KEYFILE.pub from `helmc keygen`)", 1 << 16)
+    bad = f"trusted key: expected one line '{PUBLIC_KEY_PREFIX} <base64 of 32 bytes>' in {path}"
+    if b"PRIVATE KEY" in data or b"PRIVATE" in data.upper():
+        # Never echo any of it: the message may end up in a log or a terminal others see.
+        raise HelmcError(f"{bad}, found a PRIVATE key (its content not shown); give the public half, KEYFILE.pub, "
+                         f"and keep the private key on the signing machine only")
     try:
-        with open(path) as f:
-            text = f.read(1024)
-    except (OSError, UnicodeDecodeError) as e:
-        raise HelmcError(f"trusted key: expected a public key file (KEYFILE.pub from `helmc keygen`), "
-                         f"could not read {path} ({getattr(e, 'strerror', None) or e})") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HelmcError(f"{bad}, found {len(data)} bytes of binary data") from None
     parts = text.split()
     try:
         raw = base64.b64decode(parts[1], validate=True) if len(parts) >= 2 and parts[0] == PUBLIC_KEY_PREFIX else b""
     except (binascii.Error, ValueError):
         raw = b""
     if len(raw) != 32:
-        raise HelmcError(f"trusted key: expected one line '{PUBLIC_KEY_PREFIX} <base64 of 32 bytes>' in {path}, "
-                         f"found {text[:60]!r}")
+        # Only the first word is shown (a key type such as 'ssh-rsa'): the rest could be secret material.
+        first = parts[0][:20] if parts else ""
+        raise HelmcError(f"{bad}, found {len(data)} bytes starting with {first!r}")
     return PublicKey(raw, path)
 
 

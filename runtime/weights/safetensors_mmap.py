@@ -48,7 +48,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
-        size = os.path.getsize(path)
+        from helmc.jsonio import require_regular_file
+        size = require_regular_file(path, "weights").st_size      # a FIFO or device would block or never end
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:

@@ -214,5 +214,6 @@ def test_profile_negative_synthetic_delta_is_clamped():
     assert hw.cpu.block_overhead_ms < 0 < hw.gpu.block_overhead_ms
     out = clamp_negative_deltas(hw)
     assert out.cpu.block_overhead_ms == 0.0 and out.gpu.block_overhead_ms == hw.gpu.block_overhead_ms
-    assert "the cpu delta below 0 set to 0" in out.notes[-1]
+    assert "the cpu delta" in out.notes[-1] and "below 0 set to 0" in out.notes[-1]
+    assert all(d.step_overhead_ms is None or d.step_overhead_ms >= 0 for d in (out.cpu, out.gpu))
     assert clamp_negative_deltas(out) == out

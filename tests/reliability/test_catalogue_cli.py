@@ -1,0 +1,54 @@
+"""The real console script on input a terminal can produce: prompt bytes that are not UTF-8 (one line, exit 2, no
+traceback, no crash log), and Ctrl-C while TVM compiles (reported as an interruption, exit 130, nothing written)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HELMC = os.path.join(os.path.dirname(sys.executable), "helmc")
+
+
+def _lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("helmc:")]
+
+
+@pytest.mark.parametrize("prompt", [b"\xff\xfe abc", b"caf\xe9", b"ok then \xed\xa0\x80 lone surrogate"])
+def test_prompt_not_utf8(prompt, tiny, tmp_path, workdir):
+    logs = tmp_path / "logs"
+    r = subprocess.run([HELMC.encode(), b"run", tiny.bundle("qwen3").encode(), b"--prompt", prompt,
+                        b"--max-new-tokens", b"2"], capture_output=True, timeout=300,
+                       env=dict(os.environ, HELMC_LOG_DIR=str(logs)))
+    err = r.stderr.decode("utf-8", "replace")
+    lines = _lines(err)
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--prompt: expected UTF-8 text, found bytes that are not UTF-8" in lines[0]
+    assert not logs.exists() or not os.listdir(logs)
+
+
+def test_sigint_during_compile_is_an_interruption(tiny, hw_json, tmp_path, workdir):
+    model, _ = tiny.model("qwen3")
+    out = tmp_path / "bundle"
+    p = subprocess.Popen([HELMC, "build", str(model), str(hw_json), "-o", str(out), "--no-cache"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, HELMC_LOG_DIR=str(tmp_path / "logs")))
+    seen = ""
+    deadline = time.monotonic() + 600
+    while "import_relax" not in seen and time.monotonic() < deadline:   # ONNX exported: TVM compiles next
+        line = p.stderr.readline()
+        if not line:
+            break
+        seen += line
+    assert "import_relax" in seen, seen
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    stdout, rest = p.communicate(timeout=300)
+    err = seen + rest
+    assert p.returncode == 130, (p.returncode, err)
+    assert _lines(err) == ["helmc: interrupted"], err
+    assert "internal error" not in err and "Traceback" not in err
+    assert not out.exists()
