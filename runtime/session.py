@@ -22,6 +22,7 @@ from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
+from helmc.runtime.detokenize import Detokenizer
 from helmc.runtime.rope import RopeTables
 from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
@@ -171,17 +172,19 @@ class Session:
             tok = self._next_token(prompt_ids, sampler)
             t_first = time.perf_counter()
             out, stamps, stop = [tok], [t_first], "length"
-            printed = ""
-            printed = self._stream(out, printed, on_text)
+            detok = Detokenizer(self.tokenizer) if on_text is not None and self.tokenizer is not None else None
+            _emit(on_text, detok, tok)
             if tok in eos:
                 stop = "eos"
             while stop != "eos" and len(out) < max_new_tokens:
                 tok = self._next_token([tok], sampler)
                 out.append(tok)
                 stamps.append(time.perf_counter())
-                printed = self._stream(out, printed, on_text)
+                _emit(on_text, detok, tok)
                 if tok in eos:
                     stop = "eos"
+            if detok is not None and (rest := detok.flush()):
+                on_text(rest)
         finally:   # the CPU cache's arena keeps the pages this request touched: the next one reuses them
             self._kv_tokens_touched = max(self._kv_tokens_touched, self.position)
         per_token = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
@@ -196,14 +199,11 @@ class Session:
             return sampler.take(self.forward(ids, argmax=True))
         return sampler(self.forward(ids)[-1])
 
-    def _stream(self, out, printed, on_text):
-        if on_text is None or self.tokenizer is None:
-            return printed
-        text = self.tokenizer.decode(out)
-        if text.startswith(printed) and len(text) > len(printed):
-            on_text(text[len(printed):])
-            return text
-        return printed
+
+
+def _emit(on_text, detok, tok: int) -> None:
+    if detok is not None and (delta := detok.add(tok)):
+        on_text(delta)
 
 
 # -------------------------------------------------------------------- helpers

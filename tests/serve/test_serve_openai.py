@@ -242,6 +242,25 @@ def test_text_completion_equals_helmc_run(client, bundle):
     assert ids.choices[0].text == expected["text"]                          # token ids as the prompt
 
 
+def test_sampled_stream_is_the_one_shot_decode(client, bundle, session):
+    """Sampled tokens of a random-weight model split characters into bytes: the streamed deltas put together are the
+    one-shot decode of the tokens (`helmc run --json`'s text for the same seed), with no character lost."""
+    split = 0
+    for seed in (1, 2):
+        run = cli("run", bundle, "--prompt", "Once upon a time", "--max-new-tokens", "64", "--temperature", "1",
+                  "--seed", str(seed), "--json")
+        expected = json.loads(run.stdout)
+        ids = expected["tokens"]
+        assert expected["text"] == session.tokenizer.decode(ids)
+        s = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=64, temperature=1, seed=seed,
+                                      stream=True)
+        assert "".join(c.choices[0].text for c in s) == expected["text"], seed
+        full = expected["text"]
+        split += any((p := session.tokenizer.decode(ids[:i])).endswith("\ufffd") and not full.startswith(p)
+                     for i in range(1, len(ids)))
+    assert split                     # a character over several tokens, streamed whole
+
+
 def test_sampling_options_reach_the_sampler(client):
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=1.3, top_p=0.95, seed=11,
               extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1}, frequency_penalty=0.5)

@@ -1,0 +1,39 @@
+"""`helmc run` streams its text to stdout as it decodes: what a reader of stdout gets is the one-shot decode of the
+tokens (`--json`'s text), also when sampled tokens split characters into bytes. A real `helmc run` process on a
+tiny Llama bundle."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEEDS = (1, 2, 3)
+
+
+def run(*args):
+    r = subprocess.run([sys.executable, "-m", "helmc.cli.main", "run", *args], capture_output=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout.decode("utf-8")
+
+
+def splits_a_character(tok, ids) -> bool:
+    full = tok.decode(ids)
+    return any((p := tok.decode(ids[:i])).endswith("\ufffd") and not full.startswith(p) for i in range(1, len(ids)))
+
+
+def test_run_stdout_is_the_json_text(tiny):
+    from tokenizers import Tokenizer
+    bundle = tiny.bundle("llama")
+    tok = Tokenizer.from_file(os.path.join(bundle, "tokenizer.json"))
+    split = 0
+    for seed in SEEDS:
+        args = (bundle, "--prompt", "Once upon a time", "--temperature", "1", "--seed", str(seed),
+                "--max-new-tokens", "64")
+        result = json.loads(run(*args, "--json"))
+        assert result["text"] == tok.decode(result["tokens"])
+        assert run(*args) == result["text"], seed
+        split += splits_a_character(tok, result["tokens"])
+    assert split                     # at least one seed's tokens put a character over several tokens
