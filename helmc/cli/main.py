@@ -15,7 +15,8 @@ import traceback
 import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
-from helmc.cli.serve_chat import chat_command, serve_command
+from helmc.cli.chat import chat_command
+from helmc.cli.serve_chat import serve_command
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 

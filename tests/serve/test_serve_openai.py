@@ -385,3 +385,33 @@ def test_chat_cli_through_a_pipe(bundle, session):
     assert re.fullmatch(r"\[\d+ tokens \((stop|length)\), prompt \d+ tokens, TTFT [\d.]+ ms, decode [\d.]+ tok/s, "
                         r"conversation 2 messages\]", stats), stats
     assert rest == "[conversation cleared]\n" + reply + "\n"   # the same greedy reply after /reset
+
+
+def test_chat_help_and_ctrl_c_stops_the_reply(bundle):
+    """/help lists the commands and reaches no model; Ctrl-C (SIGINT) while a reply is written stops that reply, and
+    the chat goes on: /stats tells it was stopped, a next question is answered, /quit leaves with status 0."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "helmc.cli.main", "chat", bundle, "--max-new-tokens", "480",
+                          "--temperature", "1", "--seed", "3"], env=ENV, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"/help\n/stats\nTell me a long story\n")
+        p.stdin.flush()
+        out = b""
+        mark = b"[no reply yet]\n"
+        while mark not in out or out.endswith(mark):       # /help's lines, /stats, then the reply's first bytes
+            chunk = os.read(p.stdout.fileno(), 4096)
+            assert chunk, p.stderr.read().decode()
+            out += chunk
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(b"/stats\nHello\n/quit\n", timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = (out + rest).decode()
+    assert p.returncode == 0, err.decode()
+    assert "/reset" in text and "/quit" in text and "[no reply yet]" in text   # /help went to no model
+    assert " [stopped]\n" in text
+    stats = re.findall(r"\[(\d+) tokens \(([^)]*)\)", text)
+    assert stats and stats[0][1] == "stopped by Ctrl-C" and 0 < int(stats[0][0]) < 480, text
+    assert b"helmc chat: " in err and b"/help" in err                             # the banner, on stderr
