@@ -216,9 +216,11 @@ def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: t
     manifest = verify_bundle(bundle_dir, cpu_flags, trusted_keys=trusted_keys, require_signed=require_signed)
     spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
     plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
-    wdir = weights_dir or manifest.weights_dir
-    if not os.path.isabs(wdir):
-        wdir = os.path.join(bundle_dir, wdir)
+    if weights_dir:                       # given by the user: relative to the current directory, as any path argument
+        wdir = os.path.abspath(weights_dir)
+    else:                                 # the manifest's: relative to the bundle
+        wdir = manifest.weights_dir if os.path.isabs(manifest.weights_dir) else \
+            os.path.join(bundle_dir, manifest.weights_dir)
     return manifest, spec, plan, wdir
 
 

@@ -14,6 +14,7 @@ import time
 
 import click
 
+from helmc.cli.options import weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
@@ -30,8 +31,7 @@ HISTORY = os.path.join(os.path.expanduser("~"), ".cache", "helmc", "chat_history
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--weights", "weights_dir", default=None, type=click.Path(),
-              help="model directory overriding the bundle's (relative to the current directory)")
+@weights_option
 @plan_option
 @trust_options
 def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, plan_file, trust,
@@ -47,7 +47,6 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     from helmc.runtime.sampling import SamplingParams
     from helmc.runtime.serve.load import load_engine
     SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
-    weights_dir = os.path.abspath(weights_dir) if weights_dir else None
     engine, template = load_engine(bundle_dir, 1, weights_dir, plan=read_plan(plan_file),
                                    **trust_policy(trust, require_signed))
     if template is None:

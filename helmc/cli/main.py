@@ -17,6 +17,7 @@ import click
 from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.chat import chat_command
 from helmc.cli.serve_chat import serve_command
+from helmc.cli.options import CONTEXT, output_option, weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
@@ -81,7 +82,7 @@ def _write_crash_log(ctx) -> str:
     return "no log file (could not write one; rerun with --debug)"
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings=CONTEXT)
 @click.version_option(package_name="helmc")
 @click.option("--debug", is_flag=True, help="show the traceback of an unexpected error")
 def main(debug):
@@ -91,7 +92,7 @@ def main(debug):
 @main.command("build")
 @click.argument("model_dir", type=click.Path())
 @click.argument("hardware", type=click.Path())
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="bundle directory to write")
+@output_option("out_dir", "bundle directory to write", old_out=True, required=True, type=click.Path())
 @click.option("--gpu-budget", type=float, default=None, help="cap the plan's VRAM at this many GiB")
 @click.option("--copy-weights", is_flag=True, help="copy the safetensors into the bundle")
 @click.option("--no-cache", is_flag=True, help="rebuild even if artifacts/ has this build")
@@ -145,7 +146,7 @@ def _parse_ids(text: str | None):
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@weights_option
 @click.option("--kv-page-tokens", type=int, default=512, show_default=True)
 @click.option("--kv-watermark", type=float, default=0.8, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
@@ -177,8 +178,8 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @main.command("calibrate")
 @click.argument("bundle_dir", type=click.Path())
 @click.argument("hardware", type=click.Path())
-@click.option("-o", "--out", "out_path", required=True, type=click.Path(), help="calibrated hardware.json to write")
-@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@output_option("out_path", "calibrated hardware.json to write", old_out=True, required=True, type=click.Path())
+@weights_option
 @click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
 @trust_options

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from helmc.cli.options import weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.errors import HelmcError
 
@@ -41,7 +42,7 @@ def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
 @click.option("--port", type=int, default=8000, show_default=True, help="0: any free port (printed when listening)")
 @click.option("--max-batch", type=int, default=None, help="sequences decoded at once [default: what the plan was made for]")
 @click.option("--model-name", default=None, help="the model id clients send [default: the bundle directory's name]")
-@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@weights_option
 @click.option("--kv-page-tokens", type=int, default=512, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
 @plan_option

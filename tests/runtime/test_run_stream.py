@@ -37,3 +37,16 @@ def test_run_stdout_is_the_json_text(tiny):
         assert run(*args) == result["text"], seed
         split += splits_a_character(tok, result["tokens"])
     assert split                     # at least one seed's tokens put a character over several tokens
+
+
+def test_weights_resolve_from_the_current_directory(tiny, tmp_path):
+    """--weights is a path like any other argument: relative to where helmc runs, not to the bundle."""
+    bundle = tiny.bundle("llama")
+    model_dir, _ = tiny.model("llama")
+    args = ["-m", "helmc.cli.main", "run", bundle, "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json",
+            "--weights", os.path.basename(model_dir)]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ok = subprocess.run([sys.executable, *args], cwd=os.path.dirname(model_dir), capture_output=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr.decode()
+    away = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert away.returncode == 2 and f"in {tmp_path / os.path.basename(model_dir)}," in away.stderr, away.stderr
