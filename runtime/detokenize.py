@@ -38,8 +38,7 @@ class Detokenizer:
             chunk = self._window_text()
             if chunk.endswith("\ufffd"):
                 return ""
-            self._stream = DecodeStream(ids=(self._context + self._held)[-_CONTEXT:],
-                                        skip_special_tokens=self.skip_special_tokens)
+            self._restart()
         if not chunk:
             return ""
         return self._release(chunk)
@@ -49,9 +48,14 @@ class Detokenizer:
         if not self._held:
             return ""
         chunk = self._window_text()
-        self._stream = DecodeStream(ids=(self._context + self._held)[-_CONTEXT:],
-                                    skip_special_tokens=self.skip_special_tokens)
+        self._restart()
         return self._release(chunk) if chunk else self._forget_held()
+
+    def _restart(self) -> None:
+        """A new stream whose window starts after the last ids seen (their text already released)."""
+        self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        for t in (self._context + self._held)[-_CONTEXT:]:
+            self._stream.step(self.tokenizer, t)
 
     def _window_text(self) -> str:
         """The held ids' text, decoded after the ids before them (whose text it leaves out)."""

@@ -16,6 +16,7 @@ import click
 
 from helmc.cli.options import weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
 
 COMMANDS = (("/help", "this list"), ("/reset", "forget the conversation (the system message stays)"),
@@ -40,10 +41,8 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     commands (/reset, /stats, /quit)."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        raise HelmcError("chat: expected jinja2 for the chat template (pip install 'helmc[serve]'), found it missing") from None
+    need(*RUNTIME)
+    import jinja2  # noqa: F401   (the chat template; missing: the line naming the serve extra, helmc/cli/extras.py)
     from helmc.runtime.sampling import SamplingParams
     from helmc.runtime.serve.load import load_engine
     SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading

@@ -19,6 +19,7 @@ from helmc.cli.chat import chat_command
 from helmc.cli.serve_chat import serve_command
 from helmc.cli.options import CONTEXT, output_option, weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
 
 
@@ -39,15 +40,27 @@ class _Group(click.Group):
             # killed by SIGPIPE; stdout goes to /dev/null so the interpreter's last flush raises nothing either.
             _drop_stdout()
             ctx.exit(141)
+        except ModuleNotFoundError as e:
+            from helmc.cli.extras import missing_extra_message
+            line = missing_extra_message(ctx.invoked_subcommand, e)
+            if line is None:
+                self._unexpected(ctx, e)
+            click.echo(line, err=True)
+            ctx.exit(2)
         except Exception as e:
-            if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
-                traceback.print_exc()
-            else:
-                where = _write_crash_log(ctx)
-                click.echo(f"helmc: internal error: {type(e).__name__}: {_one_line(e)} in `helmc "
-                           f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
-                           err=True)
-            ctx.exit(1)
+            self._unexpected(ctx, e)
+
+    @staticmethod
+    def _unexpected(ctx, e: BaseException):
+        """A bug or a failure of the machine: one line and a log file with the traceback (or it, with --debug)."""
+        if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
+            traceback.print_exc()
+        else:
+            where = _write_crash_log(ctx)
+            click.echo(f"helmc: internal error: {type(e).__name__}: {_one_line(e)} in `helmc "
+                       f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
+                       err=True)
+        ctx.exit(1)
 
 
 def _drop_stdout() -> None:
@@ -117,6 +130,7 @@ def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, 
               prefill_activations, quant, max_batch, hybrid, sign_key):
     """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
     (hardware.json) into a bundle."""
+    need("tvm", "numpy")
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
@@ -158,6 +172,7 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     """Generate text from a bundle."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    need(*RUNTIME)
     from helmc import api
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):
@@ -187,6 +202,7 @@ def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, t
     """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    need(*RUNTIME)
     from helmc.planner.calibrate import calibrate
     r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
     r.profile.save(out_path)

@@ -9,18 +9,17 @@ import click
 
 from helmc.cli.options import weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
 
 
 def _need_serve_extra():
-    missing = []
-    for mod in ("starlette", "uvicorn", "jinja2", "prometheus_client"):
-        try:
-            __import__(mod)
-        except ImportError:
-            missing.append(mod)
-    if missing:
-        raise HelmcError(f"serve: expected the serve extra (pip install 'helmc[serve]'), found {', '.join(missing)} missing")
+    """Import the serve extra's packages now, before any loading: one that is missing stops the command with the
+    line naming the extra (helmc/cli/extras.py, through main's error handling)."""
+    import jinja2  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
 
 
 def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
@@ -52,6 +51,7 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     """Serve BUNDLE_DIR over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    need(*RUNTIME)
     _check_serve_arguments(port, max_batch, kv_page_tokens, log_level)
     _need_serve_extra()
     from helmc.runtime.serve.load import load_engine

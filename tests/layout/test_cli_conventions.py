@@ -53,3 +53,33 @@ def test_a_model_where_a_bundle_belongs_says_build_it(tmp_path, command):
                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
         assert r.returncode == 2, r.stderr
         assert f"found {kind} at {path}; compile it first: helmc build {path} hardware.json -o {out}" in r.stderr
+
+
+# A package that is not installed, as Python sees one: a finder first on sys.meta_path raises what the import system
+# raises for a name it cannot find (loaded as sitecustomize, before helmc).
+ABSENT = """import os, sys
+names = set(os.environ["ABSENT_MODULES"].split(","))
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+"""
+
+
+@pytest.mark.parametrize("absent,args,line", [
+    ("tvm", ("run", "{bundle}", "--prompt-ids", "1"), "helmc run needs the TVM runtime: pip install 'helmc[runtime]'"),
+    ("tokenizers", ("run", "{bundle}", "--prompt-ids", "1"), "helmc run needs tokenizers: pip install 'helmc[runtime]'"),
+    ("starlette", ("serve", "{bundle}"), "helmc serve needs starlette: pip install 'helmc[serve]'"),
+    ("jinja2", ("chat", "{bundle}"), "helmc chat needs jinja2: pip install 'helmc[serve]'"),
+    ("tvm", ("build", "{bundle}", "rtx4060-laptop", "-o", "{bundle}.out"),
+     "helmc build needs the TVM compiler: pip install 'helmc[compile]'"),
+])
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, absent, args, line):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ABSENT)
+    bundle = str(tmp_path / "some.bundle")
+    r = subprocess.run([sys.executable, "-m", "helmc.cli.main", *(a.format(bundle=bundle) for a in args)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "ABSENT_MODULES": absent})
+    assert r.returncode == 2 and r.stderr == line + "\n", r.stderr
