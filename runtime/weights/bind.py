@@ -14,6 +14,7 @@ import numpy as np
 from helmc.model.spec import ModelSpec
 
 from helmc.errors import HelmcError
+from helmc.runtime.progress import steps
 from helmc.runtime.stage import StageBinding
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
@@ -88,14 +89,15 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 to_device: Callable = tensor_to_device) -> list[StageBinding]:
     shapes = spec.block_weight_shapes()
     out = []
-    for n, i in enumerate(layers):
-        def load(name):
-            return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
-                                          spec.dtype), dev)
-        out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
-                                post=[load(w) for w in spec.post_attn_weight_names()]))
-        release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
-        progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
+    with steps(progress, f"binding the weights of {len(layers)} blocks", len(layers)) as bar:
+        for i in layers:
+            def load(name):
+                return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name],
+                                              spec.weight_type(i, name), spec.dtype), dev)
+            out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()],
+                                    post=[load(w) for w in spec.post_attn_weight_names()]))
+            release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
+            bar.advance()
     return out
 
 

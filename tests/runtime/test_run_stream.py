@@ -50,3 +50,28 @@ def test_weights_resolve_from_the_current_directory(tiny, tmp_path):
     assert ok.returncode == 0, ok.stderr.decode()
     away = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert away.returncode == 2 and f"in {tmp_path / os.path.basename(model_dir)}," in away.stderr, away.stderr
+
+
+def test_loading_prints_a_bar_on_a_terminal_and_nothing_through_a_pipe(tiny):
+    """Weight binding: one line for all blocks on a terminal (no line per block); through a pipe only run's summary."""
+    import pty
+    bundle = tiny.bundle("llama")
+    args = [sys.executable, "-m", "helmc.cli.main", "run", bundle, "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    piped = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert piped.returncode == 0 and piped.stderr.strip().count("\n") == 0, piped.stderr   # "[2 tokens, TTFT ...]"
+    main, sub = pty.openpty()
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=sub, env=env)
+    os.close(sub)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:                      # the child closed its end
+            break
+        if not chunk:
+            break
+        err += chunk
+    assert p.wait(timeout=300) == 0
+    text = err.decode(errors="replace")
+    assert text.count("binding the weights of 2 blocks: 2 done") == 1 and "weights: block" not in text, text
