@@ -31,14 +31,9 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
     elsewhere; then the rates (hardware/measure.py) and, with `overheads`, each device's per-block overhead on the
     kit's compiled stages (planner/calibrate.synthetic_overheads) and the VRAM the runtime holds beyond a plan
     (planner/measure_reserve.py). quick: small sizes, for tests."""
-    import os
-    import sys
-    import time
-
     from helmc.hardware.measure import cpu_facts, profile as measure
-
-    t0 = time.perf_counter()
-    progress = progress or (lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}", file=sys.stderr, flush=True))
+    from helmc.runtime.progress import Progress
+    progress = progress or Progress()
     backend = gpu_backend or os.environ.get("HELMC_GPU_BACKEND")
     facts = cpu_facts()
     if kit_dir is None:

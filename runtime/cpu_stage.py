@@ -2,20 +2,26 @@
 plan keeps it on the CPU. Used by Session for an all-CPU plan and by gpu_session for a split one."""
 from __future__ import annotations
 
-import sys
-
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 from helmc.runtime.kv.options import KVOptions
+from helmc.runtime.progress import Progress
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
 CPU_STAGE_LIB = "cpu_stage.so"
 
 
+_LOADERS: dict[bool, Progress] = {}
+
+
+def loader_progress(quiet: bool) -> Progress:
+    """The one Progress of loading a bundle (phase lines and the weight-binding bar; silent when quiet)."""
+    return _LOADERS.setdefault(bool(quiet), Progress(quiet))
+
+
 def progress(msg: str, quiet: bool):
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
+    loader_progress(quiet)(msg)
 
 
 def load_stage_library(bundle_dir: str, manifest, name: str, dev=None, load=None):
@@ -60,7 +66,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     stage = None
     if len(layers):
         if bindings is None:
-            bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet))
+            bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=kv.page_tokens, max_tokens=plan.max_context,
                         dtype=spec.dtype, sliding_window=spec.sliding_window or None,

@@ -339,7 +339,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
-    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, progress
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, loader_progress, progress
     from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_head, bind_layers
 
@@ -359,7 +359,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         pinned = None
         if plan.prefill_on_gpu:
             from helmc.runtime.prefill_stream import bind_pinned_layers
-            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, lambda m: progress(m, quiet))
+            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, loader_progress(quiet))
             if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
                 pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
         cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
@@ -394,7 +394,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
     if kv_layers:
-        bindings = bind_layers(checkpoint, spec, layers, dev, lambda m: progress(m, quiet), to_device=upload)
+        bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet), to_device=upload)
         free_after, _ = cp.cuda.runtime.memGetInfo()
         page_tokens = kv_options.page_tokens
         pool_loan = 0 if ring_lends else loan

@@ -29,6 +29,7 @@ from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 
 from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
+from helmc.runtime.progress import steps
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.stage import StageBinding, block_function_name
 from helmc.runtime.weights.bind import release_block, weight_view
@@ -99,10 +100,12 @@ class PinnedBlockArena:
 def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=lambda m: None):
     """CPU-stage weights of `layers` in pinned arenas: (bindings for the CPU stage, arenas)."""
     arenas = []
-    for n, i in enumerate(layers):
-        arenas.append(PinnedBlockArena(block_views(ck, spec, i), spec, i))
-        release_block(ck, spec, i)                                 # copied into the arena: one copy in RAM
-        progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound (pinned, streams to the GPU for prefill)")
+    with steps(progress, f"pinning the weights of {len(layers)} CPU blocks (streamed to the GPU for prefill)",
+               len(layers)) as bar:
+        for i in layers:
+            arenas.append(PinnedBlockArena(block_views(ck, spec, i), spec, i))
+            release_block(ck, spec, i)                             # copied into the arena: one copy in RAM
+            bar.advance()
     return [a.binding for a in arenas], arenas
 
 

@@ -3,8 +3,8 @@
 SamplingParams are per request (the server takes them from an OpenAI request body): greedy or temperature
 sampling with top-k / top-p / min-p, penalties on tokens already seen, a seed, max_tokens and stop strings.
 A Sampler keeps the request's own random generator and token counts, so a request samples the same
-tokens whether it runs alone or beside others in a batch. StopText turns the token stream into text deltas,
-holding back what could still become a stop string.
+tokens whether it runs alone or beside others in a batch. StopText turns the token stream into text deltas
+(runtime/detokenize.py's), holding back what could still become a stop string.
 """
 from __future__ import annotations
 
@@ -111,41 +111,83 @@ class Sampler:
 
 
 class StopText:
-    """Text of a growing token list, released in deltas: a delta never ends inside a multi-byte character
-    (the tokenizer's U+FFFD) nor in what could still be the start of a stop string; `stopped` once a stop
-    string appears, the text cut before it."""
+    """Text of a growing token list, released in deltas: the detokenizer's (runtime/detokenize.py: never half a
+    character), less what could still be the start of a stop string; `stopped` once a stop string appears, the text
+    cut before it (of the stop strings found in one delta, the one that starts first).
+
+    Each stop string is matched by its Knuth-Morris-Pratt automaton over the released characters, so a step costs
+    its new characters plus at most the held text's length, whatever the stop strings' lengths."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        from helmc.runtime.detokenize import Detokenizer
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
         self.text = ""          # released so far
         self.stopped = False
+        self._detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._matchers = [_StopMatcher(s) for s in stop]
+        self._held = ""         # decoded, not released: a suffix that is the start of a stop string
 
     def add(self, token: int) -> str:
         """The delta released by one more token ("" if nothing can be released yet)."""
         self.ids.append(int(token))
-        if self.tokenizer is None or self.stopped:
+        if self._detok is None or self.stopped:
             return ""
-        full = self.tokenizer.decode(self.ids)
-        cuts = [c for s in self.stop if (c := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
-        if cuts:                                  # the earliest stop string wins
-            full, self.stopped = full[:min(cuts)], True
-        if not self.stopped:
-            if full.endswith("\ufffd"):
-                return ""
-            hold = max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if full.endswith(s[:n])), default=0)
-            full = full[:len(full) - hold]
-        return self._release(full)
+        return self._take(self._detok.add(token), final=False)
 
     def flush(self) -> str:
         """At the end of a request: whatever was held back (a partial stop string is text after all)."""
-        if self.tokenizer is None or self.stopped:
+        if self._detok is None or self.stopped:
             return ""
-        return self._release(self.tokenizer.decode(self.ids))
+        return self._take(self._detok.flush(), final=True)
 
-    def _release(self, full: str) -> str:
-        if not full.startswith(self.text) or len(full) <= len(self.text):
-            return ""
-        delta, self.text = full[len(self.text):], full
-        return delta
+    def _take(self, new: str, final: bool) -> str:
+        pending = self._held + new
+        cut = None
+        for m in self._matchers:
+            start = m.feed(new, len(self._held))
+            if start is not None and (cut is None or start < cut):
+                cut = start
+        if cut is not None:
+            self.stopped = True
+            keep = pending[:cut]
+        else:
+            hold = 0 if final else max((m.state for m in self._matchers), default=0)
+            keep = pending[:len(pending) - hold]
+        self._held = pending[len(keep):]
+        self.text += keep
+        return keep
+
+
+class _StopMatcher:
+    """One stop string's KMP automaton: `state` is the length of the longest prefix of the string that the text fed
+    so far ends with."""
+
+    def __init__(self, s: str):
+        self.s = s
+        self.state = 0
+        fail = [0] * len(s)              # fail[i]: longest proper border of s[:i + 1]
+        k = 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = fail[k - 1]
+            if s[i] == s[k]:
+                k += 1
+            fail[i] = k
+        self.fail = fail
+
+    def feed(self, text: str, offset: int) -> int | None:
+        """Advance over `text`, whose first character is at `offset` of the pending text; returns the pending text's
+        index where the first occurrence ending in `text` starts, or None."""
+        s, fail, k = self.s, self.fail, self.state
+        for j, c in enumerate(text):
+            while k and c != s[k]:
+                k = fail[k - 1]
+            if c == s[k]:
+                k += 1
+            if k == len(s):
+                self.state = 0
+                return offset + j + 1 - len(s)
+        self.state = k
+        return None

@@ -24,6 +24,7 @@ from helmc.runtime.bundle.plan_check import check_plan, machine_memory
 from helmc.runtime.bundle.weights_digest import check_pinned_weights
 from helmc.runtime.kv.options import KVOptions
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
+from helmc.runtime.detokenize import Detokenizer
 from helmc.runtime.rope import RopeTables
 from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
@@ -176,17 +177,19 @@ class Session:
             tok = self._next_token(prompt_ids, sampler)
             t_first = time.perf_counter()
             out, stamps, stop = [tok], [t_first], "length"
-            printed = ""
-            printed = self._stream(out, printed, on_text)
+            detok = Detokenizer(self.tokenizer) if on_text is not None and self.tokenizer is not None else None
+            _emit(on_text, detok, tok)
             if tok in eos:
                 stop = "eos"
             while stop != "eos" and len(out) < max_new_tokens:
                 tok = self._next_token([tok], sampler)
                 out.append(tok)
                 stamps.append(time.perf_counter())
-                printed = self._stream(out, printed, on_text)
+                _emit(on_text, detok, tok)
                 if tok in eos:
                     stop = "eos"
+            if detok is not None and (rest := detok.flush()):
+                on_text(rest)
         finally:   # the CPU cache's arena keeps the pages this request touched: the next one reuses them
             self._kv_tokens_touched = max(self._kv_tokens_touched, self.position)
         per_token = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
@@ -201,14 +204,11 @@ class Session:
             return sampler.take(self.forward(ids, argmax=True))
         return sampler(self.forward(ids)[-1])
 
-    def _stream(self, out, printed, on_text):
-        if on_text is None or self.tokenizer is None:
-            return printed
-        text = self.tokenizer.decode(out)
-        if text.startswith(printed) and len(text) > len(printed):
-            on_text(text[len(printed):])
-            return text
-        return printed
+
+
+def _emit(on_text, detok, tok: int) -> None:
+    if detok is not None and (delta := detok.add(tok)):
+        on_text(delta)
 
 
 # -------------------------------------------------------------------- helpers
@@ -222,9 +222,11 @@ def read_bundle(bundle_dir: str, weights_dir: str | None = None, trusted_keys: t
     spec = ModelSpec.from_json(_read_text(bundle_dir, "model_spec.json"))
     plan = Plan.from_json(_read_text(bundle_dir, "plan.json"))
     check_plan(plan, spec, plan, "bundle: plan.json")
-    wdir = weights_dir or manifest.weights_dir
-    if not os.path.isabs(wdir):
-        wdir = os.path.join(bundle_dir, wdir)
+    if weights_dir:                       # given by the user: relative to the current directory, as any path argument
+        wdir = os.path.abspath(weights_dir)
+    else:                                 # the manifest's: relative to the bundle
+        wdir = manifest.weights_dir if os.path.isabs(manifest.weights_dir) else \
+            os.path.join(bundle_dir, manifest.weights_dir)
     if require_signed and manifest.weights:     # the signature covers the weights' digests: check them before binding
         check_pinned_weights(wdir, manifest.weights)
     return manifest, spec, plan, wdir

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs helmc with the compiler and test extras.
+# Creates .venv (if missing) and installs helmc with the compiler, serving, signing and test extras.
 # torch is installed first, pinned to 2.13.0: on these machines that resolves to a local CPU wheel,
 # while an unpinned torch would pull several GB of CUDA wheels. Sourced by demo.sh and test.sh.
 set -euo pipefail
@@ -15,6 +15,6 @@ stamp="$venv/.helmc-installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0" || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-  python -m pip install -q -e "$root[compile,test]"
+  python -m pip install -q -e "$root[compile,serve,sign,test]"
   touch "$stamp"
 fi

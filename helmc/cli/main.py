@@ -17,9 +17,12 @@ import traceback
 import click
 
 from helmc.cli.profile_plan import plan_command, profile_command
-from helmc.cli.serve_chat import chat_command, serve_command
+from helmc.cli.chat import chat_command
+from helmc.cli.serve_chat import serve_command
+from helmc.cli.options import CONTEXT, output_option, weights_option
 from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
 from helmc.api import BUILD_DEFAULTS as _BUILD, KV_PAGE_TOKENS, KV_WATERMARK, QUANT_CHOICES
+from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
 
 
@@ -40,19 +43,31 @@ class _Group(click.Group):
             # killed by SIGPIPE; stdout goes to /dev/null so the interpreter's last flush raises nothing either.
             _drop_stdout()
             ctx.exit(141)
+        except ModuleNotFoundError as e:
+            from helmc.cli.extras import missing_extra_message
+            line = missing_extra_message(ctx.invoked_subcommand, e)
+            if line is None:
+                self._unexpected(ctx, e)
+            click.echo(line, err=True)
+            ctx.exit(2)
         except Exception as e:
-            if _interrupted(e):
-                # Ctrl-C inside native code (TVM's compiler, LLVM) comes back wrapped in the library's own error.
-                click.echo("helmc: interrupted", err=True)
-                ctx.exit(130)
-            if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
-                traceback.print_exc()
-            else:
-                where = _write_crash_log(ctx)
-                click.echo(f"helmc: internal error: {type(e).__name__}: {_one_line(e)} in `helmc "
-                           f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
-                           err=True)
-            ctx.exit(1)
+            self._unexpected(ctx, e)
+
+    @staticmethod
+    def _unexpected(ctx, e: BaseException):
+        """A bug or a failure of the machine: one line and a log file with the traceback (or it, with --debug)."""
+        if _interrupted(e):
+            # Ctrl-C inside native code (TVM's compiler, LLVM) comes back wrapped in the library's own error.
+            click.echo("helmc: interrupted", err=True)
+            ctx.exit(130)
+        if ctx.params.get("debug") or os.environ.get("HELMC_DEBUG") == "1":
+            traceback.print_exc()
+        else:
+            where = _write_crash_log(ctx)
+            click.echo(f"helmc: internal error: {type(e).__name__}: {_one_line(e)} in `helmc "
+                       f"{ctx.invoked_subcommand or ''}` (traceback in {where}; rerun with --debug to see it)",
+                       err=True)
+        ctx.exit(1)
 
 
 _SIGINT_SEEN: list[float] = []
@@ -117,7 +132,7 @@ def _write_crash_log(ctx) -> str:
     return "no log file (could not write one; rerun with --debug)"
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings=CONTEXT)
 @click.version_option(package_name="helmc")
 @click.option("--debug", is_flag=True, help="show the traceback of an unexpected error")
 def main(debug):
@@ -128,7 +143,7 @@ def main(debug):
 @main.command("build")
 @click.argument("model_dir", type=click.Path())
 @click.argument("hardware", type=click.Path())
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="bundle directory to write")
+@output_option("out_dir", "bundle directory to write", old_out=True, required=True, type=click.Path())
 @click.option("--gpu-budget", type=float, default=None, help="cap the plan's VRAM at this many GiB")
 @click.option("--copy-weights", is_flag=True, help="copy the safetensors into the bundle")
 @click.option("--no-cache", is_flag=True, help="rebuild even if artifacts/ has this build")
@@ -155,6 +170,7 @@ def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, 
               prefill_activations, quant, max_batch, hybrid, sign_key):
     """Compile MODEL_DIR (a Hugging Face directory or a GGUF file) for the machine described by HARDWARE
     (hardware.json) into a bundle."""
+    need("tvm", "numpy")
     from helmc import api
     from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
@@ -184,7 +200,7 @@ def _parse_ids(text: str | None):
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@weights_option
 @click.option("--kv-page-tokens", type=int, default=KV_PAGE_TOKENS, show_default=True)
 @click.option("--kv-watermark", type=float, default=KV_WATERMARK, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
@@ -196,6 +212,7 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     """Generate text from a bundle."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    need(*RUNTIME)
     from helmc import api
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):
@@ -216,8 +233,8 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @main.command("calibrate")
 @click.argument("bundle_dir", type=click.Path())
 @click.argument("hardware", type=click.Path())
-@click.option("-o", "--out", "out_path", required=True, type=click.Path(), help="calibrated hardware.json to write")
-@click.option("--weights", "weights_dir", default=None, type=click.Path(), help="model directory overriding the bundle's")
+@output_option("out_path", "calibrated hardware.json to write", old_out=True, required=True, type=click.Path())
+@weights_option
 @click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
 @trust_options
@@ -225,6 +242,7 @@ def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, t
     """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
+    need(*RUNTIME)
     from helmc.planner.calibrate import calibrate
     r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
     r.profile.save(out_path)

@@ -10,6 +10,7 @@ import tempfile
 
 import click
 
+from helmc.cli.options import CONTEXT
 from helmc.errors import HelmcError
 from helmc.hardware.profile import GIB, HardwareProfile
 from helmc.jsonio import atomic_write_text, to_dict
@@ -210,7 +211,7 @@ def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_
     click.echo(json.dumps(plan_json(p), indent=2) if as_json else format_plan_table(p, spec))
 
 
-@click.group()
+@click.group(context_settings=CONTEXT)
 def _standalone() -> None:
     """helmc profile / plan, runnable before helmc.cli.main registers them."""
 

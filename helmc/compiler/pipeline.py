@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.progress import Progress
 
 CPU_LIB = "cpu_stage.so"
 
@@ -38,16 +38,6 @@ class BuildResult:
     plan: Plan
     cache_hits: tuple[str, ...]
     seconds: float
-
-
-class Progress:
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str):
-        if not self.quiet:
-            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def read_config(model_dir: str) -> tuple[ModelSpec, str]:

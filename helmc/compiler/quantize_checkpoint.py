@@ -49,6 +49,7 @@ from helmc.model.gguf_tokenizer import PRE_TOKENIZERS
 from helmc.model.quant_formats import quant_type, quantize
 from helmc.model.spec import ModelSpec
 from helmc.model.weight_types import QUANT_MIXES, quant_mix
+from helmc.runtime.progress import steps
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
 CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
@@ -206,12 +207,12 @@ def _write_gguf(path, model_dir, spec, ckpt, quant, plan, say: Progress) -> None
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for i, (name, src, t, shape) in enumerate(plan):
-            info = ckpt.info(src)
-            say(f"quantize: [{i + 1}/{len(plan)}] {name} {list(shape)} {info.dtype} -> {t}")
-            data = _encode(ckpt.view(src), info.dtype, t, _llama_row_order(spec, name, shape[0]))
-            w.write_tensor_data(data)
-            del data
+        with steps(say, f"quantize: {len(plan)} tensors to {quant}", len(plan)) as bar:
+            for name, src, t, shape in plan:
+                data = _encode(ckpt.view(src), ckpt.info(src).dtype, t, _llama_row_order(spec, name, shape[0]))
+                w.write_tensor_data(data)
+                del data
+                bar.advance()
         if extra is not None:
             w.write_tensor_data(extra)
     finally:

@@ -29,8 +29,10 @@ def format_plan_table(plan: Plan, spec=None) -> str:
              f"usable VRAM {plan.usable_vram_bytes / gib:.2f} GiB, free host RAM {plan.ram_free_bytes / gib:.2f} GiB"]
     unit = ("ms/token" if plan.batch == 1 else f"ms per decode step of {plan.batch} sequences (a token each)") \
         if plan.objective == "decode" else "ms to first token"
+    decode = plan.objective == "decode"
+    rate_head = f" {'tok/s':>8}" if decode else ""
     header = (f"  {'k':>3} {'CPU units':<12} {'GPU units':<12} {'T_cpu':>9} {'T_gpu':>9} {'T_comm':>8} "
-              f"{'T_plan':>9} {'VRAM GiB':>9} {'host GiB':>9}  feasible")
+              f"{'T_plan':>9}{rate_head} {'VRAM GiB':>9} {'host GiB':>9}  feasible")
     lines += [f"times in {unit}", header]
     for c in plan.candidates:
         mark = ">" if c.cpu_units == plan.cpu_units and not plan.is_hybrid else " "
@@ -41,14 +43,16 @@ def format_plan_table(plan: Plan, spec=None) -> str:
             feas += ", the hybrid layout's host part" if plan.is_hybrid and c.cpu_units == plan.cpu_units else ""
         lines.append(f"{mark} {c.cpu_units:>3} {_units_text(0, c.cpu_units, plan.num_layers):<12} "
                      f"{_units_text(c.cpu_units, plan.num_units, plan.num_layers):<12} {c.t_cpu_ms:>9.2f} "
-                     f"{c.t_gpu_ms:>9.2f} {c.t_comm_ms:>8.4f} {c.t_plan_ms:>9.2f} {c.gpu_bytes / gib:>9.2f} "
+                     f"{c.t_gpu_ms:>9.2f} {c.t_comm_ms:>8.4f} {c.t_plan_ms:>9.2f}{_rate(plan, c.t_plan_ms if c.feasible else 0.0) if decode else ''} "
+                     f"{c.gpu_bytes / gib:>9.2f} "
                      f"{c.cpu_bytes / gib:>9.2f}  {feas}")
     if plan.is_hybrid:
         split = plan.candidates[plan.cpu_units].t_plan_ms if plan.candidates else 0.0
         best_split = min((c.t_plan_ms for c in plan.candidates if c.feasible), default=0.0)
         lines.append(f"hybrid decode beats every split: {plan.t_plan_ms:.2f} ms against {best_split:.2f} ms for the "
                      f"fastest ({best_split / plan.t_plan_ms:.2f}x); its host part alone as a split: {split:.2f} ms")
-    lines.append(f"chosen: {plan.describe()}  T_plan {plan.t_plan_ms:.2f} ms (T_cpu {plan.t_cpu_ms:.2f} + "
+    rate = f" = {plan.tokens_per_s:.1f} tok/s" if decode and plan.t_plan_ms > 0 else ""
+    lines.append(f"chosen: {plan.describe()}  T_plan {plan.t_plan_ms:.2f} ms{rate} (T_cpu {plan.t_cpu_ms:.2f} + "
                  f"T_gpu {plan.t_gpu_ms:.2f} + T_comm {plan.t_comm_ms:.4f}); weights CPU "
                  f"{plan.cpu_weight_bytes / gib:.2f} GiB, GPU {plan.gpu_weight_bytes / gib:.2f} GiB; "
                  f"max context {plan.max_context} tokens")
@@ -69,6 +73,11 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     for f in plan.fallbacks:
         lines.append(f"note: {f}")
     return "\n".join(lines)
+
+
+def _rate(plan: Plan, t_ms: float) -> str:
+    """Tokens per second of a decode step of t_ms (a token per sequence), as the table's column."""
+    return f" {plan.batch * 1000 / t_ms:>8.1f}" if t_ms > 0 else f" {'-':>8}"
 
 
 def _blocks_text(first: int, count: int, with_embedding: bool) -> str:

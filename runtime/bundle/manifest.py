@@ -103,6 +103,7 @@ def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trus
     from helmc.runtime.bundle.signature import SIGNATURE_NAME, trusted_keys as env_keys, verify_manifest_signature
     if trusted_keys is None:          # no keys given: those HELMC_TRUSTED_KEYS names, so every loader honours it
         trusted_keys = env_keys()
+    _refuse_a_model(bundle_dir)
     if not os.path.isdir(bundle_dir):
         raise HelmcError(f"bundle: expected a directory, found {'a file' if os.path.exists(bundle_dir) else 'nothing'} "
                          f"at {bundle_dir}")
@@ -142,6 +143,25 @@ def verify_bundle(bundle_dir: str, cpu_flags: frozenset[str] | None = None, trus
 
 
 _MAX_MANIFEST_BYTES = 64 << 20
+
+
+def _refuse_a_model(path: str) -> None:
+    """A model given where a bundle belongs (the commonest slip of a first run): name what it is and the build that
+    makes a bundle of it."""
+    kind = None
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                kind = "a GGUF file" if f.read(4) == b"GGUF" else None
+        except OSError:
+            pass
+    elif os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)) \
+            and os.path.isfile(os.path.join(path, "config.json")):
+        kind = "a Hugging Face model directory"
+    if kind:
+        out = os.path.splitext(os.path.basename(os.path.normpath(path)))[0] + ".bundle"
+        raise HelmcError(f"bundle: expected a bundle directory (made by helmc build), found {kind} at {path}; compile "
+                         f"it first: helmc build {path} hardware.json -o {out}")
 
 
 def _read_manifest_bytes(bundle_dir: str) -> bytes:

@@ -14,6 +14,7 @@ import numpy as np
 from helmc.model.spec import ModelSpec
 
 from helmc.errors import HelmcError
+from helmc.runtime.progress import steps
 from helmc.runtime.stage import StageBinding
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
@@ -86,20 +87,21 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 progress: Callable[[str], None] = lambda m: None,
                 to_device: Callable = tensor_to_device) -> list[StageBinding]:
     out = []
-    for n, i in enumerate(layers):
-        shapes = spec.block_weight_shapes(i)
+    with steps(progress, f"binding the weights of {len(layers)} blocks", len(layers)) as bar:
+        for i in layers:
+            shapes = spec.block_weight_shapes(i)
 
-        def load(name):
-            return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name], spec.weight_type(i, name),
-                                          spec.dtype), dev)
-        post = [load(w) for w in spec.post_attn_weight_names(i)]
-        if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
-            from helmc.runtime.moe_experts import LayerExperts
-            post.append(LayerExperts(tuple(tuple(load(w) for w in spec.moe.expert_weight_names(e))
-                                           for e in range(spec.moe.num_experts))))
-        out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
-        release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
-        progress(f"  weights: block {i} ({n + 1}/{len(layers)}) bound")
+            def load(name):
+                return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name],
+                                              spec.weight_type(i, name), spec.dtype), dev)
+            post = [load(w) for w in spec.post_attn_weight_names(i)]
+            if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
+                from helmc.runtime.moe_experts import LayerExperts
+                post.append(LayerExperts(tuple(tuple(load(w) for w in spec.moe.expert_weight_names(e))
+                                               for e in range(spec.moe.num_experts))))
+            out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
+            release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
+            bar.advance()
     return out
 
 

@@ -25,6 +25,9 @@ def test_plan_table_marks_the_chosen_row(q8_dir):
     chosen = [l for l in rows if l.startswith(">")]
     assert len(chosen) == 1 and chosen[0].split()[1] == "21"
     assert "chosen: cpu(21) -> cuda(17)" in r.output
+    t_plan = float(chosen[0].split()[7])                             # T_plan, then tok/s beside it
+    assert "tok/s" in lines[3] and chosen[0].split()[8] == f"{1000 / t_plan:.1f}"
+    assert f"T_plan {t_plan:.2f} ms = " in r.output and " tok/s (T_cpu" in r.output
     assert "no: VRAM short by" in rows[0] and rows[25].rstrip().endswith("ms")   # feasible rows say by how much they lose
     assert "note: CPU P_dec = M" in r.output                         # the preset's unmeasured figures are said
 

@@ -242,6 +242,25 @@ def test_text_completion_equals_helmc_run(client, bundle):
     assert ids.choices[0].text == expected["text"]                          # token ids as the prompt
 
 
+def test_sampled_stream_is_the_one_shot_decode(client, bundle, session):
+    """Sampled tokens of a random-weight model split characters into bytes: the streamed deltas put together are the
+    one-shot decode of the tokens (`helmc run --json`'s text for the same seed), with no character lost."""
+    split = 0
+    for seed in (1, 2):
+        run = cli("run", bundle, "--prompt", "Once upon a time", "--max-new-tokens", "64", "--temperature", "1",
+                  "--seed", str(seed), "--json")
+        expected = json.loads(run.stdout)
+        ids = expected["tokens"]
+        assert expected["text"] == session.tokenizer.decode(ids)
+        s = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=64, temperature=1, seed=seed,
+                                      stream=True)
+        assert "".join(c.choices[0].text for c in s) == expected["text"], seed
+        full = expected["text"]
+        split += any((p := session.tokenizer.decode(ids[:i])).endswith("\ufffd") and not full.startswith(p)
+                     for i in range(1, len(ids)))
+    assert split                     # a character over several tokens, streamed whole
+
+
 def test_sampling_options_reach_the_sampler(client):
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=1.3, top_p=0.95, seed=11,
               extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1}, frequency_penalty=0.5)
@@ -366,3 +385,33 @@ def test_chat_cli_through_a_pipe(bundle, session):
     assert re.fullmatch(r"\[\d+ tokens \((stop|length)\), prompt \d+ tokens, TTFT [\d.]+ ms, decode [\d.]+ tok/s, "
                         r"conversation 2 messages\]", stats), stats
     assert rest == "[conversation cleared]\n" + reply + "\n"   # the same greedy reply after /reset
+
+
+def test_chat_help_and_ctrl_c_stops_the_reply(bundle):
+    """/help lists the commands and reaches no model; Ctrl-C (SIGINT) while a reply is written stops that reply, and
+    the chat goes on: /stats tells it was stopped, a next question is answered, /quit leaves with status 0."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "helmc.cli.main", "chat", bundle, "--max-new-tokens", "480",
+                          "--temperature", "1", "--seed", "3"], env=ENV, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"/help\n/stats\nTell me a long story\n")
+        p.stdin.flush()
+        out = b""
+        mark = b"[no reply yet]\n"
+        while mark not in out or out.endswith(mark):       # /help's lines, /stats, then the reply's first bytes
+            chunk = os.read(p.stdout.fileno(), 4096)
+            assert chunk, p.stderr.read().decode()
+            out += chunk
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(b"/stats\nHello\n/quit\n", timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = (out + rest).decode()
+    assert p.returncode == 0, err.decode()
+    assert "/reset" in text and "/quit" in text and "[no reply yet]" in text   # /help went to no model
+    assert " [stopped]\n" in text
+    stats = re.findall(r"\[(\d+) tokens \(([^)]*)\)", text)
+    assert stats and stats[0][1] == "stopped by Ctrl-C" and 0 < int(stats[0][0]) < 480, text
+    assert b"helmc chat: " in err and b"/help" in err                             # the banner, on stderr

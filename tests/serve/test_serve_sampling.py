@@ -1,10 +1,10 @@
 """Per-request sampling (runtime/sampling.py): the options change what is drawn as documented, a seed repeats
-a draw, and StopText releases text without a stop string or half a character."""
+a draw. StopText's stop strings over the detokenizer: tests/runtime/test_detokenize.py."""
 import numpy as np
 import pytest
 
 from helmc.errors import HelmcError
-from helmc.runtime.sampling import Sampler, SamplingParams, StopText
+from helmc.runtime.sampling import Sampler, SamplingParams
 
 
 def test_greedy_and_penalties():
@@ -59,41 +59,3 @@ def test_bad_params(field, value, msg):
     with pytest.raises(HelmcError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**{field: value})
 
-
-class CharTokenizer:
-    """Token i is chr(i); 0xE9 is split into two byte tokens 1000, 1001 (a character over two tokens)."""
-
-    def decode(self, ids):
-        out, i = [], 0
-        while i < len(ids):
-            if ids[i] == 1000:
-                out.append("é" if i + 1 < len(ids) and ids[i + 1] == 1001 else "\ufffd")
-                i += 2 if i + 1 < len(ids) else 1
-            else:
-                out.append(chr(ids[i]))
-                i += 1
-        return "".join(out)
-
-
-def feed(st, text_or_ids):
-    ids = [ord(c) for c in text_or_ids] if isinstance(text_or_ids, str) else text_or_ids
-    return [st.add(t) for t in ids]
-
-
-def test_stop_text_holds_a_partial_stop_and_cuts_before_it():
-    st = StopText(CharTokenizer(), ("END", "\n\n"))
-    deltas = feed(st, "ab EN")
-    assert deltas == ["a", "b", " ", "", ""] and not st.stopped           # "EN" might become "END"
-    assert feed(st, "x") == ["ENx"]                                        # it did not
-    assert feed(st, "yEND") == ["y", "", "", ""] and st.stopped
-    assert st.text == "ab ENxy" and feed(st, "z") == [""]                 # nothing after the stop
-
-
-def test_stop_text_flush_and_multibyte():
-    st = StopText(CharTokenizer(), ("xyz",))
-    assert feed(st, [ord("a"), 1000, 1001]) == ["a", "", "é"]            # half a character waits for the rest
-    assert feed(st, "xy") == ["", ""]
-    assert st.flush() == "xy" and st.text == "aéxy"                       # at the end a partial stop is text
-    st = StopText(CharTokenizer(), ("b", "ab"))
-    feed(st, "cab")
-    assert st.stopped and st.text == "c"                                   # the earliest stop string wins

@@ -1,0 +1,192 @@
+"""`helmc chat`: a conversation with a bundle in the terminal, through the serving engine (one slot).
+
+In a terminal: a banner naming the model and its plan, readline's line editing and a history kept across sessions
+(~/.cache/helmc/chat_history), Ctrl-C stops the reply being written (not the program), Ctrl-D or /quit leaves.
+Through a pipe: lines in, replies out, nothing else on stdout (the banner goes to stderr).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+
+import click
+
+from helmc.cli.options import weights_option
+from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.cli.extras import RUNTIME, need
+from helmc.errors import HelmcError
+
+COMMANDS = (("/help", "this list"), ("/reset", "forget the conversation (the system message stays)"),
+            ("/stats", "the last reply's tokens, time to first token and decode rate"), ("/quit", "leave (or Ctrl-D)"))
+HISTORY = os.path.join(os.path.expanduser("~"), ".cache", "helmc", "chat_history")
+
+
+@click.command("chat")
+@click.argument("bundle_dir", type=click.Path())
+@click.option("--system", default=None, help="a system message at the start of the conversation")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@weights_option
+@plan_option
+@trust_options
+def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, seed, weights_dir, plan_file, trust,
+                 require_signed):
+    """Chat with BUNDLE_DIR in the terminal: tokens print as they come; Ctrl-C stops a reply; /help lists the
+    commands (/reset, /stats, /quit)."""
+    from helmc.runtime.isolation import forbid_compiler_imports
+    forbid_compiler_imports()
+    need(*RUNTIME)
+    import jinja2  # noqa: F401   (the chat template; missing: the line naming the serve extra, helmc/cli/extras.py)
+    from helmc.runtime.sampling import SamplingParams
+    from helmc.runtime.serve.load import load_engine
+    SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
+    engine, template = load_engine(bundle_dir, 1, weights_dir, plan=read_plan(plan_file),
+                                   **trust_policy(trust, require_signed))
+    if template is None:
+        raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
+                         "found none; use helmc run --prompt")
+    Chat(engine, template, system, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+         max_new_tokens, bundle_dir).loop()
+
+
+class Chat:
+    def __init__(self, engine, template, system, sampling: dict, max_new_tokens: int, bundle_dir: str):
+        self.engine, self.template, self.sampling, self.max_new_tokens = engine, template, sampling, max_new_tokens
+        self.start = [{"role": "system", "content": system}] if system else []
+        self.history = list(self.start)
+        self.stats = "no reply yet"
+        self.ids = itertools.count()
+        self.interactive = sys.stdin.isatty()
+        self.bundle_dir = bundle_dir
+        self._interrupted = False
+
+    def loop(self) -> None:
+        click.echo(self.banner(), err=True)
+        if self.interactive:
+            _readline_history()
+        while True:
+            try:
+                line = input(">>> " if self.interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:              # at the prompt: a fresh line, as a shell does
+                click.echo("")
+                continue
+            cmd = line.strip()
+            if cmd == "/quit":
+                break
+            if not cmd:
+                continue
+            if cmd.startswith("/") and self.command(cmd):
+                continue
+            self.reply(line)
+
+    def banner(self) -> str:
+        model = self.engine.model
+        plan, spec = model.session.plan, model.spec
+        rate = f", about {plan.tokens_per_s:.1f} tok/s predicted" if plan.tokens_per_s else ""
+        name = os.path.basename(os.path.normpath(self.bundle_dir))
+        return (f"helmc chat: {name} ({spec.architecture}, {spec.num_layers} blocks); plan {plan.describe()}{rate}; "
+                f"context {model.max_context} tokens\n/help lists the commands; Ctrl-C stops a reply, Ctrl-D leaves")
+
+    def command(self, cmd: str) -> bool:
+        """Run a /command; False for a line that only looks like one (sent to the model as text)."""
+        if cmd == "/help":
+            click.echo("\n".join(f"  {c:<8} {what}" for c, what in COMMANDS))
+        elif cmd == "/reset":
+            self.history = list(self.start)
+            click.echo("[conversation cleared]")
+        elif cmd == "/stats":
+            click.echo(f"[{self.stats}]")
+        elif not cmd.split()[0][1:].isalpha():        # "/etc/hosts?" is a question, not a command
+            return False
+        else:
+            click.echo(f"[unknown command {cmd.split()[0]}; /help lists them]")
+        return True
+
+    def reply(self, line: str) -> None:
+        from helmc.runtime.sampling import SamplingParams
+        from helmc.runtime.serve.protocol import Request
+        engine = self.engine
+        self.history.append({"role": "user", "content": line})
+        try:
+            prompt = engine.tokenizer.encode(self.template.render(self.history, add_generation_prompt=True),
+                                             add_special_tokens=False).ids
+            room = engine.model.max_context - len(prompt)
+            params = SamplingParams(**self.sampling, max_tokens=max(1, min(self.max_new_tokens, room)))
+            req = Request(f"chat-{next(self.ids)}", tuple(prompt), params)
+            reply, last, stamps, t0 = [], [], [], time.perf_counter()
+
+            def sink(c):
+                stamps.append(time.perf_counter())
+                reply.append(c.text)
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+                if c.finish_reason:
+                    last.append(c)
+            engine.submit(req, sink)
+            stopped = self._run_until(lambda: bool(last), req.request_id)
+        except HelmcError as e:
+            self.history.pop()
+            click.echo(f"helmc: error: {e} (/reset starts over)", err=True)
+            return
+        click.echo(" [stopped]" if stopped else "")
+        if last and last[0].finish_reason == "error":
+            self.history.pop()
+            click.echo(f"helmc: error: {last[0].error}", err=True)
+            return
+        self.history.append({"role": "assistant", "content": "".join(reply)})
+        n = last[0].completion_tokens if last else len(stamps)
+        reason = last[0].finish_reason if last else "stopped by Ctrl-C"
+        decode_s = stamps[-1] - stamps[0] if stamps else 0.0
+        rate = (n - 1) / decode_s if decode_s > 0 else 0.0
+        ttft = f"{1000 * (stamps[0] - t0):.1f} ms" if stamps else "-"
+        self.stats = (f"{n} tokens ({reason}), prompt {len(prompt)} tokens, TTFT {ttft}, decode {rate:.2f} tok/s, "
+                      f"conversation {len(self.history)} messages")
+
+    def _run_until(self, done, request_id: str) -> bool:
+        """Step the engine until done(); Ctrl-C meanwhile cancels the request between two steps (never inside one:
+        the KV caches stay whole). Returns whether it was stopped so."""
+        self._interrupted = False
+        previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        try:
+            while not done():
+                if self._interrupted:
+                    self.engine.cancel(request_id)
+                    self.engine.step()             # takes the cancellation: the slot and its pages go back
+                    return True
+                self.engine.step()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return False
+
+    def _on_interrupt(self, signum, frame) -> None:
+        self._interrupted = True
+
+
+def _readline_history() -> None:
+    """Line editing and a history kept across sessions (readline is in the standard library on Linux and macOS)."""
+    try:
+        import atexit
+        import readline
+    except ImportError:                            # no readline on this Python: plain input still works
+        return
+    readline.set_history_length(1000)
+    try:
+        readline.read_history_file(HISTORY)
+    except OSError:
+        pass
+
+    def save():
+        try:
+            os.makedirs(os.path.dirname(HISTORY), exist_ok=True)
+            readline.write_history_file(HISTORY)
+        except OSError:
+            pass
+    atexit.register(save)
