@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 
-from helmc.runtime.serve.protocol import OpenAIError
+from helmc.runtime.serve.errors import OpenAIError
 
 MAX_BODY_BYTES = 4 << 20          # a whole context of text is far less; a 50 MB body is refused at 4 MiB
 MAX_DEPTH = 32                    # OpenAI's deepest bodies (tools' JSON schemas) nest about ten deep

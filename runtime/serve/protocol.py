@@ -13,18 +13,10 @@ from dataclasses import dataclass, field
 
 from helmc.errors import HelmcError
 from helmc.runtime.sampling import SamplingParams
+from helmc.runtime.serve import limits
+from helmc.runtime.serve.errors import OpenAIError
 
-
-class OpenAIError(HelmcError):
-    """A request the server refuses: HTTP status and OpenAI's error fields."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+__all__ = ["OpenAIError", "Request", "CompletionChunk", "ParsedRequest", "parse_body"]
 
 
 @dataclass(frozen=True)
@@ -244,5 +236,3 @@ def _tool_calls(calls, i: int) -> None:
                               f"{{\"name\": str, \"arguments\": str or object}}}}, found {json.dumps(c)[:80]}",
                               param="messages")
 
-
-from helmc.runtime.serve import limits  # noqa: E402  (limits raises this module's OpenAIError)
