@@ -7,7 +7,8 @@ one's logits as its prefill alone), and sample each one's first token; then one 
 running request; sample each row with the request's own Sampler; send each request its
 CompletionChunk through its sink (a callable, called on the engine thread: the server hands it to its event
 loop). A request ends at EOS (generation_config.json's, else the model spec's), a stop string, max_tokens,
-or cancellation (a client that went away): its slot's pages go back at once.
+or cancellation (a client that went away): its slot's pages go back at once. Whatever fails in one request's
+sampling, stop check or text ends that request alone with finish_reason "error"; the others go on.
 
     eng = Engine(batch_model, tokenizer, eos_ids)
     eng.start()                                    # the engine thread
@@ -17,6 +18,7 @@ or cancellation (a client that went away): its slot's pages go back at once.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -28,6 +30,9 @@ from helmc.errors import HelmcError
 from helmc.runtime.sampling import Sampler, StopText
 from helmc.runtime.serve.protocol import CompletionChunk, Request
 from helmc.runtime.serve.scheduler import Scheduler
+
+# Fault injection for the reliability tests, as HELMC_FAULT_ALLOC: a request with this seed fails at its third token.
+_FAULT_SEED = int(os.environ["HELMC_FAULT_SEQUENCE_SEED"]) if os.environ.get("HELMC_FAULT_SEQUENCE_SEED") else None
 
 
 @dataclass
@@ -145,6 +150,8 @@ class Engine:
     def _sample(self, r: _Running, logits) -> None:
         """One request's next token, its stop checks and text: whatever fails there ends that request alone."""
         try:
+            if _FAULT_SEED is not None and r.req.params.seed == _FAULT_SEED and len(r.tokens) == 2:
+                raise RuntimeError("injected fault (HELMC_FAULT_SEQUENCE_SEED)")
             self._accept(r, r.sampler(logits))
         except Exception as e:
             if r.req.request_id in self._running:

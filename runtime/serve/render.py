@@ -23,7 +23,7 @@ import helmc
 from helmc.runtime.serve.protocol import OpenAIError
 
 TIMEOUT_S = 5.0                   # per job: a real template renders in milliseconds
-MEMORY_BYTES = 3 << 30            # a worker's address space (its baseline is about 0.5 GiB of mappings)
+MEMORY_BYTES = 2 << 30            # a worker's address space (a real tokenizer and template need far less)
 MAX_CHARS = 16 << 20              # rendered prompt text
 
 
@@ -152,17 +152,18 @@ class RenderPool:
     def __init__(self, template, tokenizer, max_tokens: int, workers: int = 2, timeout_s: float = TIMEOUT_S,
                  memory_bytes: int = MEMORY_BYTES, max_chars: int = MAX_CHARS):
         """template: a chat_template.TemplateSource or None; tokenizer: a tokenizers.Tokenizer or None;
-        max_tokens: the context (longer prompts are cut one past it, for the scheduler's refusal)."""
+        max_tokens: the context (longer prompts are cut one past it, for the scheduler's refusal); workers: for
+        chat templates, besides one for text prompts (so a template that runs long never holds up completions)."""
         self.template = template
         self.args = (template.source if template else None, template.special_tokens if template else {},
                      tokenizer.to_str() if tokenizer is not None else None, max_chars, max_tokens, memory_bytes)
         self.n, self.timeout = workers, timeout_s
         self.workers: list[_Worker] = []
         self.template_error: str | None = None
-        self._idle: asyncio.Queue | None = None
+        self._idle: dict[str, asyncio.Queue] = {}
 
     def start(self) -> "RenderPool":
-        self.workers = [_Worker(self.args) for _ in range(self.n)]
+        self.workers = [_Worker(self.args) for _ in range(self.n + 1)]     # the last: text prompts
         return self
 
     def check_template(self) -> str | None:
@@ -188,13 +189,15 @@ class RenderPool:
 
     async def _run(self, job, param: str) -> tuple[int, ...]:
         loop = asyncio.get_running_loop()
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for w in self.workers:
-                self._idle.put_nowait(w)
-        w = await self._idle.get()
+        if not self._idle:
+            self._idle = {"chat": asyncio.Queue(), "text": asyncio.Queue()}
+            for w in self.workers[:-1]:
+                self._idle["chat"].put_nowait(w)
+            self._idle["text"].put_nowait(self.workers[-1])
+        idle = self._idle["chat" if job[0] == "chat" else "text"]
+        w = await idle.get()
         fut = loop.run_in_executor(None, w.call, job, self.timeout)
-        fut.add_done_callback(lambda _: self._idle.put_nowait(w))     # back only once its job is over
+        fut.add_done_callback(lambda _: idle.put_nowait(w))     # back only once its job is over
         status, out = await asyncio.shield(fut)
         if status != "ok":
             known = out.startswith(("chat template", "prompt", "this bundle"))
