@@ -69,6 +69,9 @@ def make_app(state: ServeState):
                 response = await _generate(state, request, kind)
             except ClientDisconnect:                 # gone while sending its body: nobody to answer
                 response = Response(status_code=499)
+            except asyncio.CancelledError:           # the server stops (SIGTERM) while this request waits
+                err = OpenAIError("the server is shutting down", status=503, type="server_error")
+                response = JSONResponse(err.body(), status_code=503)
             except OpenAIError as e:
                 log.warning("%s %s: %s", e.status, request.url.path, e.message)
                 response = JSONResponse(e.body(), status_code=e.status)
