@@ -78,11 +78,17 @@ class Sampler:
             logits = self._penalize(np.array(logits, dtype=np.float64))
         if p.temperature == 0:
             return int(np.argmax(logits))
-        z = np.asarray(logits, dtype=np.float64) / p.temperature
+        z = np.asarray(logits, dtype=np.float64)
+        top = z.max()
+        if not np.isfinite(top):
+            raise HelmcError(f"sampling: expected finite logits, found a maximum of {top}")
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            # the max subtracted before dividing: a tiny temperature sends the others to -inf, never inf - inf
+            z = (z - top) / p.temperature
+        z = np.where(np.isnan(z), -np.inf, z)          # a NaN logit is never chosen
         if p.top_k and p.top_k < z.size:
             kth = np.partition(z, -p.top_k)[-p.top_k]
             z = np.where(z < kth, -np.inf, z)
-        z -= z.max()
         probs = np.exp(z)
         probs /= probs.sum()
         if p.top_p < 1.0:

@@ -41,7 +41,7 @@ def _check_serve_arguments(port, max_batch, kv_page_tokens, log_level):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="0: any free port (printed when listening)")
 @click.option("--max-batch", type=int, default=None, help="sequences decoded at once [default: what the plan was made for]")
-@click.option("--model-name", default=None, help="the model id clients send [default: the bundle directory's name]")
+@click.option("--model-name", default=None, help="the model id clients send [default: the bundle directory's name, less .bundle]")
 @weights_option
 @click.option("--kv-page-tokens", type=int, default=KV_PAGE_TOKENS, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
@@ -57,21 +57,34 @@ def serve_command(bundle_dir, host, port, max_batch, model_name, weights_dir, kv
     _need_serve_extra()
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.metrics import Metrics
-    from helmc.runtime.serve.server import ServeState, serve
+    from helmc.runtime.serve.render import RenderPool
+    from helmc.runtime.serve.server import ServeState, bind, serve
     policy = trust_policy(trust, require_signed)
+    sock = bind(host, port)                                  # a busy port fails before the model loads
     metrics = Metrics()
-    engine, template = load_engine(bundle_dir, max_batch, weights_dir, quiet=False, metrics=metrics,
+    engine, template = load_engine(bundle_dir, max_batch, weights_dir, quiet=False, metrics=metrics, compile_template=False,
                                    kv_page_tokens=kv_page_tokens, plan=read_plan(plan_file), **policy)   # warm-up: stderr
-    name = model_name or os.path.basename(os.path.normpath(bundle_dir))
-    state = ServeState(engine, name, engine.tokenizer, template, metrics, engine.model.spec.vocab_size)
+    name = model_name or _model_id(bundle_dir)
+    renderer = RenderPool(template, engine.tokenizer, engine.model.max_context).start()
+    refused = renderer.check_template()
+    if refused:
+        click.echo(f"helmc serve: warning: {refused}; chat requests get a 400, completions are served", err=True)
+    state = ServeState(engine, name, renderer, metrics, engine.model.spec.vocab_size)
     metrics.watch(engine)
     engine.start()
 
     def ready(actual_port):
         click.echo(f"helmc serve: listening on http://{host}:{actual_port} (model {name!r}, max batch "
                    f"{engine.model.max_batch}, context {engine.model.max_context}, chat template "
-                   f"{'yes' if template else 'none'})", err=True)
+                   f"{'yes' if template and not refused else 'none'})", err=True)
     try:
-        serve(state, host, port, log_level, ready)
+        serve(state, sock, log_level, ready)
     finally:
         engine.stop()
+        renderer.close()
+
+
+def _model_id(bundle_dir: str) -> str:
+    """The id clients send: the bundle directory's name without a trailing .bundle."""
+    name = os.path.basename(os.path.normpath(bundle_dir))
+    return name[:-len(".bundle")] if name.endswith(".bundle") and len(name) > len(".bundle") else name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from datetime import datetime
 
 from helmc.errors import HelmcError
@@ -76,9 +77,22 @@ class ChatTemplate:
             raise HelmcError(f"chat template: {e}") from None
 
 
+@dataclass(frozen=True)
+class TemplateSource:
+    """A chat template as read from the bundle, not yet compiled (the server compiles it in a worker process)."""
+    source: str
+    special_tokens: dict
+
+
 def load_chat_template(bundle_dir: str, fallback_tokens: dict[str, str] | None = None) -> ChatTemplate | None:
-    """The bundle's chat template with its special tokens, or None when the model has none.
+    """The bundle's chat template with its special tokens, compiled, or None when the model has none.
     fallback_tokens: special tokens where tokenizer_config.json has none (a GGUF's bos/eos by id)."""
+    t = read_chat_template(bundle_dir, fallback_tokens)
+    return None if t is None else ChatTemplate(t.source, t.special_tokens)
+
+
+def read_chat_template(bundle_dir: str, fallback_tokens: dict[str, str] | None = None) -> TemplateSource | None:
+    """The bundle's chat template source with its special tokens, or None when the model has none."""
     config = {}
     path = os.path.join(bundle_dir, "tokenizer_config.json")
     if os.path.exists(path):
@@ -99,7 +113,7 @@ def load_chat_template(bundle_dir: str, fallback_tokens: dict[str, str] | None =
         source = named.get("default")
     if not source:
         return None
-    return ChatTemplate(source, {**(fallback_tokens or {}), **special_tokens_of(config)})
+    return TemplateSource(source, {**(fallback_tokens or {}), **special_tokens_of(config)})
 
 
 def special_tokens_of(config: dict) -> dict[str, str]:

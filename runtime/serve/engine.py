@@ -7,7 +7,8 @@ one's logits as its prefill alone), and sample each one's first token; then one 
 running request; sample each row with the request's own Sampler; send each request its
 CompletionChunk through its sink (a callable, called on the engine thread: the server hands it to its event
 loop). A request ends at EOS (generation_config.json's, else the model spec's), a stop string, max_tokens,
-or cancellation (a client that went away): its slot's pages go back at once.
+or cancellation (a client that went away): its slot's pages go back at once. Whatever fails in one request's
+sampling, stop check or text ends that request alone with finish_reason "error"; the others go on.
 
     eng = Engine(batch_model, tokenizer, eos_ids)
     eng.start()                                    # the engine thread
@@ -17,10 +18,11 @@ or cancellation (a client that went away): its slot's pages go back at once.
 """
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,14 +31,17 @@ from helmc.runtime.sampling import Sampler, StopText
 from helmc.runtime.serve.protocol import CompletionChunk, Request
 from helmc.runtime.serve.scheduler import Scheduler
 
+# Fault injection for the reliability tests, as HELMC_FAULT_ALLOC: a request with this seed fails at its third token.
+_FAULT_SEED = int(os.environ["HELMC_FAULT_SEQUENCE_SEED"]) if os.environ.get("HELMC_FAULT_SEQUENCE_SEED") else None
+
 
 @dataclass
 class _Running:
     req: Request
     slot: int
     sink: Callable[[CompletionChunk], None]
-    sampler: Sampler
-    text: StopText
+    sampler: Sampler | None
+    text: StopText | None
     t_submit: float
     t_first: float = 0.0
     tokens: list[int] = field(default_factory=list)
@@ -83,8 +88,8 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.step(block=True)
-            except Exception as e:          # a bug must not leave clients waiting forever: fail what runs
-                traceback.print_exc()
+            except Exception as e:          # a model step failed: no request can go on, fail what runs
+                print(f"helmc serve: engine step failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 for rid in list(self._running):
                     self._finish(rid, "error", error=f"{type(e).__name__}: {e}")
 
@@ -94,9 +99,13 @@ class Engine:
         new = []
         for req, slot in self.scheduler.admit():
             sink, t_submit = self._sinks.pop(req.request_id)
-            r = _Running(req, slot, sink, Sampler(req.params, req.prompt_ids),
-                         StopText(self.tokenizer, req.params.stop), t_submit)
+            r = _Running(req, slot, sink, None, None, t_submit)
             self._running[req.request_id] = r
+            try:
+                r.sampler, r.text = Sampler(req.params, req.prompt_ids), StopText(self.tokenizer, req.params.stop)
+            except Exception as e:
+                self._fail(r, e)
+                continue
             new.append(r)
         self._prefill(new)
         batch = list(self._running.values())
@@ -109,7 +118,7 @@ class Engine:
         self.steps += 1
         self.decode_rows += len(batch)
         for r, row in zip(batch, logits):
-            self._accept(r, r.sampler(row))
+            self._sample(r, row)
 
     def _prefill(self, new: list[_Running]) -> None:
         """Prompts of the newly admitted requests into their slots, then each one's first token. A batched prefill
@@ -117,7 +126,7 @@ class Engine:
         if len(new) > 1 and self.batch_prefill:
             try:
                 logits = self.model.prefill_many([(r.slot, list(r.req.prompt_ids)) for r in new])
-            except HelmcError:
+            except Exception:
                 for r in new:
                     self.model.free(r.slot)
             else:
@@ -127,8 +136,8 @@ class Engine:
         for r in new:
             try:
                 logits = self.model.prefill(r.slot, list(r.req.prompt_ids))
-            except HelmcError as e:
-                self._finish(r.req.request_id, "error", error=str(e))
+            except Exception as e:
+                self._fail(r, e)
                 continue
             self._first(r, logits)
 
@@ -136,7 +145,21 @@ class Engine:
         r.t_first = time.perf_counter()
         if self.metrics:
             self.metrics.ttft.observe(r.t_first - r.t_submit)
-        self._accept(r, r.sampler(logits))
+        self._sample(r, logits)
+
+    def _sample(self, r: _Running, logits) -> None:
+        """One request's next token, its stop checks and text: whatever fails there ends that request alone."""
+        try:
+            if _FAULT_SEED is not None and r.req.params.seed == _FAULT_SEED and len(r.tokens) == 2:
+                raise RuntimeError("injected fault (HELMC_FAULT_SEQUENCE_SEED)")
+            self._accept(r, r.sampler(logits))
+        except Exception as e:
+            if r.req.request_id in self._running:
+                self._fail(r, e)
+
+    def _fail(self, r: _Running, e: Exception) -> None:
+        print(f"helmc serve: request {r.req.request_id} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        self._finish(r.req.request_id, "error", error=str(e) if isinstance(e, HelmcError) else f"{type(e).__name__}: {e}")
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -179,5 +202,9 @@ class Engine:
             t = time.perf_counter()
             self.metrics.finished(reason, len(r.tokens), r.t_first, t)
         if reason is not None:
-            r.sink(CompletionChunk(rid, last[0], last[1], reason, len(r.req.prompt_ids), len(r.tokens), error))
+            try:
+                r.sink(CompletionChunk(rid, last[0], last[1], reason, len(r.req.prompt_ids), len(r.tokens), error))
+            except Exception as e:       # a sink that fails (its client gone) is that request's end, nobody else's
+                print(f"helmc serve: request {rid}: its last chunk was not delivered ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
 

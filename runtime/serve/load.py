@@ -27,15 +27,16 @@ def eos_token_ids(bundle_dir: str, spec) -> tuple[int, ...]:
 
 def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str | None = None, quiet: bool = True,
                 metrics=None, trusted_keys: tuple | None = None, require_signed: bool = False, plan=None,
-                warm_up: bool = True, **kv_options):
+                warm_up: bool = True, compile_template: bool = True, **kv_options):
     """(Engine, ChatTemplate or None) for `bundle_dir`; max_batch defaults to the batch its plan was made for.
     trusted_keys, require_signed: as Session.load (the signature is checked before anything else is read);
     plan: a Plan run instead of the bundle's own (`--plan`). warm_up: run warmup.warm_up (its lines on stderr unless
-    quiet) and freeze the GC (warmup.freeze_gc) before the engine takes requests."""
+    quiet) and freeze the GC (warmup.freeze_gc) before the engine takes requests. compile_template False: the
+    template comes back as its source (chat_template.TemplateSource), for the server's render workers."""
     import sys
     from helmc.runtime.session import Session
     from helmc.runtime.serve.batch_model import BatchModel
-    from helmc.runtime.serve.chat_template import load_chat_template
+    from helmc.runtime.serve.chat_template import load_chat_template, read_chat_template
     from helmc.runtime.serve.engine import Engine
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
@@ -50,7 +51,7 @@ def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str 
             text = tok.id_to_token(tid) if tid >= 0 else None
             if text is not None:
                 fallback[name] = text
-    template = load_chat_template(bundle_dir, fallback)
+    template = (load_chat_template if compile_template else read_chat_template)(bundle_dir, fallback)
     engine = Engine(model, tok, eos_token_ids(bundle_dir, session.spec), metrics)
     if warm_up:
         warmup.freeze_gc()

@@ -1,8 +1,9 @@
 """What flows between the HTTP side and the engine thread, and the OpenAI request bodies they come from.
 
-A request body (JSON) becomes a CompletionRequest / ChatRequest after a strict check: every field of the
-right type, no unknown field; a bad one is an OpenAIError carrying the HTTP status and OpenAI's error body
-({"error": {"message", "type", "param", "code"}}). The engine sees only a Request (token ids and
+A request body (JSON, bounded by limits.py) becomes a ParsedRequest after a strict check: every known field of
+the right type and within its range; an unknown field is ignored and named in ParsedRequest.ignored (the server
+returns it in a Warning header, as vLLM logs it); a bad one is an OpenAIError carrying the HTTP status and
+OpenAI's error body ({"error": {"message", "type", "param", "code"}}). The engine sees only a Request (token ids and
 SamplingParams) and answers with CompletionChunks, one per step of the request.
 """
 from __future__ import annotations
@@ -12,18 +13,10 @@ from dataclasses import dataclass, field
 
 from helmc.errors import HelmcError
 from helmc.runtime.sampling import SamplingParams
+from helmc.runtime.serve import limits
+from helmc.runtime.serve.errors import OpenAIError
 
-
-class OpenAIError(HelmcError):
-    """A request the server refuses: HTTP status and OpenAI's error fields."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+__all__ = ["OpenAIError", "Request", "CompletionChunk", "ParsedRequest", "parse_body"]
 
 
 @dataclass(frozen=True)
@@ -57,37 +50,57 @@ def _number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _response_format(v):
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+_UNSUPPORTED = {   # field -> (accepted when, what the 400 says): OpenAI features this server does not implement
+    "n": (lambda v: v is None or v == 1, "n: only 1 choice per request is supported, found {}"),
+    "best_of": (lambda v: v is None or v == 1, "best_of: only 1 is supported, found {}"),
+    "logprobs": (lambda v: v is None or v is False or v == 0,
+                 "logprobs: log-probabilities are not supported by this server, found {}"),
+    "top_logprobs": (lambda v: v is None or v == 0, "top_logprobs: log-probabilities are not supported, found {}"),
+    "echo": (lambda v: v is None or v is False, "echo: not supported, found {}"),
+    "logit_bias": (lambda v: v is None or v == {}, "logit_bias: not supported, found {}"),
+    "suffix": (lambda v: v is None, "suffix: not supported, found {}"),
+    "response_format": (_response_format, 'response_format: only {{"type": "text"}} is supported (no JSON mode), '
+                                          'found {}'),
+}
 _TYPES = {  # field -> (check, what the error says it expected)
     "model": (lambda v: isinstance(v, str), "a string"),
-    "max_tokens": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
-    "max_completion_tokens": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "max_tokens": (lambda v: v is None or _int(v), "an integer"),
+    "max_completion_tokens": (lambda v: v is None or _int(v), "an integer"),
     "temperature": (lambda v: v is None or _number(v), "a number"),
     "top_p": (lambda v: v is None or _number(v), "a number"),
-    "top_k": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "top_k": (lambda v: v is None or _int(v), "an integer"),
     "min_p": (lambda v: v is None or _number(v), "a number"),
     "presence_penalty": (lambda v: v is None or _number(v), "a number"),
     "frequency_penalty": (lambda v: v is None or _number(v), "a number"),
     "repetition_penalty": (lambda v: v is None or _number(v), "a number"),
-    "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "seed": (lambda v: v is None or _int(v), "an integer"),
     "stream": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "stream_options": (lambda v: v is None or (isinstance(v, dict) and set(v) <= {"include_usage", "continuous_usage_stats"}),
                        "an object with include_usage"),
     "stop": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
              "a string or a list of strings"),
-    "n": (lambda v: v is None or v == 1, "1 (one choice per request)"),
+    "n": (lambda v: v is None or _int(v), "an integer"),
+    "best_of": (lambda v: v is None or _int(v), "an integer"),
     "user": (lambda v: v is None or isinstance(v, str), "a string"),
-    "logprobs": (lambda v: v is None or v is False or v == 0, "false (log-probabilities are not returned)"),
-    "top_logprobs": (lambda v: v is None or v == 0, "0"),
-    "echo": (lambda v: v is None or v is False, "false"),
-    "best_of": (lambda v: v is None or v == 1, "1"),
-    "logit_bias": (lambda v: v is None or v == {}, "no logit bias"),
-    "suffix": (lambda v: v is None, "null"),
+    "logprobs": (lambda v: v is None or isinstance(v, (bool, int)), "a boolean or an integer"),
+    "top_logprobs": (lambda v: v is None or _int(v), "an integer"),
+    "echo": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "logit_bias": (lambda v: v is None or isinstance(v, dict), "an object"),
     "metadata": (lambda v: v is None or isinstance(v, dict), "an object"),
     "store": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "tools": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)), "a list of objects"),
     "tool_choice": (lambda v: v is None or isinstance(v, (str, dict)), "a string or an object"),
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("type"), str)),
+                        'an object with a type, e.g. {"type": "text"}'),
     "chat_template_kwargs": (lambda v: v is None or isinstance(v, dict), "an object"),
     "ignore_eos": (lambda v: v is None or isinstance(v, bool), "a boolean"),
 }
@@ -97,11 +110,14 @@ _COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "
 _CHAT_FIELDS = (_COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "tools", "tool_choice",
     "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+# the variables the renderer passes a chat template itself: a chat_template_kwargs key may not replace them
+TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A checked body: the prompt (text or token ids for completions; messages for chat) and its options."""
+    """A checked body: the prompt (text or token ids for completions; messages for chat) and its options;
+    ignored: the unknown fields it carried."""
     kind: str                                  # "completion" | "chat"
     model: str
     prompt: str | tuple[int, ...] = ""
@@ -112,6 +128,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     sampling: dict = field(default_factory=dict)   # SamplingParams fields besides max_tokens
+    ignored: tuple[str, ...] = ()
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -122,38 +139,35 @@ class ParsedRequest:
 
 def parse_body(raw: bytes, kind: str) -> ParsedRequest:
     """A request body of /v1/completions (kind "completion") or /v1/chat/completions ("chat"), checked."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"request body: expected JSON, found a parse error ({e})") from None
+    body = limits.load_json(raw)
     if not isinstance(body, dict):
         raise OpenAIError(f"request body: expected a JSON object, found {type(body).__name__}")
     allowed = _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise OpenAIError(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    ignored = tuple(sorted(set(body) - allowed))
     for name, value in body.items():
-        check = _TYPES.get(name)
+        check = _TYPES.get(name) if name in allowed else None
         if check is not None and not check[0](value):
             raise OpenAIError(f"{name}: expected {check[1]}, found {json.dumps(value)[:60]}", param=name)
+        unsupported = _UNSUPPORTED.get(name) if name in allowed else None
+        if unsupported is not None and not unsupported[0](value):
+            raise OpenAIError(unsupported[1].format(json.dumps(value)[:60]), param=name, code="unsupported")
     if "model" not in body:
         raise OpenAIError("model: expected a model name, found none", param="model")
+    limits.check_numbers({k: v for k, v in body.items() if k in allowed})
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and max_tokens < 1:
-        raise OpenAIError(f"max_tokens: expected >= 1, found {max_tokens}", param="max_tokens")
-    stop = body.get("stop")
     sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                      "repetition_penalty", "seed", "ignore_eos") if body.get(k) is not None}
     sampling.setdefault("temperature", 1.0)        # OpenAI's default
-    if stop:
-        sampling["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    stops = limits.check_stop(body.get("stop"))
+    if stops:
+        sampling["stop"] = stops
     options = body.get("stream_options") or {}
     common = dict(kind=kind, model=body["model"], max_tokens=max_tokens, stream=bool(body.get("stream")),
-                  include_usage=bool(options.get("include_usage")), sampling=sampling)
+                  include_usage=bool(options.get("include_usage")), sampling=sampling, ignored=ignored)
     if kind == "completion":
         return ParsedRequest(prompt=_prompt(body.get("prompt")), **common)
     return ParsedRequest(messages=_messages(body.get("messages")), tools=tuple(body.get("tools") or ()),
-                         template_kwargs=dict(body.get("chat_template_kwargs") or {}), **common)
+                         template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)
 
 
 def _prompt(p) -> str | tuple[int, ...]:
@@ -166,9 +180,27 @@ def _prompt(p) -> str | tuple[int, ...]:
     raise OpenAIError(f"prompt: expected a string or a list of token ids, found {json.dumps(p)[:60]}", param="prompt")
 
 
+def _template_kwargs(kw) -> dict:
+    kw = dict(kw or {})
+    if len(kw) > limits.MAX_TEMPLATE_KWARGS:
+        raise OpenAIError(f"chat_template_kwargs: expected at most {limits.MAX_TEMPLATE_KWARGS} keys, found {len(kw)}",
+                          param="chat_template_kwargs")
+    clash = sorted(TEMPLATE_OWN & set(kw))
+    if clash:
+        raise OpenAIError(f"chat_template_kwargs: expected keys other than the template's own variables "
+                          f"({', '.join(sorted(TEMPLATE_OWN))}), found {clash[0]!r}", param="chat_template_kwargs")
+    bad = [k for k in kw if not k.isidentifier()]
+    if bad:
+        raise OpenAIError(f"chat_template_kwargs: expected identifiers as keys, found {bad[0][:40]!r}",
+                          param="chat_template_kwargs")
+    return kw
+
+
 def _messages(ms) -> tuple:
     if not isinstance(ms, list) or not ms:
         raise OpenAIError(f"messages: expected a non-empty list, found {json.dumps(ms)[:60]}", param="messages")
+    if len(ms) > limits.MAX_MESSAGES:
+        raise OpenAIError(f"messages: expected at most {limits.MAX_MESSAGES}, found {len(ms)}", param="messages")
     out = []
     for i, m in enumerate(ms):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -182,6 +214,25 @@ def _messages(ms) -> tuple:
         if content is not None and not isinstance(content, str):
             raise OpenAIError(f"messages[{i}].content: expected a string, found {json.dumps(content)[:60]}",
                               param="messages")
+        _tool_calls(m.get("tool_calls"), i)
         # transformers drops None-valued keys before rendering (templates test for a key's presence)
         out.append({**{k: v for k, v in m.items() if v is not None}, **({"content": content} if content is not None else {})})
     return tuple(out)
+
+
+def _tool_calls(calls, i: int) -> None:
+    """An assistant message's tool_calls as OpenAI writes them: a list of {"type": "function", "id",
+    "function": {"name": str, "arguments": a JSON string or an object}} (templates read every one of these)."""
+    if calls is None:
+        return
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise OpenAIError(f"{where}: expected a list, found {json.dumps(calls)[:60]}", param="messages")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), (str, dict))
+                and isinstance(c.get("id", ""), str) and isinstance(c.get("type", "function"), str)):
+            raise OpenAIError(f"{where}[{j}]: expected {{\"type\": \"function\", \"id\": ..., \"function\": "
+                              f"{{\"name\": str, \"arguments\": str or object}}}}, found {json.dumps(c)[:80]}",
+                              param="messages")
+

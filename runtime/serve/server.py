@@ -4,59 +4,49 @@ talks to the engine thread through queues; it never touches the model.
     GET  /health  /metrics  /v1/models
     POST /v1/completions  /v1/chat/completions      (stream: server-sent events in OpenAI's chunk format)
 
-A refused request gets a 4xx with OpenAI's error body and the server goes on serving. A streaming client that
-goes away cancels its request: the engine frees its slot and pages at its next step.
+A refused request gets a 4xx with OpenAI's error body and one line in the log, and the server goes on serving.
+Bodies are bounded (limits.py) and read in chunks; chat templates and the tokenizer run in worker processes
+(render.py), so nothing a request carries runs on the event loop. A client that goes away, streaming or not,
+cancels its request: the engine frees its slot and pages at its next step.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import logging
 import time
 
-from helmc.errors import HelmcError
+from helmc.runtime.serve.limits import read_body
 from helmc.runtime.serve.protocol import CompletionChunk, OpenAIError, ParsedRequest, Request, parse_body
 
 _ids = itertools.count()
+log = logging.getLogger("uvicorn.error")      # uvicorn configures it: one line per refused request
 
 
 class ServeState:
-    """What the handlers share: the engine, the model's name, tokenizer and chat template, the metrics."""
+    """What the handlers share: the engine, the model's name, the render workers (chat template and tokenizer),
+    the metrics."""
 
-    def __init__(self, engine, model_name: str, tokenizer, template, metrics, vocab_size: int):
-        self.engine, self.model_name, self.tokenizer, self.template = engine, model_name, tokenizer, template
+    def __init__(self, engine, model_name: str, renderer, metrics, vocab_size: int):
+        self.engine, self.model_name, self.renderer = engine, model_name, renderer
         self.metrics, self.vocab_size = metrics, vocab_size
         self.created = int(time.time())
 
-    def prompt_ids(self, p: ParsedRequest) -> tuple[int, ...]:
+    async def prompt_ids(self, p: ParsedRequest) -> tuple[int, ...]:
         if p.kind == "chat":
-            if self.template is None:
-                raise OpenAIError("this model has no chat template (tokenizer_config.json / chat_template.jinja); "
-                                  "use /v1/completions", param="messages")
-            try:
-                text = self.template.render(list(p.messages), add_generation_prompt=True, tools=p.tools or None,
-                                            **p.template_kwargs)
-            except HelmcError as e:
-                raise OpenAIError(str(e), param="messages") from None
-            return tuple(self._encode(text, add_special_tokens=False))   # the template wrote the special tokens
+            return await self.renderer.chat(p.messages, p.tools, p.template_kwargs)
         if isinstance(p.prompt, tuple):
             bad = [t for t in p.prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise OpenAIError(f"prompt: token ids expected in [0, {self.vocab_size}), found {bad[:3]}", param="prompt")
             return p.prompt
-        return tuple(self._encode(p.prompt, add_special_tokens=True))     # as `helmc run --prompt` encodes
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.tokenizer is None:
-            raise OpenAIError("this bundle has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if not ids:
-            raise OpenAIError("prompt: expected at least one token, found none", param="prompt")
-        return ids
+        return await self.renderer.text(p.prompt)
 
 
 def make_app(state: ServeState):
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -77,8 +67,18 @@ def make_app(state: ServeState):
         async def handler(request):
             try:
                 response = await _generate(state, request, kind)
+            except ClientDisconnect:                 # gone while sending its body: nobody to answer
+                response = Response(status_code=499)
+            except asyncio.CancelledError:           # the server stops (SIGTERM) while this request waits
+                err = OpenAIError("the server is shutting down", status=503, type="server_error")
+                response = JSONResponse(err.body(), status_code=503)
             except OpenAIError as e:
+                log.warning("%s %s: %s", e.status, request.url.path, e.message)
                 response = JSONResponse(e.body(), status_code=e.status)
+            except Exception as e:                   # a bug: one line in the log, OpenAI's body to the client
+                log.error("500 %s: %s: %s", request.url.path, type(e).__name__, e)
+                err = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error")
+                response = JSONResponse(err.body(), status_code=500)
             state.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return handler
@@ -90,12 +90,12 @@ def make_app(state: ServeState):
 
 
 async def _generate(state: ServeState, request, kind: str):
-    from starlette.responses import JSONResponse
-    p = parse_body(await request.body(), kind)
+    from starlette.responses import JSONResponse, Response
+    p = parse_body(await read_body(request), kind)
     if p.model != state.model_name:
         raise OpenAIError(f"model: expected {state.model_name!r}, found {p.model!r}", status=404, param="model",
                           code="model_not_found")
-    ids = state.prompt_ids(p)
+    ids = await state.prompt_ids(p)
     room = state.engine.model.max_context - len(ids)
     max_tokens = p.max_tokens or (16 if kind == "completion" else max(1, room))     # OpenAI's default, or the context
     rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{next(_ids)}-{int(time.time() * 1e3)}"
@@ -116,19 +116,47 @@ async def _generate(state: ServeState, request, kind: str):
             e.param = "prompt"
         raise
     fmt = _Format(kind, rid, state.model_name)
+    headers = {"Warning": f'299 - "ignored unknown fields: {", ".join(p.ignored)}"'} if p.ignored else {}
+    if p.ignored:
+        log.warning("%s: ignored unknown fields %s", request.url.path, ", ".join(p.ignored))
     if p.stream:
-        return _EngineStream(_sse(fmt, chunks, p.include_usage), on_close=lambda: state.engine.cancel(rid))
-    text, last = [], None
-    try:
+        return _EngineStream(_sse(fmt, chunks, p.include_usage), on_close=lambda: state.engine.cancel(rid),
+                             headers=headers)
+    last, text = await _collect(state, request, chunks, rid)
+    if last is None:                             # the client went away: its request was cancelled at once
+        return Response(status_code=499)
+    if last.finish_reason == "error":
+        raise OpenAIError(f"generation failed: {last.error}", status=500, type="server_error")
+    return JSONResponse(fmt.whole(text, last), headers=headers)
+
+
+async def _collect(state: ServeState, request, chunks: asyncio.Queue, rid: str):
+    """A non-streamed request's chunks until its last (last chunk, text), or (None, "") as soon as its client
+    disconnects (the engine then frees its slot and pages at its next step, as for a stream)."""
+    async def gone():
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:                        # no way to listen: the generation's end decides
+            await asyncio.Event().wait()
+
+    async def collect():
+        text, last = [], None
         while last is None or last.finish_reason is None:
             last = await chunks.get()
             text.append(last.text)
-    except asyncio.CancelledError:
-        state.engine.cancel(rid)
-        raise
-    if last.finish_reason == "error":
-        raise OpenAIError(f"generation failed: {last.error}", status=500, type="server_error")
-    return JSONResponse(fmt.whole("".join(text), last))
+        return last, "".join(text)
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    done = set()
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if work not in done:
+            work.cancel()
+            state.engine.cancel(rid)
+    return work.result() if work in done else (None, "")
 
 
 async def _sse(fmt: "_Format", chunks: asyncio.Queue, include_usage: bool):
@@ -186,7 +214,7 @@ class _Format:
         return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(last)}
 
 
-def _EngineStream(body, on_close):
+def _EngineStream(body, on_close, headers=None):
     """A text/event-stream response that listens for the client going away whatever the ASGI version (Starlette
     only does below 2.4) and always calls on_close when it ends (cancelling a request that already finished is
     a no-op in the engine)."""
@@ -209,19 +237,38 @@ def _EngineStream(body, on_close):
             finally:
                 on_close()
 
-    return EngineStream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return EngineStream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
 
 
-def serve(state: ServeState, host: str, port: int, log_level: str = "warning", ready=None) -> None:
-    """Run uvicorn until interrupted; `ready(port)` is called once it listens."""
+def bind(host: str, port: int):
+    """The listening socket, bound before the model loads: a busy port is a one-line HelmcError at once (clients
+    that connect while the model loads wait in the backlog)."""
+    import socket
+    from helmc.errors import HelmcError
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)        # listening now: a second server's bind fails even with SO_REUSEADDR
+    except OSError as e:
+        sock.close()
+        raise HelmcError(f"--host {host} --port {port}: expected a free address to listen on, found it "
+                         f"{'in use' if e.errno == 98 else 'refused'} ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(state: ServeState, sock, log_level: str = "warning", ready=None) -> None:
+    """Run uvicorn on the bound socket `sock` until interrupted; `ready(port)` is called once it listens."""
     import uvicorn
-    config = uvicorn.Config(make_app(state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    config = uvicorn.Config(make_app(state), log_level=log_level, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     if ready is not None:
         _orig = server.startup
 
         async def startup(sockets=None):
             await _orig(sockets)
-            ready(server.servers[0].sockets[0].getsockname()[1] if server.servers else port)
+            ready(sock.getsockname()[1])
         server.startup = startup
-    server.run()
+    server.run(sockets=[sock])

@@ -69,3 +69,27 @@ def evil_library(tmp_path_factory):
         subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
         return str(lib)
     return make
+
+
+FAULT_SEED = 4242          # the server below fails a request with this seed at its third token
+
+
+@pytest.fixture(scope="session")
+def serve_bundle(tiny, tmp_path_factory, host_hardware, cache_dir):
+    """The tiny Qwen3 built for 8 sequences at once with a ChatML template, in a directory named tiny.bundle
+    (served as "tiny")."""
+    from helmc import api
+    from serve_process import CHATML, bundle_with_template
+    d = tmp_path_factory.mktemp("serve")
+    api.build(tiny.model("qwen3")[0], host_hardware, str(d / "built"), cache_dir=cache_dir, quiet=True, batch=8)
+    return bundle_with_template(str(d / "built"), str(d / "tiny.bundle"), CHATML)
+
+
+@pytest.fixture(scope="session")
+def server(serve_bundle, tmp_path_factory):
+    """A real `helmc serve` of serve_bundle (8 slots), with the one-sequence fault injected for FAULT_SEED."""
+    from serve_process import Server
+    s = Server(serve_bundle, tmp_path_factory.mktemp("serve-log") / "serve.log", "--max-batch", "8",
+               env={"HELMC_FAULT_SEQUENCE_SEED": str(FAULT_SEED)})
+    yield s
+    s.stop()
