@@ -12,7 +12,7 @@
                  for a CPU block's attention at long contexts).
 
 The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
-allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
+allocations, benchmarks/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
 bf16 and the quantized blocks' scales that is a normal number, so no pass runs into denormals. Each figure is
 the median of the timed passes after one warm-up (a shared machine's best pass says what it did once); the passes
 come in rounds over the stream reads and every GEMV type, so a burst of a slow host lands in a few passes of many

@@ -28,7 +28,7 @@ class AmxBlocking:
 
 
 DEFAULT_BLOCKING = AmxBlocking()
-# Alternatives a benchmark on the target can compare against the default (scripts/bench_cpu_gemv.py builds all).
+# Alternatives a benchmark on the target can compare against the default (benchmarks/bench_cpu_gemv.py builds all).
 BLOCKING_VARIANTS = (
     DEFAULT_BLOCKING,
     AmxBlocking(name="kc512", k_block=512),
@@ -48,7 +48,7 @@ def blocking_named(name: str) -> AmxBlocking:
 
 
 # Best blocking per (N, K, weight dtype) for a 128-token prompt on the GPU machine's 16-core Xeon (AMX),
-# from the 2026-11-21 device run (scripts/bench_cpu_gemv.py --run-only, "amx_gemm": best of 5 interleaved
+# from the 2026-11-21 device run (benchmarks/bench_cpu_gemv.py --run-only, "amx_gemm": best of 5 interleaved
 # rounds, weights cycled from DRAM; torch bf16 alongside). ms per variant default / kc512 / direct:
 #   bf16 1024 x 4096   0.38 / 0.41 / 0.42    bf16 4096 x 4096   1.17 / 0.88 / 0.83
 #   bf16 12288 x 4096  2.01 / 1.86 / 2.30    bf16 4096 x 12288  2.79 / 2.50 / 2.30

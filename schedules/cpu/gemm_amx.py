@@ -64,7 +64,7 @@ SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
 
 # Benchmark-only switch: when set, helmc/compiler/passes/lower_linear.py builds every AMX GEMM with this blocking instead of
-# blocking_for's per-shape choice (scripts/bench_cpu_block.py --amx-blocking).
+# blocking_for's per-shape choice (benchmarks/bench_cpu_block.py --amx-blocking).
 BLOCKING_OVERRIDE: AmxBlocking | None = None
 
 

@@ -178,7 +178,7 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
 # m x chunk fp32 of x per chunk of 16-bit weights per row, and m rows of x (8 x 16 KiB at K = 4096, 384 KiB at
 # K = 12288) do not fit in L1, so x came from L2 at 8x the weight bytes (2 rows per step, 2 passes) and its misses
 # took the L1 fill buffers the weight stream needs. Measured on the 2-core EPYC, one thread, Qwen3-8B shapes
-# (scripts/bench_cpu_gemv.py --m 1,2,4,8 --threads 1, session 11; no table was committed): the
+# (benchmarks/bench_cpu_gemv.py --m 1,2,4,8 --threads 1, session 11; no table was committed): the
 # row-streaming 8-row call took 2.3-2.5x the 1-row time, this one 1.7-1.8x; there the 8 FMAs per weight are the
 # limit (from L2 the 8-row kernel runs 5.0 G zmm FMAs/s, 20 GB/s of fp16: DRAM gives it 17), where the GPU
 # machine's Xeon cores need ~1.8 G/s each for 8 rows at 113 GB/s.

@@ -16,7 +16,7 @@ a symbolic or larger count (prefill) -> GEMM with a symbolic token dimension (on
 when the target's features list amx_tile + amx_bf16, gemm_amx.py).
 
 Weights stay in HF's row-major [N, K] layout: both kernels stream it as stored (the GEMV reaches the DRAM
-ceiling on it, see scripts/bench_cpu_gemv.py), so no repacking is recorded in the bundle.
+ceiling on it, see benchmarks/bench_cpu_gemv.py), so no repacking is recorded in the bundle.
 
 Decode fusion (schedules/cpu/gemv_fused.py): GEMV linears of one function that read the same x become one
 kernel launch (q/k/v: one multi-output GEMV), and a gate/up pair consumed only as

@@ -18,9 +18,9 @@ kernels stream, since on a VM guest the speed of a buffer depends on where the h
 Each figure is the best of --rounds passes (the machine may be shared), the median beside it.
 --huge-pages advises that allocation MADV_HUGEPAGE (the runtime itself does not place weights there).
 
-  python scripts/bench_cpu_gemv.py [--models 8b] [--m 1,2,4,8] [--types float16,q4_k] [--json]   # here
-  python scripts/bench_cpu_gemv.py --build-only DIR --hardware hw.json     # compile for another CPU
-  python scripts/bench_cpu_gemv.py --run-only DIR [--json]                 # there: tvm.runtime + torch only
+  python -m benchmarks.bench_cpu_gemv [--models 8b] [--m 1,2,4,8] [--types float16,q4_k] [--json]   # here
+  python -m benchmarks.bench_cpu_gemv --build-only DIR --hardware hw.json     # compile for another CPU
+  python -m benchmarks.bench_cpu_gemv --run-only DIR [--json]                 # there: tvm.runtime + torch only
 The DRAM figure of each case is the best read in that case's own rounds ("dram_gbs_case"): on a shared host
 the bandwidth left to this process drifts over a run (session 5, GPU machine: 110-171 GB/s between cases read
 from the same allocation); the run's best read ("dram_gbs") is reported beside it.
@@ -221,8 +221,7 @@ def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, arena: Weight
     import numpy as np
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits
     if dtype not in DTYPES:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "device"))
-        from device_quant_gpu_check import random_quant_rows
+        from tests.device.device_quant_gpu_check import random_quant_rows
         host = random_quant_rows(dtype, n, k, rng)
         arena.reset()
         return [arena.place(host, "uint8") for _ in range(max(1, -(-min_bytes // host.nbytes)))], None
@@ -448,7 +447,6 @@ def main() -> None:
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in QWEN3:
@@ -462,7 +460,7 @@ def main() -> None:
               [m.strip().lower() for m in args.amx_variants.split(",") if m.strip() in QWEN3], args.gemv_prefetch,
               tuple(t.strip() for t in args.types.split(",") if t.strip()), tuple(int(m) for m in args.m.split(",")))
         if args.build_only:
-            print(f"built {out_dir}: run there with  python scripts/bench_cpu_gemv.py --run-only {out_dir}")
+            print(f"built {out_dir}: run there with  python -m benchmarks.bench_cpu_gemv --run-only {out_dir}")
             return
         report = run(out_dir, threads, args.rounds, models, args.huge_pages)
     if args.json:

@@ -12,9 +12,9 @@ weights stream through them), so the figures are DRAM figures; --in-cache instea
 first (KV that fits the caches stays there: the kernel's compute-bound speed). GB/s = K + V bytes of the context in the
 cache's dtype / time. Each figure is the median of --rounds calls (the machine may be shared).
 
-  python scripts/bench_cpu_attention.py [--contexts 1024,8192,32768] [--json]      # build and run here
-  python scripts/bench_cpu_attention.py --build DIR --hardware hw.json             # compile for another CPU
-  python scripts/bench_cpu_attention.py --run-only DIR [--json]                    # there: tvm.runtime only
+  python -m benchmarks.bench_cpu_attention [--contexts 1024,8192,32768] [--json]      # build and run here
+  python -m benchmarks.bench_cpu_attention --build DIR --hardware hw.json             # compile for another CPU
+  python -m benchmarks.bench_cpu_attention --run-only DIR [--json]                    # there: tvm.runtime only
 `--json` prints {"dram_gbs": .., "results": [{"context": n, "dtype": .., "ms": .., "gbs": .., ...}]}.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from bench_cpu_gemv import cpu_flags, l3_bytes   # the script directory is on sys.path when run
+from benchmarks.bench_cpu_gemv import cpu_flags, l3_bytes
 
 H_A, H_KV, D = 32, 8, 128          # Qwen3-8B
 DTYPES = ("float16", "bfloat16")
@@ -158,7 +158,6 @@ def main() -> None:
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     if not contexts or min(contexts) < 2:
         sys.exit(f"--contexts: expected context lengths >= 2, found {args.contexts!r}")
@@ -176,7 +175,7 @@ def main() -> None:
         if args.build:
             size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
             print(f"built {out_dir} ({size / 1e6:.2f} MB): run there with  "
-                  f"python scripts/bench_cpu_attention.py --run-only {out_dir}")
+                  f"python -m benchmarks.bench_cpu_attention --run-only {out_dir}")
             return
         report = run(out_dir, threads, args.rounds, contexts, paths, args.in_cache)
     if args.json:

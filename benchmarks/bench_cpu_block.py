@@ -17,9 +17,9 @@ prefill GEMMs take bf16-rounded activations (the model's precision, as HF's bf16
 the prefill reference rounds each linear's input to bf16 too; the error against the unrounded fp32 block and
 torch bf16's own error against it are reported beside it. --amx-activations fp32 builds the hi + lo kernels (helmc build --prefill-activations).
 
-  python scripts/bench_cpu_block.py [--json]                                  # build and run here
-  python scripts/bench_cpu_block.py --build-only DIR --hardware hw.json      # compile for another CPU
-  python scripts/bench_cpu_block.py --run-only DIR [--json]                  # there: tvm.runtime + torch only
+  python -m benchmarks.bench_cpu_block [--json]                                  # build and run here
+  python -m benchmarks.bench_cpu_block --build-only DIR --hardware hw.json      # compile for another CPU
+  python -m benchmarks.bench_cpu_block --run-only DIR [--json]                  # there: tvm.runtime + torch only
 """
 from __future__ import annotations
 
@@ -29,9 +29,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 MANIFEST = "block_bench.json"
 # Pause before every timed section: torch's and TVM's worker threads keep spinning for a while after their
 # last parallel region, and on a machine with few cores that spinning slowed the next system's section
@@ -134,7 +131,7 @@ def run(out_dir: str, threads: int, rounds: int, prompt: int, huge_pages: bool =
     from helmc.model.spec import ModelSpec
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy
 
-    from bench_cpu_gemv import WeightArena, arena_bytes, cpu_flags, l3_bytes
+    from benchmarks.bench_cpu_gemv import WeightArena, arena_bytes, cpu_flags, l3_bytes
     from helmc.runtime.weights.host_memory import anon_huge_page_bytes, cpu_tensor_over
 
     manifest = json.load(open(os.path.join(out_dir, MANIFEST)))
@@ -308,7 +305,7 @@ def main() -> None:
     args = ap.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["TVM_NUM_THREADS"] = str(threads)  # TVM's default is half the cores on x86
-    from bench_cpu_gemv import target_features
+    from benchmarks.bench_cpu_gemv import target_features
     if args.run_only:
         out_dir = args.run_only
     else:
@@ -319,7 +316,7 @@ def main() -> None:
               args.amx_blocking, args.amx_activations, args.gemv_prefetch)
         print(f"built {out_dir} in {time.time() - t:.0f} s", file=sys.stderr)
         if args.build_only:
-            print(f"run there with  python scripts/bench_cpu_block.py --run-only {out_dir}")
+            print(f"run there with  python -m benchmarks.bench_cpu_block --run-only {out_dir}")
             return
     r = run(out_dir, threads, args.rounds, args.prompt, args.huge_pages)
     if args.json:

@@ -4,7 +4,7 @@
 A build needs config.json only; this writes the real Qwen3-8B config into an empty directory,
 profiles nothing (uses the host profile given, or a quick one), and runs `helmc build` in a child
 process so its peak RSS can be read. Target (issue 2): at most 5 minutes and 4 GB on 2 cores.
-    python scripts/bench_build.py [--hardware hardware.json] [--json]
+    python -m benchmarks.bench_build [--hardware hardware.json] [--json]
 """
 import argparse
 import json
@@ -44,6 +44,6 @@ with tempfile.TemporaryDirectory() as tmp:
         print(r.stderr, file=sys.stderr)
         sys.exit(r.returncode)
 result = {"model": "Qwen3-8B config (no weights)", "build_seconds": round(seconds, 1), "peak_rss_mb": round(peak_mb),
-          "machine": f"{platform.node()} {os.cpu_count()} cores", "command": "python scripts/bench_build.py"}
+          "machine": f"{platform.node()} {os.cpu_count()} cores", "command": "python -m benchmarks.bench_build"}
 print(json.dumps(result) if a.json else f"build {seconds:.1f} s, peak RSS {peak_mb:.0f} MB")
 print(r.stderr, file=sys.stderr)

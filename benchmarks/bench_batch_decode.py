@@ -11,24 +11,19 @@
          and per token.
 Each figure is the best of --rounds interleaved passes (the machine may be shared), the median beside it.
 
-  python scripts/bench_batch_decode.py [--what gemv,block] [--dtype float16] [--quant q4_k,q8_0] [--json]
+  python -m benchmarks.bench_batch_decode [--what gemv,block] [--dtype float16] [--quant q4_k,q8_0] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench_cpu_gemv import (WeightArena, arena_bytes, cpu_flags, l3_bytes, projection_shapes,  # noqa: E402
-                            timed_rounds)
+from benchmarks.bench_cpu_gemv import (WeightArena, arena_bytes, cpu_flags, l3_bytes, projection_shapes,
+                                       timed_rounds)
 
 ROWS = (1, 2, 4, 8)
 
@@ -69,8 +64,7 @@ def bench_gemv(types: list[str], rounds: int) -> dict:
                 store = qtype
                 make = lambda m: make_gemv(m, n, k, qtype, isa)  # noqa: E731
             else:
-                sys.path.insert(0, os.path.join(ROOT, "tests", "device"))
-                from device_quant_gpu_check import random_quant_rows    # valid rows: finite scales, no denormals
+                from tests.device.device_quant_gpu_check import random_quant_rows    # valid rows: finite scales, no denormals
                 host = random_quant_rows(qtype, n, k, rng)
                 assert host.shape == (n, quant_row_bytes(qtype, k))
                 store = "uint8"
@@ -103,7 +97,7 @@ def bench_gemv(types: list[str], rounds: int) -> dict:
 def bench_block(dtype: str, rounds: int) -> dict:
     import tvm
     import tvm.runtime
-    from bench_cpu_block import qwen3_spec
+    from benchmarks.bench_cpu_block import qwen3_spec
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
     from helmc.compiler.passes.schedule_cpu_stage import compile_cpu_stage

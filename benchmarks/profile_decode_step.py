@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-kernel timing of one decode step of a bundle with a GPU stage, on the GPU machine (issue 16).
 
-    python scripts/profile_decode_step.py BUNDLE --weights MODEL [--ncu /usr/local/cuda/bin/ncu]
+    python -m benchmarks.profile_decode_step BUNDLE --weights MODEL [--ncu /usr/local/cuda/bin/ncu]
         [--prompt-len 128] [--steps 64] [--out step.json]
 
 First, without a profiler: the wall time per decode step over --steps steps (CUDA graph replays once the page
@@ -28,8 +28,6 @@ from collections import defaultdict
 import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 
 def load_and_warm(bundle: str, weights: str, prompt_len: int):
@@ -146,9 +144,9 @@ def main(argv=None) -> int:
         # clocks to base and flush caches between kernels, which inflated session 8's first table by ~30%)
         cmd = [a.ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--clock-control", "none",
                "--cache-control", "none", "--metrics",
-               "gpu__time_duration.sum", "--csv", sys.executable, os.path.abspath(__file__), a.bundle,
+               "gpu__time_duration.sum", "--csv", sys.executable, "-m", "benchmarks.profile_decode_step", a.bundle,
                "--weights", a.weights, "--prompt-len", str(a.prompt_len), "--inner"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT)
         kernels = parse_ncu(p.stdout)
         if not kernels:
             print(p.stdout[-3000:], p.stderr[-3000:], sep="\n")

@@ -1,6 +1,6 @@
 """Batched decode of `helmc serve`'s engine against llama.cpp's llama-batched-bench, in the same run.
 
-    python scripts/bench_serve.py BUNDLE [--concurrency 8] [--prompt-len 128] [--new-tokens 128] [--out serve.json] [--no-warm-up]
+    python -m benchmarks.bench_serve BUNDLE [--concurrency 8] [--prompt-len 128] [--new-tokens 128] [--out serve.json] [--no-warm-up]
         [--llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --gguf model.gguf --ngl 16]
 
 The engine runs in this process (no HTTP: what is measured is the model's batched step). Each of N random
@@ -31,8 +31,6 @@ import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_requests(engine, prompts, new_tokens: int, tag: str, steps: list | None = None) -> list[dict]:
@@ -257,7 +255,7 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             f.write(json.dumps(report, indent=2) + "\n")
     if a.llama_batched_bench:
-        from llamacpp_peer import llama_batched_bench
+        from benchmarks.llamacpp_peer import llama_batched_bench
         runs = {}
         for ngl in ngls:
             runs[ngl] = llama_batched_bench(a.llama_batched_bench, a.gguf, ngl, a.prompt_len, a.new_tokens,

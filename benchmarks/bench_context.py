@@ -1,7 +1,7 @@
 """Longest context and decode speed vs context: helmc beside HF Accelerate under the same GPU budget.
 
 Issue 5's benchmark, for the GPU test machine (Qwen3-8B fp16, --gpu-budget 7), one command for both:
-    PYTHONPATH=. python scripts/bench_context.py --bundle BUNDLE --weights WEIGHTS_DIR \
+    python -m benchmarks.bench_context --bundle BUNDLE --weights WEIGHTS_DIR \
         --hf-model HF_MODEL_DIR --gpu-budget 7 --contexts 1024,8192,32768 --new-tokens 16 --out $OUT/ctx.json
     ... --dry-run     prints what would run, with the time limits, and touches no GPU
 
@@ -120,7 +120,6 @@ def free_device_pools() -> None:
 
 
 def worker_helmc(args) -> None:
-    sys.path.insert(0, ROOT)
     import cupy
 
     from helmc.errors import HelmcError
@@ -275,10 +274,10 @@ def parse_records(system: str, stdout: str, rc, stderr: str, contexts: list[int]
 
 def run_worker(system: str, argv: list[str], limit_s: float, contexts: list[int]) -> list[dict]:
     baseline = device_used_bytes()
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--baseline-bytes", str(baseline)] + argv
+    cmd = [sys.executable, "-m", "benchmarks.bench_context", "--worker", system, "--baseline-bytes", str(baseline)] + argv
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env, cwd=ROOT)
         out, err, rc = p.stdout, p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

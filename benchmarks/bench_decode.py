@@ -2,9 +2,9 @@
 """Decode benchmark on the GPU machine: helmc vs HF Accelerate (same GPU budget) vs HF on the whole GPU, or,
 for a GGUF file, helmc vs llama.cpp's llama-bench on the same file.
 
-    python scripts/bench_decode.py --model MODEL_DIR --bundle SPLIT_BUNDLE [--bundle ALL_GPU_BUNDLE ...]
+    python -m benchmarks.bench_decode --model MODEL_DIR --bundle SPLIT_BUNDLE [--bundle ALL_GPU_BUNDLE ...]
         [--gpu-budget 7] [--prompt-len 128] [--new-tokens 128] [--requests 10] [--out bench.json]
-    python scripts/bench_decode.py --model model.gguf --bundle BUNDLE --llama-bench /tmp/lc/build/bin/llama-bench
+    python -m benchmarks.bench_decode --model model.gguf --bundle BUNDLE --llama-bench /tmp/lc/build/bin/llama-bench
         --llama-ngl 0,99 [--threads 16] ...      (HF peers are skipped for a GGUF file; llamacpp_peer.py)
 
 Every system gets the same random prompt (seeded ids), greedy decoding, batch 1, no early stop at EOS. Per request:
@@ -25,7 +25,7 @@ step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `pro
 --replan runs each bundle with its plan made again from --profile (`helmc plan BUNDLE hardware.json`, no
 compiling), as a user does on a machine of their own;
 --variants split,all_gpu also runs each bundle as its plain split in the same budget (a hybrid row then says whether
-its greedy tokens equal the split's, and where not, whether they part at a logit tie: helmc.testing.GreedyTrace)
+its greedy tokens equal the split's, and where not, whether they part at a logit tie: benchmarks.greedy_trace.GreedyTrace)
 and planned for the whole GPU, each its own row.
 A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
@@ -54,17 +54,12 @@ import time
 
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-for _path in (_ROOT, _SCRIPTS):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-import llamacpp_peer  # noqa: E402  (the peer's options, runs and ratios)
-from bench_context import PeakVram, free_device_pools  # noqa: E402
-from helmc.hardware.profile import HardwareProfile  # noqa: E402  (pure Python: no torch, no TVM)
-from helmc.planner.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes  # noqa: E402
-from helmc.planner.replan_bundle import replan_bundle  # noqa: E402
-from helmc.testing import GreedyTrace, compare_greedy, greedy_trace  # noqa: E402  (numpy only)
+from benchmarks import llamacpp_peer  # the peer's options, runs and ratios
+from benchmarks.bench_context import PeakVram, free_device_pools
+from benchmarks.greedy_trace import GreedyTrace, compare_greedy, greedy_trace  # numpy only
+from benchmarks.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes
+from helmc.hardware.profile import HardwareProfile  # pure Python: no torch, no TVM
+from helmc.planner.replan_bundle import replan_bundle
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """llama.cpp as the peer in bench_decode.py: `llama-bench` on the same GGUF file, in the same run.
 
-    from llamacpp_peer import llama_bench
+    from benchmarks.llamacpp_peer import llama_bench
     llama_bench("/tmp/lc/build/bin/llama-bench", "model.gguf", ngl=0, prompt_len=128, new_tokens=64)
 
 Build the binary with ../shared/peers/build_llamacpp.sh (with CUDA on the GPU machine). `-ngl N` keeps the
