@@ -353,6 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-too", action="store_true",
                     help="also run each bundle with a GPU stage without CUDA graphs (same tokens expected)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--label", default=None, help="what the model is, for benchmarks/make_table.py (default: --model's file name)")
     a = ap.parse_args(argv)
     if a.replan and not a.profile:
         ap.error("--replan expected with --profile (the profile to plan from), found it alone")
@@ -370,7 +371,9 @@ def main(argv=None) -> int:
     if is_gguf(a.model):
         skip |= {"hf_gpu", "accelerate"}       # no Hugging Face directory: llama.cpp is the peer
     prompt = np.random.default_rng(a.seed).integers(3, vocab, a.prompt_len).tolist()
-    report = {"model": a.model, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "gpu_budget_gib": a.gpu_budget,
+    report = {"label": a.label or os.path.basename(os.path.normpath(a.model)),
+              "command": "python -m benchmarks.bench_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "model": a.model, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "gpu_budget_gib": a.gpu_budget,
               "requests": a.requests, "helmc": []}
 
     def save():
