@@ -1,6 +1,6 @@
 """HardwareProfile: the measured target (thesis 4.1.2, eq. 4.6): device profiles and the link.
 
-Written by `helmc profile`, or taken from a preset under artifacts/profiles/. Every figure is a
+Written by `helmc profile`, or taken from a preset in helmc/hardware/presets/. Every figure is a
 measurement or a cited datasheet number; what could not be measured is listed in `unmeasured`
 ("field: reason") rather than invented, and the cost model says which fallback it used for it.
 Unknown keys are refused so a typo never silently changes a plan.
@@ -28,7 +28,7 @@ GIB = 1024 ** 3
 DEFAULT_GPU_RESERVE_BYTES = 10 ** 9
 # The host runtime itself (Python, TVM runtime, tokenizer) needs memory beside weights and KV.
 DEFAULT_HOST_RESERVE_BYTES = GIB
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "artifacts", "profiles")
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -293,7 +293,7 @@ def list_presets() -> list[str]:
 
 
 def load_hardware(path_or_preset: "str | HardwareProfile") -> HardwareProfile:
-    """A hardware.json path, or the name of a preset under artifacts/profiles/ (e.g. rtx4060-laptop)."""
+    """A hardware.json path, or the name of a preset in helmc/hardware/presets/ (e.g. rtx4060-laptop)."""
     if isinstance(path_or_preset, HardwareProfile):
         return path_or_preset
     if os.path.exists(path_or_preset):
