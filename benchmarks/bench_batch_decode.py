@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a batched decode step costs on the CPU stage against a single one (issue 19), built and run here.
+"""What a batched decode step costs on the CPU stage against a single one, built and run here.
 
   gemv   the decode GEMVs (schedules/cpu/gemv.py for fp16 / bf16, gemv_quant.py for the quantized types) at
          Qwen3-8B's projection shapes for m = 1, 2, 4, 8 rows of x: GB/s of weight bytes read, cycling through

@@ -3,7 +3,7 @@
 
 A build needs config.json only; this writes the real Qwen3-8B config into an empty directory,
 profiles nothing (uses the host profile given, or a quick one), and runs `helmc build` in a child
-process so its peak RSS can be read. Target (issue 2): at most 5 minutes and 4 GB on 2 cores.
+process so its peak RSS can be read. Target: at most 5 minutes and 4 GB on 2 cores.
     python -m benchmarks.bench_build [--hardware hardware.json] [--json]
 """
 import argparse

@@ -1,6 +1,6 @@
 """Longest context and decode speed vs context: helmc beside HF Accelerate under the same GPU budget.
 
-Issue 5's benchmark, for the GPU test machine (Qwen3-8B fp16, --gpu-budget 7), one command for both:
+For the GPU test machine (Qwen3-8B fp16, --gpu-budget 7), one command for both:
     python -m benchmarks.bench_context --bundle BUNDLE --weights WEIGHTS_DIR \
         --hf-model HF_MODEL_DIR --gpu-budget 7 --contexts 1024,8192,32768 --new-tokens 16 --out $OUT/ctx.json
     ... --dry-run     prints what would run, with the time limits, and touches no GPU

@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--features", help="comma list of /proc/cpuinfo flags to compile for")
     ap.add_argument("--l3-bytes", type=int, help="size the DRAM read for this L3 (default: the target's)")
     ap.add_argument("--threads", type=int, default=0, help="default: every core this process may use")
-    # 10 interleaved rounds: the GPU machine's DRAM figure varies 155-180 GB/s best, lower medians (2026-11-21).
+    # 10 interleaved rounds: the GPU machine's DRAM figure varies 155-180 GB/s best, lower medians.
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gemv-prefetch", type=int, default=None,

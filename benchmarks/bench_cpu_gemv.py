@@ -6,7 +6,7 @@ run measures, interleaved:
   dram   -- a parallel read of an fp32 buffer >= 4x L3 (helmc's stream-read kernel and torch's sum; the
             faster counts, so the ratio below is never flattered by a weak reference)
   helmc  -- helmc's GEMV (schedules/cpu/gemv.py, quant/decode_gemv.py), one token, fp32 accumulation
-  m{m}   -- with --m 1,2,4,8: the m-row GEMV (a batched decode step, issue 19) on the same copies: GB/s of weight
+  m{m}   -- with --m 1,2,4,8: the m-row GEMV (a batched decode step) on the same copies: GB/s of weight
             bytes, its time over the one-token call's ("time_over_m1") and whether its rows are bit-identical
   torch  -- torch.nn.functional.linear on the same weights (same dtype, bf16/fp16 activations) and threads
 Every timed pass cycles through enough copies of the weight to read >= 4x L3, so figures are DRAM, not
@@ -22,7 +22,7 @@ Each figure is the best of --rounds passes (the machine may be shared), the medi
   python -m benchmarks.bench_cpu_gemv --build-only DIR --hardware hw.json     # compile for another CPU
   python -m benchmarks.bench_cpu_gemv --run-only DIR [--json]                 # there: tvm.runtime + torch only
 The DRAM figure of each case is the best read in that case's own rounds ("dram_gbs_case"): on a shared host
-the bandwidth left to this process drifts over a run (session 5, GPU machine: 110-171 GB/s between cases read
+the bandwidth left to this process drifts over a run (GPU machine: 110-171 GB/s between cases read
 from the same allocation); the run's best read ("dram_gbs") is reported beside it.
 `--json` prints {"dram_gbs": .., "results": [{"shape": [N, K], "dtype": .., "helmc_gbs": .., "torch_gbs": ..,
 "dram_gbs_case": .., "m_rows": [{"m", "gbs", "time_over_m1", "rows_equal_m1"}], ...}]}.
@@ -174,8 +174,7 @@ class WeightArena:
     """One fresh allocation holding the DRAM read's buffer and every weight copy a bench times, so the read
     and the kernels stream the very same pages.
 
-    Why: on the GPU machine's VM guest the read speed of a buffer differed between allocations (session 4,
-    16 threads: the same stream read over some cases' weight copies gave 85-123 GB/s, over others 140-182,
+    Why: on the GPU machine's VM guest the read speed of a buffer differed between allocations (16 threads: the same stream read over some cases' weight copies gave 85-123 GB/s, over others 140-182,
     the 1.2 GB read buffer 175-191). Reading both from one allocation makes "kernel GB/s over DRAM GB/s"
     compare the kernel with the memory it reads.
     The read covers the arena's first bytes; copies are placed from the start, 4 KiB-aligned."""

@@ -20,14 +20,14 @@ each device's per-block delta and per-token tail fitted on the bundles' own comp
 model's T_plan for that bundle's split under the calibrated profile ("T_plan (calibrated)") and
 measured / that (the calibrated profile is written beside --out). With --profile HW.json instead (what `helmc
 profile` measured in the same run), the rows report "T_plan (profile)": the plan's own cost model for each bundle's
-placement under that profile, no calibration (issue 17's check); a split's row adds its CPU stage's read per decode
+placement under that profile, no calibration (does the profile predict this machine?); a split's row adds its CPU stage's read per decode
 step and the profile's stage read over it (`profile_dram_vs_measured`; M's: `profile_gemv_read_vs_measured`).
 --replan runs each bundle with its plan made again from --profile (`helmc plan BUNDLE hardware.json`, no
 compiling), as a user does on a machine of their own;
 --variants split,all_gpu also runs each bundle as its plain split in the same budget (a hybrid row then says whether
 its greedy tokens equal the split's, and where not, whether they part at a logit tie: benchmarks.greedy_trace.GreedyTrace)
 and planned for the whole GPU, each its own row.
-A hybrid decode bundle (issue 17: its plan has streamed groups) is benchmarked like any other; its row adds the
+A hybrid decode bundle (its plan has streamed groups) is benchmarked like any other; its row adds the
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
 llama.cpp's runs (llamacpp_peer.ratios says which).
@@ -197,7 +197,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
             f"{out[f'measured_over_plan_{label}']:.3f}")
     if trace:             # untimed, after every timed figure (time_cpu_stage's list included)
         out.update(trace_fields(s, prompt, new_tokens, runs[0]["tokens"]))
-    del s, graph          # every reference gone first (session 24: `graph` kept, the next row's peak read 7.57 GiB)
+    del s, graph          # every reference gone first (with `graph` kept, the next row's peak read 7.57 GiB)
     free_device_pools()
     return out
 
@@ -404,8 +404,8 @@ def main(argv=None) -> int:
                                ) | {"replanned": plan is not None}
         report["helmc"].append(main_row)
         save()
-        # The split before the all-GPU run: session 23's call A ran them the other way and read 20.39 GiB of peak
-        # VRAM for the 7 GiB split, the memory the all-GPU bundle left held on the device.
+        # The split before the all-GPU run: the other way round, the 7 GiB split read 20.39 GiB of peak
+        # VRAM, the memory the all-GPU bundle left held on the device.
         for variant in (v for v in ("split", "all_gpu") if v in variants):
             # the same bundle, another placement (no compiling): the split in the same budget, or the whole GPU
             vplan = (replan_bundle(bundle, calibrated, hybrid=False)[0] if variant == "split" else

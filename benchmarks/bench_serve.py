@@ -109,8 +109,8 @@ def _timed(inner, acc: list):
 def time_cpu_stage(model) -> None:
     """Count the CPU stage's share of each engine step and its attention's (both synchronous: the host computes
     them), by wrapping the stage's forward_batch and its attend_rows (per block: every sequence's KV append and
-    attention and the output rows; before session 13 the figure wrapped each cache's attend alone, which the
-    batched decode path no longer calls)."""
+    attention and the output rows; wrapping each cache's attend alone would miss them: the batched decode path
+    does not call it)."""
     model.decode = _timed(model.decode, MODEL_S)
     from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
     GpuDecodeBatch._step_table = _timed(GpuDecodeBatch._step_table, GPU_TABLE_S)
@@ -134,8 +134,8 @@ SPLIT_PARTS = (("step_ms", "s"), ("model_ms", "model_s"), ("cpu_stage_ms", "cpu_
 
 def step_split(steps: list[dict], n: int, slowest: int = 5) -> dict:
     """Median ms of the pure decode steps of n sequences and of their parts, their mean, and the `slowest` of them
-    with their parts and index among all steps: a mean far over the median (session 19, call B: 191.6 against
-    119.4 ms) is a few slow steps, and their parts say where."""
+    with their parts and index among all steps: a mean far over the median (191.6 against
+    119.4 ms in one run) is a few slow steps, and their parts say where."""
     pure = [(i, s) for i, s in enumerate(steps) if s["decoded"] == n and not s["prefilled"]]
     if not pure:
         return {}

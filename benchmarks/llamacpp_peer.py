@@ -3,7 +3,7 @@
     from benchmarks.llamacpp_peer import llama_bench
     llama_bench("/tmp/lc/build/bin/llama-bench", "model.gguf", ngl=0, prompt_len=128, new_tokens=64)
 
-Build the binary with ../shared/peers/build_llamacpp.sh (with CUDA on the GPU machine). `-ngl N` keeps the
+Build llama.cpp from source with CUDA on the GPU machine (benchmarks/README.md). `-ngl N` keeps the
 last N blocks on the GPU (0: all on the CPU, 99: all on the GPU); llama-bench's own JSON output is parsed,
 never its table. TTFT is taken as prompt_len / prompt tok/s (llama-bench times the prompt alone).
 bench_decode takes its llama.cpp options (add_arguments), its runs (bench_each_ngl) and each helmc row's ratios
@@ -42,11 +42,11 @@ def describe(r: dict) -> str:
 def ratios(helmc: dict, llama: list[dict], prompt_len: int) -> dict:
     """A helmc row of bench_decode against llama.cpp's runs: per -ngl N, decode and TTFT ratios and
     `prefill_speedup_vs_llamacpp_ngl{N}` (llama.cpp's prompt time over helmc's TTFT); at a 32K prompt,
-    `prefill_32k_ratio_vs_llamacpp` against the fastest prompt of the -ngl values given (issue 16 wants >= 2 under
+    `prefill_32k_ratio_vs_llamacpp` against the fastest prompt of the -ngl values given (the aim: >= 2 under
     7 GiB); `decode_ratio_vs_llamacpp_best` over llama.cpp's best -ngl of the run; for a hybrid decode bundle
-    (issue 17) `hybrid_decode_ratio_vs_llamacpp`, over llama.cpp's best -ngl within the row's budget (within_budget)
-    where the row has one and some -ngl fits it, else over the best of the run (session 24's fp16 row said 0.069
-    against -ngl 99, a 14.9 GiB run beside a 7 GiB plan)."""
+    `hybrid_decode_ratio_vs_llamacpp`, over llama.cpp's best -ngl within the row's budget (within_budget)
+    where the row has one and some -ngl fits it, else over the best of the run (which can mislead: a 7 GiB fp16 row
+    said 0.069 against -ngl 99, a 14.9 GiB run)."""
     out = {}
     for r in llama:
         out[f"decode_ratio_vs_llamacpp_ngl{r['ngl']}"] = helmc["decode_tok_s_p50"] / r["decode_tok_s_p50"]
@@ -71,7 +71,7 @@ def fastest_within(llama: list[dict], gib: float) -> dict | None:
 
 
 def within_budget(helmc: dict, llama: list[dict]) -> dict:
-    """The issues' comparison under a VRAM budget (issue 17): helmc's decode against llama.cpp's fastest -ngl whose
+    """The comparison under a VRAM budget: helmc's decode against llama.cpp's fastest -ngl whose
     peak VRAM is within the budget helmc's plan was made for (`gpu_budget_gib`, the row's), and whether helmc's own
     peak stayed within it. Nothing where the row has no budget (a plan for the whole GPU) or llama.cpp's peaks
     went unmeasured."""
@@ -104,7 +104,7 @@ def within_vram(helmc: dict, llama: list[dict]) -> dict:
 def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int, reps: int = 3,
                 threads: int | None = None, extra: tuple[str, ...] = ()) -> dict:
     if not os.path.isfile(binary):
-        raise FileNotFoundError(f"llama-bench: expected the binary at {binary} (../shared/peers/build_llamacpp.sh)")
+        raise FileNotFoundError(f"llama-bench: expected the binary at {binary} (build llama.cpp: benchmarks/README.md)")
     cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(new_tokens), "-r", str(reps), "-ngl", str(ngl),
            "-o", "json", *extra]
     if threads:
@@ -156,7 +156,7 @@ def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_t
     each of B sequences decoded together. Returns per B its S_TG (all sequences' generated tokens per second of
     generation) and S_PP, parsed from the table it prints (columns PP TG B N_KV T_PP S_PP T_TG S_TG T S)."""
     if not os.path.isfile(binary):
-        raise FileNotFoundError(f"llama-batched-bench: expected the binary at {binary} (../shared/peers/build_llamacpp.sh)")
+        raise FileNotFoundError(f"llama-batched-bench: expected the binary at {binary} (build llama.cpp: benchmarks/README.md)")
     ctx = max(parallel) * (prompt_len + new_tokens)
     cmd = [binary, "-m", gguf, "-npp", str(prompt_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, parallel)),
            "-ngl", str(ngl), "-c", str(ctx)]

@@ -1,5 +1,5 @@
-"""What a loaded session's decode read per second, beside its plan and the profile it was planned from (issue 17:
-does the profile tell the truth about this machine?). bench_decode's rows for a split's CPU stage and for a hybrid
+"""What a loaded session's decode read per second, beside its plan and the profile it was planned from (does
+the profile tell the truth about this machine?). bench_decode's rows for a split's CPU stage and for a hybrid
 decode bundle; pure Python over the session's counters and the bundle's JSON, so it runs where the session does.
 
     cpu_stage_fields(session, plan, step_seconds, hw)   # the CPU stage's weight read against hw's stage read and M
@@ -25,7 +25,7 @@ def read_bytes(spec, plan) -> tuple[int, int]:
 
 def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
     """The CPU stage's read of its blocks' weights over its median step against `hw` (--profile, or the bundle's):
-    profile_dram_vs_measured (issue 17; 1.0: the profile told the truth) is the profile's synthetic stage read (M
+    profile_dram_vs_measured (1.0: the profile told the truth) is the profile's synthetic stage read (M
     where a profile lacks it) over it; M's (GEMVs alone) and the stream read's are the other two ratios."""
     nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
     out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
@@ -40,7 +40,7 @@ def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
 def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
     """What a hybrid decode bundle adds to its row: its groups, the bytes through the staging ring per token and
     their PCIe rate, the host weights' rate per token (CPU groups and copies both read host DRAM) and its share of
-    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile (issue 17)."""
+    the DRAM + PCIe rate measured together by `hw` (--profile: this run's) or else the bundle's profile."""
     h = s.gpu.hybrid
     per_token = h.backend.bytes_copied / max(1, h.tokens)
     out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),

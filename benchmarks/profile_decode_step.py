@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-kernel timing of one decode step of a bundle with a GPU stage, on the GPU machine (issue 16).
+"""Per-kernel timing of one decode step of a bundle with a GPU stage, on the GPU machine.
 
     python -m benchmarks.profile_decode_step BUNDLE --weights MODEL [--ncu /usr/local/cuda/bin/ncu]
         [--prompt-len 128] [--steps 64] [--out step.json]
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     del s
     if a.ncu:
         # no clock locking or cache flushing: the kernels run as in the timed step (ncu's defaults lock the
-        # clocks to base and flush caches between kernels, which inflated session 8's first table by ~30%)
+        # clocks to base and flush caches between kernels, which inflated a per-kernel table by ~30%)
         cmd = [a.ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--clock-control", "none",
                "--cache-control", "none", "--metrics",
                "gpu__time_duration.sum", "--csv", sys.executable, "-m", "benchmarks.profile_decode_step", a.bundle,

@@ -204,7 +204,7 @@ class AttentionPass:
 
 # A figure under this share of a rate it bounds (a plain stream read against a GEMV's read of the same memory) was
 # taken in a disturbance; kernels differ by less (the 2-core EPYC's q8_0 GEMV reads 1.1 x its stream read: two cores
-# do not saturate its DRAM, and the GEMV prefetches), the disturbances seen by far more (session 19: 11.7 against 89).
+# do not saturate its DRAM, and the GEMV prefetches), the disturbances seen by far more (11.7 against 89).
 PLAUSIBLE_SHARE = 0.75
 RETRIES = 3
 RETRY_PAUSE_S = 1.0               # a slow host's bursts last a second or so: a retry at once would land in the same
@@ -275,8 +275,8 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     progress(f"host read: helmc's stream read over {kit.read_elements * 4 >> 20} MiB and {kit.l3_read_elements * 4 >> 20}"
              f" MiB (L3) on {kit.cores} cores, then every type's decode GEMVs, {rounds} rounds")
     # Every figure's passes in `rounds` sweeps, each figure the median of all its passes: a host's bandwidth drops
-    # in bursts of a second or so (session 16, one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the
-    # DRAM + PCIe window's a few seconds later; session 19: the stream read 11.7 GB/s and the L3 read 14.3 in their
+    # in bursts of a second or so (one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the
+    # DRAM + PCIe window's a few seconds later; another: the stream read 11.7 GB/s and the L3 read 14.3 in their
     # 0.1 s at the start, the GEMVs 89 after), which one figure's back-to-back passes would take whole.
     rates: dict = {}
     for sweep in range(rounds):

@@ -78,7 +78,7 @@ class LoweredLinear:
 # "model": bf16 weights take bf16-rounded activations, as HF's bf16 model and torch's bf16 linear (one tile
 #   product per step; against an fp32 GEMM of the unrounded activations that is bf16's rounding, ~2e-3);
 # "fp32": activations split into bf16 hi + lo, two tile products per step (~1e-5 of an fp32 GEMM; the GEMM
-#   takes 1.3-1.6x as long on the GPU machine's Xeon, experiments/profile_amx_gemm.py).
+#   takes 1.3-1.6x as long on a Sapphire Rapids Xeon).
 PREFILL_ACTIVATIONS = ("model", "fp32")
 
 

@@ -28,15 +28,14 @@ from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize, make_gpu_gemv_qu
 from helmc.schedules.gpu.quant_gemv_int8 import INT8_TYPES, make_gpu_gemv_int8
 
 
-# (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on the H100 in
-# session 7's device call 5 (tests/device/device_quant_gpu_check.py; artifacts/bench/device-2026-11-24-s7/call5).
+# (rows per warp, warps, unroll) of the decode GEMV per type: the fastest of the tunings timed on an H100
+# (tests/device/device_quant_gpu_check.py times them).
 GEMV_TUNING = {"q8_0": (1, 4, 4), "q4_0": (1, 4, 4), "q4_k": (2, 4, 4), "q6_k": (1, 4, 4)}
 # q4_k / q6_k decode GEMVs take int8 activations (quant_gemv_int8: dp4a, ~1 issue slot per weight instead of
-# ~5.5); (rows per warp, warps, unroll) per type: the best at most of Qwen3-8B's shapes on the H100 (session 10,
-# device call D: q4_k 4096x12288 18.4 us against 20.3 at (2, 4, 2) and 25.3 for the fp32 path).
+# ~5.5); (rows per warp, warps, unroll) per type: the best at most of Qwen3-8B's shapes on an H100 (q4_k 4096x12288 18.4 us against 20.3 at (2, 4, 2) and 25.3 for the fp32 path).
 GEMV_INT8_TUNING = {"q4_k": (2, 8, 2), "q6_k": (2, 8, 2)}
-# with an epilogue: swiglu sums two weights' rows per warp (rows_per_warp of each); the k_split variants of
-# session 15's call A were no faster than (2, 8, 2) at any Qwen3-8B shape (artifacts/bench/device-2026-11-27-s15)
+# with an epilogue: swiglu sums two weights' rows per warp (rows_per_warp of each); the k_split variants
+# were no faster than (2, 8, 2) at any Qwen3-8B shape on an H100
 GEMV_INT8_EPILOGUE_TUNING = {(q, e): (1, 8, 2) if e == "swiglu" else GEMV_INT8_TUNING[q]
                              for q in INT8_TYPES for e in ("swiglu", "residual")}
 OP_PATTERN_OPAQUE = 8               # relax OpPatternKind kOpaque: FuseOps fuses it with nothing
@@ -82,7 +81,7 @@ def _dequantize_at_use(rewriter, func: relax.Function, params: list, quantized: 
     """func with each quantized weight dequantized to fp16 by a binding just before the first binding that reads it,
     in that binding's block. Each fp16 copy is then live only from its dequantize to its matmul, so the VM's static
     memory planning reuses one buffer for the block's weights in turn (the largest) instead of holding all of them
-    for the call (session 20: a Qwen3-8B Q4_K block's seven fp16 copies, 0.36 GiB of VRAM no plan counted;
+    for the call (otherwise a Qwen3-8B Q4_K block's seven fp16 copies, 0.36 GiB of VRAM no plan counted;
     cost_model.quantized_prefill_scratch_bytes counts what is left)."""
     pending, remap = dict(quantized), {}
     blocks = []
