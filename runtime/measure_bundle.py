@@ -364,7 +364,7 @@ class _GpuSide:
     def _graph_steps(self, stage, kv, xg, cos, sin) -> tuple[float, ...] | None:
         """The decode step's blocks as the session runs them (gpu_session.DecodeGraph): one eager step, then the
         next step captured once as a CUDA graph and replayed, each replay timed to its end on the device. Eager
-        launches from Python cost ~0.09 ms per block on the H100 (session 11) where the graph's replay costs a few
+        launches from Python cost ~0.09 ms per block on an H100 where the graph's replay costs a few
         microseconds, so a fit on eager steps made the all-GPU plan 1.34x the measured token. Replays rewrite the
         same KV row: the attention context stays at the first step's. None (eager timing) if the capture fails."""
         from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_stream

@@ -33,7 +33,7 @@ def inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
 
 class RopeTables:
     # A decode step's one position comes from a table of CHUNK positions made when the step first enters it: the
-    # per-step NumPy calls cost ~47 us of the host's path between two all-GPU decode steps (session 20, H200 host,
+    # per-step NumPy calls cost ~47 us of the host's path between two all-GPU decode steps (H200 host,
     # cProfile), against ~1 us for the rows' copy. The table's rows are the one-position computation's bits: NumPy's
     # cos / sin are elementwise, and each row's D values take the same vector path whatever the rows around them
     # (tests/model/test_rope_tables.py checks it).

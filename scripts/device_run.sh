@@ -9,7 +9,7 @@
 #                              built here by: python tests/device/device_gpu_stage_check.py --build .devrt/gpu_stage_check)
 #   pytest_gpu[=DIR]           pytest -m gpu tests/ (runtime-only; the stage check dir as HELMC_GPU_STAGE_DIR)
 #   make_model=CONFIG[,DTYPE]  scripts/make_random_model.py into $HELMC_MODELS/CONFIG-DTYPE (qwen3-8b, float16)
-#   bench=ARG,ARG,...          scripts/bench_decode.py ARG ARG ... --out $OUT/bench.json
+#   bench=ARG,ARG,...          python -m benchmarks.bench_decode ARG ARG ... --out $OUT/bench.json
 #   py=SCRIPT,ARG,...          any other script of the checkout, e.g. py=scripts/compare_hf.py,--model,...
 #
 # Output: $OUT/run.log (all steps), $OUT/summary.txt (one line per step: rc and seconds), and the
@@ -63,7 +63,7 @@ run_step() {
       local cfg=${args[0]:-qwen3-8b} dt=${args[1]:-float16}
       "$PY" scripts/make_random_model.py "$HELMC_MODELS/$cfg-$dt" --config "$cfg" --dtype "$dt" --force ;;
     bench)
-      "$PY" scripts/bench_decode.py "${args[@]}" --out "$OUT/bench.json" ;;
+      "$PY" -m benchmarks.bench_decode "${args[@]}" --out "$OUT/bench.json" ;;
     py)
       "$PY" "${args[@]}" ;;
     *) echo "unknown step '$name'"; false ;;

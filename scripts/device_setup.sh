@@ -22,7 +22,7 @@ if [ ! -f "$HELMC_ROOT/.devrt/site/tvm/lib/libtvm_runtime_cuda.so" ]; then
   return 2 2>/dev/null || exit 2
 fi
 
-# The inputs of the hybrid-decode benchmarks (issue 17), made in the background; the caller `wait`s for them:
+# The inputs of the hybrid-decode benchmarks, made in the background; the caller `wait`s for them:
 # llama.cpp with CUDA built into /tmp/lc (.devrt/peers carried), the random GGUFs (Qwen3-8B F16 and Q4_K, Qwen3-14B
 # Q4_K) and the random fp16 Qwen3-8B HF directory under $HELMC_MODELS. Logs go to $1 (default $OUT).
 start_bench_inputs() {

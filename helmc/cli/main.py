@@ -239,7 +239,7 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
 @trust_options
 def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, trust, require_signed):
-    """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads (thesis 6.4.4)."""
+    """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads."""
     from helmc.runtime.isolation import forbid_compiler_imports
     forbid_compiler_imports()
     need(*RUNTIME)

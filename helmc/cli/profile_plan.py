@@ -76,7 +76,7 @@ def _ms(value) -> str:
 @click.option("--no-overheads", is_flag=True, help="skip the per-block overheads on the kit's compiled stages")
 def profile_command(output: str, quick: bool, gpu_backend: str | None, kit_dir: str | None, build_kit_dir: str | None,
                     for_hardware: str | None, no_overheads: bool) -> None:
-    """Measure this machine's CPU, GPU and link with the code helmc runs on them (thesis 4.1.2, issue 17)."""
+    """Measure this machine's CPU, GPU and link with the code helmc runs on them."""
     from helmc import api
     try:
         if for_hardware and not build_kit_dir:
@@ -169,7 +169,7 @@ def plot_plan(plan: Plan, path: str) -> None:
               help="use at most this many GiB of VRAM in all (the profile's runtime reserve included) [default: all, or "
                    "the VRAM a bundle's plan was made for]")
 @click.option("--kv-offload/--no-kv-offload", default=None,
-              help="keep KV of GPU blocks in pinned host pages (thesis 4.2.2) [default: on, or a bundle's]")
+              help="keep KV of GPU blocks in pinned host pages [default: on, or a bundle's]")
 @click.option("--stream-prefill/--no-stream-prefill", default=True, show_default=True,
               help="run the CPU blocks' prefill on the GPU, streaming each block's weights over PCIe")
 @click.option("--hybrid/--no-hybrid", default=True, show_default=True,
@@ -182,7 +182,7 @@ def plot_plan(plan: Plan, path: str) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write the Plan JSON here")
 def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_budget, kv_offload, stream_prefill,
                  hybrid, dtype, as_json, plot, output) -> None:
-    """Choose which partition units run on the CPU and which on the GPU (thesis Algorithm 1). Given a bundle (a
+    """Choose which partition units run on the CPU and which on the GPU. Given a bundle (a
     directory `helmc build` wrote), plan its model and workload again for HARDWARE (`helmc profile` on the machine
     it runs on): `-o plan.json`, then `helmc run|serve|chat BUNDLE --plan plan.json`, with no compiling."""
     from helmc.planner.search_partition import load_spec, plan

@@ -223,7 +223,7 @@ def ensure_kit(target: KitTarget, cache_dir: str | None = None, use_cache: bool 
         raise HelmcError(f"helmc profile compiles its kernels with the TVM compiler, found none here ({e}); install "
                          f"helmc[compile], or measure with a kit built elsewhere: helmc profile --kit DIR") from None
     cache = ArtifactCache(cache_dir, enabled=use_cache)
-    # "gpu-gemv": kits from session 15 on also hold the GPU decode GEMVs (a cached older kit would lack them)
+    # "gpu-gemv": newer kits also hold the GPU decode GEMVs (a cached older kit would lack them)
     key = cache_key("profile-kit", f"kit-{KIT_FORMAT_VERSION}-gpu-gemv",
                     json.dumps(dataclasses.asdict(target), sort_keys=True))
     hit = cache.lookup(key)

@@ -12,7 +12,7 @@ link.h2d_gbs) do not add up: what each gets while the other runs is measured her
      host clock by an event recorded on the idle stream just before).
 
 The median of `trials` windows (by combined rate) is kept; each side alone is measured before every window and its
-figure is the median over all of them, so a burst of a slow host lands in one of several (session 19: the GEMVs
+figure is the median over all of them, so a burst of a slow host lands in one of several (measured: the GEMVs
 alone 14.3 GB/s in their 0.1 s, 86.6 in the windows after). An alone rate below what the same run measured of it
 (the profile's GEMV pass, the link alone) or below its own rate in the windows is measured again
 (host_read.recheck); a window whose two rates add up to less than the faster side alone is taken again
@@ -63,12 +63,12 @@ def window_rates(passes: list[tuple[float, float]], pass_bytes: int, copy_start:
 
 
 # Sharing one memory, the two sides together move at least about what the faster one moves alone; a window below
-# this share of it was taken in a disturbance of the host (session 19, call B: 29.3 + 53.5 GB/s at once beside
+# this share of it was taken in a disturbance of the host (measured: 29.3 + 53.5 GB/s at once beside
 # GEMVs that read 96.5 alone a second later; the plans made from it overestimated hybrid tokens by 1.35x).
 WINDOW_PLAUSIBLE_SHARE = 0.9
 # Before the first window the GEMVs run until they reach this share of their rate measured earlier in the run (or
 # for SETTLE_S at most): the window's pinned buffers were just allocated, and the passes right after read at a
-# fraction of it (sessions 18-19: 14.3 GB/s in two runs, ~90 in the windows after).
+# fraction of it (measured: 14.3 GB/s in two runs, ~90 in the windows after).
 SETTLE_SHARE, SETTLE_S = 0.75, 5.0
 
 

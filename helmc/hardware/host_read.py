@@ -12,7 +12,7 @@
                  for a CPU block's attention at long contexts).
 
 The read buffer and every weight copy lie in one allocation (a VM guest's bandwidth differs between
-allocations, scripts/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
+allocations, benchmarks/bench_cpu_gemv.py's WeightArena); bytes are filled with 0x3c before timing: as fp16,
 bf16 and the quantized blocks' scales that is a normal number, so no pass runs into denormals. Each figure is
 the median of the timed passes after one warm-up (a shared machine's best pass says what it did once); the passes
 come in rounds over the stream reads and every GEMV type, so a burst of a slow host lands in a few passes of many
@@ -203,7 +203,7 @@ class AttentionPass:
 
 # A figure under this share of a rate it bounds (a plain stream read against a GEMV's read of the same memory) was
 # taken in a disturbance; kernels differ by less (the 2-core EPYC's q8_0 GEMV reads 1.1 x its stream read: two cores
-# do not saturate its DRAM, and the GEMV prefetches), the disturbances seen by far more (session 19: 11.7 against 89).
+# do not saturate its DRAM, and the GEMV prefetches), the disturbances seen by far more (11.7 against 89).
 PLAUSIBLE_SHARE = 0.75
 RETRIES = 3
 RETRY_PAUSE_S = 1.0               # a slow host's bursts last a second or so: a retry at once would land in the same
@@ -274,8 +274,8 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     progress(f"host read: helmc's stream read over {kit.read_elements * 4 >> 20} MiB and {kit.l3_read_elements * 4 >> 20}"
              f" MiB (L3) on {kit.cores} cores, then every type's decode GEMVs, {rounds} rounds")
     # Every figure's passes in `rounds` sweeps, each figure the median of all its passes: a host's bandwidth drops
-    # in bursts of a second or so (session 16, one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the
-    # DRAM + PCIe window's a few seconds later; session 19: the stream read 11.7 GB/s and the L3 read 14.3 in their
+    # in bursts of a second or so (one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the
+    # DRAM + PCIe window's a few seconds later; another: the stream read 11.7 GB/s and the L3 read 14.3 in their
     # 0.1 s at the start, the GEMVs 89 after), which one figure's back-to-back passes would take whole.
     rates: dict = {}
     for sweep in range(rounds):

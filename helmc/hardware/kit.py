@@ -1,6 +1,6 @@
 """The profile kit: the code `helmc profile` measures with, compiled for one target.
 
-`helmc profile` measures the machine with what helmc will run there (issue 17: numpy's reads had said 36.8 GB/s
+`helmc profile` measures the machine with what helmc will run there (numpy's reads said 36.8 GB/s
 on a Xeon where helmc's CPU stage reads ~92): helmc's stream-read kernel and its decode GEMVs, and helmc's
 compiled CPU and GPU stages on a synthetic model, whose per-block overhead is fitted as `helmc calibrate` fits a
 real bundle's. A kit directory holds them:

@@ -188,7 +188,7 @@ def _gpu_steps(kit_dir: str, kit: ProfileKit, progress, cpu_gbs: float):
     def then(be, m: GpuMeasurement) -> GpuMeasurement:
         why = ("" if be.name == "cupy" else f"the {be.name} backend cannot run TVM kernels on its memory (CuPy can)")
         if not kit.gpu_gemv_kernels:
-            why = "the profile kit has no GPU GEMVs (built without a GPU arch, or before session 15)"
+            why = "the profile kit has no GPU GEMVs (built without a GPU arch, or by an older helmc)"
         elif kit.gpu_arch != m.gpu.arch:
             why = f"the profile kit's GPU GEMVs are for {kit.gpu_arch}, this GPU is {m.gpu.arch}"
         if why:

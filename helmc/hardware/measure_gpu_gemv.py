@@ -2,7 +2,7 @@
 
 The cupy matmul that gives gpu.hbm_gbs reads fp16 at ~2.9 TB/s on an H100; helmc's int8-activation Q4_K GEMVs read
 ~1.5-2.2 TB/s (their short-row launches carry a fixed part), so an all-GPU Q4_K plan predicted 2.83 ms a token where
-3.46 ran (session 15, issue 17). Here each weight type's kernels from the profile kit (ProfileKit.gpu_gemv_kernels,
+3.46 ran. Here each weight type's kernels from the profile kit (ProfileKit.gpu_gemv_kernels,
 compiled by `helmc profile --build-kit` for the GPU's arch) run one block's launches in order -- q/k/v, o, gate/up
 with SwiGLU, down with the residual add for fp16 / bf16 / the int8-activation block types (weight_types'
 gpu_gemv_int8); one per linear for the other block types -- over

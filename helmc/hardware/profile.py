@@ -1,6 +1,6 @@
 """HardwareProfile: the measured target (thesis 4.1.2, eq. 4.6): device profiles and the link.
 
-Written by `helmc profile`, or taken from a preset under artifacts/profiles/. Every figure is a
+Written by `helmc profile`, or taken from a preset in helmc/hardware/presets/. Every figure is a
 measurement or a cited datasheet number; what could not be measured is listed in `unmeasured`
 ("field: reason") rather than invented, and the cost model says which fallback it used for it.
 Unknown keys are refused so a typo never silently changes a plan.
@@ -19,7 +19,7 @@ from helmc.errors import HelmcError
 from helmc.jsonio import atomic_write_text, from_dict, load_json_file, parse_json, to_dict
 
 # 2: the CPU's read rates come from helmc's own compiled kernels (host_read_gbs, gemv_reads replace numpy's
-# dram_strided_gbs) and the link carries the DRAM + PCIe rates measured at once (issue 17).
+# dram_strided_gbs) and the link carries the DRAM + PCIe rates measured at once (what hybrid decode is planned on).
 PROFILE_FORMAT_VERSION = 2
 GIB = 1024 ** 3
 # Thesis 4.1.3: "after reserving ~1 GB for the CUDA context and runtime"; the thesis's units are
@@ -28,7 +28,7 @@ GIB = 1024 ** 3
 DEFAULT_GPU_RESERVE_BYTES = 10 ** 9
 # The host runtime itself (Python, TVM runtime, tokenizer) needs memory beside weights and KV.
 DEFAULT_HOST_RESERVE_BYTES = GIB
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "artifacts", "profiles")
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -120,7 +120,7 @@ class CpuProfile:
     l3_gbs: float = 0.0              # B_L3; 0 = not measured (cost model then uses 3 x M, as the thesis)
     # KV bytes/s helmc's compiled decode-attention kernel reads over a context >> L3 (a layer's KV does not stay in
     # the L3 between tokens: every block's weights stream through it). 0 = not measured (eq. 4.14's blend of M
-    # and B_L3; session 14 measured the kernel at ~0.74 M on the GPU machine's Xeon, where the blend expects 1.17 M)
+    # and B_L3; the kernel measured ~0.74 M on the GPU machine's Xeon, where the blend expects 1.17 M)
     attention_read_gbs: float = 0.0
     fp32_gflops: float = 0.0         # P_dec on the CPU; 0 = not measured (thesis sets P_dec = M)
     threads: int = 0                 # hardware threads this process may run on; 0 = not known
@@ -138,7 +138,7 @@ class CpuProfile:
     # the same time. 0 = not measured.
     stage_read_gbs: float = 0.0
     # The weight bytes of the blocks block_overhead_ms was fitted on, per block: the cost model charges a block of b
-    # bytes delta * b / overhead_block_bytes (0 = unknown: delta whole per block). Session 24 (call E) measured the
+    # bytes delta * b / overhead_block_bytes (0 = unknown: delta whole per block). Measured on an H100 host, the
     # overhead a real split's CPU stage implies per block: fp16 8B blocks 0.89 x the fp16-fitted delta, Q4_K 8B
     # blocks (0.28 of the bytes) 0.40 x, Q4_K 14B (0.48 of the bytes) 0.21 x; charged whole, the Q4_K splits were
     # planned 29-32% slow.
@@ -262,7 +262,7 @@ class HardwareProfile:
     unmeasured: tuple[str, ...] = () # "field: why it was not measured"
     notes: tuple[str, ...] = ()
     # Figures implausible against others of the same run even when measured again (helmc/hardware/host_read.recheck),
-    # kept as measured and said so; absent in profiles from before session 19.
+    # kept as measured and said so; absent in older profiles.
     doubtful: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -337,7 +337,7 @@ def list_presets() -> list[str]:
 
 
 def load_hardware(path_or_preset: "str | HardwareProfile") -> HardwareProfile:
-    """A hardware.json path, or the name of a preset under artifacts/profiles/ (e.g. rtx4060-laptop)."""
+    """A hardware.json path, or the name of a preset in helmc/hardware/presets/ (e.g. rtx4060-laptop)."""
     if isinstance(path_or_preset, HardwareProfile):
         return path_or_preset
     if os.path.exists(path_or_preset):

@@ -266,9 +266,9 @@ def _merge(old: DeviceFit | None, new: DeviceFit) -> DeviceFit:
 
 
 # Rounds of the synthetic stages' timing, every round's steps pooled into one median. One round of 16 steps is half a
-# second of the CPU stage, and a host's bandwidth drops in bursts of about that (host_read.py): session 24's call B
+# second of the CPU stage, and a host's bandwidth drops in bursts of about that (host_read.py): one GPU-machine host
 # timed the same synthetic stage three times in a minute at 55-93 GB/s where the real split's CPU stage read 82-83
-# (a 64-token run each), and call A's profile, one round, read 11% above the split's stage in the bench beside it.
+# (a 64-token run each), and a one-round profile of another host read 11% above the split's stage in the bench beside it.
 SYNTHETIC_ROUNDS = 3
 
 
@@ -299,7 +299,7 @@ def synthetic_fits(hw: HardwareProfile, kit_dir: str, steps: int = 16, warmup: i
     block = spec.block_weight_bytes(0)
     # Four times the L3 of distinct weights per step, as the GEMV reads it is compared with (measure.py: copies
     # >= 4x L3). Twice the L3 (calibrate's rule) left part of the synthetic blocks in the GPU machine's 300 MiB L3
-    # (session 11: the stage read 135.6 GB/s where the GEMVs read 106.3), and the fit came out at -0.79 ms/block.
+    # (measured: the stage read 135.6 GB/s where the GEMVs read 106.3), and the fit came out at -0.79 ms/block.
     cache = 2 * hw.cpu.l3_bytes
     layers = max(2, distinct_blocks(kit.synthetic_layers, cache, block, kit.synthetic_layers))
     fits, used, w = [], [], None

@@ -218,7 +218,7 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
     m_hat = rates.mem_gbs
     if rates.attention_gbs > 0 and w.objective == "decode":
         # the kernel's measured read over KV >> L3: between two tokens' attention of a layer every block's weights
-        # stream through the L3, so its KV is not there to blend in (session 14: 0.74 M measured, 1.17 M blended)
+        # stream through the L3, so its KV is not there to blend in (measured: 0.74 M, where the blend says 1.17 M)
         m_hat = rates.attention_gbs
     elif blend_l3 and kv_bytes > 0 and rates.l3_bytes > 0:
         alpha = min(1.0, rates.l3_bytes / kv_bytes)                                  # eq. 4.14
@@ -358,7 +358,7 @@ def pool_loan_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workl
     where it holds it and the plan serves several sequences (ring_hosts_loan); else the block's staging where
     it holds one block (runtime/gpu_session.load_gpu_parts: StreamedPrefill's lend_arena), the pool keeping
     only the prompts' buffers. The pool then needs no block of weights as its floor: at 7 GiB that is one more
-    resident block (session 19)."""
+    resident block."""
     lent = prefill_lent_bytes(a, cpu, gpu, w)
     staging = prefill_staging_bytes(a, cpu, gpu, w)
     if w.batch > 1 and ring_hosts_loan(ring_bytes, lent):

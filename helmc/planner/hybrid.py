@@ -1,4 +1,4 @@
-"""Hybrid decode (issue 17): the host's DRAM feeds the CPU and PCIe at once.
+"""Hybrid decode: the host's DRAM feeds the CPU and PCIe at once.
 
 A plain split leaves PCIe idle during decode while the CPU stage reads its blocks at the host-memory
 ceiling. Hybrid decode splits the host-resident blocks (units [0, k): the embedding and blocks 0..k-2) into
@@ -42,12 +42,12 @@ from helmc.hardware.profile import HardwareProfile
 from helmc.runtime.bundle.plan import PAIR_TIE_SHARE, HybridCandidate, Plan, PlanGroup
 
 # The model charges a pair its two crossings only (eq. 4.15 each). Beyond them, with each streamed group replayed as a
-# CUDA graph (runtime/hybrid/group_graph.py), the executor spent ~0.28 ms of host time a pair (session 18, call B,
+# CUDA graph (runtime/hybrid/group_graph.py), the executor spent ~0.28 ms of host time a pair (measured on an H200 host,
 # 8 pairs: gpu 0.54 + to_host 0.94 + to_gpu 0.78 ms a token, the group's kernels inside to_host's wait), and plans
-# of 8-15 pairs came within 2% of measured (calls B, C); the cap keeps the search ~O(L^2).
+# of 8-15 pairs came within 2% of measured; the cap keeps the search ~O(L^2).
 MAX_PAIRS = 16
 # For the same reason a layout with fewer pairs wins a near-tie (PAIR_TIE_SHARE, runtime/bundle/plan.py, where the
-# plan's check allows it): session 13, 8 sequences, 13 pairs of single blocks predicted 106.3 ms and 5 pairs
+# plan's check allows it): measured at 8 sequences, 13 pairs of single blocks predicted 106.3 ms and 5 pairs
 # 108.1 ms; the 13 pairs would cross 25 times a step to the 5 pairs' 9.
 
 
@@ -66,9 +66,9 @@ class Contention:
           B / B');
         - latency: each side slows at least as the window's did (M_f / M', B / B'), whatever the demand. Quantized
           GEMVs read below DRAM speed because each core waits on its loads between its decode steps, not because
-          DRAM is full, and the copies lengthen those waits: Q4_K under 3 GiB (session 18, H200 hosts, two runs)
+          DRAM is full, and the copies lengthen those waits: Q4_K under 3 GiB (H200 hosts, two runs)
           measured 38.8 / 38.3 ms where capacity alone predicted 34.8 / 31.6 (a demand within C lost nothing) and
-          this floor predicts 38.4 / 35.1 (device-2026-11-27-s18/hybrid_contention_eval.py; the fp16 runs, whose
+          this floor predicts 38.4 / 35.1 (the fp16 runs, whose
           demand exceeds C, are unchanged)."""
         link = hw.link
         if not link.has_concurrent:                # no window measured: nothing to scale (no hybrid is planned)

@@ -1,9 +1,9 @@
-"""The VRAM helmc's runtime holds beyond what a plan counts, measured on this machine (issue 17).
+"""The VRAM helmc's runtime holds beyond what a plan counts, measured on this machine.
 
 A plan counts weights, KV pages, activations, the staging ring and the streamed prefill's buffers; the process
 also holds the CUDA context, the loaded kernels, CuPy's and cuBLAS's handles and pools and the decode graphs.
-Until session 22 the profile kept back a fixed 10^9 bytes for them, where Qwen3-8B's runs used ~0.52 GiB: under a
-7 GiB budget that was most of a block the GPU could have held.
+A fixed 10^9 bytes kept back for them would be too much: Qwen3-8B's runs used ~0.52 GiB, and under a 7 GiB
+budget the rest is most of a block the GPU could hold.
 
 `helmc profile` loads the profile kit's all-GPU synthetic bundle (Qwen3-8B's block shape, so the same kernels)
 in a fresh process, as `helmc run` would start, planned for a budget just above its needs so that the KV page
@@ -13,12 +13,11 @@ while this process samples the device's used memory. Two figures:
     context  = used once the child's CUDA context, CuPy and cuBLAS are up, before any allocation of its own
     beyond   = peak used - (usable VRAM of its plan - the reserve that plan kept back)
 
-and the profile's gpu_reserve_bytes = max(context, beyond) + max(MARGIN_BYTES, MARGIN_SHARE of it). Session 22
-(H200 hosts): context 529-592 MiB; beyond 343 MiB for the kit (its plan counts more than it allocates), where
+and the profile's gpu_reserve_bytes = max(context, beyond) + max(MARGIN_BYTES, MARGIN_SHARE of it). Measured on
+H200 hosts: context 529-592 MiB; beyond 343 MiB for the kit (its plan counts more than it allocates), where
 real hybrid plans held, beyond their plans, the context - 13 MiB (Qwen3-8B fp16, 6 streamed groups), + 105 MiB
 (8B Q4_K, 13 groups) and + 142 MiB (14B Q4_K, 10 groups; not yet traced: beside CuPy's pool and the context,
-TVM-side memory 66 MiB above fp16's at load): the margin covers the largest of those
-(artifacts/bench/device-2026-11-27-s22/vram_phases.py, calls B and C).
+TVM-side memory 66 MiB above fp16's at load): the margin covers the largest of those.
 """
 from __future__ import annotations
 

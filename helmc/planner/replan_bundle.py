@@ -1,7 +1,7 @@
 """A bundle's placement made again for the machine it runs on: `helmc profile` there, then
 `helmc plan BUNDLE hardware.json -o plan.json` and `helmc run|serve|chat BUNDLE --plan plan.json`.
 
-Why: a plan is only as good as the profile it was made from, and hosts of one kind differ (session 16, two H100
+Why: a plan is only as good as the profile it was made from, and hosts of one kind differ (two H100
 machines of the same class an hour apart: helmc's fp16 GEMVs read 66 and 111 GB/s, the DRAM + PCIe window held 96
 and 141 GB/s). A hybrid layout made for the first host streamed one block per CPU block, bound by PCIe on the
 second, where two CPU blocks per streamed one are faster. The bundle's libraries hold one block function per device

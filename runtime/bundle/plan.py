@@ -4,7 +4,7 @@ Partition units, in order: unit 0 = embedding, units 1..L = transformer blocks 0
 final norm + lm_head. A plan puts the first `cpu_units` units on the CPU and the rest on the GPU;
 the token loop reads these numbers and makes no placement decision of its own.
 
-Hybrid decode (issue 17): `groups` orders the host-resident blocks (cpu_layers) into CPU groups and streamed
+Hybrid decode: `groups` orders the host-resident blocks (cpu_layers) into CPU groups and streamed
 groups, alternating, CPU first: the CPU computes a CPU group while the weights of the streamed group after it are
 copied over PCIe into a staging ring of `staging_ring_bytes` in VRAM (the copy of streamed group i is issued when
 CPU group i starts), then the GPU computes that streamed group from the ring; the GPU-resident blocks and the head
@@ -54,7 +54,7 @@ class Candidate:
 
 
 GROUP_KINDS = ("cpu", "streamed")
-# Keys a plan without streamed groups leaves out of its JSON, so it reads exactly as plans before issue 17.
+# Keys a plan without streamed groups leaves out of its JSON, so it reads exactly as a plan made without hybrid decode.
 _HYBRID_KEYS = ("groups", "staging_ring_bytes", "t_copy_ms", "hybrid_candidates")
 
 

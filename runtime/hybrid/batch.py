@@ -1,4 +1,4 @@
-"""Hybrid decode of several sequences in one step (issue 19: serving a hybrid plan; runtime/serve/batch_model.py).
+"""Hybrid decode of several sequences in one step (serving a hybrid plan; runtime/serve/batch_model.py).
 
 The same schedule as one sequence's (schedule.py: copy S_i, C_i on the CPU, cross, S_i on the GPU from the ring,
 cross back, ..., the resident blocks and the head), run by HybridDecode on this backend: each streamed group's

@@ -2,8 +2,8 @@
 (group, step shape), replayed per step: group_graph.py's graphs for several sequences; the resident blocks and the
 head the same way (gpu_session.DecodeGraph's share of a one-sequence step).
 
-Why (issue 19): run eagerly, the host enqueued each streamed group's batched work in Relax VM calls and launches
-while the CPU waited for it (session 20, call B, H200 host, fp16 Qwen3-8B at 8 sequences, 12 one-block groups:
+Why: run eagerly, the host enqueued each streamed group's batched work in Relax VM calls and launches
+while the CPU waited for it (H200 host, fp16 Qwen3-8B at 8 sequences, 12 one-block groups:
 6.4 ms of a 126.6 ms step); a replay is one launch.
 What a replay bakes in and what it reads: the group's ring slot (fixed for the session); the static x [S, H],
 cos / sin [S, D] of this module (the step writes them first); the batched attention's table of the sequences'

@@ -1,8 +1,8 @@
 """A streamed group's GPU part (its blocks, computed from their ring slot) captured once as a CUDA graph and replayed
 per token, as gpu_session.DecodeGraph does for the resident blocks and the head.
 
-Why (issue 17): run eagerly, each streamed block cost ~0.47 ms of host time a token in launches and Relax VM calls
-against ~0.1 ms of kernels (session 18, call A, H200 host, fp16 Qwen3-8B, 5 pairs of 2 streamed blocks: 4.70 ms of
+Why: run eagerly, each streamed block cost ~0.47 ms of host time a token in launches and Relax VM calls
+against ~0.1 ms of kernels (H200 host, fp16 Qwen3-8B, 5 pairs of 2 streamed blocks: 4.70 ms of
 `gpu` and 3.12 of `to_host` a token, which waits for those launches' kernels), and the CPU waits for all of it: the
 CPU groups and the streamed groups take turns. A replay is one launch.
 What a replay may bake in: the ring slot (fixed per group for the session), the backend's static x, cos, sin and

@@ -1,4 +1,4 @@
-"""Hybrid decode's per-token schedule, as data (issue 17): which blocks each device computes, where each streamed
+"""Hybrid decode's per-token schedule, as data: which blocks each device computes, where each streamed
 block's weights land in the VRAM staging ring, and the order of copies, events, crossings and computes.
 
 The plan (runtime/bundle/plan.py, `groups`) orders the host-resident blocks as pairs (C_i, S_i):

@@ -1,4 +1,4 @@
-"""Capacity planning for the KV cache: how many tokens fit before a request starts (issue 5).
+"""Capacity planning for the KV cache: how many tokens fit before a request starts.
 
 helmc refuses a request that cannot fit, with the numbers, instead of failing midway. Where KV lives:
   - CPU-stage layers: host RAM, every token.

@@ -19,16 +19,16 @@ PREFILL_MAX_TOKENS = 4096
 WARPS = 4                        # = schedules/gpu/paged_attention.WARPS, the block size the cubin was built for
 PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
 _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
-# schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by bundles from session 14 on; absent, prefill keeps
+# schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by newer bundles; absent, prefill keeps
 # prefill_causal and attend_blocks' tiles
 FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAME
-# partial + merge in one launch: in cubins from session 15 on; absent, decode launches the two
+# partial + merge in one launch: in newer bundles' cubins; absent, decode launches the two
 FUSED_DECODE_KERNEL = "paged_decode_fused"
-FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # session 16: the decode append inside the fused attention
-# paged_decode_fused_append for every sequence of a batched decode step in one launch: in cubins from session 19 on;
+FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # the decode append inside the fused attention
+# paged_decode_fused_append for every sequence of a batched decode step in one launch: in newer bundles' cubins;
 # absent, a batched step launches per sequence
 FUSED_APPEND_BATCH_KERNEL = "paged_decode_fused_append_batch"
-# schedules/gpu/paged_decode_short.py: decode attention at short contexts, in cubins from session 21 on
+# schedules/gpu/paged_decode_short.py: decode attention at short contexts, in newer bundles' cubins
 SHORT_KERNELS = ("paged_decode_short", "paged_decode_short_append", "paged_decode_short_append_batch")
 SHORT_THREADS = 16 * 32          # = the source's SHORT_WARPS * 32
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's

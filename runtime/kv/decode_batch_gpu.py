@@ -1,4 +1,4 @@
-"""Attention of a batched decode step on GPU caches: one kernel launch per layer for every sequence (issue 19).
+"""Attention of a batched decode step on GPU caches: one kernel launch per layer for every sequence.
 
 Stage.forward_batch serves several sequences a step, each on its own KVCacheGPU (a slot's page pool). Per layer,
 append + attend per sequence and a concatenate cost a few launches and ~10 Python calls per sequence: hundreds per

@@ -41,9 +41,9 @@ def plan_splits(n_pages: int, T: int, num_sms: int, h_kv: int, staging_pages: in
 
 
 # Up to this many tokens of pages, decode attention runs paged_decode_short (one block per query head, no split
-# partials; schedules/gpu/paged_decode_short.py): session 21 measured it at 5.2 us a layer against the split kernel's
+# partials; schedules/gpu/paged_decode_short.py): measured at 5.2 us a layer against the split kernel's
 # 9.9 (11.7 before its loads were straightened) at 190 tokens of Qwen3-8B on an H200, 14.7 against 16.8 at 1000,
-# even at 2000 (experiments/paged_decode_variants.py).
+# even at 2000.
 SHORT_MAX_TOKENS = 1024
 
 

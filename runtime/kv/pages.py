@@ -395,7 +395,7 @@ class PagePool:
                 pending = p.index * T >= s.length and (p.index + 1) * T <= s.reserved
                 assert full or (p.residency is Residency.HOST and pending), \
                     f"I5: page {p.page_id} is {p.residency.value} but neither full nor wholly pending"
-        # I3 in O(held), not O(capacity) (this runs in the decode step's host path, session 20: 70 us a call over a
+        # I3 in O(held), not O(capacity) (this runs in the decode step's host path: 70 us a call over a
         # pool of ~250 slots): free slots lie in range(capacity) (_FreeList.view), so held slots in range, disjoint
         # from the free ones and as many as the capacity leaves are exactly the rest of range(capacity).
         for name, held, free, cap in (("gpu", gpu_held, self._gpu_free, self.gpu_capacity),

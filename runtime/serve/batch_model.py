@@ -127,7 +127,7 @@ class BatchModel:
         """The prompts of several new requests, (slot, ids) each, into their (empty) slots; each one's last row's
         logits [V], bit-identical to prefill(slot, ids) alone.
 
-        Why (issue 19): one request's prefill after another made the last of 8 wait for all 7 before it (TTFT
+        Why: one request's prefill after another made the last of 8 wait for all 7 before it (TTFT
         20.6 s on the GPU machine), and each prompt's CPU GEMMs read and convert every weight for its 128 rows
         only. Here each prompt is cut into the chunks prefill() would run, and the chunks of different prompts
         share a step up to `chunk` rows (CPU-only: 512, or the longest prompt): the CPU stage runs them as one

@@ -1,6 +1,6 @@
 """What the first requests after `helmc serve` starts would pay once, paid at load instead (load_engine).
 
-Why (GPU machine, session 20, Qwen3-8B fp16 hybrid cpu(28) -> cuda(10), --max-batch 8): the batch-8 decode steps'
+Why (GPU machine, Qwen3-8B fp16 hybrid cpu(28) -> cuda(10), --max-batch 8): the batch-8 decode steps'
 median was 133 ms but steps 1 and 2 took 996 and 740 ms and step 19 838 ms (the CPU stage nearly all of it), which
 cut bench_serve's batch-8 rate from ~60 tok/s to 45. Measured on a CPU-only bundle (2-core VM, Qwen3 of 8 layers
 of 1024, max batch 8):

@@ -9,7 +9,7 @@ tensor makes more than its own bytes resident. Where THP is off, or madvise fail
 anonymous memory and everything works the same. Imports only numpy, mmap and tvm.runtime.
 
 Used by the CPU benches (--huge-pages); the runtime does not bind weights here yet. On the GPU machine
-(2026-11-21, session 4) one Qwen3-8B block's decode step took the same time with 2.2 GiB of its weights
+one Qwen3-8B block's decode step took the same time with 2.2 GiB of its weights
 on huge pages as without (2.66 / 2.77 ms against 2.67 / 2.72 ms, two pairs), so there was no gain to take.
 """
 from __future__ import annotations

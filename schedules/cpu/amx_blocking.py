@@ -28,7 +28,7 @@ class AmxBlocking:
 
 
 DEFAULT_BLOCKING = AmxBlocking()
-# Alternatives a benchmark on the target can compare against the default (scripts/bench_cpu_gemv.py builds all).
+# Alternatives a benchmark on the target can compare against the default (benchmarks/bench_cpu_gemv.py builds all).
 BLOCKING_VARIANTS = (
     DEFAULT_BLOCKING,
     AmxBlocking(name="kc512", k_block=512),
@@ -48,7 +48,7 @@ def blocking_named(name: str) -> AmxBlocking:
 
 
 # Best blocking per (N, K, weight dtype) for a 128-token prompt on the GPU machine's 16-core Xeon (AMX),
-# from the 2026-11-21 device run (scripts/bench_cpu_gemv.py --run-only, "amx_gemm": best of 5 interleaved
+# measured there (benchmarks/bench_cpu_gemv.py --run-only, "amx_gemm": best of 5 interleaved
 # rounds, weights cycled from DRAM; torch bf16 alongside). ms per variant default / kc512 / direct:
 #   bf16 1024 x 4096   0.38 / 0.41 / 0.42    bf16 4096 x 4096   1.17 / 0.88 / 0.83
 #   bf16 12288 x 4096  2.01 / 1.86 / 2.30    bf16 4096 x 12288  2.79 / 2.50 / 2.30
@@ -56,8 +56,8 @@ def blocking_named(name: str) -> AmxBlocking:
 #   fp16 12288 x 4096  2.82 / 2.48 / 2.66    fp16 4096 x 12288  3.08 / 2.70 / 2.77
 # fp16 always packs its panels (hi/lo split), so its "direct" is the default kernel: the spread between the
 # two (1.18 vs 1.01 ms) is the run's noise, and kc512 is the fp16 choice everywhere.
-# These were measured on the split (hi + lo) bf16 kernel. With bf16 activations (the default since session 4)
-# the whole 8B block's 128-token prefill, 20 rounds each in one device call: per-shape choice (this table)
+# These were measured on the split (hi + lo) bf16 kernel. With bf16 activations (the default)
+# the whole 8B block's 128-token prefill, 20 rounds each in one run: per-shape choice (this table)
 # 6.0 ms, kc512 everywhere 6.0, direct everywhere 6.4, default everywhere 9.4 (that run's DRAM read was
 # 154 GB/s against 187-189 for the others); torch bf16 6.7-7.2 ms. The table stays.
 MEASURED_BLOCKING = {

@@ -27,7 +27,7 @@ merges them (the split-K merge of paged_attention.merge_partials).
 
 Measured on the 2-core EPYC (AVX2, shared machine), Qwen3-8B's layer, fp16 KV, one thread, 4096 rows in
 cache, kernel called in a loop: 1.14 ms (14.7 GB/s of K+V) against 1.37 ms (12.3 GB/s) with one horizontal
-sum per (row, head). scripts/bench_cpu_attention.py (KV evicted before every call, 2 threads, 32K context):
+sum per (row, head). benchmarks/bench_cpu_attention.py (KV evicted before every call, 2 threads, 32K context):
 9.0-11.2 ms (12-15 GB/s) against 14.0-18.2 ms before (noisy: the machine is shared).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ multiply become a single loop), then run each remaining block's spatial loops in
 innermost chunk vectorised for purely elementwise blocks. Functions whose every spatial domain is static
 and small are inlined but stay serial: a thread-pool launch would cost more than the loop.
 
-BATCH INVARIANCE (issue 19): a batched decode step must give each row the bits its one-row decode gives, and
+BATCH INVARIANCE: a batched decode step must give each row the bits its one-row decode gives, and
 TVM's LLVM target fuses any multiply and add that meet in one basic block into an FMA (AllowFPOpFusion::Fast).
 Left as separate loop nests over intermediate buffers, a small function (one row: the buffers on the stack)
 had LLVM forward the products into the adds and fuse them (RoPE's q*cos + rot(q)*sin), a larger one (several

@@ -14,7 +14,7 @@ Formulation: y^T = W . x^T, so HF's row-major [N, K] weight is the A operand as 
     split_activations (fp16 weights always, bf16 on request: helmc build --prefill-activations fp32): x = hi + lo with hi = bf16(x) and
       lo = bf16(x - hi); two products per tile give the activations ~16 mantissa bits (>= fp16's 11), so the
       result matches an fp32 GEMM to ~1e-5. Twice the tile products: on the 16-core Xeon the split bf16
-      block prefill ran 0.87-0.9x of torch bf16 (session 3).
+      block prefill ran 0.87-0.9x of torch bf16.
   C tile (16 weight rows x 16 tokens, fp32), stored transposed into y at the end.
 fp16 weights (these CPUs have bf16 tiles only): each panel is split into bf16 hi + lo (exact for every fp16
   value) while it is packed, and the step adds Whi.xhi + Whi.xlo + Wlo.xhi (the dropped Wlo.xlo is ~2^-16 of y).
@@ -41,7 +41,7 @@ the kernel asks on every call (idempotent, one syscall) and fails with a clear e
 
 make_gemm_amx_multi: q/k/v (and gate/up) in one launch -- activations packed once, the tasks' panel groups
 taken from the concatenation of the weights' panels (separate weight buffers and outputs). blocking_for:
-the blocking per (N, K, dtype), from the 2026-11-21 measurement on the GPU machine (MEASURED_BLOCKING).
+the blocking per (N, K, dtype), as measured on a 16-core Sapphire Rapids Xeon (MEASURED_BLOCKING).
 
 `emulate=True` builds the same loops with each tile instruction replaced by its definition in plain TIR
 (tiles as stack arrays), so the packing, indexing, K blocks, chunks and tails are tested on CPUs without AMX.
@@ -64,7 +64,7 @@ SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 MULTI_MAX_WEIGHTS = 3   # weights one fused launch reads (q/k/v)
 
 # Benchmark-only switch: when set, helmc/compiler/passes/lower_linear.py builds every AMX GEMM with this blocking instead of
-# blocking_for's per-shape choice (scripts/bench_cpu_block.py --amx-blocking).
+# blocking_for's per-shape choice (benchmarks/bench_cpu_block.py --amx-blocking).
 BLOCKING_OVERRIDE: AmxBlocking | None = None
 
 

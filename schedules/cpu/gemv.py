@@ -5,7 +5,7 @@ Why this shape of loop (thesis 4.1.5: the CPU stage is only worth having at the 
   hardware prefetchers follow best; HF's row-major [N, K] layout is already that, so no repacking.
 - a few rows per step (gemv_blocking), each vectorised along K with `chunk` = 2 registers of fp32 lanes:
   rows x 2 independent FMA chains cover FMA latency and keep several DRAM streams in flight per core.
-- batch invariance (issue 19: a batched decode step must give each sequence the bits its single decode gives):
+- batch invariance (a batched decode step must give each sequence the bits its single decode gives):
   every token's y[t, n] is summed the same way whatever m is -- lane v of the `chunk` accumulates
   x[t, k] * W[n, k] for k = v mod chunk in K order, the lanes are added 0..chunk-1, then the K tail in order --
   so `chunk` is the same for every m. One token streams rows as above (row_block); m > 1 tokens take blocks of
@@ -30,7 +30,7 @@ from helmc.schedules.cpu.weight_load import STACK, check_weight_dtype, load_dtyp
 GEMV_MAX_ROWS = 8   # static token counts up to this use the GEMV; more (or symbolic) use gemm.make_gemm
 # Software prefetch, in K steps (one `chunk` of each row per step) ahead of the loads; past the end of the
 # rows it runs into the next step's rows. 0: none. Benchmarks may set it (--gemv-prefetch).
-# Measured on the GPU machine's 16-core Xeon (2026-11-21, session 4, one Qwen3-8B block's decode step, noisy
+# Measured on the GPU machine's 16-core Xeon (one Qwen3-8B block's decode step, noisy
 # host, three paired runs of 8 rounds): 16 steps ahead gave 0.97 / 1.15 / 1.08x of the run's roofline where
 # none gave 1.18 / 1.21 / 1.17x (2.48 / 2.88 / 3.12 ms against 2.77 / 3.27 / 2.92 ms); 8 ahead gave 1.11x.
 PREFETCH_STEPS = 16
@@ -174,11 +174,11 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
     return prefetch
 
 
-# m > 1 (issue 19): the tiled kernel. Why tiles: at m = 8 one step of the row-streaming loop above reads
+# m > 1 (a batched decode step): the tiled kernel. Why tiles: at m = 8 one step of the row-streaming loop above reads
 # m x chunk fp32 of x per chunk of 16-bit weights per row, and m rows of x (8 x 16 KiB at K = 4096, 384 KiB at
 # K = 12288) do not fit in L1, so x came from L2 at 8x the weight bytes (2 rows per step, 2 passes) and its misses
 # took the L1 fill buffers the weight stream needs. Measured on the 2-core EPYC, one thread, Qwen3-8B shapes
-# (scripts/bench_cpu_gemv.py --m 1,2,4,8 --threads 1, session 11; no table was committed): the
+# (benchmarks/bench_cpu_gemv.py --m 1,2,4,8 --threads 1): the
 # row-streaming 8-row call took 2.3-2.5x the 1-row time, this one 1.7-1.8x; there the 8 FMAs per weight are the
 # limit (from L2 the 8-row kernel runs 5.0 G zmm FMAs/s, 20 GB/s of fp16: DRAM gives it 17), where the GPU
 # machine's Xeon cores need ~1.8 G/s each for 8 rows at 113 GB/s.
@@ -194,7 +194,7 @@ def prefetch_ahead(k_main: int, rows: int, chunk: int):
 # 2-core EPYC (one thread, 12288 x 4096 fp16, m = 8) 8 KiB tiles (4 KiB lead) read 10.3 GB/s, 16 KiB 17.2, 32 KiB
 # 17.3; 4 rows per block 12.9, 16 rows 16.5; no prefetch 8.4. Prefetching into L2 (locality 2) instead came out
 # within -8..+7% of into L1 at m = 2, 4, 8 on two shapes there (no consistent sign); on the GPU machine's 16-core
-# Xeon (session 19, call A, experiments/batch_gemv_variants.py, 12288 x 4096, m = 8, beside a 96-99 GB/s stream
+# Xeon (12288 x 4096, m = 8, beside a 96-99 GB/s stream
 # read) L2 read 67.4 GB/s where L1 read 56.3 (no prefetch 52.2; 4-row blocks 61.4, 16 rows 58.1, 32 KiB tiles
 # 56.5): each core's 16 KiB lead of lines no longer evicts the x tile and the accumulators from its 48 KiB L1.
 X_TILE_BYTES = 16384   # x bytes per tile (m tokens x tile K x 4): a third of a 48 KiB L1

@@ -1,6 +1,6 @@
 """Decode GEMVs that share one input, as one kernel launch: y_i[m, n_i] = sum_k x[m, k] * W_i[n_i, k].
 
-Why (issue 3, the block's decode step beyond its GEMVs): every kernel launch is a thread-pool wake-up plus a
+Why (the block's decode step beyond its GEMVs): every kernel launch is a thread-pool wake-up plus a
 ramp of the DRAM streams, and the step is only worth having at the DRAM ceiling. q/k/v read the same
 normed x, and so do gate/up; one parallel loop over the rows of all of them costs one launch instead of
 three (two), and the small k/v projections no longer run as launches of their own that are too short to
@@ -144,7 +144,7 @@ def make_gemv_swiglu(m: int, n: int, k: int, weight_dtype: str, isa: VectorIsa) 
     return swiglu.with_attr("global_symbol", name)
 
 
-# m > 1 (issue 19): gemv.TiledRows' blocks of rows over K tiles of x (see gemv.X_TILE_BYTES). Each parallel step
+# m > 1 (a batched decode step): gemv.TiledRows' blocks of rows over K tiles of x (see gemv.X_TILE_BYTES). Each parallel step
 # is one block of one weight (q/k/v: blocks never straddle two weights); the SwiGLU step accumulates a block of
 # gate rows, then the same block of up rows (its prefetch in the gate's last tile runs into those up rows), and
 # combines them row by row. Every token's sums are formed as the m = 1 kernels form them (bit-identical rows).

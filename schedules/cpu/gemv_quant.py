@@ -32,7 +32,7 @@ made cheap:
   through an int8 view;
 - software prefetch `prefetch_bytes` ahead in every row, one per 64-byte line, past the row end into the same
   row of the next group (the rows a thread reads next: its parallel steps are contiguous).
-- m tokens (a batched decode step, issue 19): x is [m, k], y [m, n]; each block's quants are decoded once per
+- m tokens (a batched decode step): x is [m, k], y [m, n]; each block's quants are decoded once per
   row and multiplied into every token's accumulators, so the decode work is shared by the batch. Token t's
   sums are formed the same way for every m (the same lanes, block order, scale FMAs and lane sums), so its
   y[t] is bit-identical to the m = 1 kernel's on that token alone; m only changes rows per step and how many

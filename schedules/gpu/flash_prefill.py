@@ -18,7 +18,7 @@
                   a launch per staged group of them (runtime/kv/prefill_gpu.py).
 
 It replaces CuPy's fp32 score tiles (runtime/kv/paged_attention.attend_blocks), which at a 32K prompt ran
-tens of element-wise kernels over every score: most of the prompt's 75 s (session 13). Needs sm_80+ (cp.async,
+tens of element-wise kernels over every score: most of the prompt's 75 s. Needs sm_80+ (cp.async,
 mma.m16n8k16); the source compiles to nothing below, and the runtime keeps the tiles there.
 Built into the bundle's paged attention cubin beside the decode kernels (compile_gpu_stage.compile_paged_attention,
 same -DHEAD_DIM/-DGROUP). tests/kernels/test_flash_prefill_emulated.py runs this source on CPU threads with the

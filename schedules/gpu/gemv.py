@@ -14,7 +14,7 @@ whole rows was 12-20% slower at Qwen3-8B's shapes: one long chain of loads per r
 in a 5-step butterfly of warp shuffles, the warps' through shared memory, added in warp order. x (16-byte loads
 too) comes from L1/L2; rows_per_warp > 1 divides that traffic (it matters at large m).
 
-Batch invariance (issue 19): y[t, j] is formed the same way for every m, rows_per_warp, warps and unroll --
+Batch invariance: y[t, j] is formed the same way for every m, rows_per_warp, warps and unroll --
 lane l of warp w sums x[t, k] * W[j, k] over its k in step order (8 FMAs a step, in k order), the 32 lane sums
 meet in the same butterfly, the warps' sums are added in warp order -- so row t of an m-row call is bit-identical to a 1-row call on x[t] alone. The only
 choices left to nvcc (FMA contraction of the same expression) are the same for every (t, j).
@@ -23,7 +23,7 @@ Loads go through uint32 views (two 16-bit values per word, widened exactly: fp16
 its bits, bf16 by a shift), so no 16-bit vector type of TVM's CUDA code generator is involved. k must be a
 multiple of 8 and x, W, y 16-byte aligned (TVM and CuPy allocations are; rows are, as k % 8 == 0).
 
-One launch, several outputs (issue 16: a decode step's graph nodes cost ~1 us each beside the GEMVs' own time):
+One launch, several outputs (a decode step's graph nodes cost ~1 us each beside the GEMVs' own time):
 - several weights of one x (q, k, v; gate, up): n a tuple, PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each thread
   block works for one weight, so the small k / v projections ride on q's launch;
 - epilogue "residual": PrimFunc(x, w, r, y), y = r + fp16(x @ w^T) added in fp16 (the block's residual add);
@@ -33,7 +33,7 @@ One launch, several outputs (issue 16: a decode step's graph nodes cost ~1 us ea
 Every row of y is summed as in the one-weight kernel (same lanes, steps, butterfly, warp order) and rounded to
 fp16 at the same point, so the outputs are bit-identical to the separate launches'.
 
-RMSNorm as a prologue (norm_eps; issue 16: two norm launches a layer, ~4 us each, ahead of the GEMVs that read
+RMSNorm as a prologue (norm_eps; two norm launches a layer, ~4 us each, ahead of the GEMVs that read
 their output): PrimFunc(x, g, w..., y...) computes y = fp16(inv * sum_k x[k] g[k] w[j, k]), inv = 1 / sqrt(mean(x^2)
 + eps): the block's warps read all of x anyway, so each lane also sums x^2 over its k (meeting in the same butterfly
 and warp order, so every row of y of one x gets the same inv, whatever m). The normed x is never rounded to fp16
@@ -62,7 +62,7 @@ _F32 = "float32"
 
 
 # One-row tunings to use instead of default_tuning's, by epilogue (None, "residual", "swiglu"); empty: its own.
-# Benchmarks may set it (experiments/gpu_gemv_tunings.py): the per-row bits depend on warps only, so a tuning that
+# Benchmarks may set it: the per-row bits depend on warps only, so a tuning that
 # keeps warps = 4 keeps every output bit-identical and the m-row calls' rows equal to one-row calls.
 M1_TUNING: dict = {}
 

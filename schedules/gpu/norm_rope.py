@@ -2,7 +2,7 @@
 
 TVM's FuseOps leaves the exported RMSNorm in three kernels (the fp32 cast, x*x, the rest), the q/k norms and
 RoPE in seven (casts of cos/sin, the norm's three, the rotation) and the residual add apart from the norm
-after it: ~20 launches per layer of ~3 us each, a third of an all-GPU Qwen3-8B Q4_K decode step (session 8's
+after it: ~20 launches per layer of ~3 us each, a third of an all-GPU Qwen3-8B Q4_K decode step (a
 per-kernel table). helmc.compiler.passes.fuse_gpu_norms matches those graphs and calls these instead:
 
   rms_norm(x, w) -> y                    y = fp16(fp32(w) * (fp32(x) * 1/sqrt(mean(fp32(x)^2) + eps)))
@@ -160,7 +160,7 @@ def make_rms_norm(shape: tuple[int, ...], eps: float, add: bool = False) -> tirx
 def make_rms_norm_rope(shape: tuple[int, ...], eps: float, shape_k: tuple | None = None) -> tirx.PrimFunc:
     """PrimFunc(x f16[S, heads, D], w f16[D], cos f32[S, D], sin f32[S, D], y f16[S, heads, D]):
     y = rope(rms_norm(x) per head), rotate-half RoPE at each token's cos/sin.
-    shape_k [S, heads_k, D]: q and k in one launch (issue 16: a graph node per launch),
+    shape_k [S, heads_k, D]: q and k in one launch (a graph node per launch),
     PrimFunc(xq, wq, xk, wk, cos, sin, yq, yk); the blocks of k's rows follow q's, each row computed as alone."""
     shapes = (shape,) if shape_k is None else (shape, shape_k)
     for sh in shapes:

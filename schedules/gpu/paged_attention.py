@@ -22,7 +22,7 @@ Decode attention (one query row per head) over a page table, split-K over pages:
   prefill_causal        a fresh prompt's causal attention (no cached tokens): one warp per (query row, KV head)
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
                         reading the step's own K/V [2, h_kv, S, HEAD_DIM]; one launch per layer where the
-                        CuPy tiles of attend_blocks took ~20 (session 9: TTFT was launches, not FLOPs).
+                        CuPy tiles of attend_blocks took ~20 (TTFT was launches, not FLOPs).
 The decode step's token count and window start are read from device memory (`step`: [n_tokens, t_begin]),
 not passed by value, so one captured CUDA graph of the whole decode step replays at every position of a
 page table (runtime/gpu_session.py); the host writes `step` once per step.

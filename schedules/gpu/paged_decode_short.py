@@ -1,8 +1,8 @@
 """CUDA side of decode attention at short contexts: one thread block per query head, no split partials.
 
 At a few hundred tokens the split kernels of paged_attention.py spend their time on latency, not bytes: a
-Qwen3-8B layer's K/V at 190 tokens is 0.8 MB (0.3 us of HBM) and its fused split launch took 14.8 us (session 20's
-Nsight table): 16 splits of 32 tokens, each warp's online softmax over two dependent rounds of page loads, then
+Qwen3-8B layer's K/V at 190 tokens is 0.8 MB (0.3 us of HBM) and its fused split launch took 14.8 us (an Nsight
+table): 16 splits of 32 tokens, each warp's online softmax over two dependent rounds of page loads, then
 the partials through global memory, a fence, a counter and the last block's merge of 16 splits.
 
 Here one block of SHORT_WARPS warps owns query head h and reads every token of its KV head (the 4 query heads of
@@ -12,7 +12,7 @@ addresses first, then every row: a branch around a load kept the next one from i
 any is used. Each row's score is reduced over its lanes with shuffles and folded into the slot's online softmax
 (m, s, o; eqs. 4.18-4.20 as in the split kernels); the slots' states meet in shared memory, added in slot order,
 and o = O / S is rounded to fp16 once. One round of loads at ~200 tokens, no global partials, no fence, no second
-phase (session 21, H200: 5.2 us a layer at 190 tokens against the split kernel's 11.7).
+phase (H200: 5.2 us a layer at 190 tokens against the split kernel's 11.7).
 
   paged_decode_short          grid (h_kv, GROUP): the step's K/V row already in its page
   paged_decode_short_append   the row from k_new / v_new (block (j, 0) also writes it into its page), as

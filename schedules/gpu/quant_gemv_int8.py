@@ -12,7 +12,7 @@ dx = amax / 127, xq = rint(x * 127 / amax) (the rounding by adding 1.5 * 2^23: t
 sum's bits). x is read from L2 once per CTA (a CTA holds warps * rows_per_warp weight rows). Shared memory is
 static and below 48 KiB, so x goes through in chunks of whole 1024-weight spans when m * k is large (a batched
 step); a lane's blocks and the order it adds them are the same for every chunking, so row t of y is bit-identical
-to a 1-row call on x[t] (batch invariance, issue 19).
+to a 1-row call on x[t] (batch invariance).
 
 Weights: the raw GGUF rows, uint8 [n, row_bytes] (formats in quant_gemv.py). Lane t of the 8 that share a block:
 - q4_k (16-byte aligned blocks): 16 quant bytes, 4 words, = positions 64(t//2) + 16(t%2) + [0, 16) of sub-block

@@ -6,8 +6,6 @@ pipeline and (b) torch in float32. No stored references: both are recomputed on 
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,10 +14,8 @@ tvm = pytest.importorskip("tvm")
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_cpu_block import qwen3_spec, torch_block  # noqa: E402
+from benchmarks.bench_cpu_block import qwen3_spec, torch_block  # noqa: E402
 
 from helmc.runtime.tvm_tensors import bf16_bits_from_float32, tensor_from_numpy  # noqa: E402
 from helmc.schedules.cpu.isa import missing_flags  # noqa: E402

@@ -5,7 +5,7 @@
 
 One tiny random-weight Qwen3 (hidden 256, ffn 512: whole K-quant blocks; helmc.testing) in fp16 and bf16, and
 the fp16 one quantized at build to q4_k_m and q8_0; each built for the GPU test machine's profile (default
-artifacts/profiles/h100-sxm-measured.json, sm_90) with --max-batch 4 (so decode_b2 / decode_b4 variants), weights
+helmc/hardware/presets/h100-sxm-measured.json, sm_90) with --max-batch 4 (so decode_b2 / decode_b4 variants), weights
 copied in, and the split forced to cpu(2) -> cuda(rest): block 0 on the CPU, the others and the head on the GPU,
 so a batched decode step crosses both stages; fp16_streamed is fp16 with the CPU block's prefill streamed to the GPU
 (plan.prefill_on_gpu, as a real split's); fp16_hybrid is fp16 with a hybrid decode layout (block 0 on the CPU, blocks 1-2
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-DEFAULT_PROFILE = os.path.join(ROOT, "artifacts", "profiles", "h100-sxm-measured.json")
+DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 CPU_UNITS = 2                      # embedding + block 0 on the CPU
 BATCH = 4
 DIMS = dict(num_layers=4, head_dim=64, hidden_size=256, intermediate_size=512, num_attention_heads=4,

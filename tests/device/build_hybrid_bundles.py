@@ -4,7 +4,7 @@
     python tests/device/build_hybrid_bundles.py .devrt/hybrid [--hardware PROFILE]
 
 One tiny random-weight Qwen3 (fp16, 6 blocks; helmc.testing), built for the GPU test machine's profile (default
-artifacts/profiles/h100-sxm-measured.json, sm_90) with weights copied in and the plans forced (the search would put
+helmc/hardware/presets/h100-sxm-measured.json, sm_90) with weights copied in and the plans forced (the search would put
 a model this small wholly on the GPU), prefill chunks of 8 tokens, every host block's prefill streamed to the GPU:
 
     hybrid1     C0 [0] S0 [1] | resident [2..5]                    (cpu_units 3)
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-DEFAULT_PROFILE = os.path.join(ROOT, "artifacts", "profiles", "h100-sxm-measured.json")
+DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 LAYERS, PROMPT_LEN, NEW_TOKENS, CHUNK = 6, 40, 24, 8
 LAYOUTS = {"hybrid1": ((1, 1),), "hybrid2": ((1, 1), (1, 1)), "hybrid_all": ((1, 2), (1, 2))}
 SPLITS = {"split2": 2, "split3": 3, "split5": 5, "split7": 7}

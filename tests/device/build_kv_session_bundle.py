@@ -4,7 +4,7 @@
     python tests/device/build_kv_session_bundle.py .devrt/kv_session [--hardware PROFILE] [--layers 4]
 
 Writes DIR/model (a random-weight tiny Qwen3 from helmc.testing, fp16) and DIR/bundle: helmc's
-normal build for the GPU test machine's profile (default artifacts/profiles/h100-sxm-measured.json,
+normal build for the GPU test machine's profile (default helmc/hardware/presets/h100-sxm-measured.json,
 sm_90: H100 and H200), weights copied in, with the plan's split forced to cpu(2) -> cuda(L): the
 embedding and block 0 on the CPU, the other blocks and the head on the GPU, so one request uses
 both KV caches. The search alone would put a model this small wholly on the GPU. Carry .devrt to
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-DEFAULT_PROFILE = os.path.join(ROOT, "artifacts", "profiles", "h100-sxm-measured.json")
+DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 CPU_UNITS = 2                      # embedding + block 0 on the CPU
 
 

@@ -45,7 +45,7 @@ def build(out_dir: str) -> None:
     model = make_tiny_model(model_dir, "qwen3", num_layers=4, head_dim=32, dtype="bfloat16", seed=11,
                             hidden_size=128, intermediate_size=384).float()
     spec = ModelSpec.from_model_dir(model_dir)
-    hw = load_hardware(os.path.join(_ROOT, "artifacts/profiles/h100-sxm-measured.json"))
+    hw = load_hardware(os.path.join(_ROOT, "helmc/hardware/presets/h100-sxm-measured.json"))
     assert "amx_bf16" in hw.cpu.features, "the check needs a hardware profile with AMX"
     cpu_only = dataclasses.replace(hw, gpu=None, link=None)
     for name in BUNDLES:

@@ -50,7 +50,7 @@ def build(out_dir: str, quant: str = "") -> None:
         source = quantize_checkpoint(model_dir, quant, os.path.join(out_dir, "gguf"))
         model = hf_on_dequantized_weights(model_dir, source)
     spec = load_spec(source)
-    hw = load_hardware(os.path.join(_ROOT, "artifacts/profiles/h100-sxm-measured.json"))
+    hw = load_hardware(os.path.join(_ROOT, "helmc/hardware/presets/h100-sxm-measured.json"))
     rng = np.random.default_rng(3)
     prompt = rng.integers(1, spec.vocab_size, PROMPT_LEN).tolist()
     common = dict(format_version=PLAN_FORMAT_VERSION, num_layers=spec.num_layers, max_context=512)

@@ -1,8 +1,7 @@
-"""scripts/bench_cpu_gemv.py's WeightArena: weight copies are placed in order, 4 KiB-aligned, inside the one
+"""benchmarks/bench_cpu_gemv.py's WeightArena: weight copies are placed in order, 4 KiB-aligned, inside the one
 allocation whose first bytes the DRAM read covers, hold what was copied in, and a full arena says so."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -11,10 +10,7 @@ import pytest
 
 pytest.importorskip("tvm")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-spec = importlib.util.spec_from_file_location("bench_cpu_gemv", os.path.join(ROOT, "scripts", "bench_cpu_gemv.py"))
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_cpu_gemv as bench  # noqa: E402
 
 
 def test_copies_are_placed_in_order_and_hold_their_values():
@@ -44,11 +40,11 @@ def test_a_full_arena_names_the_sizes():
 
 def test_quantized_copies_need_only_the_runtime():
     """--run-only runs where TVM is runtime-only (the GPU machine): making its quantized weight rows must import
-    nothing of the TVM compiler (session 18: `tvm.script` came in through the GPU kernels' format table)."""
+    nothing of the TVM compiler (`tvm.script` must not come in through the GPU kernels' format table)."""
     import subprocess
     pytest.importorskip("gguf")
-    code = ("import sys, numpy as np; sys.path.insert(0, 'tests/device'); "
-            "from device_quant_gpu_check import random_quant_rows; "
+    code = ("import sys, numpy as np; "
+            "from tests.device.device_quant_gpu_check import random_quant_rows; "
             "print([random_quant_rows(q, 2, 256, np.random.default_rng(0)).shape for q in ('q4_0', 'q4_k', 'q6_k')]); "
             "assert not [m for m in sys.modules if m.startswith(('tvm.script', 'tvm.relax', 'helmc.schedules'))]")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

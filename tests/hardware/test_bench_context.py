@@ -1,17 +1,12 @@
-"""scripts/bench_context.py's CPU-side parts: argument checks, the dry run, time limits, how a worker's
+"""benchmarks/bench_context.py's CPU-side parts: argument checks, the dry run, time limits, how a worker's
 output (including one cut off by its time limit, or one that crashed) becomes records, the summary."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("bench_context", os.path.join(ROOT, "scripts", "bench_context.py"))
-bc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bc)
+from benchmarks import bench_context as bc
 
 CONTEXTS = [1024, 8192, 32768]
 

@@ -1,18 +1,15 @@
-"""helmc.testing's greedy traces and bench_decode's comparison of a hybrid's tokens with its plain split's, on
+"""benchmarks.greedy_trace's greedy traces and bench_decode's comparison of a hybrid's tokens with its plain split's, on
 hand-made traces (a tie, a real divergence, the tie threshold) and on a real tiny CPU session (the trace's tokens
 are what generate() returns, and a row's trace survives bench_decode's JSON)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
-from bench_decode import compare_rows, trace_fields  # noqa: E402
-from helmc.testing import TIE_ULPS, GreedyTrace, compare_greedy, greedy_trace  # noqa: E402
+from benchmarks.bench_decode import compare_rows, trace_fields
+from benchmarks.greedy_trace import TIE_ULPS, GreedyTrace, compare_greedy, greedy_trace
 
 ULP_AT_5 = float(np.spacing(np.float16(5.0)))       # 2^-8: fp16's step for logits in [4, 8)
 

@@ -1,8 +1,7 @@
 """helmc profile's CPU part on this machine (issue 17): its host read is what helmc's GEMVs read, as
-scripts/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the profile
+benchmarks/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the profile
 kit's JSON; the synthetic model's weights and the per-block overheads fitted on its compiled CPU stage."""
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -19,14 +18,11 @@ from helmc.hardware.concurrent import measure_concurrent, settle, window_plausib
 from helmc.hardware.kit import (QUANT_FUSED_ROLES, QUANT_ROLES, QUANT_TYPES, BlockShape, ProfileKit, check_kit_runs_here,
                                 synthetic_tensors, write_synthetic_weights)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_cpu_gemv", os.path.join(ROOT, "scripts", "bench_cpu_gemv.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import bench_cpu_gemv
+    return bench_cpu_gemv
 
 
 def _here():
@@ -46,7 +42,7 @@ def full_kit(tmp_path_factory):
 
 def test_host_read_is_what_bench_cpu_gemv_measures(full_kit, tmp_path):
     """The profile's fp16 pass (helmc's fused decode GEMVs, as the CPU stage launches them) against
-    scripts/bench_cpu_gemv.py's GEMV kernels (one per projection shape) on the very same weight copies, in
+    benchmarks/bench_cpu_gemv.py's GEMV kernels (one per projection shape) on the very same weight copies, in
     interleaved rounds: the two must read at nearly the same rate. numpy's reads, which issue 17 found at 36.8 GB/s
     where helmc read 92, would fail this; so would a pass whose byte count is not the weights it reads."""
     import tvm.runtime

@@ -1,15 +1,11 @@
-"""scripts/llamacpp_peer.py's comparisons of bench_decode's helmc rows with llama.cpp's runs, on stand-in rows
+"""benchmarks/llamacpp_peer.py's comparisons of bench_decode's helmc rows with llama.cpp's runs, on stand-in rows
 (no GPU, no llama-bench): which -ngl fits helmc's VRAM, and the ratios that existed before that one; and
 bench_serve's split of its decode steps."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
-import llamacpp_peer  # noqa: E402
+from benchmarks import llamacpp_peer
 
 LLAMA = [{"ngl": 0, "decode_tok_s_p50": 8.0, "ttft_ms_p50": 800.0, "peak_vram_gib": 0.5},
          {"ngl": 10, "decode_tok_s_p50": 16.0, "ttft_ms_p50": 400.0, "peak_vram_gib": 3.0},
@@ -75,7 +71,7 @@ def test_ratios_keep_their_keys_and_add_the_vram_match():
 
 
 def test_bench_decode_takes_the_peer_options(capsys):
-    import bench_decode
+    from benchmarks import bench_decode
 
     with pytest.raises(SystemExit) as e:
         bench_decode.main(["--help"])
@@ -86,7 +82,7 @@ def test_bench_decode_takes_the_peer_options(capsys):
                                        (["--profile", "p.json", "--replan", "--variants", "split,cpu"], "'split,cpu'")])
 def test_bench_decode_refuses_variants_it_cannot_run(capsys, args, why):
     # --variants replans each bundle (a plain split in its budget, the whole GPU): only with --replan, only those two
-    import bench_decode
+    from benchmarks import bench_decode
 
     with pytest.raises(SystemExit) as e:
         bench_decode.main(["--model", "m"] + args)
@@ -97,7 +93,7 @@ def test_bench_decode_refuses_variants_it_cannot_run(capsys, args, why):
 def test_bench_serve_names_its_slowest_decode_steps():
     """bench_serve's step split: medians over the pure decode steps of n sequences (steps with a prefill or fewer
     sequences left out), their mean, and the slowest with their index among all steps and their parts."""
-    import bench_serve
+    from benchmarks import bench_serve
 
     def step(ms, decoded=8, prefilled=0, cpu=0.0):
         return dict({key: 0.0 for key in bench_serve.TIMERS}, s=ms / 1e3, decoded=decoded, prefilled=prefilled,

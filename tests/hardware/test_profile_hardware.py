@@ -1,7 +1,7 @@
 """`helmc profile`'s measurements: the CPU side on this machine with helmc's own kernels (quick kit), the GPU
 side's arithmetic through stand-in backends (numpy and torch on the CPU), and the real GPU where there is one
 (pytest -m gpu; skipped without CuPy or a GPU). The DRAM + PCIe window and the kernels' read against
-scripts/bench_cpu_gemv.py are in test_host_read.py."""
+benchmarks/bench_cpu_gemv.py are in test_host_read.py."""
 import time
 
 import numpy as np

@@ -152,14 +152,13 @@ def test_builds_search_hybrid_only_where_the_runtime_runs_it():
 
 
 def test_bench_decode_reports_a_hybrid_bundle(tmp_path):
-    # scripts/bench_decode.hybrid_fields on a stand-in session: the ring's bytes per token, their PCIe rate, the
+    # benchmarks.measured_rates.hybrid_fields on a stand-in session: the ring's bytes per token, their PCIe rate, the
     # host weights' rate (the host units' weights and one embedding row a token, not the embedding table) and its
     # share of the profile's DRAM + PCIe rate.
     import json
-    import sys
     from types import SimpleNamespace
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
-    from bench_decode import hybrid_fields
+
+    from benchmarks.measured_rates import hybrid_fields
     from qwen3_configs import qwen3_spec
 
     from helmc.planner.analyze_program import analyze_program

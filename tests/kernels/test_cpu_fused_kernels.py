@@ -5,7 +5,7 @@ Odd shapes on purpose: K=4099 and K=77 are not multiples of any vector width, ro
 GEMV's row step. Tolerance as the issue asks: relative error (max |diff| over max |ref|) <= 1e-3; the
 kernels accumulate in fp32, so they land near 1e-6. The AMX GEMM cannot run on a CPU without AMX: its
 loops are checked here with each tile instruction emulated in plain TIR (make_gemm_amx(emulate=True)), and
-the real build is checked to contain the tile instructions; `scripts/bench_cpu_gemv.py --run-only` checks
+the real build is checked to contain the tile instructions; `benchmarks/bench_cpu_gemv.py --run-only` checks
 it on an AMX machine. No stored references: NumPy recomputes them on every run.
 """
 from __future__ import annotations

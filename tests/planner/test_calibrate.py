@@ -117,7 +117,7 @@ def test_old_profiles_still_load_and_new_keys_are_checked():
     assert list_presets()
     for name in list_presets():
         hw = load_hardware(name)
-        if hw.cpu.block_overhead_ms is not None:        # measured per device by `helmc profile` (profiled-s10)
+        if hw.cpu.block_overhead_ms is not None:        # measured per device by `helmc profile` (the profiled presets)
             assert hw.block_overhead_on("cpu") == hw.cpu.block_overhead_ms >= 0     # 0: the profile clipped a negative delta
             continue
         assert hw.cpu.block_overhead_ms is None and hw.cpu.step_overhead_ms is None

@@ -2,7 +2,7 @@
 
 dlight's tensor-core matmul rules crash in this TVM (device-notes), and its SIMT schedule ran the 128-token
 prompt's [128, 4096] @ [4096, 12288] fp16 matmul in 799 us where cuBLAS took 42.8 us in the same run
-(session 9's gpu_stage_check probes): prefill, and so TTFT, was ~8x llama.cpp's. The GPU machine's runtime-only
+(measured on the GPU machine): prefill, and so TTFT, was ~8x llama.cpp's. The GPU machine's runtime-only
 TVM has no cuBLAS contrib, but the runtime already carries CuPy, whose matmul is cuBLAS's GEMM on tensor
 cores. So each prefill linear
 

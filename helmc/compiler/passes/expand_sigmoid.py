@@ -3,7 +3,7 @@
 Why: TVM legalises R.sigmoid to the `tirx.sigmoid` intrinsic, which the LLVM backend lowers through `llvm.exp`;
 without a vector math library LLVM scalarises that into one `expf` call per element, so the prefill's SwiGLU
 (128 x 12288 elements for an 8B block) stayed the slowest non-GEMM kernel even when parallel: 0.56 ms of a
-6.0 ms Qwen3-8B block prefill on the GPU machine's 16-core Xeon (experiments/profile_cpu_block.py, 2026-11-21).
+6.0 ms Qwen3-8B block prefill on a 16-core Sapphire Rapids Xeon.
 Spelled with R.exp, FastMathTransform (run right after this pass) turns the exp into topi's fast_exp, a clamped
 polynomial of plain arithmetic and bit operations that vectorises; its relative error is ~1e-7.
 Near and beyond its clamp (x < -87) sigmoid's quotient is denormal and may flush to zero, so silu(x) =

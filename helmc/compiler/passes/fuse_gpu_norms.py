@@ -4,7 +4,7 @@ The exported block spells RMSNorm as ten Relax ops (astype, x*x, mean, +eps, sqr
 multiplies, astype back), the q/k norm + RoPE as twenty more, and the residual add as its own op before the
 norm that reads it. TVM's FuseOps leaves these in ~20 kernels per layer (the cast that two consumers read and
 the square ahead of the reduction stay apart), each a few microseconds in a decode step whose GEMVs take
-tens: session 8's per-kernel table of the all-GPU Qwen3-8B Q4_K step put ~2 ms of 6.4 in them. This pass
+tens: a per-kernel table of the all-GPU Qwen3-8B Q4_K step put ~2 ms of 6.4 in them. This pass
 finds the three graphs in every function with static shapes (the decode variants) and calls
 schedules/gpu/norm_rope.py's kernels, which compute the same ops in the same precisions:
 
@@ -14,7 +14,7 @@ schedules/gpu/norm_rope.py's kernels, which compute the same ops in the same pre
                  c16/s16 = astype(expand_dims(cos|sin, 1), f16)         -> rms_norm_rope(x, w, cos, sin)
 
 A graph that does not match exactly (other ops, other axes, symbolic shapes) is left to TVM. In the decode
-functions the q and k norm + RoPE of one cos / sin then become one launch (issue 16: a CUDA graph node costs
+functions the q and k norm + RoPE of one cos / sin then become one launch (a CUDA graph node costs
 ~1 us beside its work; each output bit-identical to its own launch's). Runs after lower_quantized_gpu and the
 fp32-accumulation rewrite, before legalization.
 
@@ -299,7 +299,7 @@ class _Fuser(PyExprMutator):
 
 
 # ---------------------------------------------------------------------------------------------- fuse_norm_gemv
-# Relax pass: a decode step's RMSNorm folded into the fp16 / bf16 GEMVs that read its output (issue 16).
+# Relax pass: a decode step's RMSNorm folded into the fp16 / bf16 GEMVs that read its output (one launch fewer each).
 #
 # After fuse_gpu_norms a decode layer still launches two norm kernels ahead of its GEMVs, each one thread block
 # over one row of 4096 values (~4 us of latency in a 4.5 ms Qwen3-8B step, 72 of them), while the GEMV's blocks

@@ -6,13 +6,13 @@ per sequence), of every weight signature -- a linear
 becomes `call_tir(make_gpu_gemv(m, N, K, dtype(w)), [x, w])`: w read as stored, fp32 sums, y rounded to fp16
 once, as the matmul computed before (compile_gpu_stage.rewrite_matmuls_fp32_accumulate). The kernel forms every
 row of y the same way whatever m is, so a batched decode step gives each sequence the bits of its own decode
-step (issue 19), which dlight's GEMV (m = 1) and LowBatchGEMV (m > 1) schedules did not promise. fp32 weights
+step (batch invariance), which dlight's GEMV (m = 1) and LowBatchGEMV (m > 1) schedules did not promise. fp32 weights
 keep their cast to fp16 (the kernel reads the cast copy, as the matmul did).
 Runs after lower_quantized_gpu (quantized weights are raw blocks by then, with their own m-row GEMV) and
 before rewrite_matmuls_fp32_accumulate, which then sees only the prefill matmuls; a linear this pass does not
 take (K not a multiple of 8, activations other than fp16) is left to dlight as before.
 
-Fewer launches per decode step (issue 16: a CUDA graph node costs ~1 us beside its work), every output
+Fewer launches per decode step (a CUDA graph node costs ~1 us beside its work), every output
 bit-identical to the separate kernels' (schedules/gpu/gemv.py's one-launch forms):
 - SwiGLU: silu(x @ wg^T) * (x @ wu^T) -- sigmoid, multiply, multiply over the gate and up GEMVs -- is one launch
   over both weights with the elementwise part as its epilogue;
@@ -36,7 +36,7 @@ DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")     # runtime.stage.block_funct
 
 
 def lower_decode_gemv(mod: tvm.IRModule, fuse: bool = True) -> tvm.IRModule:
-    """fuse=False: one launch per linear, as before issue 16 (the reference the one-launch forms are held to)."""
+    """fuse=False: one launch per linear (the reference the one-launch forms are held to)."""
     rewriter = _DecodeLinears(mod)
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function) and DECODE.search(gvar.name_hint):

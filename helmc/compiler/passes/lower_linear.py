@@ -16,7 +16,7 @@ a symbolic or larger count (prefill) -> GEMM with a symbolic token dimension (on
 when the target's features list amx_tile + amx_bf16, gemm_amx.py).
 
 Weights stay in HF's row-major [N, K] layout: both kernels stream it as stored (the GEMV reaches the DRAM
-ceiling on it, see scripts/bench_cpu_gemv.py), so no repacking is recorded in the bundle.
+ceiling on it, see benchmarks/bench_cpu_gemv.py), so no repacking is recorded in the bundle.
 
 Decode fusion (schedules/cpu/gemv_fused.py): GEMV linears of one function that read the same x become one
 kernel launch (q/k/v: one multi-output GEMV), and a gate/up pair consumed only as
@@ -78,7 +78,7 @@ class LoweredLinear:
 # "model": bf16 weights take bf16-rounded activations, as HF's bf16 model and torch's bf16 linear (one tile
 #   product per step; against an fp32 GEMM of the unrounded activations that is bf16's rounding, ~2e-3);
 # "fp32": activations split into bf16 hi + lo, two tile products per step (~1e-5 of an fp32 GEMM; the GEMM
-#   takes 1.3-1.6x as long on the GPU machine's Xeon, experiments/profile_amx_gemm.py).
+#   takes 1.3-1.6x as long on a Sapphire Rapids Xeon).
 PREFILL_ACTIVATIONS = ("model", "fp32")
 
 

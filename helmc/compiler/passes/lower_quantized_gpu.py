@@ -88,7 +88,7 @@ def _dequantize_at_use(rewriter, func: relax.Function, params: list, quantized: 
     """func with each quantized weight dequantized to fp16 by a binding just before the first binding that reads it,
     in that binding's block. Each fp16 copy is then live only from its dequantize to its matmul, so the VM's static
     memory planning reuses one buffer for the block's weights in turn (the largest) instead of holding all of them
-    for the call (session 20: a Qwen3-8B Q4_K block's seven fp16 copies, 0.36 GiB of VRAM no plan counted;
+    for the call (otherwise a Qwen3-8B Q4_K block's seven fp16 copies, 0.36 GiB of VRAM no plan counted;
     cost_model.quantized_prefill_scratch_bytes counts what is left)."""
     pending, remap = dict(quantized), {}
     blocks = []

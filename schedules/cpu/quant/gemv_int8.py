@@ -1,7 +1,7 @@
 """Decode GEMV over Q4_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
 integer dot products, as llama.cpp's CPU kernels do.
 
-Why (issue 15: each CPU GEMV type at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
+Why (each CPU GEMV type should read at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
 lane (table lookup + FMA per 16 weights), and on the GPU machine's Xeon that kept Q4_K at 58 and Q6_K at 65
 GB/s of quantized bytes where the DRAM read is 100: the cores, not DRAM, were the limit. Here x is quantized
 once per call to int8 (one scale per 256-weight block, llama.cpp's Q8_K), and a 64-weight slice of a row costs
@@ -22,7 +22,7 @@ Layouts (ggml-common.h; see gemv_quant.py): a 64-byte window of quants is four 1
   with one variable 16-bit shift per product (vpsllvw / vpsrlvw). q - 32 is q * x summed, minus 32 * sc_j *
   (sum of x over sub-block j), the latter one vpmaddwd per block and row over per-call int16 sums (xs).
 m tokens: the quants and scales of a block row are decoded once for all tokens; each token's sums are formed
-the same way for every m, so y[t] is bit-identical to the m = 1 kernel's on x[t] alone (issue 19).
+the same way for every m, so y[t] is bit-identical to the m = 1 kernel's on x[t] alone (batch invariance).
 """
 from __future__ import annotations
 
@@ -60,17 +60,17 @@ INT8_UNITS = {"q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q6_k": Int8Uni
               "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
 INT8_QTYPES = tuple(INT8_UNITS)
 # Rows per step for one token (quant_blocking divides them among more tokens) and prefetch distance, per type: the
-# best of experiments/quant_gemv_variants.py on the GPU machine's 16-core Xeon (session 11, call C, one run, best of
+# best of the variants timed on the GPU machine's 16-core Xeon (one run, best of
 # 5 passes, 12288 x 4096 over 4x L3 beside helmc's stream read): Q4_K 8 rows / 1 KiB 85.2 GB/s (0.76 of the read;
 # 4 rows / 2 KiB 79.1, 8 rows / 2 KiB 78.3), Q6_K 4 rows / 1 KiB 109.9 (0.96; 8 rows / 2 KiB 99.5). On the 2-core
 # EPYC (one thread, from cache) 8 rows also beat 4 for Q4_K (33-36 against 30 GB/s): more rows give the core
 # independent work beside each block's chain of integer steps.
 # Q4_0: 8 rows as Q4_K (its unit is as short: 72 bytes against 144, the same per-row chain of integer steps), its
-# lines 2 KiB ahead into L2 (session 19, call A: 108.5 GB/s, 0.82 of a 133 GB/s read beside it, against 88.0 and
-# 0.62 for 1 KiB into L1; call B: 0.83 against 0.75).
-# Session 19, call B (7 rounds beside a 106-119 GB/s read): prefetching into L2 rather than L1 also won for Q4_K
+# lines 2 KiB ahead into L2 (one run: 108.5 GB/s, 0.82 of a 133 GB/s read beside it, against 88.0 and
+# 0.62 for 1 KiB into L1; another: 0.83 against 0.75).
+# In the second run (7 rounds beside a 106-119 GB/s read): prefetching into L2 rather than L1 also won for Q4_K
 # (8 rows / 1 KiB: 0.81 against 0.71; 4 / 8 / 16 KiB or 4 / 16 rows 0.72-0.77) and Q6_K (4 rows / 2 KiB: 0.90
-# against 0.86 for 1 KiB into L1; 0.93 against 0.89 in call A): the lines ahead no longer evict the int8 x and the
+# against 0.86 for 1 KiB into L1; 0.93 against 0.89 in the first): the lines ahead no longer evict the int8 x and the
 # scales every row reads from the 48 KiB L1.
 INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
@@ -314,8 +314,8 @@ def _q4_k_row(dot_step, isa: VectorIsa, group: int, m: int):
         dmin = widen(wh[row, b * 72 + 1], "float16", f16c)
         # The 12 scale bytes as words u0, u1, u2 (and the block's first quant word, unused) in one 128-bit vector,
         # get_scale_min_k4 by llama.cpp's kmask trick on its lanes: unpacked in scalar words, the fields then moved
-        # into a vector two port-5 uops a word, on the port the scale broadcasts below already fill (llvm-mca,
-        # session 16: 153 -> 132 cycles per 8 row-blocks).
+        # into a vector two port-5 uops a word, on the port the scale broadcasts below already fill (llvm-mca:
+        # 153 -> 132 cycles per 8 row-blocks).
         u = wu[row, _ramp(b * 36 + 1, 4)]                                               # uint32x4
         u2 = tirx.Shuffle([u], [2, 2, 2, 2])
         low = tirx.bitwise_and(u, _const(0x3F3F3F3F, "uint32", 4))                     # sc0-3 | m0-3 | - | -

@@ -1,6 +1,6 @@
 """One-token decode GEMVs over 2 or 3 int8-path weights (Q4_K, Q6_K, Q4_0) of one type and K that read the same x, as one kernel call.
 
-Why (issue 15; the fp16 stage has had it since issue 3, gemv_fused.py): a Q4_K block's q/k/v and gate/up were five
+Why (as gemv_fused.py does for the fp16 stage): a Q4_K block's q/k/v and gate/up were five
 calls, each quantizing x to int8 on one core before its parallel loop. Here x is quantized once and each weight's
 rows run in a parallel loop of their own, one after the other, by the one-weight kernel's own step
 (gemv_int8.one_token_step), so y_i is bit-identical to that kernel's; no weight is repacked.

@@ -18,7 +18,7 @@ def prefetch_macro(rows: int, block_bytes: int, row_bytes: int, tuning, n: int, 
     Every address stays inside W. Where W has room, the group's first row is clamped once (min(first, safe): the
     last groups prefetch earlier rows' bytes, which they do not need, instead of bytes past W), so each prefetch is
     one instruction whose row and line offsets are constants; the per-address clamp it replaces cost four scalar
-    instructions per prefetch, ~12% of the Q4_K kernel's instructions at 8 rows (llvm-mca, session 16). Small W
+    instructions per prefetch, ~12% of the Q4_K kernel's instructions at 8 rows (llvm-mca). Small W
     (tests' tiny models) keeps the per-address clamp."""
     ahead, every, lines, index = prefetch_plan(rows, block_bytes, row_bytes, tuning, n, ahead, wrap_rows)
     locality = tuning.prefetch_locality

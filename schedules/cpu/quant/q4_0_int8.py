@@ -1,8 +1,8 @@
 """Q4_0 on the int8 path of quant/gemv_int8.py: four 32-weight blocks (72 bytes, 128 weights) per step unit.
 
-Why (issue 15: each CPU GEMV type at >= 80% of the DRAM read): the fp32-lane Q4_0 kernel (gemv_quant.py) spends a
+Why (each CPU GEMV type should read at >= 80% of the DRAM read): the fp32-lane Q4_0 kernel (gemv_quant.py) spends a
 table lookup and an FMA per 16 weights and a scale FMA per 32, and on the GPU machine's Xeon it read 0.57 of the
-stream read (sessions 16-17) where the int8 K-quants read 0.68-0.86. Here, as llama.cpp's vec_dot_q4_0_q8_0 does,
+stream read where the int8 K-quants read 0.68-0.86. Here, as llama.cpp's vec_dot_q4_0_q8_0 does,
 x is quantized to int8 per 32-weight block (Q8_0's granularity: one dx per weight block, so no block's product mixes
 two x scales) and four weight blocks are one 512-bit step:
 - the unit's 72 bytes are two overlapping 64-byte loads; one byte shuffle (vpermt2b where the CPU has VBMI) gathers

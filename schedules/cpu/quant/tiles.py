@@ -1,4 +1,4 @@
-"""The loop order of the quantized m-row decode GEMVs (m > 1, issue 19), shared by gemv_quant.py's fp32-lane
+"""The loop order of the quantized m-row decode GEMVs (m > 1: a batched decode step), shared by gemv_quant.py's fp32-lane
 kernel and gemv_int8.py: blocks of rows over K tiles of x, as gemv.TiledRows does for fp16/bf16 weights."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _hsum(v):
 
 @dataclass(frozen=True)
 class QuantTiles:
-    """m > 1 (issue 19): gemv.TiledRows' loop order for the quantized GEMVs. A parallel step takes block_rows rows
+    """m > 1: gemv.TiledRows' loop order for the quantized GEMVs. A parallel step takes block_rows rows
     and walks K in tiles of tile_blocks blocks (about gemv.X_TILE_BYTES of every token's x, which each row group
     of the block then reads from L1: at m = 8 one row's pass read 8 tokens' x per block, 14-30x the bytes of its
     quants, from L2). The block's accumulators (acc: lanes per row and token; accm: 8, q4_k's mins) stay in

@@ -1,0 +1,99 @@
+"""Write benchmarks/RESULTS.md, the one results table, from the JSON files bench_decode writes.
+
+    python -m benchmarks.make_table [--results benchmarks/results] [--out benchmarks/RESULTS.md] [--check]
+
+One row per helmc bundle run (a hybrid, its plain split, the whole GPU) of every benchmarks/results/*.json: the
+model, the GPU memory budget, the machine, helmc's decode tok/s, llama.cpp's decode tok/s at the largest `-ngl` that
+fits in the same budget, and their ratio. --check exits 1 when RESULTS.md is not what the JSON files give.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADER = ("| model | GPU budget | placement | machine | helmc tok/s | llama.cpp tok/s (`-ngl`) | helmc / llama.cpp |\n"
+          "| --- | --- | --- | --- | ---: | ---: | ---: |")
+
+
+def placement(row: dict) -> str:
+    """What ran where, in words: all on the GPU, a CPU/GPU split, or a hybrid decode."""
+    if row.get("cpu_units") in (0, "0") or str(row.get("plan", "")).startswith("cuda("):
+        return "all on the GPU"
+    if row.get("hybrid"):
+        return f"hybrid: CPU + {row.get('streamed_blocks', '?')} blocks streamed to the GPU"
+    return "CPU/GPU split"
+
+
+def rows(report: dict) -> list[dict]:
+    """The table's rows of one bench_decode report: each helmc row beside the llama.cpp run in its budget."""
+    peers = {str(p["ngl"]): p for p in report.get("llamacpp", [])}
+    machine = report.get("device", "?")
+    threads = report.get("bandwidth", {}).get("threads")
+    if threads:
+        machine += f", {threads} CPU threads"
+    out = []
+    for row in report.get("helmc", []):
+        ngl = row.get("llamacpp_ngl_within_budget")
+        peer = peers.get(str(ngl))
+        ratio = row.get("decode_ratio_vs_llamacpp_within_budget")
+        budget = row.get("gpu_budget_gib", report.get("gpu_budget_gib"))
+        out.append({"model": report.get("label") or os.path.basename(str(report.get("model", "?"))),
+                    "budget": "whole GPU" if row.get("variant") == "all_gpu" else f"{float(budget):g} GiB",
+                    "placement": placement(row), "machine": machine,
+                    "helmc": row["decode_tok_s_p50"],
+                    "llamacpp": None if peer is None else peer["decode_tok_s_p50"], "ngl": ngl,
+                    "ratio": ratio, "command": report.get("command", "")})
+    return out
+
+
+def fmt(x, digits: int) -> str:
+    return "-" if x is None else f"{float(x):.{digits}f}"
+
+
+def table(results_dir: str) -> str:
+    paths = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    lines = ["# Benchmark results", "",
+             "Written by `python -m benchmarks.make_table` from `benchmarks/results/*.json` (do not edit by hand).",
+             "Decode speed of one request (prompt 128 tokens, 64 new tokens, median of the requests), helmc beside",
+             "llama.cpp's `llama-bench` on the same weights and machine, with llama.cpp given as many layers on the GPU",
+             "as fit in the same GPU memory budget. `helmc / llama.cpp` is helmc's tok/s divided by llama.cpp's:",
+             "above 1 helmc is faster.", "", HEADER]
+    commands = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        for r in rows(report):
+            ngl = "" if r["ngl"] is None else f" ({r['ngl']})"
+            lines.append(f"| {r['model']} | {r['budget']} | {r['placement']} | {r['machine']} | {fmt(r['helmc'], 1)} | "
+                         f"{fmt(r['llamacpp'], 1)}{ngl} | {fmt(r['ratio'], 2)} |")
+        if report.get("command"):
+            commands.append(f"- `{os.path.basename(path)}`: `{report['command']}`")
+    lines += ["", "Commands (each writes the JSON file named):", ""] + commands
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", default=os.path.join(HERE, "results"), help="folder of bench_decode JSON files")
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    a = ap.parse_args(argv)
+    text = table(a.results)
+    if a.check:
+        current = open(a.out).read() if os.path.exists(a.out) else ""
+        if current != text:
+            print(f"{a.out} is not what {a.results} gives: run python -m benchmarks.make_table", file=sys.stderr)
+            return 1
+        return 0
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
