@@ -107,7 +107,7 @@ def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None
     if warm_up:
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else \
             len(session.tokenizer.encode(prompt).ids) if prompt is not None and session.tokenizer is not None else 0
-        warm_up_session(session, prompt_tokens + max_new_tokens)
+        warm_up_session(session, prompt_tokens, max_new_tokens)
     return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
 

@@ -1,12 +1,14 @@
-"""What a fresh process's first request would pay once, paid while loading instead (`helmc run`, `helmc chat`).
+"""What a fresh process's first request would pay once, paid while loading instead (`helmc run`).
 
 A one-shot `helmc run` is a fresh process: its first prefill and its first decode steps are also the first calls of
 every compiled function (TVM loads a function's kernels on first call, CuPy compiles its elementwise kernels,
-cuBLAS picks its algorithms), the first writes into the host KV arena (the OS commits its pages then), the first
-decode step of each CUDA-graph key (run eagerly once, captured the next time) and the cyclic GC walking everything
-the load made. `warm_up_session` runs a short dummy prompt and a few decode steps, commits the host KV rows the
-request will use, resets the caches and freezes the GC, so that the request's TTFT and decode rate are those of a
-warm process. Tokens never depend on it: the caches are reset, and a reset cache never reads its stale rows.
+cuBLAS and the prefill kernels pick their algorithms per shape), the first writes into the host KV arena (the OS
+commits its pages then), the first decode step of each CUDA-graph key (run eagerly once, captured the next time)
+and the cyclic GC walking everything the load made. `warm_up_session` runs a dummy prompt of the request's length
+(on an H200, Qwen3-8B all on the GPU, a 2-token dummy left a 128-token prompt's TTFT at 1.5-1.7x a warm process's)
+and a few decode steps, commits the host KV rows the request will use, resets the caches and freezes the GC, so
+that the request's TTFT and decode rate are those of a warm process. Tokens never depend on it: the caches are
+reset, and a reset cache never reads its stale rows.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from helmc.errors import HelmcError
 
-DUMMY_PROMPT_TOKENS = 2      # more than one row: the prefill functions (and a streamed prefill), not a decode step
+MIN_PROMPT_TOKENS = 2        # more than one row: the prefill functions (and a streamed prefill), not a decode step
 DECODE_STEPS = 3             # the first step of a graph key runs eagerly, the second captures, the third replays
 
 
@@ -39,22 +41,24 @@ def host_kv_caches(session) -> list:
     return list(unique.values())
 
 
-def warm_up_session(session, tokens: int) -> WarmUp:
-    """Run a dummy prompt and DECODE_STEPS decode steps, commit the host KV rows of the first `tokens` positions,
-    leave every cache empty and freeze the GC. `tokens`: the request's prompt plus new tokens (at most the plan's
-    context)."""
+def warm_up_session(session, prompt_tokens: int, new_tokens: int) -> WarmUp:
+    """Run a dummy prompt of `prompt_tokens` (at least MIN_PROMPT_TOKENS) and DECODE_STEPS decode steps, commit
+    the host KV rows of the request's positions (prompt plus new tokens, at most the plan's context), leave every
+    cache empty and freeze the GC."""
     t0 = time.perf_counter()
     vocab = session.spec.vocab_size
+    context = session.plan.max_context
     session.reset()
     try:
-        ids = [t % vocab for t in range(1, DUMMY_PROMPT_TOKENS + 1)]
+        length = max(MIN_PROMPT_TOKENS, min(int(prompt_tokens), context - DECODE_STEPS - 1))
+        ids = [t % vocab for t in range(1, length + 1)]
         session.forward(ids, argmax=True)
         for step in range(DECODE_STEPS):
             session.forward([(step + 1) % vocab], argmax=True)
         session.forward([1], all_logits=False)                 # the sampled path: logits to the host
     finally:
         session.reset()
-    tokens = max(0, min(int(tokens), session.plan.max_context))
+    tokens = max(0, min(int(prompt_tokens) + int(new_tokens), context))
     kv_bytes = sum(kv.prefault(tokens) for kv in host_kv_caches(session))
     if session.position:
         raise HelmcError(f"warm-up: expected an empty session after it, found {session.position} tokens")

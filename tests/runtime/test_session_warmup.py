@@ -12,7 +12,7 @@ def test_warm_up_leaves_the_session_empty_and_changes_no_token(tiny):
     assert warm.tokens == cold.tokens and len(warm.tokens) == 12
 
     session = Session.load(bundle)
-    done = warm_up_session(session, len(prompt) + 12)
+    done = warm_up_session(session, len(prompt), 12)
     assert session.position == 0
     assert all(kv.length == 0 for kv in host_kv_caches(session)) and host_kv_caches(session)
     assert done.kv_bytes > 0 and done.seconds > 0
