@@ -1,8 +1,9 @@
 """Shared fixtures: tiny random-weight models in real architectures and their bundles.
 
-Builds are the slow part of the suite (ONNX export + LLVM compile, ~20 s each on 2 cores), so each
-(architecture, dtype) is built once per session and shared; the artifact cache lives in a
-per-session temporary directory so the tests exercise real compiles.
+Builds are the slow part of the suite (ONNX export + LLVM compile, ~20 s each on 2 cores), so each model and
+build option (`tiny.build`: architecture, dtype, shape, batch, quant, CPU-only) is built once per session and
+shared; the artifact cache lives in a per-session temporary directory so the tests exercise real compiles, and a
+build of another key with the same compiled stage reuses it from there.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ SLOW_TESTS = (
     "tests/compiler/test_lower_decode_gemv.py::test_every_decode_linear_is_an_m_row_gemv[bfloat16-False]",
     "tests/compiler/test_lower_decode_gemv.py::test_every_decode_linear_is_an_m_row_gemv[float16-True]",
     "tests/compiler/test_lower_decode_gemv.py::test_one_launch_per_shared_x_and_epilogues[bfloat16]",
+    # AMX prefill cross-compiled for a CPU this host need not be (the emulated-tile kernel tests stay fast)
+    "tests/compiler/test_lower_linear.py::test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target",
+    "tests/compiler/test_lower_linear.py::test_fp32_prefill_activations_build_the_split_amx_gemms",
+    "tests/compiler/test_lower_linear.py::test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_blocking",
+    "tests/compiler/test_lower_linear.py::test_fp16_block_compiles_with_amx_prefill_for_an_amx_target",
     # builds killed or rebuilt: one of each stays fast
     "tests/reliability/test_faults_build.py::test_build_killed_half_way[manifest_written-*]",
     "tests/reliability/test_faults_build.py::test_build_killed_half_way[swapping-fresh]",
