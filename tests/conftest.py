@@ -1,8 +1,9 @@
 """Shared fixtures: tiny random-weight models in real architectures and their bundles.
 
-Builds are the slow part of the suite (ONNX export + LLVM compile, ~20 s each on 2 cores), so each
-(architecture, dtype) is built once per session and shared; the artifact cache lives in a
-per-session temporary directory so the tests exercise real compiles.
+Builds are the slow part of the suite (ONNX export + LLVM compile, ~20 s each on 2 cores), so each model and
+build option (`tiny.build`: architecture, dtype, shape, batch, quant, CPU-only) is built once per session and
+shared; the artifact cache lives in a per-session temporary directory so the tests exercise real compiles, and a
+build of another key with the same compiled stage reuses it from there.
 """
 from __future__ import annotations
 
@@ -10,6 +11,76 @@ import os
 import re
 
 import pytest
+
+# The test tiers. `scripts/test.sh` runs the fast tier (`-m "not slow"`: every layer, one real build + run of a tiny
+# model against transformers); `scripts/test.sh --all` (CI) runs every test. A test is in the slow tier when its
+# module marks it @pytest.mark.slow or when its node id matches a pattern here; a new test is fast unless it is marked
+# or listed. A pattern is a node id, or its start up to a "::" or "[", with * matching anything. What stays fast
+# of each family: the session's shared bundles, the host's own ISA tier and AVX2, one build per layer.
+SLOW_TESTS = (
+    # end to end: one more build per architecture, dtype and checkpoint layout (qwen3 fp32, shared, stays fast)
+    "tests/compiler/test_end_to_end.py::test_fp32_logits_and_greedy_match_transformers[qwen2]",
+    "tests/compiler/test_end_to_end.py::test_fp32_logits_and_greedy_match_transformers[llama]",
+    "tests/compiler/test_end_to_end.py::test_fp32_logits_and_greedy_match_transformers[mistral]",
+    "tests/compiler/test_end_to_end.py::test_fp16_greedy_matches_or_top5",
+    "tests/compiler/test_end_to_end.py::test_sharded_untied_checkpoint",
+    "tests/kernels/test_cpu_decode_attention.py::test_fp16_bundle_decodes_on_the_kernel",
+    "tests/kernels/test_cpu_decode_attention.py::test_one_sequence_decode_fast_path_is_bitwise_append_attend",
+    # quantized builds: Q4_K_M (two block signatures, a q6_k head) stays fast, each other type is a build of its own
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q8_0]",
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q4_0]",
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[llama-q4_k]",
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen2-q8_0]",
+    "tests/compiler/test_quantized_models.py::test_gguf_file_builds_and_matches",
+    "tests/compiler/test_quantized_models.py::test_calibrate_measures_a_quantized_bundle",
+    "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[bfloat16-]",
+    "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q4_k_m]",
+    "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q8_0]",
+    "tests/runtime/test_batch_decode_cpu.py::test_avx2_build_is_bitwise_too",
+    # whole GPU stages and profile kits through nvcc
+    "tests/compiler/test_compile_gpu_stage.py::test_quantized_gpu_stage_builds_with_its_kernels",
+    "tests/compiler/test_compile_gpu_stage.py::test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul",
+    "tests/planner/test_cli_plan.py::test_profile_kit_built_here_measures_there",
+    # a GPU stage's export + import with batched variants (~30 s each): fp16 unquantized stays fast
+    "tests/compiler/test_lower_decode_gemv.py::test_every_decode_linear_is_an_m_row_gemv[bfloat16-False]",
+    "tests/compiler/test_lower_decode_gemv.py::test_every_decode_linear_is_an_m_row_gemv[float16-True]",
+    "tests/compiler/test_lower_decode_gemv.py::test_one_launch_per_shared_x_and_epilogues[bfloat16]",
+    # AMX prefill cross-compiled for a CPU this host need not be (the emulated-tile kernel tests stay fast)
+    "tests/compiler/test_lower_linear.py::test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target",
+    "tests/compiler/test_lower_linear.py::test_fp32_prefill_activations_build_the_split_amx_gemms",
+    "tests/compiler/test_lower_linear.py::test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_blocking",
+    "tests/compiler/test_lower_linear.py::test_fp16_block_compiles_with_amx_prefill_for_an_amx_target",
+    # builds killed or rebuilt: one of each stays fast
+    "tests/reliability/test_faults_build.py::test_build_killed_half_way[manifest_written-*]",
+    "tests/reliability/test_faults_build.py::test_build_killed_half_way[swapping-fresh]",
+    "tests/reliability/test_faults_build.py::test_build_killed_half_way[swapped-fresh]",
+    "tests/reliability/test_faults_build.py::test_build_killed_half_way[files_copied-over_a_bundle]",
+    "tests/reliability/test_faults_build.py::test_corrupted_cache_entry_is_detected_and_rebuilt[library_deleted]",
+    "tests/reliability/test_faults_build.py::test_corrupted_cache_entry_is_detected_and_rebuilt[meta_not_json]",
+    # CPU kernels: every ISA tier in the full run; the fast tier keeps AVX-512 VNNI (or what the host runs) and AVX2
+    "tests/kernels/test_cpu_quant_gemv.py::test_quant_gemv_matches_float64[*-avx512]",
+    "tests/kernels/test_cpu_quant_gemv.py::test_quant_gemv_matches_float64[*-sse2]",
+    "tests/kernels/test_cpu_quant_gemv.py::test_quant_gemv_matches_float64[6-4096-*-avx2]",
+    "tests/kernels/test_cpu_gemv_rows.py::test_float_gemvs_rows_are_single_rows[*-avx512]",
+    "tests/kernels/test_cpu_gemv_rows.py::test_float_gemvs_rows_are_single_rows[*-sse2]",
+    "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_are_single_rows[*-avx512]",
+    "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_are_single_rows[*-sse2]",
+    "tests/kernels/test_cpu_fused_kernels.py::test_quant_multi_gemv_is_bitwise_its_single_kernels[*-avx512]",
+)
+
+
+def _node_pattern(p: str) -> str:
+    return re.escape(p).replace(r"\*", ".*") + r"(?:$|::|\[)"
+
+
+_SLOW_RE = re.compile("|".join(map(_node_pattern, SLOW_TESTS)))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _SLOW_RE.match(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+
 
 ARCHS = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -60,11 +131,13 @@ def cache_dir(tmp_path_factory):
 
 
 class TinyModels:
-    """Lazily makes model directories and bundles, once per key."""
+    """Lazily makes model directories and bundles, once per key: a model by (arch, dtype, make_tiny_model's
+    arguments), a bundle by the model and the build's options. Build options: batch (--max-batch), quant (--quant),
+    cpu_only (the host's profile without its GPU: every unit on the CPU)."""
 
     def __init__(self, root, hardware, cache_dir):
         self.root, self.hardware, self.cache_dir = root, hardware, cache_dir
-        self._models, self._bundles = {}, {}
+        self._models, self._builds = {}, {}
 
     def model(self, arch: str, dtype: str = "float32", **kw):
         key = (arch, dtype, tuple(sorted(kw.items())))
@@ -75,15 +148,22 @@ class TinyModels:
             self._models[key] = (d, ref.float().eval())
         return self._models[key]
 
-    def bundle(self, arch: str, dtype: str = "float32", **kw):
-        key = (arch, dtype, tuple(sorted(kw.items())))
-        if key not in self._bundles:
+    def build(self, arch: str, dtype: str = "float32", *, batch: int = 1, quant: str = "", cpu_only: bool = False, **kw):
+        """The BuildResult of the model's bundle with these build options (built on first call)."""
+        key = (arch, dtype, tuple(sorted(kw.items())), batch, quant, cpu_only)
+        if key not in self._builds:
+            import dataclasses
+
             from helmc import api
             d, _ = self.model(arch, dtype, **kw)
-            out = d + ".bundle"
-            api.build(d, self.hardware, out, cache_dir=self.cache_dir, quiet=True)
-            self._bundles[key] = out
-        return self._bundles[key]
+            options = f"-b{batch}" * (batch != 1) + f"-{quant}" * bool(quant) + "-cpu" * cpu_only
+            hw = dataclasses.replace(self.hardware, gpu=None, link=None) if cpu_only else self.hardware
+            self._builds[key] = api.build(d, hw, d + options + ".bundle", cache_dir=self.cache_dir, quiet=True,
+                                          batch=batch, quant=quant)
+        return self._builds[key]
+
+    def bundle(self, arch: str, dtype: str = "float32", **kw) -> str:
+        return self.build(arch, dtype, **kw).bundle_dir
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ k norm + RoPE one), and the decode RMSNorms go into the GEMVs that read them (fu
 decode functions launch 8 kernels fewer per block than before."""
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -46,8 +47,16 @@ def _rows_of(kernel: str) -> int:
     return int(found.group(1)) if found else 1
 
 
-def _lowered(spec):
-    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+@functools.lru_cache(maxsize=None)
+def _imported(dtype: str, quantized: bool):
+    """(module, weight types) of the tiny spec's GPU stage as imported, once per module: the ONNX export and import
+    are the slow part, and the passes after them return new modules, never edit this one."""
+    spec = _spec(dtype, quantized)
+    return quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+
+
+def _lowered(dtype: str, quantized: bool):
+    mod, weight_types = _imported(dtype, quantized)
     if weight_types:
         mod = lower_quantized_gpu(mod, weight_types)
     return lower_decode_gemv(mod), weight_types
@@ -56,7 +65,7 @@ def _lowered(spec):
 @pytest.mark.parametrize("dtype,quantized", [("float16", False), ("bfloat16", False), ("float16", True)])
 def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
     spec = _spec(dtype, quantized)
-    mod, _ = _lowered(spec)
+    mod, _ = _lowered(dtype, quantized)
     names = {g.name_hint for g in mod.get_global_vars()}
     decode = sorted(n for n in names if re.search(r"_decode(_b\d+)?(_t\d+)?$", n))
     assert len(decode) == (3 * len(spec.block_signatures()) - (len(spec.block_signatures()) - 1)) * (1 + len(BATCHES))
@@ -74,8 +83,7 @@ def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
 @pytest.mark.slow
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
 def test_batched_stage_builds_to_one_cubin(tmp_path):
-    spec = _spec("float16", True)
-    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+    mod, weight_types = _imported("float16", True)
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
     for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_q4_k_n128_k256_m4_r2w8u2", "gemv8_q6_k_n256_k512_m2_r2w8u2",
@@ -86,7 +94,7 @@ def test_batched_stage_builds_to_one_cubin(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_one_launch_per_shared_x_and_epilogues(dtype):
-    mod, _ = _lowered(_spec(dtype, False))
+    mod, _ = _lowered(dtype, False)
     short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     for m in (1, *BATCHES):
         tail = "" if m == 1 else f"_b{m}"
@@ -99,8 +107,7 @@ def test_one_launch_per_shared_x_and_epilogues(dtype):
         assert "R.sigmoid" not in post and re.search(r"\bgv = R.call_tir\(helmc_gpu_gemv_res_", post), post
     # o_proj's residual add feeds the next RMSNorm: left for fuse_gpu_norms' add + RMSNorm
     assert "R.add(x, lv" in mod["post_attn_decode"].script()
-    unfused, _ = quantize_functions(import_functions(export_functions(_spec(dtype, False), act_dtype="float16"), BATCHES),
-                                    _spec(dtype, False))
+    unfused, _ = _imported(dtype, False)
     assert "n256_128_128" not in lower_decode_gemv(unfused, fuse=False)["pre_attn_decode"].script()
 
 
@@ -110,8 +117,7 @@ def test_decode_launches_per_block_fall_from_13_to_5():
     o_proj, add_rms_norm, gate, up, SwiGLU, down, add), 2 + 3 merged (qkv with the RMSNorm prologue, q/k norm_rope;
     o_proj + residual, gate/up/SwiGLU with the RMSNorm prologue, down + add: fuse_norm_gemv); the head's norm goes
     into its GEMV; prefill unchanged."""
-    spec = _spec("float16", False)
-    mod, _ = quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
+    mod, _ = _imported("float16", False)
     before = kernel_launches(build_gpu_executable(mod, "sm_90", merge_launches=False))
     after = kernel_launches(build_gpu_executable(mod, "sm_90"))
     for tail in ("", *(f"_b{b}" for b in BATCHES)):

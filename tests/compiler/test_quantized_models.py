@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_shapes import KQUANT_DIMS
+
 gguf = pytest.importorskip("gguf")
 
 from helmc.testing import hf_on_dequantized_weights  # noqa: E402
 
 PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
-DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+DIMS = {k: v for k, v in KQUANT_DIMS.items() if k not in ("num_layers", "head_dim")}
 NEW_TOKENS = 16
 
 
@@ -70,13 +72,10 @@ def cpu_hardware(host_hardware):
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
                                         ("llama", "q4_k"), ("qwen2", "q8_0")])
-def test_quant_at_build_matches_transformers(arch, quant, tmp_path, cpu_hardware, cache_dir):
-    from helmc import api
+def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
-    from helmc.testing import make_tiny_model
-    model_dir = str(tmp_path / "model")
-    make_tiny_model(model_dir, arch, num_layers=3, head_dim=64, dtype="float16", **DIMS)
-    r = api.build(model_dir, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, quant=quant)
+    model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
+    r = tiny.build(arch, "float16", quant=quant, cpu_only=True, **KQUANT_DIMS)
     assert r.spec.quantized and r.plan.cpu_units == r.spec.num_units
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     path = quantize_checkpoint(model_dir, quant, os.path.join(cache_dir, "weights"))   # the build's file, cached
@@ -86,24 +85,34 @@ def test_quant_at_build_matches_transformers(arch, quant, tmp_path, cpu_hardware
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
-def test_gguf_file_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
-    """A GGUF file as the model input: spec, types and tokenizer from the file, weights mmapped from it."""
+GGUF_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def gguf_build(tmp_path_factory, cpu_hardware, cache_dir):
+    """(model dir, GGUF file, BuildResult): an untied 2-layer Qwen3 with a chat template, quantized to q4_k by
+    helmc and built from the GGUF file (the GGUF input test's and the calibration test's one bundle)."""
     from helmc import api
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
-    from helmc.runtime.session import Session
     from helmc.testing import make_tiny_model
-    model_dir = str(tmp_path / "model")
+    root = tmp_path_factory.mktemp("gguf-build")
+    model_dir = str(root / "model")
     make_tiny_model(model_dir, "qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, **DIMS)
-    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": template}, f)
-    path = quantize_checkpoint(model_dir, "q4_k", str(tmp_path / "gguf"))
-    r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+        json.dump({"chat_template": GGUF_TEMPLATE}, f)
+    path = quantize_checkpoint(model_dir, "q4_k", str(root / "gguf"))
+    return model_dir, path, api.build(path, cpu_hardware, str(root / "bundle"), cache_dir=cache_dir, quiet=True)
+
+
+def test_gguf_file_builds_and_matches(gguf_build):
+    """A GGUF file as the model input: spec, types and tokenizer from the file, weights mmapped from it."""
+    from helmc.runtime.session import Session
+    model_dir, path, r = gguf_build
     assert r.spec.layer_types[0] == ("q4_k",) * 7 and r.spec.head_type == "q4_k"
     s = Session.load(r.bundle_dir)
     assert s.tokenizer is not None and s.tokenizer.encode("helmc compiles").ids     # read from the GGUF file
     with open(os.path.join(r.bundle_dir, "chat_template.jinja")) as f:              # the GGUF's template travels too
-        assert f.read() == template
+        assert f.read() == GGUF_TEMPLATE
     assert "chat_template.jinja" in [f.path for f in s.manifest.files]
     compare(s, hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF q4_k")
 
@@ -143,20 +152,15 @@ def test_llama_quantize_q4_k_m_file_matches(tmp_path, cpu_hardware, cache_dir):
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), "llama-quantize Q4_K_M")
 
 
-def test_calibrate_measures_a_quantized_bundle(tmp_path, cpu_hardware, cache_dir):
+def test_calibrate_measures_a_quantized_bundle(gguf_build, cpu_hardware):
     """helmc calibrate on a GGUF bundle: its stages bind the raw blocks and the embedding dequantizes its rows
     (runtime/weights/bind.Embedding), and the fit comes out finite. Not its sign: two tiny blocks are read from
     cache, and the quick profile's DRAM roofline for them may be above or below their measured step (CI, session
     19: 0.203 ms measured against 0.228, the profile's reads now medians of their passes)."""
     import math
 
-    from helmc import api
-    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     from helmc.planner.calibrate import calibrate
-    from helmc.testing import make_tiny_model
-    make_tiny_model(str(tmp_path / "model"), "qwen3", num_layers=2, head_dim=64, dtype="float16", **DIMS)
-    path = quantize_checkpoint(str(tmp_path / "model"), "q4_k", str(tmp_path / "gguf"))
-    r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+    r = gguf_build[2]
     result = calibrate(r.bundle_dir, cpu_hardware, steps=4)
     f = result.fits[0]
     print(result.summary())

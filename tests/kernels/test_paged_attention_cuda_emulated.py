@@ -147,13 +147,18 @@ def reference(q, pool, slots, T: int, t_begin: int, n: int, scale: float):
     return streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
 
 
+_LIBS: dict = {}     # (head_dim, group) -> its library: each variant is compiled once per session (g++ takes seconds)
+
+
 def build(tmp_path, head_dim, group):
-    src = tmp_path / f"kernel_{head_dim}_{group}.cpp"
-    src.write_text(HARNESS + DECODE_SOURCE + SHORT_SOURCE + DRIVER)
-    lib = tmp_path / f"kernel_{head_dim}_{group}.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-DHEAD_DIM={head_dim}",
-                    f"-DGROUP={group}", "-DHELMC_CPU_EMULATION", str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    if (head_dim, group) not in _LIBS:
+        src = tmp_path / f"kernel_{head_dim}_{group}.cpp"
+        src.write_text(HARNESS + DECODE_SOURCE + SHORT_SOURCE + DRIVER)
+        lib = tmp_path / f"kernel_{head_dim}_{group}.so"
+        subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-DHEAD_DIM={head_dim}",
+                        f"-DGROUP={group}", "-DHELMC_CPU_EMULATION", str(src), "-o", str(lib)], check=True)
+        _LIBS[(head_dim, group)] = ctypes.CDLL(str(lib))
+    return _LIBS[(head_dim, group)]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

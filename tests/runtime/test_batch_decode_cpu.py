@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from batch_decode_checks import batched_runs, compare, prompts, single_runs
+from tiny_shapes import KQUANT_DIMS
 
 pytest.importorskip("tvm.relax")
-DIMS = dict(num_layers=3, head_dim=64, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-            num_key_value_heads=2)
 AVX2 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse2")
 STEPS = 12
 
@@ -27,21 +26,30 @@ def cpu_hardware(host_hardware):
 
 
 def _session(tmp_path, hw, cache_dir, dtype="float16", quant="", batch=4, **dims):
+    """A bundle of its own: for a hardware profile or a model the session's shared bundles do not have."""
     from helmc import api
     from helmc.runtime.session import Session
     from helmc.testing import make_tiny_model
     model = str(tmp_path / "model")
-    make_tiny_model(model, "qwen3", dtype=dtype, **(dims or DIMS))
+    make_tiny_model(model, "qwen3", dtype=dtype, **(dims or KQUANT_DIMS))
     r = api.build(model, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, quant=quant, batch=batch)
     assert r.plan.batch == batch and r.plan.cpu_units == r.spec.num_units
     return Session.load(r.bundle_dir)
 
 
+def _shared_session(tiny, dtype="float16", quant=""):
+    """The session's shared batch-4 CPU bundle of the K-quant-sized Qwen3 (tests/serve/test_serve_warmup.py's too)."""
+    from helmc.runtime.session import Session
+    r = tiny.build("qwen3", dtype, batch=4, quant=quant, cpu_only=True, **KQUANT_DIMS)
+    assert r.plan.batch == 4 and r.plan.cpu_units == r.spec.num_units
+    return Session.load(r.bundle_dir)
+
+
 @pytest.mark.parametrize("dtype,quant", [("float16", ""), ("bfloat16", ""), ("float16", "q4_k_m"), ("float16", "q8_0")])
-def test_batched_decode_is_bitwise_single_decode(tmp_path, cpu_hardware, cache_dir, dtype, quant):
+def test_batched_decode_is_bitwise_single_decode(tiny, dtype, quant):
     if quant:
         pytest.importorskip("gguf")
-    s = _session(tmp_path, cpu_hardware, cache_dir, dtype, quant)
+    s = _shared_session(tiny, dtype, quant)
     vm = s.cpu_stage.vm
     for b in (2, 4):          # the variants, and what the stage and head were given of them
         for part in ("pre_attn", "post_attn", "head"):
@@ -78,11 +86,11 @@ def test_wide_model_batch_of_8(tmp_path, cpu_hardware, cache_dir):
     compare(single_runs(s, ps, 6), batched, "wide fp16 batch 8")
 
 
-def test_padding_rows_change_nothing(tmp_path, cpu_hardware, cache_dir):
+def test_padding_rows_change_nothing(tiny):
     """The batched variant's rows are independent: a row's output is the same whatever the other rows hold
     (zeros, as padding, or another sequence's values)."""
     import tvm.runtime
-    s = _session(tmp_path, cpu_hardware, cache_dir)
+    s = _shared_session(tiny)
     vm, w = s.cpu_stage.vm, s.cpu_stage.bindings[0]
     rng = np.random.default_rng(1)
     H, D = s.spec.hidden_size, s.spec.head_dim

@@ -4,26 +4,21 @@ bit-identical to an engine loaded without it, and the GC's view of what loading 
 Qwen3 bundle built for 4 sequences on the CPU (variants decode_b2, decode_b4); nothing mocked."""
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import numpy as np
 import pytest
 
+from tiny_shapes import KQUANT_DIMS
+
 pytest.importorskip("tvm.relax")
-DIMS = dict(num_layers=2, head_dim=64, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-            num_key_value_heads=2)
 MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, host_hardware, cache_dir):
-    from helmc import api
-    from helmc.testing import make_tiny_model
-    root = tmp_path_factory.mktemp("warmup")
-    make_tiny_model(str(root / "model"), "qwen3", dtype="float16", **DIMS)
-    hw = dataclasses.replace(host_hardware, gpu=None, link=None)
-    r = api.build(str(root / "model"), hw, str(root / "bundle"), cache_dir=cache_dir, quiet=True, batch=MAX_BATCH)
+def bundle(tiny):
+    # the batched CPU bundle tests/runtime/test_batch_decode_cpu.py checks too: built once per session
+    r = tiny.build("qwen3", "float16", batch=MAX_BATCH, cpu_only=True, **KQUANT_DIMS)
     assert r.plan.batch == MAX_BATCH and r.plan.cpu_units == r.spec.num_units
     return r.bundle_dir
 
