@@ -189,7 +189,8 @@ def test_gpu_plan_is_refused(tmp_path, cache_dir):
     from helmc.compiler.pipeline import build, search_plan
     from helmc.hardware.profile import HardwareProfile
     from helmc.testing import make_tiny_model
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "artifacts", "profiles", "l40s-epyc.json")) as f:
+    from helmc.hardware.profile import PRESET_DIR
+    with open(os.path.join(PRESET_DIR, "l40s-epyc.json")) as f:
         hw = HardwareProfile.from_json(f.read())
     d = str(tmp_path / "model")
     make_tiny_model(d, "qwen3_moe", num_layers=2)
