@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -137,8 +138,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
     for stage, key in jobs.items():
         if key in cache.corrupt:
-            progress(f"compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since it was "
-                     "stored); removed, rebuilding")
+            # a warning, not progress: said on stderr whether or not it is a terminal
+            print(f"helmc: warning: compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since "
+                  "it was stored); removed, rebuilding", file=sys.stderr)
     reused = tuple(stage for stage, d in hits.items() if d)
     for stage, d in hits.items():
         if d:

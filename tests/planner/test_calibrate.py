@@ -202,15 +202,15 @@ def test_calibrate_gpu_bundle_on_the_device():
 
 
 def test_profile_negative_synthetic_delta_is_clamped():
-    """Session 11's profile on the GPU machine fitted -0.79 ms per CPU block (the synthetic stage partly read from
-    L3): helmc profile sets it to 0 and says so; the GPU's positive delta stays."""
+    """A profile of the GPU machine once fitted -0.79 ms per CPU block (the synthetic stage partly read from L3):
+    helmc profile sets it to 0 and says so; the GPU's positive delta stays."""
+    import dataclasses
     import os
 
-    from helmc.hardware.profile import HardwareProfile
+    from helmc.hardware.profile import PRESET_DIR, HardwareProfile
     from helmc.planner.calibrate import clamp_negative_deltas
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    hw = HardwareProfile.load(os.path.join(root, "artifacts", "bench", "device-2026-11-25-s11", "callA", "profile",
-                                           "hardware.json"))
+    base = HardwareProfile.load(os.path.join(PRESET_DIR, "h100-sxm-profiled.json"))
+    hw = dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, block_overhead_ms=-0.79))
     assert hw.cpu.block_overhead_ms < 0 < hw.gpu.block_overhead_ms
     out = clamp_negative_deltas(hw)
     assert out.cpu.block_overhead_ms == 0.0 and out.gpu.block_overhead_ms == hw.gpu.block_overhead_ms
