@@ -62,6 +62,13 @@ def warm_up_session(session, prompt_tokens: int, new_tokens: int) -> WarmUp:
     kv_bytes = sum(kv.prefault(tokens) for kv in host_kv_caches(session))
     if session.position:
         raise HelmcError(f"warm-up: expected an empty session after it, found {session.position} tokens")
+    freeze_gc()
+    return WarmUp(kv_bytes, time.perf_counter() - t0)
+
+
+def freeze_gc() -> int:
+    """Collect once, then move every object alive (what loading made: modules, the session, its tensors) into the
+    permanent generation, where the cyclic GC no longer walks it. Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
-    return WarmUp(kv_bytes, time.perf_counter() - t0)
+    return gc.get_freeze_count()

@@ -21,11 +21,11 @@ None of it changes a token: a freed slot's stale rows are never read (attention 
 """
 from __future__ import annotations
 
-import gc
 import time
 from typing import Callable
 
 from helmc.errors import HelmcError
+from helmc.runtime.session_warmup import freeze_gc  # noqa: F401  (load_engine calls warmup.freeze_gc)
 from helmc.runtime.stage import batch_phase, decode_batch_sizes, decode_step_rows
 
 DUMMY_PROMPT_TOKENS = 2      # more than one row: the prefill variant (and a streamed prefill), not a decode step
@@ -101,11 +101,3 @@ def check_empty(model, when: str) -> None:
     if held or model.pages_in_use():
         raise HelmcError(f"warm-up: expected every slot empty {when} it, found slots {held} holding tokens and "
                          f"{model.pages_in_use()} KV pages in use")
-
-
-def freeze_gc() -> int:
-    """Collect once, then move every object alive (what loading made: modules, the session, its tensors) into the
-    permanent generation, where the cyclic GC no longer walks it. Returns how many objects were frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
