@@ -60,15 +60,20 @@ class MoeFeedForward:
     def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts):
         h, m, logits = self._post[phase](x, attn, w_o, ln2, w_router)
         h = np.array(self.to_array(h), dtype=np.float32)                  # [S, H], a copy of our own
-        m = self.to_array(m)                                              # [S, H]
-        idx, w = route(self.to_array(logits), self.moe)                   # [S, E] -> [S, k] each
+        return self.from_array(h + self.routed_sum(phase, self.to_array(m), self.to_array(logits), experts))
+
+    def routed_sum(self, phase: str, m: np.ndarray, logits: np.ndarray, experts: LayerExperts) -> np.ndarray:
+        """The block's routed feed-forward on host rows: m [S, H] (the experts' input, the stage's activation
+        dtype), logits [S, E] the router's -> fp32 [S, H], each row's selected experts weighted and summed
+        (without the residual)."""
+        idx, w = route(logits, self.moe)                                  # [S, E] -> [S, k] each
         decode = phase != "prefill"
-        out = np.zeros_like(h)
+        out = np.zeros((m.shape[0], m.shape[1]), np.float32)              # [S, H]
         for e in np.unique(idx):                                          # ascending: each row's sum order fixed
             rows, slot = np.nonzero(idx == e)
             y = self._run_expert(decode, np.ascontiguousarray(m[rows]), experts.experts[e])
             out[rows] += w[rows, slot, None] * y
-        return self.from_array(h + out)
+        return out
 
     def _run_expert(self, decode: bool, rows: np.ndarray, weights) -> np.ndarray:
         """The expert on `rows` [r, H]: decode on the one-row GEMV or the smallest batched variant that holds r

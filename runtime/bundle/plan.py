@@ -148,6 +148,10 @@ class Plan:
     staging_ring_bytes: int = 0
     t_copy_ms: float = 0.0           # the streamed groups' copies alone, summed (overlapped inside t_cpu_ms)
     hybrid_candidates: tuple[HybridCandidate, ...] = ()   # the best layout per pair count
+    # Mixture of experts: per block (index = block), the routed experts whose weights live in VRAM, sorted; the
+    # block's other experts run on the CPU from host RAM. Empty: every routed expert in host RAM (a dense model,
+    # or a MoE model whose experts all stay on the CPU).
+    gpu_experts: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         if self.format_version != PLAN_FORMAT_VERSION:
@@ -175,6 +179,18 @@ class Plan:
                              f"block, found {len(self.cpu_layers)} CPU blocks, staging {self.prefill_staging_bytes} B")
         if min(self.prefill_chunk_tokens, self.prefill_staging_bytes, self.gpu_kv_pool_bytes) < 0:
             raise HelmcError("plan: prefill_chunk_tokens, prefill_staging_bytes and gpu_kv_pool_bytes expected >= 0")
+        self._check_gpu_experts()
+
+    def _check_gpu_experts(self) -> None:
+        if not self.gpu_experts:
+            return
+        if len(self.gpu_experts) != self.num_layers:
+            raise HelmcError(f"plan: gpu_experts expected one entry per block ({self.num_layers}), found "
+                             f"{len(self.gpu_experts)}")
+        for i, ids in enumerate(self.gpu_experts):
+            if list(ids) != sorted(set(ids)) or any(not isinstance(e, int) or e < 0 for e in ids):
+                raise HelmcError(f"plan: gpu_experts of block {i} expected increasing expert indices, found "
+                                 f"{str(ids)[:80]}")
 
     def _check_groups(self) -> None:
         if not self.groups:
@@ -278,6 +294,8 @@ class Plan:
             for key in _HYBRID_KEYS:
                 if d[key] in ([], 0, 0.0):
                     del d[key]
+        if not self.gpu_experts:
+            del d["gpu_experts"]
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
