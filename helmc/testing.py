@@ -6,6 +6,8 @@ exactly what a user's checkpoint looks like. Needs torch and transformers (test/
 """
 from __future__ import annotations
 
+import re
+
 import os
 
 import numpy as np
@@ -112,6 +114,7 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ck = GGUFCheckpoint(gguf_path)
     params = dict(model.named_parameters())
+    expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
     for name in ck.names():
         info = ck.info(name)
         w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
@@ -119,8 +122,16 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
         if name == "lm_head.weight" and name not in params:          # tied in HF, its own tensor in the file
             model.lm_head.weight = torch.nn.Parameter(w)
             continue
+        m = expert.fullmatch(name) if name not in params else None
         with torch.no_grad():
-            params[name].copy_(w)
+            if m is None:
+                params[name].copy_(w)
+            elif m.group(3) == "down":          # transformers' experts: down_proj [E, H, I]
+                params[f"{m.group(1)}.down_proj"][int(m.group(2))].copy_(w)
+            else:                               # gate_up_proj [E, 2I, H]: gate's rows, then up's
+                rows = w.shape[0]
+                half = slice(0, rows) if m.group(3) == "gate" else slice(rows, 2 * rows)
+                params[f"{m.group(1)}.gate_up_proj"][int(m.group(2)), half].copy_(w)
     if "lm_head.weight" in params and "lm_head.weight" in ck.names():
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr() or \
             np.array_equal(ck.raw_hf("lm_head.weight"), ck.raw_hf("model.embed_tokens.weight"))

@@ -26,6 +26,8 @@ class LayerExperts:
     """One MoE block's experts' weights on the stage's device: per expert (gate, up, down), the expert
     function's parameter order. One copy, bound from the checkpoint as the block's other weights."""
     experts: tuple[tuple[Any, Any, Any], ...]
+    signature: int = 0               # the block's expert type signature (ModelSpec.expert_signatures()): which
+                                     # compiled expert function reads these weights
 
 
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -43,22 +45,25 @@ def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
 
 class MoeFeedForward:
     """The post-attention half of a MoE block, called as the dense post_attn is:
-    `ffn(phase)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a device tensor [S, H])."""
+    `ffn(phase, signature)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a device tensor [S, H]), signature
+    the block's type signature (its o_proj's type picks the post_moe copy, as post_attn's)."""
 
     def __init__(self, vm, moe: MoeSpec, phases: tuple[str, ...], batch_sizes: tuple[int, ...],
-                 to_array: Callable, from_array: Callable):
+                 to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,)):
+        from helmc.runtime.stage import block_function_name
         self.moe = moe
         self.to_array, self.from_array = to_array, from_array
-        self._post = {p: vm[f"post_moe_{p}"] for p in phases}
-        self._expert = {p: vm[f"expert_{p}"] for p in phases}
+        self._post = {(p, j): vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
+        self._expert = {(p, j): vm[block_function_name("expert", p, j)] for p in phases for j in set(expert_signatures)}
         self._decode_rows = (1,) + tuple(batch_sizes)    # the expert's decode variants, by row count
-        self._calls = {p: (lambda *a, _p=p: self.forward(_p, *a)) for p in phases}
+        self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
+                       for p in phases for j in set(signatures)}
 
-    def __call__(self, phase: str) -> Callable:
-        return self._calls[phase]
+    def __call__(self, phase: str, signature: int = 0) -> Callable:
+        return self._calls[(phase, signature)]
 
-    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts):
-        h, m, logits = self._post[phase](x, attn, w_o, ln2, w_router)
+    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
+        h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
         h = np.array(self.to_array(h), dtype=np.float32)                  # [S, H], a copy of our own
         return self.from_array(h + self.routed_sum(phase, self.to_array(m), self.to_array(logits), experts))
 
@@ -71,18 +76,18 @@ class MoeFeedForward:
         out = np.zeros((m.shape[0], m.shape[1]), np.float32)              # [S, H]
         for e in np.unique(idx):                                          # ascending: each row's sum order fixed
             rows, slot = np.nonzero(idx == e)
-            y = self._run_expert(decode, np.ascontiguousarray(m[rows]), experts.experts[e])
+            y = self._run_expert(decode, np.ascontiguousarray(m[rows]), experts.experts[e], experts.signature)
             out[rows] += w[rows, slot, None] * y
         return out
 
-    def _run_expert(self, decode: bool, rows: np.ndarray, weights) -> np.ndarray:
+    def _run_expert(self, decode: bool, rows: np.ndarray, weights, signature: int = 0) -> np.ndarray:
         """The expert on `rows` [r, H]: decode on the one-row GEMV or the smallest batched variant that holds r
         (padded with zero rows, dropped after), prefill on the GEMM variant with r rows."""
         r = rows.shape[0]
         if not decode:
-            return np.array(self.to_array(self._expert["prefill"](self.from_array(rows), *weights)))
+            return np.array(self.to_array(self._expert[("prefill", signature)](self.from_array(rows), *weights)))
         n = next(b for b in self._decode_rows if b >= r)
         if n > r:
             rows = np.concatenate([rows, np.zeros((n - r, rows.shape[1]), rows.dtype)])
         phase = "decode" if n == 1 else f"decode_b{n}"
-        return np.array(self.to_array(self._expert[phase](self.from_array(rows), *weights)))[:r]
+        return np.array(self.to_array(self._expert[(phase, signature)](self.from_array(rows), *weights)))[:r]

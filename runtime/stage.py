@@ -91,7 +91,8 @@ class Stage:
         self._moe = None
         if any(self._moe_layer):
             from helmc.runtime.moe_experts import MoeFeedForward
-            self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array)
+            self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array, self._signature,
+                                       [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)])
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
         # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches, or another stage's over the same caches
         # (shared_gpu_decode_batch)
@@ -158,7 +159,7 @@ class Stage:
 
     def _post_fn(self, local: int, phase: str, signature: int):
         """The post-attention call of the stage's block `local`: the compiled post_attn, or a MoE block's."""
-        return self._moe(phase) if self._moe_layer[local] else self._post[(phase, signature)]
+        return self._moe(phase, signature) if self._moe_layer[local] else self._post[(phase, signature)]
 
     def attend_rows(self, layer: int, q, k, v, caches: list, starts: list[int], rows: list[int], S: int, batch=None):
         """forward_batch's attention for one block: sequence b's rows starts[b].. append to and attend over

@@ -56,7 +56,8 @@ CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
 FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
 # HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
-_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items() if not a.moe}   # MoE experts are not quantized yet
+# A MoE architecture whose GGUF files helmc reads back (Qwen3-MoE; Mixtral's llama-with-experts files are not).
+_GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items() if a.reads_gguf or not a.moe}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -150,13 +151,34 @@ def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -
     H, V = spec.hidden_size, spec.vocab_size
     plan = [entry("model.embed_tokens.weight", "f16", (V, H))]
     for i in range(spec.num_layers):
-        for local, shape in spec.block_weight_shapes().items():
+        for local, shape in spec.block_weight_shapes(i).items():
             hf = f"model.layers.{i}.{local}"
-            plan.append(entry(hf, "linear" if local in _LINEARS else "f32", shape))
+            kind = spec.moe.expert_kind(local) if spec.is_moe_layer(i) else None
+            if kind is None:
+                plan.append(entry(hf, "linear" if local in _LINEARS else "f32", shape))
+            elif local == spec.moe.expert_weight_names(0)[kind]:    # the block's experts of this kind, stacked
+                plan.append(_stacked_experts(spec, i, kind, ckpt, linear_type))
     plan.append(entry("model.norm.weight", "f32", (H,)))
     plan.append(entry("lm_head.weight", "linear", (V, H),
                       source="model.embed_tokens.weight" if spec.tie_word_embeddings else None))
     return plan
+
+
+def _stacked_experts(spec: ModelSpec, layer: int, kind: int, ckpt: Checkpoint, linear_type) -> tuple:
+    """The plan entry of block `layer`'s experts of one kind (gate, up, down) as llama.cpp stacks them: one GGUF
+    tensor [experts, rows, cols] whose sources are the experts' HF tensors in order; the type is what the mix gives
+    the dense weight of the same kind (Q4_K_M's Q6_K ffn_down blocks keep their experts' down in Q6_K too)."""
+    moe = spec.moe
+    sources = tuple(f"model.layers.{layer}.{moe.expert_weight_names(e)[kind]}" for e in range(moe.num_experts))
+    expect = spec.block_weight_shapes(layer)[moe.expert_weight_names(0)[kind]]
+    for src in sources:
+        if tuple(ckpt.info(src).shape) != tuple(expect):
+            raise HelmcError(f"weights: {src} shape expected {list(expect)} from config.json, found "
+                             f"{list(ckpt.info(src).shape)}")
+    dense = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")[kind]
+    t = linear_type(f"model.layers.{layer}.{dense}", expect)
+    stem = gguf_name(sources[0])[:-len(".0.weight")]                # blk.N.ffn_gate_exps
+    return (f"{stem}.weight", sources, t, (moe.num_experts, *expect))
 
 
 def _llama_row_order(spec: ModelSpec, name: str, rows: int) -> np.ndarray | None:
@@ -209,7 +231,10 @@ def _write_gguf(path, model_dir, spec, ckpt, quant, plan, say: Progress) -> None
         w.write_ti_data_to_file()
         with steps(say, f"quantize: {len(plan)} tensors to {quant}", len(plan)) as bar:
             for name, src, t, shape in plan:
-                data = _encode(ckpt.view(src), ckpt.info(src).dtype, t, _llama_row_order(spec, name, shape[0]))
+                if isinstance(src, tuple):      # stacked experts: each expert's rows, one after another
+                    data = np.concatenate([_encode(ckpt.view(e), ckpt.info(e).dtype, t, None) for e in src])
+                else:
+                    data = _encode(ckpt.view(src), ckpt.info(src).dtype, t, _llama_row_order(spec, name, shape[0]))
                 w.write_tensor_data(data)
                 del data
                 bar.advance()
@@ -237,6 +262,10 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
+    if spec.moe is not None:
+        w.add_expert_count(spec.moe.num_experts)
+        w.add_expert_used_count(spec.moe.top_k)
+        w.add_expert_feed_forward_length(spec.moe.expert_intermediate_size)
     if ARCHITECTURES[spec.architecture].gguf_vocab_and_rope_dims:
         w.add_vocab_size(spec.vocab_size)
         w.add_rope_dimension_count(spec.head_dim)

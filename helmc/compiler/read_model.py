@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from helmc.compiler.model_files import check_model_files
 from helmc.errors import HelmcError
 from helmc.jsonio import read_regular_file
+from helmc.model.arch import ARCHITECTURES
 from helmc.model.load import is_gguf, load_spec
 from helmc.model.spec import ModelSpec
 
 _HASHED_HEADER_BYTES = 1 << 20
+# Mixture-of-experts architectures --quant writes a GGUF of (one whose experts stack in GGUF tensors helmc reads back).
+_QUANTIZABLE_MOE = tuple(a.hf_class for a in ARCHITECTURES.values() if a.moe and a.reads_gguf)
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,9 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if not quant:
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
-    if spec.moe is not None:
-        raise HelmcError(f"--quant: expected a dense model, found the mixture of experts {spec.architecture} "
-                         "(quantized experts are not supported yet: build it without --quant)")
+    if spec.moe is not None and spec.architecture not in _QUANTIZABLE_MOE:
+        raise HelmcError(f"--quant: expected a dense model or one of {', '.join(_QUANTIZABLE_MOE)}, found the mixture "
+                         f"of experts {spec.architecture} (build it without --quant)")
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)

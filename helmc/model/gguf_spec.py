@@ -25,7 +25,8 @@ import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF
-from helmc.model.arch.tensors import DENSE_BLOCK, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
+from helmc.model.arch.tensors import DENSE_BLOCK, EXTRA_TENSORS, MOE_EXPERT_TENSORS, QK_PERMUTED, ROOT_TENSORS
+from helmc.model.moe import MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.model.weight_types import WEIGHT_TYPES
 
@@ -43,12 +44,20 @@ PERMUTED_FOR_LLAMA = QK_PERMUTED
 
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# One expert's weight: HF model.layers.N.mlp.experts.E.gate_proj.weight <-> blk.N.ffn_gate_exps.E.weight, the slice E
+# of the file's stacked blk.N.ffn_gate_exps.weight (expert_slices names them so).
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_GGUF_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(\d+)\.weight")
+_GGUF_STACKED = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
+_EXPERT_HF_KIND = {g: h for h, g in MOE_EXPERT_TENSORS.items()}
 
 
 def gguf_name(hf_name: str) -> str:
     """llama.cpp's name of a Hugging Face parameter name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
     if hf_name in HF_TO_GGUF_ROOT:
         return HF_TO_GGUF_ROOT[hf_name]
+    if m := _HF_EXPERT.fullmatch(hf_name):
+        return f"blk.{m.group(1)}.{MOE_EXPERT_TENSORS[m.group(3)]}.{m.group(2)}.weight"
     m = _HF_BLOCK.fullmatch(hf_name)
     if m and m.group(2) in HF_TO_GGUF_BLOCK:
         return f"blk.{m.group(1)}.{HF_TO_GGUF_BLOCK[m.group(2)]}"
@@ -59,6 +68,8 @@ def hf_name(gguf_name: str) -> str:
     """The Hugging Face parameter name of a llama.cpp tensor name (blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight)."""
     if gguf_name in GGUF_TO_HF_ROOT:
         return GGUF_TO_HF_ROOT[gguf_name]
+    if m := _GGUF_EXPERT.fullmatch(gguf_name):
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{_EXPERT_HF_KIND[m.group(2)]}.weight"
     m = _GGUF_BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in GGUF_TO_HF_BLOCK:
         return f"model.layers.{m.group(1)}.{GGUF_TO_HF_BLOCK[m.group(2)]}"
@@ -265,11 +276,33 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             if name != "f32":
                 raise HelmcError(f"{path}: tensor 'rope_freqs.weight' expected F32, found {t.tensor_type.name}")
             rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    if getattr(ARCH_BY_GGUF.get(arch), "moe", False):
+        tensors = expert_slices(path, tensors)
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:                    # llama.cpp lays tensors out one after another; two views of one span are corrupt
             raise HelmcError(f"{path}: tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap in the file")
     return GGUFHeader(path, arch, metadata, tensors, n_tokens, rope_freqs)
+
+
+def expert_slices(path: str, tensors: dict) -> dict:
+    """`tensors` with each stacked expert tensor (blk.N.ffn_gate_exps.weight, dims [cols, rows, experts]) replaced
+    by one entry per expert (blk.N.ffn_gate_exps.E.weight, dims [cols, rows]): expert E's rows lie together in the
+    file, so each is a plain 2-D tensor at its own offset, bound zero-copy like any other."""
+    out = {}
+    for name, t in tensors.items():
+        if not _GGUF_STACKED.fullmatch(name):
+            out[name] = t
+            continue
+        if len(t.dims) != 3 or t.dims[2] < 1:
+            raise HelmcError(f"{path}: tensor {name!r}: expected GGUF dims [cols, rows, experts], found {list(t.dims)}")
+        experts = t.dims[2]
+        each = t.nbytes // experts                     # [experts, rows, row bytes]: one expert's rows together
+        stem = name[:-len(".weight")]
+        for e in range(experts):
+            out[f"{stem}.{e}.weight"] = GGUFTensor(f"{stem}.{e}.weight", t.type, t.dims[:2], t.offset + e * each, each,
+                                                   t.block_weights, t.block_bytes)
+    return out
 
 
 # ---- the ModelSpec --------------------------------------------------------------------------------
@@ -329,9 +362,22 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
         qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=ARCH_BY_GGUF[arch].qk_norm, sliding_window=0,
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
+    if ARCH_BY_GGUF[arch].moe:
+        fields["moe"] = _moe(h, key, fields["num_layers"])
     try:
         return ModelSpec(**fields)
     except HelmcError as e:                  # ModelSpec's own checks: say which file they are about
+        raise HelmcError(f"{h.path}: {e}") from None
+
+
+def _moe(h: GGUFHeader, key, num_layers: int) -> MoeSpec:
+    """The experts' layout of a MoE file: {arch}.expert_count, expert_used_count, expert_feed_forward_length;
+    a block without a router (ffn_gate_inp) is dense; llama.cpp renormalises the top-k of qwen3moe always."""
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in h.tensors)
+    try:
+        return MoeSpec(num_experts=key("expert_count"), top_k=key("expert_used_count"), norm_topk_prob=True,
+                       expert_intermediate_size=key("expert_feed_forward_length"), dense_layers=dense)
+    except HelmcError as e:
         raise HelmcError(f"{h.path}: {e}") from None
 
 
@@ -395,7 +441,7 @@ def expected_hf_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     for i in range(spec.num_layers):
-        out.update({f"model.layers.{i}.{n}": s for n, s in spec.block_weight_shapes().items()})
+        out.update({f"model.layers.{i}.{n}": s for n, s in spec.block_weight_shapes(i).items()})
     return out
 
 

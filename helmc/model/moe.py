@@ -64,6 +64,14 @@ class MoeSpec:
         function's parameter order."""
         return tuple(n.format(e=expert) for n in NAMINGS[self.naming][1])
 
+    def expert_kind(self, name: str) -> int | None:
+        """0, 1, 2 for an expert's gate, up, down weight name (relative to model.layers.{i}.), else None."""
+        for kind, template in enumerate(NAMINGS[self.naming][1]):
+            head, tail = template.split("{e}")
+            if name.startswith(head) and name.endswith(tail) and name[len(head):len(name) - len(tail)].isdigit():
+                return kind
+        return None
+
     def layer_weight_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """The feed-forward weights of a MoE block: the router's, then every expert's gate, up, down."""
         I = self.expert_intermediate_size

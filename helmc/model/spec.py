@@ -86,6 +86,9 @@ class ModelSpec:
     embed_type: str = ""
     # Mixture of experts (helmc/model/moe.py): the router and expert layout; None for a dense model.
     moe: MoeSpec | None = None
+    # Quantized experts: per block, the (gate, up, down) types of its experts (every expert of a block has its
+    # block's: a GGUF file stacks them in one tensor per kind); ("", "", "") for a dense block. Empty: float experts.
+    expert_types: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self):
         # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
@@ -110,9 +113,10 @@ class ModelSpec:
             if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
                 raise HelmcError(f"model spec: moe dense_layers expected indices below {self.num_layers}, found "
                                  f"{self.moe.dense_layers[-1]}")
-            if self.layer_types:
-                raise HelmcError("model spec: expected float weights for a mixture-of-experts model, found quantized "
-                                 "block types (quantized experts are not supported yet)")
+        if self.expert_types and (self.moe is None or len(self.expert_types) != self.num_layers
+                                  or any(len(t) != 3 or any(x not in quant for x in t) for t in self.expert_types)):
+            raise HelmcError(f"model spec: expert_types expected, for a mixture of experts, {self.num_layers} "
+                             f"(gate, up, down) types from {sorted(quant)}, found {str(self.expert_types)[:80]}")
         if self.head_type not in quant or self.embed_type not in quant:
             raise HelmcError(f"model spec: head_type and embed_type expected one of {sorted(quant)}, found "
                              f"{self.head_type!r}, {self.embed_type!r}")
@@ -120,7 +124,16 @@ class ModelSpec:
     # ---- quantized weights ------------------------------------------------------------------
     @property
     def quantized(self) -> bool:
-        return bool(self.layer_types or self.head_type or self.embed_type)
+        return bool(self.layer_types or self.head_type or self.embed_type or self.expert_types)
+
+    def expert_signatures(self) -> tuple[tuple[str, str, str], ...]:
+        """The distinct (gate, up, down) expert types of the routed blocks, in order of first use: one compiled
+        expert function each. Float experts: one, all ""."""
+        sigs = tuple(dict.fromkeys(self.expert_types[i] for i in range(self.num_layers) if self.is_moe_layer(i)))
+        return sigs if self.expert_types and sigs else (("", "", ""),)
+
+    def expert_signature_index(self, layer: int) -> int:
+        return self.expert_signatures().index(self.expert_types[layer]) if self.expert_types else 0
 
     def block_signatures(self) -> tuple[tuple[str, ...], ...]:
         """The distinct per-block type signatures, in order of first use; one compiled block function each
@@ -134,6 +147,8 @@ class ModelSpec:
 
     def weight_type(self, layer: int, name: str) -> str:
         """Type of block `layer`'s weight `name` (relative to model.layers.{i}.): a QUANT_BLOCKS key or ""."""
+        if self.expert_types and self.moe is not None and (kind := self.moe.expert_kind(name)) is not None:
+            return self.expert_types[layer][kind]
         if not self.layer_types or name not in LINEAR_NAMES:
             return ""
         return self.layer_types[layer][LINEAR_NAMES.index(name)]
@@ -368,5 +383,12 @@ def with_weight_types(spec: ModelSpec, types: dict[str, str]) -> ModelSpec:
     layers = tuple(tuple(q(f"model.layers.{i}.{n}") for n in LINEAR_NAMES) for i in range(spec.num_layers))
     if not any(t for sig in layers for t in sig):
         layers = ()
+    experts = ()
+    if spec.moe is not None:                 # expert 0's types are its block's (one stacked tensor per kind)
+        experts = tuple(tuple(q(f"model.layers.{i}.{n}") for n in spec.moe.expert_weight_names(0))
+                        if spec.is_moe_layer(i) else ("", "", "") for i in range(spec.num_layers))
+        if not any(t for sig in experts for t in sig):
+            experts = ()
     lm = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    return dataclasses.replace(spec, layer_types=layers, head_type=q(lm), embed_type=q("model.embed_tokens.weight"))
+    return dataclasses.replace(spec, layer_types=layers, head_type=q(lm), embed_type=q("model.embed_tokens.weight"),
+                               expert_types=experts)

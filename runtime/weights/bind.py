@@ -98,7 +98,8 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
             if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
                 from helmc.runtime.moe_experts import LayerExperts
                 post.append(LayerExperts(tuple(tuple(load(w) for w in spec.moe.expert_weight_names(e))
-                                               for e in range(spec.moe.num_experts))))
+                                               for e in range(spec.moe.num_experts)),
+                                         spec.expert_signature_index(i)))
             out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
             release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
             bar.advance()

@@ -48,7 +48,7 @@ def test_gguf_permutation_and_writer_names_come_from_the_entry():
     from helmc.model.gguf_spec import permuted_heads
     spec = ModelSpec.from_hf_config({**_CONFIG, "architectures": ["LlamaForCausalLM"]})
     assert _GGUF_ARCH == {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-                          "MistralForCausalLM": "llama"}
+                          "MistralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
     assert permuted_heads("llama", spec, "blk.0.attn_q.weight") == 4
     assert permuted_heads("llama", spec, "blk.0.attn_k.bias") == 2
     assert permuted_heads("qwen2", spec, "blk.0.attn_q.weight") == 0

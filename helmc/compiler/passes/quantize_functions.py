@@ -29,24 +29,38 @@ def quantize_functions(mod: tvm.IRModule, spec: ModelSpec) -> tuple[tvm.IRModule
     # prefill, decode and the batched decode variants (import_relax), as signature 0's functions name them
     phases = [name[len("pre_attn_"):] for name in funcs if name.startswith("pre_attn_")]
     weight_types: dict = {}
-    parts = (("pre_attn", spec.pre_attn_weight_names()), ("post_attn", spec.post_attn_weight_names()))
+    moe_layer = next((i for i in range(spec.num_layers) if spec.is_moe_layer(i)), None)
+    parts = [("pre_attn", lambda layer: spec.pre_attn_weight_names()),
+             ("post_attn", lambda layer: spec.post_attn_weight_names())]
+    if moe_layer is not None:       # a routed block's post_moe: its o_proj's type follows the block's signature
+        parts.append(("post_moe", lambda layer: spec.post_attn_weight_names(moe_layer)))
     for j, signature in enumerate(spec.block_signatures()):
         layer = spec.layer_types.index(signature) if spec.layer_types else 0
         for part, names in parts:
-            types = {weight_param_name(i): spec.weight_type(layer, n) for i, n in enumerate(names)}
-            types = {p: t for p, t in types.items() if t}
-            for phase in phases:
-                name = block_function_name(part, phase, j)
-                if name not in funcs:   # signature 0 is the exported function itself
-                    base = funcs[block_function_name(part, phase)]
-                    funcs[name] = relax.utils.copy_with_new_vars(base).with_attr("global_symbol", name)
-                if types:
-                    weight_types[name] = types
+            types = {weight_param_name(i): spec.weight_type(layer, n) for i, n in enumerate(names(layer))}
+            _add_signature(funcs, weight_types, part, phases, j, types)
+    if moe_layer is not None:       # the expert function, one per (gate, up, down) type signature
+        for j, signature in enumerate(spec.expert_signatures()):
+            _add_signature(funcs, weight_types, "expert", phases, j,
+                           {weight_param_name(i): t for i, t in enumerate(signature)})
     head_type = spec.head_type
     if head_type:
         for phase in phases:
             weight_types[f"head_{phase}"] = {weight_param_name(1): head_type}   # (norm, lm_head)
     return tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in funcs.items()}), weight_types
+
+
+def _add_signature(funcs: dict, weight_types: dict, part: str, phases: list, j: int, types: dict) -> None:
+    """Signature j's copy of `part` in every phase (signature 0 is the exported function itself), and its
+    quantized weight parameters in weight_types."""
+    types = {p: t for p, t in types.items() if t}
+    for phase in phases:
+        name = block_function_name(part, phase, j)
+        if name not in funcs:
+            base = funcs[block_function_name(part, phase)]
+            funcs[name] = relax.utils.copy_with_new_vars(base).with_attr("global_symbol", name)
+        if types:
+            weight_types[name] = types
 
 
 def raw_weight_params(func: relax.Function, types: dict) -> dict:

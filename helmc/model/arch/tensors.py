@@ -16,3 +16,7 @@ DENSE_BLOCK = {
 QK_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}
 # Tensors a GGUF may carry that have no HF parameter: llama3 RoPE factors (folded into ModelSpec.rope).
 EXTRA_TENSORS = ("rope_freqs.weight",)
+# A mixture-of-experts block (Qwen3-MoE): the router, and each kind of expert weight stacked over the experts in one
+# 3-D GGUF tensor [experts, rows, cols]; the GGUF reader gives expert e's slice the name blk.N.ffn_gate_exps.{e}.weight.
+MOE_BLOCK = {"mlp.gate.weight": "ffn_gate_inp.weight"}
+MOE_EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
