@@ -331,13 +331,35 @@ class GpuParts:
                 a += n
             return self._head_of_last_rows(last)                                    # [B, V], B = len(rows) > 1
 
+def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int, free: int, pool_loan: int):
+    """The GPU stage's paged KV cache, after its weights are bound: the pages get what the plan left them, with the
+    streamed prefill's loan as their floor. free: the VRAM free before anything of the session was allocated."""
+    import cupy as cp
+
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
+    free_after, _ = cp.cuda.runtime.memGetInfo()
+    page_tokens = kv_options.page_tokens
+    if plan.gpu_kv_pool_bytes:
+        # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
+        # reserve; the pages get what it left, with the loan as their floor.
+        page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
+        budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, pool_loan, free_after, page_bytes, loan_beside=plan.batch > 1)
+    else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
+        budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
+        budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
+    return KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
+                      max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
+                      watermark=kv_options.watermark, offload=kv_options.offload,
+                      sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
+                      ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
+
+
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
     import cupy as cp
     import tvm.runtime
 
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
-    from helmc.runtime.kv.cache_gpu import KVCacheGPU
-    from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, loader_progress, progress
     from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
@@ -353,7 +375,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                          "(prefill_on_gpu), found one without")
     cpu_blocks = plan.cpu_compute_layers if hybrid else plan.cpu_layers    # the blocks the CPU computes in decode
     cpu_step = None
-    cpu_stage = None
+    cpu_stage = cpu_vm = None
     if len(plan.cpu_layers):
         cpu_vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
         pinned = None
@@ -394,26 +416,19 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
     stage = None
     if kv_layers:
-        bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet), to_device=upload)
-        free_after, _ = cp.cuda.runtime.memGetInfo()
-        page_tokens = kv_options.page_tokens
-        pool_loan = 0 if ring_lends else loan
-        if plan.gpu_kv_pool_bytes:
-            # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
-            # reserve; the pages get what it left, with the loan as their floor.
-            page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
-            budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, pool_loan, free_after, page_bytes,
-                                   loan_beside=plan.batch > 1)
-        else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
-            budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
-            budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
-        kv = KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
-                        max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
-                        watermark=kv_options.watermark, offload=kv_options.offload,
-                        sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
-                        ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
+        moe = None
+        if any(spec.is_moe_layer(i) for i in layers):    # the routed experts stay on the host, computed by the CPU
+            from helmc.runtime.moe_gpu import gpu_moe_feed_forward
+            from helmc.runtime.weights.bind import tensor_to_device
+            cpu_vm = cpu_vm or load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
+            moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(plan.batch), tvm_to_cupy,
+                                       cupy_to_tvm)
+        bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet), to_device=upload,
+                               experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
+                               experts_in_vram=plan.gpu_experts)
+        kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, 0 if ring_lends else loan)
         stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
-                      batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers))
+                      batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers), moe=moe)
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}
@@ -428,8 +443,9 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                                    ops=stage.kv.ops if stage is not None else None,
                                    lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
+    # a step with MoE blocks waits on the host for their experts: no graph captures it
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
-             if stage is not None and kv_options.cuda_graph else None)
+             if stage is not None and kv_options.cuda_graph and stage._moe is None else None)
     decode = None
     if hybrid:
         from helmc.runtime.hybrid.load import hybrid_decode

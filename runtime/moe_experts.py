@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from helmc.model.moe import MoeSpec
+from helmc.runtime.function_names import block_function_name
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class LayerExperts:
     experts: tuple[tuple[Any, Any, Any], ...]
     signature: int = 0               # the block's expert type signature (ModelSpec.expert_signatures()): which
                                      # compiled expert function reads these weights
+    on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.gpu_experts)
 
 
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -49,10 +51,10 @@ class MoeFeedForward:
     the block's type signature (its o_proj's type picks the post_moe copy, as post_attn's)."""
 
     def __init__(self, vm, moe: MoeSpec, phases: tuple[str, ...], batch_sizes: tuple[int, ...],
-                 to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,)):
-        from helmc.runtime.stage import block_function_name
+                 to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,), xp=np):
         self.moe = moe
         self.to_array, self.from_array = to_array, from_array
+        self.xp = xp                                     # the arrays' module: NumPy on the host, CuPy on a GPU
         self._post = {(p, j): vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
         self._expert = {(p, j): vm[block_function_name("expert", p, j)] for p in phases for j in set(expert_signatures)}
         self._decode_rows = (1,) + tuple(batch_sizes)    # the expert's decode variants, by row count
@@ -71,23 +73,34 @@ class MoeFeedForward:
         """The block's routed feed-forward on host rows: m [S, H] (the experts' input, the stage's activation
         dtype), logits [S, E] the router's -> fp32 [S, H], each row's selected experts weighted and summed
         (without the residual)."""
-        idx, w = route(logits, self.moe)                                  # [S, E] -> [S, k] each
+        return self.expert_sum(phase, m, *route(logits, self.moe), experts)
+
+    def expert_sum(self, phase: str, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only=None,
+                   skip=frozenset()):
+        """sum over the selected experts (idx, w [S, k] from route; those in `only` where given, none of `skip`)
+        of w * expert(m),
+        fp32 [S, H] in this object's array module, the experts in ascending order: each row's sum order fixed."""
+        xp = self.xp
         decode = phase != "prefill"
-        out = np.zeros((m.shape[0], m.shape[1]), np.float32)              # [S, H]
-        for e in np.unique(idx):                                          # ascending: each row's sum order fixed
+        out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
+        for e in np.unique(idx):
+            if (only is not None and int(e) not in only) or int(e) in skip:
+                continue
             rows, slot = np.nonzero(idx == e)
-            y = self._run_expert(decode, np.ascontiguousarray(m[rows]), experts.experts[e], experts.signature)
-            out[rows] += w[rows, slot, None] * y
+            y = self._run_expert(decode, xp.ascontiguousarray(m[xp.asarray(rows)]), experts.experts[e],
+                                 experts.signature)
+            out[xp.asarray(rows)] += xp.asarray(w[rows, slot, None]) * y
         return out
 
     def _run_expert(self, decode: bool, rows: np.ndarray, weights, signature: int = 0) -> np.ndarray:
         """The expert on `rows` [r, H]: decode on the one-row GEMV or the smallest batched variant that holds r
         (padded with zero rows, dropped after), prefill on the GEMM variant with r rows."""
         r = rows.shape[0]
+        xp = self.xp
         if not decode:
-            return np.array(self.to_array(self._expert[("prefill", signature)](self.from_array(rows), *weights)))
+            return xp.array(self.to_array(self._expert[("prefill", signature)](self.from_array(rows), *weights)))
         n = next(b for b in self._decode_rows if b >= r)
         if n > r:
-            rows = np.concatenate([rows, np.zeros((n - r, rows.shape[1]), rows.dtype)])
+            rows = xp.concatenate([rows, xp.zeros((n - r, rows.shape[1]), rows.dtype)])
         phase = "decode" if n == 1 else f"decode_b{n}"
-        return np.array(self.to_array(self._expert[(phase, signature)](self.from_array(rows), *weights)))[:r]
+        return xp.array(self.to_array(self._expert[(phase, signature)](self.from_array(rows), *weights)))[:r]

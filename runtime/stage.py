@@ -15,20 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from helmc.model.spec import ModelSpec
-
-
-def block_function_name(part: str, phase: str, signature: int = 0) -> str:
-    """The compiled function for `part` (pre_attn | post_attn) in `phase` (prefill | decode) of the blocks whose
-    weights have type signature `signature` (ModelSpec.block_signatures(): one for unquantized models, two for a
-    Q4_K_M file); the compiler names the functions with it and the stage calls them by it."""
-    return f"{part}_{phase}" if signature == 0 else f"{part}_{phase}_t{signature}"
-
-
-def batch_phase(batch: int) -> str:
-    """The phase of the decode step of `batch` sequences, one token each: "decode" for one, else the batched
-    decode variant "decode_b{batch}" (static rows: each row's result bit-identical to its own one-token decode,
-    as the GEMVs are batch-invariant; import_relax makes the variants)."""
-    return "decode" if batch == 1 else f"decode_b{batch}"
+from helmc.runtime.function_names import batch_phase, block_function_name  # noqa: F401 (the stage's names)
 
 
 def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -65,7 +52,7 @@ class StageBinding:
 class Stage:
     def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv, bindings: list[StageBinding],
                  to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = (),
-                 kv_base: int = 0, gpu_decode_batch=None):
+                 kv_base: int = 0, gpu_decode_batch=None, moe=None):
         assert len(bindings) == len(layers), "one weight binding per block of the stage"
         assert kv_base >= 0, kv_base
         self.name = name
@@ -88,8 +75,8 @@ class Stage:
         self._post = {(p, j): vm[block_function_name("post_attn", p, j)] for p in phases for j in set(self._signature)}
         # Mixture of experts: the routed blocks' feed-forward (runtime/moe_experts.py) in place of post_attn.
         self._moe_layer = [spec.is_moe_layer(i) for i in layers]
-        self._moe = None
-        if any(self._moe_layer):
+        self._moe = moe                 # given: the GPU stage's (runtime/moe_gpu.py), its experts on the CPU
+        if any(self._moe_layer) and moe is None:
             from helmc.runtime.moe_experts import MoeFeedForward
             self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array, self._signature,
                                        [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)])

@@ -92,13 +92,14 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 
 
 def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> None:
-    """A plan this build can carry out: a GPU where it places units; a mixture-of-experts model's blocks on the CPU
-    stage (its routed feed-forward runs there only: runtime/moe_experts.py)."""
+    """A plan this build can carry out: a GPU where it places units; for a mixture-of-experts model, no streamed
+    prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
+    the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
     if plan.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
-    if spec.moe is not None and plan.uses_gpu:
-        raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) runs on the CPU stage only, found a "
-                         f"plan placing {plan.describe()}; build with a hardware profile without a GPU")
+    if spec.moe is not None and (plan.prefill_on_gpu or plan.groups):
+        raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) expected a plain CPU/GPU split, found "
+                         f"{plan.describe()}{' with its prefill streamed to the GPU' if plan.prefill_on_gpu else ''}")
 
 
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: BuildOptions | None = None, *,
@@ -122,7 +123,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
     check_placement(spec, plan, hardware)
-    need_cpu, need_gpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu, plan.uses_gpu
+    # a mixture of experts' routed experts run on the CPU stage wherever their block is
+    need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu or spec.moe is not None
+    need_gpu = plan.uses_gpu
     cache = ArtifactCache(o.cache_dir, enabled=o.use_cache)
     from helmc.runtime.stage import decode_batch_sizes
     batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds

@@ -127,7 +127,14 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
     hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)
+    if spec.moe is not None:        # a plain split of what is not an expert; the experts stay on the CPU (planner/moe.py)
+        stream_prefill = hybrid = False
     w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
                  stream_prefill=stream_prefill, hybrid=hybrid)
-    p = search_partition(analyze_program(spec, dtype), hw, w)
+    a = analyze_program(spec, dtype)
+    if spec.moe is not None:
+        from helmc.planner.moe import with_experts, without_experts
+        p = with_experts(search_partition(without_experts(a, spec), hw, w), spec, hw)
+    else:
+        p = search_partition(a, hw, w)
     return dataclasses.replace(p, architecture_hash=spec.architecture_hash())

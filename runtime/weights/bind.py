@@ -85,21 +85,28 @@ def tensor_to_device(view: np.ndarray, dtype: str, dev):
 
 def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 progress: Callable[[str], None] = lambda m: None,
-                to_device: Callable = tensor_to_device) -> list[StageBinding]:
+                to_device: Callable = tensor_to_device, experts_on=None,
+                experts_in_vram: tuple[tuple[int, ...], ...] = ()) -> list[StageBinding]:
+    """Each block's weights on `dev` through to_device; a MoE block's routed experts on experts_on = (device,
+    to_device) where given (a GPU stage's blocks keep their experts in host RAM: runtime/moe_gpu.py), except
+    those experts_in_vram lists for the block (Plan.gpu_experts), which go to `dev` with the rest."""
+    expert_dev, expert_to = experts_on or (dev, to_device)
     out = []
     with steps(progress, f"binding the weights of {len(layers)} blocks", len(layers)) as bar:
         for i in layers:
             shapes = spec.block_weight_shapes(i)
 
-            def load(name):
+            def load(name, dev=dev, to_device=to_device):
                 return to_device(*weight_view(ck, f"model.layers.{i}.{name}", shapes[name],
                                               spec.weight_type(i, name), spec.dtype), dev)
             post = [load(w) for w in spec.post_attn_weight_names(i)]
             if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
                 from helmc.runtime.moe_experts import LayerExperts
-                post.append(LayerExperts(tuple(tuple(load(w) for w in spec.moe.expert_weight_names(e))
+                vram = frozenset(experts_in_vram[i]) if experts_in_vram and experts_on else frozenset()
+                post.append(LayerExperts(tuple(tuple(load(w, *((dev, to_device) if e in vram else (expert_dev, expert_to)))
+                                                     for w in spec.moe.expert_weight_names(e))
                                                for e in range(spec.moe.num_experts)),
-                                         spec.expert_signature_index(i)))
+                                         spec.expert_signature_index(i), vram))
             out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
             release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
             bar.advance()

@@ -1,0 +1,103 @@
+"""Planning a mixture-of-experts model: its routed experts are computed by the CPU from host RAM wherever their
+block's attention runs (runtime/moe_gpu.py on a GPU stage, runtime/moe_experts.py on the CPU stage).
+
+So the split search runs over the model without its routed experts (what the GPU may hold: attention, norms,
+router, dense blocks, head), and the experts add the same to every split:
+  - host RAM: every expert's bytes (mmapped, bound once);
+  - time per decode step: the expert bytes the step's tokens select, read at the CPU's GEMV rate for their types
+    (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
+    experts on average: routing is taken as uniform, which random weights give and trained routers approach over
+    a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
+    at the link's latency and bandwidth.
+Assumed: the CPU computes the experts while the GPU waits (no overlap), and prefill costs as the split search says
+(the experts' prefill GEMMs are not modelled). Hot experts in VRAM (Plan.gpu_experts) are not chosen here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from helmc.errors import HelmcError
+from helmc.hardware.profile import HardwareProfile
+from helmc.model.spec import ModelSpec
+from helmc.planner.analyze_program import PartitionUnit, ProgramAnalysis, StageLoad
+from helmc.runtime.bundle.plan import Plan
+
+
+def expert_bytes_by_type(spec: ModelSpec, layer: int) -> dict[str, int]:
+    """Block `layer`'s routed experts' weight bytes as stored, per type (a weight type, or the checkpoint dtype)."""
+    out: dict[str, int] = {}
+    if not spec.is_moe_layer(layer):
+        return out
+    shapes = spec.block_weight_shapes(layer)
+    for e in range(spec.moe.num_experts):
+        for name in spec.moe.expert_weight_names(e):
+            t = spec.weight_type(layer, name)
+            out[t or spec.dtype] = out.get(t or spec.dtype, 0) + spec.tensor_bytes(shapes[name], t)
+    return out
+
+
+def expert_bytes(spec: ModelSpec) -> int:
+    return sum(sum(expert_bytes_by_type(spec, i).values()) for i in range(spec.num_layers))
+
+
+def without_experts(a: ProgramAnalysis, spec: ModelSpec) -> ProgramAnalysis:
+    """`a` with each routed block's experts taken out of its weights: what the split search places."""
+    units = list(a.units)
+    for i in range(spec.num_layers):
+        n = sum(expert_bytes_by_type(spec, i).values())
+        if n:
+            u = units[i + 1]
+            units[i + 1] = dataclasses.replace(u, param_bytes=u.param_bytes - n, stored_bytes=u.stored_bytes - n)
+    prefix = [StageLoad()]
+    for u in units:
+        prefix.append(prefix[-1] + StageLoad.of(u))
+    return dataclasses.replace(a, units=tuple(units), prefix=tuple(prefix))
+
+
+def distinct_share(spec: ModelSpec, batch: int) -> float:
+    """The share of a block's experts a decode step of `batch` tokens selects, on average, under uniform routing."""
+    k, E = spec.moe.top_k, spec.moe.num_experts
+    return 1.0 - (1.0 - k / E) ** batch
+
+
+def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blocks: int) -> tuple[float, float]:
+    """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads, and the two
+    crossings per routed block of the GPU stage."""
+    share = distinct_share(spec, batch)
+    seconds, read = 0.0, 0.0
+    for i in range(spec.num_layers):
+        for t, n in expert_bytes_by_type(spec, i).items():
+            seconds += share * n / (hw.cpu.read_gbs(t, batch) * 1e9)
+            read += share * n
+    if gpu_moe_blocks and hw.link is not None:
+        crossing = batch * (2 * spec.hidden_size * 2 + spec.moe.num_experts * 4)     # m + logits down, y up
+        seconds += gpu_moe_blocks * (2 * hw.link.latency_us * 1e-6 + crossing / (hw.link.h2d_gbs * 1e9))
+    return 1e3 * seconds, read
+
+
+def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
+    """The split search's plan (over the model without its experts) with the experts' time and host memory added
+    to every candidate, as to the chosen split."""
+    held = expert_bytes(spec)
+    ram = hw.cpu.ram_free_bytes
+
+    def moe_blocks_on_gpu(cpu_units: int) -> int:
+        return sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= cpu_units)
+
+    def add(c):
+        t, _ = expert_step_ms(spec, hw, p.batch, moe_blocks_on_gpu(c.cpu_units) if c.gpu_units else 0)
+        fits = c.feasible and (not ram or c.cpu_bytes + held <= ram)
+        why = c.why if fits or not c.feasible else (f"host RAM: the experts' {held / 2**30:.2f} GiB do not fit "
+                                                    f"beside {c.cpu_bytes / 2**30:.2f} GiB in {ram / 2**30:.2f} GiB free")
+        return dataclasses.replace(c, t_cpu_ms=c.t_cpu_ms + t, t_plan_ms=c.t_plan_ms + t,
+                                   cpu_bytes=c.cpu_bytes + held, feasible=fits, why=why)
+    candidates = tuple(add(c) for c in p.candidates)
+    if candidates and not any(c.feasible for c in candidates):
+        raise HelmcError(f"plan: the mixture of experts' {held / 2**30:.2f} GiB of experts expected to fit in host "
+                         f"RAM ({ram / 2**30:.2f} GiB free) beside the rest, found no split where they do")
+    t, _ = expert_step_ms(spec, hw, p.batch, moe_blocks_on_gpu(p.cpu_units) if p.uses_gpu else 0)
+    return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t, cpu_bytes=p.cpu_bytes + held,
+                               cpu_weight_bytes=p.cpu_weight_bytes + held, candidates=candidates)
+
+
+__all__ = ["PartitionUnit", "distinct_share", "expert_bytes", "expert_step_ms", "with_experts", "without_experts"]

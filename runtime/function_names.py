@@ -1,0 +1,16 @@
+"""The compiled block functions' names, which the compiler gives and the stages call by: one home for both."""
+from __future__ import annotations
+
+
+def block_function_name(part: str, phase: str, signature: int = 0) -> str:
+    """The compiled function for `part` (pre_attn | post_attn) in `phase` (prefill | decode) of the blocks whose
+    weights have type signature `signature` (ModelSpec.block_signatures(): one for unquantized models, two for a
+    Q4_K_M file); the compiler names the functions with it and the stage calls them by it."""
+    return f"{part}_{phase}" if signature == 0 else f"{part}_{phase}_t{signature}"
+
+
+def batch_phase(batch: int) -> str:
+    """The phase of the decode step of `batch` sequences, one token each: "decode" for one, else the batched
+    decode variant "decode_b{batch}" (static rows: each row's result bit-identical to its own one-token decode,
+    as the GEMVs are batch-invariant; import_relax makes the variants)."""
+    return "decode" if batch == 1 else f"decode_b{batch}"

@@ -1,0 +1,81 @@
+"""A mixture-of-experts block on the GPU stage: attention, the norms and the router on the GPU, the routed experts
+on the CPU from host RAM (KTransformers' split: the few bytes a token needs from each expert are read where they
+lie, never copied over PCIe).
+
+Per block and step (the GPU stage calls it where a dense block calls post_attn):
+    h, m, logits = post_moe(x, attn, w_o, ln2, w_router)            on the GPU (the GPU library's post_moe)
+    m, logits  -> host                                               [S, H] fp16 and [S, E] fp32, one copy each
+    y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
+    x' = h + y                                                       y crosses back; the add on the GPU, in fp32
+A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
+functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
+The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
+The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, route
+from helmc.runtime.function_names import block_function_name
+
+
+class GpuMoeFeedForward:
+    """Called as MoeFeedForward is: `ffn(phase, signature)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a
+    device tensor [S, H], the stage's activation dtype)."""
+
+    def __init__(self, gpu_vm, host: MoeFeedForward, device: MoeFeedForward, phases: tuple[str, ...], signatures,
+                 to_cupy: Callable, from_cupy: Callable):
+        self.host = host                        # the CPU library's expert functions over host rows
+        self.device = device                    # the GPU library's, for the experts in VRAM
+        self.to_cupy, self.from_cupy = to_cupy, from_cupy
+        self._post = {(p, j): gpu_vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
+        self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
+                       for p in phases for j in set(signatures)}
+        # for the benchmarks: blocks whose rows went to the host and back; (row, expert) pairs, those in VRAM
+        self.crossings = self.expert_rows = self.gpu_expert_rows = 0
+
+    def hit_rate(self) -> float:
+        """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
+        return self.gpu_expert_rows / self.expert_rows if self.expert_rows else 0.0
+
+    def __call__(self, phase: str, signature: int = 0) -> Callable:
+        return self._calls[(phase, signature)]
+
+    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
+        import cupy as cp
+        h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
+        m_dev = self.to_cupy(m)
+        m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
+        idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
+        hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
+        if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
+            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
+            self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
+        y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=experts.on_gpu)   # [S, H] float32 on the host
+        self.expert_rows += idx.size
+        self.crossings += 1
+        return self.from_cupy((hc + cp.asarray(y)).astype(m_dev.dtype))
+
+
+def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple[int, ...], to_cupy, from_cupy):
+    """The GPU stage's MoE blocks' feed-forward over `layers` (None when none of them is routed): the host half
+    from the CPU library's expert functions, the device half from the GPU library's post_moe."""
+    import tvm.runtime
+
+    from helmc.runtime.stage import batch_phase
+    from helmc.runtime.tvm_tensors import cpu_tensor_view, host_view
+    if not any(spec.is_moe_layer(i) for i in layers):
+        return None
+    phases = ("prefill", "decode") + tuple(batch_phase(b) for b in batch_sizes)
+    dev = tvm.cpu()
+    import cupy as cp
+    expert_sigs = [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)]
+    host = MoeFeedForward(cpu_vm, spec.moe, phases, batch_sizes, host_view, lambda a: cpu_tensor_view(a, dev),
+                          signatures=(), expert_signatures=expert_sigs)
+    device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
+                            expert_signatures=expert_sigs, xp=cp)
+    return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
+                             from_cupy)

@@ -1,0 +1,132 @@
+"""Mixture of experts on the GPU stage (attention, norms, router and head on the GPU, the routed experts on the CPU)
+against Hugging Face transformers, on a tiny random Qwen3MoeForCausalLM (8 experts, top-2, normalised top-k, block 1
+dense).
+
+The bundles are built on the compiler machine by
+    python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu
+and carried to the GPU machine; the tests look in $HELMC_MOE_GPU_DIR (default .devrt/moe_gpu). They import no
+compiler: they run with the runtime-only TVM. Pass: 16 greedy tokens identical to transformers in fp32 over the
+same weights (the GPU stage's activations are fp16, so at the first divergence, if any, each side's token must be
+in the other's top 5: the dense GPU tests' rule) and prefill logits within 2e-2 relative; a batched decode step of
+several sequences bit-identical per sequence to their single runs on the same bundle.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
+NEW_TOKENS = 16
+
+
+def moe_dir() -> str:
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as e:                      # no driver
+        pytest.skip(f"no usable CUDA device: {e}")
+    path = os.environ.get("HELMC_MOE_GPU_DIR", os.path.join(ROOT, ".devrt", "moe_gpu"))
+    if not os.path.isfile(os.path.join(path, "gpu_float16", "manifest.json")):
+        pytest.skip(f"no MoE GPU bundles at {path}: build them on the compiler machine with "
+                    "`python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu` and carry .devrt")
+    return path
+
+
+def reference(d: str, name: str):
+    """(weights for the bundle, transformers in fp32 over the same weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    if name == "gpu_q4_k_m":
+        pytest.importorskip("gguf")         # the reference dequantizes with llama.cpp's own gguf package
+        from helmc.testing import hf_on_dequantized_weights
+        path = os.path.join(d, "model_float16-q4_k_m.gguf")
+        return path, hf_on_dequantized_weights(os.path.join(d, "model_float16"), path)
+    model = os.path.join(d, "model_bfloat16" if "bfloat16" in name else "model_float16")
+    return model, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids, n):
+    import torch
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+@pytest.mark.parametrize("name", ["gpu_float16", "split_float16", "gpu_bfloat16", "gpu_q4_k_m"])
+def test_greedy_matches_transformers(name):
+    import torch
+
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, ref = reference(d, name)
+    s = Session.load(os.path.join(d, name), weights_dir=weights)
+    assert s.gpu is not None and s.gpu.stage is not None and s.gpu.stage._moe is not None
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT])).logits[0].numpy()
+    ours = s.forward(PROMPT, all_logits=True)
+    rel = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    s.reset()
+    got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
+    expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
+    same = sum(a == b for a, b in zip(got, expected))
+    print(f"\n{name}: {s.plan.describe()}, prefill logits max rel diff {rel:.2e}; greedy {same}/{NEW_TOKENS} identical; "
+          f"{s.gpu.stage._moe.crossings} block crossings")
+    assert rel < 2e-2 and len(set(expected)) > 4
+    if got != expected:
+        i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+        with torch.no_grad():
+            their_top5 = np.argsort(-ref(torch.tensor([PROMPT + expected[:i]])).logits[0, -1].numpy())[:5]
+        s.reset()
+        our_top5 = np.argsort(-s.forward(PROMPT + expected[:i])[-1])[:5]
+        assert got[i] in their_top5 and expected[i] in our_top5, (i, got, expected)
+
+
+def test_batched_decode_is_bitwise_single_runs():
+    from helmc.runtime.session import Session
+    from tests.batch_decode_checks import batched_runs, prompts, single_runs
+    d = moe_dir()
+    s = Session.load(os.path.join(d, "gpu_float16"), weights_dir=os.path.join(d, "model_float16"))
+    ps = prompts(s.spec.vocab_size, 6)
+    singles = single_runs(s, ps, 8)
+    batched, sizes = batched_runs(s, ps, 8, max_batch=4, stagger=1)
+    assert {2, 3, 4} <= set(sizes), sizes
+    for b, (one, many) in enumerate(zip(singles, batched)):
+        assert np.array_equal(one, many), f"sequence {b}: a batched step differs from its single run"
+
+
+@pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8)))])
+def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram):
+    """Plan.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
+    block's others (block 1 is dense: no experts). Greedy against transformers by the rule above; the share of
+    selected experts served from VRAM is what the placement gives (all of them when every expert is there)."""
+    import dataclasses
+
+    import torch
+
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, ref = reference(d, "gpu_float16")
+    base = Plan.from_json(open(os.path.join(d, "gpu_float16", "plan.json")).read())
+    s = Session.load(os.path.join(d, "gpu_float16"), weights_dir=weights, plan=dataclasses.replace(base, gpu_experts=vram))
+    got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
+    expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
+    moe = s.gpu.stage._moe
+    print(f"\ngpu_experts {vram}: hit rate {moe.hit_rate():.2f}; greedy {sum(a == b for a, b in zip(got, expected))}"
+          f"/{NEW_TOKENS} identical")
+    assert 0 < moe.hit_rate() <= 1 and (moe.hit_rate() == 1.0) == (len(vram[0]) == 8)
+    if got != expected:
+        i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+        with torch.no_grad():
+            their_top5 = np.argsort(-ref(torch.tensor([PROMPT + expected[:i]])).logits[0, -1].numpy())[:5]
+        s.reset()
+        our_top5 = np.argsort(-s.forward(PROMPT + expected[:i])[-1])[:5]
+        assert got[i] in their_top5 and expected[i] in our_top5, (i, got, expected)
