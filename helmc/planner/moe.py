@@ -9,8 +9,11 @@ router, dense blocks, head), and the experts add the same to every split:
     experts on average: routing is taken as uniform, which random weights give and trained routers approach over
     a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
     at the link's latency and bandwidth.
-Assumed: the CPU computes the experts while the GPU waits (no overlap), and prefill costs as the split search says
-(the experts' prefill GEMMs are not modelled). Hot experts in VRAM (Plan.gpu_experts) are not chosen here.
+VRAM the split leaves beyond its KV for the workload's context holds experts (Plan.gpu_experts), the same count in
+every routed block of the GPU stage; the GPU computes those while the CPU computes the rest, so a step's experts
+take the longer of the two. Under uniform routing which experts is arbitrary (the lowest indices are taken) and the
+share of selected experts found in VRAM (the predicted hit rate) is the share held.
+Assumed: prefill costs as the split search says (the experts' prefill GEMMs are not modelled).
 """
 from __future__ import annotations
 
@@ -60,15 +63,20 @@ def distinct_share(spec: ModelSpec, batch: int) -> float:
     return 1.0 - (1.0 - k / E) ** batch
 
 
-def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blocks: int) -> tuple[float, float]:
-    """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads, and the two
-    crossings per routed block of the GPU stage."""
+def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blocks: int,
+                   in_vram: float = 0.0) -> tuple[float, float]:
+    """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads of the share
+    not in VRAM and the GPU's of the share `in_vram`, at once, and the two crossings per routed block of the GPU
+    stage."""
     share = distinct_share(spec, batch)
-    seconds, read = 0.0, 0.0
+    cpu_s = gpu_s = read = 0.0
     for i in range(spec.num_layers):
         for t, n in expert_bytes_by_type(spec, i).items():
-            seconds += share * n / (hw.cpu.read_gbs(t, batch) * 1e9)
+            cpu_s += share * n * (1 - in_vram) / (hw.cpu.read_gbs(t, batch) * 1e9)
+            if in_vram:
+                gpu_s += share * n * in_vram / (hw.gpu.read_gbs(t) * 1e9)
             read += share * n
+    seconds = max(cpu_s, gpu_s)
     if gpu_moe_blocks and hw.link is not None:
         crossing = batch * (2 * spec.hidden_size * 2 + spec.moe.num_experts * 4)     # m + logits down, y up
         seconds += gpu_moe_blocks * (2 * hw.link.latency_us * 1e-6 + crossing / (hw.link.h2d_gbs * 1e9))
@@ -95,9 +103,34 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
     if candidates and not any(c.feasible for c in candidates):
         raise HelmcError(f"plan: the mixture of experts' {held / 2**30:.2f} GiB of experts expected to fit in host "
                          f"RAM ({ram / 2**30:.2f} GiB free) beside the rest, found no split where they do")
-    t, _ = expert_step_ms(spec, hw, p.batch, moe_blocks_on_gpu(p.cpu_units) if p.uses_gpu else 0)
+    gpu_blocks = moe_blocks_on_gpu(p.cpu_units) if p.uses_gpu else 0
+    vram, per_block = experts_in_vram(p, spec, gpu_blocks)
+    in_vram = per_block / spec.moe.num_experts
+    t, _ = expert_step_ms(spec, hw, p.batch, gpu_blocks, in_vram)
+    vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
+                     for i, ids in enumerate(vram))
     return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t, cpu_bytes=p.cpu_bytes + held,
-                               cpu_weight_bytes=p.cpu_weight_bytes + held, candidates=candidates)
+                               cpu_weight_bytes=p.cpu_weight_bytes + held, candidates=candidates, gpu_experts=vram,
+                               gpu_bytes=p.gpu_bytes + vram_bytes, gpu_weight_bytes=p.gpu_weight_bytes + vram_bytes,
+                               gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - vram_bytes if p.gpu_kv_pool_bytes else 0)
+
+
+def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(Plan.gpu_experts, experts per routed GPU block): the VRAM the plan leaves beyond what it needs
+    (p.usable_vram_bytes - p.gpu_bytes: its KV pool beyond the workload's context) in whole experts, the same
+    count in every routed block of the GPU stage."""
+    if not gpu_blocks or not p.usable_vram_bytes:
+        return (), 0
+    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
+    per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
+    from helmc.planner.cost_model import whole_pages
+    kv_need = (p.batch * whole_pages(p.prompt_len + p.output_len)
+               * (p.num_layers + 2 - p.cpu_units) * 2 * spec.num_kv_heads * spec.head_dim * 2)   # fp16 K and V
+    spare = max(0, min(p.usable_vram_bytes - p.gpu_bytes, p.gpu_kv_pool_bytes - kv_need))
+    n = min(spec.moe.num_experts, spare // (per_expert * len(blocks)))
+    if n == 0:
+        return (), 0
+    return tuple(tuple(range(n)) if i in blocks else () for i in range(spec.num_layers)), n
 
 
 __all__ = ["PartitionUnit", "distinct_share", "expert_bytes", "expert_step_ms", "with_experts", "without_experts"]
