@@ -72,8 +72,43 @@ def table(results_dir: str) -> str:
                          f"{fmt(r['llamacpp'], 1)}{ngl} | {fmt(r['ratio'], 2)} |")
         if report.get("command"):
             commands.append(f"- `{os.path.basename(path)}`: `{report['command']}`")
+    lines += moe_section(os.path.join(results_dir, "moe"))
     lines += ["", "Commands (each writes the JSON file named):", ""] + commands
     return "\n".join(lines) + "\n"
+
+
+MOE_HEADER = ("| model | GPU budget | machine | helmc tok/s | experts in VRAM (hit rate) | llama.cpp tok/s (config) | "
+              "helmc / llama.cpp | TTFT 2048 helmc / llama.cpp ms |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+
+
+def moe_section(folder: str) -> list[str]:
+    """The mixture-of-experts rows of results/moe/*.json (benchmarks/bench_moe.py): per helmc bundle, llama.cpp's
+    fastest run within the same VRAM (every `-ncmoe N` and `-ot exps=CPU` tried, all with -ngl 99)."""
+    paths = sorted(glob.glob(os.path.join(folder, "*.json")))
+    if not paths:
+        return []
+    lines = ["", "Mixtures of experts (`python -m benchmarks.bench_moe`): decode of one request, helmc's plan for each "
+             "budget beside llama.cpp's fastest configuration whose measured peak VRAM fits it.", "", MOE_HEADER]
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        machine = f"{report.get('device', '?')}, {report.get('bandwidth', {}).get('threads', '?')} CPU threads"
+        for row in report["helmc"]:
+            budget = row.get("gpu_budget_gib")
+            whole = budget is None or row["experts_in_vram"] == row["experts_total"]
+            fits = [r for r in report["llamacpp"] if r.get("peak_vram_gib") is not None
+                    and (whole or r["peak_vram_gib"] <= budget)]
+            peer = max(fits, key=lambda r: r["decode_tok_s_p50"], default=None)
+            hit = row.get("measured_hit_rate", row.get("predicted_hit_rate"))
+            lines.append(
+                f"| {report.get('label', '?')} | {'whole GPU' if whole else f'{budget:g} GiB'} | {machine} | "
+                f"{fmt(row['decode_tok_s_p50'], 1)} | {row['experts_in_vram']} of {row['experts_total']} ({fmt(hit, 2)}) | "
+                f"{'-' if peer is None else fmt(peer['decode_tok_s_p50'], 1) + ' (' + peer['config'] + ')'} | "
+                f"{'-' if peer is None else fmt(row['decode_tok_s_p50'] / peer['decode_tok_s_p50'], 2)} | "
+                f"{fmt(row['ttft_ms_p50'], 0)} / {'-' if peer is None else fmt(peer['ttft_ms_p50'], 0)} |")
+        lines.append("")
+        lines.append(f"- `moe/{os.path.basename(path)}`: `{report.get('command', '')}`")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -109,8 +109,11 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
     t, _ = expert_step_ms(spec, hw, p.batch, gpu_blocks, in_vram)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
                      for i, ids in enumerate(vram))
-    return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t, cpu_bytes=p.cpu_bytes + held,
-                               cpu_weight_bytes=p.cpu_weight_bytes + held, candidates=candidates, gpu_experts=vram,
+    # the experts in VRAM are bound there, not in host RAM
+    return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t,
+                               cpu_bytes=p.cpu_bytes + held - vram_bytes,
+                               cpu_weight_bytes=p.cpu_weight_bytes + held - vram_bytes, candidates=candidates,
+                               gpu_experts=vram,
                                gpu_bytes=p.gpu_bytes + vram_bytes, gpu_weight_bytes=p.gpu_weight_bytes + vram_bytes,
                                gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - vram_bytes if p.gpu_kv_pool_bytes else 0)
 

@@ -68,6 +68,8 @@ def format_plan_table(plan: Plan, spec=None) -> str:
     if plan.uses_gpu:
         lines.append(f"KV pages of GPU blocks: {plan.gpu_kv_pool_bytes / gib:.2f} GiB of VRAM"
                      f"{', the rest in pinned host RAM' if plan.kv_offload else ''}")
+    if spec is not None and spec.moe is not None:
+        lines.append(experts_line(plan, spec))
     if spec is not None:
         lines.append(weights_line(spec))
     for f in plan.fallbacks:
@@ -132,12 +134,32 @@ def weights_line(spec) -> str:
     if not spec.quantized:
         return f"weights: {spec.dtype}; {total / gib:.2f} GiB"
     blocks = []
+    names = LINEAR_NAMES[:4] if spec.moe is not None else LINEAR_NAMES     # a MoE block's linears: its attention's
     for sig in spec.block_signatures():
         count = sum(1 for t in spec.layer_types if t == sig) if spec.layer_types else spec.num_layers
+        sig = sig[:len(names)]
         kinds = list(dict.fromkeys(t or spec.dtype for t in sig))
         main = max(kinds, key=lambda k: sum(1 for t in sig if (t or spec.dtype) == k))
-        others = [f"{k} ({', '.join(n.split('.')[1].removesuffix('_proj') for n, t in zip(LINEAR_NAMES, sig) if (t or spec.dtype) == k)})"
+        others = [f"{k} ({', '.join(n.split('.')[1].removesuffix('_proj') for n, t in zip(names, sig) if (t or spec.dtype) == k)})"
                   for k in kinds if k != main]
         blocks.append(f"{count} blocks {main}" + (" + " + " + ".join(others) if others else ""))
+    if spec.moe is not None:
+        sigs = ["/".join(t or spec.dtype for t in sig) for sig in spec.expert_signatures()]
+        blocks.append(f"experts (gate/up/down) {', '.join(sigs)}")
     return (f"weights: embedding {spec.embed_type or spec.dtype}, {', '.join(blocks)}, head {lm_type or spec.dtype}; "
             f"{total / gib:.2f} GiB")
+
+
+def experts_line(plan: Plan, spec) -> str:
+    """A mixture of experts' split: how many routed experts the plan holds in VRAM and their share (the predicted
+    hit rate under uniform routing), the rest in host RAM for the CPU."""
+    from helmc.planner.moe import expert_bytes
+    gib = 1024 ** 3
+    routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
+    total = routed * spec.moe.num_experts
+    in_vram = sum(len(ids) for ids in plan.gpu_experts)
+    held = expert_bytes(spec)
+    return (f"experts: {in_vram} of {total} in VRAM ({held * in_vram / total / gib:.2f} GiB), "
+            f"{total - in_vram} in host RAM ({held * (total - in_vram) / total / gib:.2f} GiB) for the CPU; "
+            f"predicted hit rate {in_vram / total:.2f} (uniform routing), top-{spec.moe.top_k} of "
+            f"{spec.moe.num_experts} per block")

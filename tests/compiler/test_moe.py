@@ -185,8 +185,9 @@ def test_missing_expert_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_gpu_plan_is_refused(tmp_path, cache_dir):
-    """A plan that places blocks on the GPU is refused in one line before anything compiles."""
+def test_streamed_prefill_plan_is_refused(tmp_path, cache_dir):
+    """A MoE model's GPU blocks run attention on the GPU and the experts on the CPU (tests/runtime/test_moe_gpu.py);
+    a plan that streams CPU blocks to the GPU for prefill is refused in one line before anything compiles."""
     from helmc.compiler.pipeline import build, search_plan
     from helmc.hardware.profile import HardwareProfile
     from helmc.testing import make_tiny_model
@@ -196,8 +197,10 @@ def test_gpu_plan_is_refused(tmp_path, cache_dir):
     d = str(tmp_path / "model")
     make_tiny_model(d, "qwen3_moe", num_layers=2)
     plan = search_plan(ModelSpec.from_model_dir(d), hw, 128, 128, hybrid=False)
-    plan = dataclasses.replace(plan, cpu_units=1, groups=(), candidates=())   # the split is given: blocks on the GPU
-    with pytest.raises(HelmcError, match="mixture-of-experts model .* runs on the CPU stage only") as e:
+    assert not plan.prefill_on_gpu and not plan.groups         # the planner makes a plain split for a MoE model
+    plan = dataclasses.replace(plan, cpu_units=2, groups=(), candidates=(), prefill_on_gpu=True,
+                               prefill_staging_bytes=1 << 20)
+    with pytest.raises(HelmcError, match="mixture-of-experts model .* expected a plain CPU/GPU split") as e:
         build(d, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, plan=plan)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "bundle")

@@ -1,0 +1,86 @@
+"""Planning a mixture of experts (helmc/planner/moe.py) for Qwen3-30B-A3B's published configuration on the H200 preset:
+what is not an expert is placed by the split search, the experts stay in host RAM for the CPU except the whole
+experts the VRAM budget leaves room for, the same count in every routed block, and their time and memory are added to
+every candidate alike. Pure Python: no weights, no TVM."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helmc.errors import HelmcError
+from helmc.hardware.profile import load_hardware
+from helmc.model.spec import ModelSpec
+from helmc.planner.moe import distinct_share, expert_bytes
+from helmc.planner.search_partition import plan
+from helmc.runtime.bundle.plan import Plan
+
+CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+          "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+          "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+          "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+          "torch_dtype": "bfloat16", "hidden_act": "silu"}
+EXPERT = 3 * 768 * 2048 * 2            # one bf16 expert's gate, up and down
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec.from_hf_config(CONFIG)
+
+
+@pytest.mark.parametrize("budget", [4, 8, 24])
+def test_experts_fill_what_the_budget_leaves(spec, budget):
+    p = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=budget)
+    assert p.cpu_units <= 1 and not p.groups and not p.prefill_on_gpu        # attention and head on the GPU
+    assert p.gpu_bytes <= budget * 2**30
+    counts = {len(ids) for ids in p.gpu_experts}
+    assert len(counts) <= 1, counts                                             # the same count in every block
+    n = counts.pop() if counts else 0
+    vram = 48 * n * EXPERT
+    assert expert_bytes(spec) == 48 * 128 * EXPERT
+    assert p.gpu_weight_bytes - vram < budget * 2**30 and p.cpu_weight_bytes >= expert_bytes(spec) - vram
+    # no room for one more expert per block beside the KV the workload needs
+    assert p.usable_vram_bytes - p.gpu_bytes < 48 * EXPERT + p.gpu_kv_pool_bytes
+
+
+
+def test_a_larger_budget_holds_more_experts_and_predicts_a_faster_token(spec):
+    plans = [plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=b) for b in (4, 8, 24)]
+    held = [len(p.gpu_experts[0]) if p.gpu_experts else 0 for p in plans]
+    assert held[0] < held[1] < held[2] <= 128, held
+    assert plans[0].t_plan_ms > plans[1].t_plan_ms > plans[2].t_plan_ms
+    whole = plan(spec, "h200-profiled", prompt_len=2048, output_len=64)         # the whole H200: every expert
+    assert {len(ids) for ids in whole.gpu_experts} == {128}
+
+
+def test_the_experts_add_the_same_to_every_candidate(spec):
+    p = plan(spec, "h200-profiled", gpu_budget_gib=8)
+    feasible = [c for c in p.candidates if c.feasible]
+    assert min(feasible, key=lambda c: c.t_plan_ms).cpu_units == p.cpu_units
+    assert all(c.cpu_bytes >= expert_bytes(spec) for c in p.candidates)
+
+
+def test_plan_json_round_trip_and_bad_expert_lists(spec):
+    p = plan(spec, "h200-profiled", gpu_budget_gib=8)
+    assert Plan.from_json(p.to_json()) == p and '"gpu_experts"' in p.to_json()
+    dense = plan(ModelSpec.from_hf_config({**CONFIG, "architectures": ["Qwen3ForCausalLM"]}), "h200-profiled")
+    assert '"gpu_experts"' not in dense.to_json()                              # a dense plan reads as before
+    with pytest.raises(HelmcError, match="gpu_experts of block 3 expected increasing expert indices"):
+        dataclasses.replace(p, gpu_experts=p.gpu_experts[:3] + ((5, 2),) + p.gpu_experts[4:])
+    with pytest.raises(HelmcError, match="gpu_experts expected one entry per block \\(48\\), found 2"):
+        dataclasses.replace(p, gpu_experts=((1,), (2,)))
+
+
+def test_experts_that_do_not_fit_in_host_ram_are_one_line(spec):
+    hw = load_hardware("h200-profiled")
+    small = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, ram_free_bytes=8 * 2**30))
+    with pytest.raises(HelmcError) as e:
+        plan(spec, small, gpu_budget_gib=8)
+    assert "\n" not in str(e.value) and "GiB" in str(e.value)
+
+
+def test_uniform_routing_share():
+    s = ModelSpec.from_hf_config(CONFIG)
+    assert distinct_share(s, 1) == pytest.approx(8 / 128)
+    assert distinct_share(s, 8) == pytest.approx(1 - (120 / 128) ** 8)
