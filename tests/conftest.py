@@ -33,6 +33,8 @@ SLOW_TESTS = (
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen2-q8_0]",
     "tests/compiler/test_quantized_models.py::test_gguf_file_builds_and_matches",
     "tests/compiler/test_quantized_models.py::test_calibrate_measures_a_quantized_bundle",
+    # mixture of experts: the q4_k_m build (two expert signatures) and the GGUF twin stay fast
+    "tests/compiler/test_moe_gguf.py::test_quantized_experts_match_transformers[q8_0]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[bfloat16-]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q4_k_m]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q8_0]",

@@ -33,14 +33,19 @@ def test_prompt_not_utf8(prompt, tiny, tmp_path, workdir):
 def test_sigint_during_compile_is_an_interruption(tiny, hw_json, tmp_path, workdir):
     model, _ = tiny.model("qwen3")
     out = tmp_path / "bundle"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     p = subprocess.Popen([HELMC, "build", str(model), str(hw_json), "-o", str(out), "--no-cache"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, HELMC_LOG_DIR=str(tmp_path / "logs")))
-    # progress lines go to a terminal only: give the build time to be well under way (reading, exporting or compiling)
-    seen = ""
-    time.sleep(6.0)
+                         env=dict(os.environ, HELMC_LOG_DIR=str(tmp_path / "logs"), TMPDIR=str(scratch)))
+    # progress lines go to a terminal only: the build's scratch directory (pipeline.build's helmc-build-*) says
+    # that compiling has begun, which takes seconds more whatever the machine's speed
+    seen, deadline = "", time.monotonic() + 120
+    while not any(d.name.startswith("helmc-build-") for d in scratch.iterdir()):
+        assert p.poll() is None and time.monotonic() < deadline, "the build ended or stalled before compiling"
+        time.sleep(0.05)
+    time.sleep(0.5)
     assert p.poll() is None, "the build ended before the interrupt"
-    time.sleep(1.0)
     p.send_signal(signal.SIGINT)
     stdout, rest = p.communicate(timeout=300)
     err = seen + rest
