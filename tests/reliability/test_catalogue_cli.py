@@ -37,7 +37,10 @@ def test_sigint_during_compile_is_an_interruption(tiny, hw_json, tmp_path, workd
     scratch.mkdir()
     p = subprocess.Popen([HELMC, "build", str(model), str(hw_json), "-o", str(out), "--no-cache"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, HELMC_LOG_DIR=str(tmp_path / "logs"), TMPDIR=str(scratch)))
+                         env=dict(os.environ, HELMC_LOG_DIR=str(tmp_path / "logs"), TMPDIR=str(scratch)),
+                         # as from a terminal: a child inherits an ignored SIGINT (the whole suite's runner can have
+                         # one), and Python then installs no KeyboardInterrupt handler
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # progress lines go to a terminal only: the build's scratch directory (pipeline.build's helmc-build-*) says
     # that compiling has begun, which takes seconds more whatever the machine's speed
     seen, deadline = "", time.monotonic() + 120
