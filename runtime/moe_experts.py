@@ -78,8 +78,8 @@ class MoeFeedForward:
     def expert_sum(self, phase: str, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only=None,
                    skip=frozenset()):
         """sum over the selected experts (idx, w [S, k] from route; those in `only` where given, none of `skip`)
-        of w * expert(m),
-        fp32 [S, H] in this object's array module, the experts in ascending order: each row's sum order fixed."""
+        of w * expert(m), fp32 [S, H] in this object's array module, the experts in ascending order: each row's sum
+        order fixed."""
         xp = self.xp
         decode = phase != "prefill"
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
@@ -87,9 +87,9 @@ class MoeFeedForward:
             if (only is not None and int(e) not in only) or int(e) in skip:
                 continue
             rows, slot = np.nonzero(idx == e)
-            y = self._run_expert(decode, xp.ascontiguousarray(m[xp.asarray(rows)]), experts.experts[e],
-                                 experts.signature)
-            out[xp.asarray(rows)] += xp.asarray(w[rows, slot, None]) * y
+            at = xp.asarray(rows)                   # the rows' indices where m and out are (a copy to a GPU once)
+            y = self._run_expert(decode, xp.ascontiguousarray(m[at]), experts.experts[e], experts.signature)
+            out[at] += xp.asarray(w[rows, slot, None]) * y
         return out
 
     def _run_expert(self, decode: bool, rows: np.ndarray, weights, signature: int = 0) -> np.ndarray:

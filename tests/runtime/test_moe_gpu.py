@@ -60,6 +60,19 @@ def hf_greedy(model, ids, n):
     return out[len(ids):]
 
 
+def check_divergence(session, ref, got: list[int], expected: list[int]) -> None:
+    """Where helmc's greedy tokens part from transformers', each side's token is in the other's top 5 there."""
+    import torch
+    if got == expected:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+    with torch.no_grad():
+        their_top5 = np.argsort(-ref(torch.tensor([PROMPT + expected[:i]])).logits[0, -1].numpy())[:5]
+    session.reset()
+    our_top5 = np.argsort(-session.forward(PROMPT + expected[:i])[-1])[:5]
+    assert got[i] in their_top5 and expected[i] in our_top5, (i, got, expected)
+
+
 @pytest.mark.parametrize("name", ["gpu_float16", "split_float16", "gpu_bfloat16", "gpu_q4_k_m"])
 def test_greedy_matches_transformers(name):
     import torch
@@ -80,13 +93,7 @@ def test_greedy_matches_transformers(name):
     print(f"\n{name}: {s.plan.describe()}, prefill logits max rel diff {rel:.2e}; greedy {same}/{NEW_TOKENS} identical; "
           f"{s.gpu.stage._moe.crossings} block crossings")
     assert rel < 2e-2 and len(set(expected)) > 4
-    if got != expected:
-        i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
-        with torch.no_grad():
-            their_top5 = np.argsort(-ref(torch.tensor([PROMPT + expected[:i]])).logits[0, -1].numpy())[:5]
-        s.reset()
-        our_top5 = np.argsort(-s.forward(PROMPT + expected[:i])[-1])[:5]
-        assert got[i] in their_top5 and expected[i] in our_top5, (i, got, expected)
+    check_divergence(s, ref, got, expected)
 
 
 def test_batched_decode_is_bitwise_single_runs():
@@ -109,8 +116,6 @@ def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram):
     selected experts served from VRAM is what the placement gives (all of them when every expert is there)."""
     import dataclasses
 
-    import torch
-
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.session import Session
     d = moe_dir()
@@ -123,10 +128,4 @@ def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram):
     print(f"\ngpu_experts {vram}: hit rate {moe.hit_rate():.2f}; greedy {sum(a == b for a, b in zip(got, expected))}"
           f"/{NEW_TOKENS} identical")
     assert 0 < moe.hit_rate() <= 1 and (moe.hit_rate() == 1.0) == (len(vram[0]) == 8)
-    if got != expected:
-        i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
-        with torch.no_grad():
-            their_top5 = np.argsort(-ref(torch.tensor([PROMPT + expected[:i]])).logits[0, -1].numpy())[:5]
-        s.reset()
-        our_top5 = np.argsort(-s.forward(PROMPT + expected[:i])[-1])[:5]
-        assert got[i] in their_top5 and expected[i] in our_top5, (i, got, expected)
+    check_divergence(s, ref, got, expected)
