@@ -14,3 +14,10 @@ def batch_phase(batch: int) -> str:
     decode variant "decode_b{batch}" (static rows: each row's result bit-identical to its own one-token decode,
     as the GEMVs are batch-invariant; import_relax makes the variants)."""
     return "decode" if batch == 1 else f"decode_b{batch}"
+
+
+def moe_expert_sum_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> str:
+    """The CPU library's one-call expert sum for one decode token of the blocks whose experts have (gate/up,
+    down) types (gate_type, down_type) (schedules/cpu/quant/moe_experts.py); absent where those types have no
+    int8 kernel on the target CPU."""
+    return f"helmc_moe_expert_sum_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from helmc.model.moe import MoeSpec
-from helmc.runtime.function_names import block_function_name
+from helmc.runtime.function_names import block_function_name, moe_expert_sum_name
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,24 @@ class LayerExperts:
     signature: int = 0               # the block's expert type signature (ModelSpec.expert_signatures()): which
                                      # compiled expert function reads these weights
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.gpu_experts)
+    stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
+                                     # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
+
+
+def find_expert_sums(vm, spec) -> dict:
+    """{expert signature index: the CPU library's one-call decode expert sum} for the signatures it has
+    (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles)."""
+    out = {}
+    for j, (gate, up, down) in enumerate(spec.expert_signatures()):
+        if not (gate and gate == up and down):
+            continue
+        name = moe_expert_sum_name(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size,
+                                   spec.hidden_size)
+        try:
+            out[j] = vm.module.get_function(name, query_imports=True)
+        except AttributeError:
+            pass
+    return out
 
 
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -51,13 +69,15 @@ class MoeFeedForward:
     the block's type signature (its o_proj's type picks the post_moe copy, as post_attn's)."""
 
     def __init__(self, vm, moe: MoeSpec, phases: tuple[str, ...], batch_sizes: tuple[int, ...],
-                 to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,), xp=np):
+                 to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,), xp=np,
+                 expert_sums=None):
         self.moe = moe
         self.to_array, self.from_array = to_array, from_array
         self.xp = xp                                     # the arrays' module: NumPy on the host, CuPy on a GPU
         self._post = {(p, j): vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
         self._expert = {(p, j): vm[block_function_name("expert", p, j)] for p in phases for j in set(expert_signatures)}
         self._decode_rows = (1,) + tuple(batch_sizes)    # the expert's decode variants, by row count
+        self._expert_sums = expert_sums or {}            # {expert signature: the one-call decode expert sum}
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
                        for p in phases for j in set(signatures)}
 
@@ -82,6 +102,9 @@ class MoeFeedForward:
         order fixed."""
         xp = self.xp
         decode = phase != "prefill"
+        one_call = self._expert_sums.get(experts.signature) if experts.stacked is not None else None
+        if decode and m.shape[0] == 1 and one_call is not None:
+            return self._one_call_sum(one_call, m, idx[0], w[0], experts, only, skip)
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
         for e in np.unique(idx):
             if (only is not None and int(e) not in only) or int(e) in skip:
@@ -91,6 +114,22 @@ class MoeFeedForward:
             y = self._run_expert(decode, xp.ascontiguousarray(m[at]), experts.experts[e], experts.signature)
             out[at] += xp.asarray(w[rows, slot, None]) * y
         return out
+
+    def _one_call_sum(self, kernel, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only, skip):
+        """One decode row's selected experts (idx, w [k]; within `only`, none of `skip`) through the CPU library's
+        one-call expert sum over the block's stacked weights, ascending as expert_sum adds them -> fp32 [1, H]."""
+        keep = [j for j in np.argsort(idx, kind="stable")
+                if (only is None or int(idx[j]) in only) and int(idx[j]) not in skip]
+        if not keep:
+            return np.zeros((1, m.shape[1]), np.float32)
+        import tvm.runtime
+
+        from helmc.runtime.tvm_tensors import host_view
+        y = tvm.runtime.empty((1, m.shape[1]), "float32", tvm.cpu())      # [1, H]
+        x = np.ascontiguousarray(m, np.float32)                           # [1, H]
+        kernel(self.from_array(x), self.from_array(idx[keep].astype(np.int32)),
+               self.from_array(np.ascontiguousarray(w[keep], np.float32)), *experts.stacked, y)
+        return host_view(y)
 
     def _run_expert(self, decode: bool, rows: np.ndarray, weights, signature: int = 0) -> np.ndarray:
         """The expert on `rows` [r, H]: decode on the one-row GEMV or the smallest batched variant that holds r

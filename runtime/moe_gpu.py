@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, route
+from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, find_expert_sums, route
 from helmc.runtime.function_names import block_function_name
 
 
@@ -74,7 +74,7 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
     import cupy as cp
     expert_sigs = [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)]
     host = MoeFeedForward(cpu_vm, spec.moe, phases, batch_sizes, host_view, lambda a: cpu_tensor_view(a, dev),
-                          signatures=(), expert_signatures=expert_sigs)
+                          signatures=(), expert_signatures=expert_sigs, expert_sums=find_expert_sums(cpu_vm, spec))
     device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
                             expert_signatures=expert_sigs, xp=cp)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,

@@ -77,9 +77,10 @@ class Stage:
         self._moe_layer = [spec.is_moe_layer(i) for i in layers]
         self._moe = moe                 # given: the GPU stage's (runtime/moe_gpu.py), its experts on the CPU
         if any(self._moe_layer) and moe is None:
-            from helmc.runtime.moe_experts import MoeFeedForward
+            from helmc.runtime.moe_experts import MoeFeedForward, find_expert_sums
             self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array, self._signature,
-                                       [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)])
+                                       [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)],
+                                       expert_sums=find_expert_sums(vm, spec))
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
         # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches, or another stage's over the same caches
         # (shared_gpu_decode_batch)

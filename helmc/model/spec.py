@@ -129,8 +129,10 @@ class ModelSpec:
     def expert_signatures(self) -> tuple[tuple[str, str, str], ...]:
         """The distinct (gate, up, down) expert types of the routed blocks, in order of first use: one compiled
         expert function each. Float experts: one, all ""."""
+        if not self.expert_types:
+            return (("", "", ""),)
         sigs = tuple(dict.fromkeys(self.expert_types[i] for i in range(self.num_layers) if self.is_moe_layer(i)))
-        return sigs if self.expert_types and sigs else (("", "", ""),)
+        return sigs or (("", "", ""),)
 
     def expert_signature_index(self, layer: int) -> int:
         return self.expert_signatures().index(self.expert_types[layer]) if self.expert_types else 0

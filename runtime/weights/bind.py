@@ -101,16 +101,57 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                                               spec.weight_type(i, name), spec.dtype), dev)
             post = [load(w) for w in spec.post_attn_weight_names(i)]
             if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
-                from helmc.runtime.moe_experts import LayerExperts
                 vram = frozenset(experts_in_vram[i]) if experts_in_vram and experts_on else frozenset()
-                post.append(LayerExperts(tuple(tuple(load(w, *((dev, to_device) if e in vram else (expert_dev, expert_to)))
-                                                     for w in spec.moe.expert_weight_names(e))
-                                               for e in range(spec.moe.num_experts)),
-                                         spec.expert_signature_index(i), vram))
+                post.append(_bind_experts(spec, i, load, vram, (dev, to_device), (expert_dev, expert_to)))
             out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
             release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
             bar.advance()
     return out
+
+
+def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, device, host):
+    """Block `layer`'s routed experts: those in `vram` each on the stage's device, the others on `host`. Quantized
+    experts on the CPU go into one tensor per kind [experts * rows, row bytes] (GGUF's stacked layout, which the
+    CPU's one-call expert sum reads), each expert a view into it; an expert in VRAM leaves its rows there unset
+    (never written, never resident)."""
+    from helmc.runtime.moe_experts import LayerExperts
+    moe = spec.moe
+    names = [moe.expert_weight_names(e) for e in range(moe.num_experts)]
+    stacked = None
+    if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
+        stacked = tuple(_stacked(load, [names[e][kind] for e in range(moe.num_experts)], vram) for kind in range(3))
+    if stacked is not None and None not in stacked:
+        experts = tuple(tuple(load(names[e][kind], *device) if e in vram else stacked[kind][1][e] for kind in range(3))
+                        for e in range(moe.num_experts))
+        return LayerExperts(experts, spec.expert_signature_index(layer), vram, tuple(s for s, _ in stacked))
+    experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
+    return LayerExperts(experts, spec.expert_signature_index(layer), vram)
+
+
+def _stacked(load: Callable, names: list[str], vram: frozenset) -> tuple | None:
+    """(one host tensor [experts * rows, row bytes], each expert's tensor over its rows) of quantized expert
+    weights, each expert not in `vram` copied into its rows straight from the checkpoint's view. The memory is
+    NumPy's, 64-byte aligned, each expert's tensor a DLPack view with its own data pointer (compiled functions take
+    no byte offset); None where an expert's bytes are not a multiple of 64 (its successor's rows would not be
+    aligned)."""
+    import tvm.runtime
+
+    from helmc.runtime.memory.allocation import allocate
+
+    def raw(name):
+        return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
+    rows, row_bytes = raw(names[0]).shape
+    if rows * row_bytes % 64:
+        return None
+    nbytes = rows * row_bytes * len(names)
+    buf = allocate("weights", rows * row_bytes * (len(names) - len(vram)), lambda: np.empty(nbytes + 64, np.uint8))
+    start = -buf.ctypes.data % 64
+    whole = buf[start:start + nbytes].reshape(len(names) * rows, row_bytes)   # [experts * rows, row bytes]
+    for e, name in enumerate(names):
+        if e not in vram:
+            whole[e * rows:(e + 1) * rows] = raw(name)
+    return (tvm.runtime.from_dlpack(whole),
+            [tvm.runtime.from_dlpack(whole[e * rows:(e + 1) * rows]) for e in range(len(names))])
 
 
 def release_block(ck, spec: ModelSpec, layer: int) -> None:

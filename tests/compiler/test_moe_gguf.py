@@ -23,6 +23,9 @@ from test_quantized_models import PROMPT, compare
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tvm.relax")
 
+from helmc.runtime.moe_experts import LayerExperts, find_expert_sums  # noqa: E402
+from helmc.schedules.cpu.isa import select_isa  # noqa: E402
+
 DIMS = dict(num_layers=3, head_dim=64, hidden_size=256, moe_intermediate_size=256)
 
 
@@ -105,7 +108,13 @@ def test_quantized_experts_match_transformers(quant, moe_dir, cpu_only, cache_di
         assert (spec.expert_types[0][2], spec.expert_types[2][2]) == ("q4_k", "q6_k")
         assert len(spec.expert_signatures()) == 2        # two compiled expert functions
     path = quantize_checkpoint(moe_dir, quant, os.path.join(cache_dir, "weights"))
-    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(moe_dir, path), f"qwen3_moe --quant {quant}")
+    session = Session.load(r.bundle_dir)
+    if quant == "q4_k_m" and select_isa(cpu_only.cpu.features).tier == "avx512":
+        # decode runs each block's experts in one call (schedules/cpu/quant/moe_experts.py) over stacked weights
+        assert sorted(find_expert_sums(session.cpu_stage.vm, spec)) == [0, 1]
+        assert all(b.post[-1].stacked is not None for b in session.cpu_stage.bindings if b.post[-1].__class__
+                   is LayerExperts)
+    compare(session, hf_on_dequantized_weights(moe_dir, path), f"qwen3_moe --quant {quant}")
 
 
 def test_stacked_expert_tensor_of_a_wrong_shape_is_one_line(tmp_path):

@@ -78,6 +78,23 @@ def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: 
     return {str(f.attrs["global_symbol"]): f}
 
 
+def moe_expert_kernels(spec: ModelSpec, features: tuple[str, ...]) -> dict:
+    """{global symbol: PrimFunc}: the one-call decode expert sum (schedules/cpu/quant/moe_experts.py) of each
+    routed expert type signature whose gate/up and down types have int8 kernels on this CPU; the runtime looks
+    each up by name and calls the expert function per expert where one is absent."""
+    if spec.moe is None:
+        return {}
+    from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum, moe_expert_sum_applies
+    isa, moe, out = select_isa(features), spec.moe, {}
+    for gate, up, down in spec.expert_signatures():
+        if gate == up and moe_expert_sum_applies(gate or None, down or None, moe.expert_intermediate_size,
+                                                 spec.hidden_size, isa):
+            f = make_moe_expert_sum(gate, down, moe.num_experts, moe.expert_intermediate_size, spec.hidden_size,
+                                    moe.top_k, isa)
+            out[str(f.attrs["global_symbol"])] = f
+    return out
+
+
 def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelSpec | None = None,
                       cores: int = 0, prefill_activations: str = "model") -> tvm.runtime.Executable:
     target = llvm_target(features)
@@ -87,6 +104,7 @@ def compile_cpu_stage(mod: tvm.IRModule, features: tuple[str, ...], spec: ModelS
         mod, weight_types = quantize_functions(mod, spec)
     lowered = lower_linear(mod, features, cores or None, prefill_activations, weight_types)
     if spec is not None:
-        for name, func in decode_attention_kernels(spec, features, cores).items():
+        kernels = {**decode_attention_kernels(spec, features, cores), **moe_expert_kernels(spec, features)}
+        for name, func in kernels.items():
             lowered[name] = func
     return tvm.compile(lowered, target=target, relax_pipeline=cpu_stage_pipeline(target))

@@ -1,0 +1,117 @@
+"""One decode token's routed experts of a mixture-of-experts block in one call: every selected expert's gate/up
+GEMVs, SwiGLU and down GEMV, and their weighted sum, over the block's stacked expert weights (int8 path: Q4_K,
+Q6_K, Q4_0).
+
+Why: a token selects k experts per block (Qwen3-30B-A3B: 8 of 128), so calling the expert function once per
+expert made 8 calls, 24 parallel regions and 8 host round trips of the activations per block; at 48 blocks the
+calls' overhead outweighed reading the ~0.9 MB each expert weight holds. Here the activation is quantized once,
+one parallel region runs every selected expert's gate and up rows (the same rows of both in one step), a second
+every expert's down rows for the same output rows, and the weighted sum of the k results is formed in the second
+region's step, in the order of `sel` (the runtime passes experts ascending, the order MoeFeedForward sums them).
+
+The weights stay where the bundle binds them: each kind (gate, up, down) of a block is one uint8 tensor
+[experts * rows, row_bytes], expert e's rows at e * rows (GGUF's `ffn_*_exps` layout), and each step reads its
+expert's rows through a view at that offset, so expert e's rows go through the same step code
+(gemv_int8.one_token_step) as a one-expert GEMV: each expert's result is bit-identical to that kernel's.
+
+  make_moe_expert_sum(gate_type, down_type, experts, inter, hidden, top_k, isa)
+      -> PrimFunc(x: f32[1, H], sel: int32[n], weight: f32[n], w_gate: u8[E * I, gb], w_up: u8[E * I, gb],
+                  w_down: u8[E * H, db], y: f32[1, H])        n <= top_k; y = sum_j weight[j] * expert_sel[j](x)
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.runtime.function_names import moe_expert_sum_name
+from helmc.schedules.cpu.gemv_quant import quant_blocking
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _macros, int8_gemv_applies, one_token_step
+
+
+def moe_expert_sum_applies(gate_type: str, down_type: str, inter: int, hidden: int, isa: VectorIsa) -> bool:
+    """The block's experts run through this kernel: gate/up and down of int8-path types (their GEMVs'
+    one_token_step), on AVX-512."""
+    return (gate_type is not None and down_type is not None and int8_gemv_applies(gate_type, isa, hidden)
+            and int8_gemv_applies(down_type, isa, inter))
+
+
+def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int, hidden: int, top_k: int,
+                        isa: VectorIsa) -> tirx.PrimFunc:
+    assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
+    E, I, H, K = experts, inter, hidden, top_k
+    gu, dn = INT8_UNITS[gate_type], INT8_UNITS[down_type]
+    g_blocks, d_blocks = H // gu.weights, I // dn.weights
+    gb, db = g_blocks * gu.bytes, d_blocks * dn.bytes                     # row bytes of gate/up and of down
+    g_rows, _ = quant_blocking(gate_type, 1, isa, INT8_TUNING[gate_type])
+    d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
+    g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
+    quantize_x, _ = _macros(gate_type, isa, 1, 1)
+    quantize_a, _ = _macros(down_type, isa, 1, 1)
+    gate_step = one_token_step(gate_type, I, H, isa)
+    down_step = one_token_step(down_type, H, I, isa)
+
+    @T.prim_func
+    def moe_sum(x: T.Buffer((1, H), "float32"), sel_h: T.handle, weight_h: T.handle,
+                w_gate: T.Buffer((E * I, gb), "uint8"), w_up: T.Buffer((E * I, gb), "uint8"),
+                w_down: T.Buffer((E * H, db), "uint8"), y: T.Buffer((1, H), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n = T.int32()
+        sel = T.match_buffer(sel_h, (n,), "int32")
+        weight = T.match_buffer(weight_h, (n,), "float32")
+        T.Assert(n <= K, "moe_expert_sum: more experts than the block's top-k")
+        xq = T.alloc_buffer((1, H), "int8")
+        dx = T.alloc_buffer((1, g_blocks * gu.dx_lanes), "float32")
+        xs = T.alloc_buffer((1, g_blocks * gu.sums), gu.xs_dtype)
+        g = T.alloc_buffer((K, I), "float32")                             # [k, I] each expert's gate(x)
+        u = T.alloc_buffer((K, I), "float32")                             # [k, I] up(x), then silu(gate) * up
+        aq = T.alloc_buffer((K, I), "int8")
+        adx = T.alloc_buffer((K, d_blocks * dn.dx_lanes), "float32")
+        axs = T.alloc_buffer((K, d_blocks * dn.sums), dn.xs_dtype)
+        part = T.alloc_buffer((K, H), "float32")                          # [k, H] each expert's down(a)
+        for b in T.serial(g_blocks):
+            quantize_x(x, xq, dx, xs, 0, b)
+        for step in T.parallel(n * g_steps):
+            j = step // g_steps
+            row0 = sel[j] * I
+            wg = T.decl_buffer((I, gb), "uint8", data=w_gate.data, elem_offset=row0 * gb)
+            wgi = T.decl_buffer((I, gb), "int8", data=w_gate.data, elem_offset=row0 * gb)
+            wgh = T.decl_buffer((I, gb // 2), "float16", data=w_gate.data, elem_offset=row0 * (gb // 2))
+            wgf = T.decl_buffer((I * gb,), "uint8", data=w_gate.data, elem_offset=row0 * gb)
+            wgu = T.decl_buffer((I, gb // 4), "uint32", data=w_gate.data, elem_offset=row0 * (gb // 4))
+            wu = T.decl_buffer((I, gb), "uint8", data=w_up.data, elem_offset=row0 * gb)
+            wui = T.decl_buffer((I, gb), "int8", data=w_up.data, elem_offset=row0 * gb)
+            wuh = T.decl_buffer((I, gb // 2), "float16", data=w_up.data, elem_offset=row0 * (gb // 2))
+            wuf = T.decl_buffer((I * gb,), "uint8", data=w_up.data, elem_offset=row0 * gb)
+            wuu = T.decl_buffer((I, gb // 4), "uint32", data=w_up.data, elem_offset=row0 * (gb // 4))
+            gj = T.decl_buffer((1, I), "float32", data=g.data, elem_offset=j * I)    # [1, I] row j of g
+            uj = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=j * I)
+            gate_step(wg, wgi, wgh, wgf, wgu, xq, dx, xs, gj, step % g_steps)
+            gate_step(wu, wui, wuh, wuf, wuu, xq, dx, xs, uj, step % g_steps)
+        for j in T.serial(n):
+            for i in T.serial(I):
+                u[j, i] = g[j, i] / (T.float32(1) + T.exp(-g[j, i])) * u[j, i]
+            for b in T.serial(d_blocks):
+                quantize_a(u, aq, adx, axs, j, b)
+        for step in T.parallel(d_steps):
+            for j in T.serial(n):
+                row0 = sel[j] * H
+                wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
+                wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
+                wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
+                wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
+                wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
+                aqj = T.decl_buffer((1, I), "int8", data=aq.data, elem_offset=j * I)
+                adxj = T.decl_buffer((1, d_blocks * dn.dx_lanes), "float32", data=adx.data,
+                                     elem_offset=j * (d_blocks * dn.dx_lanes))
+                axsj = T.decl_buffer((1, d_blocks * dn.sums), dn.xs_dtype, data=axs.data,
+                                     elem_offset=j * (d_blocks * dn.sums))
+                pj = T.decl_buffer((1, H), "float32", data=part.data, elem_offset=j * H)
+                down_step(wd, wdi, wdh, wdf, wdu, aqj, adxj, axsj, pj, step)
+            for r in T.serial(d_rows):
+                if step * d_rows + r < H:
+                    y[0, step * d_rows + r] = T.float32(0)
+                    for j in T.serial(n):
+                        y[0, step * d_rows + r] = y[0, step * d_rows + r] + weight[j] * part[j, step * d_rows + r]
+
+    return moe_sum.with_attr("global_symbol", moe_expert_sum_name(gate_type, down_type, E, I, H))
