@@ -21,3 +21,10 @@ def moe_expert_sum_name(gate_type: str, down_type: str, experts: int, inter: int
     down) types (gate_type, down_type) (schedules/cpu/quant/moe_experts.py); absent where those types have no
     int8 kernel on the target CPU."""
     return f"helmc_moe_expert_sum_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"
+
+
+def gpu_moe_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:
+    """The GPU library's two decode expert kernels (gate_up, down) for the blocks whose experts have (gate/up, down)
+    types (gate_type, down_type) (schedules/gpu/moe_experts.py); absent where those types have no int8 GPU kernel."""
+    tail = f"e{experts}_i{inter}_h{hidden}"
+    return f"helmc_gpu_moe_gate_up_{gate_type}_{tail}", f"helmc_gpu_moe_down_{down_type}_{tail}"

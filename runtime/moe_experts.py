@@ -32,6 +32,8 @@ class LayerExperts:
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.gpu_experts)
     stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
                                      # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
+    vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
+    vram_order: tuple = ()             # expert vram_order[slot] at slot
 
 
 def find_expert_sums(vm, spec) -> dict:

@@ -87,8 +87,24 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
     from helmc.compiler.passes.compile_gpu_stage import compile_gpu_stage, compile_paged_attention
     from helmc.compiler.passes.quantize_functions import quantize_functions
     mod, weight_types = quantize_functions(mod, spec)
-    stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage", weight_types=weight_types)
+    stage = compile_gpu_stage(mod, hw.gpu.arch, out_dir, name="gpu_stage", weight_types=weight_types,
+                              kernels=gpu_moe_kernels(spec))
     return stage + (compile_paged_attention(spec.head_dim, spec.group_size, hw.gpu.arch, out_dir),)
+
+
+def gpu_moe_kernels(spec: ModelSpec) -> dict:
+    """{global symbol: PrimFunc}: the GPU's two-launch decode expert kernels (schedules/gpu/moe_experts.py) of each
+    routed expert type signature with int8 GPU kernels, for the experts the plan keeps in VRAM; the runtime looks
+    them up by name and runs the expert function per expert where they are absent."""
+    if spec.moe is None:
+        return {}
+    from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels
+    moe, out = spec.moe, {}
+    for gate, up, down in spec.expert_signatures():
+        if gate == up and gpu_moe_applies(gate, down, moe.expert_intermediate_size, spec.hidden_size):
+            out.update(make_gpu_moe_kernels(gate, down, moe.num_experts, moe.expert_intermediate_size,
+                                            spec.hidden_size, moe.top_k))
+    return out
 
 
 def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> None:

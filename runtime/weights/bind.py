@@ -121,9 +121,15 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
     if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
         stacked = tuple(_stacked(load, [names[e][kind] for e in range(moe.num_experts)], vram) for kind in range(3))
     if stacked is not None and None not in stacked:
-        experts = tuple(tuple(load(names[e][kind], *device) if e in vram else stacked[kind][1][e] for kind in range(3))
+        in_vram = _stacked_vram(load, names, sorted(vram), device[0])
+        on_device = {}
+        for slot, e in enumerate(sorted(vram)):
+            on_device[e] = (tuple(views[slot] for _, views in in_vram) if in_vram
+                            else tuple(load(n, *device) for n in names[e]))
+        experts = tuple(on_device[e] if e in vram else tuple(stacked[kind][1][e] for kind in range(3))
                         for e in range(moe.num_experts))
-        return LayerExperts(experts, spec.expert_signature_index(layer), vram, tuple(s for s, _ in stacked))
+        return LayerExperts(experts, spec.expert_signature_index(layer), vram, tuple(s for s, _ in stacked),
+                            tuple(w for w, _ in in_vram) if in_vram else None, tuple(sorted(vram)))
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram)
 
@@ -152,6 +158,34 @@ def _stacked(load: Callable, names: list[str], vram: frozenset) -> tuple | None:
             whole[e * rows:(e + 1) * rows] = raw(name)
     return (tvm.runtime.from_dlpack(whole),
             [tvm.runtime.from_dlpack(whole[e * rows:(e + 1) * rows]) for e in range(len(names))])
+
+
+def _stacked_vram(load: Callable, names: list, order: list[int], dev) -> tuple | None:
+    """The experts in VRAM of a GPU stage's block, quantized: per kind (gate, up, down), (one device tensor
+    [len(order) * rows, row bytes], each expert's tensor over its rows), expert order[slot] at slot, read by the
+    GPU's two-launch expert kernels (runtime/moe_gpu.py); None on a CPU device, with no expert in VRAM, or where
+    an expert's bytes are not a multiple of 16 (the kernels' alignment)."""
+    if not order or dev.dlpack_device_type() != 2:          # kDLCUDA
+        return None
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import cupy_to_tvm
+    from helmc.runtime.memory.allocation import allocate
+
+    def raw(name):
+        return load(name, None, lambda view, dtype, d: view)      # the checkpoint's uint8 view, not copied
+    out = []
+    for kind in range(3):
+        rows, row_bytes = raw(names[order[0]][kind]).shape
+        if rows * row_bytes % 16:
+            return None
+        with cp.cuda.Device(dev.index):
+            whole = allocate("weights", rows * row_bytes * len(order),
+                             lambda: cp.empty((len(order) * rows, row_bytes), cp.uint8))   # [slots * rows, row bytes]
+            for slot, e in enumerate(order):
+                whole[slot * rows:(slot + 1) * rows].set(np.ascontiguousarray(raw(names[e][kind])))
+        out.append((cupy_to_tvm(whole), [cupy_to_tvm(whole[s * rows:(s + 1) * rows]) for s in range(len(order))]))
+    return tuple(out)
 
 
 def release_block(ck, spec: ModelSpec, layer: int) -> None:

@@ -134,23 +134,11 @@ def _decode_q6_k():
     return decode
 
 
-def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
-                       unroll: int = UNROLL, k_split: bool = False, m: int = 1,
-                       epilogue: str | None = None) -> tirx.PrimFunc:
-    """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
-
-    qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
-    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
-    n a tuple of 2 or 3 row counts: one launch over that many weights of the same x (q, k, v; gate, up):
-    PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each CTA works for one weight, and y_i is bit-identical to the
-    one-weight kernel's (the same lanes, blocks and order).
-    k_split: the CTA's warps share its rows_per_warp rows and take every warps-th step of their blocks (more CTAs
-    and more loads in flight for a short row count: 4096 rows made 256 CTAs of 16 rows for 132 SMs); their
-    sums meet in shared memory and add in warp order, the same for every m (batch invariance holds).
-    epilogue (one row count, no k_split), as gemv.py's: "residual": PrimFunc(x, w, r, y), y = r + fp16(x @ w^T)
-    added in fp16; "swiglu": PrimFunc(x, wg, wu, y), y = silu(g) * u of g, u = fp16(x @ wg^T), fp16(x @ wu^T)
-    in fp16 ops, the stage's elementwise kernel's expression: a warp sums its rows of both weights (the lanes,
-    blocks and order of the one-weight kernel's), so y is the bits of the GEMVs and that kernel run apart."""
+def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+                      unroll: int = UNROLL, k_split: bool = False, m: int = 1, epilogue: str | None = None):
+    """The int8 GEMV's CTA body and launch geometry, for make_gpu_gemv_int8's PrimFuncs and for kernels that pick
+    their weights at run time (moe_experts.py): (kernel_body(x, weight word views, ys, bx, ty, tx[, residual]),
+    grid (CTAs along blockIdx.x), row_words (words per weight row), word_type, rb (bytes per row), outs)."""
     if qtype not in INT8_TYPES:
         raise HelmcError(f"GPU int8 GEMV: a type in {INT8_TYPES} expected, found {qtype!r}")
     outs = tuple(n) if isinstance(n, (tuple, list)) else (n,)
@@ -362,6 +350,29 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                             inv, word, qw, s1, s2, xw, dx, sx, dot, red)
 
     rb = k // weights * fmt.bytes                       # bytes per weight row
+    return kernel_body, grid, row_words, word_type, rb, outs
+
+
+def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+                       unroll: int = UNROLL, k_split: bool = False, m: int = 1,
+                       epilogue: str | None = None) -> tirx.PrimFunc:
+    """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
+
+    qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
+    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
+    n a tuple of 2 or 3 row counts: one launch over that many weights of the same x (q, k, v; gate, up):
+    PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each CTA works for one weight, and y_i is bit-identical to the
+    one-weight kernel's (the same lanes, blocks and order).
+    k_split: the CTA's warps share its rows_per_warp rows and take every warps-th step of their blocks (more CTAs
+    and more loads in flight for a short row count: 4096 rows made 256 CTAs of 16 rows for 132 SMs); their
+    sums meet in shared memory and add in warp order, the same for every m (batch invariance holds).
+    epilogue (one row count, no k_split), as gemv.py's: "residual": PrimFunc(x, w, r, y), y = r + fp16(x @ w^T)
+    added in fp16; "swiglu": PrimFunc(x, wg, wu, y), y = silu(g) * u of g, u = fp16(x @ wg^T), fp16(x @ wu^T)
+    in fp16 ops, the stage's elementwise kernel's expression: a warp sums its rows of both weights (the lanes,
+    blocks and order of the one-weight kernel's), so y is the bits of the GEMVs and that kernel run apart."""
+    kernel_body, grid, row_words, word_type, rb, outs = int8_kernel_parts(qtype, n, k, rows_per_warp, warps, unroll,
+                                                                          k_split, m, epilogue)
+    swiglu = epilogue == "swiglu"
     if epilogue == "residual":
         @T.prim_func
         def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((outs[0], rb), "uint8"),

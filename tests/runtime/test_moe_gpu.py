@@ -109,22 +109,27 @@ def test_batched_decode_is_bitwise_single_runs():
         assert np.array_equal(one, many), f"sequence {b}: a batched step differs from its single run"
 
 
+@pytest.mark.parametrize("name", ["gpu_float16", "gpu_q4_k_m"])
 @pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8)))])
-def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram):
+def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
     """Plan.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
     block's others (block 1 is dense: no experts). Greedy against transformers by the rule above; the share of
-    selected experts served from VRAM is what the placement gives (all of them when every expert is there)."""
+    selected experts served from VRAM is what the placement gives (all of them when every expert is there).
+    Quantized experts decode through the GPU's two expert kernels over the stacked VRAM experts (routed on the GPU
+    when every expert is there) and the CPU's one-call expert sum."""
     import dataclasses
 
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.session import Session
     d = moe_dir()
-    weights, ref = reference(d, "gpu_float16")
-    base = Plan.from_json(open(os.path.join(d, "gpu_float16", "plan.json")).read())
-    s = Session.load(os.path.join(d, "gpu_float16"), weights_dir=weights, plan=dataclasses.replace(base, gpu_experts=vram))
+    weights, ref = reference(d, name)
+    base = Plan.from_json(open(os.path.join(d, name, "plan.json")).read())
+    s = Session.load(os.path.join(d, name), weights_dir=weights, plan=dataclasses.replace(base, gpu_experts=vram))
     got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
     expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
     moe = s.gpu.stage._moe
+    if name == "gpu_q4_k_m":
+        assert sorted(moe.device_sums) == [0, 1] and sorted(moe.host._expert_sums) == [0, 1]
     print(f"\ngpu_experts {vram}: hit rate {moe.hit_rate():.2f}; greedy {sum(a == b for a, b in zip(got, expected))}"
           f"/{NEW_TOKENS} identical")
     assert 0 < moe.hit_rate() <= 1 and (moe.hit_rate() == 1.0) == (len(vram[0]) == 8)

@@ -226,11 +226,12 @@ def _check_input(mod, arch: str) -> None:
 
 def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu: str | None = None,
                          weight_types: dict | None = None, fuse_norms: bool = True, prefill_cublas: bool = True,
-                         merge_launches: bool = True):
+                         merge_launches: bool = True, kernels: dict | None = None):
     """The GPU stage's Relax passes and TVM's build for CUDA `arch`, no nvcc: the VM executable, its kernels as
     CUDA source (kernel_launches reads what each function launches). merge_launches=False: the reference form, one
     launch per fp16 / bf16 decode linear, SwiGLU and the residual add apart, q's and k's norm + RoPE apart (the int8
-    GEMVs keep their shared-x launches and epilogues)."""
+    GEMVs keep their shared-x launches and epilogues). kernels: {global symbol: scheduled PrimFunc} the runtime
+    calls by name (the MoE expert kernels), added as they are."""
     import tvm
 
     _check_input(mod, arch)
@@ -256,6 +257,8 @@ def build_gpu_executable(mod, arch: str, fp32_accumulate: bool = True, host_mcpu
     if prefill_cublas:      # prefill linears on tensor cores: cuBLAS through the runtime's CuPy
         from helmc.compiler.passes.dispatch_prefill_gemm import dispatch_prefill_gemm
         mod = dispatch_prefill_gemm(mod)
+    for name, func in (kernels or {}).items():
+        mod[name] = func
     return tvm.compile(mod, target=target, relax_pipeline=_gpu_relax_pipeline(target))
 
 
@@ -285,7 +288,8 @@ def kernel_launches(ex) -> dict[str, list[str]]:
 def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
                       fp32_accumulate: bool = True, host_mcpu: str | None = None,
                       weight_types: dict | None = None, fuse_norms: bool = True,
-                      prefill_cublas: bool = True, merge_launches: bool = True) -> tuple[str, ...]:
+                      prefill_cublas: bool = True, merge_launches: bool = True,
+                      kernels: dict | None = None) -> tuple[str, ...]:
     """Compile the GPU stage's Relax module for CUDA `arch`; returns the file names written into out_dir.
 
     Writes `<name>.so` (host code + VM bytecode, the CUDA source embedded), `<name>.<arch>.cubin`,
@@ -298,7 +302,7 @@ def compile_gpu_stage(mod, arch: str, out_dir: str, name: str = "gpu_stage",
     if nvcc is None:
         raise HelmcError("compile_gpu_stage: expected nvcc on PATH or in /usr/local/cuda/bin, found none")
     ex = build_gpu_executable(mod, arch, fp32_accumulate, host_mcpu, weight_types, fuse_norms, prefill_cublas,
-                              merge_launches)
+                              merge_launches, kernels)
 
     sources = _collect_cuda_sources(ex.mod)
     if len(sources) != 1:

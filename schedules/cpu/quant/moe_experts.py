@@ -88,11 +88,13 @@ def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int
             uj = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=j * I)
             gate_step(wg, wgi, wgh, wgf, wgu, xq, dx, xs, gj, step % g_steps)
             gate_step(wu, wui, wuh, wuf, wuu, xq, dx, xs, uj, step % g_steps)
-        for j in T.serial(n):
-            for i in T.serial(I):
-                u[j, i] = g[j, i] / (T.float32(1) + T.exp(-g[j, i])) * u[j, i]
-            for b in T.serial(d_blocks):
-                quantize_a(u, aq, adx, axs, j, b)
+        for jb in T.parallel(n * d_blocks):          # each expert's SwiGLU, quantized per block of its input
+            for i in T.serial(dn.weights):
+                u[jb // d_blocks, jb % d_blocks * dn.weights + i] = (
+                    g[jb // d_blocks, jb % d_blocks * dn.weights + i]
+                    / (T.float32(1) + T.exp(-g[jb // d_blocks, jb % d_blocks * dn.weights + i]))
+                    * u[jb // d_blocks, jb % d_blocks * dn.weights + i])
+            quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
         for step in T.parallel(d_steps):
             for j in T.serial(n):
                 row0 = sel[j] * H
