@@ -6,9 +6,9 @@ Qwen3-30B-A3B), each a VM call with host-side bookkeeping between; and the exper
 host. Here `sel` (the selected experts' slots in the stacked weights) is a device tensor the kernels read, so the
 GPU never waits on the host to learn which experts a token chose.
 
-  gate_up(x: f16[1, H], sel: i32[n], w_gate: u8[E * I, gb], w_up: u8[E * I, gb], a: f16[K, I])
+  gate_up(x: f16[1, H], sel: i32[n], w_gate: u8[slots * I, gb], w_up: u8[slots * I, gb], a: f16[K, I])
       a[j] = silu(x @ gate_sel[j]^T) * (x @ up_sel[j]^T)   (the int8 GEMV's swiglu epilogue; blockIdx.y = j)
-  down(a: f16[K, I], sel: i32[n], w_down: u8[E * H, db], part: f16[K, H])
+  down(a: f16[K, I], sel: i32[n], w_down: u8[slots * H, db], part: f16[K, H])
       part[j] = a[j] @ down_sel[j]^T                        (blockIdx.y = j)
 The caller weights and sums part[:n] (fp32). Each CTA reads its expert's rows through a view at sel[j] * rows, so
 expert j's result is the bits of the one-weight kernel on that expert.
@@ -36,11 +36,13 @@ def make_gpu_moe_kernels(gate_type: str, down_type: str, experts: int, inter: in
     gate_up_name, down_name = gpu_moe_names(gate_type, down_type, E, I, H)
 
     @T.prim_func
-    def gate_up(x: T.Buffer((1, H), "float16"), sel_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"),
-                w_up: T.Buffer((E * I, gb), "uint8"), a: T.Buffer((K, I), "float16")):
+    def gate_up(x: T.Buffer((1, H), "float16"), sel_h: T.handle, w_gate_h: T.handle, w_up_h: T.handle,
+                a: T.Buffer((K, I), "float16")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n = T.int32()
+        n, slot_rows = T.int32(), T.int32()
         sel = T.match_buffer(sel_h, (n,), "int32")
+        w_gate = T.match_buffer(w_gate_h, (slot_rows, gb), "uint8")          # [slots * I, gb]
+        w_up = T.match_buffer(w_up_h, (slot_rows, gb), "uint8")
         for j in T.thread_binding(n, thread="blockIdx.y"):
             for bx in T.thread_binding(up_grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
@@ -51,11 +53,12 @@ def make_gpu_moe_kernels(gate_type: str, down_type: str, experts: int, inter: in
                         up_body(x, [gv, uv], [aj], bx, ty, tx)
 
     @T.prim_func
-    def down(a: T.Buffer((K, I), "float16"), sel_h: T.handle, w_down: T.Buffer((E * H, db), "uint8"),
+    def down(a: T.Buffer((K, I), "float16"), sel_h: T.handle, w_down_h: T.handle,
              part: T.Buffer((K, H), "float16")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n = T.int32()
+        n, slot_rows = T.int32(), T.int32()
         sel = T.match_buffer(sel_h, (n,), "int32")
+        w_down = T.match_buffer(w_down_h, (slot_rows, db), "uint8")          # [slots * H, db]
         for j in T.thread_binding(n, thread="blockIdx.y"):
             for bx in T.thread_binding(down_grid, thread="blockIdx.x"):
                 for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
