@@ -10,7 +10,9 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
 A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
-The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph.
+The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph, unless every
+expert is in VRAM and the GPU's expert kernels run them: then a decode row is routed on the GPU and the step's
+CUDA graph holds the blocks (GpuMoeFeedForward.decodes_on_device).
 """
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ class GpuMoeFeedForward:
                        for p in phases for j in set(signatures)}
         # for the benchmarks: blocks whose rows went to the host and back; (row, expert) pairs, those in VRAM
         self.crossings = self.expert_rows = self.gpu_expert_rows = 0
+
+    def decodes_on_device(self, bindings) -> bool:
+        """Whether a one-row decode step of these blocks never waits on the host: every routed block's experts all
+        in VRAM and run by the GPU's expert kernels (then the step's CUDA graph can hold them)."""
+        experts = [b.post[-1] for b in bindings if isinstance(b.post[-1], LayerExperts)]
+        return all(e.vram_stacked is not None and len(e.on_gpu) == len(e.experts) and e.signature in self.device_sums
+                   for e in experts)
 
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
@@ -110,7 +119,11 @@ class DeviceExpertSum:
         z = logits[0].astype(cp.float32)                                # [E]
         p = cp.exp(z - z.max())
         p /= p.sum()
-        top = cp.argsort(-p)[:self.top_k]                               # [k], largest first
+        top = cp.empty(self.top_k, cp.int64)                           # [k], largest first, ties to the lower index
+        left = p.copy()
+        for i in range(self.top_k):     # argmax k times (no sort: plain kernels, which a CUDA graph captures)
+            top[i] = left.argmax()
+            left[top[i]] = -1
         w = p[top]
         if self.moe.norm_topk_prob:
             w = w / w.sum()
