@@ -119,16 +119,18 @@ class DeviceExpertSum:
         z = logits[0].astype(cp.float32)                                # [E]
         p = cp.exp(z - z.max())
         p /= p.sum()
-        top = cp.empty(self.top_k, cp.int64)                           # [k], largest first, ties to the lower index
-        left = p.copy()
-        for i in range(self.top_k):     # argmax k times (no sort: plain kernels, which a CUDA graph captures)
-            top[i] = left.argmax()
-            left[top[i]] = -1
+        # top-k without a sort or a host sync (plain kernels a CUDA graph captures): each expert's rank is how many
+        # beat it (higher, or equal at a lower index); scattering expert ids by rank orders them, largest first
+        e = cp.arange(p.shape[0], dtype=cp.int32)                        # [E]
+        beats = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (e[None, :] < e[:, None]))   # [E, E]
+        order = cp.empty_like(e)
+        order[beats.sum(axis=1)] = e                                      # order[rank] = expert
+        top = order[:self.top_k]                                          # [k]
         w = p[top]
         if self.moe.norm_topk_prob:
             w = w / w.sum()
         assert experts.vram_order == tuple(range(logits.shape[1])), "every expert in VRAM, at its own slot"
-        return self._run(m_dev, top.astype(cp.int32), w, experts)
+        return self._run(m_dev, top, w, experts)
 
 
 def device_expert_sums(gpu_vm, spec, to_cupy, from_cupy) -> dict:
