@@ -443,10 +443,10 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                                    ops=stage.kv.ops if stage is not None else None,
                                    lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
-    # a step with MoE blocks waits on the host for their experts (no graph captures it) unless all run on the GPU
+    # a step with MoE blocks waits on the host for their experts: no graph captures it (an all-VRAM step routed on
+    # the GPU does not wait, but capturing it is invalidated by an operation not yet identified)
     graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
-             if stage is not None and kv_options.cuda_graph
-             and (stage._moe is None or stage._moe.decodes_on_device(stage.bindings)) else None)
+             if stage is not None and kv_options.cuda_graph and stage._moe is None else None)
     decode = None
     if hybrid:
         from helmc.runtime.hybrid.load import hybrid_decode

@@ -10,9 +10,9 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
 A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
-The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph, unless every
-expert is in VRAM and the GPU's expert kernels run them: then a decode row is routed on the GPU and the step's
-CUDA graph holds the blocks (GpuMoeFeedForward.decodes_on_device).
+The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph. When every
+expert is in VRAM and the GPU's expert kernels run them, a decode row is routed on the GPU and nothing waits on
+the host (GpuMoeFeedForward.decodes_on_device), but capturing that step is still invalidated: no graph yet.
 """
 from __future__ import annotations
 

@@ -130,8 +130,6 @@ def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
     moe = s.gpu.stage._moe
     if name == "gpu_q4_k_m":
         assert sorted(moe.device_sums) == [0, 1] and sorted(moe.host._expert_sums) == [0, 1]
-        graph = s.gpu.decode_graph                # every expert in VRAM: the decode step replays a CUDA graph
-        assert (graph is not None and graph.replays > 0) == (len(vram[0]) == 8), (graph and graph.disabled)
     print(f"\ngpu_experts {vram}: hit rate {moe.hit_rate():.2f}; greedy {sum(a == b for a, b in zip(got, expected))}"
           f"/{NEW_TOKENS} identical")
     assert 0 < moe.hit_rate() <= 1 and (moe.hit_rate() == 1.0) == (len(vram[0]) == 8)
