@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from helmc.compiler.model_files import check_model_files
 from helmc.errors import HelmcError
 from helmc.jsonio import read_regular_file
-from helmc.model.arch import ARCHITECTURES
+from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES
 from helmc.model.load import is_gguf, load_spec
 from helmc.model.spec import ModelSpec
 
@@ -55,6 +55,10 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if spec.moe is not None and spec.architecture not in _QUANTIZABLE_MOE:
         raise HelmcError(f"--quant: expected a dense model or one of {', '.join(_QUANTIZABLE_MOE)}, found the mixture "
                          f"of experts {spec.architecture} (build it without --quant)")
+    if ARCHITECTURES[spec.architecture].gguf_arch not in GGUF_ARCHITECTURES:   # --quant goes through a GGUF file
+        raise HelmcError(f"--quant: expected an architecture whose GGUF files helmc reads "
+                         f"({', '.join(a.hf_class for a in GGUF_ARCHITECTURES.values())}), found {spec.architecture} "
+                         f"(build it without --quant)")
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)
@@ -70,7 +74,7 @@ def _check_weights(model_dir: str, spec) -> None:
     from helmc.runtime.weights.safetensors_mmap import Checkpoint
     if not any(os.path.exists(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
         return
-    ck = Checkpoint(model_dir)
+    ck = Checkpoint(model_dir, spec.fused_rows())
     try:
         check_checkpoint(ck, spec)
     finally:
