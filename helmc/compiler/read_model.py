@@ -55,10 +55,11 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if spec.moe is not None and spec.architecture not in _QUANTIZABLE_MOE:
         raise HelmcError(f"--quant: expected a dense model or one of {', '.join(_QUANTIZABLE_MOE)}, found the mixture "
                          f"of experts {spec.architecture} (build it without --quant)")
-    if ARCHITECTURES[spec.architecture].gguf_arch not in GGUF_ARCHITECTURES:   # --quant goes through a GGUF file
-        raise HelmcError(f"--quant: expected an architecture whose GGUF files helmc reads "
-                         f"({', '.join(a.hf_class for a in GGUF_ARCHITECTURES.values())}), found {spec.architecture} "
-                         f"(build it without --quant)")
+    writable = [a.hf_class for a in ARCHITECTURES.values()       # --quant goes through a GGUF file helmc writes
+                if a.gguf_arch in GGUF_ARCHITECTURES and not a.fused_projections and not a.moe]
+    if spec.architecture not in writable + list(_QUANTIZABLE_MOE):
+        raise HelmcError(f"--quant: expected one of {', '.join(writable + list(_QUANTIZABLE_MOE))}, found "
+                         f"{spec.architecture} (build it without --quant)")
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)
