@@ -96,3 +96,23 @@ def test_llama_gguf_with_key_length_is_the_hf_model_exactly(nemo, cpu_only, cach
     sa.reset(); sb.reset()
     ta = sa.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens
     assert ta == sb.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens and len(set(ta)) > 4
+
+
+def test_quantized_file_keeps_the_head_dim(nemo, tmp_path):
+    """--quant writes the llama file with key_length / value_length / rope.dimension_count = head_dim and q/k
+    permuted by heads of head_dim rows: it reads back as the same shapes, and q's rows back in HF order."""
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.model.gguf_spec import read_gguf_spec
+    from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
+    d, ref = nemo
+    path = quantize_checkpoint(d, "q8_0", str(tmp_path))
+    spec = read_gguf_spec(path)
+    assert (spec.head_dim, spec.q_dim, spec.kv_dim, spec.hidden_size) == (16, 64, 32, 128)
+    ck = GGUFCheckpoint(path)
+    try:
+        w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf("model.layers.0.self_attn.q_proj.weight")),
+                                   gguf.GGMLQuantizationType.Q8_0).reshape(64, 128)
+    finally:
+        ck.close()
+    expected = ref.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    assert np.abs(w - expected).max() < 0.01 * np.abs(expected).max()

@@ -177,3 +177,22 @@ def test_phi3_gguf_with_longrope_factors_is_one_line(phi3, tmp_path):
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(HelmcError, match=r"^[^\n]*RoPE scaling expected none or linear, found longrope[^\n]*$"):
         read_gguf_spec(path)
+
+
+def test_phi3_sliding_window_matches_transformers(host_hardware, cache_dir, tmp_path):
+    """config.json's sliding_window (Phi-3-mini's 2047) as transformers applies it: a window of 6 over a 9-token
+    prompt and 16 more."""
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "swa")
+    ref = make_tiny_model(d, "phi3", sliding_window=6).float().eval()
+    cpu_only = dataclasses.replace(host_hardware, gpu=None, link=None)
+    r = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+    assert r.spec.sliding_window == 6
+    s = Session.load(r.bundle_dir)
+    ours, theirs = s.forward(PROMPT, all_logits=True), hf_logits(ref, PROMPT)
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
+    s.reset()
+    expected = hf_greedy(ref, PROMPT, 16)
+    assert s.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False).tokens == expected
