@@ -60,6 +60,9 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
                             **common)
     elif arch == "mistral":
         cfg = MistralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None, **common)
+    elif arch == "phi3":        # head_dim is hidden / heads (Phi3Config has no key of its own for it)
+        from transformers import Phi3Config
+        cfg = Phi3Config(tie_word_embeddings=False if tie is None else tie, pad_token_id=0, **common)
     else:
         raise ValueError(f"unknown tiny architecture {arch}")
     return cfg

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from helmc.compiler.model_files import check_model_files
 from helmc.errors import HelmcError
 from helmc.jsonio import read_regular_file
-from helmc.model.arch import ARCHITECTURES
+from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES
 from helmc.model.load import is_gguf, load_spec
 from helmc.model.spec import ModelSpec
 
@@ -55,6 +55,11 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if spec.moe is not None and spec.architecture not in _QUANTIZABLE_MOE:
         raise HelmcError(f"--quant: expected a dense model or one of {', '.join(_QUANTIZABLE_MOE)}, found the mixture "
                          f"of experts {spec.architecture} (build it without --quant)")
+    writable = [a.hf_class for a in ARCHITECTURES.values()       # --quant goes through a GGUF file helmc writes
+                if a.gguf_arch in GGUF_ARCHITECTURES and not a.fused_projections and not a.moe]
+    if spec.architecture not in writable + list(_QUANTIZABLE_MOE):
+        raise HelmcError(f"--quant: expected one of {', '.join(writable + list(_QUANTIZABLE_MOE))}, found "
+                         f"{spec.architecture} (build it without --quant)")
     from helmc.compiler.artifact_cache import default_cache_dir
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     gguf = quantize_checkpoint(model_dir, quant, cache_dir or os.path.join(default_cache_dir(), "weights"), progress)
@@ -70,7 +75,7 @@ def _check_weights(model_dir: str, spec) -> None:
     from helmc.runtime.weights.safetensors_mmap import Checkpoint
     if not any(os.path.exists(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
         return
-    ck = Checkpoint(model_dir)
+    ck = Checkpoint(model_dir, spec.fused_rows())
     try:
         check_checkpoint(ck, spec)
     finally:

@@ -9,7 +9,7 @@ original config.json, and checks every tensor's type and shape against it before
 
 Parsing goes through the `gguf` package (llama.cpp's own reader, NumPy only, an optional dependency:
 `pip install 'helmc[gguf]'`); its failures on garbage or truncated files become HelmcErrors.
-Supported: architectures qwen3, qwen2, llama (Mistral files are llama); tensor types F32, F16, BF16,
+Supported: architectures qwen3, qwen2, llama (Mistral files are llama), qwen3moe, phi3 (its fused tensors split); tensor types F32, F16, BF16,
 Q8_0, Q4_0, Q4_K, Q6_K; byte-level BPE tokenizers (tokenizer.ggml.model "gpt2").
 """
 from __future__ import annotations
@@ -278,11 +278,46 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
     if getattr(ARCH_BY_GGUF.get(arch), "moe", False):
         tensors = expert_slices(path, tensors)
+    if getattr(ARCH_BY_GGUF.get(arch), "fused_projections", False):
+        tensors = fused_slices(path, arch, metadata, tensors)
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:                    # llama.cpp lays tensors out one after another; two views of one span are corrupt
             raise HelmcError(f"{path}: tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap in the file")
     return GGUFHeader(path, arch, metadata, tensors, n_tokens, rope_freqs)
+
+
+_GGUF_FUSED = re.compile(r"blk\.(\d+)\.(attn_qkv|ffn_up)\.weight")
+
+
+def fused_slices(path: str, arch: str, metadata: dict, tensors: dict) -> dict:
+    """`tensors` with a phi3 file's fused blk.N.attn_qkv.weight (q, k, v rows) and blk.N.ffn_up.weight (gate, up
+    rows) replaced by blk.N.attn_q / attn_k / attn_v and ffn_gate / ffn_up: row ranges of the stored tensor, each at
+    its own offset, bound zero-copy like any other. A file that stores them apart is left as it is."""
+    heads, kv = metadata.get(f"{arch}.attention.head_count"), metadata.get(f"{arch}.attention.head_count_kv")
+    kv = heads if kv is None else kv
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, kv)):
+        raise HelmcError(f"{path}: {arch}.attention.head_count and head_count_kv expected positive integers, found "
+                         f"{heads!r:.40} and {kv!r:.40}")
+    out = {}
+    for name, t in tensors.items():
+        m = _GGUF_FUSED.fullmatch(name)
+        if not m or (m.group(2) == "ffn_up" and f"blk.{m.group(1)}.ffn_gate.weight" in tensors):
+            out.setdefault(name, t)
+            continue
+        rows = t.dims[1] if len(t.dims) == 2 else 0
+        parts = ("attn_q", "attn_k", "attn_v") if m.group(2) == "attn_qkv" else ("ffn_gate", "ffn_up")
+        shares = (heads, kv, kv) if m.group(2) == "attn_qkv" else (1, 1)
+        if rows < 1 or rows % sum(shares):
+            raise HelmcError(f"{path}: tensor {name!r}: expected GGUF dims [cols, rows] with rows a multiple of "
+                             f"{sum(shares)} ({' + '.join(parts)}), found {list(t.dims)}")
+        each, offset = rows // sum(shares), t.offset
+        for part, share in zip(parts, shares):
+            n = f"blk.{m.group(1)}.{part}.weight"
+            out[n] = GGUFTensor(n, t.type, (t.dims[0], each * share), offset, each * share * t.row_bytes,
+                                t.block_weights, t.block_bytes)
+            offset += each * share * t.row_bytes
+    return out
 
 
 def expert_slices(path: str, tensors: dict) -> dict:
@@ -340,6 +375,9 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
     if head_dim % 2:
         raise HelmcError(f"{h.path}: head dim must be even for RoPE, found {head_dim}")
     theta = _f32(key("rope.freq_base", 10000.0, float))   # llama.cpp's default when the key is absent
+    if "rope_factors_long.weight" in h.tensors or "rope_factors_short.weight" in h.tensors:
+        raise HelmcError(f"{h.path}: RoPE scaling expected none or linear, found longrope (rope_factors_long / "
+                         f"rope_factors_short tensors), which helmc does not build")
 
     embd = h.tensors.get("token_embd.weight")
     if embd is None or len(embd.dims) != 2:
@@ -360,7 +398,8 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         tie_word_embeddings="output.weight" not in h.tensors,
         # the activation / KV precision reference: quantized weights carry their own type per tensor
         dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
-        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=ARCH_BY_GGUF[arch].qk_norm, sliding_window=0,
+        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=ARCH_BY_GGUF[arch].qk_norm,
+        sliding_window=_sliding_window(h) if ARCH_BY_GGUF[arch].sliding_window else 0,
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
     if ARCH_BY_GGUF[arch].moe:
         fields["moe"] = _moe(h, key, fields["num_layers"])
@@ -368,6 +407,15 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         return ModelSpec(**fields)
     except HelmcError as e:                  # ModelSpec's own checks: say which file they are about
         raise HelmcError(f"{h.path}: {e}") from None
+
+
+def _sliding_window(h: GGUFHeader) -> int:
+    """{arch}.attention.sliding_window, config.json's sliding_window as the converter copies it (0 or absent: none)."""
+    v = h.metadata.get(f"{h.architecture}.attention.sliding_window", 0)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise HelmcError(f"{h.path}: {h.architecture}.attention.sliding_window expected a non-negative integer, "
+                         f"found {v!r:.40}")
+    return v
 
 
 def _moe(h: GGUFHeader, key, num_layers: int) -> MoeSpec:

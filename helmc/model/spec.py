@@ -199,6 +199,16 @@ class ModelSpec:
         """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""
         return self.moe is not None and layer not in self.moe.dense_layers
 
+    def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """{fused parameter name under model.layers.N.: ((block name, rows), ...) in row order} for an architecture
+        whose checkpoint stores q/k/v and gate/up fused (Phi-3); empty for the others."""
+        if not ARCHITECTURES[self.architecture].fused_projections:
+            return {}
+        I, Q, KV = self.intermediate_size, self.q_dim, self.kv_dim
+        return {"self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", Q), ("self_attn.k_proj.weight", KV),
+                                              ("self_attn.v_proj.weight", KV)),
+                "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", I), ("mlp.up_proj.weight", I))}
+
     def block_weight_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
         """HF parameter names under `model.layers.{i}.` and their shapes, in the order the compiled
         block functions take them. For a MoE block (`layer` given and routed), the router and experts replace
@@ -360,6 +370,9 @@ def _rope_from_config(cfg: dict, where: str) -> RopeSpec:
                              f"{'nothing' if v is None else repr(v)[:60]}")
         return kind(v)
     theta = num("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:       # RoPE over a head's first part only (Phi-4-mini's 0.75): not built
+        raise HelmcError(f"{where}: rope partial_rotary_factor expected 1.0 (RoPE over the whole head), found {partial!r:.60}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeSpec(theta=theta)

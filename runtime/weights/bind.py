@@ -24,7 +24,7 @@ def open_checkpoint(path: str, spec: ModelSpec | None = None):
     if os.path.isfile(path) and path.endswith(".gguf"):
         from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
         return GGUFCheckpoint(path, spec)
-    return Checkpoint(path)
+    return Checkpoint(path, spec.fused_rows() if spec is not None else None)
 
 
 def check_checkpoint(ck, spec: ModelSpec) -> None:

@@ -120,7 +120,9 @@ class SafetensorsFile:
 class Checkpoint:
     """A model directory's weights: model.safetensors, or shards listed in model.safetensors.index.json."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, fused_rows: dict | None = None):
+        """`fused_rows` ({fused name suffix: ((part suffix, rows), ...)}, ModelSpec.fused_rows): each tensor named
+        model.layers.N.<fused> is replaced by its parts, each a range of its rows (zero-copy views of the mapping)."""
         self.model_dir = model_dir
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
@@ -150,9 +152,30 @@ class Checkpoint:
                 self.files.append(sf)
                 for name in sf.tensors:
                     self.where[name] = sf
+            for name in [n for n in self.where if fused_rows and n.startswith("model.layers.")]:
+                stem, _, suffix = name[len("model.layers."):].partition(".")
+                if suffix in fused_rows:
+                    self._split_rows(name, f"model.layers.{stem}.", fused_rows[suffix])
         except BaseException:
             self.close()              # the shards mapped before the bad one
             raise
+
+    def _split_rows(self, name: str, prefix: str, parts: tuple) -> None:
+        sf = self.where.pop(name)
+        t = sf.tensors.pop(name)
+        rows = sum(r for _, r in parts)
+        if len(t.shape) != 2 or t.shape[0] != rows:
+            raise HelmcError(f"weights: {name} shape expected [{rows}, cols] ({' + '.join(f'{p} {r}' for p, r in parts)} "
+                             f"rows, from config.json), found {list(t.shape)}")
+        row_bytes = (t.end - t.begin) // rows
+        begin = t.begin
+        for part, r in parts:
+            full = prefix + part
+            if full in self.where:
+                raise HelmcError(f"weights: {full} found both on its own and inside {name}")
+            sf.tensors[full] = TensorInfo(full, t.dtype, (r, t.shape[1]), t.file, begin, begin + r * row_bytes)
+            self.where[full] = sf
+            begin += r * row_bytes
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.where:

@@ -43,9 +43,12 @@ class Architecture:
     gguf_vocab_and_rope_dims: bool = False
     pre_tokenizer: str = "llama-bpe" # GGUF tokenizer.ggml.pre when tokenizer.json's pre-tokenizer is not recognised
     moe: bool = False                # a routed mixture of experts as the feed-forward (layout: helmc/model/moe.py)
+    # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked in that order): the
+    # weights reader splits each into the block's own names as zero-copy row ranges (ModelSpec.fused_rows).
+    fused_projections: bool = False
 
 
-_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "phi3")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.hf_class: a for a in (importlib.import_module(f"helmc.model.arch.{m}").ARCH for m in _MODULES)}
