@@ -95,7 +95,7 @@ def test_bad_k_is_a_helmc_error(qtype, k):
 
 def test_bad_type_shape_and_tuning_are_helmc_errors():
     with pytest.raises(HelmcError, match="weight type expected"):
-        make_gpu_gemv_quant("q5_k", 64, 256)
+        make_gpu_gemv_quant("q3_k", 64, 256)
     with pytest.raises(HelmcError, match="n expected"):
         make_gpu_dequantize("q8_0", 0, 256)
     with pytest.raises(HelmcError, match="2\\^31"):

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")   # the GPU machine runs pytest -m gpu withou
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.quant_formats import QUANT_TYPES, dequantize, quant_type, quantize  # noqa: E402
 
-BLOCK_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
+BLOCK_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 
 
 def structured_rows(k=1024, seed=0) -> np.ndarray:
@@ -54,6 +54,7 @@ GGML_REFERENCE_SHA256 = {
     "q8_0": "3717f41cf41dbe3dacf131e09e5446d67edac1f9a38e5969dac95d38fa38138f",
     "q4_0": "82119e105dc248b1e360f245658cc162d27db9dc445c7a1c64b6981df7aaf72e",
     "q4_k": "6f5486eb14f9c8671efee967b304a3f0525deae8ecae3e77325190b1d9af2441",
+    "q5_k": "8053724638862a273e4bed7d3ec1cb084879546fd37f1335cd0f34e2a1120e34",
     "q6_k": "814d0254609c1e9d4f7f54377a58f5f4f177a42a31556d8cfc2b6d9084d69472",
 }
 
@@ -64,19 +65,19 @@ def roundtrip(x, name):
 
 
 def test_the_table_matches_gguf():
-    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q4_k": (256, 144, 4.5), "q6_k": (256, 210, 6.5625)}
+    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
-    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q4_k, q6_k.*'q5_k'"):
-        quant_type("q5_k")
+    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q4_k, q5_k, q6_k.*'q3_k'"):
+        quant_type("q3_k")
 
 
 @pytest.mark.parametrize("name,k", [("q4_k", 100), ("q6_k", 288), ("q8_0", 48), ("q4_0", 20)])
@@ -111,7 +112,8 @@ def test_max_error_per_block(name):
     err = np.abs(y - x).reshape(-1, bw).max(axis=1)
     absmax = np.abs(b).max(axis=1)
     span = np.maximum(b.max(axis=1), 0) - np.minimum(b.min(axis=1), 0)      # the range, 0 included
-    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q4_k": span / 10, "q6_k": absmax / 32}[name]
+    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q4_k": span / 10, "q5_k": span / 20,
+             "q6_k": absmax / 32}[name]
     bad = np.nonzero(err > bound)[0]
     assert bad.size == 0, f"{name}: {bad.size} blocks over the bound, worst ratio {(err / np.maximum(bound, 1e-30)).max():.3f}"
     zero = absmax == 0
@@ -159,6 +161,7 @@ def test_deterministic_and_independent_of_threads(name):
 SCALE_BYTE = {"q8_0": (1, slice(0, 32)),          # d's high byte: the whole 32-weight block
               "q4_0": (1, slice(0, 32)),
               "q4_k": (4, slice(0, 32)),          # scales[0]: 6-bit scale of sub-block 0 (weights 0-31)
+              "q5_k": (4, slice(0, 32)),
               "q6_k": (192 + 3, slice(48, 64))}   # scales[3]: int8 scale of sub-block 3 (weights 48-63)
 
 

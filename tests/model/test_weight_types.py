@@ -28,8 +28,8 @@ def test_geometry_and_lookups():
     assert weight_type("q8_0").tensor_bytes(4 * 64) == 4 * 2 * 34
     with pytest.raises(HelmcError, match="q4_0"):
         weight_type("q4_0").row_bytes(48)
-    with pytest.raises(HelmcError, match="expected one of .*found 'q5_k'"):
-        weight_type("q5_k")
+    with pytest.raises(HelmcError, match="expected one of .*found 'q3_k'"):
+        weight_type("q3_k")
     with pytest.raises(HelmcError, match="found 'f16'"):
         block_type("f16")
 
