@@ -71,7 +71,7 @@ def cpu_hardware(host_hardware):
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
-                                        ("llama", "q4_k"), ("qwen2", "q8_0")])
+                                        ("qwen3", "q5_k_m"), ("llama", "q4_k"), ("qwen2", "q8_0")])
 def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
@@ -80,8 +80,9 @@ def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     path = quantize_checkpoint(model_dir, quant, os.path.join(cache_dir, "weights"))   # the build's file, cached
     assert r.bundle_dir and os.path.samefile(path, _bundle_weights(r.bundle_dir))
-    if quant == "q4_k_m":        # llama.cpp's mix: two block signatures, the lm_head in q6_k
+    if quant in ("q4_k_m", "q5_k_m"):        # llama.cpp's mix: two block signatures, the lm_head in q6_k
         assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
+        assert {t for sig in r.spec.block_signatures() for t in sig} == {quant[:4], "q6_k"}
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
