@@ -29,6 +29,7 @@ SLOW_TESTS = (
     # quantized builds: Q4_K_M (two block signatures, a q6_k head) stays fast, each other type is a build of its own
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q8_0]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q4_0]",
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q5_k_m]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[llama-q4_k]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen2-q8_0]",
     "tests/compiler/test_quantized_models.py::test_gguf_file_builds_and_matches",

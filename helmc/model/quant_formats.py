@@ -1,4 +1,4 @@
-"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q4_K, Q6_K, plus the plain F16 / BF16 / F32.
+"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
 
 A quantized row of k weights is k / block_weights blocks of block_bytes each, laid out exactly as ggml's
 block structs (ggml-common.h), so `gguf.quants.dequantize` (the reference the tests compare against) and
@@ -8,11 +8,13 @@ llama.cpp read what `quantize` writes:
     q4_0 (18 B / 32 w):  d fp16, 16 B of nibbles (w[i] low, w[i+16] high)  w = d * (q - 8)
     q4_k (144 B / 256 w): d fp16, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           w = d * sc_j * q - dmin * m_j
+    q5_k (176 B / 256 w): q4_k's 16-byte header, 32 B qh (bit j of byte l: bit 4 of weight l of sub-block j),
+                          128 B low nibbles as q4_k's;  w = d * sc_j * q - dmin * m_j, q in [0, 31]
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2 bits, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
 
 Q8_0 and Q4_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
-written here, following the algorithm of ggml's reference quantizers (quantize_row_q4_K_ref with
+written here (Q5_K too: gguf has no quantizer for it), following the algorithm of ggml's reference quantizers (quantize_row_q4_K_ref / q5_K_ref with
 make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants), which llama-quantize uses when no
 importance matrix is given. They are vectorised over sub-blocks: an 8B model has ~25M Q4_K blocks, and a
 Python loop per block would take hours. Arrays are laid out [elements of a sub-block, sub-blocks] so that
@@ -25,11 +27,14 @@ Checked against ggml's reference quantizers compiled from llama.cpp 0c1e570 (ggm
 Laplace, outlier, negative-only, positive, constant, all-zero, 1e-6-scale, sparse and integer rows; against
 a -O3 -march=native build (FMA contraction, as llama.cpp ships) 91-99% of q4_k / q6_k blocks are identical
 and the RMS error differs by under 0.5%; llama-quantize --pure Q4_K_S of that build wrote Q4_K blocks identical
-to these for every linear of a tiny Qwen3.
+to these for every linear of a tiny Qwen3. Q5_K the same way (a later llama.cpp's quantize_row_q5_K_ref, gcc -O2
+-ffp-contract=off): byte-identical on every block of the golden rows, of three seeds of the structured test rows
+and of 64 x 4096 Gaussian rows.
 RMS error / RMS of the weights, 256 x 4096 rows, seed 0 (Gaussian | Laplace | Student-t 3):
     q8_0 0.0054 | 0.0067 | 0.0086        q4_0 0.0860 | 0.1069 | 0.1260
     q4_k 0.0713 | 0.0846 | 0.0912        fixed-scale baseline 0.0782 | 0.0918 | 0.0998
     q6_k 0.0177 | 0.0217 | 0.0254        fixed-scale baseline 0.0187 | 0.0223 | 0.0256
+    q5_k 0.0361 (Gaussian)               fixed-scale baseline 0.0378 (/ 31 instead of / 15)
 The baselines keep exact float32 scales (no 6-bit or fp16 rounding) but take them from the range without a
 search: q4_k (max - min) / 15 from min per 32; q6_k the largest |x| at level -32 per 16.
 Speed, one core: q4_k 10-16 M weights/s (its 21-step scale search), q6_k ~27 M/s, q8_0 / q4_0 ~250 M/s;
@@ -206,14 +211,17 @@ def _affine_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: fl
     return scale.astype(f32), (-mn).astype(f32), best_l.astype(np.uint8)
 
 
-def _q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
-    """uint8 [nb, 144] of float32 blocks [nb, 256]."""
+def _k_affine_fit(blocks: np.ndarray, nmax: int, rmin: float, nstep: int):
+    """Q4_K's and Q5_K's shared fit of float32 blocks [nb, 256] (ggml's quantize_row_q4_K_ref / q5_K_ref differ
+    only in the levels, nmax 15 | 31, and the search, rmin -1 | -0.5 over 21 | 16 scales): per sub-block of 32 a
+    weighted affine fit, the 6-bit (scale, min) factors ls, lm [nb, 8] against the block's fp16 d, dmin [nb], and
+    the levels L [32, nb*8] (element, sub-block) requantized against the scales as stored."""
     f32 = np.float32
     nb = blocks.shape[0]
     x = np.ascontiguousarray(blocks.reshape(nb * 8, 32).T)          # [32, nb*8]: element, sub-block
     av = np.sqrt((x * x).sum(axis=0) / f32(32))                     # [nb*8] RMS of each sub-block
     w = av + np.abs(x)                                               # ggml's weights: RMS + |x|
-    scales, mins, L = _affine_fit(x, w, 15, -1.0, 0.1, 20)
+    scales, mins, L = _affine_fit(x, w, nmax, rmin, 0.1, nstep)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)       # [nb, 8]
     # [nb]; a block's largest scale and min, never below +0 (ggml starts from 0 and keeps it on ties, -0.0 too)
     max_scale, max_min = np.maximum(scales.max(axis=1), f32(0)) + f32(0), np.maximum(mins.max(axis=1), f32(0)) + f32(0)
@@ -231,15 +239,41 @@ def _q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
     dmj = (dmin16.astype(f32)[:, None] * lm.astype(f32)).reshape(-1)
     nz = dj != 0                                                       # ggml keeps the first fit's levels where d is 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        l2 = np.clip(_rint((x + dmj) / np.where(nz, dj, f32(1))), 0, 15).astype(np.uint8)
-    L = np.where(nz, l2, L)                                            # [32, nb*8]
-    q = L.T.reshape(nb, 4, 2, 32)                                      # [nb, 64-weight group, half, 32]
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nb, 128)
+        l2 = np.clip(_rint((x + dmj) / np.where(nz, dj, f32(1))), 0, nmax).astype(np.uint8)
+    return ls, lm, d16, dmin16, np.where(nz, l2, L)
+
+
+def _k_header(ls, lm, d16, dmin16) -> np.ndarray:
+    """uint8 [nb, 16]: d, dmin and the 12 bytes of packed 6-bit (scale, min) pairs (ggml's get_scale_min_k4)."""
+    nb = ls.shape[0]
     sc = np.empty((nb, 12), dtype=np.uint8)
     sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)                   # scales 0-3, high bits of scales 4-7
     sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)                   # mins 0-3, high bits of mins 4-7
     sc[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)         # low bits of scales / mins 4-7
-    return np.concatenate([d16.view(np.uint8).reshape(nb, 2), dmin16.view(np.uint8).reshape(nb, 2), sc, qs], axis=1)
+    return np.concatenate([d16.view(np.uint8).reshape(nb, 2), dmin16.view(np.uint8).reshape(nb, 2), sc], axis=1)
+
+
+def _q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [nb, 144] of float32 blocks [nb, 256]."""
+    nb = blocks.shape[0]
+    ls, lm, d16, dmin16, L = _k_affine_fit(blocks, 15, -1.0, 20)
+    q = L.T.reshape(nb, 4, 2, 32)                                      # [nb, 64-weight group, half, 32]
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nb, 128)
+    return np.concatenate([_k_header(ls, lm, d16, dmin16), qs], axis=1)
+
+
+def _q5_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [nb, 176] of float32 blocks [nb, 256]: Q4_K's header, then qh[32] (bit j of byte l: the fifth bit
+    of weight l of sub-block j), then the low nibbles as Q4_K's."""
+    nb = blocks.shape[0]
+    ls, lm, d16, dmin16, L = _k_affine_fit(blocks, 31, -0.5, 15)
+    q = L.T.reshape(nb, 8, 32)                                         # [nb, sub-block, 32]
+    qh = np.zeros((nb, 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= (q[:, j] >> 4) << j
+    low = (q & 0xF).reshape(nb, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, 128)
+    return np.concatenate([_k_header(ls, lm, d16, dmin16), qh, qs], axis=1)
 
 
 # ---- Q6_K --------------------------------------------------------------------------------------
@@ -313,4 +347,5 @@ def _q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
 q8_0_blocks = _gguf_blocks(GGMLType.Q8_0)
 q4_0_blocks = _gguf_blocks(GGMLType.Q4_0)
 q4_k_blocks = _q4_k_blocks
+q5_k_blocks = _q5_k_blocks
 q6_k_blocks = _q6_k_blocks

@@ -93,6 +93,8 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q4_k", 12, 256, 144, block_quantizer=f"{_QUANT}:q4_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(2, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
+    WeightType("q5_k", 13, 256, 176, block_quantizer=f"{_QUANT}:q5_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
+               gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q6_k", 14, 256, 210, block_quantizer=f"{_QUANT}:q6_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
 )}
@@ -164,6 +166,9 @@ QUANT_MIXES: dict[str, QuantMix] = {m.name: m for m in (
     QuantMix("q4_0", "q4_0", 2),
     QuantMix("q4_k", "q4_k", 14),          # llama.cpp's MOSTLY_Q4_K_S ("mostly Q4_K": display only there)
     QuantMix("q4_k_m", "q4_k", 15, head_type="q6_k", more_bits_type="q6_k",
+             more_bits_linears=("self_attn.v_proj.weight", "mlp.down_proj.weight")),
+    QuantMix("q5_k", "q5_k", 16),          # llama.cpp's MOSTLY_Q5_K_S
+    QuantMix("q5_k_m", "q5_k", 17, head_type="q6_k", more_bits_type="q6_k",
              more_bits_linears=("self_attn.v_proj.weight", "mlp.down_proj.weight")),
 )}
 

@@ -7,6 +7,8 @@ ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, neve
     q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           (32-byte chunk c: low nibbles are sub-block 2c, high ones 2c+1)
                           w = d * sc_j * q - dmin * m_j
+    q5_k (176 B / 256 w): q4_k's 16-byte header, qh[32] (bit j of byte l: bit 4 of weight l of sub-block j),
+                          128 B nibbles as q4_k's;  w = d * sc_j * q - dmin * m_j, q in [0, 31]
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
 
@@ -78,6 +80,7 @@ class QuantGemvTuning:
 
 
 DEFAULT_TUNING = QuantGemvTuning()
+WITH_MINS = ("q4_k", "q5_k")        # the affine K-quants: w = d * sc_j * q - dmin * m_j
 
 
 def quant_row_bytes(qtype: str, k: int) -> int:
@@ -96,7 +99,7 @@ def quant_blocking(qtype: str, m: int, isa: VectorIsa, tuning: QuantGemvTuning =
     every token rides one pass (a second pass would decode the quants again)."""
     if m == 1:
         return tuning.rows, 1
-    per_token = 2 if qtype == "q4_k" else 1
+    per_token = 2 if qtype in WITH_MINS else 1
     rows = max(1, tuning.rows // m)
     group = max(1, min(m, isa.vector_registers // 2 // (rows * per_token)))
     return rows, -(-m // -(-m // group))       # tokens split evenly over the passes
@@ -112,7 +115,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)
@@ -129,7 +132,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     steps = -(-n // rows)          # the last step clamps its row index for loads and skips its stores
     block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
     prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n)
-    mins = qtype == "q4_k"
+    mins = qtype in WITH_MINS
     subs = k // 32 if mins else 1  # sub-blocks of 32 whose x sums q4_k's mins need
     permuted = order is not None   # the K-quants read x in the lane order of their quant words (xp)
 
@@ -190,7 +193,7 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
     passes, tiles = qt.passes(m), -(-blocks // qt.tile_blocks)
     block_dot, order = _BLOCK_DOT[qtype](vec, rows, group, m)
     prefetch = _prefetch(rows, fmt.bytes, row_bytes, tuning, n, ahead=tile * fmt.bytes, wrap_rows=rb)
-    mins = qtype == "q4_k"
+    mins = qtype in WITH_MINS
     zero, load, save, finish = qt.macros(m, mins)
     subs = k // 32 if mins else 1
     permuted = order is not None
@@ -347,6 +350,17 @@ def _lane_index(base, lanes: int, shift: int, step: int):
 
 
 def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
+    return _affine_k(vec, rows, group, m, fifth_bit=False)
+
+
+def _q5_k(vec: _Vectors, rows: int, group: int, m: int):
+    """q4_k's loop over q5_k's blocks (176 B: the same header, qh[32] at byte 16, the nibbles at 48): each
+    weight's nibble gains 16 * its fifth bit, bit 2c + t of qh byte p % 32 for the lane's byte p (chunk
+    c = p // 32, nibble t), read as int32 words like q6_k's high bits."""
+    return _affine_k(vec, rows, group, m, fifth_bit=True)
+
+
+def _affine_k(vec: _Vectors, rows: int, group: int, m: int, fifth_bit: bool):
     """Block b: for each sub-block j of 32, acc += d * sc_j * sum x*q, and accm += dmin * m_j * sum x (the
     kernel subtracts accm at the end). The 12 scale bytes s[0..12) hold, for i < 4: sc_i = s[i] & 63,
     m_i = s[4+i] & 63, sc_{4+i} = (s[8+i] & 15) | (s[i] >> 6) << 4, m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4;
@@ -357,6 +371,17 @@ def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
     lanes = vec.lanes
     span = 4 * lanes
     value = _nibble_value(0.0)
+    bb, qs = (176, 48) if fifth_bit else (144, 16)        # block bytes, offset of the nibbles
+
+    def high(i):
+        return _f32(tirx.bitwise_and(i, _ints(1, i))) * tirx.Broadcast(tirx.const(16.0, "float32"), _lanes(i))
+
+    def qh_words(w, row, b, u, t, j):
+        """The fifth bits of the lanes' weights at bit 0 (higher bits ignored by `lookup`)."""
+        if span == 64:    # lanes 0-7 (chunk 2u) and 8-15 (chunk 2u + 1) read the same 32 bytes
+            half = vec.words(w, row, b * bb + 16, 8)
+            return tirx.shift_right(tirx.Shuffle([half, half], list(range(16))), _lane_index(j * 8 + 4 * u + t, 16, 3, 2))
+        return vec.shr(vec.words(w, row, b * bb + 16 + span * u % 32), j * 8 + 2 * (span * u // 32) + t)
 
     def order(g, i):
         """Block-relative weight in lane i of vector g = (u * 2 + t) * 4 + j."""
@@ -366,7 +391,7 @@ def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
 
     def scale_vector(w, row, b, d, dmin, part):
         """sm[r, 4 * part: 4 * part + 4] (part unrolled): d * sc_0..3, d * sc_4..7, dmin * m_0..3, dmin * m_4..7."""
-        lo, mid, hi = (vec.bytes(w, row, b * 144 + 4 + 4 * i, 4) for i in range(3))   # s[0:4], s[4:8], s[8:12]
+        lo, mid, hi = (vec.bytes(w, row, b * bb + 4 + 4 * i, 4) for i in range(3))   # s[0:4], s[4:8], s[8:12]
         top = lambda v: tirx.shift_left(vec.shr(v, 6), _ints(4, v))
         low6 = lambda v: tirx.bitwise_and(v, _ints(63, v))
         scale_hi = tirx.bitwise_or(tirx.bitwise_and(hi, _ints(15, hi)), top(lo))
@@ -381,18 +406,22 @@ def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
             return vec.permute(sm[r, vec.at(0, 16)], _lane_index(4 * u + t, 16, 3, 2))
         return vec.bcast(sm[r, span * u // 32 * 2 + t])
 
+    def weight(w, row, b, u, t, j, words):
+        q = vec.lookup(vec.shr(words, j * 8 + t * 4), value)
+        return q + vec.lookup(qh_words(w, row, b, u, t, j), high) if fifth_bit else q
+
     def dot(xp, w, row, b, u, t, tok):
-        words = vec.words(w, row, b * 144 + 16 + span * u)
-        return _sum([xp[tok, vec.at(b * 256 + ((u * 2 + t) * 4 + j) * lanes)] * vec.lookup(
-            vec.shr(words, j * 8 + t * 4), value) for j in range(4)])
+        words = vec.words(w, row, b * bb + qs + span * u)
+        return _sum([xp[tok, vec.at(b * 256 + ((u * 2 + t) * 4 + j) * lanes)] * weight(w, row, b, u, t, j, words)
+                     for j in range(4)])
 
     @T.macro
     def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
         # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
         sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)
         for r in T.unroll(rows):
-            d = widen(wh[T.min(first + r, n - 1), b * 72], "float16", vec.f16c)
-            dmin = widen(wh[T.min(first + r, n - 1), b * 72 + 1], "float16", vec.f16c)
+            d = widen(wh[T.min(first + r, n - 1), b * (bb // 2)], "float16", vec.f16c)
+            dmin = widen(wh[T.min(first + r, n - 1), b * (bb // 2) + 1], "float16", vec.f16c)
             for part in T.unroll(4):
                 sm[r, vec.at(part * 4, 4)] = scale_vector(w, T.min(first + r, n - 1), b, d, dmin, part)
             for s in T.unroll(group):
@@ -469,4 +498,4 @@ def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     return block_dot, order
 
 
-_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k}
+_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}

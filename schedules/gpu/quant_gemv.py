@@ -5,6 +5,8 @@ W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks alon
     q4_0 (18 B / 32 w):   d fp16, 16 B nibbles (w[i] low, w[i+16] high)     w = d * (q - 8)
     q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           (32-byte chunk c: low nibbles are sub-block 2c, high ones 2c+1)   w = d*sc_j*q - dmin*m_j
+    q5_k (176 B / 256 w): q4_k's 16-byte header, qh[32] (bit j of byte l: bit 4 of weight l of sub-block j),
+                          128 B nibbles as q4_k's   w = d*sc_j*q - dmin*m_j, q in [0, 31]
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
                           (weight 128h + 32c + l: nibble c//2 of ql[64h + 32(c%2) + l], bits 2c of qh[32h + l])
                           w = d * sc_j * (q - 32)
@@ -20,7 +22,7 @@ owns `groups` runs of `run` consecutive weights (8 or 16: one or two 16-byte loa
 output), each run under one scale. Neighbouring threads read neighbouring bytes of the same block, and a
 warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in a few 32-byte sectors.
 - Loads are as wide as the block's alignment allows: q4_k blocks (144 B) are 16-byte aligned in every row,
-  so its quants and its header are one 16-byte load each; q8_0 / q4_0 / q6_k blocks (34, 18, 210 B) are
+  so its quants and its header are one 16-byte load each (q5_k's 176 B too, and its qh); q8_0 / q4_0 / q6_k blocks (34, 18, 210 B) are
   only 2-byte aligned (odd blocks of a row start at 2 mod 4), so they are read as uint16 (llama.cpp's
   get_int_b2 does the same).
 - A quant becomes an fp32 by the exponent trick: the integer (or int8 + 128) is OR-ed into the mantissa of
@@ -68,7 +70,9 @@ class _Format:
 FORMATS = {"q8_0": _Format(*QUANT_BLOCKS["q8_0"], 4, 1, 8, "uint16"),
            "q4_0": _Format(*QUANT_BLOCKS["q4_0"], 2, 2, 8, "uint16"),
            "q4_k": _Format(*QUANT_BLOCKS["q4_k"], 8, 2, 16, "uint32"),
+           "q5_k": _Format(*QUANT_BLOCKS["q5_k"], 8, 2, 16, "uint32"),
            "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16")}
+AFFINE = ("q4_k", "q5_k")   # w = scale * q - offset: the formats with mins
 WARP = 32
 WARPS = 4              # warps per thread block of the GEMV (128 threads)
 ROWS_PER_WARP = 2      # rows one warp reduces at once: x reuse vs. warps in flight (4096 rows -> 15 warps/SM)
@@ -146,7 +150,7 @@ def _run_start(qtype: str, t, g: int):
         return 8 * t
     if qtype == "q4_0":
         return 16 * g + 8 * t                          # byte 8t + i: low nibble weight 8t+i, high 8t+i+16
-    if qtype == "q4_k":
+    if qtype in AFFINE:
         return 64 * (t // 2) + 32 * g + 16 * (t % 2)   # chunk t//2, its bytes 16(t%2)..+16, nibble g
     return 128 * (t // 4) + 32 * g + 8 * (t % 4)      # q6_k: half t//4, quarter g, positions 8(t%4)..+8
 
@@ -209,6 +213,32 @@ def _decode_q4_k():
     return decode
 
 
+def _decode_q5_k():
+    """q4_k's runs (176-byte blocks are 16-byte aligned too): thread t's quant bytes 32(t//2) + 16(t%2) .. + 16
+    at byte 48, their fifth bits in qh bytes 16(t%2) .. + 16 at byte 16, bit 2(t//2) + g for nibble g."""
+    @T.macro
+    def decode(wv, base, t, q, scale, offset, r):
+        head = T.alloc_buffer((4,), "uint32", scope="local")       # d | dmin << 16, then the 12 scale bytes
+        qh = T.alloc_buffer((4,), "uint32", scope="local")
+        qs = T.alloc_buffer((4,), "uint32", scope="local")
+        for v in T.vectorized(4):
+            head[v] = wv[base + v]
+        for v in T.vectorized(4):
+            qh[v] = wv[base + 4 + 4 * (t % 2) + v]
+        for v in T.vectorized(4):
+            qs[v] = wv[base + 12 + 8 * (t // 2) + 4 * (t % 2) + v]
+        for g in T.unroll(2):
+            for i in T.unroll(16):
+                q[r, g * 16 + i] = _unsigned(T.bitwise_or(
+                    _field(qs[i // 4], 8 * (i % 4) + 4 * g, 0xF),
+                    T.shift_left(_field(qh[i // 4], 8 * (i % 4) + g + 2 * (t // 2), 1), T.uint32(4))), 0)
+        for g in T.unroll(2):
+            scale[r, g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
+            offset[r, g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
+
+    return decode
+
+
 def _decode_q6_k():
     @T.macro
     def decode(wv, base, t, q, scale, offset, r):
@@ -233,7 +263,7 @@ def _decode_q6_k():
     return decode
 
 
-_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q4_k": _decode_q4_k, "q6_k": _decode_q6_k}
+_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q4_k": _decode_q4_k, "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
 
 
 def _view_width(fmt: _Format) -> int:
@@ -247,7 +277,7 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
-    qtype: "q8_0" | "q4_0" | "q4_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
     m: rows of x (a batched decode step's sequences). Each block's quants are decoded once per thread and used
@@ -267,7 +297,7 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
     rows, width = rows_per_warp, _view_width(fmt)
     row_words, block_words = row_bytes // width, fmt.bytes // width
     grid = -(-n // (rows * warps))
-    has_offset = qtype == "q4_k"
+    has_offset = qtype in AFFINE
     decode = _DECODERS[qtype]()
 
     @T.macro
@@ -343,7 +373,7 @@ def make_gpu_dequantize(qtype: str, n: int, k: int) -> tirx.PrimFunc:
     row_words, block_words = row_bytes // width, fmt.bytes // width
     units = n * blocks * tpb                        # one thread per (row, block, t)
     grid = -(-units // DEQUANT_THREADS)
-    has_offset = qtype == "q4_k"
+    has_offset = qtype in AFFINE
     decode = _DECODERS[qtype]()
 
     @T.prim_func

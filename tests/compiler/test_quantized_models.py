@@ -71,7 +71,7 @@ def cpu_hardware(host_hardware):
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
-                                        ("llama", "q4_k"), ("qwen2", "q8_0")])
+                                        ("qwen3", "q5_k_m"), ("llama", "q4_k"), ("qwen2", "q8_0")])
 def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
@@ -80,8 +80,9 @@ def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     path = quantize_checkpoint(model_dir, quant, os.path.join(cache_dir, "weights"))   # the build's file, cached
     assert r.bundle_dir and os.path.samefile(path, _bundle_weights(r.bundle_dir))
-    if quant == "q4_k_m":        # llama.cpp's mix: two block signatures, the lm_head in q6_k
+    if quant in ("q4_k_m", "q5_k_m"):        # llama.cpp's mix: two block signatures, the lm_head in q6_k
         assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
+        assert {t for sig in r.spec.block_signatures() for t in sig} == {quant[:4], "q6_k"}
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
@@ -128,9 +129,10 @@ def _llama_quantize() -> str | None:
 
 @pytest.mark.skipif(_llama_quantize() is None, reason="needs llama.cpp's llama-quantize (../shared/peers/build_llamacpp.sh "
                                                        "/tmp/lc, or HELMC_LLAMA_QUANTIZE)")
-def test_llama_quantize_q4_k_m_file_matches(tmp_path, cpu_hardware, cache_dir):
-    """A Q4_K_M file written by llama.cpp's own llama-quantize (from helmc's q8_0 file, --allow-requantize) builds,
-    runs and matches transformers on the gguf package's dequantization of that file."""
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
+def test_llama_quantize_k_m_file_matches(ftype, tmp_path, cpu_hardware, cache_dir):
+    """A Q4_K_M / Q5_K_M file written by llama.cpp's own llama-quantize (from helmc's q8_0 file,
+    --allow-requantize) builds, runs and matches transformers on the gguf package's dequantization of that file."""
     import subprocess
 
     from helmc import api
@@ -140,16 +142,16 @@ def test_llama_quantize_q4_k_m_file_matches(tmp_path, cpu_hardware, cache_dir):
     model_dir = str(tmp_path / "model")
     make_tiny_model(model_dir, "qwen3", num_layers=8, head_dim=64, dtype="float16", tie=False, **DIMS)
     q8 = quantize_checkpoint(model_dir, "q8_0", str(tmp_path / "gguf"))
-    out = str(tmp_path / "q4_k_m.gguf")
-    proc = subprocess.run([_llama_quantize(), "--allow-requantize", q8, out, "Q4_K_M", "2"],
+    out = str(tmp_path / f"{ftype.lower()}.gguf")
+    proc = subprocess.run([_llama_quantize(), "--allow-requantize", q8, out, ftype, "2"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:]
     r = api.build(out, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
     kinds = {t for sig in r.spec.block_signatures() for t in sig}
-    print(f"\nllama-quantize Q4_K_M: block types {sorted(kinds)}, head {r.spec.head_type}, "
+    print(f"\nllama-quantize {ftype}: block types {sorted(kinds)}, head {r.spec.head_type}, "
           f"{len(r.spec.block_signatures())} block signatures")
-    assert "q4_k" in kinds and "q6_k" in kinds and len(r.spec.block_signatures()) >= 2
-    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), "llama-quantize Q4_K_M")
+    assert ftype[:4].lower() in kinds and "q6_k" in kinds and len(r.spec.block_signatures()) >= 2
+    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), f"llama-quantize {ftype}")
 
 
 def test_calibrate_measures_a_quantized_bundle(gguf_build, cpu_hardware):

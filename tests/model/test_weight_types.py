@@ -10,7 +10,8 @@ from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.weight_types import (BLOCK_TYPES, GPU_INT8_TYPES, QUANT_MIXES, WEIGHT_TYPES, block_type,  # noqa: E402
                                       quant_blocks, quant_mix, weight_type)
 
-_FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q4_k_m": "MOSTLY_Q4_K_M"}
+_FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q4_k_m": "MOSTLY_Q4_K_M",
+               "q5_k": "MOSTLY_Q5_K_S", "q5_k_m": "MOSTLY_Q5_K_M"}
 
 
 def test_table_matches_ggufs_types_and_sizes():
@@ -28,8 +29,8 @@ def test_geometry_and_lookups():
     assert weight_type("q8_0").tensor_bytes(4 * 64) == 4 * 2 * 34
     with pytest.raises(HelmcError, match="q4_0"):
         weight_type("q4_0").row_bytes(48)
-    with pytest.raises(HelmcError, match="expected one of .*found 'q5_k'"):
-        weight_type("q5_k")
+    with pytest.raises(HelmcError, match="expected one of .*found 'q3_k'"):
+        weight_type("q3_k")
     with pytest.raises(HelmcError, match="found 'f16'"):
         block_type("f16")
 
@@ -40,21 +41,24 @@ def test_mixes_name_their_gguf_file_type_and_types():
         assert gguf.LlamaFileType(m.file_type).name == _FILE_TYPES[name]
         for t in (m.linear_type, m.head_type or m.linear_type, m.more_bits_type or m.linear_type, m.fallback):
             assert t in BLOCK_TYPES, (name, t)
-    with pytest.raises(HelmcError, match="expected one of q8_0, q4_0.*found 'q5_k_m'"):
-        quant_mix("q5_k_m")
+    with pytest.raises(HelmcError, match="expected one of q8_0, q4_0.*found 'q3_k_m'"):
+        quant_mix("q3_k_m")
 
 
-def test_q4_k_m_mix_is_llama_cpps():
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_k_m_mixes_are_llama_cpps(mix):
+    """llama_tensor_get_type for MOSTLY_Q4_K_M / Q5_K_M: Q6_K for the output and, in the blocks use_more_bits
+    picks (the first and last eighth, every third between), for attn_v and ffn_down."""
     from helmc.compiler.quantize_checkpoint import mixed_type, use_more_bits
-    n = 16
+    n, base = 16, mix[:4]
     more = [i for i in range(n) if use_more_bits(i, n)]
-    assert more and len(more) < n
-    assert mixed_type("q4_k_m", "lm_head.weight", n) == "q6_k"
-    assert mixed_type("q4_k", "lm_head.weight", n) == "q4_k"
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert mixed_type(mix, "lm_head.weight", n) == "q6_k"
+    assert mixed_type(base, "lm_head.weight", n) == base
     for i in range(n):
         for local in ("self_attn.v_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight"):
-            want = "q6_k" if i in more and not local.endswith("q_proj.weight") else "q4_k"
-            assert mixed_type("q4_k_m", f"model.layers.{i}.{local}", n) == want
+            want = "q6_k" if i in more and not local.endswith("q_proj.weight") else base
+            assert mixed_type(mix, f"model.layers.{i}.{local}", n) == want
             assert mixed_type("q8_0", f"model.layers.{i}.{local}", n) == "q8_0"
 
 

@@ -56,6 +56,14 @@ def _q4_k(w, wh, base, e):
     return _half(wh, base) * T.Cast("float32", sc) * T.Cast("float32", q) - _half(wh, base + 2) * T.Cast("float32", m)
 
 
+def _q5_k(w, wh, base, e):
+    c, hi, lane = e // 64, (e % 64) // 32, e % 32      # as q4_k's; the fifth bit is bit 2c + hi of qh[lane]
+    sc, m = _q4_k_scale_min(w, base, 2 * c + hi)
+    low = T.bitwise_and(T.shift_right(_u(w, base + 48 + 32 * c + lane), 4 * hi), 15)
+    q = T.bitwise_or(low, T.shift_left(T.bitwise_and(T.shift_right(_u(w, base + 16 + lane), 2 * c + hi), 1), 4))
+    return _half(wh, base) * T.Cast("float32", sc) * T.Cast("float32", q) - _half(wh, base + 2) * T.Cast("float32", m)
+
+
 def _q6_k(w, wh, base, e):
     half, quarter, lane = e // 128, (e % 128) // 32, e % 32   # 128-weight half, which of its 4 quarters, position
     ql = _u(w, base + 64 * half + lane + 32 * (quarter % 2))
@@ -66,7 +74,7 @@ def _q6_k(w, wh, base, e):
     return _half(wh, base + 208) * T.Cast("float32", scale) * T.Cast("float32", q)
 
 
-_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k}
+_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
 
 
 def _dequantize_rows(qtype: str, n: int, k: int, out_dtype: str):

@@ -1,4 +1,4 @@
-"""Decode GEMV over Q4_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
+"""Decode GEMV over Q4_K / Q5_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
 integer dot products, as llama.cpp's CPU kernels do.
 
 Why (each CPU GEMV type should read at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
@@ -17,6 +17,8 @@ Layouts (ggml-common.h; see gemv_quant.py): a 64-byte window of quants is four 1
   (lanes 0-7) and 4w+2 (lanes 8-15), its high nibbles 4w+1 and 4w+3. x is stored permuted per block to that
   product order (xq: [sb0 | sb2 | sb1 | sb3 | sb4 | sb6 | sb5 | sb7]). The mins term dmin * m_j * sum_j(x) uses
   the int8 x's sums times dx (xs), one 8-lane FMA per block and row.
+- q5_k: q4_k's order and arithmetic; each 64-byte window's nibbles OR the fifth bits in, from the block's 32
+  qh bytes (byte p % 32, bit 2c + t for chunk c, nibble t) shifted per 32-byte half of the window.
 - q6_k: half h's 64 ql bytes have weights 128h + 0..63 in their low nibbles and 128h + 64..127 in their high
   ones, so x keeps its natural order; the 2-bit highs of byte l of the half's 32 qh bytes shift into place
   with one variable 16-bit shift per product (vpsllvw / vpsrlvw). q - 32 is q * x summed, minus 32 * sc_j *
@@ -56,7 +58,8 @@ class Int8Unit:
         return self.weights + 4 * self.dx_lanes + self.sums * (2 if self.xs_dtype == "int16" else 4)
 
 
-INT8_UNITS = {"q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
+INT8_UNITS = {"q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
+              "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
               "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
 INT8_QTYPES = tuple(INT8_UNITS)
 # Rows per step for one token (quant_blocking divides them among more tokens) and prefetch distance, per type: the
@@ -72,14 +75,16 @@ INT8_QTYPES = tuple(INT8_UNITS)
 # (8 rows / 1 KiB: 0.81 against 0.71; 4 / 8 / 16 KiB or 4 / 16 rows 0.72-0.77) and Q6_K (4 rows / 2 KiB: 0.90
 # against 0.86 for 1 KiB into L1; 0.93 against 0.89 in the first): the lines ahead no longer evict the int8 x and the
 # scales every row reads from the 48 KiB L1.
+# Q5_K: Q4_K's (its loop plus one byte shift, mask and OR per 64 weights for the fifth bit; not timed apart yet).
 INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
+               "q5_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
                "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2)}
 _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
 
 def int8_gemv_applies(qtype: str, isa: VectorIsa, k: int) -> bool:
-    """AVX-512 (BW's byte and word instructions) runs Q4_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
+    """AVX-512 (BW's byte and word instructions) runs Q4_K, Q5_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
     K is whole units of four blocks (every real model's; tiny test models may have K = 32 or 64)."""
     return isa.tier == "avx512" and qtype in INT8_UNITS and k % INT8_UNITS[qtype].weights == 0
 
@@ -89,7 +94,9 @@ def _macros(qtype: str, isa: VectorIsa, group: int, m: int):
     vnni = "avx512_vnni" in isa.required_flags
     if qtype == "q4_0":
         return quantize_q4_0(_max_tree), q4_0_row(vnni, group, m, _token)
-    return _quantize(qtype == "q4_k"), (_q4_k_row if qtype == "q4_k" else _q6_k_row)(_dot_step(vnni), isa, group, m)
+    if qtype in ("q4_k", "q5_k"):
+        return _quantize(True), _q4_k_row(_dot_step(vnni), isa, group, m, fifth_bit=qtype == "q5_k")
+    return _quantize(False), _q6_k_row(_dot_step(vnni), isa, group, m)
 
 
 def _ramp(base, lanes: int):
@@ -296,27 +303,38 @@ def _max_tree(terms):
     return _hmax(terms[0])
 
 
-def _q4_k_row(dot_step, isa: VectorIsa, group: int, m: int):
+def _q4_k_row(dot_step, isa: VectorIsa, group: int, m: int, fifth_bit: bool = False):
     """Macro: one block of one row, every token of the pass. The 12 scale bytes s[0..12) hold, for i < 4:
     sc_i = s[i] & 63, m_i = s[4+i] & 63, sc_{4+i} = (s[8+i] & 15) | (s[i] >> 6) << 4,
-    m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4 (ggml's get_scale_min_k4)."""
+    m_{4+i} = (s[8+i] >> 4) | (s[4+i] >> 6) << 4 (ggml's get_scale_min_k4).
+    fifth_bit: q5_k's blocks (176 B: qh[32] at byte 16, the nibbles at 48); byte p of window w, nibble t gains
+    16 * bit 4w + 2(p // 32) + t of qh[p % 32] (q < 32: maddubs' pairs 2 * 31 * 127 stay inside int16)."""
     f16c = not isa.is_slow_fallback
+    bb, qs = (176, 48) if fifth_bit else (144, 16)       # block bytes, offset of the nibbles
+
+    def fifth(w, row, b, g):
+        qh = w[row, _ramp(b * bb + 16, 32)]                                        # uint8x32
+        shift = lambda c: tirx.shift_right(qh, _const(4 * (g // 2) + 2 * c + g % 2, "uint8", 32))
+        bits = tirx.Shuffle([shift(0), shift(1)], list(range(64)))                 # bytes p < 32: chunk 2w, else 2w + 1
+        return tirx.shift_left(tirx.bitwise_and(bits, _const(1, "uint8", 64)), _const(4, "uint8", 64))
 
     def nibbles(w, row, b, g):
-        window = w[row, _ramp(b * 144 + 16 + g // 2 * 64, 64)]                   # uint8x64
+        window = w[row, _ramp(b * bb + qs + g // 2 * 64, 64)]                   # uint8x64
         if g % 2 == 0:
-            return tirx.bitwise_and(window, _const(15, "uint8", 64))
-        return tirx.shift_right(window, _const(4, "uint8", 64))
+            q = tirx.bitwise_and(window, _const(15, "uint8", 64))
+        else:
+            q = tirx.shift_right(window, _const(4, "uint8", 64))
+        return tirx.bitwise_or(q, fifth(w, row, b, g)) if fifth_bit else q
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        d = widen(wh[row, b * 72], "float16", f16c)
-        dmin = widen(wh[row, b * 72 + 1], "float16", f16c)
+        d = widen(wh[row, b * (bb // 2)], "float16", f16c)
+        dmin = widen(wh[row, b * (bb // 2) + 1], "float16", f16c)
         # The 12 scale bytes as words u0, u1, u2 (and the block's first quant word, unused) in one 128-bit vector,
         # get_scale_min_k4 by llama.cpp's kmask trick on its lanes: unpacked in scalar words, the fields then moved
         # into a vector two port-5 uops a word, on the port the scale broadcasts below already fill (llvm-mca:
         # 153 -> 132 cycles per 8 row-blocks).
-        u = wu[row, _ramp(b * 36 + 1, 4)]                                               # uint32x4
+        u = wu[row, _ramp(b * (bb // 4) + 1, 4)]                                        # uint32x4
         u2 = tirx.Shuffle([u], [2, 2, 2, 2])
         low = tirx.bitwise_and(u, _const(0x3F3F3F3F, "uint32", 4))                     # sc0-3 | m0-3 | - | -
         high = tirx.bitwise_or(                                                          # sc4-7 | m4-7 | - | -
