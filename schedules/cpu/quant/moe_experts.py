@@ -5,14 +5,16 @@ Q6_K, Q4_0).
 Why: a token selects k experts per block (Qwen3-30B-A3B: 8 of 128), so calling the expert function once per
 expert made 8 calls, 24 parallel regions and 8 host round trips of the activations per block; at 48 blocks the
 calls' overhead outweighed reading the ~0.9 MB each expert weight holds. Here the activation is quantized once,
-one parallel region runs every selected expert's gate and up rows (the same rows of both in one step), a second
-every expert's down rows for the same output rows, and the weighted sum of the k results is formed in the second
-region's step, in the order of `sel` (the runtime passes experts ascending, the order MoeFeedForward sums them).
+one parallel region runs every selected expert's gate and up rows (the same rows of both in one step, the one-expert
+GEMV's step code, gemv_int8.one_token_step: each expert's gate and up bit-identical to that kernel's), the SwiGLU of
+each expert is multiplied by its routing weight before its int8 quantization (per 256 values, so the weight only
+moves the scale), and a second region forms each output row's dot product over every selected expert's blocks of
+down in one set of accumulators, experts in the order of `sel` (the runtime passes them ascending): the weighted sum
+is that dot product, and a row of K = I (a few blocks) pays its horizontal sums once, not once per expert.
 
 The weights stay where the bundle binds them: each kind (gate, up, down) of a block is one uint8 tensor
-[experts * rows, row_bytes], expert e's rows at e * rows (GGUF's `ffn_*_exps` layout), and each step reads its
-expert's rows through a view at that offset, so expert e's rows go through the same step code
-(gemv_int8.one_token_step) as a one-expert GEMV: each expert's result is bit-identical to that kernel's.
+[experts * rows, row_bytes], expert e's rows at e * rows (GGUF's `ffn_*_exps` layout), read through a view at that
+offset.
 
   make_moe_expert_sum(gate_type, down_type, experts, inter, hidden, top_k, isa)
       -> PrimFunc(x: f32[1, H], sel: int32[n], weight: f32[n], w_gate: u8[E * I, gb], w_up: u8[E * I, gb],
@@ -26,7 +28,11 @@ from tvm.script import tirx as T
 from helmc.runtime.function_names import moe_expert_sum_name
 from helmc.schedules.cpu.gemv_quant import quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _macros, int8_gemv_applies, one_token_step
+from helmc.schedules.cpu.quant.gemv_int8 import (INT8_TUNING, INT8_UNITS, _const, _macros, _ramp, int8_gemv_applies,
+                                                 one_token_step)
+from helmc.schedules.cpu.quant.prefetch import prefetch_macro
+from helmc.schedules.cpu.quant.tiles import _hsum
+from helmc.schedules.cpu.weight_load import STACK
 
 
 def moe_expert_sum_applies(gate_type: str, down_type: str, inter: int, hidden: int, isa: VectorIsa) -> bool:
@@ -47,9 +53,9 @@ def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int
     d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
     g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
     quantize_x, _ = _macros(gate_type, isa, 1, 1)
-    quantize_a, _ = _macros(down_type, isa, 1, 1)
+    quantize_a, down_dot = _macros(down_type, isa, 1, 1)
     gate_step = one_token_step(gate_type, I, H, isa)
-    down_step = one_token_step(down_type, H, I, isa)
+    down_prefetch = prefetch_macro(d_rows, dn.bytes, db, INT8_TUNING[down_type], H)
 
     @T.prim_func
     def moe_sum(x: T.Buffer((1, H), "float32"), sel_h: T.handle, weight_h: T.handle,
@@ -68,7 +74,6 @@ def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int
         aq = T.alloc_buffer((K, I), "int8")
         adx = T.alloc_buffer((K, d_blocks * dn.dx_lanes), "float32")
         axs = T.alloc_buffer((K, d_blocks * dn.sums), dn.xs_dtype)
-        part = T.alloc_buffer((K, H), "float32")                          # [k, H] each expert's down(a)
         for b in T.serial(g_blocks):
             quantize_x(x, xq, dx, xs, 0, b)
         for step in T.parallel(n * g_steps):
@@ -88,14 +93,21 @@ def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int
             uj = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=j * I)
             gate_step(wg, wgi, wgh, wgf, wgu, xq, dx, xs, gj, step % g_steps)
             gate_step(wu, wui, wuh, wuf, wuu, xq, dx, xs, uj, step % g_steps)
-        for jb in T.parallel(n * d_blocks):          # each expert's SwiGLU, quantized per block of its input
+        for jb in T.parallel(n * d_blocks):          # each expert's SwiGLU times its weight, quantized per block
             for i in T.serial(dn.weights):
                 u[jb // d_blocks, jb % d_blocks * dn.weights + i] = (
                     g[jb // d_blocks, jb % d_blocks * dn.weights + i]
                     / (T.float32(1) + T.exp(-g[jb // d_blocks, jb % d_blocks * dn.weights + i]))
-                    * u[jb // d_blocks, jb % d_blocks * dn.weights + i])
+                    * u[jb // d_blocks, jb % d_blocks * dn.weights + i] * weight[jb // d_blocks])
             quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
+        # y[h] = sum_j down_j[h] . (weight_j a_j): one dot product over every expert's blocks per output row, summed
+        # in the row's accumulators (one horizontal sum per row, where a row of K = I alone is only a few blocks)
         for step in T.parallel(d_steps):
+            acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
+            accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
+            for r in T.unroll(d_rows):
+                acc[0, r, _ramp(0, 16)] = _const(0.0, "float32", 16)
+                accm[0, r, _ramp(0, 8)] = _const(0.0, "float32", 8)
             for j in T.serial(n):
                 row0 = sel[j] * H
                 wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
@@ -108,12 +120,16 @@ def make_moe_expert_sum(gate_type: str, down_type: str, experts: int, inter: int
                                      elem_offset=j * (d_blocks * dn.dx_lanes))
                 axsj = T.decl_buffer((1, d_blocks * dn.sums), dn.xs_dtype, data=axs.data,
                                      elem_offset=j * (d_blocks * dn.sums))
-                pj = T.decl_buffer((1, H), "float32", data=part.data, elem_offset=j * H)
-                down_step(wd, wdi, wdh, wdf, wdu, aqj, adxj, axsj, pj, step)
-            for r in T.serial(d_rows):
+                for b in T.serial(d_blocks):
+                    down_prefetch(wdf, step * d_rows, b)
+                    for r in T.unroll(d_rows):
+                        down_dot(wd, wdi, wdh, wdu, aqj, adxj, axsj, acc, accm, T.min(step * d_rows + r, H - 1), r,
+                                 b, 0)
+            for r in T.unroll(d_rows):
                 if step * d_rows + r < H:
-                    y[0, step * d_rows + r] = T.float32(0)
-                    for j in T.serial(n):
-                        y[0, step * d_rows + r] = y[0, step * d_rows + r] + weight[j] * part[j, step * d_rows + r]
+                    if dn.mins:
+                        y[0, step * d_rows + r] = _hsum(acc[0, r, _ramp(0, 16)]) - _hsum(accm[0, r, _ramp(0, 8)])
+                    else:
+                        y[0, step * d_rows + r] = _hsum(acc[0, r, _ramp(0, 16)])
 
     return moe_sum.with_attr("global_symbol", moe_expert_sum_name(gate_type, down_type, E, I, H))
