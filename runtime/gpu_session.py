@@ -355,53 +355,51 @@ def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int,
                       ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
 
 
-def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
+def _check_gpu_plan(plan) -> int:
+    """The VRAM free now, after checking the plan fits it and a hybrid plan streams its prefill."""
     import cupy as cp
-    import tvm.runtime
-
-    from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
-    from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
-    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, loader_progress, progress
-    from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
-    from helmc.runtime.weights.bind import bind_head, bind_layers
-
     free, total = cp.cuda.runtime.memGetInfo()
     if plan.gpu_bytes and plan.gpu_bytes > free:
         raise HelmcError(f"GPU memory: the plan needs {plan.gpu_bytes / 2**30:.2f} GiB of VRAM, "
                          f"{free / 2**30:.2f} GiB is free of {total / 2**30:.2f} GiB (build with a smaller --gpu-budget)")
-    hybrid = plan.is_hybrid
-    if hybrid and not plan.prefill_on_gpu:
+    if plan.is_hybrid and not plan.prefill_on_gpu:
         raise HelmcError("hybrid decode: expected a plan whose prefill streams the host-resident blocks to the GPU "
                          "(prefill_on_gpu), found one without")
+    return free
+
+
+def _load_cpu_part(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: KVOptions):
+    """(cpu_stage, cpu_vm, cpu_step, arenas): the CPU stage of the blocks the CPU computes in decode, its library,
+    its one-call step on NumPy arrays and, with streamed prefill, the pinned arenas of the host-resident blocks;
+    Nones where the plan puts no block on the host."""
+    import tvm.runtime
+
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, loader_progress
+    hybrid = plan.is_hybrid
     cpu_blocks = plan.cpu_compute_layers if hybrid else plan.cpu_layers    # the blocks the CPU computes in decode
-    cpu_step = None
-    cpu_stage = cpu_vm = None
-    if len(plan.cpu_layers):
-        cpu_vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
-        pinned = None
-        if plan.prefill_on_gpu:
-            from helmc.runtime.prefill_stream import bind_pinned_layers
-            pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, loader_progress(quiet))
-            if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
-                pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
-        cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
-                                       kv=kv_options)
-        dev_cpu = tvm.cpu()
+    if not len(plan.cpu_layers):
+        return None, None, None, None
+    cpu_vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
+    pinned = arenas = None
+    if plan.prefill_on_gpu:
+        from helmc.runtime.prefill_stream import bind_pinned_layers
+        pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, loader_progress(quiet))
+        if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
+            pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
+    cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
+                                   kv=kv_options)
+    dev_cpu = tvm.cpu()
 
-        def cpu_step(x, cos, sin, phase):
-            return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
-                                     tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
+    def cpu_step(x, cos, sin, phase):
+        return cpu_stage.forward(tvm.runtime.tensor(x, dev_cpu), tvm.runtime.tensor(cos, dev_cpu),
+                                 tvm.runtime.tensor(sin, dev_cpu), phase).numpy()
+    return cpu_stage, cpu_vm, cpu_step, arenas
 
-    vm = load_stage_library(bundle_dir, manifest, GPU_LIB, tvm.cuda(0),
-                            lambda path: load_gpu_executable(path, os.path.join(bundle_dir, GPU_CUBIN_INDEX)))
-    dev = tvm.cuda(0)
-    uploader = PinnedUploader()
-    upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
-    layers = plan.gpu_layers
-    schedule = ring = None
-    if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
-        from helmc.runtime.hybrid.load import allocate_ring
-        schedule, ring = allocate_ring(plan, arenas)
+
+def _prefill_loans(plan, spec, arenas, ring) -> tuple[int, bool, bool]:
+    """(the pool's loan in bytes, whether the ring lends the whole loan, whether it lends the block's staging)."""
+    from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
+    hybrid = plan.is_hybrid
     # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan for several
     # sequences whose ring, idle between decode steps, holds it lends the ring (cost_model.ring_hosts_loan): then
     # the pool keeps no room for it.
@@ -413,22 +411,61 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     arena_in_ring = hybrid and not ring_lends and ring.nbytes >= arena_bytes
     if arena_in_ring:
         loan -= aligned_bytes(arena_bytes)
-    kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(layers)    # hybrid: streamed blocks first
-    stage = None
-    if kv_layers:
-        moe = None
-        if any(spec.is_moe_layer(i) for i in layers):    # the routed experts stay on the host, computed by the CPU
-            from helmc.runtime.moe_gpu import gpu_moe_feed_forward
-            from helmc.runtime.weights.bind import tensor_to_device
-            cpu_vm = cpu_vm or load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
-            moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(plan.batch), tvm_to_cupy,
-                                       cupy_to_tvm)
-        bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet), to_device=upload,
-                               experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
-                               experts_in_vram=plan.gpu_experts)
-        kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, 0 if ring_lends else loan)
-        stage = Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
-                      batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers), moe=moe)
+    return loan, ring_lends, arena_in_ring
+
+
+def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: KVOptions, vm, cpu_vm, upload,
+               kv_layers: int, free: int, pool_loan: int):
+    """The GPU stage of plan.gpu_layers: its weights bound (a MoE block's routed experts on the host, or those the
+    plan puts in VRAM), then its KV cache of kv_layers layers in what they leave."""
+    import tvm.runtime
+
+    from helmc.runtime.cpu_stage import CPU_STAGE_LIB, load_stage_library, loader_progress
+    from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
+    from helmc.runtime.stage import Stage, decode_batch_sizes
+    from helmc.runtime.weights.bind import bind_layers
+    layers = plan.gpu_layers
+    moe = None
+    if any(spec.is_moe_layer(i) for i in layers):    # the routed experts stay on the host, computed by the CPU
+        from helmc.runtime.moe_gpu import gpu_moe_feed_forward
+        from helmc.runtime.weights.bind import tensor_to_device
+        cpu_vm = cpu_vm or load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
+        moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(plan.batch), tvm_to_cupy,
+                                   cupy_to_tvm)
+    bindings = bind_layers(checkpoint, spec, layers, tvm.cuda(0), loader_progress(quiet), to_device=upload,
+                           experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
+                           experts_in_vram=plan.gpu_experts)
+    kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, pool_loan)
+    return Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
+                 batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers), moe=moe)
+
+
+def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
+    import cupy as cp
+    import tvm.runtime
+
+    from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
+    from helmc.runtime.cpu_stage import load_stage_library, progress
+    from helmc.runtime.stage import batch_phase, decode_batch_sizes
+    from helmc.runtime.weights.bind import bind_head
+
+    free = _check_gpu_plan(plan)
+    hybrid = plan.is_hybrid
+    cpu_stage, cpu_vm, cpu_step, arenas = _load_cpu_part(bundle_dir, manifest, spec, plan, checkpoint, quiet,
+                                                         kv_options)
+    vm = load_stage_library(bundle_dir, manifest, GPU_LIB, tvm.cuda(0),
+                            lambda path: load_gpu_executable(path, os.path.join(bundle_dir, GPU_CUBIN_INDEX)))
+    dev = tvm.cuda(0)
+    uploader = PinnedUploader()
+    upload = lambda view, dtype, d: uploader.upload(view, dtype, d)
+    schedule = ring = None
+    if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
+        from helmc.runtime.hybrid.load import allocate_ring
+        schedule, ring = allocate_ring(plan, arenas)
+    loan, ring_lends, arena_in_ring = _prefill_loans(plan, spec, arenas, ring)
+    kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(plan.gpu_layers)    # hybrid: streamed blocks first
+    stage = (_gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options, vm, cpu_vm, upload,
+                        kv_layers, free, 0 if ring_lends else loan) if kv_layers else None)
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
     head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}

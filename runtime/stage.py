@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from helmc.model.spec import ModelSpec
+from helmc.runtime.kv.interface import KVCache
 from helmc.runtime.function_names import batch_phase, block_function_name  # noqa: F401 (the stage's names)
 
 
@@ -50,7 +51,7 @@ class StageBinding:
 
 
 class Stage:
-    def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv, bindings: list[StageBinding],
+    def __init__(self, name: str, vm, spec: ModelSpec, layers: range, kv: KVCache, bindings: list[StageBinding],
                  to_array: Callable[[Any], Any], from_array: Callable[[Any], Any], batch_sizes: tuple[int, ...] = (),
                  kv_base: int = 0, gpu_decode_batch=None, moe=None):
         assert len(bindings) == len(layers), "one weight binding per block of the stage"

@@ -118,6 +118,71 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
                          f"{plan.describe()}{' with its prefill streamed to the GPU' if plan.prefill_on_gpu else ''}")
 
 
+def _compile_jobs(spec, hardware: HardwareProfile, o: BuildOptions, batches, llvm_desc: str, need_cpu: bool,
+                  need_gpu: bool) -> dict[str, str]:
+    """The artifact cache key of each stage library the build needs ("cpu", "gpu")."""
+    batch_key = f"|batch={','.join(map(str, batches))}" if batches else ""
+    jobs = {}
+    if need_cpu:
+        # cores set the kernels' parallel split counts, so they are part of what the library was made for
+        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
+                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={o.prefill_activations}{batch_key}")
+    if need_gpu:
+        jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch + batch_key)
+    return jobs
+
+
+def _cached(cache, jobs: dict[str, str], progress) -> dict:
+    """Each job's cached artifact directory, or None to compile (a corrupt entry warned about and removed)."""
+    hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
+    for stage, key in jobs.items():
+        if key in cache.corrupt:
+            # a warning, not progress: said on stderr whether or not it is a terminal
+            print(f"helmc: warning: compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since "
+                  "it was stored); removed, rebuilding", file=sys.stderr)
+    for stage, d in hits.items():
+        if d:
+            progress(f"compile_{stage}: reusing cached artifacts {os.path.relpath(d)}")
+    return hits
+
+
+def _compile_missing(spec, hardware: HardwareProfile, o: BuildOptions, cache, jobs, hits: dict, batches,
+                     llvm_desc: str, work: str, progress) -> None:
+    """Export, import and compile each stage library not in the cache, in `work`; store it and record it in hits."""
+    from helmc.compiler.passes.export_block import export_functions
+    from helmc.compiler.passes.import_relax import import_functions
+    if "cpu" in jobs and not hits["cpu"]:
+        mod = import_functions(export_functions(spec, act_dtype="float32"), batches)
+        progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
+        progress(f"import_relax: {len(mod.functions)} functions (prefill, decode"
+                 f"{', batched decode for ' + '/'.join(map(str, batches)) + ' sequences' if batches else ''})")
+        lib = os.path.join(work, CPU_LIB)
+        compile_cpu(mod, hardware, lib, spec, o.prefill_activations)
+        hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
+        progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
+    if "gpu" in jobs and not hits["gpu"]:
+        mod = import_functions(export_functions(spec, act_dtype="float16"), batches)
+        progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
+        gdir = os.path.join(work, "gpu")
+        os.makedirs(gdir)
+        names = compile_gpu(mod, hardware, gdir, spec)
+        hits["gpu"] = cache.store(jobs["gpu"], {n: os.path.join(gdir, n) for n in names},
+                                  {"arch": hardware.gpu.arch, "files": list(names)})
+        progress(f"compile_gpu: {', '.join(names)} for {hardware.gpu.arch}")
+
+
+def _libraries(hits: dict, need_cpu: bool, need_gpu: bool) -> list[tuple[str, str]]:
+    """(name in the bundle, path) of every stage library file, from the cache."""
+    libraries = []
+    if need_cpu:
+        libraries.append((CPU_LIB, os.path.join(hits["cpu"], CPU_LIB)))
+    if need_gpu:
+        with open(os.path.join(hits["gpu"], "meta.json")) as f:
+            for n in json.load(f)["files"]:
+                libraries.append((n, os.path.join(hits["gpu"], n)))
+    return libraries
+
+
 def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: BuildOptions | None = None, *,
           plan: Plan | None = None, signer=None, **keywords) -> BuildResult:
     """options: a BuildOptions, or its fields as keywords. plan: this plan instead of the search's.
@@ -145,55 +210,15 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     cache = ArtifactCache(o.cache_dir, enabled=o.use_cache)
     from helmc.runtime.stage import decode_batch_sizes
     batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds
-    batch_key = f"|batch={','.join(map(str, batches))}" if batches else ""
-    jobs = {}
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
-    if need_cpu:
-        # cores set the kernels' parallel split counts, so they are part of what the library was made for
-        jobs["cpu"] = cache_key(spec.architecture_hash(), "cpu",
-                                f"{llvm_desc}|cores={hardware.cpu.cores}|prefill={o.prefill_activations}{batch_key}")
-    if need_gpu:
-        jobs["gpu"] = cache_key(spec.architecture_hash(), "gpu", hardware.gpu.arch + batch_key)
-    hits = {stage: cache.lookup(key) for stage, key in jobs.items()}
-    for stage, key in jobs.items():
-        if key in cache.corrupt:
-            # a warning, not progress: said on stderr whether or not it is a terminal
-            print(f"helmc: warning: compile_{stage}: cached artifacts {key} corrupt (a file missing or changed since "
-                  "it was stored); removed, rebuilding", file=sys.stderr)
+    jobs = _compile_jobs(spec, hardware, o, batches, llvm_desc, need_cpu, need_gpu)
+    hits = _cached(cache, jobs, progress)
     reused = tuple(stage for stage, d in hits.items() if d)
-    for stage, d in hits.items():
-        if d:
-            progress(f"compile_{stage}: reusing cached artifacts {os.path.relpath(d)}")
 
     with tempfile.TemporaryDirectory(prefix="helmc-build-") as work:
         if not all(hits.values()):
-            from helmc.compiler.passes.export_block import export_functions
-            from helmc.compiler.passes.import_relax import import_functions
-            if need_cpu and not hits["cpu"]:
-                mod = import_functions(export_functions(spec, act_dtype="float32"), batches)
-                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float32 activations)")
-                progress(f"import_relax: {len(mod.functions)} functions (prefill, decode"
-                         f"{', batched decode for ' + '/'.join(map(str, batches)) + ' sequences' if batches else ''})")
-                lib = os.path.join(work, CPU_LIB)
-                compile_cpu(mod, hardware, lib, spec, o.prefill_activations)
-                hits["cpu"] = cache.store(jobs["cpu"], {CPU_LIB: lib}, {"llvm_target": llvm_desc, "model": spec.architecture_hash()})
-                progress(f"compile_cpu: {CPU_LIB} ({os.path.getsize(lib) // 1024} KiB) for {llvm_desc}")
-            if need_gpu and not hits["gpu"]:
-                mod = import_functions(export_functions(spec, act_dtype="float16"), batches)
-                progress("export_onnx: pre_attn, post_attn, head exported (symbolic seq, float16 activations)")
-                gdir = os.path.join(work, "gpu")
-                os.makedirs(gdir)
-                names = compile_gpu(mod, hardware, gdir, spec)
-                hits["gpu"] = cache.store(jobs["gpu"], {n: os.path.join(gdir, n) for n in names},
-                                          {"arch": hardware.gpu.arch, "files": list(names)})
-                progress(f"compile_gpu: {', '.join(names)} for {hardware.gpu.arch}")
-        libraries = []
-        if need_cpu:
-            libraries.append((CPU_LIB, os.path.join(hits["cpu"], CPU_LIB)))
-        if need_gpu:
-            with open(os.path.join(hits["gpu"], "meta.json")) as f:
-                for n in json.load(f)["files"]:
-                    libraries.append((n, os.path.join(hits["gpu"], n)))
+            _compile_missing(spec, hardware, o, cache, jobs, hits, batches, llvm_desc, work, progress)
+        libraries = _libraries(hits, need_cpu, need_gpu)
         write_bundle(BundleInputs(
             out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, weights=source.weights,
             tokenizer_dir=source.tokenizer_dir, tokenizer_json=source.tokenizer_json, chat_template=source.chat_template,

@@ -1,4 +1,4 @@
-"""KVCacheGPU's prefill attention (a base class of it, split from cache_gpu.py): a step of several rows.
+"""The GPU KV cache's prefill attention (a base of KVCacheGPU, cache_gpu.py): a step of several rows.
 
 A fresh prompt (no cached keys) and a later chunk take the bundle's tensor-core kernel (CudaOps.flash_prefill,
 schedules/gpu/flash_prefill.py): device pages read in place through a table of their addresses, host pages (the
@@ -6,24 +6,26 @@ oldest: a prefix) staged staging_pages at a time on the copy stream with the sof
 launches, the chunk's own rows in the last launch. Where the cubin lacks the kernel (or pages are not whole
 64-token tiles), a fresh fp16 prompt of up to PREFILL_MAX_TOKENS takes prefill_causal, and otherwise
 attend_blocks walks KeyBlocks: device pages in place, host pages staged one at a time into a ring of the staging
-slots, and this step's own rows; no S x S buffer. Uses the cache's pool, ops, streams, staging and page layout.
+slots (GpuPageStore._stage_one), and this step's own rows; no S x S buffer. The step's own K, V rows come as an
+argument (append keeps them); pages are read through the page store's addresses and staging.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from helmc.runtime.kv.cuda_ops import H2D, PREFILL_MAX_TOKENS
+from helmc.runtime.kv.cuda_ops import PREFILL_MAX_TOKENS
 from helmc.runtime.kv.paged_attention import KeyBlock, attend_blocks, contiguous_blocks
 
 
 class GpuPrefill:
-    def _prefill(self, layer: int, q, scale: float):
+    def _prefill(self, layer: int, q, kv, scale: float):
+        """Causal attention of the step's rows q [S, h_a, d] over the cached pages and the step's own kv [2, h_kv, S, d]."""
         xp, ops = self.xp, self.ops
         start, T = self.length, self.T
         flash = q.dtype == np.float16 and self._has_flash(q.shape[1])
         if start == 0 and (flash or (q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16)):
             # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
-            kv = xp.ascontiguousarray(self._pending_kv.pop(layer))           # [2, h_kv, S, d]
+            kv = xp.ascontiguousarray(kv)                                    # [2, h_kv, S, d]
             out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
             if flash:
                 ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.window,
@@ -36,7 +38,7 @@ class GpuPrefill:
         host = next((i for i in range(before) if table.on_device(i)), before)   # leading host pages (I6: a prefix)
         if (flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(host, before))
                 and (host == 0 or self.staging_pages > 0)):
-            return self._flash_later_chunk(layer, q, scale, table, host, before)
+            return self._flash_later_chunk(layer, q, kv, scale, table, host, before)
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
         for i in range(before):
@@ -46,20 +48,19 @@ class GpuPrefill:
                 blocks.append(KeyBlock(i * T, n_i, (lambda page=page, n_i=n_i: (page[0, :, :n_i], page[1, :, :n_i]))))
             else:
                 blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
-        kv = self._pending_kv.pop(layer)                                   # [2, h_kv, S, d]
         blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
         out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
         self._release_ring(compute)
         return out
 
-    def _flash_later_chunk(self, layer: int, q, scale: float, table, host: int, before: int):
+    def _flash_later_chunk(self, layer: int, q, kv, scale: float, table, host: int, before: int):
         """A later chunk on the tensor-core kernel: the host pages [0, host) staged staging_pages at a time, a launch
         per group carrying the softmax state, then the device pages [host, before) read in place through a page
         table and the chunk's own rows in the last launch, which writes the output."""
         xp, ops, T, start = self.xp, self.ops, self.T, self.length
         q = xp.ascontiguousarray(q)
         n, h_a = q.shape[0], q.shape[1]
-        kv = xp.ascontiguousarray(self._pending_kv.pop(layer))               # [2, h_kv, n, d]
+        kv = xp.ascontiguousarray(kv)                                        # [2, h_kv, n, d]
         out = xp.empty(q.shape, np.float16)                                  # [n, h_a, d]
         state = xp.empty((n, h_a, self.d + 2), np.float32) if host else None  # o, m, l of each row between launches
         compute = ops.current_stream()
@@ -85,34 +86,3 @@ class GpuPrefill:
     def _has_flash(self, num_heads: int) -> bool:
         """Whether the ops have the tensor-core prefill attention for this cache's head_dim and query group."""
         return self.ops.has_flash(self.d, num_heads // self.h_kv)
-
-    def _stage_one(self, layer: int, table, i: int, n_i: int, compute):
-        """One cached host page for prefill: a ring of staging slots, each reused after its reader."""
-        ops = self.ops
-        self._release_ring(compute)
-        slot = self._ring % self.staging_pages
-        self._ring += 1
-        written = ops.new_event()
-        ops.record(written, compute)
-        ops.wait(self.copy_stream, written)
-        if self._slot_events[slot] is not None:
-            ops.wait(self.copy_stream, self._slot_events[slot])
-        self.pool.begin_prefetch(table.page_ids[i], layer, slot)
-        slice_bytes = self.slice_elems * 2
-        ops.memcpy(ops.ptr(self.staging) + slot * slice_bytes, self._host_ptr(table.host_slots[i]) + layer * slice_bytes,
-                   slice_bytes, H2D, self.copy_stream)
-        ready = ops.new_event()
-        ops.record(ready, self.copy_stream)
-        ops.wait(compute, ready)
-        self._ring_used = slot
-        return self.staging[slot, 0, :, :n_i], self.staging[slot, 1, :, :n_i]
-
-    def _release_ring(self, compute) -> None:
-        """The compute work enqueued since the last staged page is that page's reader: mark its slot."""
-        slot = self._ring_used
-        if slot is not None:
-            used = self.ops.new_event()
-            self.ops.record(used, compute)
-            self._slot_events[slot] = used
-            self.pool.end_prefetch(slot)
-            self._ring_used = None
