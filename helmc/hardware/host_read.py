@@ -18,7 +18,9 @@ the median of the timed passes after one warm-up (a shared machine's best pass s
 come in rounds over the stream reads and every GEMV type, so a burst of a slow host lands in a few passes of many
 figures, not in all of one figure's. A figure still implausible against another of the same run (recheck: a stream
 read below a GEMV's read of the same memory, an L3 read below the DRAM read) is measured again, the best kept, and
-said doubtful if it stays so.
+said doubtful if it stays so. Rounds of one figure that disagree (the DRAM read's or a GEMV's round medians more than
+SPREAD_LIMIT apart) say the host was busy or unsteady: every round is measured again, and the profile refused if
+they never agree.
 Needs NumPy and the TVM runtime only.
 """
 from __future__ import annotations
@@ -236,6 +238,51 @@ def median_gbs(nbytes: int, fn, passes: int) -> tuple[float, list[float]]:
     return statistics.median(rates), rates
 
 
+# A quiet host's rounds of one figure agree within a few percent (round medians of 5 passes); a memory-bound job
+# beside the profile halves a round's rate for the second or so it runs (53.6 GB/s where the idle host read 94.8).
+SPREAD_LIMIT = 1.25
+SPREAD_ATTEMPTS = 3               # the rounds measured this many times before the profile is refused
+
+
+@dataclass(frozen=True)
+class RoundSpread:
+    """One figure's rounds: each round's median GB/s."""
+    what: str
+    rounds_gbs: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """max / min of the rounds (1.0 for fewer than two; inf where a round read nothing)."""
+        if len(self.rounds_gbs) < 2:
+            return 1.0
+        low = min(self.rounds_gbs)
+        return max(self.rounds_gbs) / low if low > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (f"{self.what} read {', '.join(f'{r:.1f}' for r in self.rounds_gbs)} GB/s in its rounds "
+                f"(max/min {self.spread:.2f} > {SPREAD_LIMIT})")
+
+
+def unsteady(figures: dict[str, list[float]], limit: float = SPREAD_LIMIT) -> tuple[RoundSpread, ...]:
+    """The figures (name -> each round's GB/s) whose rounds disagree by more than limit (max/min), worst first."""
+    spreads = [RoundSpread(what, tuple(r)) for what, r in figures.items()]
+    return tuple(sorted((x for x in spreads if x.spread > limit), key=lambda x: -x.spread))
+
+
+def figure_name(key) -> str:
+    """A rate's name in the profile: "dram", "l3" or a GEMV's (weight type, rows)."""
+    if key in ("dram", "l3"):
+        return f"cpu.{key}_gbs"
+    t, m = key
+    return f"cpu.gemv_reads {t}" + (f" x{m}" if m > 1 else "")
+
+
+def refuse_unsteady(worst: RoundSpread, attempts: int) -> None:
+    from helmc.errors import HelmcError
+    raise HelmcError(f"profile: expected a steady host, found {worst.describe()} in each of {attempts} measurements; "
+                     f"another job is using the cores or the memory bandwidth: stop it and run `helmc profile` again")
+
+
 GEMM_TOKENS = 128                 # a prompt chunk: the GEMM's rate at the size prefill runs it
 
 
@@ -252,6 +299,31 @@ class HostReads:
     @property
     def host_read_gbs(self) -> float:
         return next((r.gbs for r in self.gemv_reads if r.weight_type == "float16" and r.rows == 1), 0.0)
+
+
+def _sweeps(lib: KitLibrary, arena: Arena, kit: ProfileKit, streams: dict, rounds: int, passes: int,
+            progress) -> dict:
+    """{figure key: one list of pass GB/s per round}: the stream reads (streams: key -> (bytes, fn)) and every type's
+    GEMVs in `rounds` sweeps. Sweeps, not one figure's rounds back to back: a host's bandwidth drops in bursts of a
+    second or so (one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the DRAM + PCIe window's a few
+    seconds later; another: the stream read 11.7 GB/s and the L3 read 14.3 in their 0.1 s at the start, the GEMVs 89
+    after), which one figure's back-to-back passes would take whole."""
+    rates: dict = {}
+    for sweep in range(rounds):
+        for key, (nbytes, fn) in streams.items():
+            rates.setdefault(key, []).append(median_gbs(nbytes, fn, passes)[1])
+        for t in kit.weight_types:
+            for m in kit.rows_measured(t):
+                g = GemvPass(lib, arena, t, m)
+                if sweep == 0:
+                    progress(f"host read: helmc's {t} decode GEMVs{f' at {m} rows' if m > 1 else ''} over {g.copies} "
+                             f"block copies ({g.nbytes >> 20} MiB)")
+                rates.setdefault((t, m), []).append(median_gbs(g.nbytes, g.run, passes)[1])
+                if not np.isfinite(g.check.numpy()).all():
+                    raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong "
+                                       "shapes?)")
+                del g
+    return rates
 
 
 def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=lambda m: None,
@@ -273,28 +345,22 @@ def measure_host_reads(kit_dir: str, kit: ProfileKit, passes: int = 5, progress=
     l3_read = (kit.l3_read_elements * 4 * inner, l3_pass)
     progress(f"host read: helmc's stream read over {kit.read_elements * 4 >> 20} MiB and {kit.l3_read_elements * 4 >> 20}"
              f" MiB (L3) on {kit.cores} cores, then every type's decode GEMVs, {rounds} rounds")
-    # Every figure's passes in `rounds` sweeps, each figure the median of all its passes: a host's bandwidth drops
-    # in bursts of a second or so (one profile: fp16 GEMVs 61 GB/s in their 0.1 s of passes, 105 in the
-    # DRAM + PCIe window's a few seconds later; another: the stream read 11.7 GB/s and the L3 read 14.3 in their
-    # 0.1 s at the start, the GEMVs 89 after), which one figure's back-to-back passes would take whole.
-    rates: dict = {}
-    for sweep in range(rounds):
-        for key, (nbytes, fn) in (("dram", dram_read), ("l3", l3_read)):
-            rates.setdefault(key, []).extend(median_gbs(nbytes, fn, passes)[1])
-        for t in kit.weight_types:
-            for m in kit.rows_measured(t):
-                g = GemvPass(lib, arena, t, m)
-                if sweep == 0:
-                    progress(f"host read: helmc's {t} decode GEMVs{f' at {m} rows' if m > 1 else ''} over {g.copies} "
-                             f"block copies ({g.nbytes >> 20} MiB)")
-                rates.setdefault((t, m), []).extend(median_gbs(g.nbytes, g.run, passes)[1])
-                if not np.isfinite(g.check.numpy()).all():
-                    raise RuntimeError(f"profile: the {t} GEMVs produced non-finite outputs (a kernel bound to wrong "
-                                       "shapes?)")
-                del g
+    for attempt in range(1, SPREAD_ATTEMPTS + 1):
+        rounds_of = _sweeps(lib, arena, kit, {"dram": dram_read, "l3": l3_read}, rounds, passes,
+                            progress if attempt == 1 else (lambda m: None))
+        bad = unsteady({figure_name(k): [statistics.median(r) for r in v] for k, v in rounds_of.items() if k != "l3"})
+        if not bad:
+            break
+        if attempt == SPREAD_ATTEMPTS:
+            refuse_unsteady(bad[0], attempt)
+        progress(f"host unsteady: {bad[0].describe()}; measuring every round again ({attempt} of "
+                 f"{SPREAD_ATTEMPTS - 1})")
+        time.sleep(RETRY_PAUSE_S)
+    rates = {k: [x for r in v for x in r] for k, v in rounds_of.items()}
     dram, l3 = statistics.median(rates.pop("dram")), statistics.median(rates.pop("l3"))
     reads = [KernelRead(t, round(statistics.median(r), 2), m) for (t, m), r in rates.items()]
-    notes = ["cpu: decode GEMV reads (one block's launches as the CPU stage makes them for each type; "
+    notes = [] if attempt == 1 else [f"cpu: the rounds disagreed (max/min > {SPREAD_LIMIT}); measured {attempt} times"]
+    notes += ["cpu: decode GEMV reads (one block's launches as the CPU stage makes them for each type; "
                  f"{kit.block.hidden}x{kit.block.ffn} block, copies >= {cycle_bytes(kit) >> 20} MiB per pass; "
                  "GB/s of weights, at 1 row and at a batched step's rows): "
                  + ", ".join(f"{r.weight_type}{f' x{r.rows}' if r.rows > 1 else ''} {r.gbs:.1f}" for r in reads)]

@@ -217,3 +217,17 @@ def test_profile_negative_synthetic_delta_is_clamped():
     assert "the cpu delta" in out.notes[-1] and "below 0 set to 0" in out.notes[-1]
     assert all(d.step_overhead_ms is None or d.step_overhead_ms >= 0 for d in (out.cpu, out.gpu))
     assert clamp_negative_deltas(out) == out
+
+
+def test_a_profile_never_keeps_a_negative_overhead_time():
+    """A busy host's synthetic tail can time below the head's roofline: the profile sets such a sigma (and delta) to
+    0 and says so, a positive figure is kept, and a profile without negatives comes back unchanged."""
+    from helmc.planner.calibrate import clamp_negative_deltas
+    hw = load_hardware("h200-profiled")
+    neg = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, step_overhead_ms=-0.021, block_overhead_ms=0.004),
+                              gpu=dataclasses.replace(hw.gpu, step_overhead_ms=0.05, block_overhead_ms=-0.002))
+    out = clamp_negative_deltas(neg)
+    assert (out.cpu.step_overhead_ms, out.cpu.block_overhead_ms) == (0.0, 0.004)
+    assert (out.gpu.step_overhead_ms, out.gpu.block_overhead_ms) == (0.05, 0.0)
+    assert "cpu sigma" in out.notes[-1] and "gpu delta" in out.notes[-1]
+    assert clamp_negative_deltas(out) is out
