@@ -9,11 +9,13 @@ import pytest
 
 from helmc.hardware import measure_gpu as mg
 from helmc.hardware.profile import HardwareProfile
+from helmc.hardware.kit import FLOAT_TYPES, QUANT_TYPES
 from helmc.hardware.measure import _parse_size, l3_total_bytes, ram_bytes
 
 TINY = mg.BenchSizes(gemv_bytes=2 * mg.MIB, link_bytes=4 * mg.MIB, latency_reps=5, matmul_inner=1, matmul_m=16,
                      matmul_h=256)
-WEIGHT_TYPES = ("float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q6_k")
+WEIGHT_TYPES = FLOAT_TYPES + QUANT_TYPES            # every type the kit measures, in its order (the registry's)
+assert WEIGHT_TYPES[:2] == ("float16", "bfloat16") and {"q8_0", "q4_0", "q4_k", "q6_k"} <= set(WEIGHT_TYPES)
 
 
 def test_quick_profile_on_this_machine(tmp_path):
@@ -155,8 +157,8 @@ def test_real_gpu_profile():
     assert hw.link.h2d_gbs > 1 and hw.link.d2h_gbs > 1 and 0 < hw.link.latency_us < 1000
     assert hw.link.has_concurrent and 0 < hw.link.h2d_concurrent_gbs <= 1.2 * hw.link.h2d_gbs
     assert hw.gpu.block_overhead_ms is not None and hw.cpu.block_overhead_ms is not None
-    # helmc's own GPU decode GEMVs, every type the kit has (a kit built for this GPU's arch from session 15 on)
-    assert {r.weight_type for r in hw.gpu.gemv_reads} == {"float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q6_k"}
+    # helmc's own GPU decode GEMVs, every type the kit has (a kit built for this GPU's arch)
+    assert {r.weight_type for r in hw.gpu.gemv_reads} == set(WEIGHT_TYPES)
     assert all(0.2 * hw.gpu.hbm_gbs < r.gbs < 1.5 * hw.gpu.hbm_gbs for r in hw.gpu.gemv_reads), hw.gpu.gemv_reads
     # the runtime's VRAM beyond a plan, measured in a fresh process (a CUDA context alone is ~0.3-0.5 GiB)
     reserve = [n for n in hw.notes if n.startswith("gpu reserve:")]
