@@ -239,8 +239,10 @@ def median_gbs(nbytes: int, fn, passes: int) -> tuple[float, list[float]]:
 
 
 # A quiet host's rounds of one figure agree within a few percent (round medians of 5 passes); a memory-bound job
-# beside the profile halves a round's rate for the second or so it runs (53.6 GB/s where the idle host read 94.8).
-SPREAD_LIMIT = 1.25
+# beside the profile halves a round's rate for the second or so it runs (53.6 GB/s where the idle host read 94.8:
+# 1.77x). 1.5, not less: in a run of the test suite on the 2-core CPU machine, a small 8-row GEMV's rounds read
+# 8.6, 10.9 and 11.2 GB/s (1.31x) in each of three measurements.
+SPREAD_LIMIT = 1.5
 SPREAD_ATTEMPTS = 3               # the rounds measured this many times before the profile is refused
 
 
