@@ -12,7 +12,7 @@ functions), queued before the CPU starts on the others, so the two devices work 
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
 The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph. When every
 expert is in VRAM and the GPU's expert kernels run them, a decode row is routed on the GPU and nothing waits on
-the host (GpuMoeFeedForward.decodes_on_device), but capturing that step is still invalidated: no graph yet.
+the host, but capturing that step is still invalidated: no graph yet.
 """
 from __future__ import annotations
 
@@ -40,13 +40,6 @@ class GpuMoeFeedForward:
         # for the benchmarks: blocks whose rows went to the host and back; (row, expert) pairs, those in VRAM
         self.crossings = self.expert_rows = self.gpu_expert_rows = 0
 
-    def decodes_on_device(self, bindings) -> bool:
-        """Whether a one-row decode step of these blocks never waits on the host: every routed block's experts all
-        in VRAM and run by the GPU's expert kernels (then the step's CUDA graph can hold them)."""
-        experts = [b.post[-1] for b in bindings if isinstance(b.post[-1], LayerExperts)]
-        return all(e.vram_stacked is not None and len(e.on_gpu) == len(e.experts) and e.signature in self.device_sums
-                   for e in experts)
-
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
         return self.gpu_expert_rows / self.expert_rows if self.expert_rows else 0.0
@@ -57,21 +50,20 @@ class GpuMoeFeedForward:
     def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
         import cupy as cp
         h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
-        one_call = self.device_sums.get(experts.signature) if experts.vram_stacked is not None else None
-        if (one_call is not None and phase != "prefill" and len(experts.on_gpu) == len(experts.experts)
-                and m.shape[0] == 1):         # every expert in VRAM: routed on the GPU, no host round trip
-            self.expert_rows += one_call.top_k
+        m_dev = self.to_cupy(m)
+        # one decode row whose block has its VRAM experts stacked: the GPU's two expert kernels run them
+        one_call = (self.device_sums.get(experts.signature)
+                    if experts.vram_stacked is not None and phase != "prefill" and m_dev.shape[0] == 1 else None)
+        if one_call is not None and len(experts.on_gpu) == len(experts.experts):
+            self.expert_rows += one_call.top_k       # every expert in VRAM: routed on the GPU, no host round trip
             self.gpu_expert_rows += one_call.top_k
-            m_dev = self.to_cupy(m)
             y = self.to_cupy(h).astype(cp.float32) + one_call.device_routed(m_dev, self.to_cupy(logits), experts)
             return self.from_cupy(y.astype(m_dev.dtype))
-        m_dev = self.to_cupy(m)
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
         if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
-            one_call = self.device_sums.get(experts.signature) if experts.vram_stacked is not None else None
-            if one_call is not None and phase != "prefill" and idx.shape[0] == 1:
+            if one_call is not None:
                 hc += one_call.host_routed(m_dev, idx[0], w[0], experts)
             else:
                 hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
@@ -86,10 +78,10 @@ class DeviceExpertSum:
     """One decode row's experts in VRAM through the GPU library's two expert kernels (gate_up, down: schedules/gpu/
     moe_experts.py) over the block's stacked VRAM experts, then their weighted sum in fp32 on the GPU."""
 
-    def __init__(self, gate_up, down, moe, inter: int, hidden: int, to_cupy: Callable, from_cupy: Callable):
+    def __init__(self, gate_up, down, moe, inter: int, hidden: int, from_cupy: Callable):
         import cupy as cp
         self.gate_up, self.down, self.moe, self.top_k = gate_up, down, moe, moe.top_k
-        self.to_cupy, self.from_cupy = to_cupy, from_cupy
+        self.from_cupy = from_cupy
         self._a = cp.empty((moe.top_k, inter), cp.float16)              # [k, I] each selected expert's SwiGLU
         self._part = cp.empty((moe.top_k, hidden), cp.float16)          # [k, H] each one's down
 
@@ -133,7 +125,7 @@ class DeviceExpertSum:
         return self._run(m_dev, top, w, experts)
 
 
-def device_expert_sums(gpu_vm, spec, to_cupy, from_cupy) -> dict:
+def device_expert_sums(gpu_vm, spec, from_cupy) -> dict:
     """{expert signature index: DeviceExpertSum} for the signatures the GPU library has kernels for."""
     out = {}
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
@@ -144,7 +136,7 @@ def device_expert_sums(gpu_vm, spec, to_cupy, from_cupy) -> dict:
             kernels = [gpu_vm.module.get_function(n, query_imports=True) for n in names]
         except AttributeError:
             continue
-        out[j] = DeviceExpertSum(*kernels, spec.moe, spec.moe.expert_intermediate_size, spec.hidden_size, to_cupy,
+        out[j] = DeviceExpertSum(*kernels, spec.moe, spec.moe.expert_intermediate_size, spec.hidden_size,
                                  from_cupy)
     return out
 
@@ -167,4 +159,4 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
     device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
                             expert_signatures=expert_sigs, xp=cp)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
-                             from_cupy, device_expert_sums(gpu_vm, spec, to_cupy, from_cupy))
+                             from_cupy, device_expert_sums(gpu_vm, spec, from_cupy))

@@ -117,24 +117,31 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
     from helmc.runtime.moe_experts import LayerExperts
     moe = spec.moe
     names = [moe.expert_weight_names(e) for e in range(moe.num_experts)]
+
+    def raw(name):
+        return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
     stacked = None
     if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
-        stacked = tuple(_stacked(load, [names[e][kind] for e in range(moe.num_experts)], vram) for kind in range(3))
+        stacked = tuple(_stacked(raw, [names[e][kind] for e in range(moe.num_experts)], vram) for kind in range(3))
     if stacked is not None and None not in stacked:
-        in_vram = _stacked_vram(load, names, sorted(vram), device[0])
-        on_device = {}
-        for slot, e in enumerate(sorted(vram)):
-            on_device[e] = (tuple(views[slot] for _, views in in_vram) if in_vram
-                            else tuple(load(n, *device) for n in names[e]))
-        experts = tuple(on_device[e] if e in vram else tuple(stacked[kind][1][e] for kind in range(3))
-                        for e in range(moe.num_experts))
-        return LayerExperts(experts, spec.expert_signature_index(layer), vram, tuple(s for s, _ in stacked),
-                            tuple(w for w, _ in in_vram) if in_vram else None, tuple(sorted(vram)))
+        order = sorted(vram)
+        in_vram = _stacked_vram(raw, names, order, device[0])
+        slot = {e: i for i, e in enumerate(order)}
+
+        def weights_of(e):
+            if e not in vram:
+                return tuple(views[e] for _, views in stacked)
+            if in_vram:
+                return tuple(views[slot[e]] for _, views in in_vram)
+            return tuple(load(n, *device) for n in names[e])
+        return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
+                            vram, tuple(whole for whole, _ in stacked),
+                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order))
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram)
 
 
-def _stacked(load: Callable, names: list[str], vram: frozenset) -> tuple | None:
+def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:
     """(one host tensor [experts * rows, row bytes], each expert's tensor over its rows) of quantized expert
     weights, each expert not in `vram` copied into its rows straight from the checkpoint's view. The memory is
     NumPy's, 64-byte aligned, each expert's tensor a DLPack view with its own data pointer (compiled functions take
@@ -143,9 +150,6 @@ def _stacked(load: Callable, names: list[str], vram: frozenset) -> tuple | None:
     import tvm.runtime
 
     from helmc.runtime.memory.allocation import allocate
-
-    def raw(name):
-        return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
     rows, row_bytes = raw(names[0]).shape
     if rows * row_bytes % 64:
         return None
@@ -160,7 +164,7 @@ def _stacked(load: Callable, names: list[str], vram: frozenset) -> tuple | None:
             [tvm.runtime.from_dlpack(whole[e * rows:(e + 1) * rows]) for e in range(len(names))])
 
 
-def _stacked_vram(load: Callable, names: list, order: list[int], dev) -> tuple | None:
+def _stacked_vram(raw: Callable, names: list, order: list[int], dev) -> tuple | None:
     """The experts in VRAM of a GPU stage's block, quantized: per kind (gate, up, down), (one device tensor
     [len(order) * rows, row bytes], each expert's tensor over its rows), expert order[slot] at slot, read by the
     GPU's two-launch expert kernels (runtime/moe_gpu.py); None on a CPU device, with no expert in VRAM, or where
@@ -171,9 +175,6 @@ def _stacked_vram(load: Callable, names: list, order: list[int], dev) -> tuple |
 
     from helmc.runtime.cuda_runtime import cupy_to_tvm
     from helmc.runtime.memory.allocation import allocate
-
-    def raw(name):
-        return load(name, None, lambda view, dtype, d: view)      # the checkpoint's uint8 view, not copied
     out = []
     for kind in range(3):
         rows, row_bytes = raw(names[order[0]][kind]).shape
