@@ -233,7 +233,7 @@ def tvm_to_cupy(t):
 def capture_graph(stream, body):
     """(graph, pool, out): body() captured on the CuPy `stream` as a CUDA graph, not run (the caller launches it),
     its CuPy temporaries from `pool`, a memory pool of the graph's own that must live as long as the graph. Raises
-    what the capture raised; a failed capture enqueued nothing. Shared by gpu_session.DecodeGraph and
+    what the capture raised; a failed capture enqueued nothing. Shared by decode_graph.DecodeGraph and
     hybrid/group_graph.GroupGraph."""
     import cupy as cp
     pool = cp.cuda.MemoryPool()

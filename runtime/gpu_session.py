@@ -13,6 +13,7 @@ import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.runtime.kv.options import KVOptions
+from helmc.runtime.decode_graph import DecodeGraph, logits_out
 from helmc.runtime.stage import batch_phase
 
 GPU_LIB = "gpu_stage.so"
@@ -39,110 +40,6 @@ def to_device(cp, a: np.ndarray, dtype):
     for a 128-token prompt's rows of Qwen3-8B), the GPU's the same IEEE rounding in microseconds."""
     d = cp.asarray(np.ascontiguousarray(a))
     return d if d.dtype == dtype else d.astype(dtype)
-
-
-def _align(nbytes: int, to: int = 256) -> int:
-    return -(-nbytes // to) * to
-
-
-def logits_out(logits, argmax: bool):
-    """Device logits [S, V] float32 -> [S, V] on the host, or (argmax) the last row's greedy token as an int:
-    CuPy's argmax returns the first of equal maxima, as NumPy's does, so the token is the host's choice."""
-    import cupy as cp
-    return int(cp.argmax(logits[-1])) if argmax else cp.asnumpy(logits)
-
-
-class DecodeGraph:
-    """The GPU share of a decode step (the GPU stage's blocks and the head) captured once as a CUDA graph and
-    replayed per token: one launch instead of ~20 launches and two Relax VM calls per block from Python.
-
-    The step's inputs go into static buffers first (hidden state, cos, sin here; the token count and the
-    page address tables by KVCacheGPU.begin_step); the logits come out where the capture's head wrote them.
-    A graph bakes in page addresses, so KVCacheGPU.graph_key() names what it depends on: a key seen for the
-    first time runs eagerly once (which also warms TVM's and CuPy's allocators), the second capture and
-    replay, and a step that cannot replay (a page on the host, a sliding window) runs eagerly. CuPy captures
-    the stream; TVM launches on it through tvm_ffi's environment stream; the capture's CuPy temporaries come
-    from a pool of the graph's own, so no other work is ever given memory the graph writes.
-    Eager and replayed steps run the same kernels on the same buffers: tokens do not depend on which ran."""
-
-    def __init__(self, stage, head_fns, head_weights, spec, stream, to_tvm, to_cupy):
-        import cupy as cp
-        self.stage, self.head_fns, self.head_weights, self.stream = stage, head_fns, head_weights, stream
-        self.to_cupy = to_cupy
-        # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
-        H, D = spec.hidden_size, spec.head_dim
-        x_at, cos_at, sin_at = 0, _align(2 * H), _align(2 * H) + _align(4 * D)
-        n = sin_at + _align(4 * D)
-        self._pinned = cp.cuda.alloc_pinned_memory(n)
-        self.host_in = np.frombuffer(self._pinned, np.uint8, n)
-        self.dev_in = cp.empty(n, cp.uint8)
-        self.x = self.dev_in[x_at:x_at + 2 * H].view(cp.float16).reshape(1, H)
-        self.cos = self.dev_in[cos_at:cos_at + 4 * D].view(cp.float32).reshape(1, D)
-        self.sin = self.dev_in[sin_at:sin_at + 4 * D].view(cp.float32).reshape(1, D)
-        self.host_x = self.host_in[x_at:x_at + 2 * H].view(np.float16).reshape(1, H)
-        self.host_cos = self.host_in[cos_at:cos_at + 4 * D].view(np.float32).reshape(1, D)
-        self.host_sin = self.host_in[sin_at:sin_at + 4 * D].view(np.float32).reshape(1, D)
-        self.attn = cp.empty((1, spec.q_dim), cp.float16)
-        self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]   # made once, outside captures
-        self.kv_layers = range(stage.kv_base, stage.kv_base + len(stage.bindings))   # the cache layers it appends
-        self.graph = self.pool = self.key = self.seen = self.logits = None
-        self.disabled = ""                     # why graphs are off in this session ("" while they are on)
-        self.replays = self.captures = self.eager_steps = 0
-
-    def _body(self):
-        x, cos, sin, attn = self.views
-        x = self.stage.run_blocks(x, cos, sin, "decode", attn_out=(self.attn, attn))
-        return self.head_fns["decode"](x, *self.head_weights)
-
-    def step(self, x, cos: np.ndarray, sin: np.ndarray, begun: bool = False, argmax: bool = False):
-        """x [1, H] on the host, or fp16 on the device (hybrid decode: the last streamed group's output), cos/sin
-        [1, D] on the host -> logits [1, V] float32 on the host, or with argmax their greedy token (an int: the
-        argmax runs where the logits are, and 8 bytes cross instead of V * 4). begun: the cache's step is already
-        open (hybrid decode's streamed blocks appended to it first); the graph appends only its own layers."""
-        kv = self.stage.kv
-        # the last step's result came back to the host, so its copy out of host_in is done: host_in is free
-        self.host_cos[...] = np.asarray(cos).reshape(self.host_cos.shape)
-        self.host_sin[...] = np.asarray(sin).reshape(self.host_sin.shape)
-        if isinstance(x, np.ndarray):
-            self.host_x[...] = np.asarray(x).reshape(self.host_x.shape)
-        self.dev_in.set(self.host_in, stream=self.stream)          # one copy, asynchronous from pinned memory
-        if not isinstance(x, np.ndarray):
-            self.x[...] = x.reshape(self.x.shape)                  # device to device, after that copy (one stream)
-        if not begun:
-            kv.begin_step(1)
-        key = None if self.disabled else kv.graph_key()
-        if key is not None and key == self.key:
-            kv.mark_replayed(self.kv_layers)
-            self.graph.launch(self.stream)
-            self.replays += 1
-        elif key is not None and key == self.seen and self._capture(key):
-            self.graph.launch(self.stream)
-        else:
-            self.seen = key
-            self.eager_steps += 1
-            logits = self.to_cupy(self._body())
-            kv.advance(1)
-            return logits_out(logits, argmax)
-        kv.advance(1)
-        return logits_out(self.logits, argmax)
-
-    def _capture(self, key) -> bool:
-        """Capture this step's work (not run yet: the caller launches the graph). False, with graphs off for
-        the session and the step's appends forgotten, if the stream cannot be captured."""
-        from helmc.runtime.cuda_runtime import capture_graph
-        self.graph = self.logits = None                 # the old graph goes before its memory pool
-        try:
-            graph, pool, logits = capture_graph(self.stream, self._body)
-        except Exception as e:   # a capture that fails enqueued nothing: the step reruns eagerly
-            import warnings
-            self.disabled = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CUDA graph capture of the decode step failed, decoding without graphs: {self.disabled}")
-            self.stage.kv.forget_appends(self.kv_layers)
-            return False
-        self.graph, self.pool, self.key, self._logits_tensor = graph, pool, key, logits
-        self.logits = self.to_cupy(logits)
-        self.captures += 1
-        return True
 
 
 class GpuParts:
@@ -440,6 +337,21 @@ def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: 
                  batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers), moe=moe)
 
 
+def _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options: KVOptions, hybrid: bool):
+    """The decode step's CUDA graph: DecodeGraph for dense blocks; MoeDecodeGraph (graphs between the host's halves)
+    when every MoE block runs on the one-call decode row; None without GPU blocks, with graphs off, or for MoE
+    blocks on the per-expert path (each waits on the host mid-block)."""
+    from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
+    if stage is None or not kv_options.cuda_graph:
+        return None
+    if stage._moe is None:
+        return DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
+    from helmc.runtime.moe_decode_graph import MoeDecodeGraph
+    if hybrid or not MoeDecodeGraph.applies(stage):
+        return None
+    return MoeDecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
+
+
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
     import cupy as cp
     import tvm.runtime
@@ -480,10 +392,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                                    ops=stage.kv.ops if stage is not None else None,
                                    lend_arena=ring_lender(ring) if arena_in_ring else None)
     stream = cp.cuda.Stream(non_blocking=True)
-    # a step with MoE blocks waits on the host for their experts: no graph captures it (an all-VRAM step routed on
-    # the GPU does not wait, but capturing it is invalidated by an operation not yet identified)
-    graph = (DecodeGraph(stage, head_fns, head_weights, spec, stream, cupy_to_tvm, tvm_to_cupy)
-             if stage is not None and kv_options.cuda_graph and stage._moe is None else None)
+    graph = _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options, hybrid)
     decode = None
     if hybrid:
         from helmc.runtime.hybrid.load import hybrid_decode

@@ -362,7 +362,7 @@ class _GpuSide:
         return StageTiming("gpu", m, n, ctx.fill + ctx.warmup, times)
 
     def _graph_steps(self, stage, kv, xg, cos, sin) -> tuple[float, ...] | None:
-        """The decode step's blocks as the session runs them (gpu_session.DecodeGraph): one eager step, then the
+        """The decode step's blocks as the session runs them (decode_graph.DecodeGraph): one eager step, then the
         next step captured once as a CUDA graph and replayed, each replay timed to its end on the device. Eager
         launches from Python cost ~0.09 ms per block on an H100 where the graph's replay costs a few
         microseconds, so a fit on eager steps made the all-GPU plan 1.34x the measured token. Replays rewrite the

@@ -10,9 +10,9 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
 A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
-The step waits on the host between blocks, so a stage with MoE blocks decodes without a CUDA graph. When every
-expert is in VRAM and the GPU's expert kernels run them, a decode row is routed on the GPU and nothing waits on
-the host, but capturing that step is still invalidated: no graph yet.
+One decode row of quantized fp16 experts goes through moe_decode_row.MoeDecodeRow (the one-call expert sums on both
+sides, static buffers), which moe_decode_graph.MoeDecodeGraph replays as CUDA graphs between the host's halves;
+prefill, batched steps and other experts take the per-expert path here, eagerly.
 """
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ class GpuMoeFeedForward:
     device tensor [S, H], the stage's activation dtype)."""
 
     def __init__(self, gpu_vm, host: MoeFeedForward, device: MoeFeedForward, phases: tuple[str, ...], signatures,
-                 to_cupy: Callable, from_cupy: Callable, device_sums: dict | None = None):
+                 to_cupy: Callable, from_cupy: Callable, decode_row=None):
         self.host = host                        # the CPU library's expert functions over host rows
         self.device = device                    # the GPU library's, for the experts in VRAM
-        self.device_sums = device_sums or {}    # {expert signature: DeviceExpertSum}, one decode row's VRAM experts
+        self.decode_row = decode_row            # MoeDecodeRow: one decode row on the one-call sums, or None
+        self.deferred = False                   # set by MoeDecodeGraph: a decode row's host half runs between graphs
         self.to_cupy, self.from_cupy = to_cupy, from_cupy
         self._post = {(p, j): gpu_vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
@@ -42,31 +43,35 @@ class GpuMoeFeedForward:
 
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
-        return self.gpu_expert_rows / self.expert_rows if self.expert_rows else 0.0
+        row = self.decode_row
+        rows = self.expert_rows + (row.expert_rows if row else 0)
+        return (self.gpu_expert_rows + (row.gpu_expert_rows if row else 0)) / rows if rows else 0.0
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
 
+    def row_of(self, experts: LayerExperts):
+        """The decode row's state for this block, or None when the block's experts take the per-expert path."""
+        return self.decode_row.block(experts) if self.decode_row is not None else None
+
     def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
         import cupy as cp
         h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
+        row = self.row_of(experts) if phase == "decode" and m.shape[0] == 1 else None
+        if row is not None:
+            out = self.decode_row.begin(h, m, logits, row)
+            if out is not None or self.deferred:    # routed on the GPU; or the graph runs the host half
+                return out
+            self.crossings += 1
+            cp.cuda.get_current_stream().synchronize()
+            self.decode_row.host_half(row)
+            return self.decode_row.finish()
         m_dev = self.to_cupy(m)
-        # one decode row whose block has its VRAM experts stacked: the GPU's two expert kernels run them
-        one_call = (self.device_sums.get(experts.signature)
-                    if experts.vram_stacked is not None and phase != "prefill" and m_dev.shape[0] == 1 else None)
-        if one_call is not None and len(experts.on_gpu) == len(experts.experts):
-            self.expert_rows += one_call.top_k       # every expert in VRAM: routed on the GPU, no host round trip
-            self.gpu_expert_rows += one_call.top_k
-            y = self.to_cupy(h).astype(cp.float32) + one_call.device_routed(m_dev, self.to_cupy(logits), experts)
-            return self.from_cupy(y.astype(m_dev.dtype))
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
         if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
-            if one_call is not None:
-                hc += one_call.host_routed(m_dev, idx[0], w[0], experts)
-            else:
-                hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
+            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
             self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
         y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=experts.on_gpu)   # [S, H] float32 on the host
         self.expert_rows += idx.size
@@ -75,54 +80,11 @@ class GpuMoeFeedForward:
 
 
 class DeviceExpertSum:
-    """One decode row's experts in VRAM through the GPU library's two expert kernels (gate_up, down: schedules/gpu/
-    moe_experts.py) over the block's stacked VRAM experts, then their weighted sum in fp32 on the GPU."""
+    """The GPU library's two expert kernels for one expert type signature (gate_up, down: schedules/gpu/
+    moe_experts.py), run over a block's stacked VRAM experts by moe_decode_row.MoeDecodeRow."""
 
-    def __init__(self, gate_up, down, moe, inter: int, hidden: int, from_cupy: Callable):
-        import cupy as cp
-        self.gate_up, self.down, self.moe, self.top_k = gate_up, down, moe, moe.top_k
-        self.from_cupy = from_cupy
-        self._a = cp.empty((moe.top_k, inter), cp.float16)              # [k, I] each selected expert's SwiGLU
-        self._part = cp.empty((moe.top_k, hidden), cp.float16)          # [k, H] each one's down
-
-    def _run(self, m_dev, slots, weights, experts: LayerExperts):
-        """sum_j weights[j] * expert at slot slots[j] (device arrays [n]) of m_dev [1, H] fp16 -> fp32 [1, H]."""
-        n = int(slots.shape[0])
-        gate, up, down = experts.vram_stacked
-        sel = self.from_cupy(slots)
-        self.gate_up(self.from_cupy(m_dev), sel, gate, up, self.from_cupy(self._a))
-        self.down(self.from_cupy(self._a), sel, down, self.from_cupy(self._part))
-        return (weights[:, None] * self._part[:n].astype(weights.dtype)).sum(axis=0, keepdims=True)   # [1, H]
-
-    def host_routed(self, m_dev, idx: np.ndarray, w: np.ndarray, experts: LayerExperts):
-        """The row's selected experts (idx, w [k] from route, on the host) that are in VRAM."""
-        import cupy as cp
-        slot_of = {e: s for s, e in enumerate(experts.vram_order)}
-        keep = [j for j in range(idx.shape[0]) if int(idx[j]) in slot_of]
-        if not keep:
-            return cp.zeros((1, m_dev.shape[1]), cp.float32)
-        return self._run(m_dev, cp.asarray(np.array([slot_of[int(idx[j])] for j in keep], np.int32)),
-                         cp.asarray(w[keep].astype(np.float32)), experts)
-
-    def device_routed(self, m_dev, logits, experts: LayerExperts):
-        """Every expert in VRAM, slots in expert order: route() on the GPU (softmax, top-k, renormalised), no copy
-        to the host."""
-        import cupy as cp
-        z = logits[0].astype(cp.float32)                                # [E]
-        p = cp.exp(z - z.max())
-        p /= p.sum()
-        # top-k without a sort or a host sync (plain kernels a CUDA graph captures): each expert's rank is how many
-        # beat it (higher, or equal at a lower index); scattering expert ids by rank orders them, largest first
-        e = cp.arange(p.shape[0], dtype=cp.int32)                        # [E]
-        beats = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (e[None, :] < e[:, None]))   # [E, E]
-        order = cp.empty_like(e)
-        order[beats.sum(axis=1)] = e                                      # order[rank] = expert
-        top = order[:self.top_k]                                          # [k]
-        w = p[top]
-        if self.moe.norm_topk_prob:
-            w = w / w.sum()
-        assert experts.vram_order == tuple(range(logits.shape[1])), "every expert in VRAM, at its own slot"
-        return self._run(m_dev, top, w, experts)
+    def __init__(self, gate_up, down):
+        self.gate_up, self.down = gate_up, down
 
 
 def device_expert_sums(gpu_vm, spec, from_cupy) -> dict:
@@ -136,8 +98,7 @@ def device_expert_sums(gpu_vm, spec, from_cupy) -> dict:
             kernels = [gpu_vm.module.get_function(n, query_imports=True) for n in names]
         except AttributeError:
             continue
-        out[j] = DeviceExpertSum(*kernels, spec.moe, spec.moe.expert_intermediate_size, spec.hidden_size,
-                                 from_cupy)
+        out[j] = DeviceExpertSum(*kernels)
     return out
 
 
@@ -158,5 +119,9 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
                           signatures=(), expert_signatures=expert_sigs, expert_sums=find_expert_sums(cpu_vm, spec))
     device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
                             expert_signatures=expert_sigs, xp=cp)
+    row = None
+    if spec.dtype == "float16":         # the one-call sums take fp16 activations on the GPU
+        from helmc.runtime.moe_decode_row import MoeDecodeRow
+        row = MoeDecodeRow(spec, host._expert_sums, device_expert_sums(gpu_vm, spec, from_cupy), to_cupy, from_cupy)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
-                             from_cupy, device_expert_sums(gpu_vm, spec, from_cupy))
+                             from_cupy, row)

@@ -1,6 +1,6 @@
 """A streamed group's GPU part of a batched hybrid decode step (runtime/hybrid/batch.py) as CUDA graphs, one per
 (group, step shape), replayed per step: group_graph.py's graphs for several sequences; the resident blocks and the
-head the same way (gpu_session.DecodeGraph's share of a one-sequence step).
+head the same way (decode_graph.DecodeGraph's share of a one-sequence step).
 
 Why: run eagerly, the host enqueued each streamed group's batched work in Relax VM calls and launches
 while the CPU waited for it (H200 host, fp16 Qwen3-8B at 8 sequences, 12 one-block groups:

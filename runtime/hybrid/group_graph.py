@@ -1,5 +1,5 @@
 """A streamed group's GPU part (its blocks, computed from their ring slot) captured once as a CUDA graph and replayed
-per token, as gpu_session.DecodeGraph does for the resident blocks and the head.
+per token, as decode_graph.DecodeGraph does for the resident blocks and the head.
 
 Why: run eagerly, each streamed block cost ~0.47 ms of host time a token in launches and Relax VM calls
 against ~0.1 ms of kernels (H200 host, fp16 Qwen3-8B, 5 pairs of 2 streamed blocks: 4.70 ms of

@@ -17,7 +17,7 @@ CPU blocks (prefill_stream.py), which finishes before the first append. Invarian
 Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append with one
 kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a host value that
 changes within a page table, so the whole step is captured once as a CUDA graph and replayed while graph_key()
-stays the same (runtime/gpu_session.DecodeGraph).
+stays the same (runtime/decode_graph.DecodeGraph).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations

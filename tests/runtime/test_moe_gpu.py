@@ -129,8 +129,39 @@ def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
     expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
     moe = s.gpu.stage._moe
     if name == "gpu_q4_k_m":
-        assert sorted(moe.device_sums) == [0, 1] and sorted(moe.host._expert_sums) == [0, 1]
+        assert sorted(moe.decode_row.gpu_sums) == [0, 1] and sorted(moe.host._expert_sums) == [0, 1]
     print(f"\ngpu_experts {vram}: hit rate {moe.hit_rate():.2f}; greedy {sum(a == b for a, b in zip(got, expected))}"
           f"/{NEW_TOKENS} identical")
     assert 0 < moe.hit_rate() <= 1 and (moe.hit_rate() == 1.0) == (len(vram[0]) == 8)
     check_divergence(s, ref, got, expected)
+
+
+@pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8))), ((), (), ())])
+def test_decode_graphs_replay_the_eager_tokens(vram):
+    """Quantized experts decode one row through MoeDecodeRow, replayed as CUDA graphs between the host's halves
+    (moe_decode_graph.MoeDecodeGraph): the tokens are those of the same steps run eagerly (graphs off), bit for bit,
+    and the steps after the first two replay: one graph per segment (a segment per block waiting on the host; one
+    for the whole step when every expert is in VRAM)."""
+    import dataclasses
+
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.moe_decode_graph import MoeDecodeGraph
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, _ = reference(d, "gpu_q4_k_m")
+    plan = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
+                               gpu_experts=vram)
+    runs = {}
+    for graphs in (True, False):
+        s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan, cuda_graph=graphs)
+        runs[graphs] = (s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens,
+                        s.gpu.decode_graph, s.gpu.stage._moe.hit_rate())
+    graph = runs[True][1]
+    assert isinstance(graph, MoeDecodeGraph) and runs[False][1] is None
+    every_block_in_vram = len(vram[0]) == 8
+    print(f"\ngpu_experts {vram}: {len(graph.segments)} segments, replays {graph.replays}, captures "
+          f"{graph.captures}, eager {graph.eager_steps}, disabled {graph.disabled!r}")
+    assert graph.disabled == "" and graph.captures >= 1 and graph.replays >= NEW_TOKENS // 2, graph.replays
+    assert len(graph.segments) == (1 if every_block_in_vram else 3)        # blocks 0 and 2 wait on the host
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][2] == runs[False][2] and (runs[True][2] == 1.0) == every_block_in_vram

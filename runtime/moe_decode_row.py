@@ -1,0 +1,237 @@
+"""One decode row of a GPU stage's mixture-of-experts block, on static buffers, in three parts around the host:
+
+    begin(h, m, logits)   GPU: h, m, the router's logits into static buffers; m and logits to pinned host memory
+                          (one copy). A block whose experts are all in VRAM is routed and finished here, on the GPU.
+    host_half(block)      host, once that copy is done: the router's top-k (runtime/moe_experts.route); the selected
+                          experts in VRAM queued on the GPU (their slots and weights cross in one copy, then the GPU
+                          library's two expert kernels); the others summed by the CPU library's one-call expert sum,
+                          straight into pinned memory, while the GPU runs its share.
+    finish(block)         GPU: the CPU's sum crosses (one copy) and x' = h + sum_j w_j gpu_part_j + cpu_sum (fp32,
+                          in that order) is written to a static fp16 buffer.
+Why static buffers: every array and TVM view the GPU parts touch exists before the first step, so they run the same
+eagerly and as captured CUDA graphs (runtime/moe_decode_graph.py: the host half between two graphs). A TVM view of a
+CuPy array made during a capture would make the legacy stream wait on the capturing one, which ends the capture.
+Invariant: begin() and finish() alternate, one block at a time; a block pending between them owns every buffer
+(a replayed graph runs them without this Python: MoeDecodeGraph keeps the order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from helmc.runtime.moe_experts import LayerExperts, route
+
+_COMBINE_SOURCE = """
+float g = 0.f;
+for (int j = 0; j < n_gpu; ++j) g += w[j] * (float)part[j * H + i];
+float acc = (float)h[i] + g;
+if (use_cpu) acc += y_cpu[i];
+out = (float16)acc;
+"""
+_combine_kernel = None
+
+
+def _combine():
+    """out [1, H] fp16 = h + sum_{j < n_gpu} w[j] * part[j] (+ y_cpu): one launch, fp32, a fixed order."""
+    global _combine_kernel
+    if _combine_kernel is None:
+        import cupy as cp
+        _combine_kernel = cp.ElementwiseKernel(
+            "raw float16 h, raw float16 part, raw float32 w, raw float32 y_cpu, int32 n_gpu, int32 H, int32 use_cpu",
+            "float16 out", _COMBINE_SOURCE, "helmc_moe_combine")
+    return _combine_kernel
+
+
+def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
+    """A zeroed host array whose data starts on an `align`-byte boundary (what TVM views without a copy)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(n + align, np.uint8)
+    at = -raw.ctypes.data % align
+    return raw[at:at + n].view(dtype).reshape(shape)
+
+
+def _at(n: int, to: int = 256) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    """What the decode row needs of one MoE block: its experts, which are in VRAM (slot_of[e] >= 0) and the
+    compiled sums that run them."""
+    experts: LayerExperts
+    slot_of: np.ndarray          # [E] int32: expert e's slot in the stacked VRAM experts, -1 on the host
+    cpu_sum: object              # the CPU library's one-call expert sum for the block's type signature, or None
+    gpu_sum: object              # moe_gpu.DeviceExpertSum (its two kernels), or None
+    all_vram: bool               # every expert in VRAM and the GPU's kernels run them: routed on the GPU
+
+    @property
+    def has_vram(self) -> bool:
+        return self.experts.vram_stacked is not None and bool(self.experts.on_gpu)
+
+
+class MoeDecodeRow:
+    def __init__(self, spec, cpu_sums: dict, gpu_sums: dict, to_cupy, from_cupy):
+        import cupy as cp
+        import tvm.runtime
+
+        from helmc.runtime.tvm_tensors import cpu_tensor_view
+        H, E, K, I = spec.hidden_size, spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size
+        self.H, self.E, self.K, self.moe = H, E, K, spec.moe
+        self.cpu_sums, self.gpu_sums, self.to_cupy = cpu_sums, gpu_sums, to_cupy
+        # device to host: m fp16 [1, H] | logits fp32 [1, E], one copy into pinned memory
+        self._out_bytes = _at(2 * H) + _at(4 * E)
+        self._dev_out = cp.zeros(self._out_bytes, cp.uint8)
+        self.m = self._dev_out[:2 * H].view(cp.float16).reshape(1, H)
+        self.logits = self._dev_out[_at(2 * H):_at(2 * H) + 4 * E].view(cp.float32).reshape(1, E)
+        self._pin_out_mem = cp.cuda.alloc_pinned_memory(self._out_bytes)
+        pin_out = np.frombuffer(self._pin_out_mem, np.uint8, self._out_bytes)
+        self.host_m = pin_out[:2 * H].view(np.float16).reshape(1, H)
+        self.host_logits = pin_out[_at(2 * H):_at(2 * H) + 4 * E].view(np.float32).reshape(1, E)
+        # host to device: the GPU share's slots int32 [K] | weights fp32 [K], then the CPU's sum fp32 [1, H]
+        self._sel_bytes = _at(4 * K) + _at(4 * K)
+        self._dev_sel = cp.zeros(self._sel_bytes, cp.uint8)
+        self.sel = self._dev_sel[:4 * K].view(cp.int32)
+        self.w = self._dev_sel[_at(4 * K):_at(4 * K) + 4 * K].view(cp.float32)
+        self._pin_sel_mem = cp.cuda.alloc_pinned_memory(self._sel_bytes + _at(4 * H))
+        pin_in = np.frombuffer(self._pin_sel_mem, np.uint8, self._sel_bytes + _at(4 * H))
+        self.host_sel = pin_in[:4 * K].view(np.int32)
+        self.host_w = pin_in[_at(4 * K):_at(4 * K) + 4 * K].view(np.float32)
+        self.host_y = pin_in[self._sel_bytes:self._sel_bytes + 4 * H].view(np.float32).reshape(1, H)
+        self.y = cp.zeros((1, H), cp.float32)
+        self.h = cp.zeros((1, H), cp.float16)
+        self.a = cp.zeros((K, I), cp.float16)                       # [K, I] each GPU expert's SwiGLU
+        self.part = cp.zeros((K, H), cp.float16)                    # [K, H] each one's down
+        self.out = [cp.zeros((1, H), cp.float16) for _ in range(2)]  # x' alternates: a block reads the last one
+        self._next_out = 0
+        # the CPU's inputs, and TVM views of everything, made once (see the module's note)
+        self.x32 = _aligned((1, H), np.float32)
+        self.cpu_sel, self.cpu_w = _aligned((K,), np.int32), _aligned((K,), np.float32)
+        dev = tvm.cpu()
+        self._cpu_views = {n: (cpu_tensor_view(self.cpu_sel[:n], dev), cpu_tensor_view(self.cpu_w[:n], dev))
+                           for n in range(1, K + 1)}
+        self._x32_view = cpu_tensor_view(self.x32, dev)
+        self._y_view = cpu_tensor_view(self.host_y, dev)
+        self._m_view, self._sel_view, self._a_view, self._part_view = (from_cupy(t) for t in
+                                                                       (self.m, self.sel, self.a, self.part))
+        self._out_views = [from_cupy(o) for o in self.out]
+        self._rows: dict[int, BlockRow] = {}
+        self.pending: BlockRow | None = None
+        self.expert_rows = self.gpu_expert_rows = 0     # selected (row, expert) pairs, those served from VRAM
+
+    # ------------------------------------------------------------------ what a block needs
+    def block(self, experts: LayerExperts) -> BlockRow | None:
+        """The block's row state, or None when this path cannot run it (float experts, a type without the one-call
+        sums): the per-expert path does."""
+        key = id(experts)
+        if key not in self._rows:
+            self._rows[key] = self._block(experts)
+        return self._rows[key]
+
+    def _block(self, experts: LayerExperts) -> BlockRow | None:
+        slot_of = np.full(self.E, -1, np.int32)
+        for s, e in enumerate(experts.vram_order):
+            slot_of[e] = s
+        cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
+        gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
+        all_vram = gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
+        if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
+            return None
+        return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram)
+
+    # ------------------------------------------------------------------ the three parts
+    def begin(self, h, m, logits, row: BlockRow):
+        """GPU: the block's post_moe outputs into the static buffers. Returns x' (a TVM tensor) for a block routed
+        on the GPU, else None: m and the logits are on their way to pinned memory; call host_half() once the stream
+        has reached here, then finish()."""
+        import cupy as cp
+        assert self.pending is None, "MoeDecodeRow.begin: the last block was never finished"
+        self.h[...] = self.to_cupy(h)
+        self.m[...] = self.to_cupy(m)
+        self.logits[...] = self.to_cupy(logits)
+        self.pending = row
+        if row.all_vram:
+            self._route_on_gpu()
+            self._gpu_experts(row)
+            self.expert_rows += self.K
+            self.gpu_expert_rows += self.K
+            return self.finish(use_cpu=False)
+        cp.cuda.runtime.memcpyAsync(self._pin_out_mem.ptr, self._dev_out.data.ptr, self._out_bytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
+        return None
+
+    def host_half(self, row: BlockRow, launch_gpu_experts=None) -> None:
+        """Host: route the block's row, queue its VRAM experts (launch_gpu_experts(row), or eagerly), run the CPU's
+        share into pinned memory. The stream must have completed the block's begin() (run or replayed)."""
+        assert not row.all_vram, "MoeDecodeRow.host_half: this block is routed on the GPU"
+        idx, w = route(self.host_logits, self.moe)                     # [1, K] each, largest first
+        idx, w = idx[0], w[0]
+        slots = row.slot_of[idx]                                        # [K]
+        hit = slots >= 0
+        self.expert_rows += self.K
+        if row.has_vram:
+            n = int(hit.sum())
+            self.gpu_expert_rows += n
+            self.host_sel[:] = slots[hit][0] if n else row.slot_of[row.slot_of >= 0][0]   # padding: weight 0
+            self.host_w[:] = 0.0
+            self.host_sel[:n] = slots[hit]
+            self.host_w[:n] = w[hit]
+            (launch_gpu_experts or self.gpu_experts)(row)
+        cpu = np.nonzero(~hit)[0]
+        if cpu.size == 0:
+            self.host_y[...] = 0.0
+            return
+        cpu = cpu[np.argsort(idx[cpu], kind="stable")]                # ascending expert ids: a fixed sum order
+        n = cpu.size
+        self.cpu_sel[:n] = idx[cpu]
+        self.cpu_w[:n] = w[cpu]
+        np.copyto(self.x32, self.host_m, casting="same_kind")
+        sel_view, w_view = self._cpu_views[n]
+        row.cpu_sum(self._x32_view, sel_view, w_view, *row.experts.stacked, self._y_view)
+
+    def gpu_experts(self, row: BlockRow) -> None:
+        """GPU: the slots and weights host_half() wrote cross, then the block's VRAM experts run on them."""
+        import cupy as cp
+        cp.cuda.runtime.memcpyAsync(self._dev_sel.data.ptr, self._pin_sel_mem.ptr, self._sel_bytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        self._gpu_experts(row)
+
+    def finish(self, use_cpu: bool = True):
+        """GPU: x' = h + the GPU share + the CPU's sum into the next static output; returns its TVM view."""
+        import cupy as cp
+        row = self.pending
+        assert row is not None, "MoeDecodeRow.finish: no block pending"
+        if use_cpu:
+            cp.cuda.runtime.memcpyAsync(self.y.data.ptr, self.host_y.ctypes.data, 4 * self.H,
+                                        cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        i = self._next_out
+        self._next_out = 1 - i
+        _combine()(self.h, self.part, self.w, self.y, np.int32(self.K if row.has_vram else 0), np.int32(self.H),
+                   np.int32(use_cpu), self.out[i])
+        self.pending = None
+        return self._out_views[i]
+
+    # ------------------------------------------------------------------ GPU pieces
+    def _gpu_experts(self, row: BlockRow) -> None:
+        gate, up, down = row.experts.vram_stacked
+        row.gpu_sum.gate_up(self._m_view, self._sel_view, gate, up, self._a_view)
+        row.gpu_sum.down(self._a_view, self._sel_view, down, self._part_view)
+
+    def _route_on_gpu(self) -> None:
+        """route() on the device for a block with every expert in VRAM at its own slot: softmax, the top-k by rank
+        (each expert's rank is how many beat it: higher, or equal at a lower index; no sort, no host sync),
+        renormalised when norm_topk_prob."""
+        import cupy as cp
+        z = self.logits[0]                                                 # [E]
+        p = cp.exp(z - z.max())
+        p /= p.sum()
+        e = cp.arange(self.E, dtype=cp.int32)                              # [E]
+        beats = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (e[None, :] < e[:, None]))   # [E, E]
+        order = cp.empty_like(e)
+        order[beats.sum(axis=1)] = e                                       # order[rank] = expert
+        top = order[:self.K]                                               # [K]
+        w = p[top]
+        if self.moe.norm_topk_prob:
+            w = w / w.sum()
+        self.sel[...] = top
+        self.w[...] = w
