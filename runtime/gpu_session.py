@@ -328,7 +328,7 @@ def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: 
         from helmc.runtime.weights.bind import tensor_to_device
         cpu_vm = cpu_vm or load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
         moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(plan.batch), tvm_to_cupy,
-                                   cupy_to_tvm)
+                                   cupy_to_tvm, plan.expert_staging_bytes)
     bindings = bind_layers(checkpoint, spec, layers, tvm.cuda(0), loader_progress(quiet), to_device=upload,
                            experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
                            experts_in_vram=plan.gpu_experts)

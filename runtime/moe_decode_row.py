@@ -31,6 +31,49 @@ out = (float16)acc;
 """
 _combine_kernel = None
 
+_ROUTE_SOURCE = r"""
+extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, int norm, int* sel, float* w) {
+  // one block of >= E threads: softmax, each expert's rank (how many beat it: higher, or equal at a lower index),
+  // the top K scattered by rank, renormalised; every sum in index order, so the bits do not depend on scheduling
+  __shared__ float p[1024];
+  __shared__ float top[64];
+  int e = threadIdx.x;
+  if (e < E) p[e] = logits[e];
+  __syncthreads();
+  float mx = p[0];
+  for (int j = 1; j < E; ++j) mx = fmaxf(mx, p[j]);
+  __syncthreads();
+  if (e < E) p[e] = expf(p[e] - mx);
+  __syncthreads();
+  float sum = 0.f;
+  for (int j = 0; j < E; ++j) sum += p[j];
+  float pe = e < E ? p[e] / sum : 0.f;
+  __syncthreads();
+  if (e < E) p[e] = pe;
+  __syncthreads();
+  if (e < E) {
+    int rank = 0;
+    for (int j = 0; j < E; ++j) rank += (p[j] > pe) || (p[j] == pe && j < e);
+    if (rank < K) { sel[rank] = e; top[rank] = pe; }
+  }
+  __syncthreads();
+  if (e < K) {
+    float s = 0.f;
+    for (int j = 0; j < K; ++j) s += top[j];
+    w[e] = norm ? top[e] / s : top[e];
+  }
+}
+"""
+_route_kernel = None
+
+
+def _route():
+    global _route_kernel
+    if _route_kernel is None:
+        import cupy as cp
+        _route_kernel = cp.RawKernel(_ROUTE_SOURCE, "helmc_moe_route")
+    return _route_kernel
+
 
 def _combine():
     """out [1, H] fp16 = h + sum_{j < n_gpu} w[j] * part[j] (+ y_cpu): one launch, fp32, a fixed order."""
@@ -134,7 +177,8 @@ class MoeDecodeRow:
             slot_of[e] = s
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
-        all_vram = gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
+        all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
+                    and self.E <= 1024 and self.K <= 64)                 # the routing kernel's one block
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
             return None
         return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram)
@@ -146,16 +190,16 @@ class MoeDecodeRow:
         has reached here, then finish()."""
         import cupy as cp
         assert self.pending is None, "MoeDecodeRow.begin: the last block was never finished"
+        if row.all_vram:              # nothing crosses: the kernels read post_moe's own outputs
+            self._route_on_gpu(self.to_cupy(logits))
+            self._gpu_experts(row, m)
+            self.expert_rows += self.K
+            self.gpu_expert_rows += self.K
+            return self._combine_into_out(self.to_cupy(h), self.K, use_cpu=False)
         self.h[...] = self.to_cupy(h)
         self.m[...] = self.to_cupy(m)
         self.logits[...] = self.to_cupy(logits)
         self.pending = row
-        if row.all_vram:
-            self._route_on_gpu()
-            self._gpu_experts(row)
-            self.expert_rows += self.K
-            self.gpu_expert_rows += self.K
-            return self.finish(use_cpu=False)
         cp.cuda.runtime.memcpyAsync(self._pin_out_mem.ptr, self._dev_out.data.ptr, self._out_bytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
         return None
@@ -204,34 +248,25 @@ class MoeDecodeRow:
         if use_cpu:
             cp.cuda.runtime.memcpyAsync(self.y.data.ptr, self.host_y.ctypes.data, 4 * self.H,
                                         cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        out = self._combine_into_out(self.h, self.K if row.has_vram else 0, use_cpu)
+        self.pending = None
+        return out
+
+    def _combine_into_out(self, h, n_gpu: int, use_cpu: bool):
         i = self._next_out
         self._next_out = 1 - i
-        _combine()(self.h, self.part, self.w, self.y, np.int32(self.K if row.has_vram else 0), np.int32(self.H),
-                   np.int32(use_cpu), self.out[i])
-        self.pending = None
+        _combine()(h, self.part, self.w, self.y, np.int32(n_gpu), np.int32(self.H), np.int32(use_cpu), self.out[i])
         return self._out_views[i]
 
     # ------------------------------------------------------------------ GPU pieces
-    def _gpu_experts(self, row: BlockRow) -> None:
+    def _gpu_experts(self, row: BlockRow, m=None) -> None:
         gate, up, down = row.experts.vram_stacked
-        row.gpu_sum.gate_up(self._m_view, self._sel_view, gate, up, self._a_view)
+        row.gpu_sum.gate_up(self._m_view if m is None else m, self._sel_view, gate, up, self._a_view)
         row.gpu_sum.down(self._a_view, self._sel_view, down, self._part_view)
 
-    def _route_on_gpu(self) -> None:
-        """route() on the device for a block with every expert in VRAM at its own slot: softmax, the top-k by rank
-        (each expert's rank is how many beat it: higher, or equal at a lower index; no sort, no host sync),
-        renormalised when norm_topk_prob."""
-        import cupy as cp
-        z = self.logits[0]                                                 # [E]
-        p = cp.exp(z - z.max())
-        p /= p.sum()
-        e = cp.arange(self.E, dtype=cp.int32)                              # [E]
-        beats = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (e[None, :] < e[:, None]))   # [E, E]
-        order = cp.empty_like(e)
-        order[beats.sum(axis=1)] = e                                       # order[rank] = expert
-        top = order[:self.K]                                               # [K]
-        w = p[top]
-        if self.moe.norm_topk_prob:
-            w = w / w.sum()
-        self.sel[...] = top
-        self.w[...] = w
+    def _route_on_gpu(self, logits) -> None:
+        """route() on the device for a block with every expert in VRAM at its own slot: one launch (_ROUTE_SOURCE),
+        no sort, no host sync."""
+        _route()((1,), (max(32, -(-self.E // 32) * 32),),
+                 (logits, np.int32(self.E), np.int32(self.K), np.int32(bool(self.moe.norm_topk_prob)), self.sel,
+                  self.w))

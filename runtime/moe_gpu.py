@@ -29,11 +29,12 @@ class GpuMoeFeedForward:
     device tensor [S, H], the stage's activation dtype)."""
 
     def __init__(self, gpu_vm, host: MoeFeedForward, device: MoeFeedForward, phases: tuple[str, ...], signatures,
-                 to_cupy: Callable, from_cupy: Callable, decode_row=None):
+                 to_cupy: Callable, from_cupy: Callable, decode_row=None, prefill=None):
         self.host = host                        # the CPU library's expert functions over host rows
         self.device = device                    # the GPU library's, for the experts in VRAM
         self.decode_row = decode_row            # MoeDecodeRow: one decode row on the one-call sums, or None
         self.deferred = False                   # set by MoeDecodeGraph: a decode row's host half runs between graphs
+        self.prefill = prefill                  # moe_prefill.ExpertPrefill: a prompt's experts all on the GPU, or None
         self.to_cupy, self.from_cupy = to_cupy, from_cupy
         self._post = {(p, j): gpu_vm[block_function_name("post_moe", p, j)] for p in phases for j in set(signatures)}
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
@@ -67,14 +68,18 @@ class GpuMoeFeedForward:
             self.decode_row.host_half(row)
             return self.decode_row.finish()
         m_dev = self.to_cupy(m)
-        m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
+        self.expert_rows += idx.size
+        if experts.on_gpu:
+            self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
+        if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):
+            self.prefill.add_experts(m_dev, idx, w, experts, hc)        # every expert on the GPU, host ones streamed
+            return self.from_cupy(hc.astype(m_dev.dtype))
+        m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
             hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
-            self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
         y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=experts.on_gpu)   # [S, H] float32 on the host
-        self.expert_rows += idx.size
         self.crossings += 1
         return self.from_cupy((hc + cp.asarray(y)).astype(m_dev.dtype))
 
@@ -102,7 +107,8 @@ def device_expert_sums(gpu_vm, spec, from_cupy) -> dict:
     return out
 
 
-def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple[int, ...], to_cupy, from_cupy):
+def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple[int, ...], to_cupy, from_cupy,
+                         expert_staging_bytes: int = 0):
     """The GPU stage's MoE blocks' feed-forward over `layers` (None when none of them is routed): the host half
     from the CPU library's expert functions, the device half from the GPU library's post_moe."""
     import tvm.runtime
@@ -123,5 +129,10 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
     if spec.dtype == "float16":         # the one-call sums take fp16 activations on the GPU
         from helmc.runtime.moe_decode_row import MoeDecodeRow
         row = MoeDecodeRow(spec, host._expert_sums, device_expert_sums(gpu_vm, spec, from_cupy), to_cupy, from_cupy)
+    # a prompt's experts on the GPU: the host ones streamed through Plan.expert_staging_bytes (none: those blocks'
+    # host experts stay with the CPU)
+    from helmc.runtime.moe_prefill import ExpertPrefill
+    prefill = ExpertPrefill({j: device._expert[("prefill", j)] for j in set(expert_sigs)}, spec.moe,
+                            expert_staging_bytes, to_cupy, from_cupy)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
-                             from_cupy, row)
+                             from_cupy, row, prefill)

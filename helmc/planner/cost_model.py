@@ -52,6 +52,7 @@ class Workload:
     kv_offload: bool = True
     stream_prefill: bool = True     # prefill CPU blocks on the GPU, their weights streamed over PCIe
     hybrid: bool = True             # decode may stream some host blocks to the GPU while the CPU computes others
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS   # the GPU's prefill chunk (its activations are planned)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.output_len < 1 or self.batch < 1:
@@ -369,8 +370,8 @@ def pool_loan_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workl
 
 
 def gpu_prefill_tokens(w: Workload) -> int:
-    """Tokens the GPU runs at once in prefill: the prompt, in chunks of PREFILL_CHUNK_TOKENS."""
-    return min(w.prompt_len, PREFILL_CHUNK_TOKENS)
+    """Tokens the GPU runs at once in prefill: the prompt, in chunks of w.prefill_chunk_tokens."""
+    return min(w.prompt_len, w.prefill_chunk_tokens)
 
 
 def whole_pages(tokens: int) -> int:

@@ -13,6 +13,9 @@ VRAM the split leaves beyond its KV for the workload's context holds experts (Pl
 every routed block of the GPU stage; the GPU computes those while the CPU computes the rest, so a step's experts
 take the longer of the two. Under uniform routing which experts is arbitrary (the lowest indices are taken) and the
 share of selected experts found in VRAM (the predicted hit rate) is the share held.
+A prompt's experts run on the GPU: the host experts' weights cross PCIe into a ring of EXPERT_STAGING_GROUPS groups of
+EXPERT_STAGING_EXPERTS experts (Plan.expert_staging_bytes, taken from the same spare VRAM before any expert is
+placed there), a group copying while the one before computes (runtime/moe_prefill.py).
 Assumed: prefill costs as the split search says (the experts' prefill GEMMs are not modelled).
 """
 from __future__ import annotations
@@ -24,6 +27,13 @@ from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.planner.analyze_program import PartitionUnit, ProgramAnalysis, StageLoad
 from helmc.runtime.bundle.plan import Plan
+
+
+# A prompt's host experts cross PCIe once per prefill chunk, so a mixture of experts prefills in chunks this large
+# (their activations are planned as any chunk's): a 2048-token prompt streams the experts once, not four times.
+MOE_PREFILL_CHUNK_TOKENS = 4096
+EXPERT_STAGING_EXPERTS = 16      # experts per group of the prefill's staging ring: ~42 MB of Qwen3-30B-A3B Q4_K
+EXPERT_STAGING_GROUPS = 2        # one group copies while the other computes
 
 
 def expert_bytes_by_type(spec: ModelSpec, layer: int) -> dict[str, int]:
@@ -104,6 +114,9 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
         raise HelmcError(f"plan: the mixture of experts' {held / 2**30:.2f} GiB of experts expected to fit in host "
                          f"RAM ({ram / 2**30:.2f} GiB free) beside the rest, found no split where they do")
     gpu_blocks = moe_blocks_on_gpu(p.cpu_units) if p.uses_gpu else 0
+    staging = expert_staging_bytes(p, spec, gpu_blocks)
+    p = dataclasses.replace(p, gpu_bytes=p.gpu_bytes + staging, gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - staging,
+                            expert_staging_bytes=staging)
     vram, per_block = experts_in_vram(p, spec, gpu_blocks)
     in_vram = per_block / spec.moe.num_experts
     t, _ = expert_step_ms(spec, hw, p.batch, gpu_blocks, in_vram)
@@ -118,6 +131,29 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
                                gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - vram_bytes if p.gpu_kv_pool_bytes else 0)
 
 
+def expert_staging_bytes(p: Plan, spec: ModelSpec, gpu_blocks: int) -> int:
+    """VRAM for the prefill's ring of streamed host experts (the module's note): the largest expert's bytes times the
+    ring's experts, when the GPU stage has routed blocks and the VRAM the plan leaves holds it (else 0: the CPU
+    computes a prompt's host experts)."""
+    if not gpu_blocks or not p.usable_vram_bytes:
+        return 0
+    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
+    per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
+    ring = EXPERT_STAGING_GROUPS * EXPERT_STAGING_EXPERTS * per_expert
+    spare = vram_spare(p, spec)
+    every_expert = sum(sum(expert_bytes_by_type(spec, i).values()) for i in blocks)
+    return ring if ring <= spare < every_expert else 0    # none when every expert fits in VRAM: nothing streams
+
+
+def vram_spare(p: Plan, spec: ModelSpec) -> int:
+    """The VRAM a plan leaves beyond what it needs: usable minus planned, and its KV pool beyond the workload's
+    context."""
+    from helmc.planner.cost_model import whole_pages
+    kv_need = (p.batch * whole_pages(p.prompt_len + p.output_len)
+               * (p.num_layers + 2 - p.cpu_units) * 2 * spec.num_kv_heads * spec.head_dim * 2)   # fp16 K and V
+    return max(0, min(p.usable_vram_bytes - p.gpu_bytes, p.gpu_kv_pool_bytes - kv_need))
+
+
 def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(Plan.gpu_experts, experts per routed GPU block): the VRAM the plan leaves beyond what it needs
     (p.usable_vram_bytes - p.gpu_bytes: its KV pool beyond the workload's context) in whole experts, the same
@@ -126,10 +162,7 @@ def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int) -> tuple[tuple[tu
         return (), 0
     blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
-    from helmc.planner.cost_model import whole_pages
-    kv_need = (p.batch * whole_pages(p.prompt_len + p.output_len)
-               * (p.num_layers + 2 - p.cpu_units) * 2 * spec.num_kv_heads * spec.head_dim * 2)   # fp16 K and V
-    spare = max(0, min(p.usable_vram_bytes - p.gpu_bytes, p.gpu_kv_pool_bytes - kv_need))
+    spare = vram_spare(p, spec)
     n = min(spec.moe.num_experts, spare // (per_expert * len(blocks)))
     if n == 0:
         return (), 0

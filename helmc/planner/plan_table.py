@@ -162,4 +162,6 @@ def experts_line(plan: Plan, spec) -> str:
     return (f"experts: {in_vram} of {total} in VRAM ({held * in_vram / total / gib:.2f} GiB), "
             f"{total - in_vram} in host RAM ({held * (total - in_vram) / total / gib:.2f} GiB) for the CPU; "
             f"predicted hit rate {in_vram / total:.2f} (uniform routing), top-{spec.moe.top_k} of "
-            f"{spec.moe.num_experts} per block")
+            f"{spec.moe.num_experts} per block"
+            + (f"; a prompt's host experts stream to the GPU through {plan.expert_staging_bytes / gib:.2f} GiB of "
+               "staging" if plan.expert_staging_bytes else ""))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_program
-from helmc.planner.cost_model import (DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
+from helmc.planner.cost_model import (PREFILL_CHUNK_TOKENS, DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
                          max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, shortfall_text, stage_time)
 from helmc.errors import HelmcError
 from helmc.planner.hybrid import best_per_pair_count, choose_layout, search_hybrid
@@ -127,10 +127,13 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
     hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)
+    chunk = PREFILL_CHUNK_TOKENS
     if spec.moe is not None:        # a plain split of what is not an expert; the experts stay on the CPU (planner/moe.py)
+        from helmc.planner.moe import MOE_PREFILL_CHUNK_TOKENS
         stream_prefill = hybrid = False
+        chunk = MOE_PREFILL_CHUNK_TOKENS
     w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
-                 stream_prefill=stream_prefill, hybrid=hybrid)
+                 stream_prefill=stream_prefill, hybrid=hybrid, prefill_chunk_tokens=chunk)
     a = analyze_program(spec, dtype)
     if spec.moe is not None:
         from helmc.planner.moe import with_experts, without_experts

@@ -142,6 +142,7 @@ class Plan:
     prefill_on_gpu: bool = False     # CPU blocks' prefill runs on the GPU, weights streamed block by block
     prefill_chunk_tokens: int = 0    # the GPU runs a prompt this many tokens at a time (0: all at once)
     prefill_staging_bytes: int = 0   # VRAM holding the streamed CPU block's weights during prefill
+    expert_staging_bytes: int = 0    # VRAM holding host experts' weights streamed for a prompt (runtime/moe_prefill)
     gpu_kv_pool_bytes: int = 0       # VRAM left for GPU-layer KV pages after weights, workspace, reserve
     # Hybrid decode (see the module docstring); all empty / 0 for a plain split.
     groups: tuple[PlanGroup, ...] = ()
@@ -177,8 +178,10 @@ class Plan:
         if self.prefill_on_gpu and not (len(self.cpu_layers) and self.uses_gpu and self.prefill_staging_bytes > 0):
             raise HelmcError("plan: prefill_on_gpu expected only with CPU blocks, a GPU stage and VRAM to stage a "
                              f"block, found {len(self.cpu_layers)} CPU blocks, staging {self.prefill_staging_bytes} B")
-        if min(self.prefill_chunk_tokens, self.prefill_staging_bytes, self.gpu_kv_pool_bytes) < 0:
-            raise HelmcError("plan: prefill_chunk_tokens, prefill_staging_bytes and gpu_kv_pool_bytes expected >= 0")
+        if min(self.prefill_chunk_tokens, self.prefill_staging_bytes, self.gpu_kv_pool_bytes,
+               self.expert_staging_bytes) < 0:
+            raise HelmcError("plan: prefill_chunk_tokens, prefill_staging_bytes, expert_staging_bytes and "
+                             "gpu_kv_pool_bytes expected >= 0")
         self._check_gpu_experts()
 
     def _check_gpu_experts(self) -> None:

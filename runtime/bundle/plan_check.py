@@ -20,7 +20,7 @@ from helmc.runtime.bundle.plan import Plan
 MAX_BATCH = 1024                      # far above any plan the planner makes (serve's slots), far below a bad file's
 # Byte fields a plan sizes host memory by, and those it sizes VRAM by.
 HOST_BYTE_FIELDS = ("cpu_bytes", "cpu_weight_bytes")
-DEVICE_BYTE_FIELDS = ("gpu_bytes", "gpu_weight_bytes", "gpu_kv_pool_bytes", "prefill_staging_bytes",
+DEVICE_BYTE_FIELDS = ("gpu_bytes", "gpu_weight_bytes", "gpu_kv_pool_bytes", "prefill_staging_bytes", "expert_staging_bytes",
                       "staging_ring_bytes", "usable_vram_bytes")
 
 

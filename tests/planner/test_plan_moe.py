@@ -42,6 +42,10 @@ def test_experts_fill_what_the_budget_leaves(spec, budget):
     assert p.gpu_weight_bytes - vram < budget * 2**30 and p.cpu_weight_bytes >= expert_bytes(spec) - vram
     # no room for one more expert per block beside the KV the workload needs
     assert p.usable_vram_bytes - p.gpu_bytes < 48 * EXPERT + p.gpu_kv_pool_bytes
+    # a prompt's host experts stream through a ring of 2 x 16 experts, counted before any expert is placed, where
+    # the VRAM left holds it (4 GiB of bf16 attention and head leave too little: the CPU computes those prompts)
+    assert p.expert_staging_bytes == (0 if budget == 4 else 2 * 16 * EXPERT)
+    assert p.prefill_chunk_tokens == 2048                                       # the prompt in one chunk
 
 
 
@@ -52,6 +56,7 @@ def test_a_larger_budget_holds_more_experts_and_predicts_a_faster_token(spec):
     assert plans[0].t_plan_ms > plans[1].t_plan_ms > plans[2].t_plan_ms
     whole = plan(spec, "h200-profiled", prompt_len=2048, output_len=64)         # the whole H200: every expert
     assert {len(ids) for ids in whole.gpu_experts} == {128}
+    assert whole.expert_staging_bytes == 0                                      # nothing left on the host to stream
 
 
 def test_the_experts_add_the_same_to_every_candidate(spec):

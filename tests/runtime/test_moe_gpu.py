@@ -165,3 +165,35 @@ def test_decode_graphs_replay_the_eager_tokens(vram):
     assert len(graph.segments) == (1 if every_block_in_vram else 3)        # blocks 0 and 2 wait on the host
     assert runs[True][0] == runs[False][0]
     assert runs[True][2] == runs[False][2] and (runs[True][2] == 1.0) == every_block_in_vram
+
+
+def test_prompt_experts_stream_to_the_gpu():
+    """Plan.expert_staging_bytes: a prompt's host experts run on the GPU, their weights streamed through a ring of
+    staging slots (runtime/moe_prefill.py; two slots here, fewer than the host experts the prompt selects in a block,
+    so slots are reused after their readers). Without staging the CPU computes them. The prompt's logits agree, and
+    greedy decoding after the streamed prompt follows transformers by the rule above."""
+    import dataclasses
+
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, ref = reference(d, "gpu_q4_k_m")
+    base = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
+                               gpu_experts=((0, 3), (), (5,)))
+    logits, streamed, staging = {}, {}, 0
+    for streams in (False, True):
+        s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                         plan=dataclasses.replace(base, expert_staging_bytes=staging))
+        logits[streams] = s.forward(PROMPT, all_logits=True)
+        streamed[streams] = s.gpu.stage._moe.prefill.streamed_experts
+        experts = s.gpu.stage.bindings[0].post[-1]
+        staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)           # two experts' slots
+    assert streamed[False] == 0 and streamed[True] > 2 * 2, streamed
+    a, b = logits[False], logits[True]
+    rel = float(np.abs(a - b).max() / np.abs(a).max())
+    print(f"\nstreamed prompt experts: {streamed[True]}; logits max rel diff to the CPU's {rel:.2e}")
+    assert rel < 1e-2 and np.array_equal(a.argmax(-1), b.argmax(-1))
+    s.reset()
+    got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
+    check_divergence(s, ref, got, hf_greedy(ref, PROMPT, NEW_TOKENS))
