@@ -39,3 +39,72 @@ def token_logprob(logits, token_id: int, top: int = 0) -> TokenLogprob:
         idx = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
         best = tuple((i, float(lp[i])) for i in idx)
     return TokenLogprob(int(token_id), float(lp[token_id]), best)
+
+
+# ------------------------------------------------------------------ tokens as the API names them
+@dataclass(frozen=True)
+class NamedLogprob:
+    """A token as OpenAI's logprobs name it: its text, its UTF-8 bytes (None when no tokenizer can tell) and
+    its log-probability."""
+    token: str
+    bytes: tuple[int, ...] | None
+    logprob: float
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """One generated token's NamedLogprob and the step's top tokens, best first."""
+    chosen: NamedLogprob
+    top: tuple[NamedLogprob, ...] = ()
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet backwards: the character a byte-level BPE vocabulary writes for each byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenPieces:
+    """Each token id's text and bytes, computed once per id. A token that holds part of a character (byte-level
+    BPE, or a SentencePiece byte-fallback token <0xE3>) decodes to U+FFFD alone; its bytes are then read from
+    its vocabulary entry, so a client can join the bytes of consecutive tokens into the character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, tuple[int, ...] | None]] = {}
+        self._bytes_of = _byte_level_decoder()
+
+    def __call__(self, token_id: int) -> tuple[str, tuple[int, ...] | None]:
+        piece = self._cache.get(token_id)
+        if piece is None:
+            piece = self._cache[token_id] = self._piece(token_id)
+        return piece
+
+    def _piece(self, token_id: int) -> tuple[str, tuple[int, ...] | None]:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", None          # vLLM's name for a token it cannot detokenize
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, tuple(text.encode("utf-8"))
+        entry = self.tokenizer.id_to_token(token_id) or ""
+        if len(entry) == 6 and entry.startswith("<0x") and entry.endswith(">"):
+            try:
+                return text, (int(entry[3:5], 16),)
+            except ValueError:
+                pass
+        if entry and all(c in self._bytes_of for c in entry):
+            return text, tuple(self._bytes_of[c] for c in entry)
+        return text, tuple(text.encode("utf-8"))
+
+    def name(self, lp: TokenLogprob) -> StepLogprobs:
+        def named(tid, value):
+            text, raw = self(tid)
+            return NamedLogprob(text, raw, value)
+        return StepLogprobs(named(lp.token_id, lp.logprob), tuple(named(t, v) for t, v in lp.top))
