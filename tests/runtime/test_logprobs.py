@@ -36,3 +36,33 @@ def test_greedy_token_is_first_of_top():
 def test_out_of_range_token_refused():
     with pytest.raises(ValueError, match=r"token id in \[0, 4\) expected, found 7"):
         token_logprob(np.zeros(4), 7)
+
+
+def _tokenizer(vocab: list[str], decoder):
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=vocab[0]))
+    tok.decoder = decoder
+    return tok
+
+
+def test_piece_bytes_of_a_character_split_over_tokens():
+    """あ is E3 81 82 in UTF-8: each of its three tokens alone decodes to U+FFFD, its bytes come from the vocabulary
+    entry (byte-level BPE's alphabet, or SentencePiece's <0xE3> byte fallback), and the three together spell it."""
+    from tokenizers import decoders
+    from helmc.runtime.logprobs import TokenPieces, _byte_level_decoder
+    char_of = {b: c for c, b in _byte_level_decoder().items()}
+    byte_level = _tokenizer(["<unk>", "Ġhi", *(char_of[b] for b in (0xE3, 0x81, 0x82))], decoders.ByteLevel())
+    fallback = _tokenizer(["<unk>", "hi", "<0xE3>", "<0x81>", "<0x82>"], decoders.ByteFallback())
+    for tok, hi in ((byte_level, (" hi", tuple(b" hi"))), (fallback, ("hi", tuple(b"hi")))):
+        pieces = TokenPieces(tok)
+        assert pieces(1) == hi
+        parts = [pieces(i) for i in (2, 3, 4)]
+        assert [t for t, _ in parts] == ["\ufffd"] * 3
+        assert bytes(b for _, raw in parts for b in raw).decode("utf-8") == "あ" == tok.decode([2, 3, 4])
+
+
+def test_pieces_name_a_step_and_stand_in_without_a_tokenizer():
+    from helmc.runtime.logprobs import TokenPieces
+    step = TokenPieces(None).name(token_logprob(np.array([1.0, 2.0, 0.0]), 0, 2))
+    assert step.chosen.token == "token_id:0" and step.chosen.bytes is None
+    assert [t.token for t in step.top] == ["token_id:1", "token_id:0"] and step.top[1].logprob == step.chosen.logprob
