@@ -23,22 +23,28 @@ class TokenLogprob:
 
 def log_softmax(logits) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    return x - _log_sum_exp(x)
+
+
+def _log_sum_exp(x: np.ndarray) -> float:
     m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    return float(m + np.log(np.exp(x - m).sum()))
 
 
 def token_logprob(logits, token_id: int, top: int = 0) -> TokenLogprob:
-    """token_id's log-probability under the raw logits, and the `top` best tokens (ties by lower id)."""
-    lp = log_softmax(logits)
-    if not 0 <= token_id < lp.size:
-        raise ValueError(f"token id in [0, {lp.size}) expected, found {token_id}")
-    top = min(max(int(top), 0), MAX_TOP_LOGPROBS, lp.size)
+    """token_id's log-probability under the raw logits, and the `top` best tokens (ties by lower id). Only the
+    log-sum-exp goes over the whole vocabulary; the top tokens are found on the logits (same order)."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if not 0 <= token_id < x.size:
+        raise ValueError(f"token id in [0, {x.size}) expected, found {token_id}")
+    lse = _log_sum_exp(x)
+    top = min(max(int(top), 0), MAX_TOP_LOGPROBS, x.size)
     best = ()
     if top:
-        idx = np.argpartition(-lp, top - 1)[:top]
-        idx = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
-        best = tuple((i, float(lp[i])) for i in idx)
-    return TokenLogprob(int(token_id), float(lp[token_id]), best)
+        idx = np.argpartition(x, x.size - top)[x.size - top:]
+        idx = sorted(idx.tolist(), key=lambda i: (-x[i], i))
+        best = tuple((i, float(x[i] - lse)) for i in idx)
+    return TokenLogprob(int(token_id), float(x[token_id] - lse), best)
 
 
 # ------------------------------------------------------------------ tokens as the API names them

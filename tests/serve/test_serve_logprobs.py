@@ -75,6 +75,11 @@ def test_completion_logprobs_are_the_sessions_log_softmax(client, session):
     print(f"completion logprobs vs the Session's log-softmax: max abs diff {worst:.2e}")
     assert worst <= 1e-6
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in client.completions.create(logprobs=3, stream=True, **kw):
+        for k, v in streamed.items():
+            v += getattr(c.choices[0].logprobs, k) if c.choices[0].logprobs else []
+    assert streamed == {k: getattr(lp, k) for k in streamed}                      # offsets go on across chunks
 
 
 def test_chat_logprobs_shape_bytes_and_values(client, session, served):
