@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helmc.errors import HelmcError
+
 MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
+FLOOR = -9999.0         # a masked (-inf) logit's log-probability as vLLM reports it: JSON has no -Infinity
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ def log_softmax(logits) -> np.ndarray:
 
 def _log_sum_exp(x: np.ndarray) -> float:
     m = x.max()
+    if not np.isfinite(m):          # NaN or +inf: no distribution (the caller refuses it)
+        return float(m)
     return float(m + np.log(np.exp(x - m).sum()))
 
 
@@ -38,13 +43,15 @@ def token_logprob(logits, token_id: int, top: int = 0) -> TokenLogprob:
     if not 0 <= token_id < x.size:
         raise ValueError(f"token id in [0, {x.size}) expected, found {token_id}")
     lse = _log_sum_exp(x)
+    if not np.isfinite(lse):
+        raise HelmcError(f"log-probabilities: expected finite logits, found a log-sum-exp of {lse}")
     top = min(max(int(top), 0), MAX_TOP_LOGPROBS, x.size)
     best = ()
     if top:
         idx = np.argpartition(x, x.size - top)[x.size - top:]
         idx = sorted(idx.tolist(), key=lambda i: (-x[i], i))
-        best = tuple((i, float(x[i] - lse)) for i in idx)
-    return TokenLogprob(int(token_id), float(x[token_id] - lse), best)
+        best = tuple((i, max(float(x[i] - lse), FLOOR)) for i in idx)
+    return TokenLogprob(int(token_id), max(float(x[token_id] - lse), FLOOR), best)
 
 
 # ------------------------------------------------------------------ tokens as the API names them

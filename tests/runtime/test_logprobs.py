@@ -66,3 +66,13 @@ def test_pieces_name_a_step_and_stand_in_without_a_tokenizer():
     step = TokenPieces(None).name(token_logprob(np.array([1.0, 2.0, 0.0]), 0, 2))
     assert step.chosen.token == "token_id:0" and step.chosen.bytes is None
     assert [t.token for t in step.top] == ["token_id:1", "token_id:0"] and step.top[1].logprob == step.chosen.logprob
+
+
+def test_masked_logit_floors_and_non_finite_logits_refused():
+    from helmc.errors import HelmcError
+    from helmc.runtime.logprobs import FLOOR
+    r = token_logprob(np.array([0.0, -np.inf, 1.0], dtype=np.float32), 1, 3)
+    assert r.logprob == FLOOR and [t for t, _ in r.top] == [2, 0, 1] and r.top[2][1] == FLOOR
+    for bad in (np.nan, np.inf):
+        with pytest.raises(HelmcError, match="log-probabilities: expected finite logits"):
+            token_logprob(np.array([0.0, bad, 1.0]), 0)
