@@ -136,7 +136,7 @@ async def _generate(state: ServeState, request, kind: str):
     choices = await _collect(request, chunks, p.n, cancel)
     if choices is None:                          # the client went away: its request was cancelled at once
         return Response(status_code=499)
-    failed = next((c.last for c in choices if c.last.finish_reason == "error"), None)
+    failed = next((c.last for c in choices if c.last is not None and c.last.finish_reason == "error"), None)
     if failed is not None:
         raise OpenAIError(f"generation failed: {failed.error}", status=500, type="server_error")
     return JSONResponse(fmt.whole(choices), headers=headers)
