@@ -4,7 +4,8 @@ Each step: take new requests and cancellations from the inbox; admit what the sc
 and the pages), prefill the new requests in their slots, together (BatchModel.prefill_many: their chunks share
 the CPU stage's block calls, so the last of several does not wait for the others' prefills one by one; each
 one's logits as its prefill alone), and sample each one's first token; then one batched decode step for every
-running request; sample each row with the request's own Sampler; send each request its
+running request; sample each row with the request's own Sampler (and, for a request that asked for
+log-probabilities, read them from that same row: runtime/logprobs.py); send each request its
 CompletionChunk through its sink (a callable, called on the engine thread: the server hands it to its event
 loop). A request ends at EOS (generation_config.json's, else the model spec's), a stop string, max_tokens,
 or cancellation (a client that went away): its slot's pages go back at once. Whatever fails in one request's
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from helmc.errors import HelmcError
+from helmc.runtime.logprobs import StepLogprobs, TokenPieces, token_logprob
 from helmc.runtime.sampling import Sampler, StopText
 from helmc.runtime.serve.protocol import CompletionChunk, Request
 from helmc.runtime.serve.scheduler import Scheduler
@@ -52,6 +54,7 @@ class Engine:
                  batch_prefill: bool = True):
         self.model = model
         self.tokenizer = tokenizer
+        self.pieces = TokenPieces(tokenizer)                     # token texts for log-probabilities, once per id
         self.eos = frozenset(int(t) for t in eos_ids)
         self.metrics = metrics
         self.scheduler = Scheduler(model.max_batch, model.page_tokens, model.max_context, pool_pages)
@@ -152,7 +155,9 @@ class Engine:
         try:
             if _FAULT_SEED is not None and r.req.params.seed == _FAULT_SEED and len(r.tokens) == 2:
                 raise RuntimeError("injected fault (HELMC_FAULT_SEQUENCE_SEED)")
-            self._accept(r, r.sampler(logits))
+            tok = r.sampler(logits)
+            lp = None if r.req.logprobs is None else self.pieces.name(token_logprob(logits, tok, r.req.logprobs))
+            self._accept(r, tok, lp)
         except Exception as e:
             if r.req.request_id in self._running:
                 self._fail(r, e)
@@ -180,8 +185,9 @@ class Engine:
                     del self._sinks[rid]
                     self.scheduler.finish(rid)
 
-    def _accept(self, r: _Running, tok: int) -> None:
+    def _accept(self, r: _Running, tok: int, lp: StepLogprobs | None) -> None:
         r.tokens.append(tok)
+        lps = () if lp is None else (lp,)
         eos = tok in self.eos and not r.req.params.ignore_eos
         delta = r.text.flush() if eos else r.text.add(tok)       # EOS is no text: release what was held back
         if eos or r.text.stopped:
@@ -189,11 +195,11 @@ class Engine:
         elif len(r.tokens) >= r.req.params.max_tokens:
             reason, delta = "length", delta + r.text.flush()
         else:
-            r.sink(CompletionChunk(r.req.request_id, (tok,), delta))
+            r.sink(CompletionChunk(r.req.request_id, (tok,), delta, logprobs=lps))
             return
-        self._finish(r.req.request_id, reason, last=((tok,), delta))
+        self._finish(r.req.request_id, reason, last=((tok,), delta, lps))
 
-    def _finish(self, rid: str, reason: str | None, last=((), ""), error: str = "") -> None:
+    def _finish(self, rid: str, reason: str | None, last=((), "", ()), error: str = "") -> None:
         """Slot and pages back at once; the client gets its last chunk (none when it cancelled)."""
         r = self._running.pop(rid)
         self.model.free(r.slot)
@@ -203,7 +209,8 @@ class Engine:
             self.metrics.finished(reason, len(r.tokens), r.t_first, t)
         if reason is not None:
             try:
-                r.sink(CompletionChunk(rid, last[0], last[1], reason, len(r.req.prompt_ids), len(r.tokens), error))
+                r.sink(CompletionChunk(rid, last[0], last[1], reason, len(r.req.prompt_ids), len(r.tokens), error,
+                                       last[2]))
             except Exception as e:       # a sink that fails (its client gone) is that request's end, nobody else's
                 print(f"helmc serve: request {rid}: its last chunk was not delivered ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+from helmc.runtime.logprobs import MAX_TOP_LOGPROBS      # chat's top_logprobs (OpenAI's bound)
 from helmc.runtime.serve.errors import OpenAIError
 
 MAX_BODY_BYTES = 4 << 20          # a whole context of text is far less; a 50 MB body is refused at 4 MiB
@@ -19,10 +20,13 @@ MAX_STOP = 8                      # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 256              # characters per stop string
 MAX_MESSAGES = 4096
 MAX_TEMPLATE_KWARGS = 64
+MAX_CHOICES = 8                   # n: choices per request, each a sequence of its own in the batch
+MAX_COMPLETION_LOGPROBS = 5       # the legacy completions' logprobs (OpenAI's bound)
 NUMBER_RANGES = {   # field -> (low, high): what a sampler can use; SamplingParams checks the finer rules
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0), "repetition_penalty": (0.0, 100.0), "top_k": (0, 1 << 31),
     "seed": (0, (1 << 63) - 1), "max_tokens": (1, 1 << 31), "max_completion_tokens": (1, 1 << 31),
+    "n": (1, MAX_CHOICES), "top_logprobs": (0, MAX_TOP_LOGPROBS),
 }
 
 

@@ -3,28 +3,34 @@
 A request body (JSON, bounded by limits.py) becomes a ParsedRequest after a strict check: every known field of
 the right type and within its range; an unknown field is ignored and named in ParsedRequest.ignored (the server
 returns it in a Warning header, as vLLM logs it); a bad one is an OpenAIError carrying the HTTP status and
-OpenAI's error body ({"error": {"message", "type", "param", "code"}}). The engine sees only a Request (token ids and
-SamplingParams) and answers with CompletionChunks, one per step of the request.
+OpenAI's error body ({"error": {"message", "type", "param", "code"}}). The engine sees only a Request (token ids,
+SamplingParams, and how many top tokens' log-probabilities it wants, if any) and answers with CompletionChunks, one
+per step of the request. A body asking for n choices becomes n Requests (choice_params: a seed derived per choice).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 
 from helmc.errors import HelmcError
+from helmc.runtime.logprobs import StepLogprobs
 from helmc.runtime.sampling import SamplingParams
 from helmc.runtime.serve import limits
 from helmc.runtime.serve.errors import OpenAIError
 
-__all__ = ["OpenAIError", "Request", "CompletionChunk", "ParsedRequest", "parse_body"]
+__all__ = ["OpenAIError", "Request", "CompletionChunk", "ParsedRequest", "parse_body", "choice_params"]
 
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: the prompt as token ids and how to sample; request_id is unique per server."""
+    """One generation: the prompt as token ids and how to sample; request_id is unique per server. logprobs: None
+    for none (the engine then computes nothing), else each token's log-probability and this many top tokens."""
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    logprobs: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -34,8 +40,9 @@ class Request:
 
 @dataclass(frozen=True)
 class CompletionChunk:
-    """What one engine step produced for a request: new token ids and the text they released; the last chunk
-    of a request has a finish_reason ("stop" | "length" | "error") and the usage counts."""
+    """What one engine step produced for a request: new token ids, the text they released and, when the request
+    asked, each token's log-probabilities; the last chunk of a request has a finish_reason ("stop" | "length" |
+    "error") and the usage counts."""
     request_id: str
     token_ids: tuple[int, ...] = ()
     text: str = ""
@@ -43,6 +50,7 @@ class CompletionChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    logprobs: tuple[StepLogprobs, ...] = ()
 
 
 # -------------------------------------------------------------------- request bodies
@@ -59,11 +67,7 @@ def _response_format(v):
 
 
 _UNSUPPORTED = {   # field -> (accepted when, what the 400 says): OpenAI features this server does not implement
-    "n": (lambda v: v is None or v == 1, "n: only 1 choice per request is supported, found {}"),
-    "best_of": (lambda v: v is None or v == 1, "best_of: only 1 is supported, found {}"),
-    "logprobs": (lambda v: v is None or v is False or v == 0,
-                 "logprobs: log-probabilities are not supported by this server, found {}"),
-    "top_logprobs": (lambda v: v is None or v == 0, "top_logprobs: log-probabilities are not supported, found {}"),
+    "best_of": (lambda v: v is None or v == 1, "best_of: only 1 is supported (n choices are n samples), found {}"),
     "echo": (lambda v: v is None or v is False, "echo: not supported, found {}"),
     "logit_bias": (lambda v: v is None or v == {}, "logit_bias: not supported, found {}"),
     "suffix": (lambda v: v is None, "suffix: not supported, found {}"),
@@ -90,7 +94,6 @@ _TYPES = {  # field -> (check, what the error says it expected)
     "n": (lambda v: v is None or _int(v), "an integer"),
     "best_of": (lambda v: v is None or _int(v), "an integer"),
     "user": (lambda v: v is None or isinstance(v, str), "a string"),
-    "logprobs": (lambda v: v is None or isinstance(v, (bool, int)), "a boolean or an integer"),
     "top_logprobs": (lambda v: v is None or _int(v), "an integer"),
     "echo": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "logit_bias": (lambda v: v is None or isinstance(v, dict), "an object"),
@@ -129,6 +132,8 @@ class ParsedRequest:
     include_usage: bool = False
     sampling: dict = field(default_factory=dict)   # SamplingParams fields besides max_tokens
     ignored: tuple[str, ...] = ()
+    n: int = 1                                     # choices: n independent samples of the prompt
+    logprobs: int | None = None                    # None: none asked; else top tokens per step (0: the chosen only)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -163,11 +168,41 @@ def parse_body(raw: bytes, kind: str) -> ParsedRequest:
         sampling["stop"] = stops
     options = body.get("stream_options") or {}
     common = dict(kind=kind, model=body["model"], max_tokens=max_tokens, stream=bool(body.get("stream")),
-                  include_usage=bool(options.get("include_usage")), sampling=sampling, ignored=ignored)
+                  include_usage=bool(options.get("include_usage")), sampling=sampling, ignored=ignored,
+                  n=body.get("n") or 1, logprobs=_logprobs(body, kind))
     if kind == "completion":
         return ParsedRequest(prompt=_prompt(body.get("prompt")), **common)
     return ParsedRequest(messages=_messages(body.get("messages")), tools=tuple(body.get("tools") or ()),
                          template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top tokens a request wants per step, or None for no log-probabilities: chat's `logprobs` is a
+    boolean with `top_logprobs` (0..20) beside it; the legacy completions' `logprobs` is that count itself (0..5)."""
+    lp = body.get("logprobs")
+    if kind == "completion":
+        hi = limits.MAX_COMPLETION_LOGPROBS
+        if lp is not None and (not _int(lp) or not 0 <= lp <= hi):
+            raise OpenAIError(f"logprobs: expected an integer in [0, {hi}] (top tokens per step), found "
+                              f"{json.dumps(lp)[:60]}", param="logprobs")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise OpenAIError(f"logprobs: expected a boolean (the count goes in top_logprobs), found {json.dumps(lp)[:60]}",
+                          param="logprobs")
+    top = body.get("top_logprobs")
+    if top and not lp:
+        raise OpenAIError(f"top_logprobs: expected logprobs: true beside it, found logprobs: {json.dumps(lp)}",
+                          param="top_logprobs")
+    return (top or 0) if lp else None
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: choice 0 samples as a one-choice request would; with a seed, each other choice
+    draws from its own seed derived from the request's (so every choice repeats, and none repeats another)."""
+    if index == 0 or params.seed is None:
+        return params
+    digest = hashlib.blake2b(f"{params.seed}/{index}".encode(), digest_size=8).digest()
+    return dataclasses.replace(params, seed=int.from_bytes(digest, "big") >> 1)
 
 
 def _prompt(p) -> str | tuple[int, ...]:

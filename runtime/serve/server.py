@@ -4,6 +4,7 @@ talks to the engine thread through queues; it never touches the model.
     GET  /health  /metrics  /v1/models
     POST /v1/completions  /v1/chat/completions      (stream: server-sent events in OpenAI's chunk format)
 
+A request for n choices is n engine requests (n sequences batched like any others), answered as choices 0..n-1.
 A refused request gets a 4xx with OpenAI's error body and one line in the log, and the server goes on serving.
 Bodies are bounded (limits.py) and read in chunks; chat templates and the tokenizer run in worker processes
 (render.py), so nothing a request carries runs on the event loop. A client that goes away, streaming or not,
@@ -18,7 +19,9 @@ import logging
 import time
 
 from helmc.runtime.serve.limits import read_body
-from helmc.runtime.serve.protocol import CompletionChunk, OpenAIError, ParsedRequest, Request, parse_body
+from helmc.runtime.serve.protocol import (CompletionChunk, OpenAIError, ParsedRequest, Request, choice_params,
+                                          parse_body)
+from helmc.runtime.serve.responses import Choice, ResponseFormat
 
 _ids = itertools.count()
 log = logging.getLogger("uvicorn.error")      # uvicorn configures it: one line per refused request
@@ -99,40 +102,49 @@ async def _generate(state: ServeState, request, kind: str):
     room = state.engine.model.max_context - len(ids)
     max_tokens = p.max_tokens or (16 if kind == "completion" else max(1, room))     # OpenAI's default, or the context
     rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{next(_ids)}-{int(time.time() * 1e3)}"
-    req = Request(rid, ids, p.sampling_params(max_tokens))
+    params = p.sampling_params(max_tokens)
+    # n choices are n sequences: each its own Request (and slot), batched with the others like any request
+    reqs = [Request(rid if p.n == 1 else f"{rid}-{i}", ids, choice_params(params, i), p.logprobs) for i in range(p.n)]
     chunks: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
-    def sink(chunk: CompletionChunk):           # on the engine thread
-        try:
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
-        except RuntimeError:                     # the event loop is gone: nobody is listening
-            state.engine.cancel(rid)
+    def cancel():
+        for r in reqs:
+            state.engine.cancel(r.request_id)
+
+    def sink_of(index: int):
+        def sink(chunk: CompletionChunk):       # on the engine thread
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
+            except RuntimeError:                 # the event loop is gone: nobody is listening
+                cancel()
+        return sink
 
     try:
-        state.engine.submit(req, sink)
+        for i, r in enumerate(reqs):             # every choice fits, or the first is refused: the same prompt and size
+            state.engine.submit(r, sink_of(i))
     except OpenAIError as e:
         if e.param == "messages" and kind == "completion":
             e.param = "prompt"
         raise
-    fmt = _Format(kind, rid, state.model_name)
+    fmt = ResponseFormat(kind, rid, state.model_name, p.logprobs is not None)
     headers = {"Warning": f'299 - "ignored unknown fields: {", ".join(p.ignored)}"'} if p.ignored else {}
     if p.ignored:
         log.warning("%s: ignored unknown fields %s", request.url.path, ", ".join(p.ignored))
     if p.stream:
-        return _EngineStream(_sse(fmt, chunks, p.include_usage), on_close=lambda: state.engine.cancel(rid),
-                             headers=headers)
-    last, text = await _collect(state, request, chunks, rid)
-    if last is None:                             # the client went away: its request was cancelled at once
+        return _EngineStream(_sse(fmt, chunks, p.n, p.include_usage), on_close=cancel, headers=headers)
+    choices = await _collect(request, chunks, p.n, cancel)
+    if choices is None:                          # the client went away: its request was cancelled at once
         return Response(status_code=499)
-    if last.finish_reason == "error":
-        raise OpenAIError(f"generation failed: {last.error}", status=500, type="server_error")
-    return JSONResponse(fmt.whole(text, last), headers=headers)
+    failed = next((c.last for c in choices if c.last is not None and c.last.finish_reason == "error"), None)
+    if failed is not None:
+        raise OpenAIError(f"generation failed: {failed.error}", status=500, type="server_error")
+    return JSONResponse(fmt.whole(choices), headers=headers)
 
 
-async def _collect(state: ServeState, request, chunks: asyncio.Queue, rid: str):
-    """A non-streamed request's chunks until its last (last chunk, text), or (None, "") as soon as its client
-    disconnects (the engine then frees its slot and pages at its next step, as for a stream)."""
+async def _collect(request, chunks: asyncio.Queue, n: int, cancel) -> list[Choice] | None:
+    """A non-streamed request's chunks until each choice's last, or None as soon as its client disconnects
+    (the engine then frees the slots and pages at its next step, as for a stream)."""
     async def gone():
         try:
             while (await request.receive())["type"] != "http.disconnect":
@@ -141,11 +153,15 @@ async def _collect(state: ServeState, request, chunks: asyncio.Queue, rid: str):
             await asyncio.Event().wait()
 
     async def collect():
-        text, last = [], None
-        while last is None or last.finish_reason is None:
-            last = await chunks.get()
-            text.append(last.text)
-        return last, "".join(text)
+        choices, left = [Choice() for _ in range(n)], n
+        while left:
+            i, c = await chunks.get()
+            choices[i].add(c)
+            left -= c.finish_reason is not None
+            if c.finish_reason == "error":       # one choice failed: the response is an error, the rest stop
+                cancel()
+                break
+        return choices
 
     work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
     done = set()
@@ -155,63 +171,34 @@ async def _collect(state: ServeState, request, chunks: asyncio.Queue, rid: str):
         watch.cancel()
         if work not in done:
             work.cancel()
-            state.engine.cancel(rid)
-    return work.result() if work in done else (None, "")
+            cancel()
+    return work.result() if work in done else None
 
 
-async def _sse(fmt: "_Format", chunks: asyncio.Queue, include_usage: bool):
+async def _sse(fmt: ResponseFormat, chunks: asyncio.Queue, n: int, include_usage: bool):
+    choices = [Choice() for _ in range(n)]
     if fmt.kind == "chat":
-        yield _event(fmt.chunk({"role": "assistant", "content": ""}, None))
-    while True:
-        c: CompletionChunk = await chunks.get()
+        for i in range(n):
+            yield _event(fmt.chunk(i, {"role": "assistant", "content": ""}, None))
+    left = n
+    while left:
+        i, c = await chunks.get()
         if c.finish_reason == "error":
             yield _event({"error": {"message": f"generation failed: {c.error}", "type": "server_error",
                                     "param": None, "code": None}})
             break
-        if c.text or c.finish_reason is None:
-            if c.text:
-                yield _event(fmt.chunk(c.text, None))
-        if c.finish_reason is not None:
-            yield _event(fmt.chunk("" if fmt.kind == "completion" else {}, c.finish_reason))
-            if include_usage:
-                yield _event({**fmt.chunk("", None), "choices": [], "usage": _usage(c)})
-            break
+        choices[i].add(c)
+        for obj in fmt.streamed(i, choices[i], c):
+            yield _event(obj)
+        left -= c.finish_reason is not None
+    else:
+        if include_usage:
+            yield _event(fmt.usage_chunk(choices))
     yield "data: [DONE]\n\n"
 
 
 def _event(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _usage(c: CompletionChunk) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}
-
-
-class _Format:
-    """OpenAI's response objects for one request."""
-
-    def __init__(self, kind: str, rid: str, model: str):
-        self.kind, self.rid, self.model, self.created = kind, rid, model, int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def chunk(self, delta, finish_reason) -> dict:
-        if self.kind == "completion":
-            return {**self._head("text_completion"),
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
-        d = delta if isinstance(delta, dict) else {"content": delta}
-        return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]}
-
-    def whole(self, text: str, last: CompletionChunk) -> dict:
-        if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": _usage(last)}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": last.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(last)}
 
 
 def _EngineStream(body, on_close, headers=None):

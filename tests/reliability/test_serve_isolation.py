@@ -83,6 +83,38 @@ def test_one_failing_sequence_ends_alone(server):
     assert "Traceback" not in server.text()
 
 
+@pytest.mark.parametrize("failing", [0, 2])
+def test_a_failing_choice_fails_its_request_and_frees_every_choice(server, serve_bundle, tmp_path, failing):
+    """n choices are n sequences: one of them (choice 0 draws with the request's own seed, choice 2 with one derived
+    from it) fails at its third token; the response is the error, streamed or not, and the other choices' slots and
+    pages go back at once."""
+    from helmc.runtime.sampling import SamplingParams
+    from helmc.runtime.serve.protocol import choice_params
+    seed = FAULT_SEED
+    if failing:                                  # a server whose fault falls on choice 2 of the request's seed
+        seed = 7
+        fault = choice_params(SamplingParams(seed=seed), failing).seed
+        server = Server(serve_bundle, tmp_path / "serve.log", "--max-batch", "8",
+                        env={"HELMC_FAULT_SEQUENCE_SEED": str(fault)})
+    bad = {"model": "tiny", "prompt": "fail here", "max_tokens": 400, "temperature": 0.7, "seed": seed,
+           "ignore_eos": True, "n": 3}
+    try:
+        before = finished(server)
+
+        async def main():
+            async with http().AsyncClient(timeout=60) as c:
+                return await asyncio.gather(stream(c, server, bad), c.post(server.url + "/v1/completions", json=bad))
+        (_, _, error), whole = asyncio.run(main())
+        assert error["type"] == "server_error" and "injected fault" in error["message"]
+        assert whole.status_code == 500 and "injected fault" in whole.json()["error"]["message"]
+        wait_idle(server, seconds=5)
+        assert finished(server) - before == 2       # the two failed choices; the four others cancelled, not run out
+        assert "Traceback" not in server.text()
+    finally:
+        if failing:
+            server.stop()
+
+
 # ------------------------------------------------------------------ validation up front
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD = [  # (path, raw body, status, param, words in the message)
@@ -108,9 +140,11 @@ BAD = [  # (path, raw body, status, param, words in the message)
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"content": "no role"}]}).encode(), 400, "messages", "role"),
     ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_object"}}).encode(), 400,
      "response_format", "supported"),
-    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "n": 2}).encode(), 400, "n", "supported"),
-    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "logprobs": 3}).encode(), 400, "logprobs", "supported"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "logprobs": True, "top_logprobs": 2}).encode(), 400, "logprobs", "supported"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "n": 9}).encode(), 400, "n", "[1, 8], found 9"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "logprobs": 6}).encode(), 400, "logprobs",
+     "[0, 5] (top tokens per step), found 6"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "logprobs": True, "top_logprobs": 21}).encode(), 400, "top_logprobs",
+     "[0, 20], found 21"),
 ]
 
 

@@ -283,7 +283,7 @@ def test_sampling_options_reach_the_sampler(client):
     (json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 600}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"model": "tiny", "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
-    (json.dumps({"model": "tiny", "prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "hi", "n": 9}).encode(), 400, "n"),
     (json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
     (json.dumps([1, 2]).encode(), 400, None),
