@@ -85,7 +85,8 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
         signer = load_private_key(sign_key)
     if not os.path.exists(model_dir):
         raise HelmcError(f"model: expected a Hugging Face model directory or a GGUF file, found nothing at {model_dir}")
-    hw = _hardware(hardware).with_gpu_budget(gpu_budget_gib)
+    from helmc.planner.budget import budgeted
+    hw = budgeted(_hardware(hardware), gpu_budget_gib)
     return run_pipeline(model_dir, hw, out_dir, options, signer=signer)
 
 
