@@ -138,3 +138,17 @@ def test_profile_kit_built_here_measures_there(tmp_path):
     r = CliRunner().invoke(main, ["profile", "--build-kit", str(other), "--for", "rtx4060-laptop", "--quick"])
     assert r.exit_code == 0, r.output
     assert "avx2 kernels for 14 cores" in r.output and "GPU stage for sm_89" in r.output
+
+
+@pytest.mark.slow            # a kit built (LLVM); the fast tier builds one through the CLI above
+def test_build_kit_through_the_api_reports_its_phases(tmp_path):
+    """api.build_kit (`helmc profile --build-kit`) says what it is doing through the progress it is given (the CLI
+    gives runtime.progress.Progress: lines on a terminal), and refuses a directory with files in it."""
+    from helmc import api
+    from helmc.errors import HelmcError
+    lines = []
+    built = api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)
+    assert built.target.gpu_arch == "sm_89" and (tmp_path / "kit" / "profile_kit.json").exists()
+    assert lines and all(isinstance(line, str) and line for line in lines), lines
+    with pytest.raises(HelmcError, match="--build-kit expected a new or empty directory"):
+        api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)
