@@ -3,7 +3,7 @@
 The public API is plain Python; the click CLI in helmc.cli.main is a thin layer over it:
 
     helmc.profile() -> HardwareProfile
-    helmc.runtime.bundle.plan(model_dir_or_config, hardware) -> Plan
+    helmc.plan(model_or_bundle, hardware) -> PlanResult (.plan, .spec)
     helmc.build(model_dir, hardware, out_dir) -> BundleManifest
     helmc.run(bundle_dir, prompt=..., ...) -> GenerationResult
 

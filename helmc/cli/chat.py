@@ -6,7 +6,6 @@ Through a pipe: lines in, replies out, nothing else on stdout (the banner goes t
 """
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import sys
@@ -39,29 +38,22 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
                  require_signed):
     """Chat with BUNDLE_DIR in the terminal: tokens print as they come; Ctrl-C stops a reply; /help lists the
     commands (/reset, /stats, /quit)."""
-    from helmc.runtime.isolation import forbid_compiler_imports
-    forbid_compiler_imports()
+    from helmc import api
+    api.runtime_only()
     need(*RUNTIME)
-    import jinja2  # noqa: F401   (the chat template; missing: the line naming the serve extra, helmc/cli/extras.py)
-    from helmc.runtime.sampling import SamplingParams
-    from helmc.runtime.serve.load import load_engine
-    SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens)     # its checks, before any loading
-    engine, template = load_engine(bundle_dir, 1, weights_dir, plan=read_plan(plan_file),
-                                   **trust_policy(trust, require_signed))
-    if template is None:
-        raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
-                         "found none; use helmc run --prompt")
-    Chat(engine, template, system, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-         max_new_tokens, bundle_dir).loop()
+    sampling = api.chat_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed)                                  # its checks, before any loading
+    conversation = api.chat(bundle_dir, sampling, weights_dir, plan=read_plan(plan_file),
+                            **trust_policy(trust, require_signed))
+    Chat(conversation, system, bundle_dir).loop()
 
 
 class Chat:
-    def __init__(self, engine, template, system, sampling: dict, max_new_tokens: int, bundle_dir: str):
-        self.engine, self.template, self.sampling, self.max_new_tokens = engine, template, sampling, max_new_tokens
+    def __init__(self, conversation, system, bundle_dir: str):
+        self.conversation, self.engine = conversation, conversation.engine
         self.start = [{"role": "system", "content": system}] if system else []
         self.history = list(self.start)
         self.stats = "no reply yet"
-        self.ids = itertools.count()
         self.interactive = sys.stdin.isatty()
         self.bundle_dir = bundle_dir
         self._interrupted = False
@@ -111,16 +103,8 @@ class Chat:
         return True
 
     def reply(self, line: str) -> None:
-        from helmc.runtime.sampling import SamplingParams
-        from helmc.runtime.serve.protocol import Request
-        engine = self.engine
         self.history.append({"role": "user", "content": line})
         try:
-            prompt = engine.tokenizer.encode(self.template.render(self.history, add_generation_prompt=True),
-                                             add_special_tokens=False).ids
-            room = engine.model.max_context - len(prompt)
-            params = SamplingParams(**self.sampling, max_tokens=max(1, min(self.max_new_tokens, room)))
-            req = Request(f"chat-{next(self.ids)}", tuple(prompt), params)
             reply, last, stamps, t0 = [], [], [], time.perf_counter()
 
             def sink(c):
@@ -130,8 +114,8 @@ class Chat:
                 sys.stdout.flush()
                 if c.finish_reason:
                     last.append(c)
-            engine.submit(req, sink)
-            stopped = self._run_until(lambda: bool(last), req.request_id)
+            request_id, prompt_tokens = self.conversation.submit(self.history, sink)
+            stopped = self._run_until(lambda: bool(last), request_id)
         except HelmcError as e:
             self.history.pop()
             click.echo(f"helmc: error: {e} (/reset starts over)", err=True)
@@ -147,7 +131,7 @@ class Chat:
         decode_s = stamps[-1] - stamps[0] if stamps else 0.0
         rate = (n - 1) / decode_s if decode_s > 0 else 0.0
         ttft = f"{1000 * (stamps[0] - t0):.1f} ms" if stamps else "-"
-        self.stats = (f"{n} tokens ({reason}), prompt {len(prompt)} tokens, TTFT {ttft}, decode {rate:.2f} tok/s, "
+        self.stats = (f"{n} tokens ({reason}), prompt {prompt_tokens} tokens, TTFT {ttft}, decode {rate:.2f} tok/s, "
                       f"conversation {len(self.history)} messages")
 
     def _run_until(self, done, request_id: str) -> bool:

@@ -172,12 +172,11 @@ def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, 
     (hardware.json) into a bundle."""
     need("tvm", "numpy")
     from helmc import api
-    from helmc.planner.plan_table import format_plan_table
     r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
                   use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
                   prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, hybrid=hybrid,
                   sign_key=sign_key)
-    click.echo(format_plan_table(r.plan, r.spec))
+    click.echo(api.plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
 
@@ -210,10 +209,9 @@ def _parse_ids(text: str | None):
 def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, weights_dir,
             kv_page_tokens, kv_watermark, no_kv_offload, as_json, plan_file, trust, require_signed):
     """Generate text from a bundle."""
-    from helmc.runtime.isolation import forbid_compiler_imports
-    forbid_compiler_imports()
-    need(*RUNTIME)
     from helmc import api
+    api.runtime_only()
+    need(*RUNTIME)
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):
         raise HelmcError("run: expected exactly one of --prompt or --prompt-ids")
@@ -240,11 +238,10 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @trust_options
 def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, trust, require_signed):
     """Time BUNDLE_DIR's decode step on this machine and write HARDWARE with per-device overheads."""
-    from helmc.runtime.isolation import forbid_compiler_imports
-    forbid_compiler_imports()
+    from helmc import api
+    api.runtime_only()
     need(*RUNTIME)
-    from helmc.planner.calibrate import calibrate
-    r = calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
+    r = api.calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
     r.profile.save(out_path)
     click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
     click.echo(f"wrote {out_path}", err=as_json)
@@ -254,8 +251,8 @@ def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, t
 @click.argument("key_file", type=click.Path())
 def keygen_cmd(key_file):
     """Write a new ed25519 key pair for signing bundles: KEY_FILE (private, mode 0600) and KEY_FILE.pub."""
-    from helmc.runtime.bundle.signature import generate_keypair
-    pub = generate_keypair(key_file)
+    from helmc import api
+    pub = api.keygen(key_file)
     click.echo(f"wrote {key_file} (private; keep it secret) and {pub.source} (fingerprint {pub.fingerprint})")
 
 

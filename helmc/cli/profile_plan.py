@@ -1,6 +1,5 @@
-"""`helmc profile` and `helmc plan`: thin click commands over helmc.hardware.measure and
-helmc.planner.search_partition. helmc/cli/main.py registers them (`main.add_command(profile_command)`); run
-alone as `python -m helmc.cli.profile_plan profile|plan ...`.
+"""`helmc profile` and `helmc plan`: thin click commands over helmc.api.profile / build_kit and helmc.api.plan;
+helmc/cli/main.py registers them (its group turns a HelmcError into one line).
 """
 from __future__ import annotations
 
@@ -10,21 +9,14 @@ import tempfile
 
 import click
 
-from helmc.cli.options import CONTEXT
+from helmc.api import PLAN_DEFAULTS
 from helmc.errors import HelmcError
-from helmc.hardware.profile import GIB, HardwareProfile
-from helmc.jsonio import atomic_write_text, to_dict
-from helmc.planner.plan_table import format_plan_table
-from helmc.runtime.bundle.plan import Plan
+
+GIB = 1024 ** 3
 
 
-def _fail(e: HelmcError) -> None:
-    # The same line and status as helmc.cli.main's group gives, also when these commands run alone.
-    click.echo(f"helmc: error: {e}", err=True)
-    raise SystemExit(2)
-
-
-def summarize_profile(hw: HardwareProfile) -> str:
+def summarize_profile(hw) -> str:
+    """A HardwareProfile as the lines `helmc profile` prints."""
     c = hw.cpu
     reads = ", ".join(f"{r.weight_type}{f' x{r.rows}' if r.rows > 1 else ''} {r.gbs:.1f}" for r in c.gemv_reads)
     lines = [f"cpu: {c.name}, {c.cores} cores / {c.threads} threads, L3 {c.l3_bytes / 2**20:.0f} MiB, "
@@ -78,49 +70,25 @@ def profile_command(output: str, quick: bool, gpu_backend: str | None, kit_dir: 
                     for_hardware: str | None, no_overheads: bool) -> None:
     """Measure this machine's CPU, GPU and link with the code helmc runs on them."""
     from helmc import api
-    try:
-        if for_hardware and not build_kit_dir:
-            raise HelmcError("--for expected with --build-kit, found it alone")
-        if build_kit_dir:
-            _build_kit(build_kit_dir, for_hardware, quick, gpu_backend)
-            return
-        hw = api.profile(quick=quick, gpu_backend=gpu_backend, kit_dir=kit_dir, overheads=not no_overheads)
-        hw.save(output)
-    except HelmcError as e:
-        _fail(e)
+    if for_hardware and not build_kit_dir:
+        raise HelmcError("--for expected with --build-kit, found it alone")
+    if build_kit_dir:
+        _echo_kit(api.build_kit(build_kit_dir, for_hardware, quick=quick, gpu_backend=gpu_backend))
+        return
+    hw = api.profile(quick=quick, gpu_backend=gpu_backend, kit_dir=kit_dir, overheads=not no_overheads)
+    hw.save(output)
     click.echo(summarize_profile(hw))
     click.echo(f"wrote {output}")
 
 
-def _build_kit(out_dir: str, for_hardware: str | None, quick: bool, gpu_backend: str | None) -> None:
-    from helmc.compiler.profile_kit import KitTarget, build_kit
-    from helmc.hardware.profile import load_hardware
-    if for_hardware:
-        target = KitTarget.of_profile(load_hardware(for_hardware), quick=quick)
-    else:
-        from helmc.hardware.measure import cpu_facts
-        from helmc.hardware.measure_gpu import probe_arch
-        f = cpu_facts()
-        target = KitTarget(f.features, f.l3_bytes, f.cores, probe_arch(gpu_backend)[0], quick)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise HelmcError(f"--build-kit expected a new or empty directory, found {out_dir} with files in it")
-    kit = build_kit(out_dir, target, progress=lambda m: click.echo(m, err=True))
+def _echo_kit(built) -> None:
+    kit, target, out_dir = built.kit, built.target, built.out_dir
     click.echo(f"built a profile kit in {out_dir}: {kit.isa} kernels for {target.cores} cores, L3 "
                f"{target.l3_bytes >> 20} MiB{', GPU stage for ' + target.gpu_arch if target.gpu_arch else ''}; "
                f"measure there with: helmc profile --kit {out_dir}  (or python -m helmc.hardware.measure --kit ...)")
 
 
-def plan_json(plan: Plan) -> dict:
-    out = {"cpu_units": plan.cpu_units, "gpu_units": plan.gpu_units, "t_plan_ms": plan.t_plan_ms,
-           "plan": plan.describe(), "max_context": plan.max_context,
-           "candidates": [to_dict(c) for c in plan.candidates]}
-    if plan.is_hybrid:
-        out.update(groups=[to_dict(g) for g in plan.groups], staging_ring_bytes=plan.staging_ring_bytes,
-                   t_copy_ms=plan.t_copy_ms, hybrid_candidates=[to_dict(c) for c in plan.hybrid_candidates])
-    return out
-
-
-def plot_plan(plan: Plan, path: str) -> None:
+def plot_plan(plan, path: str) -> None:
     """Predicted T_plan against k, the infeasible splits shaded, the chosen one marked (Figure 4.4)."""
     try:
         import matplotlib
@@ -161,10 +129,11 @@ def plot_plan(plan: Plan, path: str) -> None:
 @click.command("plan")
 @click.argument("model", metavar="MODEL_DIR_OR_CONFIG_OR_BUNDLE")
 @click.argument("hardware", metavar="HARDWARE_JSON_OR_PRESET")
-@click.option("--prompt-len", default=None, type=int, help="[default: 128, or a bundle's]")
-@click.option("--output-len", default=None, type=int, help="[default: 128, or a bundle's]")
-@click.option("--batch", default=None, type=int, help="[default: 1; a bundle's own, always]")
-@click.option("--objective", type=click.Choice(["decode", "prefill"]), default=None, help="[default: decode, or a bundle's]")
+@click.option("--prompt-len", default=None, type=int, help=f"[default: {PLAN_DEFAULTS.prompt_len}, or a bundle's]")
+@click.option("--output-len", default=None, type=int, help=f"[default: {PLAN_DEFAULTS.output_len}, or a bundle's]")
+@click.option("--batch", default=None, type=int, help=f"[default: {PLAN_DEFAULTS.batch}; a bundle's own, always]")
+@click.option("--objective", type=click.Choice(["decode", "prefill"]), default=None,
+              help=f"[default: {PLAN_DEFAULTS.objective}, or a bundle's]")
 @click.option("--gpu-budget", type=float, default=None,
               help="use at most this many GiB of VRAM in all (the profile's runtime reserve included) [default: all, or "
                    "the VRAM a bundle's plan was made for]")
@@ -185,39 +154,12 @@ def plan_command(model, hardware, prompt_len, output_len, batch, objective, gpu_
     """Choose which partition units run on the CPU and which on the GPU. Given a bundle (a
     directory `helmc build` wrote), plan its model and workload again for HARDWARE (`helmc profile` on the machine
     it runs on): `-o plan.json`, then `helmc run|serve|chat BUNDLE --plan plan.json`, with no compiling."""
-    from helmc.planner.search_partition import load_spec, plan
-    from helmc.runtime.bundle.manifest import is_bundle_dir
-    try:
-        if is_bundle_dir(model):
-            from helmc.planner.replan_bundle import replan_bundle
-            if batch is not None or dtype is not None:
-                raise HelmcError("plan: a bundle is planned for its own batch and weights; expected no --batch or "
-                                 f"--dtype, found {'--batch' if batch is not None else '--dtype'}")
-            p, spec = replan_bundle(model, hardware, gpu_budget_gib=gpu_budget, prompt_len=prompt_len,
-                                    output_len=output_len, objective=objective, kv_offload=kv_offload,
-                                    stream_prefill=stream_prefill, hybrid=hybrid)
-        else:
-            spec = load_spec(model)
-            p = plan(spec, hardware, prompt_len=prompt_len or 128, output_len=output_len or 128, batch=batch or 1,
-                     objective=objective or "decode", gpu_budget_gib=gpu_budget,
-                     kv_offload=True if kv_offload is None else kv_offload, dtype=dtype, stream_prefill=stream_prefill,
-                     hybrid=hybrid)
-        if plot:
-            plot_plan(p, plot)
-        if output:
-            atomic_write_text(output, p.to_json() + "\n")
-    except HelmcError as e:
-        _fail(e)
-    click.echo(json.dumps(plan_json(p), indent=2) if as_json else format_plan_table(p, spec))
-
-
-@click.group(context_settings=CONTEXT)
-def _standalone() -> None:
-    """helmc profile / plan, runnable before helmc.cli.main registers them."""
-
-
-_standalone.add_command(profile_command)
-_standalone.add_command(plan_command)
-
-if __name__ == "__main__":
-    _standalone()
+    from helmc import api
+    r = api.plan(model, hardware, api.PlanOptions(
+        prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, gpu_budget_gib=gpu_budget,
+        kv_offload=kv_offload, stream_prefill=stream_prefill, hybrid=hybrid, dtype=dtype))
+    if plot:
+        plot_plan(r.plan, plot)
+    if output:
+        r.save(output)
+    click.echo(json.dumps(r.to_json_dict(), indent=2) if as_json else r.table())

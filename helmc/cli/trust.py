@@ -15,11 +15,10 @@ def trust_options(f):
 
 
 def trust_policy(trust, require_signed) -> dict:
-    """Session.load's trusted_keys / require_signed, read before anything of the bundle is. A key named on the
-    command line requires a signature: otherwise an attacker who deletes manifest.sig would get past `--trust`.
-    HELMC_TRUSTED_KEYS alone (an ambient default for every command) does not."""
-    from helmc.runtime.bundle.signature import trusted_keys
-    return {"trusted_keys": trusted_keys(trust), "require_signed": require_signed or bool(trust)}
+    """The API's trusted_keys / require_signed of --trust / --require-signed (api.trust_policy says why a key named
+    here requires a signature)."""
+    from helmc import api
+    return api.trust_policy(trust, require_signed)
 
 
 def plan_option(f):
@@ -31,8 +30,6 @@ def plan_option(f):
 
 def read_plan(plan_file):
     """The Plan of --plan, or None (the bundle's own)."""
-    if plan_file is None:
-        return None
-    from helmc.runtime.bundle.plan import read_plan_file
-    return read_plan_file(plan_file)
+    from helmc import api
+    return api.read_plan(plan_file)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from helmc.planner.analyze_program import ProgramAnalysis, analyze_program
+from helmc.planner.budget import budgeted
 from helmc.planner.cost_model import DeviceRates, Workload, comm_time_ms, stage_time
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile, load_hardware
@@ -118,13 +119,6 @@ def decode_workload(plan: Plan) -> Workload:
                     kv_offload=plan.kv_offload, hybrid=plan.is_hybrid)
 
 
-def with_plan_budget(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
-    """The profile capped at the VRAM the plan was made for (a budget is part of the bundle's plan)."""
-    if hw.gpu is None or plan.usable_vram_bytes <= 0:
-        return hw
-    return dataclasses.replace(hw, gpu_budget_bytes=plan.usable_vram_bytes)
-
-
 def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len: int | None = None,
                    output_len: int | None = None) -> Candidate:
     """The cost model's row for this bundle's split on `hw` (e.g. a calibrated profile): t_cpu_ms,
@@ -138,7 +132,7 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len:
         raise HelmcError(f"predict: plan expected for {a.num_layers} blocks, found {plan.num_layers}")
     if plan.uses_gpu and hw.gpu is None:
         raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
-    hw = with_plan_budget(hw, plan)
+    hw = budgeted(hw, made_for=plan)
     cpu = DeviceRates.of_device(hw, "cpu", analysis=a)
     gpu = DeviceRates.of_device(hw, "gpu", analysis=a) if hw.gpu is not None else None
     w = decode_workload(plan)

@@ -24,14 +24,14 @@ def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget
                   ) -> tuple[Plan, ModelSpec]:
     """(the plan for `hardware`, the bundle's spec). Arguments left None take the bundle's plan's values; the batch
     is always the bundle's (its GPU stage and KV slots were built for it)."""
-    from helmc.planner.calibrate import with_plan_budget
+    from helmc.planner.budget import budgeted
     from helmc.planner.search_partition import plan
     from helmc.runtime.session import read_bundle
     hw = load_hardware(hardware)
     # The bundle's files as its manifest lists them, and its CPU features against the machine planned for (this
     # process loads none of its libraries: the plan may be made anywhere, for the machine `hardware` describes).
     manifest, spec, own, _ = read_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu else None)
-    hw = hw.with_gpu_budget(gpu_budget_gib) if gpu_budget_gib is not None else with_plan_budget(hw, own)
+    hw = budgeted(hw, gpu_budget_gib, made_for=own)
     p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
              batch=own.batch, objective=objective or own.objective,
              kv_offload=own.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,

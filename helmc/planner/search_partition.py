@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from helmc.planner.analyze_program import ProgramAnalysis, StageLoad, analyze_program
+from helmc.planner.budget import budgeted
 from helmc.planner.cost_model import (PREFILL_CHUNK_TOKENS, DeviceRates, Workload, comm_time_ms, gpu_kv_resident_bytes, gpu_prefill_tokens, kv_page_pool_bytes,
                          max_context, memory_needs, prefill_staging_bytes, rate_fallbacks, shortfall_text, stage_time)
 from helmc.errors import HelmcError
 from helmc.planner.hybrid import best_per_pair_count, choose_layout, search_hybrid
-from helmc.hardware.profile import HardwareProfile, load_hardware
+from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
 
@@ -126,7 +127,7 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
     """The partition plan for a model (a directory or config.json, a GGUF file, or a ModelSpec) on a hardware
     profile (a hardware.json path, a preset name, or a HardwareProfile)."""
     spec = load_spec(model_dir_or_config)
-    hw = load_hardware(hardware).with_gpu_budget(gpu_budget_gib)
+    hw = budgeted(hardware, gpu_budget_gib)
     chunk = PREFILL_CHUNK_TOKENS
     if spec.moe is not None:        # a plain split of what is not an expert; the experts stay on the CPU (planner/moe.py)
         from helmc.planner.moe import MOE_PREFILL_CHUNK_TOKENS

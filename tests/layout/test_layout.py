@@ -106,6 +106,15 @@ def test_imports_go_down_the_layers():
     assert not upward, "\n".join(upward)
 
 
+def test_the_cli_imports_only_the_api():
+    # Every command parses its arguments and calls helmc.api (mlc-llm's thin CLI over a plain Python API): of helmc,
+    # the CLI imports the API, the errors and its own modules, nothing deeper.
+    allowed = ("helmc.api", "helmc.errors", "helmc.cli")
+    deeper = [f"{m} imports {t}" for m, targets in import_graph().items() if m.startswith("helmc.cli.")
+              for t in sorted(targets) if not any(t == a or t.startswith(a + ".") for a in allowed)]
+    assert not deeper, "\n".join(deeper)
+
+
 def test_runtime_never_imports_the_compiler_stack():
     bad = []
     for m, path in modules().items():

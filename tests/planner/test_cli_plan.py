@@ -5,7 +5,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from helmc.cli.profile_plan import plan_command, profile_command
+from helmc.cli.main import main
 from helmc.hardware.profile import HardwareProfile
 from helmc.runtime.bundle.plan import Plan
 from qwen3_configs import write_config
@@ -17,7 +17,7 @@ def q8_dir(tmp_path_factory):
 
 
 def test_plan_table_marks_the_chosen_row(q8_dir):
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--no-stream-prefill"])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--no-stream-prefill"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     rows = [l for l in lines if l[:1] in (" ", ">") and l[1:5].strip().isdigit()]
@@ -35,19 +35,19 @@ def test_plan_table_marks_the_chosen_row(q8_dir):
 def test_plan_for_a_batch_says_per_step_and_throughput(q8_dir):
     """--batch 8 (what `helmc serve --max-batch 8` runs): times are per decode step of 8 sequences, and the table
     says the predicted tokens per second in all and per sequence; one sequence keeps ms/token and no such line."""
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid", "--json"])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid", "--json"])
     t_plan = json.loads(r.output)["t_plan_ms"]
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid"])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--batch", "8", "--no-hybrid"])
     assert r.exit_code == 0, r.output
     assert "times in ms per decode step of 8 sequences" in r.output
     assert f"serving 8 sequences at once: {8000 / t_plan:.1f} tok/s in all, {1000 / t_plan:.2f} each" in r.output
-    one = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--no-hybrid"])
+    one = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--no-hybrid"])
     assert "times in ms/token" in one.output and "serving" not in one.output
 
 
 def test_plan_json(q8_dir, tmp_path):
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--json", "-o", str(out), "--no-stream-prefill"])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--json", "-o", str(out), "--no-stream-prefill"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert (d["cpu_units"], d["gpu_units"]) == (21, 17)
@@ -59,11 +59,11 @@ def test_plan_json(q8_dir, tmp_path):
 
 def test_plan_options_change_the_plan(q8_dir):
     run = CliRunner().invoke
-    base = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json"]).output)
-    tight = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json", "--gpu-budget", "5"]).output)
-    long_kv = json.loads(run(plan_command, [q8_dir, "rtx4060-laptop", "--json", "--no-kv-offload",
+    base = json.loads(run(main, ["plan", q8_dir, "rtx4060-laptop", "--json"]).output)
+    tight = json.loads(run(main, ["plan", q8_dir, "rtx4060-laptop", "--json", "--gpu-budget", "5"]).output)
+    long_kv = json.loads(run(main, ["plan", q8_dir, "rtx4060-laptop", "--json", "--no-kv-offload",
                                             "--output-len", "8000"]).output)
-    prefill = json.loads(run(plan_command, [q8_dir, "rtx3090-epyc", "--json", "--objective", "prefill",
+    prefill = json.loads(run(main, ["plan", q8_dir, "rtx3090-epyc", "--json", "--objective", "prefill",
                                             "--prompt-len", "512"]).output)
     assert tight["cpu_units"] > base["cpu_units"]
     assert long_kv["cpu_units"] > base["cpu_units"] and long_kv["max_context"] >= 8128
@@ -73,7 +73,7 @@ def test_plan_options_change_the_plan(q8_dir):
 def test_plot_draws_a_png(q8_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "search.png"
-    r = CliRunner().invoke(plan_command, [q8_dir, "rtx4060-laptop", "--plot", str(png)])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "rtx4060-laptop", "--plot", str(png)])
     assert r.exit_code == 0, r.output
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -82,9 +82,9 @@ def test_plot_draws_a_png(q8_dir, tmp_path):
 
 def test_64_layer_plan_answers_under_a_second(tmp_path):
     d = write_config(str(tmp_path / "qwen3-32b"), "Qwen3-32B")
-    CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])            # imports warm
+    CliRunner().invoke(main, ["plan", d, "rtx3090-epyc", "--no-stream-prefill"])            # imports warm
     t0 = time.perf_counter()
-    r = CliRunner().invoke(plan_command, [d, "rtx3090-epyc", "--no-stream-prefill"])
+    r = CliRunner().invoke(main, ["plan", d, "rtx3090-epyc", "--no-stream-prefill"])
     elapsed = time.perf_counter() - t0
     print(f"\nhelmc plan, 64 layers: {elapsed * 1e3:.0f} ms")
     assert r.exit_code == 0 and "cpu(42) -> cuda(24)" in r.output
@@ -93,23 +93,23 @@ def test_64_layer_plan_answers_under_a_second(tmp_path):
 
 def test_errors_exit_2_with_one_line(tmp_path, q8_dir):
     d = write_config(str(tmp_path / "qwen3-32b"), "Qwen3-32B")
-    r = CliRunner().invoke(plan_command, [d, "rtx4060-laptop"])
+    r = CliRunner().invoke(main, ["plan", d, "rtx4060-laptop"])
     assert r.exit_code == 2 and "host RAM short by" in r.output and "VRAM short by" in r.output
-    r = CliRunner().invoke(plan_command, [q8_dir, "no-such-machine"])
+    r = CliRunner().invoke(main, ["plan", q8_dir, "no-such-machine"])
     assert r.exit_code == 2 and "rtx4060-laptop" in r.output           # names the presets there are
-    r = CliRunner().invoke(plan_command, [str(tmp_path / "missing"), "rtx4060-laptop"])
+    r = CliRunner().invoke(main, ["plan", str(tmp_path / "missing"), "rtx4060-laptop"])
     assert r.exit_code == 2 and "config.json" in r.output
 
 
 def test_profile_command_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "hw.json"
-    r = CliRunner().invoke(profile_command, ["-o", str(out), "--quick", "--gpu-backend", "none"])
+    r = CliRunner().invoke(main, ["profile", "-o", str(out), "--quick", "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
     assert "cpu:" in r.output and "unmeasured: gpu, link" in r.output
     hw = HardwareProfile.load(str(out))
     assert hw.source == "measured" and hw.cpu.dram_gbs > 0
     small = write_config(str(tmp_path / "two-blocks"), "Qwen3-8B", num_hidden_layers=2)   # fits any test host
-    r = CliRunner().invoke(plan_command, [small, str(out), "--json"])
+    r = CliRunner().invoke(main, ["plan", small, str(out), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["gpu_units"] == 0 and d["candidates"][-1]["t_comm_ms"] == 0.0
@@ -119,11 +119,11 @@ def test_profile_kit_built_here_measures_there(tmp_path):
     """`helmc profile --build-kit DIR` (where the compiler is), then `helmc profile --kit DIR` (which needs only the
     TVM runtime): the profile is measured with that kit's kernels and stages, and bad uses say what they expected."""
     kit = tmp_path / "kit"
-    r = CliRunner().invoke(profile_command, ["--build-kit", str(kit), "--quick", "--gpu-backend", "none"])
+    r = CliRunner().invoke(main, ["profile", "--build-kit", str(kit), "--quick", "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
     assert "built a profile kit in" in r.output and (kit / "profile_kit.json").exists() and (kit / "cpu_bundle").is_dir()
     out = tmp_path / "hw.json"
-    r = CliRunner().invoke(profile_command, ["--kit", str(kit), "-o", str(out), "--gpu-backend", "none"])
+    r = CliRunner().invoke(main, ["profile", "--kit", str(kit), "-o", str(out), "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
     hw = HardwareProfile.load(str(out))
     assert hw.cpu.host_read_gbs > 0 and hw.cpu.block_overhead_ms is not None
@@ -131,10 +131,24 @@ def test_profile_kit_built_here_measures_there(tmp_path):
     for args, message in ((["--for", "rtx4060-laptop"], "--for expected with --build-kit, found it alone"),
                           (["--build-kit", str(kit), "--quick"], "expected a new or empty directory"),
                           (["--kit", str(tmp_path / "none"), "-o", str(out)], "expected profile_kit.json in")):
-        r = CliRunner().invoke(profile_command, args + ["--gpu-backend", "none"])
+        r = CliRunner().invoke(main, ["profile"] + args + ["--gpu-backend", "none"])
         assert r.exit_code == 2 and message in r.output, r.output
     # A kit for another CPU (the laptop preset: AVX2, no AVX-512) builds here and runs only on such a CPU.
     other = tmp_path / "laptop-kit"
-    r = CliRunner().invoke(profile_command, ["--build-kit", str(other), "--for", "rtx4060-laptop", "--quick"])
+    r = CliRunner().invoke(main, ["profile", "--build-kit", str(other), "--for", "rtx4060-laptop", "--quick"])
     assert r.exit_code == 0, r.output
     assert "avx2 kernels for 14 cores" in r.output and "GPU stage for sm_89" in r.output
+
+
+@pytest.mark.slow            # a kit built (LLVM); the fast tier builds one through the CLI above
+def test_build_kit_through_the_api_reports_its_phases(tmp_path):
+    """api.build_kit (`helmc profile --build-kit`) says what it is doing through the progress it is given (the CLI
+    gives runtime.progress.Progress: lines on a terminal), and refuses a directory with files in it."""
+    from helmc import api
+    from helmc.errors import HelmcError
+    lines = []
+    built = api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)
+    assert built.target.gpu_arch == "sm_89" and (tmp_path / "kit" / "profile_kit.json").exists()
+    assert lines and all(isinstance(line, str) and line for line in lines), lines
+    with pytest.raises(HelmcError, match="--build-kit expected a new or empty directory"):
+        api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)

@@ -262,12 +262,12 @@ def test_a_layout_is_scored_as_its_parts(q8):
 
 def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
     from click.testing import CliRunner
-    from helmc.cli.profile_plan import plan_command
+    from helmc.cli.main import main
     from qwen3_configs import write_config
     model = write_config(str(tmp_path / "q8"), "Qwen3-8B", torch_dtype="float16")
     hw = tmp_path / "hw.json"
     gpu_machine().save(str(hw))
-    r = CliRunner().invoke(plan_command, [model, str(hw), "--gpu-budget", "7"])
+    r = CliRunner().invoke(main, ["plan", model, str(hw), "--gpu-budget", "7"])
     assert r.exit_code == 0, r.output
     print("\n" + r.output)
     lines = r.output.splitlines()
@@ -281,9 +281,9 @@ def test_helmc_plan_prints_the_groups_and_the_overlap(tmp_path):
     assert "100% of the copy time is hidden" in overlap                  # every pair is CPU-bound on these figures
     assert "hybrid decode beats every split" in r.output and "1.46x" in r.output
     assert not [l for l in lines if l.startswith(">")]                   # no split row is the chosen plan
-    r = CliRunner().invoke(plan_command, [model, str(hw), "--gpu-budget", "7", "--no-hybrid"])
+    r = CliRunner().invoke(main, ["plan", model, str(hw), "--gpu-budget", "7", "--no-hybrid"])
     assert r.exit_code == 0 and "decode order" not in r.output and "chosen: cpu(25) -> cuda(13) " in r.output
-    r = CliRunner().invoke(plan_command, [model, str(hw), "--gpu-budget", "7", "--json"])
+    r = CliRunner().invoke(main, ["plan", model, str(hw), "--gpu-budget", "7", "--json"])
     d = json.loads(r.output)
     assert d["plan"].startswith("cpu(25) -> cuda(13), hybrid") and len(d["groups"]) == 16
     assert d["staging_ring_bytes"] == BLOCK and d["t_copy_ms"] > 0
