@@ -50,6 +50,7 @@ SLOW_TESTS = (
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q8_0]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q4_0]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q5_k_m]",
+    "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen3-q3_k_m]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[llama-q4_k]",
     "tests/compiler/test_quantized_models.py::test_quant_at_build_matches_transformers[qwen2-q8_0]",
     "tests/compiler/test_quantized_models.py::test_gguf_file_builds_and_matches",

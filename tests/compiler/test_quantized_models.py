@@ -71,7 +71,8 @@ def cpu_hardware(host_hardware):
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
-                                        ("qwen3", "q5_k_m"), ("llama", "q4_k"), ("qwen2", "q8_0")])
+                                        ("qwen3", "q5_k_m"), ("qwen3", "q3_k_m"), ("llama", "q4_k"),
+                                        ("qwen2", "q8_0")])
 def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
@@ -83,6 +84,9 @@ def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     if quant in ("q4_k_m", "q5_k_m"):        # llama.cpp's mix: two block signatures, the lm_head in q6_k
         assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
         assert {t for sig in r.spec.block_signatures() for t in sig} == {quant[:4], "q6_k"}
+    if quant == "q3_k_m":        # 3 blocks: attn_v q5_k in blocks 0-1, q4_k in block 2; o_proj, down_proj q4_k
+        assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
+        assert {t for sig in r.spec.block_signatures() for t in sig} == {"q3_k", "q4_k", "q5_k"}
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
