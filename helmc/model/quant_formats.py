@@ -1,4 +1,4 @@
-"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q3_K, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
+"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
 
 A quantized row of k weights is k / block_weights blocks of block_bytes each, laid out exactly as ggml's
 block structs (ggml-common.h), so `gguf.quants.dequantize` (the reference the tests compare against) and
@@ -6,6 +6,8 @@ llama.cpp read what `quantize` writes:
 
     q8_0 (34 B / 32 w):  d fp16, 32 x int8                                  w = d * q
     q4_0 (18 B / 32 w):  d fp16, 16 B of nibbles (w[i] low, w[i+16] high)  w = d * (q - 8)
+    q5_0 (22 B / 32 w):  d fp16, qh[4] (bit i of the little-endian word: bit 4 of weight i), 16 B of nibbles as q4_0's
+                         w = d * (q - 16)
     q3_k (110 B / 256 w): hmask[32] (bit j of byte l: bit 2 of weight 32j + l), 64 B of 2-bit fields (byte 32h + l,
                           bits 2c: weight 128h + 32c + l), 12 B of 6-bit scales for 16 sub-blocks of 16, d fp16
                           w = d * (sc_j - 32) * (q - 4), q in [0, 7]
@@ -16,7 +18,7 @@ llama.cpp read what `quantize` writes:
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2 bits, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
 
-Q8_0 and Q4_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
+Q8_0, Q4_0 and Q5_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
 written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference quantizers (quantize_row_q4_K_ref / q5_K_ref with
 make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants; quantize_row_q3_K_ref with make_q3_quants), which llama-quantize uses when no
 importance matrix is given. They are vectorised over sub-blocks: an 8B model has ~25M Q4_K blocks, and a
@@ -151,11 +153,12 @@ def dequantize(raw: np.ndarray, name: str, shape) -> np.ndarray:
     return np.asarray(gguf_quants.dequantize(data, qt.ggml_type), dtype=np.float32).reshape(shape)
 
 
-# ---- Q8_0, Q4_0: gguf's quantizers -----------------------------------------------------------------
+# ---- Q8_0, Q4_0, Q5_0: gguf's quantizers -----------------------------------------------------------------
 
 def _gguf_blocks(qtype: GGMLType):
     # The block quantizer itself: gguf.quants.quantize would split the chunk again into groups of 16 rows.
-    return {GGMLType.Q8_0: gguf_quants.Q8_0, GGMLType.Q4_0: gguf_quants.Q4_0}[qtype].quantize_blocks
+    return {GGMLType.Q8_0: gguf_quants.Q8_0, GGMLType.Q4_0: gguf_quants.Q4_0,
+            GGMLType.Q5_0: gguf_quants.Q5_0}[qtype].quantize_blocks
 
 
 # ---- Q4_K --------------------------------------------------------------------------------------
@@ -431,6 +434,7 @@ def _q3_k_blocks(blocks: np.ndarray) -> np.ndarray:
 # The block quantizers, by weight_types' references.
 q8_0_blocks = _gguf_blocks(GGMLType.Q8_0)
 q4_0_blocks = _gguf_blocks(GGMLType.Q4_0)
+q5_0_blocks = _gguf_blocks(GGMLType.Q5_0)
 q3_k_blocks = _q3_k_blocks
 q4_k_blocks = _q4_k_blocks
 q5_k_blocks = _q5_k_blocks

@@ -91,6 +91,8 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q4_0", 2, 32, 18, block_quantizer=f"{_QUANT}:q4_0_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), kit=True),
+    WeightType("q5_0", 6, 32, 22, block_quantizer=f"{_QUANT}:q5_0_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
+               gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q3_k", 11, 256, 110, block_quantizer=f"{_QUANT}:q3_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q4_k", 12, 256, 144, block_quantizer=f"{_QUANT}:q4_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,

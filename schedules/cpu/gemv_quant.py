@@ -4,6 +4,7 @@ W is a uint8 buffer [n, k / block_weights * block_bytes]: each row is its blocks
 ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, never repacked or widened:
     q8_0 (34 B / 32 w):   d fp16, 32 x int8                                  w = d * q
     q4_0 (18 B / 32 w):   d fp16, 16 B nibbles (w[i] low, w[i+16] high)     w = d * (q - 8)
+    q5_0 (22 B / 32 w):   d fp16, qh[4] (bit i: bit 4 of weight i), 16 B nibbles as q4_0's   w = d * (q - 16)
     q3_k (110 B / 256 w): hmask[32], qs[64] 2-bit, 12 B of 6-bit scales for 16 sub-blocks of 16, d fp16
                           w = d * (sc_j - 32) * (q - 4)
     q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
@@ -117,7 +118,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)
@@ -339,6 +340,40 @@ def _q4_0(vec: _Vectors, rows: int, group: int, m: int):
         for r in T.unroll(rows):
             for t in T.unroll(group):
                 acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 9) * dot(
+                    x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
+
+    return block_dot, None
+
+
+def _q5_0(vec: _Vectors, rows: int, group: int, m: int):
+    """q4_0's loop over q5_0's blocks (22 B: d, qh[4] at byte 2, the nibbles at 6): weight i's nibble gains 16 * bit
+    i % 8 of qh byte i // 8; acc += d * sum_i x_i * (q_i - 16)."""
+    lanes = vec.lanes
+    sixteen = tirx.Broadcast(tirx.const(16.0, "float32"), lanes)
+    ramp = tirx.Ramp(tirx.const(0, "int32"), 1, lanes)
+
+    def fifth(w, row, b, first):
+        """16 * the fifth bits of weights first .. first + lanes, as int32 lanes."""
+        qh = tirx.Shuffle([vec.bytes(w, row, b * 22 + 2, 4)] * max(1, lanes // 4),
+                          [(first + i) // 8 for i in range(lanes)])
+        bits = tirx.shift_right(qh, tirx.bitwise_and(ramp + _ints(first, ramp), _ints(7, ramp)))
+        return tirx.shift_left(tirx.bitwise_and(bits, _ints(1, ramp)), _ints(4, ramp))
+
+    def dot(x, w, row, b, tok):
+        terms = []
+        for vo in range(16 // lanes):       # lanes <= 16 on every tier
+            q = vec.bytes(w, row, b * 22 + 6 + vo * lanes)
+            for half, nib in ((0, tirx.bitwise_and(q, _ints(15, q))), (16, vec.shr(q, 4))):
+                first = half + vo * lanes
+                terms.append(x[tok, vec.at(b * 32 + first)] * (_f32(tirx.bitwise_or(nib, fifth(w, row, b, first)))
+                                                              - sixteen))
+        return _sum(terms)
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        for r in T.unroll(rows):
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 11) * dot(
                     x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
 
     return block_dot, None
@@ -571,4 +606,4 @@ def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     return block_dot, order
 
 
-_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}

@@ -280,9 +280,9 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("qtype,block_bytes", [("q5_k", 176), ("q3_k", 110)])
-def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, block_bytes):
-    """A Q5_K_M- / Q3_K_M-like spec (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
+@pytest.mark.parametrize("qtype,row_bytes", [("q5_k", 176), ("q3_k", 110), ("q5_0", 8 * 22)])
+def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, row_bytes):
+    """A Q5_K_M- / Q3_K_M-like spec or a Q5_0 one (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
     linears are its fused dequantize-GEMV on the raw blocks, its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
@@ -300,7 +300,7 @@ def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, block_bytes)
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
     lowered = lower_quantized_gpu(mod, weight_types)
     gate = [p for p in lowered["post_attn_decode"].params if str(p.name) == "w2"][0]
-    assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == [512, block_bytes]   # 1 block
+    assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == [512, row_bytes]   # k = 256
     decode = lowered["post_attn_decode"].script()
     assert f"helmc_gpu_gemv_{qtype}_n512_k256_r1w4u4" in decode and "R.matmul" not in decode
     assert f"helmc_gpu_gemv_{qtype}_n256_k512_r1w4u4" in decode

@@ -231,13 +231,14 @@ def test_llama_q_k_rows_come_back_in_hf_order(tmp_path, qtype):
 
 
 def test_k_quants_and_bf16_rows(tmp_path):
-    # Q3_K / Q4_K / Q5_K / Q6_K blocks hold 256 weights, so rows of 256: random blocks (raw bytes are what is checked)
+    # Q3_K / Q4_K / Q5_K / Q6_K blocks hold 256 weights, so rows of 256 (Q5_0: 32): random blocks (raw bytes are what is checked)
     spec = spec_of("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
     rng = np.random.default_rng(1)
     raw = {}
     for g, qtype, (rows, cols) in (("blk.0.ffn_up.weight", T.Q4_K, (512, 256)), ("blk.1.ffn_down.weight", T.Q6_K, (256, 512)),
                                    ("blk.1.ffn_gate.weight", T.Q5_K, (512, 256)),
-                                   ("blk.0.ffn_gate.weight", T.Q3_K, (512, 256))):
+                                   ("blk.0.ffn_gate.weight", T.Q3_K, (512, 256)),
+                                   ("blk.0.ffn_down.weight", T.Q5_0, (256, 512))):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw[g] = (qtype, rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8))
     _, written = write_gguf(tmp_path / "k.gguf", spec, raw_override=raw)
@@ -252,6 +253,9 @@ def test_k_quants_and_bf16_rows(tmp_path):
     assert types["model.layers.0.mlp.gate_proj.weight"] == "q3_k"
     assert ck.info("model.layers.0.mlp.gate_proj.weight").row_bytes == 110
     assert np.array_equal(ck.raw("model.layers.0.mlp.gate_proj.weight"), raw["blk.0.ffn_gate.weight"][1])
+    assert types["model.layers.0.mlp.down_proj.weight"] == "q5_0"
+    assert ck.info("model.layers.0.mlp.down_proj.weight").row_bytes == 16 * 22
+    assert np.array_equal(ck.raw("model.layers.0.mlp.down_proj.weight"), raw["blk.0.ffn_down.weight"][1])
     ck.close()
 
 

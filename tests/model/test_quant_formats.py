@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")   # the GPU machine runs pytest -m gpu withou
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.quant_formats import QUANT_TYPES, dequantize, quant_type, quantize  # noqa: E402
 
-BLOCK_TYPES = ("q8_0", "q4_0", "q3_k", "q4_k", "q5_k", "q6_k")
+BLOCK_TYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def structured_rows(k=1024, seed=0) -> np.ndarray:
@@ -53,6 +53,7 @@ def golden_rows() -> np.ndarray:
 GGML_REFERENCE_SHA256 = {
     "q8_0": "3717f41cf41dbe3dacf131e09e5446d67edac1f9a38e5969dac95d38fa38138f",
     "q4_0": "82119e105dc248b1e360f245658cc162d27db9dc445c7a1c64b6981df7aaf72e",
+    "q5_0": "4475e64ea0301aefe8465dadbfcade5b3623ba047ab829c5267009b640af024f",
     "q3_k": "be9552fba2e9d42a3844d2d01b2ef904211310231cba5666c32d5ea3f67167a6",
     "q4_k": "6f5486eb14f9c8671efee967b304a3f0525deae8ecae3e77325190b1d9af2441",
     "q5_k": "8053724638862a273e4bed7d3ec1cb084879546fd37f1335cd0f34e2a1120e34",
@@ -66,22 +67,22 @@ def roundtrip(x, name):
 
 
 def test_the_table_matches_gguf():
-    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q3_k": (256, 110, 3.4375), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
+    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
-    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q3_k, q4_k, q5_k, q6_k.*'q2_k'"):
+    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k.*'q2_k'"):
         quant_type("q2_k")
 
 
-@pytest.mark.parametrize("name,k", [("q4_k", 100), ("q3_k", 320), ("q6_k", 288), ("q8_0", 48), ("q4_0", 20)])
+@pytest.mark.parametrize("name,k", [("q4_k", 100), ("q3_k", 320), ("q6_k", 288), ("q8_0", 48), ("q4_0", 20), ("q5_0", 40)])
 def test_rows_not_a_whole_number_of_blocks_are_refused(name, k):
     bw = quant_type(name).block_weights
     with pytest.raises(HelmcError, match=rf"\[3, {k}\].*block size {bw}"):
@@ -100,6 +101,8 @@ def test_max_error_per_block(name):
     """Bounds on the largest error of each block, from the format (q8_0, q4_0) or measured (k-quants):
     q8_0: half a step of absmax/127 plus the fp16 rounding of d: < absmax/127.
     q4_0: d = max/-8 puts the block's extreme at -8; the opposite extreme clips at +7: one step, absmax/8.
+    q5_0: the same with d = max/-16 and +15: absmax/16, times 1 + 16 * 2^-11 for the fp16 rounding of d (measured
+          1.0023 of absmax/16).
     q4_k: measured <= 0.073 of the block's range (max(max, 0) - min(min, 0)) on these rows, the worst in the
           negative-only rows, where ggml's 6-bit mins of the other sub-blocks round against the largest;
           half a step of the largest sub-block scale is ~range/30. Bound range/10; a q4_k with its nibbles
@@ -116,7 +119,7 @@ def test_max_error_per_block(name):
     err = np.abs(y - x).reshape(-1, bw).max(axis=1)
     absmax = np.abs(b).max(axis=1)
     span = np.maximum(b.max(axis=1), 0) - np.minimum(b.min(axis=1), 0)      # the range, 0 included
-    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q3_k": absmax / 3.5, "q4_k": span / 10, "q5_k": span / 20,
+    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q5_0": absmax / 16 * (1 + 16 * 2**-11), "q3_k": absmax / 3.5, "q4_k": span / 10, "q5_k": span / 20,
              "q6_k": absmax / 32}[name]
     bad = np.nonzero(err > bound)[0]
     assert bad.size == 0, f"{name}: {bad.size} blocks over the bound, worst ratio {(err / np.maximum(bound, 1e-30)).max():.3f}"
@@ -169,6 +172,7 @@ def test_deterministic_and_independent_of_threads(name):
 # For each type: a byte of the first block's scales and the weights it governs in gguf's dequantizer.
 SCALE_BYTE = {"q8_0": (1, slice(0, 32)),          # d's high byte: the whole 32-weight block
               "q4_0": (1, slice(0, 32)),
+              "q5_0": (1, slice(0, 32)),
               "q3_k": (96, slice(0, 16)),         # scales[0]: low nibbles of sub-blocks 0 (bits 0-3) and 8
               "q4_k": (4, slice(0, 32)),          # scales[0]: 6-bit scale of sub-block 0 (weights 0-31)
               "q5_k": (4, slice(0, 32)),
