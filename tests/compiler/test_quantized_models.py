@@ -133,14 +133,18 @@ def _llama_quantize() -> str | None:
 
 @pytest.mark.skipif(_llama_quantize() is None, reason="needs llama.cpp's llama-quantize (../shared/peers/build_llamacpp.sh "
                                                        "/tmp/lc, or HELMC_LLAMA_QUANTIZE)")
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
-def test_llama_quantize_k_m_file_matches(ftype, tmp_path, cpu_hardware, cache_dir):
-    """A Q4_K_M / Q5_K_M file written by llama.cpp's own llama-quantize (from helmc's q8_0 file,
-    --allow-requantize) builds, runs and matches transformers on the gguf package's dequantization of that file."""
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q5_0"])
+def test_llama_quantize_file_matches(ftype, tmp_path, cpu_hardware, cache_dir):
+    """A Q4_K_M / Q5_K_M / Q3_K_M / Q5_0 file written by llama.cpp's own llama-quantize (from helmc's q8_0 file,
+    --allow-requantize) builds, runs and matches transformers on the gguf package's dequantization of that file;
+    a _M file's type of every linear is the one helmc's --quant of the same name gives (rows are whole 256-weight
+    blocks), a Q5_0 file's linears are all Q5_0 with a Q6_K output."""
     import subprocess
 
     from helmc import api
-    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.compiler.quantize_checkpoint import mixed_type, quantize_checkpoint
+    from helmc.model.spec import LINEAR_NAMES
+    from helmc.model.weight_types import QUANT_MIXES
     from helmc.runtime.session import Session
     from helmc.testing import make_tiny_model
     model_dir = str(tmp_path / "model")
@@ -154,7 +158,14 @@ def test_llama_quantize_k_m_file_matches(ftype, tmp_path, cpu_hardware, cache_di
     kinds = {t for sig in r.spec.block_signatures() for t in sig}
     print(f"\nllama-quantize {ftype}: block types {sorted(kinds)}, head {r.spec.head_type}, "
           f"{len(r.spec.block_signatures())} block signatures")
-    assert ftype[:4].lower() in kinds and "q6_k" in kinds and len(r.spec.block_signatures()) >= 2
+    mix = ftype.lower()
+    if mix in QUANT_MIXES:
+        assert mix[:4] in kinds and len(r.spec.block_signatures()) >= 2
+        assert [tuple(t) for t in r.spec.layer_types] == [
+            tuple(mixed_type(mix, f"model.layers.{i}.{n}", 8) for n in LINEAR_NAMES) for i in range(8)]
+        assert r.spec.head_type == mixed_type(mix, "lm_head.weight", 8) == "q6_k"
+    else:
+        assert kinds == {mix} and r.spec.head_type == "q6_k"
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), f"llama-quantize {ftype}")
 
 
