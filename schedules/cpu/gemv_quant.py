@@ -282,26 +282,30 @@ def _q4_0(vec: _Vectors, rows: int, group: int, m: int):
 
 def _q5_0(vec: _Vectors, rows: int, group: int, m: int):
     """q4_0's loop over q5_0's blocks (22 B: d, qh[4] at byte 2, the nibbles at 6): weight i's nibble gains 16 * bit
-    i % 8 of qh byte i // 8; acc += d * sum_i x_i * (q_i - 16)."""
+    i of the little-endian qh word; acc += d * sum_i x_i * (q_i - 16). Both parts are table lookups (the nibble's
+    table holds q - 16, the fifth bit's 16 * bit), added as fp32."""
     lanes = vec.lanes
-    sixteen = tirx.Broadcast(tirx.const(16.0, "float32"), lanes)
+    value = _nibble_value(-16.0)
     ramp = tirx.Ramp(tirx.const(0, "int32"), 1, lanes)
 
-    def fifth(w, row, b, first):
-        """16 * the fifth bits of weights first .. first + lanes, as int32 lanes."""
-        qh = tirx.Shuffle([vec.bytes(w, row, b * 22 + 2, 4)] * max(1, lanes // 4),
-                          [(first + i) // 8 for i in range(lanes)])
-        bits = tirx.shift_right(qh, tirx.bitwise_and(ramp + _ints(first, ramp), _ints(7, ramp)))
-        return tirx.shift_left(tirx.bitwise_and(bits, _ints(1, ramp)), _ints(4, ramp))
+    def high(i):
+        return _f32(tirx.bitwise_and(i, _ints(1, i))) * tirx.Broadcast(tirx.const(16.0, "float32"), _lanes(i))
+
+    def fifth(qh, first):
+        """The qh word shifted per lane so that weight first + i's fifth bit is bit 0 of lane i."""
+        return tirx.shift_right(vec.bcast(qh), ramp + _ints(first, ramp))
 
     def dot(x, w, row, b, tok):
+        qh = w[row, b * 22 + 2].astype("int32")      # 4 byte loads: a block is only 2-byte aligned
+        for i in range(1, 4):
+            qh = qh | (w[row, b * 22 + 2 + i].astype("int32") << (8 * i))
         terms = []
         for vo in range(16 // lanes):       # lanes <= 16 on every tier
             q = vec.bytes(w, row, b * 22 + 6 + vo * lanes)
-            for half, nib in ((0, tirx.bitwise_and(q, _ints(15, q))), (16, vec.shr(q, 4))):
+            for half, nib in ((0, q), (16, vec.shr(q, 4))):
                 first = half + vo * lanes
-                terms.append(x[tok, vec.at(b * 32 + first)] * (_f32(tirx.bitwise_or(nib, fifth(w, row, b, first)))
-                                                              - sixteen))
+                terms.append(x[tok, vec.at(b * 32 + first)] * (vec.lookup(nib, value)
+                                                              + vec.lookup(fifth(qh, first), high)))
         return _sum(terms)
 
     @T.macro
