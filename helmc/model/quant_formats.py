@@ -19,8 +19,9 @@ llama.cpp read what `quantize` writes:
                           w = d * sc_j * (q - 32)
 
 Q8_0, Q4_0 and Q5_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
-written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference quantizers (quantize_row_q4_K_ref / q5_K_ref with
-make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants; quantize_row_q3_K_ref with make_q3_quants), which llama-quantize uses when no
+written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference
+quantizers (quantize_row_q4_K_ref / q5_K_ref with make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants;
+quantize_row_q3_K_ref with make_q3_quants), which llama-quantize uses when no
 importance matrix is given. They are vectorised over sub-blocks: an 8B model has ~25M Q4_K blocks, and a
 Python loop per block would take hours. Arrays are laid out [elements of a sub-block, sub-blocks] so that
 every sum over a sub-block's elements is NumPy's sequential reduction over the outer axis: the same float32

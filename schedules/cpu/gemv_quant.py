@@ -119,7 +119,8 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)

@@ -319,7 +319,8 @@ def _decode_q6_k():
     return decode
 
 
-_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q5_0": _decode_q5_0, "q3_k": _decode_q3_k, "q4_k": _decode_q4_k, "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
+_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q5_0": _decode_q5_0, "q3_k": _decode_q3_k, "q4_k": _decode_q4_k,
+             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
 
 
 def _view_width(fmt: _Format) -> int:
@@ -333,7 +334,8 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
     m: rows of x (a batched decode step's sequences). Each block's quants are decoded once per thread and used

@@ -62,7 +62,8 @@ class Int8Unit:
         return self.weights + 4 * self.dx_lanes + self.sums * (2 if self.xs_dtype == "int16" else 4)
 
 
-INT8_UNITS = {"q3_k": Int8Unit(256, 110, 1, 16, "int16", True), "q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
+INT8_UNITS = {"q3_k": Int8Unit(256, 110, 1, 16, "int16", True),
+              "q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
               "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
               "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
 INT8_QTYPES = tuple(INT8_UNITS)
