@@ -111,15 +111,9 @@ def cache_key(model_dir: str, ckpt: Checkpoint, quant: str) -> str:
 
 # ---- what goes in the file ----------------------------------------------------------------------
 
-def use_more_bits(layer: int, n_layers: int) -> bool:
-    """llama.cpp's Q4_K_M rule (llama-quant.cpp): these blocks keep attn_v and ffn_down in Q6_K."""
-    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-
-
 def mixed_type(quant: str, hf: str, n_layers: int) -> str:
-    """The block type of linear `hf` under `quant`: its mix's (weight_types.QuantMix.type_of), the blocks that keep
-    more bits picked by use_more_bits."""
-    return quant_mix(quant).type_of(hf, lambda layer: use_more_bits(layer, n_layers))
+    """The block type of linear `hf` under `quant` in a model of n_layers blocks (weight_types.QuantMix.type_of)."""
+    return quant_mix(quant).type_of(hf, n_layers)
 
 
 def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -> list[tuple[str, str, str, tuple]]:

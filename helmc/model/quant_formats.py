@@ -1,4 +1,4 @@
-"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
+"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
 
 A quantized row of k weights is k / block_weights blocks of block_bytes each, laid out exactly as ggml's
 block structs (ggml-common.h), so `gguf.quants.dequantize` (the reference the tests compare against) and
@@ -6,6 +6,11 @@ llama.cpp read what `quantize` writes:
 
     q8_0 (34 B / 32 w):  d fp16, 32 x int8                                  w = d * q
     q4_0 (18 B / 32 w):  d fp16, 16 B of nibbles (w[i] low, w[i+16] high)  w = d * (q - 8)
+    q5_0 (22 B / 32 w):  d fp16, qh[4] (bit i of the little-endian word: bit 4 of weight i), 16 B of nibbles as q4_0's
+                         w = d * (q - 16)
+    q3_k (110 B / 256 w): hmask[32] (bit j of byte l: bit 2 of weight 32j + l), 64 B of 2-bit fields (byte 32h + l,
+                          bits 2c: weight 128h + 32c + l), 12 B of 6-bit scales for 16 sub-blocks of 16, d fp16
+                          w = d * (sc_j - 32) * (q - 4), q in [0, 7]
     q4_k (144 B / 256 w): d fp16, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           w = d * sc_j * q - dmin * m_j
     q5_k (176 B / 256 w): q4_k's 16-byte header, 32 B qh (bit j of byte l: bit 4 of weight l of sub-block j),
@@ -13,9 +18,10 @@ llama.cpp read what `quantize` writes:
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2 bits, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
 
-Q8_0 and Q4_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
-written here (Q5_K too: gguf has no quantizer for it), following the algorithm of ggml's reference quantizers (quantize_row_q4_K_ref / q5_K_ref with
-make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants), which llama-quantize uses when no
+Q8_0, Q4_0 and Q5_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
+written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference
+quantizers (quantize_row_q4_K_ref / q5_K_ref with make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants;
+quantize_row_q3_K_ref with make_q3_quants), which llama-quantize uses when no
 importance matrix is given. They are vectorised over sub-blocks: an 8B model has ~25M Q4_K blocks, and a
 Python loop per block would take hours. Arrays are laid out [elements of a sub-block, sub-blocks] so that
 every sum over a sub-block's elements is NumPy's sequential reduction over the outer axis: the same float32
@@ -29,15 +35,19 @@ a -O3 -march=native build (FMA contraction, as llama.cpp ships) 91-99% of q4_k /
 and the RMS error differs by under 0.5%; llama-quantize --pure Q4_K_S of that build wrote Q4_K blocks identical
 to these for every linear of a tiny Qwen3. Q5_K the same way (a later llama.cpp's quantize_row_q5_K_ref, gcc -O2
 -ffp-contract=off): byte-identical on every block of the golden rows, of three seeds of the structured test rows
-and of 64 x 4096 Gaussian rows.
+and of 64 x 4096 Gaussian rows. Q3_K the same way (quantize_row_q3_K_ref of 0c1e570, gcc -O2 -ffp-contract=off):
+byte-identical on every block of the golden rows, three seeds of the structured rows, 64 x 4096 Gaussian rows,
+integer rows and 1e-6-scale rows.
 RMS error / RMS of the weights, 256 x 4096 rows, seed 0 (Gaussian | Laplace | Student-t 3):
     q8_0 0.0054 | 0.0067 | 0.0086        q4_0 0.0860 | 0.1069 | 0.1260
     q4_k 0.0713 | 0.0846 | 0.0912        fixed-scale baseline 0.0782 | 0.0918 | 0.0998
     q6_k 0.0177 | 0.0217 | 0.0254        fixed-scale baseline 0.0187 | 0.0223 | 0.0256
     q5_k 0.0361 (Gaussian)               fixed-scale baseline 0.0378 (/ 31 instead of / 15)
+    q3_k 0.1509 | 0.1763 | 0.1871        fixed-scale baseline 0.1548 | 0.1786 | 0.1877
 The baselines keep exact float32 scales (no 6-bit or fp16 rounding) but take them from the range without a
-search: q4_k (max - min) / 15 from min per 32; q6_k the largest |x| at level -32 per 16.
-Speed, one core: q4_k 10-16 M weights/s (its 21-step scale search), q6_k ~27 M/s, q8_0 / q4_0 ~250 M/s;
+search: q4_k (max - min) / 15 from min per 32; q6_k (q3_k) the largest |x| at level -32 (-4) per 16.
+Speed, one core: q4_k 10-16 M weights/s (its 21-step scale search), q6_k ~27 M/s, q3_k 5-10 M/s on a busy
+2-core host (make_q3_quants' 5 passes of per-element descent, vectorised over sub-blocks), q8_0 / q4_0 ~250 M/s;
 so an 8B model's ~7G linear weights take ~8-12 min to q4_k on one core, about 1/n of that on n cores.
 """
 from __future__ import annotations
@@ -144,11 +154,12 @@ def dequantize(raw: np.ndarray, name: str, shape) -> np.ndarray:
     return np.asarray(gguf_quants.dequantize(data, qt.ggml_type), dtype=np.float32).reshape(shape)
 
 
-# ---- Q8_0, Q4_0: gguf's quantizers -----------------------------------------------------------------
+# ---- Q8_0, Q4_0, Q5_0: gguf's quantizers -----------------------------------------------------------------
 
 def _gguf_blocks(qtype: GGMLType):
     # The block quantizer itself: gguf.quants.quantize would split the chunk again into groups of 16 rows.
-    return {GGMLType.Q8_0: gguf_quants.Q8_0, GGMLType.Q4_0: gguf_quants.Q4_0}[qtype].quantize_blocks
+    return {GGMLType.Q8_0: gguf_quants.Q8_0, GGMLType.Q4_0: gguf_quants.Q4_0,
+            GGMLType.Q5_0: gguf_quants.Q5_0}[qtype].quantize_blocks
 
 
 # ---- Q4_K --------------------------------------------------------------------------------------
@@ -343,9 +354,89 @@ def _q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(nb, 2)], axis=1)
 
 
+# ---- Q3_K --------------------------------------------------------------------------------------
+
+def _q3_fit(x: np.ndarray):
+    """Per column of x [16, m]: ggml's make_q3_quants(16, 4, do_rmse=true): levels from the scale that maps the
+    largest |x| to -4, then up to 5 passes of per-element coordinate descent on the x^2-weighted fit (each
+    element in turn moves to its best level if that improves sumlx^2 / suml2). The passes run over all
+    columns at once; a column whose pass changed nothing would change nothing in the next, so running all
+    five is ggml's early exit. Returns (scale [m], L int8 [16, m] in [0, 7])."""
+    f32 = np.float32
+    m = x.shape[1]
+    idx = np.abs(x).argmax(axis=0)                    # the first largest |x| (ggml's strict '>')
+    mx = x[idx, np.arange(m)]
+    zero = np.abs(mx) < _EPS
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = f32(-4) / np.where(zero, f32(1), mx)
+    L = np.clip(_rint(iscale * x), -4, 3).astype(f32)   # [16, m]
+    w = x * x
+    wx = w * x
+    sumlx, suml2 = np.zeros(m, f32), np.zeros(m, f32)
+    for i in range(16):                               # ggml's sequential float sums
+        sumlx = sumlx + wx[i] * L[i]
+        suml2 = suml2 + (w[i] * L[i]) * L[i]
+    for _ in range(5):
+        for i in range(16):
+            slx = sumlx - wx[i] * L[i]
+            sl2 = suml2 - (w[i] * L[i]) * L[i]
+            pos = slx > 0
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                new = np.clip(_rint((x[i] * sl2) / np.where(pos, slx, f32(1))), -4, 3).astype(f32)
+            slx2 = slx + wx[i] * new
+            sl22 = sl2 + (w[i] * new) * new
+            take = pos & (new != L[i]) & (sl22 > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+            L[i] = np.where(take, new, L[i])
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 > 0, sumlx / suml2, f32(0))
+    scale = np.where(zero, f32(0), scale).astype(f32)
+    L = np.where(zero[None, :], f32(0), L + f32(4)).astype(np.int8)   # ggml leaves an all-zero group at 0
+    return scale, L
+
+
+def _q3_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [nb, 110] of float32 blocks [nb, 256] (ggml's quantize_row_q3_K_ref): hmask[32] (bit j of byte l:
+    the third bit of weight 32 j + l), qs[64] (2-bit levels: byte 32 h + l holds weights 128 h + 32 s + l at bits
+    2 s), scales[12] (16 6-bit scales + 32: low nibbles in bytes 0-7, sub-block j < 8 low and j + 8 high; the
+    top 2 bits of sub-block j at bits 2 (j // 4) of byte 8 + j % 4), d fp16;  w = d * (sc_j - 32) * (q - 4)."""
+    f32 = np.float32
+    nb = blocks.shape[0]
+    x = np.ascontiguousarray(blocks.reshape(nb * 16, 16).T)           # [16, nb*16]: element, sub-block
+    scales, L = _q3_fit(x)
+    scales = scales.reshape(nb, 16)
+    pick = np.abs(scales).argmax(axis=1)                               # the sub-block of the largest |scale|
+    max_scale = scales[np.arange(nb), pick]
+    zero = max_scale == 0
+    with np.errstate(divide="ignore"):
+        iscale = f32(-32) / np.where(zero, f32(1), max_scale)
+    ls = (np.clip(_rint(iscale[:, None] * scales), -32, 31) + 32).astype(np.uint8)   # [nb, 16]
+    ls[zero] = 0
+    d16 = np.where(zero, f32(0), f32(1) / iscale).astype(np.float16)
+    dj = (d16.astype(f32)[:, None] * (ls.astype(f32) - f32(32))).reshape(-1)         # [nb*16]
+    nz = dj != 0                                                       # ggml keeps make_q3_quants' levels there
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = (np.clip(_rint(x / np.where(nz, dj, f32(1))), -4, 3) + 4).astype(np.int8)
+    q = np.where(nz, l2, L).astype(np.uint8).T.reshape(nb, 256)       # [nb, weight]
+    hm = (q >> 2).reshape(nb, 8, 32)                                   # [nb, bit, byte]
+    hmask = np.zeros((nb, 32), dtype=np.uint8)
+    for j in range(8):
+        hmask |= hm[:, j] << j
+    low = (q & 3).reshape(nb, 2, 4, 32)                                # [nb, 128-weight half, shift, byte]
+    qs = (low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)).reshape(nb, 64)
+    sc = np.zeros((nb, 12), dtype=np.uint8)
+    sc[:, 0:8] = (ls[:, 0:8] & 0xF) | ((ls[:, 8:16] & 0xF) << 4)
+    for j in range(16):
+        sc[:, 8 + j % 4] |= (ls[:, j] >> 4) << (2 * (j // 4))
+    return np.concatenate([hmask, qs, sc, d16.view(np.uint8).reshape(nb, 2)], axis=1)
+
+
 # The block quantizers, by weight_types' references.
 q8_0_blocks = _gguf_blocks(GGMLType.Q8_0)
 q4_0_blocks = _gguf_blocks(GGMLType.Q4_0)
+q5_0_blocks = _gguf_blocks(GGMLType.Q5_0)
+q3_k_blocks = _q3_k_blocks
 q4_k_blocks = _q4_k_blocks
 q5_k_blocks = _q5_k_blocks
 q6_k_blocks = _q6_k_blocks

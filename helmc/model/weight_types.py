@@ -91,6 +91,10 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q4_0", 2, 32, 18, block_quantizer=f"{_QUANT}:q4_0_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), kit=True),
+    WeightType("q5_0", 6, 32, 22, block_quantizer=f"{_QUANT}:q5_0_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
+               gpu_gemv_tuning=(1, 4, 4), kit=True),
+    WeightType("q3_k", 11, 256, 110, block_quantizer=f"{_QUANT}:q3_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
+               gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q4_k", 12, 256, 144, block_quantizer=f"{_QUANT}:q4_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(2, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("q5_k", 13, 256, 176, block_quantizer=f"{_QUANT}:q5_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
@@ -135,41 +139,73 @@ def resolve(ref: str) -> Callable:
 
 # ---- `--quant`: how a Hugging Face checkpoint's weights are quantized --------------------------------------
 
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama-quant.cpp): the first and last eighth of the blocks and every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+# Which blocks a LinearRule covers: f(layer, n_layers) -> bool, as llama_tensor_get_type picks them.
+BLOCK_SELECTIONS: dict[str, Callable[[int, int], bool]] = {
+    "all": lambda layer, n: True,
+    "more_bits": use_more_bits,
+    "first_two": lambda layer, n: layer < 2,                 # Q3_K_M's attn_v (i_attention_wv < 2)
+    "first_sixteenth": lambda layer, n: layer < n // 16,     # Q3_K_M's ffn_down
+}
+_ATTN_V, _ATTN_OUT, _FFN_DOWN = "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"
+
+
+@dataclass(frozen=True)
+class LinearRule:
+    """In a mix: the linears `linears` (HF names inside a block) of the blocks `blocks` (a BLOCK_SELECTIONS key)
+    are stored as `type`."""
+    linears: tuple[str, ...]
+    type: str
+    blocks: str = "all"
+
+
 @dataclass(frozen=True)
 class QuantMix:
     """A `helmc build --quant` choice: the block type of the linears, llama.cpp's file type it is written as, and
-    for a mix (llama.cpp's _M) the type of the lm_head and of the `more_bits_linears` in the blocks its
-    use_more_bits rule picks. A linear whose k is not a whole number of blocks falls back to `fallback` (where
-    k is a multiple of its block), else f16."""
+    for a mix (llama.cpp's _M) the type of the lm_head and the rules that give some blocks' linears more bits
+    (the first rule that covers a linear wins). A linear whose k is not a whole number of blocks falls back to
+    `fallback` (where k is a multiple of its block), else f16."""
     name: str
     linear_type: str
     file_type: int                   # gguf.LlamaFileType
     head_type: str = ""              # "": linear_type
-    more_bits_type: str = ""         # "": no per-block mix
-    more_bits_linears: tuple[str, ...] = ()
+    rules: tuple[LinearRule, ...] = ()
     fallback: str = "q8_0"
 
-    def type_of(self, hf: str, use_more_bits: Callable[[int], bool]) -> str:
-        """The block type of linear `hf` (an HF name); use_more_bits(layer) says whether a block is one of those
-        that keep more bits."""
+    def type_of(self, hf: str, n_layers: int) -> str:
+        """The block type of linear `hf` (an HF name) in a model of n_layers blocks."""
         if hf == "lm_head.weight" and self.head_type:
             return self.head_type
-        if self.more_bits_type:
-            layer, _, local = hf.removeprefix("model.layers.").partition(".")
-            if local in self.more_bits_linears and use_more_bits(int(layer)):
-                return self.more_bits_type
+        layer, _, local = hf.removeprefix("model.layers.").partition(".")
+        for rule in self.rules:
+            if local in rule.linears and BLOCK_SELECTIONS[rule.blocks](int(layer), n_layers):
+                return rule.type
         return self.linear_type
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Every block type the mix writes."""
+        return tuple(dict.fromkeys((self.linear_type, self.head_type or self.linear_type, self.fallback)
+                                   + tuple(r.type for r in self.rules)))
 
 
 QUANT_MIXES: dict[str, QuantMix] = {m.name: m for m in (
     QuantMix("q8_0", "q8_0", 7),
     QuantMix("q4_0", "q4_0", 2),
+    QuantMix("q3_k", "q3_k", 11),          # llama.cpp's MOSTLY_Q3_K_S
+    # llama.cpp's Q3_K_M for dense models: attn_v Q5_K in the first two blocks and Q4_K after; ffn_down Q5_K in
+    # the first sixteenth and Q4_K after (the Q3_K branch is Falcon's only); attn_output Q4_K; output Q6_K.
+    QuantMix("q3_k_m", "q3_k", 12, head_type="q6_k", rules=(
+        LinearRule((_ATTN_V,), "q5_k", "first_two"), LinearRule((_FFN_DOWN,), "q5_k", "first_sixteenth"),
+        LinearRule((_ATTN_V, _FFN_DOWN, _ATTN_OUT), "q4_k"))),
     QuantMix("q4_k", "q4_k", 14),          # llama.cpp's MOSTLY_Q4_K_S ("mostly Q4_K": display only there)
-    QuantMix("q4_k_m", "q4_k", 15, head_type="q6_k", more_bits_type="q6_k",
-             more_bits_linears=("self_attn.v_proj.weight", "mlp.down_proj.weight")),
+    QuantMix("q4_k_m", "q4_k", 15, head_type="q6_k", rules=(LinearRule((_ATTN_V, _FFN_DOWN), "q6_k", "more_bits"),)),
     QuantMix("q5_k", "q5_k", 16),          # llama.cpp's MOSTLY_Q5_K_S
-    QuantMix("q5_k_m", "q5_k", 17, head_type="q6_k", more_bits_type="q6_k",
-             more_bits_linears=("self_attn.v_proj.weight", "mlp.down_proj.weight")),
+    QuantMix("q5_k_m", "q5_k", 17, head_type="q6_k", rules=(LinearRule((_ATTN_V, _FFN_DOWN), "q6_k", "more_bits"),)),
 )}
 
 

@@ -4,6 +4,9 @@ W is a uint8 buffer [n, k / block_weights * block_bytes]: each row is its blocks
 ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, never repacked or widened:
     q8_0 (34 B / 32 w):   d fp16, 32 x int8                                  w = d * q
     q4_0 (18 B / 32 w):   d fp16, 16 B nibbles (w[i] low, w[i+16] high)     w = d * (q - 8)
+    q5_0 (22 B / 32 w):   d fp16, qh[4] (bit i: bit 4 of weight i), 16 B nibbles as q4_0's   w = d * (q - 16)
+    q3_k (110 B / 256 w): hmask[32], qs[64] 2-bit, 12 B of 6-bit scales for 16 sub-blocks of 16, d fp16
+                          w = d * (sc_j - 32) * (q - 4)
     q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           (32-byte chunk c: low nibbles are sub-block 2c, high ones 2c+1)
                           w = d * sc_j * q - dmin * m_j
@@ -50,6 +53,7 @@ from tvm.script import tirx as T
 
 from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS, check_quant_shape
 from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.float_lanes import _f32, _ints, _lane_index, _lanes, _nibble_value, _token, _Vectors
 from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
 from helmc.schedules.cpu.quant.tiles import QuantTiles, _hsum, _sum
 from helmc.schedules.cpu.weight_load import STACK, widen
@@ -115,7 +119,8 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)
@@ -234,72 +239,6 @@ def _make_float_tiled(qtype: str, n: int, k: int, isa: VectorIsa, tuning: QuantG
     return gemv
 
 
-class _Vectors:
-    """Explicit vector expressions of the isa's fp32 width (TIR Ramp loads, Broadcast scalars)."""
-
-    def __init__(self, isa: VectorIsa):
-        self.lanes = isa.fp32_lanes
-        self.f16c = not isa.is_slow_fallback
-        self.vpermps16 = isa.tier == "avx512"   # a 16-entry table lookup is one vpermps
-
-    def at(self, base, lanes: int | None = None):
-        return tirx.Ramp(base, 1, lanes or self.lanes)
-
-    def bcast(self, scalar, lanes: int | None = None):
-        return tirx.Broadcast(scalar, lanes or self.lanes)
-
-    def bytes(self, w, row, off, lanes: int | None = None):
-        """lanes consecutive bytes of the uint8 view from w[row, off], zero-extended to int32 lanes."""
-        return tirx.Cast(f"int32x{lanes or self.lanes}", w[row, self.at(off, lanes)])
-
-    def words(self, w, row, off, lanes: int | None = None):
-        """4 * lanes bytes from w[row, off] as int32 lanes: lane i holds bytes 4i..4i+3, byte 4i+j at bit 8j
-        (one plain vector load at any alignment; the shifts that pick a byte stay in 32-bit lanes)."""
-        lanes = lanes or self.lanes
-        return tirx.reinterpret(f"int32x{lanes}", w[row, self.at(off, 4 * lanes)])
-
-    def permute(self, table, index):
-        """table[index[i]] per lane; 16 lanes need AVX-512, 8 lanes AVX2."""
-        name = {16: "llvm.x86.avx512.permvar.sf.512", 8: "llvm.x86.avx2.permps"}[_lanes(index)]
-        return tirx.call_llvm_pure_intrin(f"float32x{_lanes(index)}", name, table, index)
-
-    def shr(self, v, bits):
-        return tirx.shift_right(v, tirx.Broadcast(tirx.Cast("int32", bits), _lanes(v)))
-
-    def scale(self, wh, row, half_index):
-        """fp16 field at wh[row, half_index] as fp32, broadcast."""
-        return self.bcast(widen(wh[row, half_index], "float16", self.f16c))
-
-    def lookup(self, index, table):
-        """table(i) for i = the low 4 bits of each int32 lane of `index` (higher bits ignored); `table` maps an
-        int32 vector of indices to the float32 vector of entries."""
-        if self.vpermps16:
-            return self.permute(table(tirx.Ramp(tirx.const(0, "int32"), 1, 16)), index)   # table constant-folded
-        return table(tirx.bitwise_and(index, tirx.Broadcast(tirx.const(15, "int32"), _lanes(index))))
-
-
-def _lanes(v) -> int:
-    return v.ty.dtype.lanes
-
-
-def _f32(v):
-    lanes = _lanes(v)
-    return tirx.Cast("float32" if lanes == 1 else f"float32x{lanes}", v)
-
-
-def _ints(value, like):
-    return tirx.Broadcast(tirx.const(value, "int32"), _lanes(like))
-
-
-def _nibble_value(offset: float):
-    return lambda i: _f32(i) + tirx.Broadcast(tirx.const(offset, "float32"), _lanes(i))
-
-
-def _token(p, t, group: int, m: int):
-    """Token of pass p's t-th accumulator set, clamped for loads (a partial last pass skips its stores)."""
-    return T.min(p * group + t, m - 1)
-
-
 def _q8_0(vec: _Vectors, rows: int, group: int, m: int):
     """Block b of each row: acc += d * sum_i x_i * q_i, the 32 int8 quants at byte 2 of the block."""
     lanes = vec.lanes
@@ -342,11 +281,42 @@ def _q4_0(vec: _Vectors, rows: int, group: int, m: int):
     return block_dot, None
 
 
-def _lane_index(base, lanes: int, shift: int, step: int):
-    """int32 vector base + (i >> shift) * step over lanes i: which table entry each lane reads."""
+def _q5_0(vec: _Vectors, rows: int, group: int, m: int):
+    """q4_0's loop over q5_0's blocks (22 B: d, qh[4] at byte 2, the nibbles at 6): weight i's nibble gains 16 * bit
+    i of the little-endian qh word; acc += d * sum_i x_i * (q_i - 16). Both parts are table lookups (the nibble's
+    table holds q - 16, the fifth bit's 16 * bit), added as fp32."""
+    lanes = vec.lanes
+    value = _nibble_value(-16.0)
     ramp = tirx.Ramp(tirx.const(0, "int32"), 1, lanes)
-    return tirx.Broadcast(tirx.Cast("int32", base), lanes) \
-        + tirx.shift_right(ramp, _ints(shift, ramp)) * _ints(step, ramp)
+
+    def high(i):
+        return _f32(tirx.bitwise_and(i, _ints(1, i))) * tirx.Broadcast(tirx.const(16.0, "float32"), _lanes(i))
+
+    def fifth(qh, first):
+        """The qh word shifted per lane so that weight first + i's fifth bit is bit 0 of lane i."""
+        return tirx.shift_right(vec.bcast(qh), ramp + _ints(first, ramp))
+
+    def dot(x, w, row, b, tok):
+        qh = w[row, b * 22 + 2].astype("int32")      # 4 byte loads: a block is only 2-byte aligned
+        for i in range(1, 4):
+            qh = qh | (w[row, b * 22 + 2 + i].astype("int32") << (8 * i))
+        terms = []
+        for vo in range(16 // lanes):       # lanes <= 16 on every tier
+            q = vec.bytes(w, row, b * 22 + 6 + vo * lanes)
+            for half, nib in ((0, q), (16, vec.shr(q, 4))):
+                first = half + vo * lanes
+                terms.append(x[tok, vec.at(b * 32 + first)] * (vec.lookup(nib, value)
+                                                              + vec.lookup(fifth(qh, first), high)))
+        return _sum(terms)
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        for r in T.unroll(rows):
+            for t in T.unroll(group):
+                acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 11) * dot(
+                    x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
+
+    return block_dot, None
 
 
 def _q4_k(vec: _Vectors, rows: int, group: int, m: int):
@@ -437,6 +407,77 @@ def _affine_k(vec: _Vectors, rows: int, group: int, m: int, fifth_bit: bool):
     return block_dot, order
 
 
+def _q3_k(vec: _Vectors, rows: int, group: int, m: int):
+    """Block b (110 B): weight 128h + 32c + l (half h, c < 4, l < 32) is q = (bits 2c of qs byte 32h + l) |
+    (bit 4h + c of hmask byte l) << 2, minus 4; qs at byte 32, hmask at 0, the 12 scale bytes at 96, d (fp16) at
+    108. Sub-block j = weight // 16 has the 6-bit scale (nibble j // 8 of byte j % 8) | (bits 2(j // 4) of byte
+    8 + j % 4) << 4, minus 32; acc += d * sc_j * sum x*q per sub-block (sm = d * sc as 16 lanes per block and
+    row). The 64 qs bytes are read as int32 words, `span` bytes per vector: lane i of window u, byte j, shift
+    c is byte p = span*u + 4i + j of qs, weight 128 (p // 32) + 32c + p % 32; x is read permuted to match."""
+    lanes = vec.lanes
+    span = 4 * lanes
+    windows = 64 // span
+    four = tirx.Broadcast(tirx.const(4.0, "float32"), lanes)
+
+    def order(g, i):
+        """Block-relative weight in lane i of vector g = (u * 4 + c) * 4 + j."""
+        j, c, u = g % 4, g // 4 % 4, g // 16
+        p = span * u + 4 * i + j
+        return 128 * (p // 32) + 32 * c + p % 32
+
+    def high_words(w, row, b, u, c, j):
+        """The hmask bits of the lanes' weights at bit 0 (higher bits masked by the caller)."""
+        if span == 64:    # lanes 0-7 (half 0) and 8-15 (half 1) read the same 32 bytes, at bits c and 4 + c
+            half = vec.words(w, row, b * 110, 8)
+            return tirx.shift_right(tirx.Shuffle([half, half], list(range(16))), _lane_index(j * 8 + c, 16, 3, 4))
+        return vec.shr(vec.words(w, row, b * 110 + span * u % 32), j * 8 + 4 * (span * u // 32) + c)
+
+    def lane_scales(sm, r, u, c):
+        """d * sc of each lane's sub-block 8h + 2c + (p % 32) // 16."""
+        if lanes == 16:
+            ramp = tirx.Ramp(tirx.const(0, "int32"), 1, 16)
+            index = tirx.Broadcast(tirx.Cast("int32", 2 * c), 16) + tirx.shift_right(ramp, _ints(3, ramp)) * _ints(8, ramp) \
+                + tirx.bitwise_and(tirx.shift_right(ramp, _ints(2, ramp)), _ints(1, ramp))
+            return vec.permute(sm[r, vec.at(0, 16)], index)
+        if lanes == 8:
+            return vec.permute(sm[r, vec.at(8 * u, 8)], _lane_index(2 * c, 8, 2, 1))
+        return vec.bcast(sm[r, 8 * (u // 2) + 2 * c + u % 2])
+
+    def dot(xp, w, row, b, u, c, tok):
+        qs = vec.words(w, row, b * 110 + 32 + span * u)
+        terms = []
+        for j in range(4):
+            low = tirx.bitwise_and(vec.shr(qs, j * 8 + 2 * c), _ints(3, qs))
+            hb = tirx.shift_left(tirx.bitwise_and(high_words(w, row, b, u, c, j), _ints(1, qs)), _ints(2, qs))
+            terms.append(xp[tok, vec.at(b * 256 + ((u * 4 + c) * 4 + j) * lanes)] * (_f32(tirx.bitwise_or(low, hb)) - four))
+        return _sum(terms)
+
+    def scale_part(w, row, b, d, q):
+        """d * (sc_j - 32) for j = 4q .. 4q + 3."""
+        low = vec.bytes(w, row, b * 110 + 96 + 4 * (q % 2), 4)
+        low = tirx.bitwise_and(vec.shr(low, 4 * (q // 2)), _ints(15, low))
+        top = tirx.bitwise_and(vec.shr(vec.bytes(w, row, b * 110 + 104, 4), 2 * q), _ints(3, low))
+        six = tirx.bitwise_or(low, tirx.shift_left(top, _ints(4, low)))
+        return vec.bcast(d, 4) * (_f32(six) - tirx.Broadcast(tirx.const(32.0, "float32"), 4))
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        # Rows innermost over the quants: each xp vector is loaded once for all rows of the group.
+        sm = T.alloc_buffer((rows, 16), "float32", scope="global", annotations=STACK)   # d * sc_j
+        for r in T.unroll(rows):
+            d = widen(wh[T.min(first + r, n - 1), b * 55 + 54], "float16", vec.f16c)
+            for q in T.unroll(4):
+                sm[r, vec.at(q * 4, 4)] = scale_part(w, T.min(first + r, n - 1), b, d, q)
+        for u in T.unroll(windows):
+            for c in T.unroll(4):
+                for r in T.unroll(rows):
+                    for s in T.unroll(group):
+                        acc[s, r, vec.at(0)] = acc[s, r, vec.at(0)] + lane_scales(sm, r, u, c) * dot(
+                            xp, w, T.min(first + r, n - 1), b, u, c, _token(p, s, group, m))
+
+    return block_dot, order
+
+
 def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     """Block b: weight 128h + 32c + l (half h, quarter c, l < 32) is q = ql | qh << 4 - 32 with ql the nibble
     c // 2 of byte 64h + 32(c % 2) + l and qh bits 2c..2c+1 of byte 128 + 32h + l; sub-block j = weight // 16
@@ -498,4 +539,4 @@ def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     return block_dot, order
 
 
-_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}

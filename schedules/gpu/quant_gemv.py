@@ -3,6 +3,10 @@
 W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks along k in ggml's block layouts:
     q8_0 (34 B / 32 w):   d fp16, 32 x int8                                  w = d * q
     q4_0 (18 B / 32 w):   d fp16, 16 B nibbles (w[i] low, w[i+16] high)     w = d * (q - 8)
+    q5_0 (22 B / 32 w):   d fp16, qh[4] (bit i: bit 4 of weight i), 16 B nibbles as q4_0's   w = d * (q - 16)
+    q3_k (110 B / 256 w): hmask[32], qs[64] 2-bit, 12 B of 6-bit scales for 16 sub-blocks of 16, d fp16
+                          (weight 128h + 32c + l: bits 2c of qs[32h + l], bit 4h + c of hmask[l])
+                          w = d * (sc_j - 32) * (q - 4)
     q4_k (144 B / 256 w): d, dmin fp16, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, 128 B nibbles
                           (32-byte chunk c: low nibbles are sub-block 2c, high ones 2c+1)   w = d*sc_j*q - dmin*m_j
     q5_k (176 B / 256 w): q4_k's 16-byte header, qh[32] (bit j of byte l: bit 4 of weight l of sub-block j),
@@ -22,7 +26,8 @@ owns `groups` runs of `run` consecutive weights (8 or 16: one or two 16-byte loa
 output), each run under one scale. Neighbouring threads read neighbouring bytes of the same block, and a
 warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in a few 32-byte sectors.
 - Loads are as wide as the block's alignment allows: q4_k blocks (144 B) are 16-byte aligned in every row,
-  so its quants and its header are one 16-byte load each (q5_k's 176 B too, and its qh); q8_0 / q4_0 / q6_k blocks (34, 18, 210 B) are
+  so its quants and its header are one 16-byte load each (q5_k's 176 B too, and its qh); q8_0 / q4_0 / q5_0 /
+  q3_k / q6_k blocks (34, 18, 22, 110, 210 B) are
   only 2-byte aligned (odd blocks of a row start at 2 mod 4), so they are read as uint16 (llama.cpp's
   get_int_b2 does the same).
 - A quant becomes an fp32 by the exponent trick: the integer (or int8 + 128) is OR-ed into the mantissa of
@@ -69,6 +74,8 @@ class _Format:
 # q4_k / q6_k block and 4 per q8_0 block keep a warp step inside 4-8 consecutive blocks (136-840 bytes).
 FORMATS = {"q8_0": _Format(*QUANT_BLOCKS["q8_0"], 4, 1, 8, "uint16"),
            "q4_0": _Format(*QUANT_BLOCKS["q4_0"], 2, 2, 8, "uint16"),
+           "q5_0": _Format(*QUANT_BLOCKS["q5_0"], 2, 2, 8, "uint16"),
+           "q3_k": _Format(*QUANT_BLOCKS["q3_k"], 8, 4, 8, "uint16"),
            "q4_k": _Format(*QUANT_BLOCKS["q4_k"], 8, 2, 16, "uint32"),
            "q5_k": _Format(*QUANT_BLOCKS["q5_k"], 8, 2, 16, "uint32"),
            "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16")}
@@ -148,11 +155,11 @@ def _run_start(qtype: str, t, g: int):
     """Position in the block (along k) of thread t's run g."""
     if qtype == "q8_0":
         return 8 * t
-    if qtype == "q4_0":
+    if qtype in ("q4_0", "q5_0"):
         return 16 * g + 8 * t                          # byte 8t + i: low nibble weight 8t+i, high 8t+i+16
     if qtype in AFFINE:
         return 64 * (t // 2) + 32 * g + 16 * (t % 2)   # chunk t//2, its bytes 16(t%2)..+16, nibble g
-    return 128 * (t // 4) + 32 * g + 8 * (t % 4)      # q6_k: half t//4, quarter g, positions 8(t%4)..+8
+    return 128 * (t // 4) + 32 * g + 8 * (t % 4)      # q3_k / q6_k: half t//4, quarter g, positions 8(t%4)..+8
 
 
 def _decode_q8_0():
@@ -177,6 +184,26 @@ def _decode_q4_0():
         for g in T.unroll(2):
             for i in T.unroll(8):
                 q[r, g * 8 + i] = _unsigned(_field(u[i // 2], 8 * (i % 2) + 4 * g, 0xF), 8)
+        scale[r, 0] = _half(wv[base])
+        scale[r, 1] = scale[r, 0]
+
+    return decode
+
+
+def _decode_q5_0():
+    """q4_0's runs (quant bytes at 6, word 3) with the fifth bits from the qh word (bytes 2-5, words 1-2): weight
+    16g + 8t + i gains 16 * bit 16g + 8t + i."""
+    @T.macro
+    def decode(wv, base, t, q, scale, offset, r):
+        u = T.alloc_buffer((4,), "uint16", scope="local")
+        for j in T.unroll(4):
+            u[j] = wv[base + 3 + 4 * t + j]                        # quant bytes 8t + 2j, 2j + 1
+        qh = T.bitwise_or(_u32(wv[base + 1]), T.shift_left(_u32(wv[base + 2]), T.uint32(16)))
+        for g in T.unroll(2):
+            for i in T.unroll(8):
+                q[r, g * 8 + i] = _unsigned(T.bitwise_or(
+                    _field(u[i // 2], 8 * (i % 2) + 4 * g, 0xF),
+                    T.shift_left(_field(qh, 16 * g + 8 * t + i, 1), T.uint32(4))), 16)
         scale[r, 0] = _half(wv[base])
         scale[r, 1] = scale[r, 0]
 
@@ -239,6 +266,35 @@ def _decode_q5_k():
     return decode
 
 
+def _decode_q3_k():
+    """q6_k's runs (110-byte blocks are 2-byte aligned): thread t's weights 128h + 32g + l0 .. + 8 (h = t // 4,
+    l0 = 8(t%4)) are bits 2g of qs bytes 32h + l0 .. + 8 (at byte 32) and bit 4h + g of hmask bytes l0 .. + 8;
+    run g lies in sub-block j = 8h + 2g + (t%4)//2, whose 6-bit scale is nibble h of byte j % 8 (byte 2g + p,
+    p = (t%4)//2) with bits 2(j // 4) of byte 8 + j % 4 above it (scale bytes at 96, d at 108)."""
+    @T.macro
+    def decode(wv, base, t, q, scale, offset, r):
+        qs = T.alloc_buffer((4,), "uint16", scope="local")
+        hm = T.alloc_buffer((4,), "uint16", scope="local")
+        sc = T.alloc_buffer((6,), "uint16", scope="local")
+        for j in T.unroll(4):
+            qs[j] = wv[base + 16 + 16 * (t // 4) + 4 * (t % 4) + j]
+        for j in T.unroll(4):
+            hm[j] = wv[base + 4 * (t % 4) + j]
+        for j in T.unroll(6):
+            sc[j] = wv[base + 48 + j]
+        for g in T.unroll(4):
+            for i in T.unroll(8):
+                q[r, g * 8 + i] = _unsigned(T.bitwise_or(
+                    _field(qs[i // 2], 8 * (i % 2) + 2 * g, 3),
+                    T.shift_left(_field(hm[i // 2], 8 * (i % 2) + g + 4 * (t // 4), 1), T.uint32(2))), 4)
+            p8 = 8 * ((t % 4) // 2)
+            six = T.bitwise_or(_field(sc[g], p8 + 4 * (t // 4), 0xF),
+                               T.shift_left(_field(sc[4 + g % 2], p8 + 4 * (t // 4) + 2 * (g // 2), 3), T.uint32(4)))
+            scale[r, g] = _half(wv[base + 54]) * _unsigned(six, 32)
+
+    return decode
+
+
 def _decode_q6_k():
     @T.macro
     def decode(wv, base, t, q, scale, offset, r):
@@ -263,7 +319,8 @@ def _decode_q6_k():
     return decode
 
 
-_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q4_k": _decode_q4_k, "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
+_DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q5_0": _decode_q5_0, "q3_k": _decode_q3_k, "q4_k": _decode_q4_k,
+             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
 
 
 def _view_width(fmt: _Format) -> int:
@@ -277,7 +334,8 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
-    qtype: "q8_0" | "q4_0" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
     m: rows of x (a batched decode step's sequences). Each block's quants are decoded once per thread and used

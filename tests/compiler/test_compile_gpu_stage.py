@@ -280,9 +280,10 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
 
 
 @needs_nvcc
-def test_q5_k_gpu_stage_builds_with_its_kernels(tmp_path):
-    """A Q5_K_M-like spec (q5_k linears, down_proj of block 1 and the lm_head in q6_k): the q5_k decode linears
-    are its fused dequantize-GEMV on the raw 176-byte blocks, its prefill weights one dequantize each, in one cubin."""
+@pytest.mark.parametrize("qtype,row_bytes", [("q5_k", 176), ("q3_k", 110), ("q5_0", 8 * 22)])
+def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, row_bytes):
+    """A Q5_K_M- / Q3_K_M-like spec or a Q5_0 one (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
+    linears are its fused dequantize-GEMV on the raw blocks, its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
     from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
@@ -293,20 +294,20 @@ def test_q5_k_gpu_stage_builds_with_its_kernels(tmp_path):
     cfg = tiny_config("qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, hidden_size=256,
                       intermediate_size=512).to_dict()
     cfg["architectures"] = ["Qwen3ForCausalLM"]
-    types = {f"model.layers.{i}.{n}": "q5_k" for i in range(2) for n in LINEAR_NAMES}
+    types = {f"model.layers.{i}.{n}": qtype for i in range(2) for n in LINEAR_NAMES}
     types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"
     spec = with_weight_types(ModelSpec.from_hf_config(cfg), types)
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
     lowered = lower_quantized_gpu(mod, weight_types)
     gate = [p for p in lowered["post_attn_decode"].params if str(p.name) == "w2"][0]
-    assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == [512, 176]   # 1 q5_k block
+    assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == [512, row_bytes]   # k = 256
     decode = lowered["post_attn_decode"].script()
-    assert "helmc_gpu_gemv_q5_k_n512_k256_r1w4u4" in decode and "R.matmul" not in decode
-    assert "helmc_gpu_gemv_q5_k_n256_k512_r1w4u4" in decode
-    assert "helmc_gpu_dequantize_q5_k_n512_k256" in lowered["post_attn_prefill"].script()
+    assert f"helmc_gpu_gemv_{qtype}_n512_k256_r1w4u4" in decode and "R.matmul" not in decode
+    assert f"helmc_gpu_gemv_{qtype}_n256_k512_r1w4u4" in decode
+    assert f"helmc_gpu_dequantize_{qtype}_n512_k256" in lowered["post_attn_prefill"].script()
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
-    for kernel in ("gemv_q5_k_n512_k256_r1w4u4", "gemv_q5_k_n256_k512_r1w4u4", "dequantize_q5_k_n512_k256",
-                   "dequantize_q5_k_n256_k512"):
+    for kernel in (f"gemv_{qtype}_n512_k256_r1w4u4", f"gemv_{qtype}_n256_k512_r1w4u4",
+                   f"dequantize_{qtype}_n512_k256", f"dequantize_{qtype}_n256_k512"):
         assert f"helmc_gpu_{kernel}" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"

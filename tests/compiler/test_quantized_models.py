@@ -71,7 +71,8 @@ def cpu_hardware(host_hardware):
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
-                                        ("qwen3", "q5_k_m"), ("llama", "q4_k"), ("qwen2", "q8_0")])
+                                        ("qwen3", "q5_k_m"), ("qwen3", "q3_k_m"), ("llama", "q4_k"),
+                                        ("qwen2", "q8_0")])
 def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
@@ -83,6 +84,9 @@ def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     if quant in ("q4_k_m", "q5_k_m"):        # llama.cpp's mix: two block signatures, the lm_head in q6_k
         assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
         assert {t for sig in r.spec.block_signatures() for t in sig} == {quant[:4], "q6_k"}
+    if quant == "q3_k_m":        # 3 blocks: attn_v q5_k in blocks 0-1, q4_k in block 2; o_proj, down_proj q4_k
+        assert len(r.spec.block_signatures()) == 2 and r.spec.head_type == "q6_k"
+        assert {t for sig in r.spec.block_signatures() for t in sig} == {"q3_k", "q4_k", "q5_k"}
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), f"{arch} --quant {quant}")
 
 
@@ -129,14 +133,18 @@ def _llama_quantize() -> str | None:
 
 @pytest.mark.skipif(_llama_quantize() is None, reason="needs llama.cpp's llama-quantize (../shared/peers/build_llamacpp.sh "
                                                        "/tmp/lc, or HELMC_LLAMA_QUANTIZE)")
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
-def test_llama_quantize_k_m_file_matches(ftype, tmp_path, cpu_hardware, cache_dir):
-    """A Q4_K_M / Q5_K_M file written by llama.cpp's own llama-quantize (from helmc's q8_0 file,
-    --allow-requantize) builds, runs and matches transformers on the gguf package's dequantization of that file."""
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q5_0"])
+def test_llama_quantize_file_matches(ftype, tmp_path, cpu_hardware, cache_dir):
+    """A Q4_K_M / Q5_K_M / Q3_K_M / Q5_0 file written by llama.cpp's own llama-quantize (from helmc's q8_0 file,
+    --allow-requantize) builds, runs and matches transformers on the gguf package's dequantization of that file;
+    a _M file's type of every linear is the one helmc's --quant of the same name gives (rows are whole 256-weight
+    blocks), a Q5_0 file's linears are all Q5_0 with a Q6_K output."""
     import subprocess
 
     from helmc import api
-    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.compiler.quantize_checkpoint import mixed_type, quantize_checkpoint
+    from helmc.model.spec import LINEAR_NAMES
+    from helmc.model.weight_types import QUANT_MIXES
     from helmc.runtime.session import Session
     from helmc.testing import make_tiny_model
     model_dir = str(tmp_path / "model")
@@ -150,7 +158,14 @@ def test_llama_quantize_k_m_file_matches(ftype, tmp_path, cpu_hardware, cache_di
     kinds = {t for sig in r.spec.block_signatures() for t in sig}
     print(f"\nllama-quantize {ftype}: block types {sorted(kinds)}, head {r.spec.head_type}, "
           f"{len(r.spec.block_signatures())} block signatures")
-    assert ftype[:4].lower() in kinds and "q6_k" in kinds and len(r.spec.block_signatures()) >= 2
+    mix = ftype.lower()
+    if mix in QUANT_MIXES:
+        assert mix[:4] in kinds and len(r.spec.block_signatures()) >= 2
+        assert [tuple(t) for t in r.spec.layer_types] == [
+            tuple(mixed_type(mix, f"model.layers.{i}.{n}", 8) for n in LINEAR_NAMES) for i in range(8)]
+        assert r.spec.head_type == mixed_type(mix, "lm_head.weight", 8) == "q6_k"
+    else:
+        assert kinds == {mix} and r.spec.head_type == "q6_k"
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, out), f"llama-quantize {ftype}")
 
 

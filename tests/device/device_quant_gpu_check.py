@@ -4,7 +4,7 @@
 Two modes:
 
   --build DIR [--arch sm_90]   (here, with the compiler venv, gguf and nvcc) builds the decode GEMV and the
-      dequantizer of every type (q8_0, q4_0, q4_k, q5_k, q6_k) for n x k in SHAPES, plus the GEMV at other tunings
+      dequantizer of every type (q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k) for n x k in SHAPES, plus the GEMV at other tunings
       (VARIANTS) at two shapes, into one library with helmc's compile_gpu_stage (quant_kernels.so, its cubin and
       cubin index), and writes the data: per type and k, UNIQUE_ROWS random valid rows (q8_0 / q4_0 quantized
       from Gaussians by gguf.quants.quantize; q4_k / q6_k random bytes with their fp16 scale fields set to small
@@ -42,7 +42,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-QTYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+QTYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k")
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))      # Qwen3-8B's q/o, gate/up and down projections
 # GEMV tunings (rows_per_warp, warps, unroll) timed beside the default (2, 4, 2), at a short and a long row
 VARIANT_SHAPES = ((4096, 4096), (4096, 12288))
@@ -60,7 +60,7 @@ CALLS = 50
 L2_DEFEAT_BYTES = 256 << 20   # rotate over this many bytes of copies (H100 L2: 50 MB)
 FILL_BYTES = 1 << 30          # device copy queued before timing, so all CALLS launches queue behind it
 LIB = "quant_kernels"
-_GGUF_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+_GGUF_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "q3_k": "Q3_K", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
     from helmc.model.spec import QUANT_BLOCKS      # a plain table: runs where only TVM's runtime is (bench_cpu_gemv)
 
     block_weights, block_bytes = QUANT_BLOCKS[qtype]
-    if qtype in ("q8_0", "q4_0"):
+    if qtype in ("q8_0", "q4_0", "q5_0"):
         dense = rng.standard_normal((rows, k)).astype(np.float32)
         return np.ascontiguousarray(quants.quantize(dense, GGMLQuantizationType[_GGUF_TYPE[qtype]]))
     blocks = rng.integers(0, 256, (rows, k // block_weights, block_bytes), dtype=np.uint8)  # [rows, blocks, bytes]
@@ -86,6 +86,8 @@ def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
     if qtype in ("q4_k", "q5_k"):   # d, dmin at bytes 0..3: w = d*sc*q - dmin*m, |w| <= 4e-3*63*31 < 8
         blocks[:, :, 0:2] = halves(1e-3, 4e-3, False)
         blocks[:, :, 2:4] = halves(1e-3, 4e-3, False)
+    elif qtype == "q3_k":        # d at bytes 108..109, either sign: |w| <= 2e-3 * 32 * 4
+        blocks[:, :, 108:110] = halves(5e-4, 2e-3, True)
     else:                        # q6_k: d at bytes 208..209, either sign (ggml's make_qx_quants gives both)
         blocks[:, :, 208:210] = halves(5e-4, 2e-3, True)
     return blocks.reshape(rows, -1)                                                      # [rows, row_bytes]

@@ -36,10 +36,13 @@ QTYPES = tuple(FORMATS)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 2e-3   # fp16 rounding of y / of each weight is <= 4.9e-4 of max |ref|; see the device check
 # Small shapes with edges: n = 13 leaves the last row group part-empty; k leaves a last step past the row end
-# (q8_0 11 blocks, q4_0 19, q4_k 5, q6_k 3: odd, so q6_k / q8_0 / q4_0 blocks start at 2 mod 4). And shapes
-# without edges, where the bounds checks are simplified away (as at the real shapes): n = 16, one whole step.
-EMULATED = [("q8_0", 13, 352), ("q4_0", 13, 608), ("q4_k", 13, 1280), ("q5_k", 13, 1280), ("q6_k", 13, 768),
-            ("q8_0", 16, 512), ("q4_0", 16, 1024), ("q4_k", 16, 2048), ("q5_k", 16, 2048), ("q6_k", 16, 2048)]
+# (q8_0 11 blocks, q4_0 / q5_0 19, q4_k 5, q3_k / q6_k 3: odd, so q3_k / q6_k / q8_0 / q4_0 / q5_0 blocks start at
+# 2 mod 4). And shapes without edges, where the bounds checks are simplified away (as at the real shapes): n = 16,
+# one whole step.
+EMULATED = [("q8_0", 13, 352), ("q4_0", 13, 608), ("q5_0", 13, 608), ("q3_k", 13, 768), ("q4_k", 13, 1280),
+            ("q5_k", 13, 1280), ("q6_k", 13, 768),
+            ("q8_0", 16, 512), ("q4_0", 16, 1024), ("q5_0", 16, 1024), ("q3_k", 16, 2048), ("q4_k", 16, 2048),
+            ("q5_k", 16, 2048), ("q6_k", 16, 2048)]
 TUNED = (3, 2, 3)   # rows_per_warp, warps, unroll: all away from the defaults
 
 
@@ -95,7 +98,7 @@ def test_bad_k_is_a_helmc_error(qtype, k):
 
 def test_bad_type_shape_and_tuning_are_helmc_errors():
     with pytest.raises(HelmcError, match="weight type expected"):
-        make_gpu_gemv_quant("q3_k", 64, 256)
+        make_gpu_gemv_quant("q2_k", 64, 256)
     with pytest.raises(HelmcError, match="n expected"):
         make_gpu_dequantize("q8_0", 0, 256)
     with pytest.raises(HelmcError, match="2\\^31"):

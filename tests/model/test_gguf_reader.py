@@ -231,12 +231,14 @@ def test_llama_q_k_rows_come_back_in_hf_order(tmp_path, qtype):
 
 
 def test_k_quants_and_bf16_rows(tmp_path):
-    # Q4_K / Q5_K / Q6_K blocks hold 256 weights, so rows of 256: random blocks (raw bytes are what is checked)
+    # Q3_K / Q4_K / Q5_K / Q6_K blocks hold 256 weights, so rows of 256 (Q5_0: 32): random blocks (raw bytes are what is checked)
     spec = spec_of("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
     rng = np.random.default_rng(1)
     raw = {}
     for g, qtype, (rows, cols) in (("blk.0.ffn_up.weight", T.Q4_K, (512, 256)), ("blk.1.ffn_down.weight", T.Q6_K, (256, 512)),
-                                   ("blk.1.ffn_gate.weight", T.Q5_K, (512, 256))):
+                                   ("blk.1.ffn_gate.weight", T.Q5_K, (512, 256)),
+                                   ("blk.0.ffn_gate.weight", T.Q3_K, (512, 256)),
+                                   ("blk.0.ffn_down.weight", T.Q5_0, (256, 512))):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw[g] = (qtype, rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8))
     _, written = write_gguf(tmp_path / "k.gguf", spec, raw_override=raw)
@@ -248,6 +250,12 @@ def test_k_quants_and_bf16_rows(tmp_path):
     assert types["model.layers.1.mlp.gate_proj.weight"] == "q5_k"
     assert ck.info("model.layers.1.mlp.gate_proj.weight").row_bytes == 176
     assert np.array_equal(ck.raw("model.layers.1.mlp.gate_proj.weight"), raw["blk.1.ffn_gate.weight"][1])
+    assert types["model.layers.0.mlp.gate_proj.weight"] == "q3_k"
+    assert ck.info("model.layers.0.mlp.gate_proj.weight").row_bytes == 110
+    assert np.array_equal(ck.raw("model.layers.0.mlp.gate_proj.weight"), raw["blk.0.ffn_gate.weight"][1])
+    assert types["model.layers.0.mlp.down_proj.weight"] == "q5_0"
+    assert ck.info("model.layers.0.mlp.down_proj.weight").row_bytes == 16 * 22
+    assert np.array_equal(ck.raw("model.layers.0.mlp.down_proj.weight"), raw["blk.0.ffn_down.weight"][1])
     ck.close()
 
 
@@ -375,12 +383,12 @@ def test_unknown_architecture(tmp_path):
 
 def test_unsupported_type_names_the_tensor(tmp_path):
     spec = spec_of("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
-    block, size = gguf.GGML_QUANT_SIZES[T.Q3_K]
-    q3 = np.zeros((512, 256 // block * size), dtype=np.uint8)
-    write_gguf(tmp_path / "q3.gguf", spec, raw_override={"blk.1.ffn_gate.weight": (T.Q3_K, q3)})
-    both_readers_fail(tmp_path / "q3.gguf", "'blk.1.ffn_gate.weight'", "model.layers.1.mlp.gate_proj.weight", "Q3_K")
-    with pytest.raises(HelmcError, match="Q3_K"):
-        gguf_tensor_types(str(tmp_path / "q3.gguf"))
+    block, size = gguf.GGML_QUANT_SIZES[T.Q2_K]
+    q2 = np.zeros((512, 256 // block * size), dtype=np.uint8)
+    write_gguf(tmp_path / "q2.gguf", spec, raw_override={"blk.1.ffn_gate.weight": (T.Q2_K, q2)})
+    both_readers_fail(tmp_path / "q2.gguf", "'blk.1.ffn_gate.weight'", "model.layers.1.mlp.gate_proj.weight", "Q2_K")
+    with pytest.raises(HelmcError, match="Q2_K"):
+        gguf_tensor_types(str(tmp_path / "q2.gguf"))
 
 
 def test_wrong_shape_and_missing_tensor(tmp_path):

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")   # the GPU machine runs pytest -m gpu withou
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.quant_formats import QUANT_TYPES, dequantize, quant_type, quantize  # noqa: E402
 
-BLOCK_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+BLOCK_TYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def structured_rows(k=1024, seed=0) -> np.ndarray:
@@ -53,6 +53,8 @@ def golden_rows() -> np.ndarray:
 GGML_REFERENCE_SHA256 = {
     "q8_0": "3717f41cf41dbe3dacf131e09e5446d67edac1f9a38e5969dac95d38fa38138f",
     "q4_0": "82119e105dc248b1e360f245658cc162d27db9dc445c7a1c64b6981df7aaf72e",
+    "q5_0": "4475e64ea0301aefe8465dadbfcade5b3623ba047ab829c5267009b640af024f",
+    "q3_k": "be9552fba2e9d42a3844d2d01b2ef904211310231cba5666c32d5ea3f67167a6",
     "q4_k": "6f5486eb14f9c8671efee967b304a3f0525deae8ecae3e77325190b1d9af2441",
     "q5_k": "8053724638862a273e4bed7d3ec1cb084879546fd37f1335cd0f34e2a1120e34",
     "q6_k": "814d0254609c1e9d4f7f54377a58f5f4f177a42a31556d8cfc2b6d9084d69472",
@@ -65,22 +67,22 @@ def roundtrip(x, name):
 
 
 def test_the_table_matches_gguf():
-    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
+    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
-    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q4_k, q5_k, q6_k.*'q3_k'"):
-        quant_type("q3_k")
+    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k.*'q2_k'"):
+        quant_type("q2_k")
 
 
-@pytest.mark.parametrize("name,k", [("q4_k", 100), ("q6_k", 288), ("q8_0", 48), ("q4_0", 20)])
+@pytest.mark.parametrize("name,k", [("q4_k", 100), ("q3_k", 320), ("q6_k", 288), ("q8_0", 48), ("q4_0", 20), ("q5_0", 40)])
 def test_rows_not_a_whole_number_of_blocks_are_refused(name, k):
     bw = quant_type(name).block_weights
     with pytest.raises(HelmcError, match=rf"\[3, {k}\].*block size {bw}"):
@@ -99,12 +101,16 @@ def test_max_error_per_block(name):
     """Bounds on the largest error of each block, from the format (q8_0, q4_0) or measured (k-quants):
     q8_0: half a step of absmax/127 plus the fp16 rounding of d: < absmax/127.
     q4_0: d = max/-8 puts the block's extreme at -8; the opposite extreme clips at +7: one step, absmax/8.
+    q5_0: the same with d = max/-16 and +15: absmax/16, times 1 + 16 * 2^-11 for the fp16 rounding of d (measured
+          1.0023 of absmax/16).
     q4_k: measured <= 0.073 of the block's range (max(max, 0) - min(min, 0)) on these rows, the worst in the
           negative-only rows, where ggml's 6-bit mins of the other sub-blocks round against the largest;
           half a step of the largest sub-block scale is ~range/30. Bound range/10; a q4_k with its nibbles
           swapped breaks it in 446 of 448 blocks.
     q5_k: measured <= 0.036 of the range, the same worst rows as q4_k; bound range/20.
-    q6_k: measured <= 0.016 absmax; bound absmax/32 (one step of the largest scale)."""
+    q6_k: measured <= 0.016 absmax; bound absmax/32 (one step of the largest scale).
+    q3_k: measured <= 0.251 absmax (three seeds): one step of the largest sub-block scale, ~absmax/4, where a
+          weight clips at level +3 of a sub-block scaled from its negative extreme; bound absmax/3.5."""
     x = structured_rows()
     raw, y = roundtrip(x, name)
     assert raw.shape == (x.shape[0], quant_type(name).row_bytes(x.shape[1]))
@@ -113,7 +119,7 @@ def test_max_error_per_block(name):
     err = np.abs(y - x).reshape(-1, bw).max(axis=1)
     absmax = np.abs(b).max(axis=1)
     span = np.maximum(b.max(axis=1), 0) - np.minimum(b.min(axis=1), 0)      # the range, 0 included
-    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q4_k": span / 10, "q5_k": span / 20,
+    bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q5_0": absmax / 16 * (1 + 16 * 2**-11), "q3_k": absmax / 3.5, "q4_k": span / 10, "q5_k": span / 20,
              "q6_k": absmax / 32}[name]
     bad = np.nonzero(err > bound)[0]
     assert bad.size == 0, f"{name}: {bad.size} blocks over the bound, worst ratio {(err / np.maximum(bound, 1e-30)).max():.3f}"
@@ -123,7 +129,8 @@ def test_max_error_per_block(name):
 
 def _fixed_scale_baseline(x, name):
     """The same sub-blocks with exact float32 scales taken from the range, no search: q4_k / q5_k affine 4 / 5-bit,
-    (max - min)/15 or /31 from min per 32; q6_k symmetric 6-bit, the largest |x| at level -32 per 16."""
+    (max - min)/15 or /31 from min per 32; q6_k / q3_k symmetric 6 / 3-bit, the largest |x| at level -32 / -4
+    per 16."""
     if name in ("q4_k", "q5_k"):
         top = 15 if name == "q4_k" else 31
         b = x.reshape(-1, 32)
@@ -132,16 +139,18 @@ def _fixed_scale_baseline(x, name):
         return (np.clip(np.rint((b - lo) / s), 0, top) * s + lo).reshape(x.shape)
     b = x.reshape(-1, 16)
     mx = b[np.arange(len(b)), np.abs(b).argmax(1)][:, None]
-    d = np.where(mx != 0, -mx / 32, 1)
-    return (np.clip(np.rint(b / d), -32, 31) * d).reshape(x.shape)
+    top = 4 if name == "q3_k" else 32
+    d = np.where(mx != 0, -mx / top, 1)
+    return (np.clip(np.rint(b / d), -top, top - 1) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("name,ratio,rel", [("q4_k", 0.95, 0.075), ("q5_k", 0.97, 0.038), ("q6_k", 0.97, 0.019)])
+@pytest.mark.parametrize("name,ratio,rel", [("q4_k", 0.95, 0.075), ("q5_k", 0.97, 0.038), ("q6_k", 0.97, 0.019),
+                                            ("q3_k", 0.985, 0.152)])
 def test_k_quants_beat_a_fixed_scale_baseline(name, ratio, rel):
     """ggml's k-quant search (scales refit by weighted least squares) gets below a fixed-scale quantizer
     even though its scales are rounded to 6 / 8 bits and fp16 and the baseline's are exact: measured on
-    Gaussian rows q4_k 0.912x (0.0713 of the RMS), q5_k 0.954x (0.0361) and q6_k 0.947x (0.0177) of the
-    baseline's RMS error;
+    Gaussian rows q4_k 0.912x (0.0713 of the RMS), q5_k 0.954x (0.0361), q6_k 0.947x (0.0177) and q3_k 0.975x
+    (0.1509) of the baseline's RMS error;
     a quantizer without the search, or with its scales misplaced, does not."""
     x = np.random.default_rng(0).standard_normal((256, 4096)).astype(np.float32)
     _, y = roundtrip(x, name)
@@ -163,6 +172,8 @@ def test_deterministic_and_independent_of_threads(name):
 # For each type: a byte of the first block's scales and the weights it governs in gguf's dequantizer.
 SCALE_BYTE = {"q8_0": (1, slice(0, 32)),          # d's high byte: the whole 32-weight block
               "q4_0": (1, slice(0, 32)),
+              "q5_0": (1, slice(0, 32)),
+              "q3_k": (96, slice(0, 16)),         # scales[0]: low nibbles of sub-blocks 0 (bits 0-3) and 8
               "q4_k": (4, slice(0, 32)),          # scales[0]: 6-bit scale of sub-block 0 (weights 0-31)
               "q5_k": (4, slice(0, 32)),
               "q6_k": (192 + 3, slice(48, 64))}   # scales[3]: int8 scale of sub-block 3 (weights 48-63)

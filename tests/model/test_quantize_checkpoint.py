@@ -168,8 +168,8 @@ def test_a_changed_config_is_a_new_file(tmp_path):
 
 def test_a_bad_quant_name_is_refused_before_anything_is_written(models, tmp_path):
     cache = tmp_path / "never"
-    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q4_k.*'q3_k'"):
-        qc.quantize_checkpoint(models["qwen3"][0], "q3_k", str(cache))
+    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q3_k.*'q2_k'"):
+        qc.quantize_checkpoint(models["qwen3"][0], "q2_k", str(cache))
     assert not cache.exists()
 
 

@@ -39,6 +39,22 @@ def _q4_0(w, wh, base, e):
     return _half(wh, base) * T.Cast("float32", q)
 
 
+def _q5_0(w, wh, base, e):
+    byte = _u(w, base + 6 + e % 16)
+    high = T.bitwise_and(T.shift_right(_u(w, base + 2 + e // 8), e % 8), 1)      # bit e of the qh word
+    q = T.bitwise_or(T.if_then_else(e < 16, T.bitwise_and(byte, 15), T.shift_right(byte, 4)), T.shift_left(high, 4)) - 16
+    return _half(wh, base) * T.Cast("float32", q)
+
+
+def _q3_k(w, wh, base, e):
+    h, c, lane, j = e // 128, (e % 128) // 32, e % 32, e // 16   # half, 2-bit field, position, sub-block
+    low = T.bitwise_and(T.shift_right(_u(w, base + 32 + 32 * h + lane), 2 * c), 3)
+    q = T.bitwise_or(low, T.shift_left(T.bitwise_and(T.shift_right(_u(w, base + lane), 4 * h + c), 1), 2)) - 4
+    six = T.bitwise_or(T.bitwise_and(T.shift_right(_u(w, base + 96 + j % 8), 4 * (j // 8)), 15),
+                       T.shift_left(T.bitwise_and(T.shift_right(_u(w, base + 104 + j % 4), 2 * (j // 4)), 3), 4))
+    return _half(wh, base + 108) * T.Cast("float32", six - 32) * T.Cast("float32", q)
+
+
 def _q4_k_scale_min(w, base, j):
     """ggml's get_scale_min_k4: 6-bit (scale, min) of sub-block j from the block's 12 scale bytes."""
     s = base + 4
@@ -74,7 +90,7 @@ def _q6_k(w, wh, base, e):
     return _half(wh, base + 208) * T.Cast("float32", scale) * T.Cast("float32", q)
 
 
-_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
 
 
 def _dequantize_rows(qtype: str, n: int, k: int, out_dtype: str):

@@ -1,4 +1,4 @@
-"""Decode GEMV over Q4_K / Q5_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
+"""Decode GEMV over Q3_K / Q4_K / Q5_K / Q6_K (and Q4_0: quant/q4_0_int8.py's macros in these loops) with int8 activations:
 integer dot products, as llama.cpp's CPU kernels do.
 
 Why (each CPU GEMV type should read at >= 80% of the DRAM read): gemv_quant.py turns every weight into an fp32
@@ -23,6 +23,10 @@ Layouts (ggml-common.h; see gemv_quant.py): a 64-byte window of quants is four 1
   ones, so x keeps its natural order; the 2-bit highs of byte l of the half's 32 qh bytes shift into place
   with one variable 16-bit shift per product (vpsllvw / vpsrlvw). q - 32 is q * x summed, minus 32 * sc_j *
   (sum of x over sub-block j), the latter one vpmaddwd per block and row over per-call int16 sums (xs).
+- q3_k: q6_k's product order and offset arithmetic (q - 4); product g = 2h + t covers weights 128h + 64t + 0..63,
+  whose 2-bit fields are bits 2c of qs byte 32h + p % 32 and whose third bits are bit 4h + c of hmask byte p % 32
+  (c = 2t + p // 32), both moved into place by q6_k's per-half 16-bit shifts; the 6-bit scales minus 32 become
+  16 int16 lanes once per block and row.
 m tokens: the quants and scales of a block row are decoded once for all tokens; each token's sums are formed
 the same way for every m, so y[t] is bit-identical to the m = 1 kernel's on x[t] alone (batch invariance).
 """
@@ -58,7 +62,8 @@ class Int8Unit:
         return self.weights + 4 * self.dx_lanes + self.sums * (2 if self.xs_dtype == "int16" else 4)
 
 
-INT8_UNITS = {"q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
+INT8_UNITS = {"q3_k": Int8Unit(256, 110, 1, 16, "int16", True),
+              "q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
               "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
               "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
 INT8_QTYPES = tuple(INT8_UNITS)
@@ -76,7 +81,9 @@ INT8_QTYPES = tuple(INT8_UNITS)
 # against 0.86 for 1 KiB into L1; 0.93 against 0.89 in the first): the lines ahead no longer evict the int8 x and the
 # scales every row reads from the 48 KiB L1.
 # Q5_K: Q4_K's (its loop plus one byte shift, mask and OR per 64 weights for the fifth bit; not timed apart yet).
-INT8_TUNING = {"q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
+# Q3_K: Q6_K's (the same loop over 16-weight sub-blocks and the same offset term; not timed apart yet).
+INT8_TUNING = {"q3_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
+               "q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q5_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
                "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2)}
@@ -84,7 +91,7 @@ _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
 
 def int8_gemv_applies(qtype: str, isa: VectorIsa, k: int) -> bool:
-    """AVX-512 (BW's byte and word instructions) runs Q4_K, Q5_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
+    """AVX-512 (BW's byte and word instructions) runs Q3_K, Q4_K, Q5_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
     K is whole units of four blocks (every real model's; tiny test models may have K = 32 or 64)."""
     return isa.tier == "avx512" and qtype in INT8_UNITS and k % INT8_UNITS[qtype].weights == 0
 
@@ -96,6 +103,8 @@ def _macros(qtype: str, isa: VectorIsa, group: int, m: int):
         return quantize_q4_0(_max_tree), q4_0_row(vnni, group, m, _token)
     if qtype in ("q4_k", "q5_k"):
         return _quantize(True), _q4_k_row(_dot_step(vnni), isa, group, m, fifth_bit=qtype == "q5_k")
+    if qtype == "q3_k":
+        return _quantize(False), _q3_k_row(_dot_step(vnni), isa, group, m)
     return _quantize(False), _q6_k_row(_dot_step(vnni), isa, group, m)
 
 
@@ -388,6 +397,53 @@ def _q6_k_row(dot_step, isa: VectorIsa, group: int, m: int):
             accm[s, r, _ramp(0, 8)] = accm[s, r, _ramp(0, 8)] + tirx.Cast("float32x8", tirx.call_llvm_pure_intrin(
                 "int32x8", "llvm.x86.avx2.pmadd.wd", scales, xs[_token(p, s, group, m), _ramp(b * 16, 16)])
             ) * _bcast(T.float32(32) * d * dx[_token(p, s, group, m), b], 8)
+
+    return row_dot
+
+
+def _q3_k_row(dot_step, isa: VectorIsa, group: int, m: int):
+    """Macro: one block of one row (110 B: hmask[32], qs[64] at 32, scales[12] at 96, d at 108), every token of the
+    pass. Product g = 2h + t: weights 128h + 64t + p (p < 64) are q = (bits 2c of qs[32h + p % 32]) | (bit 4h + c
+    of hmask[p % 32]) << 2 with c = 2t + p // 32, so each 32-byte source is read twice into the 64 lanes and
+    shifted per half (bits crossing into the neighbouring byte are masked off); w = d * (sc_j - 32) * (q - 4)."""
+    f16c = not isa.is_slow_fallback
+    sc_shift = tirx.Shuffle([_const(2 * i, "int16", 4) for i in range(4)], list(range(16)))   # byte j % 4, bits 2(j // 4)
+
+    def twice(w, row, at, g, first):
+        """uint8x64: the 32 bytes at `at` in both halves, shifted right by `first` (p < 32) and first + 1 or + 2."""
+        src = w[row, _ramp(at, 32)]
+        both = tirx.reinterpret("uint16x32", tirx.Shuffle([src, src], list(range(64))))
+        return tirx.reinterpret("uint8x64", tirx.shift_right(both, _halves(first[0], first[1], "uint16", 32)))
+
+    def quants(w, row, b, g):
+        h, t = g // 2, g % 2
+        low = tirx.bitwise_and(twice(w, row, b * 110 + 32 + 32 * h, g, (4 * t, 4 * t + 2)), _const(3, "uint8", 64))
+        third = tirx.bitwise_and(twice(w, row, b * 110, g, (4 * h + 2 * t, 4 * h + 2 * t + 1)), _const(1, "uint8", 64))
+        return tirx.bitwise_or(low, tirx.shift_left(third, _const(2, "uint8", 64)))
+
+    def scales(w, row, b):
+        """int16x16: sc_j - 32 for the 16 sub-blocks."""
+        lo = w[row, _ramp(b * 110 + 96, 8)]
+        nib = tirx.Shuffle([tirx.bitwise_and(lo, _const(15, "uint8", 8)), tirx.shift_right(lo, _const(4, "uint8", 8))],
+                           list(range(16)))
+        top = tirx.Cast("int16x16", tirx.Shuffle([w[row, _ramp(b * 110 + 104, 4)]] * 4, list(range(16))))
+        top = tirx.bitwise_and(tirx.shift_right(top, sc_shift), _const(3, "int16", 16))
+        return tirx.bitwise_or(tirx.Cast("int16x16", nib), tirx.shift_left(top, _const(4, "int16", 16))) \
+            - _const(32, "int16", 16)
+
+    @T.macro
+    def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
+        d = widen(wh[row, b * 55 + 54], "float16", f16c)
+        sc = scales(w, row, b)
+        for s in T.unroll(group):
+            acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
+                dot_step, [quants(w, row, b, g) for g in range(4)],
+                [xq[_token(p, s, group, m), _ramp(b * _BLOCK + g * 64, 64)] for g in range(4)],
+                [tirx.Shuffle([sc] * 2, [g * 4 + lane // 8 for lane in range(32)]) for g in range(4)])
+            ) * _bcast(d * dx[_token(p, s, group, m), b], 16)
+            accm[s, r, _ramp(0, 8)] = accm[s, r, _ramp(0, 8)] + tirx.Cast("float32x8", tirx.call_llvm_pure_intrin(
+                "int32x8", "llvm.x86.avx2.pmadd.wd", sc, xs[_token(p, s, group, m), _ramp(b * 16, 16)])
+            ) * _bcast(T.float32(4) * d * dx[_token(p, s, group, m), b], 8)
 
     return row_dot
 
