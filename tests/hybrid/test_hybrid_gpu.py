@@ -5,7 +5,7 @@ near-tie, HF's token in its top 5: hybrid decode adds no divergence of its own).
 
 The bundles (forced layouts, tests/device/build_hybrid_bundles.py's docstring lists them) are built on the
 compiler machine by
-    python tests/device/build_hybrid_bundles.py .devrt/hybrid
+    python -m tests.device.build_hybrid_bundles .devrt/hybrid
 and carried to the GPU machine; the test looks in $HELMC_GPU_HYBRID_BUNDLES, default .devrt/hybrid.
 Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
 """
@@ -34,7 +34,7 @@ def bundles() -> tuple[str, dict]:
     path = os.environ.get("HELMC_GPU_HYBRID_BUNDLES", DEFAULT_DIR)
     if not os.path.isfile(os.path.join(path, "refs.json")):
         pytest.skip(f"no hybrid test bundles at {path}: build them on the compiler machine with "
-                    "`python tests/device/build_hybrid_bundles.py .devrt/hybrid` and carry .devrt")
+                    "`python -m tests.device.build_hybrid_bundles .devrt/hybrid` and carry .devrt")
     with open(os.path.join(path, "refs.json")) as f:
         return path, json.load(f)
 
