@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DIR = os.path.join(ROOT, ".devrt", "hybrid")
-LOGIT_TOLERANCE = 2e-2                  # fp16 activations on the GPU against HF's fp32 (device_prefill_check's)
+LOGIT_TOLERANCE = 2e-2                  # fp16 activations on the GPU against HF's fp32 (test_prefill_gpu's)
 
 
 def bundles() -> tuple[str, dict]:
