@@ -3,7 +3,7 @@ groups (weights copied from pinned host memory into the VRAM ring every token) g
 plain splits of the same model, and as HF transformers (identical, or where the plain split itself leaves HF at a
 near-tie, HF's token in its top 5: hybrid decode adds no divergence of its own).
 
-The bundles (forced layouts, tests/device/build_hybrid_bundles.py's docstring lists them) are built on the
+The bundles (forced layouts, listed in tests.device.build_hybrid_bundles' docstring) are built on the
 compiler machine by
     python -m tests.device.build_hybrid_bundles .devrt/hybrid
 and carried to the GPU machine; the test looks in $HELMC_GPU_HYBRID_BUNDLES, default .devrt/hybrid.
