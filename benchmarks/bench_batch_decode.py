@@ -64,7 +64,7 @@ def bench_gemv(types: list[str], rounds: int) -> dict:
                 store = qtype
                 make = lambda m: make_gemv(m, n, k, qtype, isa)  # noqa: E731
             else:
-                from tests.device.device_quant_gpu_check import random_quant_rows    # valid rows: finite scales, no denormals
+                from tests.quant_rows import random_quant_rows    # valid rows: finite scales, no denormals
                 host = random_quant_rows(qtype, n, k, rng)
                 assert host.shape == (n, quant_row_bytes(qtype, k))
                 store = "uint8"

@@ -220,7 +220,7 @@ def weight_copies(rng, n: int, k: int, dtype: str, min_bytes: int, arena: Weight
     import numpy as np
     from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits
     if dtype not in DTYPES:
-        from tests.device.device_quant_gpu_check import random_quant_rows
+        from tests.quant_rows import random_quant_rows
         host = random_quant_rows(dtype, n, k, rng)
         arena.reset()
         return [arena.place(host, "uint8") for _ in range(max(1, -(-min_bytes // host.nbytes)))], None

@@ -42,6 +42,8 @@ class CudaRuntimeError(HelmcError, RuntimeError):
 def _cudart_candidates() -> list[str]:
     pats = ["/usr/local/cuda/lib64/libcudart.so.1*", "/usr/local/cuda-*/lib64/libcudart.so.1*",
             "/usr/local/cuda-*/lib/libcudart.so.1*"]
+    # Reads sys.path (edits nothing): a GPU machine without a CUDA toolkit has libcudart only in the pip wheel
+    # (nvidia-cuda-runtime) under site-packages, which the runtime-only TVM's CUDA backend must load by path.
     for p in sys.path:
         pats += [os.path.join(p, "nvidia", "cu1*", "lib", "libcudart.so.1*"),
                  os.path.join(p, "nvidia", "cuda_runtime", "lib", "libcudart.so.1*")]

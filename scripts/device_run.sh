@@ -5,12 +5,14 @@
 #
 # Steps (arguments after '=' are comma-separated):
 #   env                        GPU, driver, Python packages, TVM runtime-only import + CUDA backend
-#   gpu_stage_check[=DIR]      tests/device/device_gpu_stage_check.py on DIR (default .devrt/gpu_stage_check,
-#                              built here by: python tests/device/device_gpu_stage_check.py --build .devrt/gpu_stage_check)
+#   gpu_stage_check[=DIR]      the prebuilt stage in DIR (default .devrt/gpu_stage_check, built here by:
+#                              python -m tests.device.build_gpu_stage .devrt/gpu_stage_check): its -m gpu test,
+#                              then benchmarks.bench_gpu_stage_probes
 #   pytest_gpu[=DIR]           pytest -m gpu tests/ (runtime-only; the stage check dir as HELMC_GPU_STAGE_DIR)
 #   make_model=CONFIG[,DTYPE]  scripts/make_random_model.py into $HELMC_MODELS/CONFIG-DTYPE (qwen3-8b, float16)
 #   bench=ARG,ARG,...          python -m benchmarks.bench_decode ARG ARG ... --out $OUT/bench.json
 #   py=SCRIPT,ARG,...          any other script of the checkout, e.g. py=scripts/compare_hf.py,--model,...
+#   mod=MODULE,ARG,...         python -m MODULE ARG ..., e.g. mod=benchmarks.bench_kv_cache,--json,$OUT/kv.json
 #
 # Output: $OUT/run.log (all steps), $OUT/summary.txt (one line per step: rc and seconds), and the
 # JSON files the steps write (gpu_stage_check.json, bench.json). A failing step does not stop the
@@ -55,7 +57,9 @@ run_step() {
   case $name in
     env) step_env ;;
     gpu_stage_check)
-      "$PY" tests/device/device_gpu_stage_check.py "${args[0]:-.devrt/gpu_stage_check}" --out "$OUT/gpu_stage_check.json" ;;
+      HELMC_GPU_STAGE_DIR="${args[0]:-.devrt/gpu_stage_check}" \
+        "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/runtime/test_gpu_stage_prebuilt.py &&
+      "$PY" -m benchmarks.bench_gpu_stage_probes "${args[0]:-.devrt/gpu_stage_check}" --out "$OUT/gpu_stage_check.json" ;;
     pytest_gpu)
       HELMC_GPU_STAGE_DIR="${args[0]:-.devrt/gpu_stage_check}" \
         "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/ ;;
@@ -66,6 +70,8 @@ run_step() {
       "$PY" -m benchmarks.bench_decode "${args[@]}" --out "$OUT/bench.json" ;;
     py)
       "$PY" "${args[@]}" ;;
+    mod)
+      "$PY" -m "${args[@]}" ;;
     *) echo "unknown step '$name'"; false ;;
   esac
   rc=$?

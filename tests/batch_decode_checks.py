@@ -1,4 +1,4 @@
-"""Batched decode against single-request decode on one Session (issue 19), shared by the CPU test
+"""Batched decode against single-request decode on one Session, shared by the CPU test
 (tests/runtime/test_batch_decode_cpu.py) and the GPU one (tests/runtime/test_batch_decode_gpu.py).
 
 single_runs: each prompt alone, greedy, through Session.forward (the path of `helmc run`; on a GPU stage the

@@ -1,5 +1,5 @@
 """Checks shared by tests/runtime/test_paged_attention_gpu.py, tests/runtime/test_kv_cache_gpu_emulated.py and
-tests/device/device_kv_check.py. No pytest here: the GPU machine may run them without it."""
+benchmarks/bench_kv_cache.py. No pytest here: the GPU machine may run them without it."""
 import os
 
 import numpy as np

@@ -80,7 +80,7 @@ _GPU_GEMV = "helmc.schedules.gpu.quant_gemv:make_gpu_gemv_quant"
 _GPU_GEMV_INT8 = "helmc.schedules.gpu.quant_gemv_int8:make_gpu_gemv_int8"
 _QUANT = "helmc.model.quant_formats"
 
-# GPU tunings: the fastest timed on the H100 (tests/device/device_quant_gpu_check.py, device_gemv_gpu_check.py;
+# GPU tunings: the fastest timed on the H100 (benchmarks/bench_quant_gemv_gpu.py, bench_gemv_gpu.py;
 # artifacts/bench/device-2026-11-24-s7/call5 and device-2026-11-27-s15): the int8 GEMV ~1 issue slot per weight
 # instead of ~5.5, 4096x12288 Q4_K 18.4 us at (2, 8, 2) against 20.3 at (2, 4, 2) and 25.3 for the fp32 path.
 WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (

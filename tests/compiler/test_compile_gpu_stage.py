@@ -29,7 +29,6 @@ except Exception:
     HAVE_COMPILER = False
 
 H, N, EPS = 128, 256, 1e-6
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="needs the TVM compiler (helmc[compile])")
 needs_nvcc = pytest.mark.skipif(not HAVE_COMPILER or find_nvcc() is None, reason="needs the TVM compiler and nvcc")
 
@@ -164,24 +163,15 @@ def _gpu_available() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs cupy and an NVIDIA GPU")
 def test_runs_on_gpu_against_numpy(tmp_path):
-    """With the compiler: build for this GPU and compare to numpy. Runtime-only (the GPU machine):
-    run tests/device/device_gpu_stage_check.py on the stage prebuilt in $HELMC_GPU_STAGE_DIR
-    (made here by `tests/device/device_gpu_stage_check.py --build DIR`)."""
+    """With the compiler: build for this GPU and compare to numpy. With the runtime-only TVM (the GPU machine) the
+    prebuilt stage is tests/runtime/test_gpu_stage_prebuilt.py's."""
     import cupy as cp
 
     from helmc.runtime.cuda_runtime import cupy_to_tvm, load_gpu_vm, tvm_to_cupy
 
     if not HAVE_COMPILER:
-        prebuilt = os.environ.get("HELMC_GPU_STAGE_DIR")
-        if not prebuilt:
-            pytest.skip("runtime-only TVM: set HELMC_GPU_STAGE_DIR to a device_gpu_stage_check --build dir")
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("gsc", os.path.join(ROOT, "tests", "device", "device_gpu_stage_check.py"))
-        gsc = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gsc)
-        assert gsc.check(prebuilt, None) == 0
-        return
+        pytest.skip("runtime-only TVM: tests/runtime/test_gpu_stage_prebuilt.py runs a stage prebuilt by "
+                    "`python -m tests.device.build_gpu_stage`")
     cc = cp.cuda.Device(0).compute_capability       # e.g. "90"
     compile_gpu_stage(small_stage(), f"sm_{cc}", str(tmp_path), name="stage")
     vm = load_gpu_vm(str(tmp_path / "stage.so"), str(tmp_path / "stage.cubins.json"))

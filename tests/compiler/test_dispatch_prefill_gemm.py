@@ -1,6 +1,6 @@
 """dispatch_prefill_gemm: prefill linears (symbolic token count, fp16 x and w) become calls of the runtime's cuBLAS
 GEMM (helmc.gemm_nt_f16, registered by runtime/cuda_runtime.py); decode functions and other matmuls stay TVM's.
-The numbers are checked on the GPU: tests/device/device_gpu_stage_check.py runs every prefill function of a tiny
+The numbers are checked on the GPU: tests/runtime/test_gpu_stage_prebuilt.py runs every prefill function of a tiny
 Qwen3 stage against torch in fp32 (and times the GEMM probe against cuBLAS)."""
 import pytest
 

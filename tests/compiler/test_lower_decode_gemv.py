@@ -1,4 +1,4 @@
-"""lower_decode_gemv / lower_quantized_gpu on a GPU stage with batched decode variants (issue 19): every linear of
+"""lower_decode_gemv / lower_quantized_gpu on a GPU stage with batched decode variants: every linear of
 every decode function (decode, decode_b2, decode_b4; each weight signature; the head) becomes helmc's m-row GEMV
 for its row count -- fp16 / bf16 weights schedules/gpu/gemv.py, quantized ones quant_gemv.py -- and prefill keeps
 its matmuls; the stage builds to one sm_90 cubin holding those kernels (nvcc, no GPU).

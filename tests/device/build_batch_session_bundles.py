@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Build, on the compiler machine, the split bundles that tests/runtime/test_batch_decode_gpu.py runs on the GPU.
 
-    python tests/device/build_batch_session_bundles.py .devrt/batch_session [--hardware PROFILE]
+    python -m tests.device.build_batch_session_bundles .devrt/batch_session [--hardware PROFILE]
 
 One tiny random-weight Qwen3 (hidden 256, ffn 512: whole K-quant blocks; helmc.testing) in fp16 and bf16, and
 the fp16 one quantized at build to q4_k_m and q8_0; each built for the GPU test machine's profile (default
@@ -25,8 +24,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 CPU_UNITS = 2                      # embedding + block 0 on the CPU

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Build, on the compiler machine, the bundles that tests/hybrid/test_hybrid_gpu.py runs on the GPU (issue 17).
+"""Build, on the compiler machine, the bundles that tests/hybrid/test_hybrid_gpu.py runs on the GPU.
 
-    python tests/device/build_hybrid_bundles.py .devrt/hybrid [--hardware PROFILE]
+    python -m tests.device.build_hybrid_bundles .devrt/hybrid [--hardware PROFILE]
 
 One tiny random-weight Qwen3 (fp16, 6 blocks; helmc.testing), built for the GPU test machine's profile (default
 helmc/hardware/presets/h100-sxm-measured.json, sm_90) with weights copied in and the plans forced (the search would put
@@ -27,8 +26,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 LAYERS, PROMPT_LEN, NEW_TOKENS, CHUNK = 6, 40, 24, 8

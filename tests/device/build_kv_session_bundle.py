@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Build, on the compiler machine, the small split bundle that tests/runtime/test_session_gpu.py runs on the GPU.
 
-    python tests/device/build_kv_session_bundle.py .devrt/kv_session [--hardware PROFILE] [--layers 4]
+    python -m tests.device.build_kv_session_bundle .devrt/kv_session [--hardware PROFILE] [--layers 4]
 
 Writes DIR/model (a random-weight tiny Qwen3 from helmc.testing, fp16) and DIR/bundle: helmc's
 normal build for the GPU test machine's profile (default helmc/hardware/presets/h100-sxm-measured.json,
@@ -21,8 +20,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DEFAULT_PROFILE = os.path.join(ROOT, "helmc", "hardware", "presets", "h100-sxm-measured.json")
 CPU_UNITS = 2                      # embedding + block 0 on the CPU

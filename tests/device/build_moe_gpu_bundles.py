@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Build, on the compiler machine, the mixture-of-experts bundles tests/runtime/test_moe_gpu.py runs on the GPU.
 
     python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu [--hardware PROFILE]

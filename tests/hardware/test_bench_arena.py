@@ -44,7 +44,7 @@ def test_quantized_copies_need_only_the_runtime():
     import subprocess
     pytest.importorskip("gguf")
     code = ("import sys, numpy as np; "
-            "from tests.device.device_quant_gpu_check import random_quant_rows; "
+            "from tests.quant_rows import random_quant_rows; "
             "print([random_quant_rows(q, 2, 256, np.random.default_rng(0)).shape for q in ('q4_0', 'q4_k', 'q6_k')]); "
             "assert not [m for m in sys.modules if m.startswith(('tvm.script', 'tvm.relax', 'helmc.schedules'))]")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

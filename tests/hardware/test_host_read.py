@@ -1,4 +1,4 @@
-"""helmc profile's CPU part on this machine (issue 17): its host read is what helmc's GEMVs read, as
+"""helmc profile's CPU part on this machine: its host read is what helmc's GEMVs read, as
 benchmarks/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the profile
 kit's JSON; the synthetic model's weights and the per-block overheads fitted on its compiled CPU stage."""
 import dataclasses

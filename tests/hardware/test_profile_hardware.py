@@ -138,7 +138,7 @@ def test_backend_selection_without_a_gpu():
 @pytest.mark.gpu
 def test_real_gpu_profile():
     """The whole profile on a GPU machine, with the kit in HELMC_PROFILE_KIT (built elsewhere for this machine by
-    `helmc profile --build-kit DIR --for hardware.json`; tests/device/device_profile_check.py runs more)."""
+    `helmc profile --build-kit DIR --for hardware.json`; benchmarks/bench_profile_plans.py reports the plans it gives)."""
     import os
     cupy = pytest.importorskip("cupy")
     try:

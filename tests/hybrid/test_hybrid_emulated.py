@@ -1,4 +1,4 @@
-"""Hybrid decode's executor and its CUDA backend, run on the CPU (issue 17).
+"""Hybrid decode's executor and its CUDA backend, run on the CPU.
 
 The real HybridDecode and CudaHybridBackend run on tests/kv_device_emulator.EmulatedOps: streams, events and
 copies are NumPy with a race detector (a copy into the ring without waiting for the last group's reads, or a
@@ -215,7 +215,7 @@ def test_a_group_that_does_not_wait_for_its_copy_is_a_race(spec):
 
 @pytest.mark.parametrize("pairs", [((1, 2), (1, 1)), ((2, 1),), ((1, 1), (1, 1), (1, 1))])
 def test_batched_hybrid_steps_serve_each_sequence_as_alone(spec, pairs):
-    """Serving a hybrid plan (issue 19): steps of several sequences through the same schedule
+    """Serving a hybrid plan: steps of several sequences through the same schedule
     (runtime/hybrid/batch.py), each on caches of its own, a third sequence joining late and the batch padded to
     the compiled sizes (2, 4): every sequence's logits match the blocks run in order for it alone, and each
     streamed group crosses once per step whatever the number of sequences."""

@@ -1,11 +1,11 @@
-"""Hybrid decode on the GPU (issue 17): a tiny Qwen3 whose host blocks alternate between CPU groups and streamed
+"""Hybrid decode on the GPU: a tiny Qwen3 whose host blocks alternate between CPU groups and streamed
 groups (weights copied from pinned host memory into the VRAM ring every token) gives the same greedy tokens as the
 plain splits of the same model, and as HF transformers (identical, or where the plain split itself leaves HF at a
 near-tie, HF's token in its top 5: hybrid decode adds no divergence of its own).
 
-The bundles (forced layouts, tests/device/build_hybrid_bundles.py's docstring lists them) are built on the
+The bundles (forced layouts, listed in tests.device.build_hybrid_bundles' docstring) are built on the
 compiler machine by
-    python tests/device/build_hybrid_bundles.py .devrt/hybrid
+    python -m tests.device.build_hybrid_bundles .devrt/hybrid
 and carried to the GPU machine; the test looks in $HELMC_GPU_HYBRID_BUNDLES, default .devrt/hybrid.
 Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
 """
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DIR = os.path.join(ROOT, ".devrt", "hybrid")
-LOGIT_TOLERANCE = 2e-2                  # fp16 activations on the GPU against HF's fp32 (device_prefill_check's)
+LOGIT_TOLERANCE = 2e-2                  # fp16 activations on the GPU against HF's fp32 (test_prefill_gpu's)
 
 
 def bundles() -> tuple[str, dict]:
@@ -34,7 +34,7 @@ def bundles() -> tuple[str, dict]:
     path = os.environ.get("HELMC_GPU_HYBRID_BUNDLES", DEFAULT_DIR)
     if not os.path.isfile(os.path.join(path, "refs.json")):
         pytest.skip(f"no hybrid test bundles at {path}: build them on the compiler machine with "
-                    "`python tests/device/build_hybrid_bundles.py .devrt/hybrid` and carry .devrt")
+                    "`python -m tests.device.build_hybrid_bundles .devrt/hybrid` and carry .devrt")
     with open(os.path.join(path, "refs.json")) as f:
         return path, json.load(f)
 
@@ -79,7 +79,7 @@ def test_hybrid_tokens_equal_the_plain_splits(name):
         if s.plan.cpu_units == other.cpu_units and s.plan.prefill_on_gpu and other.prefill_on_gpu:
             if not other.gpu_layers:
                 # hybrid_all against split7 (no GPU-resident block in either): not bit-identical on the H100
-                # (session 10, call J; tokens equal), so within fp16 rounding until the difference is explained
+                # (tokens equal), so within fp16 rounding until the difference is explained
                 rel = float(np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)))
                 print(f"{name} against {plain}: prompt logits differ by {rel:.2e} of max")
                 assert rel < 2e-3, (name, plain, rel)

@@ -1,4 +1,4 @@
-"""Hybrid decode's bookkeeping on the CPU (issue 17), with exact values: ring slots and KV indices of a plan's
+"""Hybrid decode's bookkeeping on the CPU, with exact values: ring slots and KV indices of a plan's
 groups, the per-token order of copies, events and crossings, the invariants every order must keep, the forced
 layouts the device checks build, and where the streamed prefill puts each block's K, V."""
 import dataclasses

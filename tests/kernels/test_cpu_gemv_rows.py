@@ -1,4 +1,4 @@
-"""Batch invariance of the CPU stage's decode GEMVs (issue 19): row t of an m-row call must be bit-identical to
+"""Batch invariance of the CPU stage's decode GEMVs: row t of an m-row call must be bit-identical to
 the 1-row kernel on x[t] alone, for every m up to GEMV_MAX_ROWS, every kernel kind (plain, q/k/v multi-output,
 SwiGLU, the four quantized types) and every ISA tier this CPU runs (AVX-512 token passes differ from AVX2's).
 Odd shapes: n = 37 leaves a partial last row step, k = 4099 a scalar K tail (float kernels)."""

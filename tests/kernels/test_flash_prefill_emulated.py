@@ -6,7 +6,7 @@ l of a warp row l/4, columns 2(l%4) and 2(l%4)+1 of each 8x8 matrix whose rows t
 addressed; mma.m16n8k16 takes A (16x16, row) as a0..a3 = (rows g, g+8) x (cols 2t.., 8+2t..), B (16x8, col)
 as b0, b1 = rows 2t.., 8+2t.. of column g, and C as c0..c3 = (row g, g+8) x (cols 2t, 2t+1), with g = l/4,
 t = l%4. cp.async is a copy. This checks the kernel's tiling, masks, online softmax and fragment plumbing on a
-machine without a GPU; tests/device/device_flash_prefill_check.py runs the same source on the GPU.
+machine without a GPU; tests/kernels/test_flash_prefill_gpu.py runs the same source on the GPU.
 Reference: causal (windowed) softmax attention in float64 over the same fp16 inputs. Skipped without g++.
 """
 import ctypes

@@ -3,7 +3,7 @@ quantized types) without a GPU: PrimFuncs, an sm_90 cubin through nvcc, and thei
 CPU threads (test_gpu_quant_kernels' harness: one std::thread per CUDA thread) against float64, with each row
 of an m-row call bit-identical to a 1-row call on that row alone (batch invariance, issue 19). The harness
 compiles without FMA contraction where nvcc contracts, so bits here are not the GPU's; the GPU check
-(tests/device/device_gemv_gpu_check.py) repeats the bitwise comparison there.
+(tests/kernels/test_gemv_gpu.py) repeats the bitwise comparison there.
 Shapes with edges: n = 13 leaves the last row group part-empty, k = 264 a last step past the row end.
 """
 import re
@@ -19,7 +19,8 @@ from helmc.errors import HelmcError  # noqa: E402
 from helmc.schedules.gpu.gemv import (  # noqa: E402
     WARP, WEIGHT_DTYPES, default_tuning, gemv_symbol, make_gpu_gemv, parse_gemv_symbol)
 from helmc.schedules.gpu import quant_gemv  # noqa: E402
-from test_gpu_quant_kernels import HARNESS, _cuda_source, _device_check, _rel, cgs  # noqa: E402
+from test_gpu_quant_kernels import HARNESS, _cuda_source, _rel, cgs  # noqa: E402
+from tests import quant_rows  # noqa: E402
 
 ROWS = (1, 2, 3, 8)
 _ARG = {"x_ptr": "x", "xv_ptr": "x", "wv_ptr": "w", "w_ptr": "w", "y_ptr": "y"}
@@ -133,7 +134,7 @@ def test_float_gemv_on_cpu_threads_rows_bitwise(tmp_path, dtype):
 def test_quant_gemv_on_cpu_threads_rows_bitwise(tmp_path, qtype, k):
     pytest.importorskip("gguf")
     n = 13
-    check = _device_check()
+    check = quant_rows
     funcs = {m: quant_gemv.make_gpu_gemv_quant(qtype, n, k, m=m) for m in (1, 3, 8)}
     lib = _emulate(tmp_path, _cuda_source({str(f.attrs["global_symbol"]): f for f in funcs.values()}))
     rng = np.random.default_rng(sum(map(ord, qtype)))
@@ -158,7 +159,7 @@ def test_quant_gemv_on_cpu_threads_rows_bitwise(tmp_path, qtype, k):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# One launch, several outputs (issue 16): shared x (q, k, v; gate, up), the residual add and SwiGLU epilogues.
+# One launch, several outputs: shared x (q, k, v; gate, up), the residual add and SwiGLU epilogues.
 # Each output must be bit-identical to the separate launches' (the GEMVs, then the stage's own elementwise
 # kernels: TVM's CUDA for R.add and sigmoid-multiply-multiply, built by compile_gpu_stage's pipeline). The harness
 # rounds every fp16 operation to fp16, as the GPU's half arithmetic does, so an epilogue rounding anywhere else

@@ -3,7 +3,7 @@
 The generated CUDA source is compiled with g++ against a harness (a std::thread per CUDA thread, warp shuffles and
 __syncthreads as barriers, __shared__ arrays as statics of the one block running, __dp4a on signed bytes) and run
 on small shapes with edges (a row group past n, a short last step, q6_k blocks at 2 mod 4, x in several chunks).
-References, in float64 on gguf's own dequantization of the same rows (tests/device/device_quant_gpu_check.py):
+References, in float64 on gguf's own dequantization of the same rows (tests/quant_rows.py):
 - x quantized as the kernel does (per 32 values, dx = amax/127, round half to even): within 2e-3 of max |y|
   (fp32 sums and y's fp16 rounding only; a rounding tie may land the other way on the GPU, where x * inv + C is
   one FMA);
@@ -12,8 +12,6 @@ Row t of a batched call equals the 1-row call on x[t] bit for bit, also when x g
 chunks. To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
 """
 import ctypes
-import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -24,25 +22,17 @@ import pytest
 tvm = pytest.importorskip("tvm")
 
 from helmc.errors import HelmcError  # noqa: E402
+from tests import quant_rows  # noqa: E402
 from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes  # noqa: E402
 from helmc.schedules.gpu.quant_gemv_int8 import (  # noqa: E402
     ROWS_PER_WARP, WARPS, gemv_int8_symbol, make_gpu_gemv_int8, x_chunk)
 from helmc.compiler.passes import compile_gpu_stage as cgs  # noqa: E402
 from test_gpu_quant_kernels import HARNESS  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TUNED = (3, 2, 1)      # rows_per_warp, warps, unroll away from the defaults
 SPLIT = (2, 4, 1, True)   # the CTA's 4 warps split each of its 2 rows' blocks (k_split)
 
 _ARG = {"x_ptr": "x", "wv_ptr": "w", "y_ptr": "y"}
-
-
-def _device_check():
-    spec = importlib.util.spec_from_file_location(
-        "device_quant_gpu_check", os.path.join(ROOT, "tests", "device", "device_quant_gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _source(funcs: dict) -> str:
@@ -113,7 +103,7 @@ def test_symbols_chunks_and_bad_input():
 @pytest.mark.parametrize("qtype,n,k", [("q4_k", 13, 1280), ("q6_k", 13, 768), ("q4_k", 16, 2048), ("q6_k", 16, 2048)])
 def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
     pytest.importorskip("gguf")
-    check = _device_check()
+    check = quant_rows
     sym, tuned, split = (gemv_int8_symbol(qtype, n, k), gemv_int8_symbol(qtype, n, k, *TUNED),
                          gemv_int8_symbol(qtype, n, k, *SPLIT))
     lib = _emulate(tmp_path, _source({sym: make_gpu_gemv_int8(qtype, n, k), tuned: make_gpu_gemv_int8(qtype, n, k, *TUNED),
@@ -141,7 +131,7 @@ def test_rows_are_batch_invariant_through_chunks(tmp_path, qtype):
     pytest.importorskip("gguf")
     n, k = 13, 5120
     assert x_chunk(8, k) < k == x_chunk(1, k) == x_chunk(3, k)
-    check = _device_check()
+    check = quant_rows
     funcs = {m: make_gpu_gemv_int8(qtype, n, k, m=m) for m in (1, 3, 8)}
     lib = _emulate(tmp_path, _source({gemv_int8_symbol(qtype, n, k, m=m): f for m, f in funcs.items()}))
     rng = np.random.default_rng(11)
@@ -181,7 +171,7 @@ def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtyp
     """q, k, v (or gate, up) of one x in one kernel: each y bit-identical to its own kernel's (k_split too)."""
     pytest.importorskip("gguf")
     k = 1280 if qtype == "q4_k" else 768
-    check = _device_check()
+    check = quant_rows
     fused = make_gpu_gemv_int8(qtype, outs, k, *tuning, m=m)
     singles = {n: make_gpu_gemv_int8(qtype, n, k, *tuning, m=m) for n in set(outs)}
     rows, warps = tuning[:2] if tuning else (ROWS_PER_WARP, WARPS)
@@ -228,7 +218,7 @@ def test_split_k_rows_are_batch_invariant_through_chunks(tmp_path):
     pytest.importorskip("gguf")
     qtype, n, k, (rows, warps, unroll, _) = "q4_k", 5, 8192, SPLIT
     assert x_chunk(8, k, spans=warps) == 4096 < k == x_chunk(1, k, spans=warps)
-    check = _device_check()
+    check = quant_rows
     lib = _emulate(tmp_path, _source({gemv_int8_symbol(qtype, n, k, *SPLIT, m=m): make_gpu_gemv_int8(
         qtype, n, k, *SPLIT, m=m) for m in (1, 8)}))
     rng = np.random.default_rng(13)
@@ -264,7 +254,7 @@ def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, qtyp
     elementwise = _elementwise_source(m, n)
     assert HALF_OPS and "blockIdx" not in elementwise                 # one block of threads covers [m, n]
     emulated = _emulate_named(tmp_path, source + elementwise[elementwise.index('extern "C" __global__'):])
-    check = _device_check()
+    check = quant_rows
     rng = np.random.default_rng(29 + m)
     wg, wu = (check.random_quant_rows(qtype, n, k, rng) for _ in range(2))
     x = rng.standard_normal((m, k)).astype(np.float16)

@@ -212,7 +212,7 @@ def test_generated_cuda_on_cpu_threads(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_q_and_k_in_one_launch_equal_their_own_launches(tmp_path):
-    """rms_norm_rope over q and k in one launch (issue 16): both outputs bit-identical to the one-tensor kernel's."""
+    """rms_norm_rope over q and k in one launch: both outputs bit-identical to the one-tensor kernel's."""
     pairs = [((1, 4, 24), (1, 2, 24)), ((3, 3, 128), (3, 1, 128)), ((8, 4, 6), (8, 2, 6))]
     funcs = {}
     for q, k in pairs:

@@ -6,12 +6,10 @@
 - The same generated CUDA source, compiled with g++ against a small harness (one std::thread per CUDA thread,
   __shfl_xor_sync over a per-warp buffer and barriers, half as _Float16), runs on small shapes chosen to hit
   the edges (a last row group past n, a last step past the row end, q6_k rows starting at 2 mod 4), and is
-  compared with gguf's numpy dequantizer in float64. The device check (tests/device/device_quant_gpu_check.py)
-  repeats this on the GPU at real shapes and times it.
+  compared with gguf's numpy dequantizer in float64. tests/kernels/test_quant_gemv_gpu.py
+  repeats this on the GPU at real shapes; benchmarks/bench_quant_gemv_gpu.py times it.
 """
 import ctypes
-import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -23,6 +21,7 @@ tvm = pytest.importorskip("tvm")
 pytest.importorskip("tvm.script")
 
 from helmc.errors import HelmcError  # noqa: E402
+from tests import quant_rows  # noqa: E402
 from helmc.schedules.gpu.quant_gemv import (  # noqa: E402
     DEQUANT_THREADS, FORMATS, ROWS_PER_WARP, UNROLL, WARP, WARPS, dequantize_symbol, gemv_symbol,
     gpu_quant_row_bytes, make_gpu_dequantize, make_gpu_gemv_quant)
@@ -33,7 +32,6 @@ except ImportError:                     # before the compiler's passes moved int
     from helmc.compiler import compile_gpu_stage as cgs
 
 QTYPES = tuple(FORMATS)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 2e-3   # fp16 rounding of y / of each weight is <= 4.9e-4 of max |ref|; see the device check
 # Small shapes with edges: n = 13 leaves the last row group part-empty; k leaves a last step past the row end
 # (q8_0 11 blocks, q4_0 / q5_0 19, q4_k 5, q3_k / q6_k 3: odd, so q3_k / q6_k / q8_0 / q4_0 / q5_0 blocks start at
@@ -56,14 +54,6 @@ def _cuda_source(funcs: dict) -> str:
     sources = cgs._collect_cuda_sources(ex.mod)
     assert len(sources) == 1
     return sources[0]
-
-
-def _device_check():
-    spec = importlib.util.spec_from_file_location(
-        "device_quant_gpu_check", os.path.join(ROOT, "tests", "device", "device_quant_gpu_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -235,7 +225,7 @@ def _rel(got, ref):
 @pytest.mark.parametrize("qtype,n,k", EMULATED)
 def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
     pytest.importorskip("gguf")
-    check = _device_check()
+    check = quant_rows
     fmt = FORMATS[qtype]
     gemv_sym, tuned_sym, deq_sym = gemv_symbol(qtype, n, k), gemv_symbol(qtype, n, k, *TUNED), \
         dequantize_symbol(qtype, n, k)

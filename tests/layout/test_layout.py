@@ -1,4 +1,4 @@
-"""The tree shows the architecture (issue 14): imports go one way, CLI -> API -> compiler / planner -> hardware ->
+"""The tree shows the architecture: imports go one way, CLI -> API -> compiler / planner -> hardware ->
 runtime -> model, with errors/jsonio under everything; no import cycle; no file over 600 lines. The import graph is read from the sources with `ast` (nothing is imported), counting
 every import, also those inside functions: a lazy import is still a dependency."""
 import ast

@@ -1,4 +1,4 @@
-"""One copy of the weights in RAM (issue 15): once a block's tensors are bound (copied into memory of the runtime's
+"""One copy of the weights in RAM: once a block's tensors are bound (copied into memory of the runtime's
 own), their pages of the mmapped file are unmapped from the process (runtime/weights/page_release.py), for GGUF and
 safetensors checkpoints; the bound values equal the file's, and reading the file again afterwards gives the same
 bytes. Measured with this process's resident pages of the file's mapping (/proc/self/smaps)."""

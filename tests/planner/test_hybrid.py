@@ -1,4 +1,4 @@
-"""Hybrid decode in the planner (issue 17): layouts of CPU groups and streamed groups for given profiles, the cost
+"""Hybrid decode in the planner: layouts of CPU groups and streamed groups for given profiles, the cost
 model's overlap under contention by hand, the search choosing hybrid only where it predicts a faster token, and
 the plan's JSON and its refusals."""
 import dataclasses

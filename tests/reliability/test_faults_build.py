@@ -23,7 +23,7 @@ HELMC = [sys.executable, "-m", "helmc.cli.main"]
 
 
 def _env(cache_dir, **extra) -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), HELMC_CACHE_DIR=cache_dir, **extra)
+    return dict(os.environ, HELMC_CACHE_DIR=cache_dir, **extra)
 
 
 def _build_args(tiny, hw_json, out, *more):

@@ -151,7 +151,7 @@ def _gpu_bundle() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.environ.get("HELMC_GPU_SESSION_BUNDLE", os.path.join(root, ".devrt", "kv_session", "bundle"))
     if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pytest.skip(f"no GPU test bundle at {path} (tests/device/build_kv_session_bundle.py makes it)")
+        pytest.skip(f"no GPU test bundle at {path} (`python -m tests.device.build_kv_session_bundle .devrt/kv_session` makes it)")
     return path
 
 

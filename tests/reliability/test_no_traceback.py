@@ -107,9 +107,8 @@ def test_unexpected_error_in_a_real_process(tiny, tmp_path, workdir):
             "from helmc.cli.main import main\n"
             "sys.argv[0] = 'helmc'\n"
             "main()\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     p = subprocess.run([sys.executable, "-c", code, "run", tiny.bundle("qwen3"), "--prompt-ids", "1,2"],
-                       capture_output=True, text=True, env=env, timeout=120)
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert p.stderr.startswith("helmc: internal error: IndexError: list index out of range in `helmc run`")
@@ -119,9 +118,8 @@ def test_unexpected_error_in_a_real_process(tiny, tmp_path, workdir):
 def test_closed_stdout_ends_quietly(tiny, hw_json, workdir):
     """`helmc plan ... | head -1` where head has gone: no internal error and no traceback, status 141 (SIGPIPE's),
     nothing else on stderr. The reader closes its end before helmc writes (its start-up takes far longer)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     p = subprocess.Popen([sys.executable, "-m", "helmc.cli.main", "plan", tiny.model("qwen3")[0], str(hw_json)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err

@@ -1,4 +1,4 @@
-"""Batch-invariant batched decode on the CPU stage (issue 19): a bundle built with --max-batch 4 holds decode_b2 and
+"""Batch-invariant batched decode on the CPU stage: a bundle built with --max-batch 4 holds decode_b2 and
 decode_b4 variants of the block functions and the head, and a step of several sequences (one token each) runs
 them on padded rows; every sequence's logits must equal, bit for bit, those of its single-request run (so its
 greedy tokens do too), for fp16, bf16, Q4_K_M and Q8_0 weights, and for an AVX2 build (its GEMV carries the

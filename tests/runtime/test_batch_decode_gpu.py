@@ -1,11 +1,11 @@
-"""Batch-invariant batched decode through a CPU + GPU split on the GPU (issue 19): every sequence of a batched
+"""Batch-invariant batched decode through a CPU + GPU split on the GPU: every sequence of a batched
 decode step (BatchModel: the CPU stage's and the GPU stage's decode_b{B} variants on padded rows, the head's on
 the GPU) gets logits bit-identical to its single-request run (Session.forward, the captured decode graph), for
 fp16, bf16, Q4_K_M and Q8_0 weights: the GPU stage's own m-row GEMVs (schedules/gpu/gemv.py, quant_gemv.py)
 form every row as their one-row calls do.
 
 The bundles (tiny Qwen3, split cpu(2) -> cuda(rest), --max-batch 4) are built on the compiler machine by
-    python tests/device/build_batch_session_bundles.py .devrt/batch_session
+    python -m tests.device.build_batch_session_bundles .devrt/batch_session
 and carried to the GPU machine; the test looks in $HELMC_GPU_BATCH_BUNDLES (default .devrt/batch_session).
 Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
 """
@@ -35,7 +35,7 @@ def bundle(name: str) -> str:
     path = os.path.join(os.environ.get("HELMC_GPU_BATCH_BUNDLES", DEFAULT_DIR), name, "bundle")
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         pytest.skip(f"no GPU test bundle at {path}: build it on the compiler machine with "
-                    "`python tests/device/build_batch_session_bundles.py .devrt/batch_session` and carry .devrt")
+                    "`python -m tests.device.build_batch_session_bundles .devrt/batch_session` and carry .devrt")
     return path
 
 

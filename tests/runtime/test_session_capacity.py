@@ -1,4 +1,4 @@
-"""Capacity planning before generating (issue 5): what a session's KV caches can hold, on the CPU.
+"""Capacity planning before generating: what a session's KV caches can hold, on the CPU.
 
 - capacity_of_caches over a real KVCacheCPU and a KVCacheGPU on tests/kv_device_emulator.py: exact
   token counts, which memory runs out, and the pinned host memory it predicts equals what the GPU

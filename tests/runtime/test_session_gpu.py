@@ -1,4 +1,4 @@
-"""Greedy generation through Session on the GPU with KV pages forced out to pinned host RAM (issue 5).
+"""Greedy generation through Session on the GPU with KV pages forced out to pinned host RAM.
 
 A tiny watermark keeps one KV page of the GPU layers on the GPU: the prompt's older pages go
 straight to pinned host memory and every decode step streams them back through staging. The tokens
@@ -6,7 +6,7 @@ must equal those of the same bundle with all KV on the GPU (kv_offload=False), a
 the cache allocated must be what runtime/kv/capacity.py predicts for the request.
 
 The bundle (a split cpu(2) -> cuda(4) tiny Qwen3) is built on the compiler machine by
-    python tests/device/build_kv_session_bundle.py .devrt/kv_session
+    python -m tests.device.build_kv_session_bundle .devrt/kv_session
 and carried to the GPU machine; the test looks in $HELMC_GPU_SESSION_BUNDLE, default
 .devrt/kv_session/bundle. Nothing to regenerate: both runs happen here.
 Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
@@ -35,7 +35,7 @@ def gpu_bundle() -> str:
     path = os.environ.get("HELMC_GPU_SESSION_BUNDLE", DEFAULT_BUNDLE)
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         pytest.skip(f"no GPU test bundle at {path}: build it on the compiler machine with "
-                    "`python tests/device/build_kv_session_bundle.py .devrt/kv_session` and carry .devrt")
+                    "`python -m tests.device.build_kv_session_bundle .devrt/kv_session` and carry .devrt")
     return path
 
 

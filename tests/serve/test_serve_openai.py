@@ -127,7 +127,7 @@ def test_batched_decode_equals_single_requests(session):
         worst = max(worst, float(np.abs(got - singles[b]).max() / np.abs(singles[b]).max()))
         assert list(got.argmax(1)) == list(singles[b].argmax(1)), f"request {b}: greedy tokens differ"
     print(f"batched vs single logits: max rel diff {worst:.2e}")
-    assert worst == 0.0           # batch-invariant decode (issue 19): every bit of every logit equal
+    assert worst == 0.0           # batch-invariant decode: every bit of every logit equal
     assert m.pages_in_use() > 0
     for b in range(MAX_BATCH):
         m.free(b)
@@ -145,7 +145,7 @@ def test_batched_decode_equals_single_requests(session):
 
 
 def test_prompts_prefilled_together_equal_single_requests(session):
-    """BatchModel.prefill_many (issue 19): 8 prompts at once, cut into chunks of 16 rows that share steps (several
+    """BatchModel.prefill_many: 8 prompts at once, cut into chunks of 16 rows that share steps (several
     prompts per step, a prompt over several steps, one-row chunks as one batched decode step), then decoded
     together: every logit bit-identical to each prompt's single-request run. Then the engine with 8 requests
     submitted at once prefills them in one call, and each response equals its greedy reference."""

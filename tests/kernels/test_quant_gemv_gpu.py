@@ -1,0 +1,61 @@
+"""The quantized-weight CUDA kernels (schedules/gpu/quant_gemv.py, quant_gemv_int8.py) on the GPU at Qwen3-8B's
+projection shapes, against float64 on gguf's own dequantization of the same rows: each type's decode GEMV (at its
+default and other tunings), its dequantizer (rows element by element and their product with x), and the
+int8-activation GEMV of q4_k / q6_k. Pass: max |y - ref| / max |ref| <= 2e-3 (2e-2 for int8 activations: their own
+~0.5%); the builder's docstring gives the reasoning. tests/kernels/test_gpu_quant_kernels.py runs the same sources
+on CPU threads at small shapes; benchmarks/bench_quant_gemv_gpu.py times them.
+
+The kernels and data are built on the compiler machine by
+    python -m tests.device.build_quant_gpu_kernels .devrt/quant_gpu_check
+and carried to the GPU machine; the test looks in $HELMC_QUANT_GPU_DIR (default .devrt/quant_gpu_check). Runs with
+the runtime-only TVM (no compiler, no NVRTC).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.device.build_quant_gpu_kernels import QTYPES
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LOADED: dict = {}
+
+
+def kernels() -> tuple:
+    """(the loaded library, DIR, its manifest), or a skip naming what is missing."""
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as e:                      # no driver
+        pytest.skip(f"no usable CUDA device: {e}")
+    d = os.environ.get("HELMC_QUANT_GPU_DIR", os.path.join(ROOT, ".devrt", "quant_gpu_check"))
+    if not os.path.isfile(os.path.join(d, "manifest.json")):
+        pytest.skip(f"no quantized GPU kernels at {d}: build them on the compiler machine with "
+                    "`python -m tests.device.build_quant_gpu_kernels .devrt/quant_gpu_check` and carry .devrt")
+    if d not in _LOADED:
+        from helmc.runtime.cuda_runtime import load_gpu_executable
+        with open(os.path.join(d, "manifest.json")) as f:
+            manifest = json.load(f)
+        _LOADED[d] = (load_gpu_executable(os.path.join(d, manifest["library"]),
+                                          os.path.join(d, manifest["cubin_index"])), d, manifest)
+    return _LOADED[d]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_kernels_match_float64(qtype):
+    from benchmarks.bench_quant_gemv_gpu import run_group, untimed
+    mod, d, manifest = kernels()
+    groups: dict[tuple, list[dict]] = {}
+    for e in manifest["kernels"]:
+        if e["qtype"] == qtype:
+            groups.setdefault((e["n"], e["k"]), []).append(e)
+    assert groups, f"the manifest has no {qtype} kernels"
+    failed = [(r["kind"], r["n"], r["k"], r["tuning"], r["max_rel_err"])
+              for (n, k), entries in groups.items()
+              for r in run_group(mod, d, manifest, qtype, n, k, entries, untimed) if not r["ok"]]
+    assert not failed, f"{qtype}: kernels beyond their tolerance (kind, n, k, tuning, error): {failed}"
