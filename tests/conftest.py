@@ -117,7 +117,6 @@ SLOW_TESTS = (
     # reliability: one killed build, one rebuilt cache entry and every other command's one-line error stay fast
     "tests/reliability/test_faults_build.py::test_two_builds_into_one_directory[fresh]",
     "tests/reliability/test_faults_build.py::test_corrupted_cache_entry_is_detected_and_rebuilt[library_flipped]",
-    "tests/reliability/test_no_traceback.py::test_unexpected_error_is_one_line_and_a_log[profile]",
     "tests/reliability/test_catalogue_cli.py::test_sigint_during_compile_is_an_interruption",
     "tests/reliability/test_serve_fuzz.py::test_concurrent_requests_equal_their_lone_runs",
     # the whole host read on the quick kit, measured up to three times on a busy host (its sweeps stay fast)

@@ -261,12 +261,18 @@ def test_quant_multi_gemv_is_bitwise_its_single_kernels(tier, qtype, ns):
     ws = [tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k)) for n in ns]
     x = tvm.runtime.tensor(rng.standard_normal((1, k)).astype(np.float32))
 
-    def run(f, weights, outs_n):
-        lib = tvm.compile(f, target=target(isa))
+    # The fused kernel and every single one in one module: one LLVM run instead of one per kernel.
+    fused_f = make_gemv_quant_int8_multi(qtype, ns, k, isa)
+    singles = {n: make_gemv_quant(qtype, n, k, isa) for n in ns}                  # q/k/v: k and v share a shape
+    funcs = {str(f.attrs["global_symbol"]): f for f in [fused_f, *singles.values()]}
+    assert len(funcs) == 1 + len(singles), list(funcs)
+    lib = tvm.compile(tvm.IRModule(funcs), target=target(isa))
+
+    def run(symbol, weights, outs_n):
         outs = [tvm.runtime.empty((1, n), "float32", tvm.cpu()) for n in outs_n]
-        lib[str(f.attrs["global_symbol"])](x, *weights, *outs)
+        lib[symbol](x, *weights, *outs)
         return [o.numpy() for o in outs]
-    fused = run(make_gemv_quant_int8_multi(qtype, ns, k, isa), ws, ns)
+    fused = run(str(fused_f.attrs["global_symbol"]), ws, ns)
     for i, n in enumerate(ns):
-        (single,) = run(make_gemv_quant(qtype, n, k, isa), [ws[i]], (n,))
+        (single,) = run(str(singles[n].attrs["global_symbol"]), [ws[i]], (n,))
         assert np.array_equal(fused[i].view(np.uint32), single.view(np.uint32)), (qtype, ns, i)

@@ -28,20 +28,31 @@ def _tier(name):
     return isa
 
 
-def _rows_equal_single(make, inputs, x, n_outs, isa):
-    """make(m) -> PrimFunc(x[m, k], *inputs, *outs[m, n_i]); every row of every m equals the 1-row call's bits."""
-    def call(m, xm):
-        f = make(m)
-        lib = tvm.compile(f, target=target(isa))
+def _rows_equal_single(kernels, x, isa):
+    """kernels: (make, inputs, n_outs) each, make(m) -> PrimFunc(x[m, k], *inputs, *outs[m, n_i]); every row of
+    every m equals the 1-row call's bits. Every kernel at every m is one function of a single module, compiled once:
+    the m-row functions are what the stage compiles, their module is not, and one LLVM run is far cheaper than one
+    per function."""
+    funcs = {}
+    for j, (make, _, _) in enumerate(kernels):
+        for m in (1,) + ROWS:
+            funcs[j, m] = make(m)
+    symbols = [str(f.attrs["global_symbol"]) for f in funcs.values()]
+    assert len(set(symbols)) == len(symbols), symbols
+    lib = tvm.compile(tvm.IRModule({s: f for s, f in zip(symbols, funcs.values())}), target=target(isa))
+
+    def call(j, m, xm):
+        _, inputs, n_outs = kernels[j]
         outs = [tvm.runtime.empty((m, n), "float32", tvm.cpu()) for n in n_outs]
-        lib[str(f.attrs["global_symbol"])](tvm.runtime.tensor(np.ascontiguousarray(xm)), *inputs, *outs)
+        lib[str(funcs[j, m].attrs["global_symbol"])](tvm.runtime.tensor(np.ascontiguousarray(xm)), *inputs, *outs)
         return [o.numpy() for o in outs]
-    singles = [call(1, x[t:t + 1]) for t in range(GEMV_MAX_ROWS)]
-    for m in ROWS:
-        got = call(m, x[:m])
-        for t in range(m):
-            for i in range(len(n_outs)):
-                assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (m, t, i)
+    for j, (_, _, n_outs) in enumerate(kernels):
+        singles = [call(j, 1, x[t:t + 1]) for t in range(GEMV_MAX_ROWS)]
+        for m in ROWS:
+            got = call(j, m, x[:m])
+            for t in range(m):
+                for i in range(len(n_outs)):
+                    assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (j, m, t, i)
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
@@ -56,9 +67,9 @@ def test_float_gemvs_rows_are_single_rows(tier, dtype):
     else:
         tensors = [tvm.runtime.tensor(w.astype(dtype)) for w in ws]
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv(m, ns[0], k, dtype, isa), tensors[:1], x, ns[:1], isa)
-    _rows_equal_single(lambda m: make_gemv_multi(m, ns, k, dtype, isa), tensors, x, ns, isa)
-    _rows_equal_single(lambda m: make_gemv_swiglu(m, 37, k, dtype, isa), tensors[:1] * 2, x, (37,), isa)
+    _rows_equal_single([(lambda m: make_gemv(m, ns[0], k, dtype, isa), tensors[:1], ns[:1]),
+                        (lambda m: make_gemv_multi(m, ns, k, dtype, isa), tensors, ns),
+                        (lambda m: make_gemv_swiglu(m, 37, k, dtype, isa), tensors[:1] * 2, (37,))], x, isa)
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
@@ -70,7 +81,7 @@ def test_quant_gemv_rows_are_single_rows(tier, qtype):
     n, k = 37, 512
     w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+    _rows_equal_single([(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], (n,))], x, isa)
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
@@ -93,7 +104,7 @@ def test_quant_gemv_rows_over_several_k_tiles(qtype):
     assert any(blocks % quant_tiles(qtype, m, k, isa).tile_blocks for m in ROWS), qtype   # a shorter last tile
     w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+    _rows_equal_single([(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], (n,))], x, isa)
 
 
 def test_float_tiles_cover_k_in_several_tiles():
