@@ -69,6 +69,28 @@ def call(func, features, *args):
     lib[str(func.attrs["global_symbol"])](*args)
 
 
+def amx_asm_per_kernel(funcs) -> dict:
+    """{symbol: its assembly} of PrimFuncs compiled together for the AMX target (one LLVM run instead of one per
+    kernel): a kernel's body is its `_compute_` function and the parallel lambdas after it. Every tile product of
+    the module is in some kernel's part."""
+    import re
+    asm = tvm.compile(tvm.IRModule({str(f.attrs["global_symbol"]): f for f in funcs}),
+                      target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
+    parts, owner = {}, None
+    for name, body in re.findall(r"^\s*\.type\s+(\S+),@function$(.*?)(?=^\s*\.type\s+\S+,@function$|\Z)", asm,
+                                 re.M | re.S):
+        if name.endswith("_compute_"):
+            owner = name[:-len("_compute_")]
+        elif not name.startswith(".L__tvm_parallel_lambda"):
+            owner = None
+        if owner is not None:
+            parts[owner] = parts.get(owner, "") + body
+    assert set(parts) == {str(f.attrs["global_symbol"]) for f in funcs}, list(parts)
+    count = lambda text: len(re.findall(r"\btdpbf16ps\b", text))  # noqa: E731
+    assert sum(map(count, parts.values())) == count(asm)
+    return parts
+
+
 @needs_avx2
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("m,ns,k", [(1, (37, 5, 9), 4099), (2, (40, 24), 100)])
@@ -180,14 +202,14 @@ def test_amx_gemm_multi_compiles_for_an_amx_target():
     precision, 8 split; fp16: 12) per weight's copy of the panel body, and a distinct symbol naming every
     weight's N and the split."""
     import re
-    for dtype, split, products, suffix in (("bfloat16", None, 4, ""), ("bfloat16", True, 8, "_xsplit"),
-                                           ("float16", None, 12, "")):
-        func = make_gemm_amx_multi((1024, 256, 256), 512, dtype, blocking=blocking_named("kc512"),
-                                   split_activations=split)
+    cases = (("bfloat16", None, 4, ""), ("bfloat16", True, 8, "_xsplit"), ("float16", None, 12, ""))
+    funcs = [make_gemm_amx_multi((1024, 256, 256), 512, dtype, blocking=blocking_named("kc512"),
+                                 split_activations=split) for dtype, split, _, _ in cases]
+    asm_of = amx_asm_per_kernel(funcs)
+    for func, (dtype, split, products, suffix) in zip(funcs, cases):
         assert str(func.attrs["global_symbol"]) == \
             f"helmc_gemm3_amx_{'bf16' if dtype == 'bfloat16' else 'f16'}_n1024_256_256_k512_kc512{suffix}"
-        asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
-        dots = len(re.findall(r"\btdpbf16ps\b", asm))
+        dots = len(re.findall(r"\btdpbf16ps\b", asm_of[str(func.attrs["global_symbol"])]))
         assert dots >= 3 * products and dots % products == 0, (dtype, dots)
 
 
@@ -220,9 +242,10 @@ def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
     assert not amx_gemm_applies(4096, 4096, "float32", spr)
     assert not amx_gemm_applies(4096, 4096, "bfloat16", avx512)
     assert not amx_gemm_applies(4100, 4096, "bfloat16", spr)     # partial tiles go to gemm.py
-    for dtype in ("bfloat16", "float16"):
-        lib = tvm.compile(make_gemm_amx(64, 128, dtype), target=llvm_target(SPR_AMX))
-        asm = lib.mod.inspect_source("asm")
+    funcs = {dtype: make_gemm_amx(64, 128, dtype) for dtype in ("bfloat16", "float16")}
+    asm_of = amx_asm_per_kernel(funcs.values())
+    for dtype, func in funcs.items():
+        asm = asm_of[str(func.attrs["global_symbol"])]
         for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease", "prefetcht1"):
             assert instr in asm, f"AMX {dtype} build lacks {instr}"
 
@@ -232,16 +255,17 @@ def test_amx_gemm_variants_compile_with_distinct_symbols():
     32-k step are 4 (bf16 at the model's precision: W.x on 2 x 2 C tiles) and 12 (fp16: Whi.xhi + Whi.xlo +
     Wlo.xhi)."""
     import re
-    names = set()
-    for blocking in BLOCKING_VARIANTS:
-        for dtype, products in (("bfloat16", 4), ("float16", 12)):
-            func = make_gemm_amx(1024, 512, dtype, blocking=blocking)
-            names.add(str(func.attrs["global_symbol"]))
-            asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
-            dots = len(re.findall(r"\btdpbf16ps\b", asm))
-            assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
-            assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
+    cases = [(blocking, dtype, products) for blocking in BLOCKING_VARIANTS
+             for dtype, products in (("bfloat16", 4), ("float16", 12))]
+    funcs = [make_gemm_amx(1024, 512, dtype, blocking=blocking) for blocking, dtype, _ in cases]
+    names = {str(func.attrs["global_symbol"]) for func in funcs}
     assert len(names) == 2 * len(BLOCKING_VARIANTS)
+    asm_of = amx_asm_per_kernel(funcs)
+    for func, (blocking, dtype, products) in zip(funcs, cases):
+        asm = asm_of[str(func.attrs["global_symbol"])]
+        dots = len(re.findall(r"\btdpbf16ps\b", asm))
+        assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
+        assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
 
 
 @pytest.mark.parametrize("tier", ["avx512_vnni", "avx512"])

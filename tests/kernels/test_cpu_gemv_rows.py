@@ -55,7 +55,25 @@ def _rows_equal_single(kernels, x, isa):
                     assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (j, m, t, i)
 
 
-@pytest.mark.parametrize("tier", list(TIERS))
+def _float_kernels(m, dtype, isa):
+    return (make_gemv(m, 37, 4099, dtype, isa), make_gemv_multi(m, (37, 16, 16), 4099, dtype, isa),
+            make_gemv_swiglu(m, 37, 4099, dtype, isa))
+
+
+def test_float_kernels_do_not_depend_on_vnni():
+    """Why the float checks below skip the AVX-512 VNNI tier: VNNI is an int8 dot product; the two tiers' ISAs
+    differ only in the LLVM target's flags, and the float kernels of that tier are plain AVX-512's (checked on the
+    one-row and the tiled m-row kernels: building every m of every dtype costs more than running the checks)."""
+    import dataclasses
+    vnni, plain = select_isa(TIERS["avx512_vnni"]), select_isa(TIERS["avx512"])
+    assert "avx512_vnni" in vnni.required_flags and "avx512_vnni" not in plain.required_flags
+    assert dataclasses.replace(vnni, llvm_mattr=plain.llvm_mattr, required_flags=plain.required_flags) == plain
+    for m in (1, GEMV_MAX_ROWS):
+        for a, b in zip(_float_kernels(m, "float16", vnni), _float_kernels(m, "float16", plain)):
+            tvm.ir.assert_structural_equal(a, b)
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t != "avx512_vnni"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_float_gemvs_rows_are_single_rows(tier, dtype):
     isa = _tier(tier)
