@@ -69,28 +69,6 @@ def call(func, features, *args):
     lib[str(func.attrs["global_symbol"])](*args)
 
 
-def amx_asm_per_kernel(funcs) -> dict:
-    """{symbol: its assembly} of PrimFuncs compiled together for the AMX target (one LLVM run instead of one per
-    kernel): a kernel's body is its `_compute_` function and the parallel lambdas after it. Every tile product of
-    the module is in some kernel's part."""
-    import re
-    asm = tvm.compile(tvm.IRModule({str(f.attrs["global_symbol"]): f for f in funcs}),
-                      target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
-    parts, owner = {}, None
-    for name, body in re.findall(r"^\s*\.type\s+(\S+),@function$(.*?)(?=^\s*\.type\s+\S+,@function$|\Z)", asm,
-                                 re.M | re.S):
-        if name.endswith("_compute_"):
-            owner = name[:-len("_compute_")]
-        elif not name.startswith(".L__tvm_parallel_lambda"):
-            owner = None
-        if owner is not None:
-            parts[owner] = parts.get(owner, "") + body
-    assert set(parts) == {str(f.attrs["global_symbol"]) for f in funcs}, list(parts)
-    count = lambda text: len(re.findall(r"\btdpbf16ps\b", text))  # noqa: E731
-    assert sum(map(count, parts.values())) == count(asm)
-    return parts
-
-
 @needs_avx2
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("m,ns,k", [(1, (37, 5, 9), 4099), (2, (40, 24), 100)])
@@ -202,14 +180,14 @@ def test_amx_gemm_multi_compiles_for_an_amx_target():
     precision, 8 split; fp16: 12) per weight's copy of the panel body, and a distinct symbol naming every
     weight's N and the split."""
     import re
-    cases = (("bfloat16", None, 4, ""), ("bfloat16", True, 8, "_xsplit"), ("float16", None, 12, ""))
-    funcs = [make_gemm_amx_multi((1024, 256, 256), 512, dtype, blocking=blocking_named("kc512"),
-                                 split_activations=split) for dtype, split, _, _ in cases]
-    asm_of = amx_asm_per_kernel(funcs)
-    for func, (dtype, split, products, suffix) in zip(funcs, cases):
+    for dtype, split, products, suffix in (("bfloat16", None, 4, ""), ("bfloat16", True, 8, "_xsplit"),
+                                           ("float16", None, 12, "")):
+        func = make_gemm_amx_multi((1024, 256, 256), 512, dtype, blocking=blocking_named("kc512"),
+                                   split_activations=split)
         assert str(func.attrs["global_symbol"]) == \
             f"helmc_gemm3_amx_{'bf16' if dtype == 'bfloat16' else 'f16'}_n1024_256_256_k512_kc512{suffix}"
-        dots = len(re.findall(r"\btdpbf16ps\b", asm_of[str(func.attrs["global_symbol"])]))
+        asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
+        dots = len(re.findall(r"\btdpbf16ps\b", asm))
         assert dots >= 3 * products and dots % products == 0, (dtype, dots)
 
 
@@ -242,10 +220,9 @@ def test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only():
     assert not amx_gemm_applies(4096, 4096, "float32", spr)
     assert not amx_gemm_applies(4096, 4096, "bfloat16", avx512)
     assert not amx_gemm_applies(4100, 4096, "bfloat16", spr)     # partial tiles go to gemm.py
-    funcs = {dtype: make_gemm_amx(64, 128, dtype) for dtype in ("bfloat16", "float16")}
-    asm_of = amx_asm_per_kernel(funcs.values())
-    for dtype, func in funcs.items():
-        asm = asm_of[str(func.attrs["global_symbol"])]
+    for dtype in ("bfloat16", "float16"):
+        lib = tvm.compile(make_gemm_amx(64, 128, dtype), target=llvm_target(SPR_AMX))
+        asm = lib.mod.inspect_source("asm")
         for instr in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease", "prefetcht1"):
             assert instr in asm, f"AMX {dtype} build lacks {instr}"
 
@@ -255,17 +232,16 @@ def test_amx_gemm_variants_compile_with_distinct_symbols():
     32-k step are 4 (bf16 at the model's precision: W.x on 2 x 2 C tiles) and 12 (fp16: Whi.xhi + Whi.xlo +
     Wlo.xhi)."""
     import re
-    cases = [(blocking, dtype, products) for blocking in BLOCKING_VARIANTS
-             for dtype, products in (("bfloat16", 4), ("float16", 12))]
-    funcs = [make_gemm_amx(1024, 512, dtype, blocking=blocking) for blocking, dtype, _ in cases]
-    names = {str(func.attrs["global_symbol"]) for func in funcs}
+    names = set()
+    for blocking in BLOCKING_VARIANTS:
+        for dtype, products in (("bfloat16", 4), ("float16", 12)):
+            func = make_gemm_amx(1024, 512, dtype, blocking=blocking)
+            names.add(str(func.attrs["global_symbol"]))
+            asm = tvm.compile(func, target=llvm_target(SPR_AMX)).mod.inspect_source("asm")
+            dots = len(re.findall(r"\btdpbf16ps\b", asm))
+            assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
+            assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
     assert len(names) == 2 * len(BLOCKING_VARIANTS)
-    asm_of = amx_asm_per_kernel(funcs)
-    for func, (blocking, dtype, products) in zip(funcs, cases):
-        asm = asm_of[str(func.attrs["global_symbol"])]
-        dots = len(re.findall(r"\btdpbf16ps\b", asm))
-        assert dots >= products and dots % products == 0, (blocking.name, dtype, dots)
-        assert ("prefetcht1" in asm) == blocking.prefetch, (blocking.name, dtype)
 
 
 @pytest.mark.parametrize("tier", ["avx512_vnni", "avx512"])
@@ -285,18 +261,12 @@ def test_quant_multi_gemv_is_bitwise_its_single_kernels(tier, qtype, ns):
     ws = [tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k)) for n in ns]
     x = tvm.runtime.tensor(rng.standard_normal((1, k)).astype(np.float32))
 
-    # The fused kernel and every single one in one module: one LLVM run instead of one per kernel.
-    fused_f = make_gemv_quant_int8_multi(qtype, ns, k, isa)
-    singles = {n: make_gemv_quant(qtype, n, k, isa) for n in ns}                  # q/k/v: k and v share a shape
-    funcs = {str(f.attrs["global_symbol"]): f for f in [fused_f, *singles.values()]}
-    assert len(funcs) == 1 + len(singles), list(funcs)
-    lib = tvm.compile(tvm.IRModule(funcs), target=target(isa))
-
-    def run(symbol, weights, outs_n):
+    def run(f, weights, outs_n):
+        lib = tvm.compile(f, target=target(isa))
         outs = [tvm.runtime.empty((1, n), "float32", tvm.cpu()) for n in outs_n]
-        lib[symbol](x, *weights, *outs)
+        lib[str(f.attrs["global_symbol"])](x, *weights, *outs)
         return [o.numpy() for o in outs]
-    fused = run(str(fused_f.attrs["global_symbol"]), ws, ns)
+    fused = run(make_gemv_quant_int8_multi(qtype, ns, k, isa), ws, ns)
     for i, n in enumerate(ns):
-        (single,) = run(str(singles[n].attrs["global_symbol"]), [ws[i]], (n,))
+        (single,) = run(make_gemv_quant(qtype, n, k, isa), [ws[i]], (n,))
         assert np.array_equal(fused[i].view(np.uint32), single.view(np.uint32)), (qtype, ns, i)
