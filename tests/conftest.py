@@ -25,7 +25,6 @@ import pytest
 SLOW_TESTS = (
     # a fresh-clone fast tier measured 11.9 min: each of these has a fast sibling covering its layer
     "tests/reliability/test_faults_build.py::test_two_builds_into_one_directory[over_a_bundle]",
-    "tests/kernels/test_cpu_gemv_rows.py::test_float_gemvs_rows_are_single_rows[bfloat16-avx512]",
     "tests/compiler/test_compile_gpu_stage.py::test_q5_k_gpu_stage_builds_with_its_kernels",
     "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_are_single_rows[q5_k-avx512_vnni]",
     "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_are_single_rows[q4_0-avx512_vnni]",
