@@ -206,24 +206,13 @@ def test_paged_attention_is_built_ahead_of_time(tmp_path):
 
 
 @needs_nvcc
-def test_quantized_gpu_stage_builds_with_its_kernels(tmp_path):
+def test_quantized_gpu_stage_builds_with_its_kernels(quantized_gpu_stage_files):
     """A Q4_K_M-like spec (a second block signature with down_proj in q6_k; lm_head q6_k): every decode linear
-    is a fused dequantize-GEMV on the raw blocks, every prefill weight one dequantize, in one cubin."""
-    from helmc.compiler.passes.export_block import export_functions
-    from helmc.compiler.passes.import_relax import import_functions
-    from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
-    from helmc.compiler.passes.quantize_functions import quantize_functions
-    from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
-    from helmc.testing import tiny_config
+    is a fused dequantize-GEMV on the raw blocks, every prefill weight one dequantize, in one cubin. The stage (with
+    batched decode variants) is the one test_lower_decode_gemv.py checks, compiled once for both."""
+    from gpu_stage_specs import quantized_lowered
 
-    cfg = tiny_config("qwen3", num_layers=3, head_dim=64, dtype="float16", tie=False, hidden_size=256,
-                      intermediate_size=512).to_dict()
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
-    types = {f"model.layers.{i}.{n}": "q4_k" for i in range(3) for n in LINEAR_NAMES}
-    types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"
-    spec = with_weight_types(ModelSpec.from_hf_config(cfg), types)
-    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
-    lowered = lower_quantized_gpu(mod, weight_types)
+    lowered, _ = quantized_lowered("float16")
     down = [p for p in lowered["post_attn_decode_t1"].params if str(p.name) == "w4"][0]
     assert str(down.ty.dtype) == "uint8" and [int(d) for d in down.ty.shape.values] == [256, 420]   # 2 q6_k blocks
     decode = lowered["post_attn_decode_t1"].script()
@@ -231,13 +220,13 @@ def test_quantized_gpu_stage_builds_with_its_kernels(tmp_path):
     assert "helmc_gpu_gemv8_res_q6_k_n256_k512_r2w8u2" in decode and "R.matmul" not in decode
     assert "helmc_gpu_gemv8_swiglu_q4_k_n512_k256_r1w8u2" in decode and "R.sigmoid" not in decode
     assert "helmc_gpu_dequantize_q6_k_n256_k512" in lowered["post_attn_prefill_t1"].script()
-    files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
-    source = (tmp_path / "gpu_stage.cu").read_text()
+    out, files = quantized_gpu_stage_files
+    source = (out / "gpu_stage.cu").read_text()
     for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_res_q6_k_n256_k512_r2w8u2", "gemv8_q6_k_n512_k256_r2w8u2",
                    "gemv8_swiglu_q4_k_n512_k256_r1w8u2",
                    "dequantize_q4_k_n512_k256"):
         assert f"helmc_gpu_{kernel}" in source, kernel
-    assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
+    assert (out / files[1]).read_bytes()[:4] == b"\x7fELF"
 
 
 def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():

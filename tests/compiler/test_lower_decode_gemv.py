@@ -7,37 +7,18 @@ k norm + RoPE one), and the decode RMSNorms go into the GEMVs that read them (fu
 decode functions launch 8 kernels fewer per block than before."""
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest
 
 pytest.importorskip("tvm.relax")
 
-from helmc.compiler.passes.compile_gpu_stage import (  # noqa: E402
-    build_gpu_executable, compile_gpu_stage, find_nvcc, kernel_launches)
+from helmc.compiler.passes.compile_gpu_stage import build_gpu_executable, kernel_launches  # noqa: E402
 from helmc.compiler.passes.dispatch_prefill_gemm import GEMM_FUNC  # noqa: E402
-from helmc.compiler.passes.export_block import export_functions  # noqa: E402
-from helmc.compiler.passes.import_relax import import_functions  # noqa: E402
 from helmc.compiler.passes.lower_decode_gemv import lower_decode_gemv  # noqa: E402
-from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu  # noqa: E402
-from helmc.compiler.passes.quantize_functions import quantize_functions  # noqa: E402
-from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types  # noqa: E402
-from helmc.testing import tiny_config  # noqa: E402
 
-BATCHES = (2, 4)
-
-
-def _spec(dtype: str, quantized: bool) -> ModelSpec:
-    cfg = tiny_config("qwen3", num_layers=3, head_dim=64, dtype=dtype, tie=False, hidden_size=256,
-                      intermediate_size=512).to_dict()
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
-    spec = ModelSpec.from_hf_config(cfg)
-    if not quantized:
-        return spec
-    types = {f"model.layers.{i}.{n}": "q4_k" for i in range(3) for n in LINEAR_NAMES}
-    types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"     # a second signature
-    return with_weight_types(spec, types)
+from gpu_stage_specs import (BATCHES, imported_gpu_stage as _imported, quantized_lowered,  # noqa: E402
+                             tiny_gpu_spec as _spec)
 
 
 def _rows_of(kernel: str) -> int:
@@ -47,18 +28,8 @@ def _rows_of(kernel: str) -> int:
     return int(found.group(1)) if found else 1
 
 
-@functools.lru_cache(maxsize=None)
-def _imported(dtype: str, quantized: bool):
-    """(module, weight types) of the tiny spec's GPU stage as imported, once per module: the ONNX export and import
-    are the slow part, and the passes after them return new modules, never edit this one."""
-    spec = _spec(dtype, quantized)
-    return quantize_functions(import_functions(export_functions(spec, act_dtype="float16"), BATCHES), spec)
-
-
 def _lowered(dtype: str, quantized: bool):
-    mod, weight_types = _imported(dtype, quantized)
-    if weight_types:
-        mod = lower_quantized_gpu(mod, weight_types)
+    mod, weight_types = quantized_lowered(dtype) if quantized else _imported(dtype, quantized)
     return lower_decode_gemv(mod), weight_types
 
 
@@ -81,15 +52,13 @@ def test_every_decode_linear_is_an_m_row_gemv(dtype, quantized):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
-def test_batched_stage_builds_to_one_cubin(tmp_path):
-    mod, weight_types = _imported("float16", True)
-    files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
-    source = (tmp_path / "gpu_stage.cu").read_text()
+def test_batched_stage_builds_to_one_cubin(quantized_gpu_stage_files):
+    out, files = quantized_gpu_stage_files
+    source = (out / "gpu_stage.cu").read_text()
     for kernel in ("gemv8_q4_k_n128_k256_r2w8u2", "gemv8_q4_k_n128_k256_m4_r2w8u2", "gemv8_q6_k_n256_k512_m2_r2w8u2",
                    "gemv8_q6_k_n512_k256_m4_r2w8u2"):
         assert f"helmc_gpu_{kernel}_kernel" in source, kernel
-    assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
+    assert (out / files[1]).read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

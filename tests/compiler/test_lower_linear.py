@@ -22,6 +22,7 @@ from helmc.schedules.cpu.isa import missing_flags  # noqa: E402
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
 
 AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
+AMX = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
 
 
 
@@ -37,6 +38,13 @@ def block():
                       num_key_value_heads=2, head_dim=32)
     exported = tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn"))
     return spec, exported, import_functions(exported)
+
+
+@pytest.fixture(scope="module")
+def amx_lowered(block):
+    """lower_linear_with_report of the block for an AMX target, once for the tests that read it."""
+    from helmc.compiler.passes.lower_linear import lower_linear_with_report
+    return lower_linear_with_report(block[2], AMX)
 
 
 def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
@@ -121,11 +129,11 @@ def test_compiled_stage_matches_default_pipeline_and_torch(block):
             assert err_tvm <= 1e-4 and err_torch <= 1e-4
 
 
-def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
+def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block, amx_lowered):
     from helmc.compiler.passes.lower_linear import lower_linear_with_report
     spec, _, mod = block
-    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
-    _, report = lower_linear_with_report(mod, amx)
+    amx = AMX
+    _, report = amx_lowered
     prefill = [i for i in report if i.function.endswith("_prefill")]
     for item in prefill:
         whole = item.out_features % 32 == 0 and item.in_features % 32 == 0
@@ -147,14 +155,14 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block):
         assert f"for task in T.parallel({tasks}):" in out[kernel].script(), (kernel, tasks)
 
 
-def test_fp32_prefill_activations_build_the_split_amx_gemms(block):
+def test_fp32_prefill_activations_build_the_split_amx_gemms(block, amx_lowered):
     """--prefill-activations fp32: every bf16 AMX GEMM is the hi + lo kernel ("_xsplit"); "model" none of them;
     decode GEMVs are the same kernels either way; anything else is refused, naming the choices."""
     from helmc.errors import HelmcError
     from helmc.compiler.passes.lower_linear import lower_linear_with_report
     _, _, mod = block
-    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
-    model = {i.kernel for i in lower_linear_with_report(mod, amx)[1]}
+    amx = AMX
+    model = {i.kernel for i in amx_lowered[1]}
     fp32 = {i.kernel for i in lower_linear_with_report(mod, amx, prefill_activations="fp32")[1]}
     amx_model = {k for k in model if "_amx_" in k}
     assert amx_model and not any(k.endswith("_xsplit") for k in model)
@@ -179,7 +187,7 @@ def test_prefill_fuses_qkv_and_gate_up_into_one_amx_launch_each_with_per_shape_b
     from helmc.compiler.passes.lower_linear import lower_linear_with_report
     from helmc.schedules.cpu import gemm_amx
     mod = amx_block(128, 320, 2, 1, 64)
-    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    amx = AMX
     _, report = lower_linear_with_report(mod, amx)
     kernels = {}
     for item in report:
@@ -208,7 +216,7 @@ def test_fp16_block_compiles_with_amx_prefill_for_an_amx_target():
     spec = qwen3_spec("8b", "float16", hidden_size=64, intermediate_size=96, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32)
     mod = import_functions(tuple(f for f in export_functions(spec) if f.name in ("pre_attn", "post_attn")))
-    amx = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
+    amx = AMX
     kernels = {i.kernel for i in lower_linear_with_report(mod, amx)[1] if i.function.endswith("_prefill")}
     assert kernels and all(k.split("_amx_")[1].startswith("f16_") for k in kernels), kernels
     assert any(k.startswith("helmc_gemm3_amx_f16_") for k in kernels), kernels   # fused q/k/v

@@ -8,6 +8,7 @@
 The GPU machine's `pytest -m gpu tests/hardware/test_profile_hardware.py` times them (gpu.gemv_reads).
 """
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -19,7 +20,10 @@ from helmc.hardware.kit import (FLOAT_TYPES, GPU_FUSED_TYPES, KIT_FORMAT_VERSION
 tvm = pytest.importorskip("tvm")
 
 
+@functools.lru_cache(maxsize=None)
 def _primfuncs(block):
+    """gpu_gemv_funcs, made once per block shape for the tests that read them (building the PrimFuncs takes
+    seconds; nothing edits them)."""
     from helmc.compiler.profile_kit import gpu_gemv_funcs
     return gpu_gemv_funcs(block)
 

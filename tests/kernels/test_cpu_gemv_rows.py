@@ -28,24 +28,61 @@ def _tier(name):
     return isa
 
 
-def _rows_equal_single(make, inputs, x, n_outs, isa):
-    """make(m) -> PrimFunc(x[m, k], *inputs, *outs[m, n_i]); every row of every m equals the 1-row call's bits."""
-    def call(m, xm):
-        f = make(m)
-        lib = tvm.compile(f, target=target(isa))
+def _rows_equal_single(kernels, x, isa):
+    """kernels: (make, inputs, n_outs) each, make(m) -> PrimFunc(x[m, k], *inputs, *outs[m, n_i]); every row of
+    every m equals the 1-row call's bits. Every kernel at every m is one function of a single module, compiled once:
+    the m-row functions are what the stage compiles, their module is not, and one LLVM run is far cheaper than one
+    per function."""
+    funcs = {}
+    for j, (make, _, _) in enumerate(kernels):
+        for m in (1,) + ROWS:
+            funcs[j, m] = make(m)
+    symbols = [str(f.attrs["global_symbol"]) for f in funcs.values()]
+    assert len(set(symbols)) == len(symbols), symbols
+    lib = tvm.compile(tvm.IRModule({s: f for s, f in zip(symbols, funcs.values())}), target=target(isa))
+
+    def call(j, m, xm):
+        _, inputs, n_outs = kernels[j]
         outs = [tvm.runtime.empty((m, n), "float32", tvm.cpu()) for n in n_outs]
-        lib[str(f.attrs["global_symbol"])](tvm.runtime.tensor(np.ascontiguousarray(xm)), *inputs, *outs)
+        lib[str(funcs[j, m].attrs["global_symbol"])](tvm.runtime.tensor(np.ascontiguousarray(xm)), *inputs, *outs)
         return [o.numpy() for o in outs]
-    singles = [call(1, x[t:t + 1]) for t in range(GEMV_MAX_ROWS)]
-    for m in ROWS:
-        got = call(m, x[:m])
-        for t in range(m):
-            for i in range(len(n_outs)):
-                assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (m, t, i)
+    for j, (_, _, n_outs) in enumerate(kernels):
+        singles = [call(j, 1, x[t:t + 1]) for t in range(GEMV_MAX_ROWS)]
+        for m in ROWS:
+            got = call(j, m, x[:m])
+            for t in range(m):
+                for i in range(len(n_outs)):
+                    assert np.array_equal(got[i][t].view(np.uint32), singles[t][i][0].view(np.uint32)), (j, m, t, i)
 
 
-@pytest.mark.parametrize("tier", list(TIERS))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def _float_kernels(m, dtype, isa):
+    return (make_gemv(m, 37, 4099, dtype, isa), make_gemv_multi(m, (37, 16, 16), 4099, dtype, isa),
+            make_gemv_swiglu(m, 37, 4099, dtype, isa))
+
+
+def test_float_kernels_do_not_depend_on_vnni():
+    """Why the float checks below skip the AVX-512 VNNI tier: VNNI is an int8 dot product; the two tiers' ISAs
+    differ only in the LLVM target's flags, and the float kernels of that tier are plain AVX-512's (checked on the
+    one-row and the tiled m-row kernels: building every m of every dtype costs more than running the checks)."""
+    import dataclasses
+    vnni, plain = select_isa(TIERS["avx512_vnni"]), select_isa(TIERS["avx512"])
+    assert "avx512_vnni" in vnni.required_flags and "avx512_vnni" not in plain.required_flags
+    assert dataclasses.replace(vnni, llvm_mattr=plain.llvm_mattr, required_flags=plain.required_flags) == plain
+    for m in (1, GEMV_MAX_ROWS):
+        for a, b in zip(_float_kernels(m, "float16", vnni), _float_kernels(m, "float16", plain)):
+            tvm.ir.assert_structural_equal(a, b)
+
+
+# Every weight dtype at AVX2 (which every x86-64-v3 host runs), fp16 alone at AVX-512 and SSE2: a float kernel's
+# accumulation order (what makes a row the bits of its 1-row call) comes from the tier's blocking, which no dtype
+# enters (gemv.tiled_blocking, gemv_blocking); the dtype only widens each weight to fp32 exactly
+# (weight_load.widen), in the same place at every tier. fp16 is the tier-dependent widening (F16C on AVX2 and
+# AVX-512, bit decoding on SSE2); test_cpu_kernels.py checks the SSE2 tier's fp16 and bf16 against float64.
+FLOAT_CASES = [("float16", "avx512"), ("float16", "avx2"), ("bfloat16", "avx2"), ("float32", "avx2"),
+               ("float16", "sse2")]
+
+
+@pytest.mark.parametrize("dtype,tier", FLOAT_CASES)
 def test_float_gemvs_rows_are_single_rows(tier, dtype):
     isa = _tier(tier)
     rng = np.random.default_rng(11)
@@ -56,9 +93,9 @@ def test_float_gemvs_rows_are_single_rows(tier, dtype):
     else:
         tensors = [tvm.runtime.tensor(w.astype(dtype)) for w in ws]
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv(m, ns[0], k, dtype, isa), tensors[:1], x, ns[:1], isa)
-    _rows_equal_single(lambda m: make_gemv_multi(m, ns, k, dtype, isa), tensors, x, ns, isa)
-    _rows_equal_single(lambda m: make_gemv_swiglu(m, 37, k, dtype, isa), tensors[:1] * 2, x, (37,), isa)
+    _rows_equal_single([(lambda m: make_gemv(m, ns[0], k, dtype, isa), tensors[:1], ns[:1]),
+                        (lambda m: make_gemv_multi(m, ns, k, dtype, isa), tensors, ns),
+                        (lambda m: make_gemv_swiglu(m, 37, k, dtype, isa), tensors[:1] * 2, (37,))], x, isa)
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
@@ -70,7 +107,7 @@ def test_quant_gemv_rows_are_single_rows(tier, qtype):
     n, k = 37, 512
     w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+    _rows_equal_single([(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], (n,))], x, isa)
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
@@ -93,7 +130,7 @@ def test_quant_gemv_rows_over_several_k_tiles(qtype):
     assert any(blocks % quant_tiles(qtype, m, k, isa).tile_blocks for m in ROWS), qtype   # a shorter last tile
     w = tvm.runtime.tensor(random_quant_weight(rng, qtype, n, k))
     x = rng.standard_normal((GEMV_MAX_ROWS, k)).astype(np.float32)
-    _rows_equal_single(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], x, (n,), isa)
+    _rows_equal_single([(lambda m: make_gemv_quant(qtype, n, k, isa, m=m), [w], (n,))], x, isa)
 
 
 def test_float_tiles_cover_k_in_several_tiles():
