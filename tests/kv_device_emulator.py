@@ -76,7 +76,7 @@ class EmulatedOps:
                  fused_append: bool | None = None, fused_append_batch: bool | None = None, short: bool | None = None):
         self.num_sms = num_sms
         self.flash, self.flash_launches = flash, 0       # whether the "cubin" has flash_prefill (sm_80+, new bundles)
-        self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (bundles from session 15)
+        self.fused, self.fused_launches = fused, 0       # whether it has paged_decode_fused (newer bundles)
         self.fused_append = fused if fused_append is None else fused_append   # paged_decode_fused_append (s16)
         self.fused_append_launches = 0
         # paged_decode_fused_append_batch (s19)

@@ -2,7 +2,7 @@
 every decode function (decode, decode_b2, decode_b4; each weight signature; the head) becomes helmc's m-row GEMV
 for its row count -- fp16 / bf16 weights schedules/gpu/gemv.py, quantized ones quant_gemv.py -- and prefill keeps
 its matmuls; the stage builds to one sm_90 cubin holding those kernels (nvcc, no GPU).
-Issue 16: q, k, v are one launch, gate / up / SwiGLU one, down_proj / residual add one (and fuse_gpu_norms' q and
+Fused launches: q, k, v are one launch, gate / up / SwiGLU one, down_proj / residual add one (and fuse_gpu_norms' q and
 k norm + RoPE one), and the decode RMSNorms go into the GEMVs that read them (fuse_norm_gemv); the built stage's
 decode functions launch 8 kernels fewer per block than before."""
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_equal_tokens_report_no_divergence():
 
 
 def test_a_divergence_at_an_exact_tie_is_called_a_tie():
-    # session 25, call E/F: the hybrid's top two tied exactly (lead 0.0), the split led by one ulp
+    # measured once: the hybrid's top two tied exactly (lead 0.0), the split led by one ulp
     hybrid = trace([7, 8, 131188, 5], [0.3, 0.2, 0.0, 0.4])
     split = trace([7, 8, 132025, 6], [0.3, 0.2, ULP_AT_5, 0.4])
     out = compare_greedy(hybrid, split)

@@ -43,7 +43,7 @@ def full_kit(tmp_path_factory):
 def test_host_read_is_what_bench_cpu_gemv_measures(full_kit, tmp_path):
     """The profile's fp16 pass (helmc's fused decode GEMVs, as the CPU stage launches them) against
     benchmarks/bench_cpu_gemv.py's GEMV kernels (one per projection shape) on the very same weight copies, in
-    interleaved rounds: the two must read at nearly the same rate. numpy's reads, which issue 17 found at 36.8 GB/s
+    interleaved rounds: the two must read at nearly the same rate. numpy's reads, which were measured at 36.8 GB/s
     where helmc read 92, would fail this; so would a pass whose byte count is not the weights it reads."""
     import tvm.runtime
     bench = _bench_module()
@@ -214,9 +214,9 @@ def test_concurrent_window_on_a_stand_in():
 
 
 def test_a_window_below_the_faster_side_alone_is_implausible():
-    # session 19, call B's window beside what each side read alone
+    # a measured window beside what each side read alone
     assert not window_plausible(29.3, 53.5, 96.5, 54.6)
-    assert window_plausible(86.6, 47.2, 96.5, 55.4)                   # call A's: contention, not a disturbance
+    assert window_plausible(86.6, 47.2, 96.5, 55.4)                   # another: contention, not a disturbance
     assert window_plausible(0.0, 0.9 * 96.5, 96.5, 54.6) and not window_plausible(0.0, 0.89 * 96.5, 96.5, 54.6)
 
 

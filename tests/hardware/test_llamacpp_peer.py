@@ -37,7 +37,7 @@ def test_within_vram_none_without_a_fit_or_a_figure(peak, llama):
 
 
 def test_within_budget_takes_the_fastest_run_within_the_plans_budget():
-    """Issue 17's comparison: llama.cpp's fastest -ngl within the budget helmc's plan was made for, whatever helmc's
+    """The hybrid benchmark's comparison: llama.cpp's fastest -ngl within the budget helmc's plan was made for, whatever helmc's
     own peak (which is said beside it)."""
     row = dict(helmc_row(2.9), gpu_budget_gib=3.0, hybrid=True)
     assert llamacpp_peer.within_budget(row, LLAMA) == {
@@ -60,7 +60,7 @@ def test_ratios_keep_their_keys_and_add_the_vram_match():
                  "prefill_speedup_vs_llamacpp_ngl10": 2.0,
                  "decode_ratio_vs_llamacpp_best": 1.5, "hybrid_decode_ratio_vs_llamacpp": 1.5,
                  "llamacpp_ngl_within_vram": 10, "decode_ratio_vs_llamacpp_within_vram": 1.5}
-    # With a budget the hybrid's ratio is issue 17's: against the fastest -ngl within it (-ngl 10, 16 tok/s), not the
+    # With a budget the hybrid's ratio is the benchmark's: against the fastest -ngl within it (-ngl 10, 16 tok/s), not the
     # run's best (-ngl 99, 64 tok/s, 16.5 GiB)
     budgeted = llamacpp_peer.ratios(dict(helmc_row(2.9), hybrid=True, gpu_budget_gib=3.0), LLAMA, prompt_len=128)
     assert budgeted["hybrid_decode_ratio_vs_llamacpp"] == 1.5 and budgeted["decode_ratio_vs_llamacpp_best"] == 0.375

@@ -1,4 +1,4 @@
-"""The profile kit's GPU decode GEMVs (issue 17: M on the GPU per weight type, from helmc's own kernels).
+"""The profile kit's GPU decode GEMVs (M on the GPU per weight type, from helmc's own kernels).
 
 - build_gpu_gemv_kernels (gpu_gemv_funcs) compiles, for a GPU arch, one block's GEMVs per weight type in the GPU stage's launch
   forms (q/k/v one launch, SwiGLU and residual epilogues for fp16 / bf16 / q4_k / q6_k; q8_0 / q4_0 per linear);

@@ -1,4 +1,4 @@
-"""The GPU stage's m-row decode GEMVs on the GPU at Qwen3-8B's projection shapes (batch invariance, issue 19's rule):
+"""The GPU stage's m-row decode GEMVs on the GPU at Qwen3-8B's projection shapes (batch invariance):
 for fp16 and bf16 weights and each quantized type, every row t of an m-row call (m = 2, 4, 8) is bit-identical to
 the 1-row kernel's y on x[t] alone, and every call is within 2e-3 of float64 (2e-2 for the int8-activation GEMVs of
 q4_k / q6_k); each one-launch form (q/k/v in one launch, gate/up + SwiGLU, down + residual add) gives every output

@@ -1,7 +1,7 @@
 """The GPU stage's decode GEMVs for m rows (schedules/gpu/gemv.py: fp16 / bf16 weights; quant_gemv.py: the
 quantized types) without a GPU: PrimFuncs, an sm_90 cubin through nvcc, and their generated CUDA source run on
 CPU threads (test_gpu_quant_kernels' harness: one std::thread per CUDA thread) against float64, with each row
-of an m-row call bit-identical to a 1-row call on that row alone (batch invariance, issue 19). The harness
+of an m-row call bit-identical to a 1-row call on that row alone (batch invariance). The harness
 compiles without FMA contraction where nvcc contracts, so bits here are not the GPU's; the GPU check
 (tests/kernels/test_gemv_gpu.py) repeats the bitwise comparison there.
 Shapes with edges: n = 13 leaves the last row group part-empty, k = 264 a last step past the row end.

@@ -45,8 +45,8 @@ def test_tiny_cpu_bundle_gives_positive_finite_deltas(calibrated, host_hardware)
     # A tiny block streams ~60 KB: the step is Python + VM + attention, far above its roofline.
     assert f.measured_step_ms > f.roofline_step_ms > 0
     assert math.isfinite(f.block_overhead_ms) and f.block_overhead_ms > 0
-    # sigma (per token) is the fit's intercept: on a loaded 2-core machine it came out at -0.05 ms once (CI,
-    # session 10); finite and small against the step is what the plan can use
+    # sigma (per token) is the fit's intercept: on a loaded 2-core machine it came out at -0.05 ms once (in
+    # CI); finite and small against the step is what the plan can use
     assert math.isfinite(f.step_overhead_ms) and abs(f.step_overhead_ms) < f.measured_step_ms
     assert f.measured_step_ms == pytest.approx(f.roofline_step_ms + f.blocks * f.block_overhead_ms, rel=1e-12)
     p = r.profile

@@ -122,7 +122,7 @@ def test_block_overhead_delta_per_block(q8):
 
 def test_block_overhead_scales_with_the_blocks_bytes_where_the_fit_says_its_block(q8, laptop):
     """A delta fitted on blocks of B bytes (cpu.overhead_block_bytes) is charged delta * b / B to a block of b bytes:
-    session 24 measured a quantized block's overhead at a fraction of the fp16-fitted delta. Without the figure,
+    a quantized block's overhead was measured at a fraction of the fp16-fitted delta. Without the figure,
     or where the CPU takes the profile-wide delta, it is charged whole per block, as before."""
     w = Workload()
     load = q8.stage(0, 11)                                                     # embedding + 10 blocks
@@ -273,8 +273,8 @@ def test_serving_holds_the_loan_beside_the_pages(q8, laptop):
 
 def test_serving_counts_the_prefill_score_tiles_once(q8, laptop):
     """Each of 8 slot caches holds its staging pages and split partials for its life, but prefill's score tiles
-    come from the allocator's pool for one prompt's attention at a time, so a batch counts them once (session 12
-    counted them 8 times: 0.66 GiB of a 7 GiB budget, two blocks' worth, went to tiles never live together)."""
+    come from the allocator's pool for one prompt's attention at a time, so a batch counts them once (counting
+    them 8 times: 0.66 GiB of a 7 GiB budget, two blocks' worth, went to tiles never live together)."""
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.planner.cost_model import kv_staging_bytes
     one = KVCacheGPU.workspace_bytes(32, 8, 128, KV_PAGE_TOKENS, score_budget_bytes=KV_SCORE_TILE_BYTES)

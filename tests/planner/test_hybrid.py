@@ -22,7 +22,7 @@ ACT = 4096 * 2                           # the hidden state crossing PCIe, fp16
 
 
 def gpu_machine(host=92.0, pcie=54.0, cpu_while_copying=None, pcie_while_reading=None, cpu_delta=0.0, gpu_delta=0.0):
-    """The GPU test machine's figures from issue 17's run (H100 + 16-core Xeon): helmc's CPU stage reads 92 GB/s,
+    """The GPU test machine's figures from a measured run (H100 + 16-core Xeon): helmc's CPU stage reads 92 GB/s,
     PCIe Gen5 moves 54 GB/s; the DRAM + PCIe window as given (default: no contention)."""
     hw = load_hardware("h100-sxm-measured")
     cpu = dataclasses.replace(hw.cpu, host_read_gbs=host, block_overhead_ms=cpu_delta, step_overhead_ms=0.0)
@@ -54,7 +54,7 @@ def _pairs_of(first_cpu: int, pairs: int, cpu: int = 2, streamed: int = 1) -> li
 def test_qwen3_8b_fp16_under_7_gib_on_the_gpu_machine(q8):
     """The issue's case. The ring of one block costs the GPU-resident part no block (cpu(25) as the plain split):
     the streamed prefill borrows the idle ring for its block staging, so the page pool's floor is the prompt's
-    buffers, not a block (cost_model.pool_loan_bytes; session 18's plans were cpu(26)). 8 pairs of (2 CPU blocks,
+    buffers, not a block (cost_model.pool_loan_bytes; plans without it were cpu(26)). 8 pairs of (2 CPU blocks,
     1 streamed), the first CPU group holding the embedding and 2 blocks: a streamed block's copy (7.15 ms) hides
     under 2 CPU blocks (8.39 ms), so the host part moves at 92 + 54 GB/s less that slack."""
     hw = gpu_machine()
@@ -187,7 +187,7 @@ def test_json_round_trip_and_plain_plans_unchanged(q8):
     assert d["staging_ring_bytes"] == BLOCK and len(d["groups"]) == 16 and d["hybrid_candidates"]
     plain = plan(q8, gpu_machine(), gpu_budget_gib=7, hybrid=False)
     keys = set(json.loads(plain.to_json()))
-    assert not keys & {"groups", "staging_ring_bytes", "t_copy_ms", "hybrid_candidates"}    # as before issue 17
+    assert not keys & {"groups", "staging_ring_bytes", "t_copy_ms", "hybrid_candidates"}    # as dense plans were before hybrid decode
     assert Plan.from_json(plain.to_json()) == plain
     d["groups"][0]["kindd"] = "cpu"
     with pytest.raises(HelmcError, match=r"unknown key\(s\) \['kindd'\]"):
@@ -318,7 +318,7 @@ def test_q4_k_m_streams_more_because_its_gemvs_decode_below_dram_speed():
     """Qwen3-8B in Q4_K_M's mix (q6_k v and down in every other block) under 3 GiB, with the CPU's quantized GEMVs
     at 37 (q4_k) and 49 (q6_k) GB/s as measured on the GPU machine's Xeon (they decode, not stream, at that
     rate): a CPU block costs as long as copying ~1.3 blocks, so 4 pairs of (3 CPU, 4 streamed) blocks; their demand on
-    DRAM stays within the window's capacity, so no contention slows either. (Session 22: the GPU prefill's fp16
+    DRAM stays within the window's capacity, so no contention slows either. (The GPU prefill's fp16
     buffer for the quantized weights, 128 MiB, counted; one block fewer on the GPU than before.)"""
     from helmc.hardware.profile import KernelRead
     hw = gpu_machine()

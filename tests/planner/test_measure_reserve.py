@@ -17,7 +17,7 @@ def test_overhead_is_the_larger_of_the_context_and_what_the_process_held_beyond_
     assert m.beyond_plan_bytes == 530 * MIB and m.overhead_bytes == 530 * MIB
     assert m.reserve_bytes == 530 * MIB + MARGIN_BYTES        # 10% of it (53 MiB) is under the margin's floor
     assert reserve_with_margin(2000 * MIB) == 2200 * MIB       # above the floor: 10%
-    # the kit's plan counting more than it allocates (session 22): the context alone is the larger figure
+    # the kit's plan counting more than it allocates : the context alone is the larger figure
     kit = ReserveMeasurement(peak_used_bytes=3754 * MIB, planned_bytes=3411 * MIB, context_bytes=529 * MIB)
     assert kit.beyond_plan_bytes == 343 * MIB and kit.overhead_bytes == 529 * MIB
     assert kit.reserve_bytes == 529 * MIB + MARGIN_BYTES
