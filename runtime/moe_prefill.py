@@ -14,6 +14,8 @@ the kernels that read it are done (an event per group, waited on by the copy str
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from helmc.runtime.moe_experts import LayerExperts
@@ -31,7 +33,10 @@ class ExpertPrefill:
         self._flat = allocate("weights", staging_bytes, lambda: cp.empty(staging_bytes, cp.uint8),
                               "expert prefill staging")
         self._views: dict = {}                       # per expert layout: [slot] -> (gate, up, down) TVM views
-        self._registered: set[int] = set()           # host tensors page-locked (data pointers)
+        # host tensors page-locked: {data pointer: (the tensor, kept alive while its pages are locked, [ranges])},
+        # unlocked when this object goes (before the tensors can be freed: a freed locked page would stay locked)
+        self._registered: dict[int, tuple] = {}
+        weakref.finalize(self, _unregister, self._registered)
         self._copied: list = []                      # per slot: the event after its copy
         self._free: list = []                        # per slot: the event after the kernels that read it
         self.streamed_experts = 0
@@ -131,12 +136,26 @@ class ExpertPrefill:
             if ptr in self._registered:
                 continue
             nbytes = _rows_bytes(whole, self.moe.num_experts)
+            locked = []
             for a, b in _runs([e not in experts.on_gpu for e in range(self.moe.num_experts)]):
                 try:
                     cp.cuda.runtime.hostRegister(ptr + a * nbytes, (b - a) * nbytes, 0)
+                    locked.append(ptr + a * nbytes)
                 except cp.cuda.runtime.CUDARuntimeError:   # pageable: the copies still run, each waiting on the host
                     pass
-            self._registered.add(ptr)
+            self._registered[ptr] = (whole, locked)
+
+
+def _unregister(registered: dict) -> None:
+    """Unlock every locked range (ExpertPrefill's finalizer), then let the tensors go."""
+    import cupy as cp
+    for _, locked in registered.values():
+        for address in locked:
+            try:
+                cp.cuda.runtime.hostUnregister(address)
+            except Exception:        # the CUDA context is already gone at interpreter exit: nothing is locked
+                pass
+    registered.clear()
 
 
 def _rows_bytes(t, experts: int) -> int:
