@@ -111,16 +111,17 @@ def cache_key(model_dir: str, ckpt: Checkpoint, quant: str) -> str:
 
 # ---- what goes in the file ----------------------------------------------------------------------
 
-def mixed_type(quant: str, hf: str, n_layers: int) -> str:
-    """The block type of linear `hf` under `quant` in a model of n_layers blocks (weight_types.QuantMix.type_of)."""
-    return quant_mix(quant).type_of(hf, n_layers)
+def mixed_type(quant: str, hf: str, n_layers: int, n_experts: int = 0) -> str:
+    """The block type of linear `hf` under `quant` in a model of n_layers blocks and n_experts routed experts
+    (weight_types.QuantMix.type_of)."""
+    return quant_mix(quant).type_of(hf, n_layers, n_experts)
 
 
 def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -> list[tuple[str, str, str, tuple]]:
     """[(GGUF name, HF source name, helmc type name, logical shape)] in file order; the row permutation of
     llama's q/k is applied when the tensor is written."""
     def linear_type(hf: str, shape) -> str:
-        quant_here = mixed_type(quant, hf, spec.num_layers)
+        quant_here = mixed_type(quant, hf, spec.num_layers, spec.moe.num_experts if spec.moe else 0)
         return fitting_type(hf, shape, quant_here)
 
     fallback = quant_mix(quant).fallback

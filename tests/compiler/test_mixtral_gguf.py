@@ -168,6 +168,8 @@ def test_quantized_mixtral_matches_transformers(quant, mixtral_dir, cpu_only, ca
     assert all(t[:2] == (base, base) for t in spec.expert_types)
     if quant == "q4_k_m":     # llama.cpp's mix: ffn_down of the more-bits blocks (block 2 of 3) in q6_k, experts' too
         assert (spec.expert_types[0][2], spec.expert_types[2][2]) == ("q4_k", "q6_k")
+        # and, for 8 experts, attn_k / attn_v in q8_0 and attn_output in q5_k (q, k, v, o; no dense MLP)
+        assert spec.layer_types[0] == ("q4_k", "q8_0", "q8_0", "q5_k", "", "", "")
     path = quantize_checkpoint(mixtral_dir, quant, os.path.join(cache_dir, "weights"))
     h = read_gguf_header(path)                    # written as llama.cpp writes Mixtral: llama with experts
     assert h.architecture == "llama" and h.metadata["llama.expert_count"] == 8
