@@ -55,7 +55,8 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
                              **moe, **common)
     elif arch == "mixtral":
         from transformers import MixtralConfig
-        common.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+        common.update({k: v for k, v in dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2).items()
+                       if k not in over})
         cfg = MixtralConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, sliding_window=None,
                             **common)
     elif arch == "mistral":
@@ -117,7 +118,10 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ck = GGUFCheckpoint(gguf_path)
     params = dict(model.named_parameters())
-    expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    # an expert's weight (Qwen3-MoE's names, or Mixtral's w1 / w3 / w2) -> transformers' stacked experts
+    expert = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+    kinds = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
     for name in ck.names():
         info = ck.info(name)
         w = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
@@ -126,15 +130,16 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
             model.lm_head.weight = torch.nn.Parameter(w)
             continue
         m = expert.fullmatch(name) if name not in params else None
+        stem = f"{m.group(1)}.mlp.experts" if m else ""
         with torch.no_grad():
-            if m is None:
-                params[name].copy_(w)
-            elif m.group(3) == "down":          # transformers' experts: down_proj [E, H, I]
-                params[f"{m.group(1)}.down_proj"][int(m.group(2))].copy_(w)
+            if m is None:                       # Mixtral's router is mlp.gate in transformers
+                params[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")].copy_(w)
+            elif kinds[m.group(3)] == "down":   # transformers' experts: down_proj [E, H, I]
+                params[f"{stem}.down_proj"][int(m.group(2))].copy_(w)
             else:                               # gate_up_proj [E, 2I, H]: gate's rows, then up's
                 rows = w.shape[0]
-                half = slice(0, rows) if m.group(3) == "gate" else slice(rows, 2 * rows)
-                params[f"{m.group(1)}.gate_up_proj"][int(m.group(2)), half].copy_(w)
+                half = slice(0, rows) if kinds[m.group(3)] == "gate" else slice(rows, 2 * rows)
+                params[f"{stem}.gate_up_proj"][int(m.group(2)), half].copy_(w)
     if "lm_head.weight" in params and "lm_head.weight" in ck.names():
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr() or \
             np.array_equal(ck.raw_hf("lm_head.weight"), ck.raw_hf("model.embed_tokens.weight"))

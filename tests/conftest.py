@@ -107,6 +107,9 @@ SLOW_TESTS = (
     "tests/compiler/test_moe.py::test_mixtral_is_the_same_code_with_other_values",
     "tests/compiler/test_moe_gguf.py::test_quantized_experts_match_transformers[q4_k_m]",
     "tests/compiler/test_moe_gguf.py::test_f16_gguf_twin_is_the_hf_model_exactly",
+    # Mixtral as a GGUF twin and quantized: Qwen3-MoE's fast tests cover the same code with other values
+    "tests/compiler/test_mixtral_gguf.py::test_f16_gguf_twin_is_the_hf_model_exactly",
+    "tests/compiler/test_mixtral_gguf.py::test_quantized_mixtral_matches_transformers",
     # the CPU runtime's batched decode: serve's batched-equals-single test runs it on the shared bundle
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-]",
     # the profile's full (Qwen3-8B-block) kit: ~40 s to build; the quick profile every build uses stays fast

@@ -53,13 +53,13 @@ from helmc.runtime.progress import steps
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 
 CHECKPOINT_QUANTS = tuple(QUANT_MIXES)
-FORMAT_VERSION = 1                  # bump when the quantizers, the layout or the metadata written change
+FORMAT_VERSION = 2                  # bump when the quantizers, the layout or the metadata written change
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
 # HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
-# A MoE architecture whose GGUF files helmc reads back (Qwen3-MoE; Mixtral's llama-with-experts files are not); none
-# whose checkpoint fuses q/k/v and gate/up (Phi-3: llama.cpp keeps them fused, helmc writes them split).
+# A MoE architecture whose GGUF files helmc reads back (qwen3moe; Mixtral as llama with experts); none whose
+# checkpoint fuses q/k/v and gate/up (Phi-3: llama.cpp keeps them fused, helmc writes them split).
 _GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()
-              if (a.reads_gguf or not a.moe) and not a.fused_projections}
+              if (a.reads_gguf or a.reads_gguf_with_experts or not a.moe) and not a.fused_projections}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -111,16 +111,17 @@ def cache_key(model_dir: str, ckpt: Checkpoint, quant: str) -> str:
 
 # ---- what goes in the file ----------------------------------------------------------------------
 
-def mixed_type(quant: str, hf: str, n_layers: int) -> str:
-    """The block type of linear `hf` under `quant` in a model of n_layers blocks (weight_types.QuantMix.type_of)."""
-    return quant_mix(quant).type_of(hf, n_layers)
+def mixed_type(quant: str, hf: str, n_layers: int, n_experts: int = 0) -> str:
+    """The block type of linear `hf` under `quant` in a model of n_layers blocks and n_experts routed experts
+    (weight_types.QuantMix.type_of)."""
+    return quant_mix(quant).type_of(hf, n_layers, n_experts)
 
 
 def _tensor_plan(spec: ModelSpec, ckpt: Checkpoint, quant: str, say: Progress) -> list[tuple[str, str, str, tuple]]:
     """[(GGUF name, HF source name, helmc type name, logical shape)] in file order; the row permutation of
     llama's q/k is applied when the tensor is written."""
     def linear_type(hf: str, shape) -> str:
-        quant_here = mixed_type(quant, hf, spec.num_layers)
+        quant_here = mixed_type(quant, hf, spec.num_layers, spec.moe.num_experts if spec.moe else 0)
         return fitting_type(hf, shape, quant_here)
 
     fallback = quant_mix(quant).fallback
@@ -258,6 +259,8 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
+    if spec.sliding_window:             # read back where the architecture keeps it (Mixtral's llama with experts)
+        w.add_sliding_window(spec.sliding_window)
     if spec.moe is not None:
         w.add_expert_count(spec.moe.num_experts)
         w.add_expert_used_count(spec.moe.top_k)

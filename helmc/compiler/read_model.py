@@ -21,7 +21,8 @@ from helmc.model.spec import ModelSpec
 
 _HASHED_HEADER_BYTES = 1 << 20
 # Mixture-of-experts architectures --quant writes a GGUF of (one whose experts stack in GGUF tensors helmc reads back).
-_QUANTIZABLE_MOE = tuple(a.hf_class for a in ARCHITECTURES.values() if a.moe and a.reads_gguf)
+_QUANTIZABLE_MOE = tuple(a.hf_class for a in ARCHITECTURES.values()
+                         if a.moe and (a.reads_gguf or a.reads_gguf_with_experts))
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,6 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
     if not quant:
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
-    if spec.moe is not None and spec.architecture not in _QUANTIZABLE_MOE:
-        raise HelmcError(f"--quant: expected a dense model or one of {', '.join(_QUANTIZABLE_MOE)}, found the mixture "
-                         f"of experts {spec.architecture} (build it without --quant)")
     writable = [a.hf_class for a in ARCHITECTURES.values()       # --quant goes through a GGUF file helmc writes
                 if a.gguf_arch in GGUF_ARCHITECTURES and not a.fused_projections and not a.moe]
     if spec.architecture not in writable + list(_QUANTIZABLE_MOE):

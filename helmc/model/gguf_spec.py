@@ -9,7 +9,8 @@ original config.json, and checks every tensor's type and shape against it before
 
 Parsing goes through the `gguf` package (llama.cpp's own reader, NumPy only, an optional dependency:
 `pip install 'helmc[gguf]'`); its failures on garbage or truncated files become HelmcErrors.
-Supported: architectures qwen3, qwen2, llama (Mistral files are llama), qwen3moe, phi3 (its fused tensors split); tensor types F32, F16, BF16,
+Supported: architectures qwen3, qwen2, llama (Mistral files are llama; llama with experts is Mixtral), qwen3moe, phi3
+(its fused tensors split); tensor types F32, F16, BF16,
 Q8_0, Q4_0, Q4_K, Q6_K; byte-level BPE tokenizers (tokenizer.ggml.model "gpt2").
 """
 from __future__ import annotations
@@ -24,9 +25,9 @@ from functools import lru_cache
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF
-from helmc.model.arch.tensors import DENSE_BLOCK, EXTRA_TENSORS, MOE_EXPERT_TENSORS, QK_PERMUTED, ROOT_TENSORS
-from helmc.model.moe import MoeSpec
+from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF, Architecture, gguf_architecture
+from helmc.model.arch.tensors import DENSE_BLOCK, EXPERT_STACKS, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
+from helmc.model.moe import NAMINGS, MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.model.weight_types import WEIGHT_TYPES
 
@@ -44,33 +45,42 @@ PERMUTED_FOR_LLAMA = QK_PERMUTED
 
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-# One expert's weight: HF model.layers.N.mlp.experts.E.gate_proj.weight <-> blk.N.ffn_gate_exps.E.weight, the slice E
-# of the file's stacked blk.N.ffn_gate_exps.weight (expert_slices names them so).
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# One expert's weight: HF model.layers.N.mlp.experts.E.gate_proj.weight (Mixtral: block_sparse_moe.experts.E.w1.weight;
+# every naming of helmc.model.moe.NAMINGS) <-> blk.N.ffn_gate_exps.E.weight, the slice E of the file's stacked
+# blk.N.ffn_gate_exps.weight (expert_slices names them so). GGUF -> HF takes the file's naming.
+_HF_EXPERTS = tuple((re.compile(r"model\.layers\.(\d+)\." + re.escape(t.split("{e}")[0]) + r"(\d+)"
+                                + re.escape(t.split("{e}")[1])), stack)
+                    for _router, templates in NAMINGS.values() for t, stack in zip(templates, EXPERT_STACKS))
 _GGUF_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(\d+)\.weight")
 _GGUF_STACKED = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
-_EXPERT_HF_KIND = {g: h for h, g in MOE_EXPERT_TENSORS.items()}
+_GGUF_ROUTER = "ffn_gate_inp.weight"
 
 
 def gguf_name(hf_name: str) -> str:
     """llama.cpp's name of a Hugging Face parameter name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
     if hf_name in HF_TO_GGUF_ROOT:
         return HF_TO_GGUF_ROOT[hf_name]
-    if m := _HF_EXPERT.fullmatch(hf_name):
-        return f"blk.{m.group(1)}.{MOE_EXPERT_TENSORS[m.group(3)]}.{m.group(2)}.weight"
+    for pattern, stack in _HF_EXPERTS:
+        if m := pattern.fullmatch(hf_name):
+            return f"blk.{m.group(1)}.{stack}.{m.group(2)}.weight"
     m = _HF_BLOCK.fullmatch(hf_name)
     if m and m.group(2) in HF_TO_GGUF_BLOCK:
         return f"blk.{m.group(1)}.{HF_TO_GGUF_BLOCK[m.group(2)]}"
     raise HelmcError(f"tensor name: expected a Qwen3/Qwen2/Llama parameter name, found {hf_name!r} (no GGUF equivalent)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a llama.cpp tensor name (blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight)."""
+def hf_name(gguf_name: str, naming: str = "qwen_moe") -> str:
+    """The Hugging Face parameter name of a llama.cpp tensor name (blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight);
+    a router's and an expert's under `naming` (a helmc.model.moe.NAMINGS key: the file's architecture's)."""
     if gguf_name in GGUF_TO_HF_ROOT:
         return GGUF_TO_HF_ROOT[gguf_name]
+    router, experts = NAMINGS[naming]
     if m := _GGUF_EXPERT.fullmatch(gguf_name):
-        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{_EXPERT_HF_KIND[m.group(2)]}.weight"
+        local = experts[EXPERT_STACKS.index(m.group(2))].format(e=int(m.group(3)))
+        return f"model.layers.{m.group(1)}.{local}"
     m = _GGUF_BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) == _GGUF_ROUTER:
+        return f"model.layers.{m.group(1)}.{router}"
     if m and m.group(2) in GGUF_TO_HF_BLOCK:
         return f"model.layers.{m.group(1)}.{GGUF_TO_HF_BLOCK[m.group(2)]}"
     raise HelmcError(f"tensor name: expected a llama.cpp tensor of a qwen3/qwen2/llama model, found {gguf_name!r}")
@@ -276,15 +286,26 @@ def _read_gguf_header(path: str, _size: int, _mtime_ns: int) -> GGUFHeader:
             if name != "f32":
                 raise HelmcError(f"{path}: tensor 'rope_freqs.weight' expected F32, found {t.tensor_type.name}")
             rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
-    if getattr(ARCH_BY_GGUF.get(arch), "moe", False):
+    entry = file_architecture(arch, metadata, tensors)
+    if getattr(entry, "moe", False):
         tensors = expert_slices(path, tensors)
-    if getattr(ARCH_BY_GGUF.get(arch), "fused_projections", False):
+    if getattr(entry, "fused_projections", False):
         tensors = fused_slices(path, arch, metadata, tensors)
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:                    # llama.cpp lays tensors out one after another; two views of one span are corrupt
             raise HelmcError(f"{path}: tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap in the file")
     return GGUFHeader(path, arch, metadata, tensors, n_tokens, rope_freqs)
+
+
+def file_architecture(arch: str, metadata: dict, tensors) -> Architecture | None:
+    """The registry entry a GGUF file of general.architecture `arch` reads as (None: one helmc lacks): llama.cpp
+    writes Mixtral as llama with experts, so a file with experts ({arch}.expert_count > 0 or a router tensor) reads
+    as the entry that claims `arch` with experts, where one does."""
+    count = metadata.get(f"{arch}.expert_count")
+    experts = (isinstance(count, int) and not isinstance(count, bool) and count > 0) or any(
+        n.endswith("." + _GGUF_ROUTER) for n in tensors)
+    return gguf_architecture(arch, experts)
 
 
 _GGUF_FUSED = re.compile(r"blk\.(\d+)\.(attn_qkv|ffn_up)\.weight")
@@ -347,9 +368,10 @@ def _f32(v: float) -> float:
 
 
 def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
-    if h.architecture not in GGUF_ARCHITECTURES:
+    entry = file_architecture(h.architecture, h.metadata, h.tensors)
+    if entry is None:
         raise HelmcError(f"{h.path}: general.architecture expected one of {', '.join(GGUF_ARCHITECTURES)} "
-                         f"(Mistral files are llama), found {h.architecture!r}")
+                         f"(Mistral files are llama, Mixtral's llama with experts), found {h.architecture!r}")
     arch = h.architecture
     missing = object()
 
@@ -391,18 +413,18 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
     eos_ids = tuple(dict.fromkeys(int(e) for e in eos if isinstance(e, int)))   # distinct, in this order
     bos = h.metadata.get("tokenizer.ggml.bos_token_id")
     fields = dict(
-        architecture=GGUF_ARCHITECTURES[arch], hidden_size=H, intermediate_size=key("feed_forward_length"),
+        architecture=entry.hf_class, hidden_size=H, intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         vocab_size=int(vocab), rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", kind=float)),
         rope=_rope(h, key, theta, head_dim), max_position_embeddings=key("context_length"),
         tie_word_embeddings="output.weight" not in h.tensors,
         # the activation / KV precision reference: quantized weights carry their own type per tensor
         dtype={"f32": "float32", "bf16": "bfloat16"}.get(embd.type, "float16"),
-        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=ARCH_BY_GGUF[arch].qk_norm,
-        sliding_window=_sliding_window(h) if ARCH_BY_GGUF[arch].sliding_window else 0,
+        qkv_bias="blk.0.attn_q.bias" in h.tensors, qk_norm=entry.qk_norm,
+        sliding_window=_sliding_window(h) if entry.sliding_window else 0,
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
-    if ARCH_BY_GGUF[arch].moe:
-        fields["moe"] = _moe(h, key, fields["num_layers"])
+    if entry.moe:
+        fields["moe"] = _moe(h, key, fields["num_layers"], entry.moe_naming)
     try:
         return ModelSpec(**fields)
     except HelmcError as e:                  # ModelSpec's own checks: say which file they are about
@@ -418,13 +440,15 @@ def _sliding_window(h: GGUFHeader) -> int:
     return v
 
 
-def _moe(h: GGUFHeader, key, num_layers: int) -> MoeSpec:
-    """The experts' layout of a MoE file: {arch}.expert_count, expert_used_count, expert_feed_forward_length;
-    a block without a router (ffn_gate_inp) is dense; llama.cpp renormalises the top-k of qwen3moe always."""
-    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in h.tensors)
+def _moe(h: GGUFHeader, key, num_layers: int, naming: str) -> MoeSpec:
+    """The experts' layout of a MoE file: {arch}.expert_count, expert_used_count, expert_feed_forward_length (absent
+    from llama files, whose experts are feed_forward_length wide, as llama.cpp reads them); a block without a router
+    (ffn_gate_inp) is dense; llama.cpp renormalises the top-k of qwen3moe and of llama with experts always."""
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.{_GGUF_ROUTER}" not in h.tensors)
     try:
         return MoeSpec(num_experts=key("expert_count"), top_k=key("expert_used_count"), norm_topk_prob=True,
-                       expert_intermediate_size=key("expert_feed_forward_length"), dense_layers=dense)
+                       expert_intermediate_size=key("expert_feed_forward_length", key("feed_forward_length")),
+                       dense_layers=dense, naming=naming)
     except HelmcError as e:
         raise HelmcError(f"{h.path}: {e}") from None
 
@@ -495,11 +519,13 @@ def expected_hf_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def _types(h: GGUFHeader) -> dict[str, str]:
     out = {}
+    entry = file_architecture(h.architecture, h.metadata, h.tensors)
+    naming = entry.moe_naming if entry is not None else "qwen_moe"
     for t in h.tensors.values():
         if t.name in EXTRA_TENSORS:
             continue
         try:
-            hf = hf_name(t.name)
+            hf = hf_name(t.name, naming)
         except HelmcError:
             raise HelmcError(f"{h.path}: unexpected tensor {t.name!r}: not part of a qwen3/qwen2/llama model helmc runs") from None
         if t.type not in SUPPORTED_TYPES:

@@ -100,7 +100,8 @@ def moe_from_hf_config(cfg: dict, arch: str, num_layers: int, where: str) -> Moe
     if arch == "MixtralForCausalLM":
         try:
             return MoeSpec(num_experts=integer("num_local_experts"), top_k=integer("num_experts_per_tok"),
-                           norm_topk_prob=True, expert_intermediate_size=integer("intermediate_size"), naming="mixtral")
+                           norm_topk_prob=True, expert_intermediate_size=integer("intermediate_size"),
+                           naming=ARCHITECTURES[arch].moe_naming)
         except HelmcError as e:
             raise HelmcError(f"{where}: {e}") from None
     experts = integer("num_experts", alt="num_local_experts")

@@ -152,6 +152,7 @@ BLOCK_SELECTIONS: dict[str, Callable[[int, int], bool]] = {
     "first_sixteenth": lambda layer, n: layer < n // 16,     # Q3_K_M's ffn_down
 }
 _ATTN_V, _ATTN_OUT, _FFN_DOWN = "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"
+_ATTN_K = "self_attn.k_proj.weight"
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,13 @@ class LinearRule:
     linears: tuple[str, ...]
     type: str
     blocks: str = "all"
+
+
+# llama.cpp's bumps for a model of exactly 8 experts (Mixtral: "trades just ~128MB"), ahead of a mix's own rules:
+# attn_k and attn_v in Q8_0 whatever the file type; attn_output in Q5_K for the Q3_K and Q4_K files.
+EIGHT_EXPERTS = 8
+_EIGHT_EXPERT_KV = LinearRule((_ATTN_K, _ATTN_V), "q8_0")
+_K34 = (_EIGHT_EXPERT_KV, LinearRule((_ATTN_OUT,), "q5_k"))    # the Q3_K and Q4_K files' (S and M)
 
 
 @dataclass(frozen=True)
@@ -175,13 +183,14 @@ class QuantMix:
     head_type: str = ""              # "": linear_type
     rules: tuple[LinearRule, ...] = ()
     fallback: str = "q8_0"
+    eight_expert_rules: tuple[LinearRule, ...] = (_EIGHT_EXPERT_KV,)    # first, in a model of EIGHT_EXPERTS experts
 
-    def type_of(self, hf: str, n_layers: int) -> str:
-        """The block type of linear `hf` (an HF name) in a model of n_layers blocks."""
+    def type_of(self, hf: str, n_layers: int, n_experts: int = 0) -> str:
+        """The block type of linear `hf` (an HF name) in a model of n_layers blocks and n_experts routed experts."""
         if hf == "lm_head.weight" and self.head_type:
             return self.head_type
         layer, _, local = hf.removeprefix("model.layers.").partition(".")
-        for rule in self.rules:
+        for rule in (self.eight_expert_rules if n_experts == EIGHT_EXPERTS else ()) + self.rules:
             if local in rule.linears and BLOCK_SELECTIONS[rule.blocks](int(layer), n_layers):
                 return rule.type
         return self.linear_type
@@ -190,20 +199,21 @@ class QuantMix:
     def types(self) -> tuple[str, ...]:
         """Every block type the mix writes."""
         return tuple(dict.fromkeys((self.linear_type, self.head_type or self.linear_type, self.fallback)
-                                   + tuple(r.type for r in self.rules)))
+                                   + tuple(r.type for r in self.rules + self.eight_expert_rules)))
 
 
 QUANT_MIXES: dict[str, QuantMix] = {m.name: m for m in (
     QuantMix("q8_0", "q8_0", 7),
     QuantMix("q4_0", "q4_0", 2),
-    QuantMix("q3_k", "q3_k", 11),          # llama.cpp's MOSTLY_Q3_K_S
+    QuantMix("q3_k", "q3_k", 11, eight_expert_rules=_K34),     # llama.cpp's MOSTLY_Q3_K_S
     # llama.cpp's Q3_K_M for dense models: attn_v Q5_K in the first two blocks and Q4_K after; ffn_down Q5_K in
     # the first sixteenth and Q4_K after (the Q3_K branch is Falcon's only); attn_output Q4_K; output Q6_K.
     QuantMix("q3_k_m", "q3_k", 12, head_type="q6_k", rules=(
         LinearRule((_ATTN_V,), "q5_k", "first_two"), LinearRule((_FFN_DOWN,), "q5_k", "first_sixteenth"),
-        LinearRule((_ATTN_V, _FFN_DOWN, _ATTN_OUT), "q4_k"))),
-    QuantMix("q4_k", "q4_k", 14),          # llama.cpp's MOSTLY_Q4_K_S ("mostly Q4_K": display only there)
-    QuantMix("q4_k_m", "q4_k", 15, head_type="q6_k", rules=(LinearRule((_ATTN_V, _FFN_DOWN), "q6_k", "more_bits"),)),
+        LinearRule((_ATTN_V, _FFN_DOWN, _ATTN_OUT), "q4_k")), eight_expert_rules=_K34),
+    QuantMix("q4_k", "q4_k", 14, eight_expert_rules=_K34),     # llama.cpp's MOSTLY_Q4_K_S ("mostly Q4_K": display only)
+    QuantMix("q4_k_m", "q4_k", 15, head_type="q6_k", rules=(LinearRule((_ATTN_V, _FFN_DOWN), "q6_k", "more_bits"),),
+             eight_expert_rules=_K34),
     QuantMix("q5_k", "q5_k", 16),          # llama.cpp's MOSTLY_Q5_K_S
     QuantMix("q5_k_m", "q5_k", 17, head_type="q6_k", rules=(LinearRule((_ATTN_V, _FFN_DOWN), "q6_k", "more_bits"),)),
 )}

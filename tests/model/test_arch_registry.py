@@ -24,6 +24,11 @@ def test_entries_are_transformers_classes_and_gguf_architectures():
     # every GGUF name reads back as exactly one entry, which writes it
     assert {g: a.gguf_arch for g, a in GGUF_ARCHITECTURES.items()} == {g: g for g in GGUF_ARCHITECTURES}
     assert gguf_architecture("llama").hf_class == "LlamaForCausalLM" and gguf_architecture("gpt2") is None
+    # llama.cpp writes Mixtral as llama with experts; every entry's expert names are a naming helmc.model.moe has
+    assert gguf_architecture("llama", experts=True).hf_class == "MixtralForCausalLM"
+    assert gguf_architecture("qwen3moe", experts=True).hf_class == "Qwen3MoeForCausalLM"
+    from helmc.model.moe import NAMINGS
+    assert all(a.moe_naming in NAMINGS for a in ARCHITECTURES.values())
 
 
 @pytest.mark.parametrize("hf", [n for n, a in ARCHITECTURES.items() if not a.moe])   # MoE configs: tests/compiler/test_moe.py
@@ -48,7 +53,8 @@ def test_gguf_permutation_and_writer_names_come_from_the_entry():
     from helmc.model.gguf_spec import permuted_heads
     spec = ModelSpec.from_hf_config({**_CONFIG, "architectures": ["LlamaForCausalLM"]})
     assert _GGUF_ARCH == {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-                          "MistralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
+                          "MistralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
+                          "MixtralForCausalLM": "llama"}
     assert permuted_heads("llama", spec, "blk.0.attn_q.weight") == 4
     assert permuted_heads("llama", spec, "blk.0.attn_k.bias") == 2
     assert permuted_heads("qwen2", spec, "blk.0.attn_q.weight") == 0

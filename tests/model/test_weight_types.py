@@ -65,6 +65,23 @@ def test_k_m_mixes_are_llama_cpps(mix):
             assert mixed_type("q8_0", f"model.layers.{i}.{local}", n) == "q8_0"
 
 
+@pytest.mark.parametrize("mix", list(QUANT_MIXES))
+def test_eight_experts_bump_attention_as_llama_cpp(mix):
+    """llama_tensor_get_type for a model of exactly 8 experts (Mixtral): attn_k and attn_v Q8_0 whatever the file
+    type, attn_output Q5_K in the Q3_K and Q4_K files; the experts and q as without experts; 128 experts: no bump."""
+    from helmc.compiler.quantize_checkpoint import mixed_type
+    n = 32
+    for i in range(n):
+        def typed(local, experts):
+            return mixed_type(mix, f"model.layers.{i}.{local}", n, experts)
+        for local in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            assert typed(local, 8) == "q8_0" and typed(local, 128) == typed(local, 0)
+        out = "q5_k" if mix in ("q3_k", "q3_k_m", "q4_k", "q4_k_m") else typed("self_attn.o_proj.weight", 0)
+        assert typed("self_attn.o_proj.weight", 8) == out
+        for local in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight"):
+            assert typed(local, 8) == typed(local, 0)
+
+
 @pytest.mark.parametrize("n", [4, 16, 36])
 def test_q3_k_m_is_llama_cpps(n):
     """llama_tensor_get_type for MOSTLY_Q3_K_M in a dense non-Falcon model: output Q6_K; attn_v Q5_K in blocks 0

@@ -31,6 +31,9 @@ class Architecture:
     gguf_arch: str                   # GGUF general.architecture as llama.cpp's converter writes it
     # A GGUF file of gguf_arch reads back as this class (False where another entry owns the name: Mistral -> llama).
     reads_gguf: bool = True
+    # A GGUF file of gguf_arch with experts ({gguf_arch}.expert_count > 0) reads back as this class, though the name
+    # is another entry's (Mixtral: llama with experts).
+    reads_gguf_with_experts: bool = False
     qkv_bias: bool = False           # q/k/v biases always (else only where config.json sets attention_bias)
     qk_norm: bool = False            # RMSNorm over each q and k head before RoPE
     # config.json's sliding_window applies always (else only where use_sliding_window is true).
@@ -43,6 +46,7 @@ class Architecture:
     gguf_vocab_and_rope_dims: bool = False
     pre_tokenizer: str = "llama-bpe" # GGUF tokenizer.ggml.pre when tokenizer.json's pre-tokenizer is not recognised
     moe: bool = False                # a routed mixture of experts as the feed-forward (layout: helmc/model/moe.py)
+    moe_naming: str = "qwen_moe"     # the router's and experts' checkpoint names: a helmc.model.moe.NAMINGS key
     # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked in that order): the
     # weights reader splits each into the block's own names as zero-copy row ranges (ModelSpec.fused_rows).
     fused_projections: bool = False
@@ -54,6 +58,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     a.hf_class: a for a in (importlib.import_module(f"helmc.model.arch.{m}").ARCH for m in _MODULES)}
 # GGUF general.architecture -> the entry a file of that name reads as.
 GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.reads_gguf}
+# GGUF general.architecture -> the entry a file of that name with experts reads as, where not the entry above.
+GGUF_EXPERT_ARCHITECTURES: dict[str, Architecture] = {
+    a.gguf_arch: a for a in ARCHITECTURES.values() if a.reads_gguf_with_experts}
 
 
 def architecture(hf_class: str, who: str = "model") -> Architecture:
@@ -63,9 +70,12 @@ def architecture(hf_class: str, who: str = "model") -> Architecture:
     return a
 
 
-def gguf_architecture(gguf_arch: str) -> Architecture | None:
-    """The entry a GGUF file of general.architecture `gguf_arch` reads as; None for an architecture helmc lacks."""
+def gguf_architecture(gguf_arch: str, experts: bool = False) -> Architecture | None:
+    """The entry a GGUF file of general.architecture `gguf_arch` reads as (`experts`: the file has routed experts);
+    None for an architecture helmc lacks."""
+    if experts and gguf_arch in GGUF_EXPERT_ARCHITECTURES:
+        return GGUF_EXPERT_ARCHITECTURES[gguf_arch]
     return GGUF_ARCHITECTURES.get(gguf_arch)
 
 
-__all__ = ["ARCHITECTURES", "GGUF_ARCHITECTURES", "Architecture", "QK_PERMUTED", "architecture", "gguf_architecture"]
+__all__ = ["ARCHITECTURES", "GGUF_ARCHITECTURES", "GGUF_EXPERT_ARCHITECTURES", "Architecture", "QK_PERMUTED", "architecture", "gguf_architecture"]

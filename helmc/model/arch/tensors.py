@@ -19,4 +19,7 @@ EXTRA_TENSORS = ("rope_freqs.weight",)
 # A mixture-of-experts block (Qwen3-MoE): the router, and each kind of expert weight stacked over the experts in one
 # 3-D GGUF tensor [experts, rows, cols]; the GGUF reader gives expert e's slice the name blk.N.ffn_gate_exps.{e}.weight.
 MOE_BLOCK = {"mlp.gate.weight": "ffn_gate_inp.weight"}
-MOE_EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+MIXTRAL_MOE_BLOCK = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}     # Mixtral's router, the same tensor
+# The stacked GGUF tensors of an expert's gate, up and down weights, in that order (helmc.model.moe.NAMINGS' order).
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+MOE_EXPERT_TENSORS = dict(zip(("gate_proj", "up_proj", "down_proj"), EXPERT_STACKS))
