@@ -67,14 +67,32 @@ def roundtrip(x, name):
 
 
 def test_the_table_matches_gguf():
-    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
+    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375),
+              "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625), "iq4_xs": (256, 136, 4.25)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "f16", "bf16", "f32"}
+
+
+def test_iq4_xs_is_read_not_written():
+    """IQ4_XS has no quantizer: quantize names what it can write; dequantize reads a block as ggml's
+    dequantize_row_iq4_xs: w = d * (ls_j - 32) * kvalues[q], ls_j's low 4 bits in scales_l, its top 2 in scales_h."""
+    with pytest.raises(HelmcError, match=r"q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k.*found 'iq4_xs'"):
+        quantize(np.zeros((2, 256), np.float32), "iq4_xs")
+    kvalues = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+    block = np.zeros(136, np.uint8)
+    block[0:2] = np.array([0.5], np.float16).view(np.uint8)
+    scales = [(7 * j + 3) % 64 for j in range(8)]                    # 6-bit scales, both high bits used
+    block[2:4] = np.array([sum((s >> 4) << (2 * j) for j, s in enumerate(scales))], np.uint16).view(np.uint8)
+    block[4:8] = [(scales[2 * i] & 15) | (scales[2 * i + 1] & 15) << 4 for i in range(4)]
+    q = np.arange(256) % 16                                          # weight 32j + i: its nibble
+    block[8:] = [q[32 * j + i] | q[32 * j + 16 + i] << 4 for j in range(8) for i in range(16)]
+    expect = np.array([0.5 * (scales[e // 32] - 32) * kvalues[q[e]] for e in range(256)], np.float32)
+    assert np.array_equal(dequantize(block.reshape(1, 136), "iq4_xs", (1, 256))[0], expect)
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
