@@ -53,26 +53,3 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
         return float("inf")
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
-
-IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.float32)
-
-
-def iq4_xs_rows(dense: np.ndarray) -> np.ndarray:
-    """uint8 [rows, k / 256 * 136]: float32 [rows, k] as IQ4_XS blocks by a plain encoder for test files (each
-    sub-block's largest |w| at value -127 under a 6-bit scale of one fp16 d per block, every weight its nearest
-    table value; not ggml's search, which helmc does not port: IQ4_XS is read, never written)."""
-    rows, k = dense.shape
-    x = dense.astype(np.float32).reshape(-1, 8, 32)                                   # [blocks, sub-block, 32]
-    amax = np.abs(x).max(-1)                                                          # [blocks, 8]
-    d = (amax.max(-1) / (127 * 32)).astype(np.float16)                                # [blocks]
-    df = d.astype(np.float32)[:, None]
-    level = np.where(df > 0, -np.rint(amax / (127 * np.where(df > 0, df, 1))), 0).clip(-32, 31).astype(np.int32)
-    scale = (df * level.astype(np.float32))[..., None]                                # [blocks, 8, 1]
-    q = np.abs(x[..., None] - scale[..., None] * IQ4_VALUES).argmin(-1).astype(np.uint8)  # [blocks, 8, 32]
-    ls = (level + 32).astype(np.uint16)                                               # [blocks, 8] in 0..63
-    out = np.empty((x.shape[0], 136), np.uint8)
-    out[:, 0:2] = d[:, None].view(np.uint8)
-    out[:, 2:4] = (((ls >> 4) & 3) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)[:, None].view(np.uint8)
-    out[:, 4:8] = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
-    out[:, 8:] = (q[..., :16] | (q[..., 16:] << 4)).reshape(-1, 128)
-    return out.reshape(rows, -1)

@@ -123,10 +123,10 @@ def test_gguf_file_builds_and_matches(gguf_build):
 
 
 def _with_iq4_xs_linears(src: str, dst: str) -> list[str]:
-    """Copy the GGUF file src to dst with every linear of the blocks re-encoded as IQ4_XS (from gguf's dequantization
-    of its blocks, by tests.quant_rows' plain encoder: helmc writes no IQ4_XS); metadata and the other tensors as they
-    are. Returns the re-encoded tensors' names."""
-    from tests.quant_rows import iq4_xs_rows
+    """Copy the GGUF file src to dst with every linear of the blocks re-encoded as IQ4_XS (gguf's dequantization of
+    its blocks through helmc's IQ4_XS quantizer, ggml's reference); metadata and the other tensors as they are.
+    Returns the re-encoded tensors' names."""
+    from helmc.model.quant_formats import quantize
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents()))
     for field in reader.fields.values():
@@ -139,7 +139,7 @@ def _with_iq4_xs_linears(src: str, dst: str) -> list[str]:
         data, qtype = t.data, t.tensor_type
         if t.name.startswith("blk.") and len(t.shape) == 2 and int(t.shape[0]) % 256 == 0:
             dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)        # [rows, k] float32
-            data, qtype = iq4_xs_rows(dense.reshape(-1, int(t.shape[0]))), gguf.GGMLQuantizationType.IQ4_XS
+            data, qtype = quantize(dense.reshape(-1, int(t.shape[0])), "iq4_xs"), gguf.GGMLQuantizationType.IQ4_XS
             changed.append(t.name)
         writer.add_tensor(t.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
