@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_GGUF_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "q3_k": "Q3_K", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+_GGUF_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "q3_k": "Q3_K", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K",
+             "iq4_xs": "IQ4_XS"}
 
 
 def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
@@ -31,6 +32,8 @@ def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
         blocks[:, :, 2:4] = halves(1e-3, 4e-3, False)
     elif qtype == "q3_k":        # d at bytes 108..109, either sign: |w| <= 2e-3 * 32 * 4
         blocks[:, :, 108:110] = halves(5e-4, 2e-3, True)
+    elif qtype == "iq4_xs":      # d at bytes 0..1, either sign: |w| <= 2e-3 * 32 * 127
+        blocks[:, :, 0:2] = halves(5e-4, 2e-3, True)
     else:                        # q6_k: d at bytes 208..209, either sign (ggml's make_qx_quants gives both)
         blocks[:, :, 208:210] = halves(5e-4, 2e-3, True)
     return blocks.reshape(rows, -1)                                                      # [rows, row_bytes]
@@ -49,3 +52,4 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     if not np.isfinite(got).all():
         return float("inf")
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+

@@ -112,7 +112,7 @@ def permuted_heads(gguf_arch: str, spec: ModelSpec, gguf_tensor: str) -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str                 # llama.cpp name
-    type: str                 # lower-case GGML type name (also ones helmc does not read, such as iq4_xs)
+    type: str                 # lower-case GGML type name (also ones helmc does not read, such as q2_k)
     dims: tuple[int, ...]     # ne0 first, as the file lists them
     offset: int               # absolute byte offset of the data in the file
     nbytes: int

@@ -1,4 +1,5 @@
-"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, plus the plain F16 / BF16 / F32.
+"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, plus the plain
+F16 / BF16 / F32.
 
 A quantized row of k weights is k / block_weights blocks of block_bytes each, laid out exactly as ggml's
 block structs (ggml-common.h), so `gguf.quants.dequantize` (the reference the tests compare against) and
@@ -17,6 +18,10 @@ llama.cpp read what `quantize` writes:
                           128 B low nibbles as q4_k's;  w = d * sc_j * q - dmin * m_j, q in [0, 31]
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2 bits, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
+    iq4_xs (136 B / 256 w): d fp16, scales_h uint16 (bits 2j: the top 2 bits of sub-block j's scale), scales_l[4]
+                          (nibble j % 2 of byte j // 2: its low 4), 128 B nibbles (sub-block j of 32: bytes 16j..16j+16,
+                          weight i low, i + 16 high);  w = d * (ls_j - 32) * kvalues[q], kvalues = ggml's
+                          kvalues_iq4nl (-127 .. 113, non-linear)
 
 Q8_0, Q4_0 and Q5_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
 written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference
@@ -27,6 +32,12 @@ Python loop per block would take hours. Arrays are laid out [elements of a sub-b
 every sum over a sub-block's elements is NumPy's sequential reduction over the outer axis: the same float32
 summation order as ggml's C loops, so the scales it searches for match ggml's to the last bit except where
 ggml's build contracts a*b+c into an FMA (llama.cpp's native builds do).
+
+IQ4_XS's quantizer is quant_iq4.py (gguf has none): ggml's quantize_row_iq4_xs_ref, byte-identical on the golden
+rows, three seeds of the structured rows, 64 x 4096 Gaussian rows, integer, 1e-6-scale and all-zero rows (the
+reference library built from llama.cpp's ggml-quants.c for the Q3_K check, called through ctypes). RMS error / RMS
+0.0767 on 256 x 4096 Gaussian rows (q4_k 0.0713); ~0.9 M weights/s on one core (16 trial scales per sub-block),
+so no `--quant` mix uses it: IQ4_XS comes from GGUF files.
 
 Checked against ggml's reference quantizers compiled from llama.cpp 0c1e570 (ggml-quants.c, gcc -O2
 -ffp-contract=off, called through ctypes): byte-identical on 100% of blocks for all four types, on Gaussian,

@@ -101,6 +101,8 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q6_k", 14, 256, 210, block_quantizer=f"{_QUANT}:q6_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
+    WeightType("iq4_xs", 23, 256, 136, block_quantizer="helmc.model.quant_iq4:iq4_xs_blocks", cpu_gemv=_CPU_GEMV,
+               gpu_gemv=_GPU_GEMV, gpu_gemv_tuning=(1, 4, 4), kit=True),
 )}
 
 # Views of the table the other modules ask for, in the table's order.

@@ -14,6 +14,8 @@ ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, neve
                           128 B nibbles as q4_k's;  w = d * sc_j * q - dmin * m_j, q in [0, 31]
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
                           w = d * sc_j * (q - 32)
+    iq4_xs (136 B / 256 w): d fp16, scales_h u16, scales_l[4] (6-bit scales of 8 sub-blocks of 32), 128 B nibbles
+                          (sub-block j: bytes 16j.., as q4_0's)   w = d * (ls_j - 32) * kvalues[q]
 
 Why this loop: a quantized weight is 2-4x fewer bytes than fp16, so the decode arithmetic per byte is 2-4x
 gemv.py's, and on the GPU machine's Xeon (16 cores, 2.4 GHz) the first, plainly widening version of these
@@ -25,7 +27,7 @@ made cheap:
   sum; the (sub-)block's scale is applied once, as one FMA into the row's accumulator;
 - 4-bit fields become floats by a 16-entry table lookup: on AVX-512 one vpermps per 16 weights, which reads
   only the low 4 bits of each index lane, so a nibble needs no mask and no convert, and the table holds the
-  offset too (q4_0's q - 8, q6_k's high bits * 16 - 32); AVX2 and SSE2 mask and convert;
+  offset too (q4_0's q - 8, q6_k's high bits * 16 - 32; iq4_xs's non-linear values); AVX2 and SSE2 mask and convert;
 - the K-quants read their quant bytes as int32 words (one plain vector load; byte j of each word is picked by
   a shift in 32-bit lanes, where widening bytes would cost a shuffle each), so the lanes hold weights in a
   strided order; x is permuted once per call to match (xp), and sub-block scales reach their lanes by one
@@ -119,7 +121,7 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs"; k must be a multiple of the type's block
     (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
@@ -315,6 +317,49 @@ def _q5_0(vec: _Vectors, rows: int, group: int, m: int):
             for t in T.unroll(group):
                 acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + vec.scale(wh, T.min(first + r, n - 1), b * 11) * dot(
                     x, w, T.min(first + r, n - 1), b, _token(p, t, group, m))
+
+    return block_dot, None
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # ggml's kvalues_iq4nl
+
+
+def _iq4_value(i):
+    """IQ4_VALUES[i] per int32 lane of i (0 <= i < 16) as float32: a select per bit, halving the table. On the
+    vpermps tier `lookup` evaluates it once on the constant lanes 0..15 (LLVM folds it to the table)."""
+    values = [tirx.Broadcast(tirx.const(float(v), "float32"), _lanes(i)) for v in IQ4_VALUES]
+    for bit in range(4):
+        odd = tirx.NE(tirx.bitwise_and(tirx.shift_right(i, _ints(bit, i)), _ints(1, i)), _ints(0, i))
+        values = [tirx.Select(odd, values[2 * h + 1], values[2 * h]) for h in range(len(values) // 2)]
+    return values[0]
+
+
+def _iq4_xs(vec: _Vectors, rows: int, group: int, m: int):
+    """Block b of each row (136 B: d, scales_h at byte 2, scales_l at 4, the nibbles at 8): sub-block j of 32 is
+    q4_0's nibble layout at byte 8 + 16j, its values IQ4_VALUES[q] (a table lookup), its scale d * (ls_j - 32) with
+    ls_j = nibble j % 2 of scales_l[j // 2] | bits 2j of scales_h << 4; acc += scale_j * sum_i x_i * value_i."""
+    lanes = vec.lanes
+
+    def dot(x, w, row, b, j, tok):
+        terms = []
+        for vo in range(16 // lanes):       # lanes <= 16 on every tier
+            q = vec.bytes(w, row, b * 136 + 8 + 16 * j + vo * lanes)
+            terms.append(x[tok, vec.at(b * 256 + 32 * j + vo * lanes)] * vec.lookup(q, _iq4_value))
+            terms.append(x[tok, vec.at(b * 256 + 32 * j + 16 + vo * lanes)] * vec.lookup(vec.shr(q, 4), _iq4_value))
+        return _sum(terms)
+
+    def scale(w, wh, row, b, j):
+        low = (w[row, b * 136 + 4 + j // 2].astype("int32") >> (4 * (j % 2))) & 15
+        high = (w[row, b * 136 + 2 + j // 4].astype("int32") >> (2 * (j % 4))) & 3
+        return vec.bcast(widen(wh[row, b * 68], "float16", vec.f16c) * _f32((low | (high << 4)) - 32))
+
+    @T.macro
+    def block_dot(x, xp, w, wi, wh, xsum, acc, accm, n, first, b, p):
+        for r in T.unroll(rows):
+            for j in T.unroll(8):
+                for t in T.unroll(group):
+                    acc[t, r, vec.at(0)] = acc[t, r, vec.at(0)] + scale(w, wh, T.min(first + r, n - 1), b, j) * dot(
+                        x, w, T.min(first + r, n - 1), b, j, _token(p, t, group, m))
 
     return block_dot, None
 
@@ -539,4 +584,5 @@ def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
     return block_dot, order
 
 
-_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
+              "iq4_xs": _iq4_xs}

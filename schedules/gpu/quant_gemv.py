@@ -14,6 +14,8 @@ W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks alon
     q6_k (210 B / 256 w): 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales (sub-blocks of 16), d fp16
                           (weight 128h + 32c + l: nibble c//2 of ql[64h + 32(c%2) + l], bits 2c of qh[32h + l])
                           w = d * sc_j * (q - 32)
+    iq4_xs (136 B / 256 w): d fp16, scales_h u16, scales_l[4] (6-bit scales of 8 sub-blocks of 32), 128 B nibbles
+                          (sub-block j: bytes 16j.., as q4_0's)   w = d * (ls_j - 32) * kvalues_iq4nl[q]
 (the formulas of ggml's dequantize_row_*, as in schedules/cpu/quant/dequantize.py).
 
 make_gpu_gemv_quant: y[m, n] fp16 = x[m, k] fp16 @ dequant(W)^T, summed in fp32 and rounded once to fp16 at the
@@ -29,7 +31,7 @@ warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in 
   so its quants and its header are one 16-byte load each (q5_k's 176 B too, and its qh); q8_0 / q4_0 / q5_0 /
   q3_k / q6_k blocks (34, 18, 22, 110, 210 B) are
   only 2-byte aligned (odd blocks of a row start at 2 mod 4), so they are read as uint16 (llama.cpp's
-  get_int_b2 does the same).
+  get_int_b2 does the same); iq4_xs blocks (136 B) are 8-byte aligned, read in 8-byte loads.
 - A quant becomes an fp32 by the exponent trick: the integer (or int8 + 128) is OR-ed into the mantissa of
   2^23 and 2^23 (+ the format's offset) is subtracted: one or two integer ops and one FADD, exact. A CUDA
   int-to-float convert (I2F) per weight would run on the conversion unit, listed at 16 results / clock / SM
@@ -78,7 +80,8 @@ FORMATS = {"q8_0": _Format(*QUANT_BLOCKS["q8_0"], 4, 1, 8, "uint16"),
            "q3_k": _Format(*QUANT_BLOCKS["q3_k"], 8, 4, 8, "uint16"),
            "q4_k": _Format(*QUANT_BLOCKS["q4_k"], 8, 2, 16, "uint32"),
            "q5_k": _Format(*QUANT_BLOCKS["q5_k"], 8, 2, 16, "uint32"),
-           "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16")}
+           "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16"),
+           "iq4_xs": _Format(*QUANT_BLOCKS["iq4_xs"], 8, 2, 16, "uint32")}
 AFFINE = ("q4_k", "q5_k")   # w = scale * q - offset: the formats with mins
 WARP = 32
 WARPS = 4              # warps per thread block of the GEMV (128 threads)
@@ -159,6 +162,8 @@ def _run_start(qtype: str, t, g: int):
         return 16 * g + 8 * t                          # byte 8t + i: low nibble weight 8t+i, high 8t+i+16
     if qtype in AFFINE:
         return 64 * (t // 2) + 32 * g + 16 * (t % 2)   # chunk t//2, its bytes 16(t%2)..+16, nibble g
+    if qtype == "iq4_xs":
+        return 32 * t + 16 * g                         # sub-block t, its bytes 16t..+16, nibble g
     return 128 * (t // 4) + 32 * g + 8 * (t % 4)      # q3_k / q6_k: half t//4, quarter g, positions 8(t%4)..+8
 
 
@@ -319,8 +324,43 @@ def _decode_q6_k():
     return decode
 
 
+# ggml's kvalues_iq4nl as int8 bytes, four to a uint32 word (little-endian): value q is byte q % 4 of word q // 4.
+_IQ4_WORDS = (3215825025, 4142587343, 639175937, 1901675829)
+
+
+def _iq4_value(nibble):
+    """float(kvalues_iq4nl[nibble]) for a uint32 nibble: its table word picked by two compares, then its byte."""
+    word = T.if_then_else(nibble < T.uint32(8),
+                          T.if_then_else(nibble < T.uint32(4), T.uint32(_IQ4_WORDS[0]), T.uint32(_IQ4_WORDS[1])),
+                          T.if_then_else(nibble < T.uint32(12), T.uint32(_IQ4_WORDS[2]), T.uint32(_IQ4_WORDS[3])))
+    return _signed_byte(_field(word, T.shift_left(T.bitwise_and(nibble, T.uint32(3)), T.uint32(3)), 0xFF))
+
+
+def _decode_iq4_xs():
+    """Thread t owns sub-block t (136-byte blocks are 8-byte aligned: uint32 words, 8-byte loads): its 16 quant
+    bytes at byte 8 + 16t (words 2 + 4t ..), low nibbles run 0, high run 1, values from the non-linear table; its
+    scale d * (ls_t - 32), ls_t = nibble t of word 1 (scales_l) | bits 2t of scales_h (word 0's high half) << 4."""
+    @T.macro
+    def decode(wv, base, t, q, scale, offset, r):
+        head = T.alloc_buffer((2,), "uint32", scope="local")       # d | scales_h << 16, scales_l[0..3]
+        qs = T.alloc_buffer((4,), "uint32", scope="local")
+        for v in T.vectorized(2):
+            head[v] = wv[base + v]
+        for h in T.unroll(2):
+            for v in T.vectorized(2):
+                qs[2 * h + v] = wv[base + 2 + 4 * t + 2 * h + v]
+        for g in T.unroll(2):
+            for i in T.unroll(16):
+                q[r, g * 16 + i] = _iq4_value(_field(qs[i // 4], 8 * (i % 4) + 4 * g, 0xF))
+        six = T.bitwise_or(_field(head[1], 4 * t, 0xF), T.shift_left(_field(head[0], 16 + 2 * t, 3), T.uint32(4)))
+        scale[r, 0] = _half(head[0]) * _unsigned(six, 32)
+        scale[r, 1] = scale[r, 0]
+
+    return decode
+
+
 _DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q5_0": _decode_q5_0, "q3_k": _decode_q3_k, "q4_k": _decode_q4_k,
-             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}
+             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k, "iq4_xs": _decode_iq4_xs}
 
 
 def _view_width(fmt: _Format) -> int:
@@ -334,7 +374,7 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k"; k must be a multiple of the type's block
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs"; k must be a multiple of the type's block
     (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).

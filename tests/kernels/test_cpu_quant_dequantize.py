@@ -19,7 +19,7 @@ def _run(qtype, n, k, out_dtype, raw):
     return out.numpy()
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 @pytest.mark.parametrize("out_dtype", ["float32", "float16"])
 def test_dequantize_matches_gguf(qtype, out_dtype):
     from helmc.model.quant_formats import quantize

@@ -15,6 +15,7 @@ from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.gguf_spec import (expected_hf_tensors, gguf_name, gguf_tensor_types, hf_name,  # noqa: E402
                                    qk_rows_to_gguf, qk_rows_to_hf, read_gguf_spec)
 from helmc.model.gguf_tokenizer import read_gguf_tokenizer  # noqa: E402
+from helmc.model.quant_formats import dequantize  # noqa: E402
 from helmc.model.spec import ModelSpec  # noqa: E402
 from helmc.runtime.weights.bind import expected_tensors  # noqa: E402
 from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint  # noqa: E402
@@ -231,16 +232,19 @@ def test_llama_q_k_rows_come_back_in_hf_order(tmp_path, qtype):
 
 
 def test_k_quants_and_bf16_rows(tmp_path):
-    # Q3_K / Q4_K / Q5_K / Q6_K blocks hold 256 weights, so rows of 256 (Q5_0: 32): random blocks (raw bytes are what is checked)
+    # Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS blocks hold 256 weights, so rows of 256 (Q5_0: 32): random blocks (raw bytes are what is checked)
     spec = spec_of("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
     rng = np.random.default_rng(1)
     raw = {}
     for g, qtype, (rows, cols) in (("blk.0.ffn_up.weight", T.Q4_K, (512, 256)), ("blk.1.ffn_down.weight", T.Q6_K, (256, 512)),
                                    ("blk.1.ffn_gate.weight", T.Q5_K, (512, 256)),
                                    ("blk.0.ffn_gate.weight", T.Q3_K, (512, 256)),
-                                   ("blk.0.ffn_down.weight", T.Q5_0, (256, 512))):
+                                   ("blk.0.ffn_down.weight", T.Q5_0, (256, 512)),
+                                   ("blk.1.ffn_up.weight", T.IQ4_XS, (512, 256))):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw[g] = (qtype, rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8))
+    iq4 = raw["blk.1.ffn_up.weight"][1].reshape(512, -1, 136)          # [rows, blocks, 136]: d finite
+    iq4[:, :, 0:2] = rng.uniform(-1e-2, 1e-2, iq4.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     _, written = write_gguf(tmp_path / "k.gguf", spec, raw_override=raw)
     types = gguf_tensor_types(str(tmp_path / "k.gguf"))
     assert types["model.layers.0.mlp.up_proj.weight"] == "q4_k" and types["model.layers.1.mlp.down_proj.weight"] == "q6_k"
@@ -256,6 +260,12 @@ def test_k_quants_and_bf16_rows(tmp_path):
     assert types["model.layers.0.mlp.down_proj.weight"] == "q5_0"
     assert ck.info("model.layers.0.mlp.down_proj.weight").row_bytes == 16 * 22
     assert np.array_equal(ck.raw("model.layers.0.mlp.down_proj.weight"), raw["blk.0.ffn_down.weight"][1])
+    assert types["model.layers.1.mlp.up_proj.weight"] == "iq4_xs"
+    assert ck.info("model.layers.1.mlp.up_proj.weight").row_bytes == 136
+    iq4 = ck.raw("model.layers.1.mlp.up_proj.weight")
+    assert np.array_equal(iq4, raw["blk.1.ffn_up.weight"][1])
+    assert np.array_equal(dequantize(iq4, "iq4_xs", (512, 256)),
+                          gguf.quants.dequantize(raw["blk.1.ffn_up.weight"][1], T.IQ4_XS).reshape(512, 256))
     ck.close()
 
 

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")   # the GPU machine runs pytest -m gpu withou
 from helmc.errors import HelmcError  # noqa: E402
 from helmc.model.quant_formats import QUANT_TYPES, dequantize, quant_type, quantize  # noqa: E402
 
-BLOCK_TYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k")
+BLOCK_TYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 def structured_rows(k=1024, seed=0) -> np.ndarray:
@@ -58,6 +58,7 @@ GGML_REFERENCE_SHA256 = {
     "q4_k": "6f5486eb14f9c8671efee967b304a3f0525deae8ecae3e77325190b1d9af2441",
     "q5_k": "8053724638862a273e4bed7d3ec1cb084879546fd37f1335cd0f34e2a1120e34",
     "q6_k": "814d0254609c1e9d4f7f54377a58f5f4f177a42a31556d8cfc2b6d9084d69472",
+    "iq4_xs": "96eb3e890566537b7aaced16a2c83e4c0203bc45dde0dc03e30a83ba3a7cdc3c",
 }
 
 
@@ -67,14 +68,30 @@ def roundtrip(x, name):
 
 
 def test_the_table_matches_gguf():
-    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375), "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625)}
+    expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375),
+              "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625), "iq4_xs": (256, 136, 4.25)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "f16", "bf16", "f32"}
+
+
+def test_iq4_xs_block_layout():
+    """dequantize reads a block as ggml's dequantize_row_iq4_xs: w = d * (ls_j - 32) * kvalues[q], ls_j's low 4 bits
+    in scales_l, its top 2 in scales_h."""
+    kvalues = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+    block = np.zeros(136, np.uint8)
+    block[0:2] = np.array([0.5], np.float16).view(np.uint8)
+    scales = [(7 * j + 3) % 64 for j in range(8)]                    # 6-bit scales, both high bits used
+    block[2:4] = np.array([sum((s >> 4) << (2 * j) for j, s in enumerate(scales))], np.uint16).view(np.uint8)
+    block[4:8] = [(scales[2 * i] & 15) | (scales[2 * i + 1] & 15) << 4 for i in range(4)]
+    q = np.arange(256) % 16                                          # weight 32j + i: its nibble
+    block[8:] = [q[32 * j + i] | q[32 * j + 16 + i] << 4 for j in range(8) for i in range(16)]
+    expect = np.array([0.5 * (scales[e // 32] - 32) * kvalues[q[e]] for e in range(256)], np.float32)
+    assert np.array_equal(dequantize(block.reshape(1, 136), "iq4_xs", (1, 256))[0], expect)
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
@@ -110,7 +127,9 @@ def test_max_error_per_block(name):
     q5_k: measured <= 0.036 of the range, the same worst rows as q4_k; bound range/20.
     q6_k: measured <= 0.016 absmax; bound absmax/32 (one step of the largest scale).
     q3_k: measured <= 0.251 absmax (three seeds): one step of the largest sub-block scale, ~absmax/4, where a
-          weight clips at level +3 of a sub-block scaled from its negative extreme; bound absmax/3.5."""
+          weight clips at level +3 of a sub-block scaled from its negative extreme; bound absmax/3.5.
+    iq4_xs: measured <= 0.136 absmax (three seeds): the table's widest gaps (23 and 24 of 127) at the extremes, under
+          a 6-bit sub-block scale of the block's largest; bound absmax/6."""
     x = structured_rows()
     raw, y = roundtrip(x, name)
     assert raw.shape == (x.shape[0], quant_type(name).row_bytes(x.shape[1]))
@@ -120,7 +139,7 @@ def test_max_error_per_block(name):
     absmax = np.abs(b).max(axis=1)
     span = np.maximum(b.max(axis=1), 0) - np.minimum(b.min(axis=1), 0)      # the range, 0 included
     bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q5_0": absmax / 16 * (1 + 16 * 2**-11), "q3_k": absmax / 3.5, "q4_k": span / 10, "q5_k": span / 20,
-             "q6_k": absmax / 32}[name]
+             "q6_k": absmax / 32, "iq4_xs": absmax / 6}[name]
     bad = np.nonzero(err > bound)[0]
     assert bad.size == 0, f"{name}: {bad.size} blocks over the bound, worst ratio {(err / np.maximum(bound, 1e-30)).max():.3f}"
     zero = absmax == 0
@@ -176,7 +195,8 @@ SCALE_BYTE = {"q8_0": (1, slice(0, 32)),          # d's high byte: the whole 32-
               "q3_k": (96, slice(0, 16)),         # scales[0]: low nibbles of sub-blocks 0 (bits 0-3) and 8
               "q4_k": (4, slice(0, 32)),          # scales[0]: 6-bit scale of sub-block 0 (weights 0-31)
               "q5_k": (4, slice(0, 32)),
-              "q6_k": (192 + 3, slice(48, 64))}   # scales[3]: int8 scale of sub-block 3 (weights 48-63)
+              "q6_k": (192 + 3, slice(48, 64)),   # scales[3]: int8 scale of sub-block 3 (weights 48-63)
+              "iq4_xs": (4, slice(0, 32))}        # scales_l[0]: low nibble, sub-block 0's scale (weights 0-31)
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

@@ -90,7 +90,25 @@ def _q6_k(w, wh, base, e):
     return _half(wh, base + 208) * T.Cast("float32", scale) * T.Cast("float32", q)
 
 
-_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+# ggml's kvalues_iq4nl as int8 bytes, four to an int32 word (little-endian): value q is byte q % 4 of word q // 4.
+_IQ4_WORDS = (-1079142271, -152379953, 639175937, 1901675829)
+
+
+def _iq4_xs(w, wh, base, e):
+    j, i = e // 32, e % 32                              # sub-block, position: byte 8 + 16j + i % 16, nibble i // 16
+    byte = _u(w, base + 8 + 16 * j + i % 16)
+    q = T.if_then_else(i < 16, T.bitwise_and(byte, 15), T.shift_right(byte, 4))
+    word = T.if_then_else(q < 8, T.if_then_else(q < 4, _IQ4_WORDS[0], _IQ4_WORDS[1]),
+                          T.if_then_else(q < 12, _IQ4_WORDS[2], _IQ4_WORDS[3]))
+    value = T.Cast("int32", T.Cast("int8", T.shift_right(word, 8 * T.bitwise_and(q, 3))))
+    low = T.bitwise_and(T.shift_right(_u(w, base + 4 + j // 2), 4 * (j % 2)), 15)
+    high = T.bitwise_and(T.shift_right(_u(w, base + 2 + j // 4), 2 * (j % 4)), 3)
+    scale = T.bitwise_or(low, T.shift_left(high, 4)) - 32
+    return _half(wh, base) * T.Cast("float32", scale) * T.Cast("float32", value)
+
+
+_ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
+            "iq4_xs": _iq4_xs}
 
 
 def _dequantize_rows(qtype: str, n: int, k: int, out_dtype: str):
