@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def _align(nbytes: int, to: int = 256) -> int:
+def align_up(nbytes: int, to: int = 256) -> int:
     return -(-nbytes // to) * to
 
 
@@ -35,8 +35,8 @@ class DecodeGraph:
         self.to_cupy = to_cupy
         # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
         H, D = spec.hidden_size, spec.head_dim
-        x_at, cos_at, sin_at = 0, _align(2 * H), _align(2 * H) + _align(4 * D)
-        n = sin_at + _align(4 * D)
+        x_at, cos_at, sin_at = 0, align_up(2 * H), align_up(2 * H) + align_up(4 * D)
+        n = sin_at + align_up(4 * D)
         self._pinned = cp.cuda.alloc_pinned_memory(n)
         self.host_in = np.frombuffer(self._pinned, np.uint8, n)
         self.dev_in = cp.empty(n, cp.uint8)

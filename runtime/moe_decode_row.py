@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helmc.runtime.decode_graph import align_up
 from helmc.runtime.moe_experts import LayerExperts, route
 
 _COMBINE_SOURCE = """
@@ -94,10 +95,6 @@ def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[at:at + n].view(dtype).reshape(shape)
 
 
-def _at(n: int, to: int = 256) -> int:
-    return -(-n // to) * to
-
-
 @dataclass(frozen=True)
 class BlockRow:
     """What the decode row needs of one MoE block: its experts, which are in VRAM (slot_of[e] >= 0) and the
@@ -123,23 +120,23 @@ class MoeDecodeRow:
         self.H, self.E, self.K, self.moe = H, E, K, spec.moe
         self.cpu_sums, self.gpu_sums, self.to_cupy = cpu_sums, gpu_sums, to_cupy
         # device to host: m fp16 [1, H] | logits fp32 [1, E], one copy into pinned memory
-        self._out_bytes = _at(2 * H) + _at(4 * E)
+        self._out_bytes = align_up(2 * H) + align_up(4 * E)
         self._dev_out = cp.zeros(self._out_bytes, cp.uint8)
         self.m = self._dev_out[:2 * H].view(cp.float16).reshape(1, H)
-        self.logits = self._dev_out[_at(2 * H):_at(2 * H) + 4 * E].view(cp.float32).reshape(1, E)
+        self.logits = self._dev_out[align_up(2 * H):align_up(2 * H) + 4 * E].view(cp.float32).reshape(1, E)
         self._pin_out_mem = cp.cuda.alloc_pinned_memory(self._out_bytes)
         pin_out = np.frombuffer(self._pin_out_mem, np.uint8, self._out_bytes)
         self.host_m = pin_out[:2 * H].view(np.float16).reshape(1, H)
-        self.host_logits = pin_out[_at(2 * H):_at(2 * H) + 4 * E].view(np.float32).reshape(1, E)
+        self.host_logits = pin_out[align_up(2 * H):align_up(2 * H) + 4 * E].view(np.float32).reshape(1, E)
         # host to device: the GPU share's slots int32 [K] | weights fp32 [K], then the CPU's sum fp32 [1, H]
-        self._sel_bytes = _at(4 * K) + _at(4 * K)
+        self._sel_bytes = align_up(4 * K) + align_up(4 * K)
         self._dev_sel = cp.zeros(self._sel_bytes, cp.uint8)
         self.sel = self._dev_sel[:4 * K].view(cp.int32)
-        self.w = self._dev_sel[_at(4 * K):_at(4 * K) + 4 * K].view(cp.float32)
-        self._pin_sel_mem = cp.cuda.alloc_pinned_memory(self._sel_bytes + _at(4 * H))
-        pin_in = np.frombuffer(self._pin_sel_mem, np.uint8, self._sel_bytes + _at(4 * H))
+        self.w = self._dev_sel[align_up(4 * K):align_up(4 * K) + 4 * K].view(cp.float32)
+        self._pin_sel_mem = cp.cuda.alloc_pinned_memory(self._sel_bytes + align_up(4 * H))
+        pin_in = np.frombuffer(self._pin_sel_mem, np.uint8, self._sel_bytes + align_up(4 * H))
         self.host_sel = pin_in[:4 * K].view(np.int32)
-        self.host_w = pin_in[_at(4 * K):_at(4 * K) + 4 * K].view(np.float32)
+        self.host_w = pin_in[align_up(4 * K):align_up(4 * K) + 4 * K].view(np.float32)
         self.host_y = pin_in[self._sel_bytes:self._sel_bytes + 4 * H].view(np.float32).reshape(1, H)
         self.y = cp.zeros((1, H), cp.float32)
         self.h = cp.zeros((1, H), cp.float16)

@@ -12,38 +12,18 @@ the runtime-only TVM (no compiler, no NVRTC).
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from tests.device.build_quant_gpu_kernels import QTYPES
+from tests.gpu_prebuilt import prebuilt_kernels
 
 pytestmark = pytest.mark.gpu
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_LOADED: dict = {}
 
 
 def kernels() -> tuple:
     """(the loaded library, DIR, its manifest), or a skip naming what is missing."""
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    d = os.environ.get("HELMC_QUANT_GPU_DIR", os.path.join(ROOT, ".devrt", "quant_gpu_check"))
-    if not os.path.isfile(os.path.join(d, "manifest.json")):
-        pytest.skip(f"no quantized GPU kernels at {d}: build them on the compiler machine with "
-                    "`python -m tests.device.build_quant_gpu_kernels .devrt/quant_gpu_check` and carry .devrt")
-    if d not in _LOADED:
-        from helmc.runtime.cuda_runtime import load_gpu_executable
-        with open(os.path.join(d, "manifest.json")) as f:
-            manifest = json.load(f)
-        _LOADED[d] = (load_gpu_executable(os.path.join(d, manifest["library"]),
-                                          os.path.join(d, manifest["cubin_index"])), d, manifest)
-    return _LOADED[d]
+    return prebuilt_kernels("HELMC_QUANT_GPU_DIR", "quant_gpu_check", "quantized GPU kernels",
+                            "build_quant_gpu_kernels")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
