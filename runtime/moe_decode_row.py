@@ -213,7 +213,7 @@ class MoeDecodeRow:
         if row.has_vram:
             n = int(hit.sum())
             self.gpu_expert_rows += n
-            self.host_sel[:] = slots[hit][0] if n else row.slot_of[row.slot_of >= 0][0]   # padding: weight 0
+            self.host_sel[:] = 0              # padding: slot 0 (there is one: the block has VRAM experts), weight 0
             self.host_w[:] = 0.0
             self.host_sel[:n] = slots[hit]
             self.host_w[:n] = w[hit]

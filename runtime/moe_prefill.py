@@ -72,8 +72,9 @@ class ExpertPrefill:
         done.record(compute)
         self.copy_stream.wait_event(done)
         self._copied, self._free = [None] * n, [None] * n
+        sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in experts.stacked]   # per kind
         for i in range(min(n, len(host))):                               # the first copies, one per slot
-            self._copy(experts, host[i], i)
+            self._copy(sources, host[i], i)
         for e in used:
             if e in experts.on_gpu:
                 wts = experts.experts[e]
@@ -89,21 +90,21 @@ class ExpertPrefill:
                 self._free[s] = cp.cuda.Event(disable_timing=True)
                 self._free[s].record(compute)
                 if j + n < len(host):                                      # the slot's next expert
-                    self._copy(experts, host[j + n], s)
+                    self._copy(sources, host[j + n], s)
                 j += 1
         self.streamed_experts += len(host)
 
     # ------------------------------------------------------------------ the staging slots
-    def _copy(self, experts: LayerExperts, e: int, s: int) -> None:
-        """Queue expert e's rows of each kind into slot s on the copy stream, after the slot's last readers."""
+    def _copy(self, sources: list[tuple[int, int]], e: int, s: int) -> None:
+        """Queue expert e's rows of each kind (sources: per kind, the stacked tensor's address and one expert's bytes)
+        into slot s on the copy stream, after the slot's last readers."""
         import cupy as cp
         if self._free[s] is not None:
             self.copy_stream.wait_event(self._free[s])
-        at = self._flat.data.ptr + s * self._expert_bytes(experts)
-        for whole in experts.stacked:
-            nbytes = _rows_bytes(whole, self.moe.num_experts)
-            cp.cuda.runtime.memcpyAsync(at, _data_ptr(whole) + e * nbytes, nbytes,
-                                        cp.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
+        at = self._flat.data.ptr + s * sum(nbytes for _, nbytes in sources)
+        for ptr, nbytes in sources:
+            cp.cuda.runtime.memcpyAsync(at, ptr + e * nbytes, nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                        self.copy_stream.ptr)
             at += nbytes
         self._copied[s] = cp.cuda.Event(disable_timing=True)
         self._copied[s].record(self.copy_stream)
