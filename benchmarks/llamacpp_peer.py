@@ -19,7 +19,9 @@ import subprocess
 
 def add_arguments(ap) -> None:
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the --model GGUF")
-    ap.add_argument("--llama-ngl", default="0", help="comma-separated -ngl values for llama-bench")
+    ap.add_argument("--llama-ngl", default="0",
+                    help="comma-separated -ngl values for llama-bench, or auto: the largest -ngl whose measured peak "
+                         "VRAM is within --gpu-budget (searched), the one below it, and 99 (all on the GPU)")
     ap.add_argument("--llama-gguf", default=None,
                     help="the GGUF file llama-bench runs (default --model; for an HF --model, the same shapes as GGUF)")
     ap.add_argument("--threads", type=int, default=None, help="llama-bench threads (default: its own)")
@@ -27,11 +29,62 @@ def add_arguments(ap) -> None:
 
 
 def bench_each_ngl(a):
-    """llama_bench for each --llama-ngl value in turn, yielding each result as it comes (bench_decode saves it then,
-    so a run cut short keeps what it measured)."""
+    """llama_bench for each --llama-ngl value in turn (`auto`: ngl_search within --gpu-budget), yielding each result
+    as it comes (bench_decode saves it then, so a run cut short keeps what it measured)."""
+    gguf_path = a.llama_gguf or a.model
+
+    def run(ngl: int) -> dict:
+        return llama_bench(a.llama_bench, gguf_path, ngl, a.prompt_len, a.new_tokens, reps=a.llama_reps,
+                           threads=a.threads)
+    if a.llama_ngl == "auto":
+        yield from ngl_search(run, a.gpu_budget, *block_bytes(gguf_path))
+        return
     for ngl in (int(n) for n in a.llama_ngl.split(",")):
-        yield llama_bench(a.llama_bench, a.llama_gguf or a.model, ngl, a.prompt_len, a.new_tokens, reps=a.llama_reps,
-                          threads=a.threads)
+        yield run(ngl)
+
+
+# What llama.cpp holds on the GPU besides its offloaded blocks' weights at an -ngl below the block count (the CUDA
+# context, cuBLAS, compute buffers; Qwen3-8B Q4_K fit 13 blocks of 0.1 GiB in 3 GiB): ngl_search's first guess only.
+LLAMA_OVERHEAD_GIB = 1.6
+
+
+def block_bytes(gguf_path: str) -> tuple[int, int]:
+    """(blocks, bytes of all blocks' tensors) of a GGUF file, from its tensor table."""
+    import gguf
+    r = gguf.GGUFReader(gguf_path)
+    blocks = {int(t.name.split(".")[1]) for t in r.tensors if t.name.startswith("blk.")}
+    return len(blocks), sum(int(t.n_bytes) for t in r.tensors if t.name.startswith("blk."))
+
+
+def ngl_search(run, budget_gib: float, blocks: int, total_block_bytes: int):
+    """llama.cpp's runs within a VRAM budget, yielded as they come: from a guess (the budget less
+    LLAMA_OVERHEAD_GIB over a block's bytes), -ngl one step at a time up while the measured peak VRAM fits and down
+    while it does not, so the largest -ngl that fits and the one above it are both measured; then the one below the
+    largest that fits (more blocks on the GPU is not always faster), then 99 (all on the GPU). run(ngl) -> a
+    llama_bench result."""
+    seen: dict[int, dict] = {}
+
+    def fits(r: dict) -> bool:
+        if r.get("peak_vram_gib") is None:
+            raise RuntimeError("llama-bench -ngl auto: expected nvidia-smi's peak VRAM of each run, found none")
+        return r["peak_vram_gib"] <= budget_gib
+
+    per_block = total_block_bytes / blocks
+    ngl = max(0, min(blocks, int((budget_gib - LLAMA_OVERHEAD_GIB) * 2**30 // per_block)))
+    seen[ngl] = run(ngl)
+    yield seen[ngl]
+    up = fits(seen[ngl])
+    while 0 <= ngl + (1 if up else -1) <= blocks:
+        ngl += 1 if up else -1
+        seen[ngl] = run(ngl)
+        yield seen[ngl]
+        if fits(seen[ngl]) != up:
+            break
+    best = max((n for n, r in seen.items() if fits(r)), default=None)
+    for n in (best - 1 if best else None, 99):
+        if n is not None and n not in seen:
+            seen[n] = run(n)
+            yield seen[n]
 
 
 def describe(r: dict) -> str:

@@ -37,9 +37,10 @@ def rows(report: dict) -> list[dict]:
         machine += f", {threads} CPU threads"
     out = []
     for row in report.get("helmc", []):
-        ngl = row.get("llamacpp_ngl_within_budget")
+        # bench_dense_gguf's rows name the run they are compared with (the all-GPU case: -ngl 99)
+        ngl = row.get("llamacpp_ngl_compared", row.get("llamacpp_ngl_within_budget"))
         peer = peers.get(str(ngl))
-        ratio = row.get("decode_ratio_vs_llamacpp_within_budget")
+        ratio = row.get("decode_ratio_vs_llamacpp", row.get("decode_ratio_vs_llamacpp_within_budget"))
         budget = row.get("gpu_budget_gib", report.get("gpu_budget_gib"))
         out.append({"model": report.get("label") or os.path.basename(str(report.get("model", "?"))),
                     "budget": "whole GPU" if row.get("variant") == "all_gpu" else f"{float(budget):g} GiB",

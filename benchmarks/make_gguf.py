@@ -1,0 +1,240 @@
+"""Random-weight GGUF files of real dense shapes, stored as llama.cpp's quantized files are (per-tensor type mixes).
+
+    python -m benchmarks.make_gguf OUT.gguf --config qwen3-8b --mix q5_k_m [--seed 0] [--layers N] [--vocab V]
+    python -m benchmarks.make_gguf OUT.gguf --config gemma3-12b --mix q4_k_m
+
+A speed comparison needs the bytes of a real file, not its values: each tensor's type is what llama.cpp's
+`llama-quantize` picks for that mix (helmc.model.weight_types.QuantMix, which follows llama-quant.cpp), and each
+block holds random quants under a scale chosen so that the dequantized weights have a standard deviation of about
+0.02 and mean about 0 (activations stay finite through every block). The same seed writes the same bytes on any
+machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it is used
+rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields written
+into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory stays at
+two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type table
+(standard library only): the GPU machine, which has no torch, runs it.
+The vocabulary is a dummy byte-pair list (ids only); prompts are given as token ids.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+WEIGHT_STD = 0.02
+CHUNK_BYTES = 1 << 25        # random bytes drawn per task: 32 MiB, one stream each
+SCALE_STREAM = 2**32 - 1     # the stream of a tensor's block scales (its byte chunks are numbered from 0)
+
+
+@dataclass(frozen=True)
+class DenseShape:
+    """A dense decoder's shape as its GGUF metadata says it (the published config.json's values)."""
+    arch: str                    # GGUF general.architecture
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    rope_base: float
+    tied: bool                   # no output.weight: the head reads token_embd (llama.cpp then types it as the head)
+    rms_eps: float = 1e-6
+    sliding_window: int = 0      # gemma3: every sliding_pattern-th block global, the others windowed
+    sliding_pattern: int = 0
+    rope_base_swa: float = 0.0
+    rope_linear_factor: float = 0.0
+    post_norms: bool = False     # gemma3's post-attention and post-FFN norms
+
+
+CONFIGS: dict[str, DenseShape] = {
+    # Qwen/Qwen3-8B config.json
+    "qwen3-8b": DenseShape("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960, 1e6, tied=False),
+    # google/gemma-3-12b-it text_config (the GGUF's 262144 tokens: the converter trims the embedding's padding rows)
+    "gemma3-12b": DenseShape("gemma3", 3840, 15360, 48, 16, 8, 256, 262144, 131072, 1e6, tied=True,
+                             sliding_window=1024, sliding_pattern=6, rope_base_swa=1e4, rope_linear_factor=8.0,
+                             post_norms=True),
+}
+
+# Where each block format keeps its fp16 scale d (and dmin, with its ratio to d that centres the weights on 0: the
+# K-quants' w = d * sc * q - dmin * m, sc and m drawn alike, q's mean 7.5 (Q4_K) or 15.5 (Q5_K)). Every other byte of
+# a block is an integer field, so random bytes there are valid quants, sub-scales and high bits.
+SCALE_FIELDS: dict[str, tuple[int, int | None, float]] = {
+    "q8_0": (0, None, 0.0), "q4_0": (0, None, 0.0), "q5_0": (0, None, 0.0), "iq4_xs": (0, None, 0.0),
+    "q3_k": (108, None, 0.0), "q6_k": (208, None, 0.0), "q4_k": (0, 2, 7.5), "q5_k": (0, 2, 15.5),
+}
+
+
+def tensor_types(shape: DenseShape, mix_name: str) -> dict[str, str]:
+    """{GGUF tensor name: helmc weight type} of every tensor, as llama-quantize types them for the mix; norms f32."""
+    from helmc.model.arch.tensors import DENSE_BLOCK
+    from helmc.model.weight_types import quant_mix
+    mix = quant_mix(mix_name, "make_gguf --mix")
+    unknown = [t for t in mix.types if t not in SCALE_FIELDS]
+    if unknown:
+        raise SystemExit(f"make_gguf --mix: expected a mix of {', '.join(SCALE_FIELDS)}, found {mix_name!r} with {unknown}")
+    hf_of = {g.removesuffix(".weight"): hf for hf, g in DENSE_BLOCK.items() if g.endswith(".weight")}
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    norms = ["attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"]
+    if shape.post_norms:
+        norms += ["post_attention_norm", "post_ffw_norm"]
+    head = mix.type_of("lm_head.weight", shape.layers)
+    out = {"token_embd.weight": head if shape.tied else mix.linear_type}
+    for i in range(shape.layers):
+        out |= {f"blk.{i}.{n}.weight": "f32" for n in norms}
+        out |= {f"blk.{i}.{n}.weight": mix.type_of(f"model.layers.{i}.{hf_of[n]}", shape.layers) for n in linears}
+    out["output_norm.weight"] = "f32"
+    if not shape.tied:
+        out["output.weight"] = head
+    return out
+
+
+def tensor_shape(shape: DenseShape, name: str) -> tuple[int, int] | tuple[int]:
+    """(rows, cols) of a matrix as NumPy sees it (GGUF lists them the other way round), (n,) of a norm."""
+    s = shape
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    role = name.split(".")[-2]
+    return {"token_embd": (s.vocab, s.hidden), "output": (s.vocab, s.hidden), "attn_q": (q, s.hidden),
+            "attn_k": (kv, s.hidden), "attn_v": (kv, s.hidden), "attn_output": (s.hidden, q),
+            "ffn_gate": (s.ffn, s.hidden), "ffn_up": (s.ffn, s.hidden), "ffn_down": (s.hidden, s.ffn),
+            "attn_q_norm": (s.head_dim,), "attn_k_norm": (s.head_dim,)}.get(role, (s.hidden,))
+
+
+def _scaled(raw: np.ndarray, qtype: str, d: np.ndarray) -> np.ndarray:
+    """raw (uint8 [blocks, block bytes]) with its scale fields set to d (fp16) and dmin to d times the type's ratio."""
+    off, dmin_off, ratio = SCALE_FIELDS[qtype]
+    raw[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if dmin_off is not None:
+        raw[:, dmin_off:dmin_off + 2] = (d * ratio).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def _unit_std(qtype: str) -> float:
+    """The standard deviation of a type's random blocks at d = 1, by gguf's own dequantization of 256 of them."""
+    import gguf
+    from helmc.model.weight_types import block_type
+    t = block_type(qtype)
+    rng = np.random.default_rng(12345)
+    raw = _scaled(rng.integers(0, 256, (256, t.block_bytes), dtype=np.uint8), qtype, np.ones(256, np.float32))
+    return float(gguf.dequantize(raw, gguf.GGMLQuantizationType(t.ggml_id)).std())
+
+
+def random_bytes(key: tuple[int, ...], nbytes: int, pool: ThreadPoolExecutor) -> np.ndarray:
+    """nbytes random bytes, drawn in CHUNK_BYTES pieces on the pool's threads (PCG64's random_raw releases the GIL),
+    piece c from the stream (*key, c): the same bytes whatever the number of threads."""
+    words = -(-nbytes // 8)
+    out = np.empty(words, dtype=np.uint64)
+    step = CHUNK_BYTES // 8
+
+    def fill(c: int) -> None:
+        lo = c * step
+        out[lo:lo + step] = np.random.PCG64([*key, c]).random_raw(min(step, words - lo))
+    list(pool.map(fill, range(-(-words // step))))
+    return out.view(np.uint8)[:nbytes]
+
+
+def random_blocks(key: tuple[int, ...], rows: int, cols: int, qtype: str, unit_std: float,
+                  pool: ThreadPoolExecutor) -> np.ndarray:
+    """uint8 [rows, row bytes] of random blocks of qtype whose weights have a std of about WEIGHT_STD."""
+    from helmc.model.weight_types import block_type
+    t = block_type(qtype)
+    n = rows * cols // t.block_weights
+    raw = random_bytes(key, n * t.block_bytes, pool).reshape(n, t.block_bytes)
+    d = (WEIGHT_STD / unit_std) * np.random.default_rng([*key, SCALE_STREAM]).uniform(0.75, 1.25, n).astype(np.float32)
+    return _scaled(raw, qtype, d).reshape(rows, t.row_bytes(cols))
+
+
+def write_metadata(w, shape: DenseShape, file_type: int, name: str) -> None:
+    import gguf
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_freq_base(shape.rope_base)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.sliding_window:
+        w.add_sliding_window(shape.sliding_window)
+    if shape.rope_linear_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(shape.rope_linear_factor)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(shape.vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * shape.vocab)
+    w.add_token_merges(["t 1", "t 2"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def make_gguf(out: str, config: str, mix: str, seed: int = 0, **overrides) -> dict[str, str]:
+    """Write the file; returns {tensor name: weight type}. overrides: DenseShape fields that differ from the
+    config's (a smaller model of the same kind, for tests)."""
+    import gguf
+    from helmc.model.weight_types import quant_mix, weight_type
+    if config not in CONFIGS:
+        raise SystemExit(f"make_gguf --config: expected one of {', '.join(CONFIGS)}, found {config!r}")
+    shape = replace(CONFIGS[config], **{k: v for k, v in overrides.items() if v is not None})
+    types = tensor_types(shape, mix)
+    unit = {t: _unit_std(t) for t in set(types.values()) if t != "f32"}
+    w = gguf.GGUFWriter(out, shape.arch)
+    write_metadata(w, shape, quant_mix(mix).file_type, f"{config} {mix} (random weights, seed {seed})")
+    for name, t in types.items():
+        dims = tensor_shape(shape, name)
+        if t == "f32":
+            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            wt = weight_type(t)
+            w.add_tensor_info(name, (dims[0], wt.row_bytes(dims[1])), np.dtype(np.uint8),
+                              dims[0] * wt.row_bytes(dims[1]), raw_dtype=gguf.GGMLQuantizationType(wt.ggml_id))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+    def data(index: int, name: str, t: str) -> np.ndarray:
+        dims = tensor_shape(shape, name)
+        return np.ones(dims, dtype=np.float32) if t == "f32" else random_blocks((seed, index), *dims, t, unit[t], pool)
+
+    # The next tensor is drawn while this one is written.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool, ThreadPoolExecutor(1) as ahead:
+        items = list(types.items())
+        pending = ahead.submit(data, 0, *items[0])
+        for index in range(len(items)):
+            tensor = pending.result()
+            if index + 1 < len(items):
+                pending = ahead.submit(data, index + 1, *items[index + 1])
+            w.write_tensor_data(tensor)
+    w.close()
+    return types
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="the GGUF file to write")
+    ap.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    ap.add_argument("--mix", required=True, help="llama.cpp's file type: q4_k_m, q5_k_m, q3_k_m, q4_k, q8_0, ...")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="fewer blocks than the config's (tests)")
+    ap.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary than the config's (tests)")
+    a = ap.parse_args(argv)
+    t = time.perf_counter()
+    types = make_gguf(a.out, a.config, a.mix, a.seed, layers=a.layers, vocab=a.vocab)
+    counts: dict[str, int] = {}
+    for v in types.values():
+        counts[v] = counts.get(v, 0) + 1
+    print(f"wrote {a.out}: {a.config} {a.mix}, {len(types)} tensors {counts}, {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
