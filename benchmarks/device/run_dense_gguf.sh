@@ -9,16 +9,18 @@
 #   qwen3-8b-q5km:  qwen3-8b q5_k_m, 3.5 GiB, .devrt/dense/qwen3-8b-q5km-3.5g
 #   gemma3-12b-q4km: gemma3-12b q4_k_m, 6 GiB, .devrt/dense/gemma3-12b-q4km-6g
 # A case whose bundle is not carried is skipped, with a line saying so.
-# Carried in .devrt (made on the compiler machine): site/ (the runtime-only TVM: scripts/device_setup.sh), peers/
+# Carried in .devrt (made on the compiler machine; site/ and dense/ may come packed in .devrt/assets.tar.xz, unpacked
+# here): site/ (the runtime-only TVM: scripts/device_setup.sh), peers/
 # (build_llamacpp.sh and llama.cpp-src.tar.gz), dense/ (the bundles: no weights, a few MB each), built there by
 #   python -m benchmarks.make_gguf /tmp/m/qwen3-8b-q5_k_m.gguf --config qwen3-8b --mix q5_k_m
 #   helmc build /tmp/m/qwen3-8b-q5_k_m.gguf helmc/hardware/presets/h200-profiled.json --gpu-budget 3.5 \
 #     -o .devrt/dense/qwen3-8b-q5km-3.5g
 #   (and the same with gemma3-12b, q4_k_m, --gpu-budget 6, .devrt/dense/gemma3-12b-q4km-6g)
-# It takes longer than one device command (llama.cpp's build ~3 min, each case ~5 min): start it detached, then
-# collect its folder in later commands while the machine is warm:
+# It takes longer than one device command (llama.cpp's build ~3 min, each case ~5 min): start it detached and wait
+# in that command, then wait and collect in the next, called at once (a machine idle for 30 s is handed back):
 #   setsid nohup bash benchmarks/device/run_dense_gguf.sh > /tmp/dense.log 2>&1 < /dev/null &
-#   cat /tmp/dense.log; [ -f /tmp/dense_out/DONE ] && cp -r /tmp/dense_out "$OUT"/
+#   for i in $(seq 110); do [ -f /tmp/dense_out/DONE ] && break; sleep 5; done; cat /tmp/dense.log
+#   ... then: mkdir -p "$OUT"/d && cp /tmp/dense_out/*.json /tmp/dense_out/*.log "$OUT"/d/
 # Output in $RESULTS (default /tmp/dense_out): CASE.json (the report, with `cases` and each
 # `decode_ratio_vs_llamacpp`: copy it to benchmarks/results/ and run python -m benchmarks.make_table), CASE.log,
 # make_gguf.log, llamacpp_build.log, DONE at the end. Environment: SEED (0), THREADS (16), REQUESTS (3),
@@ -29,6 +31,8 @@ RESULTS=${RESULTS:-/tmp/dense_out}
 tree=/tmp/dense_tree
 # A copy of the tree: the device tool refreshes the checkout for each command while this runs on.
 rm -rf "$tree" "$RESULTS" && mkdir -p "$tree" "$RESULTS" && cp -a "$src/." "$tree/" && cd "$tree" || exit 2
+# The runtime-only TVM may travel packed, as .devrt/assets.tar.xz (site/ and the bundles in it).
+[ -d .devrt/site ] || [ ! -f .devrt/assets.tar.xz ] || ( cd .devrt && tar xJf assets.tar.xz ) || exit 2
 source scripts/device_setup.sh || exit 2
 T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 M=$HELMC_MODELS LC=/tmp/lc
