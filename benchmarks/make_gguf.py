@@ -46,6 +46,8 @@ class DenseShape:
     tied: bool                   # no output.weight: the head reads token_embd (llama.cpp then types it as the head)
     rms_eps: float = 1e-6
     sliding_window: int = 0      # gemma3: every sliding_pattern-th block global, the others windowed
+    # The published config's sliding_window_pattern and rope_local_base_freq: llama.cpp's gemma3 files carry neither
+    # (its loader fixes them at 6 and 10000), so neither is written; the file is what a reader meets.
     sliding_pattern: int = 0
     rope_base_swa: float = 0.0
     rope_linear_factor: float = 0.0
