@@ -229,8 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks than the config's (tests)")
     ap.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary than the config's (tests)")
     a = ap.parse_args(argv)
+    from helmc.errors import HelmcError
     t = time.perf_counter()
-    types = make_gguf(a.out, a.config, a.mix, a.seed, layers=a.layers, vocab=a.vocab)
+    try:
+        types = make_gguf(a.out, a.config, a.mix, a.seed, layers=a.layers, vocab=a.vocab)
+    except HelmcError as e:
+        print(f"make_gguf: {e}", file=sys.stderr)
+        return 2
     counts: dict[str, int] = {}
     for v in types.values():
         counts[v] = counts.get(v, 0) + 1

@@ -148,3 +148,11 @@ def test_ngl_search_finds_the_largest_that_fits():
     runs.clear()
     list(ngl_search(run, 3.0, 36, int(36 * 0.125 * 2**30)))    # a guess of 11 blocks: down to 6, then 5 and 99
     assert runs == [11, 10, 9, 8, 7, 6, 5, 99]
+
+
+def test_cli_refuses_an_unknown_mix_in_one_line(tmp_path, capsys):
+    from benchmarks.make_gguf import main
+    assert main([str(tmp_path / "x.gguf"), "--config", "qwen3-8b", "--mix", "q5_k_z"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "q5_k_m" in err[0] and "'q5_k_z'" in err[0]
+    assert not (tmp_path / "x.gguf").exists()
