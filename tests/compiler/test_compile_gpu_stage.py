@@ -234,19 +234,9 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
     that reads it: each fp16 copy is dead after its matmul, so the VM's memory planning reuses one buffer (what the
     plan counts, analyze_program.quantized_prefill_scratch_bytes) instead of holding every weight's copy."""
     import re
-    from helmc.compiler.passes.export_block import export_functions
-    from helmc.compiler.passes.import_relax import import_functions
-    from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
-    from helmc.compiler.passes.quantize_functions import quantize_functions
-    from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
-    from helmc.testing import tiny_config
+    from gpu_stage_specs import quantized_lowered
 
-    cfg = tiny_config("qwen3", num_layers=1, head_dim=64, dtype="float16", tie=False, hidden_size=256,
-                      intermediate_size=512).to_dict()
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
-    spec = with_weight_types(ModelSpec.from_hf_config(cfg), {f"model.layers.0.{n}": "q4_k" for n in LINEAR_NAMES})
-    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
-    lowered = lower_quantized_gpu(mod, weight_types)
+    lowered, _ = quantized_lowered("float16")      # the shared Q4_K_M-like stage: signature 0's linears all q4_k
     for name, weights in (("pre_attn_prefill", 3), ("post_attn_prefill", 4)):
         script = lowered[name].script()
         body = script[script.index("R.dataflow()"):]
