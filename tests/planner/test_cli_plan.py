@@ -118,7 +118,8 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
 def test_profile_kit_built_here_measures_there(tmp_path):
     """`helmc profile --build-kit DIR` (where the compiler is), then `helmc profile --kit DIR` (which needs only the
     TVM runtime): the profile is measured with that kit's kernels and stages, and bad uses say what they expected.
-    A kit for another machine (--for) is built once, in the slow tier, by test_kit_for_another_cpu_reports_its_phases."""
+    A kit for another machine (--for) is built once, in the slow tier, by
+    test_kit_for_another_cpu_reports_its_phases."""
     kit = tmp_path / "kit"
     r = CliRunner().invoke(main, ["profile", "--build-kit", str(kit), "--quick", "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
@@ -157,7 +158,8 @@ def test_kit_for_another_cpu_reports_its_phases(tmp_path):
     from helmc.hardware.kit import FLOAT_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME, QUANT_TYPES
     d = tmp_path / "kit" / GPU_GEMV_DIR
     assert (d / f"{GPU_GEMV_NAME}.so").is_file() and (d / f"{GPU_GEMV_NAME}.cubins.json").is_file()
-    assert (d / f"{GPU_GEMV_NAME}.sm_89.cubin").read_bytes()[:4] == b"\x7fELF" and not (d / f"{GPU_GEMV_NAME}.cu").exists()
+    assert (d / f"{GPU_GEMV_NAME}.sm_89.cubin").read_bytes()[:4] == b"\x7fELF"
+    assert not (d / f"{GPU_GEMV_NAME}.cu").exists()
     assert {k.weight_type for k in built.kit.gpu_gemv_kernels} == set(FLOAT_TYPES + QUANT_TYPES)
     assert lines and all(isinstance(line, str) and line for line in lines), lines
     text = "\n".join(lines)
