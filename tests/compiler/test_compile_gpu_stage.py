@@ -234,19 +234,9 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
     that reads it: each fp16 copy is dead after its matmul, so the VM's memory planning reuses one buffer (what the
     plan counts, analyze_program.quantized_prefill_scratch_bytes) instead of holding every weight's copy."""
     import re
-    from helmc.compiler.passes.export_block import export_functions
-    from helmc.compiler.passes.import_relax import import_functions
-    from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
-    from helmc.compiler.passes.quantize_functions import quantize_functions
-    from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
-    from helmc.testing import tiny_config
+    from gpu_stage_specs import quantized_lowered
 
-    cfg = tiny_config("qwen3", num_layers=1, head_dim=64, dtype="float16", tie=False, hidden_size=256,
-                      intermediate_size=512).to_dict()
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
-    spec = with_weight_types(ModelSpec.from_hf_config(cfg), {f"model.layers.0.{n}": "q4_k" for n in LINEAR_NAMES})
-    mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
-    lowered = lower_quantized_gpu(mod, weight_types)
+    lowered, _ = quantized_lowered("float16")      # the shared Q4_K_M-like stage: signature 0's linears all q4_k
     for name, weights in (("pre_attn_prefill", 3), ("post_attn_prefill", 4)):
         script = lowered[name].script()
         body = script[script.index("R.dataflow()"):]
@@ -258,35 +248,45 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
         assert "helmc_gpu_dequantize" not in script[:script.index("R.dataflow()")], name
 
 
+K_QUANT_ROW_BYTES = {"q5_k": 176, "q3_k": 110, "q5_0": 8 * 22, "iq4_xs": 136}   # per row of k = 256
+
+
 @needs_nvcc
-@pytest.mark.parametrize("qtype,row_bytes", [("q5_k", 176), ("q3_k", 110), ("q5_0", 8 * 22), ("iq4_xs", 136)])
-def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, row_bytes):
-    """A Q5_K_M- / Q3_K_M-like spec or a Q5_0 / IQ4_XS one (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
-    linears are its fused dequantize-GEMV on the raw blocks, its prefill weights one dequantize each, in one cubin."""
+def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path):
+    """Block i's linears in the i-th of Q5_K / Q3_K / Q5_0 / IQ4_XS (one block signature each, so one stage and one
+    nvcc run cover them all; the lm_head in q6_k): each type's decode linears are its fused dequantize-GEMV on the
+    raw blocks, its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
     from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
     from helmc.compiler.passes.quantize_functions import quantize_functions
     from helmc.model.spec import LINEAR_NAMES, ModelSpec, with_weight_types
     from helmc.testing import tiny_config
+    from helmc.runtime.stage import block_function_name
 
-    cfg = tiny_config("qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, hidden_size=256,
+    qtypes = tuple(K_QUANT_ROW_BYTES)
+    cfg = tiny_config("qwen3", num_layers=len(qtypes), head_dim=64, dtype="float16", tie=False, hidden_size=256,
                       intermediate_size=512).to_dict()
     cfg["architectures"] = ["Qwen3ForCausalLM"]
-    types = {f"model.layers.{i}.{n}": qtype for i in range(2) for n in LINEAR_NAMES}
-    types["model.layers.1.mlp.down_proj.weight"] = types["lm_head.weight"] = "q6_k"
+    types = {f"model.layers.{i}.{n}": qtype for i, qtype in enumerate(qtypes) for n in LINEAR_NAMES}
+    types["lm_head.weight"] = "q6_k"
     spec = with_weight_types(ModelSpec.from_hf_config(cfg), types)
+    assert len(spec.block_signatures()) == len(qtypes)
     mod, weight_types = quantize_functions(import_functions(export_functions(spec, act_dtype="float16")), spec)
     lowered = lower_quantized_gpu(mod, weight_types)
-    gate = [p for p in lowered["post_attn_decode"].params if str(p.name) == "w2"][0]
-    assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == [512, row_bytes]   # k = 256
-    decode = lowered["post_attn_decode"].script()
-    assert f"helmc_gpu_gemv_{qtype}_n512_k256_r1w4u4" in decode and "R.matmul" not in decode
-    assert f"helmc_gpu_gemv_{qtype}_n256_k512_r1w4u4" in decode
-    assert f"helmc_gpu_dequantize_{qtype}_n512_k256" in lowered["post_attn_prefill"].script()
     files = compile_gpu_stage(mod, "sm_90", str(tmp_path), weight_types=weight_types)
     source = (tmp_path / "gpu_stage.cu").read_text()
-    for kernel in (f"gemv_{qtype}_n512_k256_r1w4u4", f"gemv_{qtype}_n256_k512_r1w4u4",
-                   f"dequantize_{qtype}_n512_k256", f"dequantize_{qtype}_n256_k512"):
-        assert f"helmc_gpu_{kernel}" in source, kernel
     assert (tmp_path / files[1]).read_bytes()[:4] == b"\x7fELF"
+    for j, qtype in enumerate(qtypes):
+        decode_fn = lowered[block_function_name("post_attn", "decode", j)]
+        gate = [p for p in decode_fn.params if str(p.name) == "w2"][0]
+        assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == \
+            [512, K_QUANT_ROW_BYTES[qtype]], qtype                                          # k = 256
+        decode = decode_fn.script()
+        assert f"helmc_gpu_gemv_{qtype}_n512_k256_r1w4u4" in decode and "R.matmul" not in decode, qtype
+        assert f"helmc_gpu_gemv_{qtype}_n256_k512_r1w4u4" in decode, qtype
+        assert f"helmc_gpu_dequantize_{qtype}_n512_k256" in \
+            lowered[block_function_name("post_attn", "prefill", j)].script(), qtype
+        for kernel in (f"gemv_{qtype}_n512_k256_r1w4u4", f"gemv_{qtype}_n256_k512_r1w4u4",
+                       f"dequantize_{qtype}_n512_k256", f"dequantize_{qtype}_n256_k512"):
+            assert f"helmc_gpu_{kernel}" in source, kernel

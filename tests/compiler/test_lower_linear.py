@@ -42,9 +42,10 @@ def block():
 
 @pytest.fixture(scope="module")
 def amx_lowered(block):
-    """lower_linear_with_report of the block for an AMX target, once for the tests that read it."""
+    """lower_linear_with_report of the block for a 3-core AMX target, once for the tests that read it (the core
+    count sets only the AMX GEMMs' parallel task count, which one of them checks; kernel choice and names ignore it)."""
     from helmc.compiler.passes.lower_linear import lower_linear_with_report
-    return lower_linear_with_report(block[2], AMX)
+    return lower_linear_with_report(block[2], AMX, cores=3)
 
 
 def test_every_linear_is_lowered_and_no_fp32_weight_copy_remains(block):
@@ -144,7 +145,7 @@ def test_prefill_uses_amx_gemm_only_for_whole_tiles_on_an_amx_target(block, amx_
     assert not any("amx" in i.kernel for i in lower_linear_with_report(mod, AVX2)[1])
     # The target's core count sets the AMX GEMM's parallel tasks: one contiguous group of 32-row panels each
     # (a fused launch's panels are those of all its weights).
-    out, report = lower_linear_with_report(mod, amx, cores=3)
+    out, report = amx_lowered
     panels_of = {}
     for item in report:
         if "amx" in item.kernel:

@@ -70,13 +70,19 @@ def cpu_hardware(host_hardware):
     return dataclasses.replace(host_hardware, gpu=None, link=None)
 
 
+# These two are tests/runtime/test_batch_decode_cpu.py's batch-4 bundles: a batch-4 bundle decodes one sequence with
+# the functions a batch-1 bundle has, so one build serves both files.
+SHARED_BATCH = {("qwen3", "q4_k_m"): 4, ("qwen3", "q8_0"): 4}
+
+
 @pytest.mark.parametrize("arch,quant", [("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"),
                                         ("qwen3", "q5_k_m"), ("qwen3", "q3_k_m"), ("llama", "q4_k"),
                                         ("qwen2", "q8_0")])
 def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     from helmc.runtime.session import Session
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
-    r = tiny.build(arch, "float16", quant=quant, cpu_only=True, **KQUANT_DIMS)
+    r = tiny.build(arch, "float16", quant=quant, cpu_only=True, batch=SHARED_BATCH.get((arch, quant), 1),
+                   **KQUANT_DIMS)
     assert r.spec.quantized and r.plan.cpu_units == r.spec.num_units
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     path = quantize_checkpoint(model_dir, quant, os.path.join(cache_dir, "weights"))   # the build's file, cached

@@ -59,7 +59,7 @@ def test_host_read_is_what_bench_cpu_gemv_measures(full_kit, tmp_path):
     assert g.nbytes >= hr.cycle_bytes(kit) and g.nbytes >= 4 * kit.l3_bytes
 
     out = str(tmp_path / "bench")
-    bench.build(out, tuple(_here().features), ["8b"], 64 << 20, [])
+    bench.build(out, tuple(_here().features), ["8b"], 64 << 20, [], types=("float16",))   # the pass compared
     names = {(tuple(k["shape"]), k["dtype"]): k["name"]
              for k in json.load(open(os.path.join(out, bench.MANIFEST)))["kernels"]}
     blib = tvm.runtime.load_module(os.path.join(out, "gemv_bench.so"))

@@ -20,6 +20,9 @@ import pytest
 from cli_check import cli, refused, tree
 
 HELMC = [sys.executable, "-m", "helmc.cli.main"]
+# The plan of another batch that a build here writes: the served bundles' (serve_bundle in conftest.py,
+# tests/serve), so its compiled stage is one entry of the session's artifact cache for all of them.
+BATCH = 8
 
 
 def _env(cache_dir, **extra) -> dict:
@@ -50,7 +53,7 @@ def test_build_killed_half_way(point, existing, tiny, hw_json, cache_dir, tmp_pa
     if existing:
         shutil.copytree(tiny.bundle("qwen3"), out)
     before = tree(out)
-    p = subprocess.run(HELMC + _build_args(tiny, hw_json, out, "--max-batch", 2), capture_output=True, text=True,
+    p = subprocess.run(HELMC + _build_args(tiny, hw_json, out, "--max-batch", BATCH), capture_output=True, text=True,
                        env=_env(cache_dir, HELMC_FAULT_BUILD=f"{point}:kill"), timeout=300)
     assert p.returncode == -9, p.stderr
     left = _listing(parent)
@@ -58,7 +61,7 @@ def test_build_killed_half_way(point, existing, tiny, hw_json, cache_dir, tmp_pa
     stale = [n for n in left if n.startswith(".bundle.tmp-")]
     assert len(stale) <= 1
     if point == "swapped":                       # the new bundle is in, the old one (if any) awaits removal
-        assert _verify(out).batch == 2
+        assert _verify(out).batch == BATCH
         assert len(stale) == existing
     elif existing:
         assert tree(out) == before               # the old bundle, byte for byte
@@ -72,7 +75,7 @@ def test_build_killed_half_way(point, existing, tiny, hw_json, cache_dir, tmp_pa
 
 @pytest.mark.parametrize("existing", [False, True], ids=["fresh", "over_a_bundle"])
 def test_two_builds_into_one_directory(existing, tiny, hw_json, cache_dir, tmp_path, workdir):
-    """Builds of different plans (--max-batch 1 and 3), held together just before their swaps: the result
+    """Builds of different plans (--max-batch 1 and BATCH), held together just before their swaps: the result
     verifies (every file matches the one manifest) and its plan is one of the two, whole."""
     parent = tmp_path / "out"
     parent.mkdir()
@@ -81,13 +84,13 @@ def test_two_builds_into_one_directory(existing, tiny, hw_json, cache_dir, tmp_p
         shutil.copytree(tiny.bundle("qwen3"), out)
     env = _env(cache_dir, HELMC_FAULT_BUILD="manifest_written:pause")
     procs = [subprocess.Popen(HELMC + _build_args(tiny, hw_json, out, "--max-batch", n), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (1, 3)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (1, BATCH)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     batch = _verify(out).batch
-    print(f"two builds (batch 1 and 3) into one directory: the bundle has batch {batch}; left {_listing(parent)}")
-    assert batch in (1, 3)
+    print(f"two builds (batch 1 and {BATCH}) into one directory: the bundle has batch {batch}; left {_listing(parent)}")
+    assert batch in (1, BATCH)
     assert _listing(parent) == ["bundle"]
 
 
@@ -97,7 +100,7 @@ def test_failing_build_keeps_the_old_bundle(point, tiny, hw_json, tmp_path, work
     shutil.copytree(tiny.bundle("qwen3"), out)
     before = tree(tmp_path)
     monkeypatch.setenv("HELMC_FAULT_BUILD", f"{point}:raise")
-    refused(cli(*_build_args(tiny, hw_json, out, "--max-batch", 2)), "No space left on device",
+    refused(cli(*_build_args(tiny, hw_json, out, "--max-batch", BATCH)), "No space left on device",
             "any previous bundle there is unchanged")
     assert tree(tmp_path) == before
     assert _verify(out).batch == 1

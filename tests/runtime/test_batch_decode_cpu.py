@@ -38,7 +38,8 @@ def _session(tmp_path, hw, cache_dir, dtype="float16", quant="", batch=4, **dims
 
 
 def _shared_session(tiny, dtype="float16", quant=""):
-    """The session's shared batch-4 CPU bundle of the K-quant-sized Qwen3 (tests/serve/test_serve_warmup.py's too)."""
+    """The session's shared batch-4 CPU bundle of the K-quant-sized Qwen3 (tests/serve/test_serve_warmup.py's too;
+    the Q4_K_M and Q8_0 ones are tests/compiler/test_quantized_models.py's)."""
     from helmc.runtime.session import Session
     r = tiny.build("qwen3", dtype, batch=4, quant=quant, cpu_only=True, **KQUANT_DIMS)
     assert r.plan.batch == 4 and r.plan.cpu_units == r.spec.num_units

@@ -24,13 +24,13 @@ ENV = {**os.environ, "PYTHONPATH": ROOT}
 MAX_BATCH = 8
 
 
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "helmc.cli.main", *args], env=ENV, capture_output=True, text=True,
-                          timeout=kw.pop("timeout", 300), **kw)
+def cli(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "helmc.cli.main", *args], env=env or ENV, capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 300), **kw)
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, host_hardware):
+def bundle(tmp_path_factory, host_hardware, cache_dir):
     from helmc.testing import make_tiny_model
     d = str(tmp_path_factory.mktemp("serve") / "qwen3-chat")
     make_tiny_model(d, "qwen3")
@@ -38,7 +38,9 @@ def bundle(tmp_path_factory, host_hardware):
         json.dump({"chat_template": QWEN3, "eos_token": "<|endoftext|>", "bos_token": None}, f)
     out, hw = d + ".bundle", d + "-hardware.json"
     host_hardware.save(hw)
-    r = cli("build", d, hw, "-o", out, "--max-batch", str(MAX_BATCH), "--no-cache")
+    # The session's artifact cache: the tiny Qwen3's batch-8 stage is the served bundles' of tests/reliability and
+    # test_serve_logprobs.py, compiled once for all of them
+    r = cli("build", d, hw, "-o", out, "--max-batch", str(MAX_BATCH), env={**ENV, "HELMC_CACHE_DIR": cache_dir})
     assert r.returncode == 0, r.stderr
     with open(os.path.join(out, "plan.json")) as f:
         assert json.load(f)["batch"] == MAX_BATCH                  # the plan is made for the server's batch
