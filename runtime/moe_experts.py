@@ -52,6 +52,23 @@ def find_expert_sums(vm, spec) -> dict:
     return out
 
 
+def expert_rows_args(idx: np.ndarray, w: np.ndarray, keep: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """The m-row expert sum's description of a step (schedules/cpu/quant/moe_experts_rows.py) from route's idx, w
+    [m, k] (only the pairs `keep` [m, k] marks, where given): (pair_expert, pair_row, pair_weight, group_start,
+    row_pairs, row_start), the pairs sorted by expert then row, each row's pairs listed in ascending expert order."""
+    m = idx.shape[0]
+    rows, slots = np.nonzero(np.ones(idx.shape, bool) if keep is None else keep)
+    experts = idx[rows, slots]
+    order = np.lexsort((rows, experts))
+    pair_expert, pair_row = experts[order].astype(np.int32), rows[order].astype(np.int32)
+    pair_weight = np.ascontiguousarray(w[rows, slots][order], np.float32)
+    group_start = np.concatenate([[0], np.flatnonzero(np.diff(pair_expert)) + 1, [pair_expert.size]])
+    row_pairs = np.lexsort((pair_expert, pair_row))
+    row_start = np.concatenate([[0], np.cumsum(np.bincount(pair_row, minlength=m))])
+    return (pair_expert, pair_row, pair_weight, group_start.astype(np.int32), row_pairs.astype(np.int32),
+            row_start.astype(np.int32))
+
+
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
     """(experts [S, k] int64, weights [S, k] float32) of router logits [S, E]: softmax in fp32, the k largest
     probabilities (largest first; ties to the lower index), renormalised to sum 1 when norm_topk_prob."""
