@@ -26,7 +26,8 @@ PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
 NEW_TOKENS = 16
 
 
-def moe_dir() -> str:
+def moe_dir(bundle: str = "gpu_float16") -> str:
+    """The bundles' folder, once it holds `bundle` and a CUDA device is here; else the test skips."""
     cp = pytest.importorskip("cupy")
     try:
         if cp.cuda.runtime.getDeviceCount() < 1:
@@ -34,8 +35,8 @@ def moe_dir() -> str:
     except Exception as e:                      # no driver
         pytest.skip(f"no usable CUDA device: {e}")
     path = os.environ.get("HELMC_MOE_GPU_DIR", os.path.join(ROOT, ".devrt", "moe_gpu"))
-    if not os.path.isfile(os.path.join(path, "gpu_float16", "manifest.json")):
-        pytest.skip(f"no MoE GPU bundles at {path}: build them on the compiler machine with "
+    if not os.path.isfile(os.path.join(path, bundle, "manifest.json")):
+        pytest.skip(f"no MoE GPU bundle {bundle} at {path}: build them on the compiler machine with "
                     "`python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu` and carry .devrt")
     return path
 
@@ -211,10 +212,8 @@ def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.session import Session
     from tests.batch_decode_checks import batched_runs, compare, prompts, single_runs
-    d = moe_dir()
+    d = moe_dir("gpu_q4_k_m_b8")
     path = os.path.join(d, "gpu_q4_k_m_b8")
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pytest.skip(f"no {path}: build it with `python -m tests.device.build_moe_gpu_bundles {d} --only gpu_q4_k_m_b8`")
     plan = dataclasses.replace(Plan.from_json(open(os.path.join(path, "plan.json")).read()), gpu_experts=vram)
     s = Session.load(path, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), plan=plan)
     moe = s.gpu.stage._moe
