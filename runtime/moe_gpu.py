@@ -107,7 +107,8 @@ def device_expert_sums(gpu_vm, spec, from_cupy, rows: bool = False) -> dict:
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down) or spec.dtype != "float16":     # the kernels' activations are fp16
             continue
-        names = (gpu_moe_rows_names if rows else gpu_moe_names)(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size, spec.hidden_size)
+        names = (gpu_moe_rows_names if rows else gpu_moe_names)(gate, down, spec.moe.num_experts,
+                                                                spec.moe.expert_intermediate_size, spec.hidden_size)
         try:
             kernels = [gpu_vm.module.get_function(n, query_imports=True) for n in names]
         except AttributeError:
