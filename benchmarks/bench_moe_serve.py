@@ -144,7 +144,8 @@ def ratio(report: dict, a) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bundle", help="a helmc bundle of the MoE model built for --budget-gib and --concurrency")
-    ap.add_argument("--weights", default=None, help="the bundle's weights where they are not beside it (serve --weights)")
+    ap.add_argument("--weights", default=None,
+                    help="the bundle's weights where they are not beside it (serve --weights)")
     ap.add_argument("--gguf", default=None, help="the same model as a GGUF file for llama.cpp")
     ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's binary (no llama.cpp rows without)")
     ap.add_argument("--ncmoe", default="48,40,32,24", help="comma-separated -ncmoe values, each with -ngl 99")
