@@ -204,18 +204,22 @@ def _stop_sampling(sampler) -> int | None:
 
 
 def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int,
-                        parallel: tuple[int, ...] = (1, 8), threads: int | None = None) -> dict:
+                        parallel: tuple[int, ...] = (1, 8), threads: int | None = None,
+                        extra: tuple[str, ...] = ()) -> dict:
     """llama.cpp's `llama-batched-bench -npp P -ntg T -npl 1,8`: P-token prompts (not shared) and T new tokens for
-    each of B sequences decoded together. Returns per B its S_TG (all sequences' generated tokens per second of
-    generation) and S_PP, parsed from the table it prints (columns PP TG B N_KV T_PP S_PP T_TG S_TG T S)."""
+    each of B sequences decoded together (`extra`: more of its arguments, e.g. `-ncmoe N`). Returns per B its S_TG
+    (all sequences' generated tokens per second of generation) and S_PP, parsed from the table it prints (columns
+    PP TG B N_KV T_PP S_PP T_TG S_TG T S), and the peak VRAM it held (nvidia-smi, as llama_bench)."""
     if not os.path.isfile(binary):
         raise FileNotFoundError(f"llama-batched-bench: expected the binary at {binary} (build llama.cpp: benchmarks/README.md)")
     ctx = max(parallel) * (prompt_len + new_tokens)
     cmd = [binary, "-m", gguf, "-npp", str(prompt_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, parallel)),
-           "-ngl", str(ngl), "-c", str(ctx)]
+           "-ngl", str(ngl), "-c", str(ctx), *extra]
     if threads:
         cmd += ["-t", str(threads)]
+    baseline, sampler = gpu_memory_used_mib(), _start_sampling()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = _stop_sampling(sampler)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
     rows = {}
@@ -229,4 +233,5 @@ def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_t
     if missing:
         raise RuntimeError(f"llama-batched-bench: expected a row for B in {parallel}, found none for {missing}:\n"
                            f"{proc.stdout[-2000:]}")
-    return {"system": "llama.cpp llama-batched-bench", "ngl": ngl, "command": " ".join(cmd), "by_batch": rows}
+    return {"system": "llama.cpp llama-batched-bench", "ngl": ngl, "command": " ".join(cmd), "by_batch": rows,
+            "peak_vram_gib": (peak - baseline) / 1024 if peak is not None and baseline is not None else None}

@@ -23,8 +23,21 @@ def moe_expert_sum_name(gate_type: str, down_type: str, experts: int, inter: int
     return f"helmc_moe_expert_sum_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"
 
 
+def moe_expert_rows_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> str:
+    """The CPU library's one-call expert sum for a batched decode step's m rows (schedules/cpu/quant/
+    moe_experts_rows.py), beside moe_expert_sum_name's one-row kernel for the same blocks."""
+    return f"helmc_moe_expert_rows_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"
+
+
 def gpu_moe_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:
     """The GPU library's two decode expert kernels (gate_up, down) for the blocks whose experts have (gate/up, down)
     types (gate_type, down_type) (schedules/gpu/moe_experts.py); absent where those types have no int8 GPU kernel."""
     tail = f"e{experts}_i{inter}_h{hidden}"
     return f"helmc_gpu_moe_gate_up_{gate_type}_{tail}", f"helmc_gpu_moe_down_{down_type}_{tail}"
+
+
+def gpu_moe_rows_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:
+    """The GPU library's two decode expert kernels for a batched step's m rows (gate_up, down; schedules/gpu/
+    moe_experts.py's make_gpu_moe_rows_kernels), beside gpu_moe_names' one-row pair for the same blocks."""
+    tail = f"e{experts}_i{inter}_h{hidden}"
+    return f"helmc_gpu_moe_gate_up_rows_{gate_type}_{tail}", f"helmc_gpu_moe_down_rows_{down_type}_{tail}"

@@ -36,8 +36,12 @@ _ROUTE_SOURCE = r"""
 extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, int norm, int* sel, float* w) {
   // one block of >= E threads: softmax, each expert's rank (how many beat it: higher, or equal at a lower index),
   // the top K scattered by rank, renormalised; every sum in index order, so the bits do not depend on scheduling
+  // one row per block: blockIdx.x's logits [E] -> its sel [K] and w [K] (a batched step launches one block a row)
   __shared__ float p[1024];
   __shared__ float top[64];
+  logits += blockIdx.x * E;
+  sel += blockIdx.x * K;
+  w += blockIdx.x * K;
   int e = threadIdx.x;
   if (e < E) p[e] = logits[e];
   __syncthreads();
@@ -68,7 +72,7 @@ extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, in
 _route_kernel = None
 
 
-def _route():
+def route_kernel():
     global _route_kernel
     if _route_kernel is None:
         import cupy as cp
@@ -76,7 +80,7 @@ def _route():
     return _route_kernel
 
 
-def _combine():
+def combine_kernel():
     """out [1, H] fp16 = h + sum_{j < n_gpu} w[j] * part[j] (+ y_cpu): one launch, fp32, a fixed order."""
     global _combine_kernel
     if _combine_kernel is None:
@@ -252,7 +256,8 @@ class MoeDecodeRow:
     def _combine_into_out(self, h, n_gpu: int, use_cpu: bool):
         i = self._next_out
         self._next_out = 1 - i
-        _combine()(h, self.part, self.w, self.y, np.int32(n_gpu), np.int32(self.H), np.int32(use_cpu), self.out[i])
+        combine_kernel()(h, self.part, self.w, self.y, np.int32(n_gpu), np.int32(self.H), np.int32(use_cpu),
+                         self.out[i])
         return self._out_views[i]
 
     # ------------------------------------------------------------------ GPU pieces
@@ -264,6 +269,6 @@ class MoeDecodeRow:
     def _route_on_gpu(self, logits) -> None:
         """route() on the device for a block with every expert in VRAM at its own slot: one launch (_ROUTE_SOURCE),
         no sort, no host sync."""
-        _route()((1,), (max(32, -(-self.E // 32) * 32),),
+        route_kernel()((1,), (max(32, -(-self.E // 32) * 32),),
                  (logits, np.int32(self.E), np.int32(self.K), np.int32(bool(self.moe.norm_topk_prob)), self.sel,
                   self.w))

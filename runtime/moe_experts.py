@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from helmc.model.moe import MoeSpec
-from helmc.runtime.function_names import block_function_name, moe_expert_sum_name
+from helmc.runtime.function_names import block_function_name, moe_expert_rows_name, moe_expert_sum_name
 
 
 @dataclass(frozen=True)
@@ -36,20 +36,39 @@ class LayerExperts:
     vram_order: tuple = ()             # expert vram_order[slot] at slot
 
 
-def find_expert_sums(vm, spec) -> dict:
+def find_expert_sums(vm, spec, rows: bool = False) -> dict:
     """{expert signature index: the CPU library's one-call decode expert sum} for the signatures it has
-    (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles)."""
+    (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles);
+    with `rows`, its m-row twin for batched steps (moe_experts_rows.py; absent in older bundles too)."""
     out = {}
+    name_of = moe_expert_rows_name if rows else moe_expert_sum_name
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down):
             continue
-        name = moe_expert_sum_name(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size,
+        name = name_of(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size,
                                    spec.hidden_size)
         try:
             out[j] = vm.module.get_function(name, query_imports=True)
         except AttributeError:
             pass
     return out
+
+
+def expert_rows_args(idx: np.ndarray, w: np.ndarray, keep: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """The m-row expert sum's description of a step (schedules/cpu/quant/moe_experts_rows.py) from route's idx, w
+    [m, k] (only the pairs `keep` [m, k] marks, where given): (pair_expert, pair_row, pair_weight, group_start,
+    row_pairs, row_start), the pairs sorted by expert then row, each row's pairs listed in ascending expert order."""
+    m = idx.shape[0]
+    rows, slots = np.nonzero(np.ones(idx.shape, bool) if keep is None else keep)
+    experts = idx[rows, slots]
+    order = np.lexsort((rows, experts))
+    pair_expert, pair_row = experts[order].astype(np.int32), rows[order].astype(np.int32)
+    pair_weight = np.ascontiguousarray(w[rows, slots][order], np.float32)
+    group_start = np.concatenate([[0], np.flatnonzero(np.diff(pair_expert)) + 1, [pair_expert.size]])
+    row_pairs = np.lexsort((pair_expert, pair_row))
+    row_start = np.concatenate([[0], np.cumsum(np.bincount(pair_row, minlength=m))])
+    return (pair_expert, pair_row, pair_weight, group_start.astype(np.int32), row_pairs.astype(np.int32),
+            row_start.astype(np.int32))
 
 
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +91,7 @@ class MoeFeedForward:
 
     def __init__(self, vm, moe: MoeSpec, phases: tuple[str, ...], batch_sizes: tuple[int, ...],
                  to_array: Callable, from_array: Callable, signatures=(0,), expert_signatures=(0,), xp=np,
-                 expert_sums=None):
+                 expert_sums=None, expert_rows=None):
         self.moe = moe
         self.to_array, self.from_array = to_array, from_array
         self.xp = xp                                     # the arrays' module: NumPy on the host, CuPy on a GPU
@@ -80,6 +99,7 @@ class MoeFeedForward:
         self._expert = {(p, j): vm[block_function_name("expert", p, j)] for p in phases for j in set(expert_signatures)}
         self._decode_rows = (1,) + tuple(batch_sizes)    # the expert's decode variants, by row count
         self._expert_sums = expert_sums or {}            # {expert signature: the one-call decode expert sum}
+        self._expert_rows = expert_rows or {}            # {expert signature: its m-row twin, for batched steps}
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
                        for p in phases for j in set(signatures)}
 
@@ -107,6 +127,9 @@ class MoeFeedForward:
         one_call = self._expert_sums.get(experts.signature) if experts.stacked is not None else None
         if decode and m.shape[0] == 1 and one_call is not None:
             return self._one_call_sum(one_call, m, idx[0], w[0], experts, only, skip)
+        rows_call = self._expert_rows.get(experts.signature) if one_call is not None else None
+        if decode and rows_call is not None:        # each row bit-identical to the one-row call above
+            return self._rows_sum(rows_call, m, idx, w, experts, only, skip)
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
         for e in np.unique(idx):
             if (only is not None and int(e) not in only) or int(e) in skip:
@@ -131,6 +154,24 @@ class MoeFeedForward:
         x = np.ascontiguousarray(m, np.float32)                           # [1, H]
         kernel(self.from_array(x), self.from_array(idx[keep].astype(np.int32)),
                self.from_array(np.ascontiguousarray(w[keep], np.float32)), *experts.stacked, y)
+        return host_view(y)
+
+    def _rows_sum(self, kernel, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only, skip):
+        """A batched decode step's rows (idx, w [S, k]; the pairs within `only`, none of `skip`) through the CPU
+        library's m-row expert sum: each selected expert run once for the rows that chose it -> fp32 [S, H]."""
+        keep = np.ones(idx.shape, bool)
+        if only is not None:
+            keep &= np.isin(idx, list(only))
+        if skip:
+            keep &= ~np.isin(idx, list(skip))
+        if not keep.any():
+            return np.zeros((m.shape[0], m.shape[1]), np.float32)
+        import tvm.runtime
+
+        from helmc.runtime.tvm_tensors import host_view
+        y = tvm.runtime.empty((m.shape[0], m.shape[1]), "float32", tvm.cpu())      # [S, H]
+        args = (np.ascontiguousarray(m, np.float32),) + expert_rows_args(idx, w, keep)
+        kernel(*(self.from_array(a) for a in args), *experts.stacked, y)
         return host_view(y)
 
     def _run_expert(self, decode: bool, rows: np.ndarray, weights, signature: int = 0) -> np.ndarray:

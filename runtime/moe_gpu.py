@@ -11,8 +11,9 @@ A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU comput
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
 One decode row of quantized fp16 experts goes through moe_decode_row.MoeDecodeRow (the one-call expert sums on both
-sides, static buffers), which moe_decode_graph.MoeDecodeGraph replays as CUDA graphs between the host's halves;
-prefill, batched steps and other experts take the per-expert path here, eagerly.
+sides, static buffers), which moe_decode_graph.MoeDecodeGraph replays as CUDA graphs between the host's halves; a
+batched step of such a block through moe_decode_batch.MoeDecodeBatch (the same calls in their m-row forms, each row
+the bits of its one-row step); prefill and other experts take the per-expert path here, eagerly.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, find_expert_sums, route
-from helmc.runtime.function_names import block_function_name, gpu_moe_names
+from helmc.runtime.function_names import block_function_name, gpu_moe_names, gpu_moe_rows_names
 
 
 class GpuMoeFeedForward:
@@ -29,10 +30,11 @@ class GpuMoeFeedForward:
     device tensor [S, H], the stage's activation dtype)."""
 
     def __init__(self, gpu_vm, host: MoeFeedForward, device: MoeFeedForward, phases: tuple[str, ...], signatures,
-                 to_cupy: Callable, from_cupy: Callable, decode_row=None, prefill=None):
+                 to_cupy: Callable, from_cupy: Callable, decode_row=None, prefill=None, decode_batch=None):
         self.host = host                        # the CPU library's expert functions over host rows
         self.device = device                    # the GPU library's, for the experts in VRAM
         self.decode_row = decode_row            # MoeDecodeRow: one decode row on the one-call sums, or None
+        self.decode_batch = decode_batch        # MoeDecodeBatch: a batched step's rows on the m-row sums, or None
         self.deferred = False                   # set by MoeDecodeGraph: a decode row's host half runs between graphs
         self.prefill = prefill                  # moe_prefill.ExpertPrefill: a prompt's experts all on the GPU, or None
         self.to_cupy, self.from_cupy = to_cupy, from_cupy
@@ -45,8 +47,9 @@ class GpuMoeFeedForward:
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
         row = self.decode_row
-        rows = self.expert_rows + (row.expert_rows if row else 0)
-        return (self.gpu_expert_rows + (row.gpu_expert_rows if row else 0)) / rows if rows else 0.0
+        parts = [p for p in (self, self.decode_row, self.decode_batch) if p is not None]
+        rows = sum(p.expert_rows for p in parts)
+        return sum(p.gpu_expert_rows for p in parts) / rows if rows else 0.0
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
@@ -67,6 +70,11 @@ class GpuMoeFeedForward:
             cp.cuda.get_current_stream().synchronize()
             self.decode_row.host_half(row)
             return self.decode_row.finish()
+        if phase.startswith("decode_b") and self.decode_batch is not None:
+            row = self.row_of(experts)
+            if row is not None and self.decode_batch.applies(row):
+                self.crossings += not row.all_vram
+                return self.decode_batch.forward(h, m, logits, row)
         m_dev = self.to_cupy(m)
         idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
@@ -92,13 +100,15 @@ class DeviceExpertSum:
         self.gate_up, self.down = gate_up, down
 
 
-def device_expert_sums(gpu_vm, spec, from_cupy) -> dict:
-    """{expert signature index: DeviceExpertSum} for the signatures the GPU library has kernels for."""
+def device_expert_sums(gpu_vm, spec, from_cupy, rows: bool = False) -> dict:
+    """{expert signature index: DeviceExpertSum} for the signatures the GPU library has kernels for; with `rows`,
+    the m-row kernels of batched steps (absent in older bundles)."""
     out = {}
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down) or spec.dtype != "float16":     # the kernels' activations are fp16
             continue
-        names = gpu_moe_names(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size, spec.hidden_size)
+        names = (gpu_moe_rows_names if rows else gpu_moe_names)(gate, down, spec.moe.num_experts,
+                                                                spec.moe.expert_intermediate_size, spec.hidden_size)
         try:
             kernels = [gpu_vm.module.get_function(n, query_imports=True) for n in names]
         except AttributeError:
@@ -122,17 +132,21 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
     import cupy as cp
     expert_sigs = [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)]
     host = MoeFeedForward(cpu_vm, spec.moe, phases, batch_sizes, host_view, lambda a: cpu_tensor_view(a, dev),
-                          signatures=(), expert_signatures=expert_sigs, expert_sums=find_expert_sums(cpu_vm, spec))
+                          signatures=(), expert_signatures=expert_sigs, expert_sums=find_expert_sums(cpu_vm, spec),
+                          expert_rows=find_expert_sums(cpu_vm, spec, rows=True))
     device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
                             expert_signatures=expert_sigs, xp=cp)
-    row = None
+    row = batch = None
     if spec.dtype == "float16":         # the one-call sums take fp16 activations on the GPU
+        from helmc.runtime.moe_decode_batch import MoeDecodeBatch
         from helmc.runtime.moe_decode_row import MoeDecodeRow
         row = MoeDecodeRow(spec, host._expert_sums, device_expert_sums(gpu_vm, spec, from_cupy), to_cupy, from_cupy)
+        batch = MoeDecodeBatch(row, host._expert_rows, device_expert_sums(gpu_vm, spec, from_cupy, rows=True),
+                               to_cupy, from_cupy)
     # a prompt's experts on the GPU: the host ones streamed through Plan.expert_staging_bytes (none: those blocks'
     # host experts stay with the CPU)
     from helmc.runtime.moe_prefill import ExpertPrefill
     prefill = ExpertPrefill({j: device._expert[("prefill", j)] for j in set(expert_sigs)}, spec.moe,
                             expert_staging_bytes, to_cupy, from_cupy)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
-                             from_cupy, row, prefill)
+                             from_cupy, row, prefill, batch)

@@ -81,7 +81,8 @@ class Stage:
             from helmc.runtime.moe_experts import MoeFeedForward, find_expert_sums
             self._moe = MoeFeedForward(vm, spec.moe, phases, self.batch_sizes, to_array, from_array, self._signature,
                                        [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)],
-                                       expert_sums=find_expert_sums(vm, spec))
+                                       expert_sums=find_expert_sums(vm, spec),
+                                       expert_rows=find_expert_sums(vm, spec, rows=True))
         self._decode_batch = None       # kv.cache_cpu.DecodeBatch, made by the first batched step on host caches
         # kv.decode_batch_gpu.GpuDecodeBatch, by the first on GPU caches, or another stage's over the same caches
         # (shared_gpu_decode_batch)

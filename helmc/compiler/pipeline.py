@@ -98,12 +98,14 @@ def gpu_moe_kernels(spec: ModelSpec) -> dict:
     them up by name and runs the expert function per expert where they are absent."""
     if spec.moe is None:
         return {}
-    from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels
+    from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels, make_gpu_moe_rows_kernels
     moe, out = spec.moe, {}
     for gate, up, down in spec.expert_signatures():
         if gate == up and gpu_moe_applies(gate, down, moe.expert_intermediate_size, spec.hidden_size):
             out.update(make_gpu_moe_kernels(gate, down, moe.num_experts, moe.expert_intermediate_size,
                                             spec.hidden_size, moe.top_k))
+            out.update(make_gpu_moe_rows_kernels(gate, down, moe.num_experts, moe.expert_intermediate_size,
+                                                 spec.hidden_size))      # a batched step's rows
     return out
 
 

@@ -8,6 +8,8 @@ top-k, 3 blocks of which block 1 is dense; hidden 256 and expert ffn 256: whole 
 - An F16 GGUF twin of the fp16 HF directory, written here with the gguf package as llama.cpp's converter lays it
   out: built from the file, its 24 greedy tokens and its logits equal the HF directory's bundle's exactly.
 - The stacked expert tensors bind zero-copy: each expert's weights are a view into the mapping.
+- A q4_k_m build served in batches: the decode steps of 2-4 sequences run each block's experts of every row in one
+  call (schedules/cpu/quant/moe_experts_rows.py) and every sequence's logits equal its single run's, every bit.
 """
 from __future__ import annotations
 
@@ -132,3 +134,22 @@ def test_stacked_expert_tensor_of_a_wrong_shape_is_one_line(tmp_path):
     with pytest.raises(HelmcError, match="blk.0.ffn_gate_exps.weight.*expected GGUF dims \\[cols, rows, experts\\]") as e:
         read_gguf_spec(path)
     assert "\n" not in str(e.value)
+
+
+def test_q4_k_m_batched_steps_equal_single_runs(moe_dir, cpu_only, cache_dir):
+    """Single decode rows take the one-row expert sum, batched steps the m-row one: the same bits per row."""
+    from batch_decode_checks import batched_runs, compare, prompts, single_runs
+
+    from helmc import api
+    from helmc.runtime.session import Session
+    if select_isa(cpu_only.cpu.features).tier != "avx512":
+        pytest.skip("the one-call expert sums need AVX-512")
+    r = api.build(moe_dir, cpu_only, moe_dir + "-q4_k_m-b4.bundle", cache_dir=cache_dir, quiet=True, quant="q4_k_m",
+                  batch=4)
+    session = Session.load(r.bundle_dir)
+    assert sorted(find_expert_sums(session.cpu_stage.vm, r.spec, rows=True)) == [0, 1]
+    ps = prompts(r.spec.vocab_size, 6)
+    singles = single_runs(session, ps, 8)
+    batched, sizes = batched_runs(session, ps, 8, max_batch=4, stagger=1)
+    assert {2, 3, 4} <= set(sizes), sizes                # padded (3 -> 4) and exact steps both ran
+    compare(singles, batched, "qwen3_moe q4_k_m")

@@ -91,3 +91,38 @@ def test_selected_experts_match_float64(tmp_path, gate_type, down_type):
         print(f"{gate_type}/{down_type} expert {e}: swiglu rel err {err_a:.1e}, down {err_p:.1e}")
         assert err_a < 1e-2 and err_p < 2e-3, (e, err_a, err_p)
     assert not a[2].any() and not part[2].any()          # n = 2: the third slot untouched
+
+
+@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k")])
+def test_rows_kernels_equal_the_one_row_kernels_per_row(tmp_path, gate_type, down_type):
+    """A batched step's pairs (make_gpu_moe_rows_kernels): each pair's a and part are the one-row kernels' bits on
+    that pair's row alone; rows share experts and pick others, so a CTA reading another row's x is a changed bit."""
+    from helmc.runtime.function_names import gpu_moe_rows_names
+    from helmc.schedules.gpu.moe_experts import make_gpu_moe_rows_kernels
+    E, I, H, K = 5, 256, 256, 2
+    rng = np.random.default_rng(11)
+    gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))
+    down = random_quant_weight(rng, down_type, E * H, I)
+    x = (rng.standard_normal((3, H)) * 0.05).astype(np.float16)                      # m = 3 rows
+    funcs = {**make_gpu_moe_kernels(gate_type, down_type, E, I, H, K),
+             **make_gpu_moe_rows_kernels(gate_type, down_type, E, I, H)}
+    lib, params = _emulate(tmp_path, funcs)
+    one_up, one_down = (s + "_kernel" for s in gpu_moe_names(gate_type, down_type, E, I, H))
+    rows_up, rows_down = (s + "_kernel" for s in gpu_moe_rows_names(gate_type, down_type, E, I, H))
+    up_grid, down_grid = int8_kernel_parts(gate_type, I, H, epilogue="swiglu")[1], int8_kernel_parts(down_type, H, I)[1]
+    sel = np.array([4, 1, 1, 3, 0, 4], np.int32)                                     # [n] pairs' experts
+    row = np.array([0, 0, 1, 1, 2, 2], np.int32)                                     # [n] their rows
+    a = np.zeros((6, I), np.float16)
+    part = np.zeros((6, H), np.float16)
+    arrays = dict(x=x, sel=sel, row=row, w_gate=gate, w_up=up, w_down=down, a=a, part=part)
+    _run(lib, params, rows_up, arrays, 6, up_grid)
+    _run(lib, params, rows_down, arrays, 6, down_grid)
+    assert a.any() and part.any()
+    for r in range(3):
+        a1, p1 = np.zeros((K, I), np.float16), np.zeros((K, H), np.float16)
+        one = dict(x=np.ascontiguousarray(x[r:r + 1]), sel=sel[2 * r:2 * r + 2].copy(), w_gate=gate, w_up=up,
+                   w_down=down, a=a1, part=p1)
+        _run(lib, params, one_up, one, K, up_grid)
+        _run(lib, params, one_down, one, K, down_grid)
+        assert np.array_equal(a[2 * r:2 * r + 2].view(np.uint16), a1.view(np.uint16)), r
+        assert np.array_equal(part[2 * r:2 * r + 2].view(np.uint16), p1.view(np.uint16)), r

@@ -8,7 +8,9 @@ and carried to the GPU machine; the tests look in $HELMC_MOE_GPU_DIR (default .d
 compiler: they run with the runtime-only TVM. Pass: 16 greedy tokens identical to transformers in fp32 over the
 same weights (the GPU stage's activations are fp16, so at the first divergence, if any, each side's token must be
 in the other's top 5: the dense GPU tests' rule) and prefill logits within 2e-2 relative; a batched decode step of
-several sequences bit-identical per sequence to their single runs on the same bundle.
+several sequences bit-identical per sequence to their single runs on the same bundle; on the q4_k_m bundle with
+variants for 8 sequences, steps of 2 to 8 rows through the m-row expert sums (runtime/moe_decode_batch.py) with
+experts on the host, in VRAM and both, bit-identical per sequence too.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
 NEW_TOKENS = 16
 
 
-def moe_dir() -> str:
+def moe_dir(bundle: str = "gpu_float16") -> str:
+    """The bundles' folder, once it holds `bundle` and a CUDA device is here; else the test skips."""
     cp = pytest.importorskip("cupy")
     try:
         if cp.cuda.runtime.getDeviceCount() < 1:
@@ -32,8 +35,8 @@ def moe_dir() -> str:
     except Exception as e:                      # no driver
         pytest.skip(f"no usable CUDA device: {e}")
     path = os.environ.get("HELMC_MOE_GPU_DIR", os.path.join(ROOT, ".devrt", "moe_gpu"))
-    if not os.path.isfile(os.path.join(path, "gpu_float16", "manifest.json")):
-        pytest.skip(f"no MoE GPU bundles at {path}: build them on the compiler machine with "
+    if not os.path.isfile(os.path.join(path, bundle, "manifest.json")):
+        pytest.skip(f"no MoE GPU bundle {bundle} at {path}: build them on the compiler machine with "
                     "`python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu` and carry .devrt")
     return path
 
@@ -197,3 +200,30 @@ def test_prompt_experts_stream_to_the_gpu():
     s.reset()
     got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
     check_divergence(s, ref, got, hf_greedy(ref, PROMPT, NEW_TOKENS))
+
+
+@pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8))), ((), (), ())])
+def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
+    """A served step of B = 2..8 sequences runs each block's experts of every row in the m-row calls (the GPU's two
+    launches over every (row, expert) pair in VRAM, the CPU's m-row expert sum over the host ones, one combine):
+    every sequence's logits equal its single run's (the one-row path, CUDA graphs on), every bit."""
+    import dataclasses
+
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.session import Session
+    from tests.batch_decode_checks import batched_runs, compare, prompts, single_runs
+    d = moe_dir("gpu_q4_k_m_b8")
+    path = os.path.join(d, "gpu_q4_k_m_b8")
+    plan = dataclasses.replace(Plan.from_json(open(os.path.join(path, "plan.json")).read()), gpu_experts=vram)
+    s = Session.load(path, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), plan=plan)
+    moe = s.gpu.stage._moe
+    assert moe.decode_batch is not None and sorted(moe.decode_batch.cpu_rows) == [0, 1]
+    assert sorted(moe.decode_batch.gpu_rows) == [0, 1]
+    ps = prompts(s.spec.vocab_size, 8)
+    singles = single_runs(s, ps, 10)
+    batched, sizes = batched_runs(s, ps, 10, max_batch=8, stagger=1)
+    print(f"\ngpu_experts {vram}: batch sizes {sorted(set(sizes))}, {moe.decode_batch.steps} batched block steps, "
+          f"hit rate {moe.hit_rate():.2f}")
+    assert set(range(2, 9)) <= set(sizes), sizes
+    assert moe.decode_batch.steps >= 2 * len([n for n in sizes if n > 1])      # blocks 0 and 2 of every step
+    compare(singles, batched, f"qwen3_moe q4_k_m gpu_experts {vram}")

@@ -79,19 +79,21 @@ def decode_attention_kernels(spec: ModelSpec, features: tuple[str, ...], cores: 
 
 
 def moe_expert_kernels(spec: ModelSpec, features: tuple[str, ...]) -> dict:
-    """{global symbol: PrimFunc}: the one-call decode expert sum (schedules/cpu/quant/moe_experts.py) of each
+    """{global symbol: PrimFunc}: the one-call decode expert sums (schedules/cpu/quant/moe_experts.py, one row;
+    moe_experts_rows.py, a batched step's rows) of each
     routed expert type signature whose gate/up and down types have int8 kernels on this CPU; the runtime looks
     each up by name and calls the expert function per expert where one is absent."""
     if spec.moe is None:
         return {}
     from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum, moe_expert_sum_applies
+    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows
     isa, moe, out = select_isa(features), spec.moe, {}
     for gate, up, down in spec.expert_signatures():
         if gate == up and moe_expert_sum_applies(gate or None, down or None, moe.expert_intermediate_size,
                                                  spec.hidden_size, isa):
-            f = make_moe_expert_sum(gate, down, moe.num_experts, moe.expert_intermediate_size, spec.hidden_size,
-                                    moe.top_k, isa)
-            out[str(f.attrs["global_symbol"])] = f
+            for make in (make_moe_expert_sum, make_moe_expert_rows):     # one decode row; a batched step's m rows
+                f = make(gate, down, moe.num_experts, moe.expert_intermediate_size, spec.hidden_size, moe.top_k, isa)
+                out[str(f.attrs["global_symbol"])] = f
     return out
 
 

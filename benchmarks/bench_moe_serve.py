@@ -1,0 +1,184 @@
+"""8 concurrent streaming requests through `helmc serve` on a mixture-of-experts bundle, beside llama.cpp's
+llama-batched-bench at 8 sequences under the same VRAM budget, in one run on the GPU machine.
+
+    python -m benchmarks.bench_moe_serve BUNDLE --gguf Qwen3-30B-A3B-Q4_K.gguf --budget-gib 8 \
+        --llama-batched-bench /tmp/lc/build/bin/llama-batched-bench --ncmoe 48,40,32,24 --ot-exps \
+        --concurrency 8 --prompt-len 128 --new-tokens 128 --label "Qwen3-30B-A3B Q4_K (random weights)" \
+        --out benchmarks/results/h200-qwen3-30b-a3b-q4k-serve.json
+
+helmc: `helmc serve BUNDLE` started as its own process (the real server), --concurrency requests of --prompt-len
+random token ids submitted at once by the openai client (`completions.create(stream=True)`, greedy, ignore_eos:
+every request makes exactly --new-tokens tokens), after one warm-up round of the same shape with 8 new tokens. The
+BUNDLE is built for the budget and the batch: `helmc build GGUF --gpu-budget 8GiB --max-batch 8`.
+  decode_tok_s_at_N   every request's tokens after its first, from the last first token to the last token: the
+                      steps where all N decode (bench_serve's decode_tok_s_total_at_N);
+  end_to_end_tok_s_at_N  all N x --new-tokens tokens from the submission to the last token, prefills included.
+Peak VRAM of both is sampled with nvidia-smi over each run, less what was in use before it.
+llama.cpp: `llama-batched-bench -m GGUF -ngl 99 -npp P -ntg T -npl N` with `-ncmoe K` for each K given and with
+`-ot exps=CPU`; its S_TG at N is the decode figure. moe_serve_ratio_vs_llamacpp = helmc's decode_tok_s_at_N over the
+fastest llama.cpp run whose peak VRAM fits --budget-gib (the issue's aim: >= 1.2).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.llamacpp_peer import _start_sampling, _stop_sampling, gpu_memory_used_mib, llama_batched_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start_server(a, log_path: str):
+    """`helmc serve BUNDLE` on a free port; (process, base URL) once it listens."""
+    cmd = [sys.executable, "-m", "helmc.cli.main", "serve", a.bundle, "--port", "0", "--model-name", "m",
+           "--max-batch", str(a.concurrency)]
+    if a.weights:
+        cmd += ["--weights", a.weights]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}, stderr=log, stdout=subprocess.DEVNULL)
+    t0 = time.time()
+    while True:
+        text = open(log_path).read()
+        if "listening on " in text:
+            return proc, text.split("listening on ")[1].split()[0]
+        if proc.poll() is not None or time.time() - t0 > 900:
+            proc.kill()
+            sys.exit(f"bench_moe_serve: helmc serve did not start: {text[-1000:]}")
+        time.sleep(0.5)
+
+
+async def one_request(client, prompt: list[int], new_tokens: int) -> dict:
+    rec = {"t_submit": time.perf_counter(), "stamps": [], "tokens": None}
+    stream = await client.completions.create(model="m", prompt=prompt, max_tokens=new_tokens, temperature=0.0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            rec["stamps"].append(time.perf_counter())
+        if chunk.usage is not None:
+            rec["tokens"] = chunk.usage.completion_tokens
+    return rec
+
+
+async def round_of(url: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    from openai import AsyncOpenAI
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0) as client:
+        return await asyncio.gather(*(one_request(client, p, new_tokens) for p in prompts))
+
+
+def rates(recs: list[dict], new_tokens: int) -> dict:
+    n = len(recs)
+    bad = [r["tokens"] for r in recs if r["tokens"] != new_tokens]
+    if bad:
+        raise RuntimeError(f"expected {new_tokens} tokens per request (ignore_eos), got {bad}")
+    t0 = min(r["t_submit"] for r in recs)
+    last_first = max(r["stamps"][0] for r in recs)
+    end = max(r["stamps"][-1] for r in recs)
+    return {f"decode_tok_s_at_{n}": n * (new_tokens - 1) / (end - last_first),
+            f"end_to_end_tok_s_at_{n}": n * new_tokens / (end - t0),
+            "ttft_ms_max": 1000 * (last_first - t0), "wall_s": end - t0}
+
+
+def bench_helmc(a) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(10, 30000, a.prompt_len)] for _ in range(a.concurrency)]
+    log_path = os.path.join(a.log_dir, "helmc-serve.log")
+    proc, url = start_server(a, log_path)
+    try:
+        asyncio.run(round_of(url, prompts, 8))                      # warm-up: graphs, KV pages, first calls
+        baseline, sampler = gpu_memory_used_mib(), _start_sampling()
+        recs = asyncio.run(round_of(url, prompts, a.new_tokens))
+        peak = _stop_sampling(sampler)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    out = {"system": "helmc serve", "bundle": a.bundle, "concurrency": a.concurrency, **rates(recs, a.new_tokens),
+           "peak_vram_gib_over_idle_server": (peak - baseline) / 1024 if peak is not None and baseline else None}
+    plan = os.path.join(a.bundle, "plan.json")
+    if os.path.isfile(plan):
+        with open(plan) as f:
+            p = json.load(f)
+        out["plan_gpu_bytes"] = p.get("gpu_bytes")               # what the plan holds in VRAM: within the budget
+        out["plan_gpu_gib"] = p["gpu_bytes"] / 2 ** 30 if p.get("gpu_bytes") else None
+    print(f"helmc serve: {out[f'decode_tok_s_at_{a.concurrency}']:.1f} tok/s decode at {a.concurrency}, "
+          f"{out[f'end_to_end_tok_s_at_{a.concurrency}']:.1f} end to end", file=sys.stderr)
+    return out
+
+
+def llama_configs(a) -> list[tuple[str, tuple[str, ...]]]:
+    out = [(f"ncmoe{k}", ("-ncmoe", str(k))) for k in (int(x) for x in a.ncmoe.split(",") if x)]
+    if a.ot_exps:
+        out.append(("ot_exps_cpu", ("-ot", "exps=CPU")))
+    return out
+
+
+def bench_llama(a) -> list[dict]:
+    rows = []
+    for name, extra in llama_configs(a):
+        r = llama_batched_bench(a.llama_batched_bench, a.gguf, 99, a.prompt_len, a.new_tokens,
+                                parallel=(a.concurrency,), threads=a.threads, extra=extra)
+        r["config"] = name
+        r[f"decode_tok_s_at_{a.concurrency}"] = r["by_batch"][a.concurrency]["decode_tok_s"]
+        print(f"llama.cpp {name}: S_TG {r[f'decode_tok_s_at_{a.concurrency}']:.1f} tok/s at {a.concurrency}, "
+              f"peak VRAM {r['peak_vram_gib']}", file=sys.stderr)
+        rows.append(r)
+    return rows
+
+
+def ratio(report: dict, a) -> dict:
+    key = f"decode_tok_s_at_{a.concurrency}"
+    fits = [r for r in report["llamacpp"] if r.get("peak_vram_gib") is not None and r["peak_vram_gib"] <= a.budget_gib]
+    if not fits or "helmc" not in report:
+        return {}
+    best = max(fits, key=lambda r: r[key])
+    return {"llamacpp_fastest_within_budget": best["config"], "llamacpp_decode_tok_s_within_budget": best[key],
+            "moe_serve_ratio_vs_llamacpp": report["helmc"][key] / best[key]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bundle", help="a helmc bundle of the MoE model built for --budget-gib and --concurrency")
+    ap.add_argument("--weights", default=None,
+                    help="the bundle's weights where they are not beside it (serve --weights)")
+    ap.add_argument("--gguf", default=None, help="the same model as a GGUF file for llama.cpp")
+    ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's binary (no llama.cpp rows without)")
+    ap.add_argument("--ncmoe", default="48,40,32,24", help="comma-separated -ncmoe values, each with -ngl 99")
+    ap.add_argument("--ot-exps", action="store_true", help="also run -ngl 99 -ot exps=CPU")
+    ap.add_argument("--budget-gib", type=float, required=True, help="the VRAM budget both systems are held to")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--log-dir", default=".")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.llama_batched_bench and not a.gguf:
+        ap.error("--llama-batched-bench needs --gguf")
+    report = {"label": a.label, "budget_gib": a.budget_gib, "concurrency": a.concurrency, "prompt_len": a.prompt_len,
+              "new_tokens": a.new_tokens, "llamacpp": []}
+
+    def save():
+        report.update(ratio(report, a))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(report, f, indent=2)
+
+    report["helmc"] = bench_helmc(a)
+    save()
+    if a.llama_batched_bench:
+        for r in bench_llama(a):
+            report["llamacpp"].append(r)
+            save()
+    print(json.dumps({k: v for k, v in report.items() if k not in ("llamacpp",)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

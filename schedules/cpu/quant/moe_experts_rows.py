@@ -1,0 +1,146 @@
+"""A batched decode step's routed experts of a mixture-of-experts block in one call: m rows (one token of each of
+m sequences), every expert any row selected run once for all the rows that chose it, each row's weighted sum.
+
+Why: a step of B sequences selects up to B * k (row, expert) pairs per block, many experts shared (Qwen3-30B-A3B:
+8 of 128 per row). Calling the one-row expert sum (moe_experts.py) per row reads a shared expert's weights once
+per row that chose it, and calling the expert function per expert makes a call, three parallel regions and a host
+gather per expert. Here one call runs the step: a parallel region over (selected expert, block of gate/up rows)
+whose iteration runs that block of rows for every row that chose the expert, one after the other, so each block
+of weights comes from DRAM once and is read again from L1 for the next rows; one region forms each pair's SwiGLU
+times its weight; one forms every row's output over its experts' blocks of down, the rows one after the other
+within a block of output rows, so the down blocks are read from DRAM once too.
+
+Bits: each pair's gate/up is the one-token GEMV step (gemv_int8.one_token_step) on that row's x quantized alone,
+its SwiGLU and weight the one-row kernel's expression, and each row's down sum runs over that row's experts in
+the order the caller lists them (ascending, as the runtime passes the one-row kernel) in accumulators of its own:
+each output row is bit-identical to the one-row kernel on that row alone.
+
+The caller describes the step's pairs (n of them) grouped by expert:
+  make_moe_expert_rows(gate_type, down_type, experts, inter, hidden, top_k, isa)
+      -> PrimFunc(x: f32[m, H], pair_expert: i32[n], pair_row: i32[n], pair_weight: f32[n],
+                  group_start: i32[g + 1], row_pairs: i32[n], row_start: i32[m + 1],
+                  w_gate: u8[E * I, gb], w_up: u8[E * I, gb], w_down: u8[E * H, db], y: f32[m, H])
+  pairs sorted by expert: group u (one expert) is pairs group_start[u] .. group_start[u + 1];
+  row r's pairs, in its sum's order, are row_pairs[row_start[r] .. row_start[r + 1]];
+  y[r] = sum over row r's pairs p of pair_weight[p] * expert pair_expert[p](x[r]).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from helmc.runtime.function_names import moe_expert_rows_name
+from helmc.schedules.cpu.gemv_quant import quant_blocking
+from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _const, _macros, _ramp, one_token_step
+from helmc.schedules.cpu.quant.moe_experts import moe_expert_sum_applies
+from helmc.schedules.cpu.quant.prefetch import prefetch_macro
+from helmc.schedules.cpu.quant.tiles import _hsum
+from helmc.schedules.cpu.weight_load import STACK
+
+
+def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: int, hidden: int, top_k: int,
+                         isa: VectorIsa) -> tirx.PrimFunc:
+    assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
+    E, I, H, K = experts, inter, hidden, top_k
+    gu, dn = INT8_UNITS[gate_type], INT8_UNITS[down_type]
+    g_blocks, d_blocks = H // gu.weights, I // dn.weights
+    gb, db = g_blocks * gu.bytes, d_blocks * dn.bytes                     # row bytes of gate/up and of down
+    g_rows, _ = quant_blocking(gate_type, 1, isa, INT8_TUNING[gate_type])
+    d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
+    g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
+    quantize_x, _ = _macros(gate_type, isa, 1, 1)
+    quantize_a, down_dot = _macros(down_type, isa, 1, 1)
+    gate_step = one_token_step(gate_type, I, H, isa)
+    down_prefetch = prefetch_macro(d_rows, dn.bytes, db, INT8_TUNING[down_type], H)
+    gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
+
+    @T.prim_func
+    def moe_rows(x_h: T.handle, pe_h: T.handle, pr_h: T.handle, pw_h: T.handle, gs_h: T.handle, rp_h: T.handle,
+                 rs_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"), w_up: T.Buffer((E * I, gb), "uint8"),
+                 w_down: T.Buffer((E * H, db), "uint8"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        m, n, m1, ng1 = T.int32(), T.int32(), T.int32(), T.int32()
+        x = T.match_buffer(x_h, (m, H), "float32")
+        y = T.match_buffer(y_h, (m, H), "float32")
+        pair_expert = T.match_buffer(pe_h, (n,), "int32")
+        pair_row = T.match_buffer(pr_h, (n,), "int32")
+        pair_weight = T.match_buffer(pw_h, (n,), "float32")
+        group_start = T.match_buffer(gs_h, (ng1,), "int32")
+        row_pairs = T.match_buffer(rp_h, (n,), "int32")
+        row_start = T.match_buffer(rs_h, (m1,), "int32")
+        T.Assert(m1 == m + 1, "moe_expert_rows: row_start must hold rows + 1 entries")
+        T.Assert(n <= m * K, "moe_expert_rows: more pairs than rows times the block's top-k")
+        ng = ng1 - 1
+        xq = T.alloc_buffer((m, H), "int8")
+        dx = T.alloc_buffer((m, g_blocks * gx), "float32")
+        xs = T.alloc_buffer((m, g_blocks * gs), gu.xs_dtype)
+        g = T.alloc_buffer((n, I), "float32")                             # [n, I] each pair's gate(x)
+        u = T.alloc_buffer((n, I), "float32")                             # [n, I] up(x), then weight * SwiGLU
+        aq = T.alloc_buffer((n, I), "int8")
+        adx = T.alloc_buffer((n, d_blocks * dx_), "float32")
+        axs = T.alloc_buffer((n, d_blocks * ds), dn.xs_dtype)
+        for rb in T.parallel(m * g_blocks):
+            quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
+        for step in T.parallel(ng * g_steps):
+            grp = step // g_steps
+            p0 = group_start[grp]
+            row0 = pair_expert[p0] * I
+            wg = T.decl_buffer((I, gb), "uint8", data=w_gate.data, elem_offset=row0 * gb)
+            wgi = T.decl_buffer((I, gb), "int8", data=w_gate.data, elem_offset=row0 * gb)
+            wgh = T.decl_buffer((I, gb // 2), "float16", data=w_gate.data, elem_offset=row0 * (gb // 2))
+            wgf = T.decl_buffer((I * gb,), "uint8", data=w_gate.data, elem_offset=row0 * gb)
+            wgu = T.decl_buffer((I, gb // 4), "uint32", data=w_gate.data, elem_offset=row0 * (gb // 4))
+            wu = T.decl_buffer((I, gb), "uint8", data=w_up.data, elem_offset=row0 * gb)
+            wui = T.decl_buffer((I, gb), "int8", data=w_up.data, elem_offset=row0 * gb)
+            wuh = T.decl_buffer((I, gb // 2), "float16", data=w_up.data, elem_offset=row0 * (gb // 2))
+            wuf = T.decl_buffer((I * gb,), "uint8", data=w_up.data, elem_offset=row0 * gb)
+            wuu = T.decl_buffer((I, gb // 4), "uint32", data=w_up.data, elem_offset=row0 * (gb // 4))
+            for q in T.serial(group_start[grp + 1] - p0):
+                p = p0 + q
+                r = pair_row[p]
+                xqr = T.decl_buffer((1, H), "int8", data=xq.data, elem_offset=r * H)
+                dxr = T.decl_buffer((1, g_blocks * gx), "float32", data=dx.data, elem_offset=r * (g_blocks * gx))
+                xsr = T.decl_buffer((1, g_blocks * gs), gu.xs_dtype, data=xs.data, elem_offset=r * (g_blocks * gs))
+                gp = T.decl_buffer((1, I), "float32", data=g.data, elem_offset=p * I)    # [1, I] row p of g
+                up = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=p * I)
+                gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % g_steps)
+                gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % g_steps)
+        for jb in T.parallel(n * d_blocks):          # each pair's SwiGLU times its weight, quantized per block
+            for i in T.serial(dn.weights):
+                u[jb // d_blocks, jb % d_blocks * dn.weights + i] = (
+                    g[jb // d_blocks, jb % d_blocks * dn.weights + i]
+                    / (T.float32(1) + T.exp(-g[jb // d_blocks, jb % d_blocks * dn.weights + i]))
+                    * u[jb // d_blocks, jb % d_blocks * dn.weights + i] * pair_weight[jb // d_blocks])
+            quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
+        for step in T.parallel(d_steps):
+            acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
+            accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
+            for r in T.serial(m):
+                for o in T.unroll(d_rows):
+                    acc[0, o, _ramp(0, 16)] = _const(0.0, "float32", 16)
+                    accm[0, o, _ramp(0, 8)] = _const(0.0, "float32", 8)
+                for q in T.serial(row_start[r + 1] - row_start[r]):
+                    p = row_pairs[row_start[r] + q]
+                    row0 = pair_expert[p] * H
+                    wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
+                    wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
+                    wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
+                    wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
+                    wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
+                    aqp = T.decl_buffer((1, I), "int8", data=aq.data, elem_offset=p * I)
+                    adxp = T.decl_buffer((1, d_blocks * dx_), "float32", data=adx.data, elem_offset=p * (d_blocks * dx_))
+                    axsp = T.decl_buffer((1, d_blocks * ds), dn.xs_dtype, data=axs.data, elem_offset=p * (d_blocks * ds))
+                    for b in T.serial(d_blocks):
+                        down_prefetch(wdf, step * d_rows, b)
+                        for o in T.unroll(d_rows):
+                            down_dot(wd, wdi, wdh, wdu, aqp, adxp, axsp, acc, accm, T.min(step * d_rows + o, H - 1),
+                                     o, b, 0)
+                for o in T.unroll(d_rows):
+                    if step * d_rows + o < H:
+                        if dn.mins:
+                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)]) - _hsum(accm[0, o, _ramp(0, 8)])
+                        else:
+                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)])
+
+    return moe_rows.with_attr("global_symbol", moe_expert_rows_name(gate_type, down_type, E, I, H))

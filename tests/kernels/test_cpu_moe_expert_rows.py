@@ -1,0 +1,88 @@
+"""The m-row MoE expert sum (schedules/cpu/quant/moe_experts_rows.py): every row of a batched decode step against
+float64 (test_cpu_moe_expert_sum.reference) and bit for bit against the one-row kernel on that row alone.
+
+The rows share some experts and not others, and pick them out of order, so an expert's rows run for the wrong row,
+a pair's weight on another pair, or a row summing another row's experts is a large error or a changed bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+pytest.importorskip("gguf.quants")
+
+from helmc.runtime.moe_experts import expert_rows_args  # noqa: E402
+from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum  # noqa: E402
+from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows  # noqa: E402
+from tests.kernels.test_cpu_moe_expert_sum import ISA, needs_avx512, reference  # noqa: E402
+from tests.kernels.test_cpu_quant_gemv import random_quant_weight, target  # noqa: E402
+
+
+def _compiled(func):
+    lib = tvm.compile(func, target=target(ISA))
+    return lib[str(func.attrs["global_symbol"])]
+
+
+def _rows_call(call, x, idx, w, weights, dev):
+    """y [m, H] of the m-row kernel on rows x [m, H] whose selected experts are idx [m, k] with weights w [m, k]."""
+    args = [tvm.runtime.tensor(a, dev) for a in expert_rows_args(idx, w)]
+    y = tvm.runtime.empty(x.shape, "float32", dev)
+    call(tvm.runtime.tensor(x, dev), *args, *weights, y)
+    return y.numpy()
+
+
+def _one_row(call, x_row, sel, weight, weights, dev):
+    order = np.argsort(sel, kind="stable")
+    y = tvm.runtime.empty((1, x_row.shape[-1]), "float32", dev)
+    call(tvm.runtime.tensor(x_row[None], dev), tvm.runtime.tensor(sel[order].astype(np.int32), dev),
+         tvm.runtime.tensor(weight[order].astype(np.float32), dev), *weights, y)
+    return y.numpy()[0]
+
+
+@needs_avx512
+@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q4_0", "q4_0")])
+def test_expert_rows_match_one_row_and_float64(gate_type, down_type):
+    E, I, H, K = 6, 256, 512, 3
+    rng = np.random.default_rng(7 + len(gate_type + down_type))
+    gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))    # [E * I, row bytes]
+    down = random_quant_weight(rng, down_type, E * H, I)                             # [E * H, row bytes]
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
+    rows = _compiled(make_moe_expert_rows(gate_type, down_type, E, I, H, K, ISA))
+    one = _compiled(make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA))
+    for idx in ([[4, 1, 5], [1, 0, 2], [5, 4, 1], [3, 2, 0], [1, 5, 4]], [[2, 0, 5]], [[0, 3, 1], [3, 0, 1]]):
+        idx = np.array(idx, np.int64)                                               # [m, K], largest first
+        w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+        x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
+        y = _rows_call(rows, x, idx, w, weights, dev)
+        for r in range(idx.shape[0]):
+            alone = _one_row(one, x[r], idx[r], w[r], weights, dev)
+            assert np.array_equal(y[r].view(np.uint32), alone.view(np.uint32)), (idx.tolist(), r)
+            ref = reference(x[r:r + 1], idx[r], w[r], gate, up, down, gate_type, down_type, I, H)
+            err = float(np.abs(y[r] - ref).max() / np.abs(ref).max())
+            assert err < 1e-5, (idx.tolist(), r, err)
+
+
+@needs_avx512
+def test_rows_with_some_pairs_left_out():
+    """A step where rows hand some experts to another device (the GPU's VRAM share): fewer pairs than m * k, a row
+    with none at all gets zeros, the others equal the one-row kernel on the pairs they kept."""
+    E, I, H, K = 4, 256, 256, 2
+    rng = np.random.default_rng(3)
+    gate, up = (random_quant_weight(rng, "q4_k", E * I, H) for _ in range(2))
+    down = random_quant_weight(rng, "q4_k", E * H, I)
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
+    rows = _compiled(make_moe_expert_rows("q4_k", "q4_k", E, I, H, K, ISA))
+    one = _compiled(make_moe_expert_sum("q4_k", "q4_k", E, I, H, K, ISA))
+    idx = np.array([[3, 1], [2, 0], [1, 3]], np.int64)
+    w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    keep = np.array([[True, False], [False, False], [True, True]])
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    args = [tvm.runtime.tensor(a, dev) for a in expert_rows_args(idx, w, keep)]
+    y = tvm.runtime.empty((3, H), "float32", dev)
+    rows(tvm.runtime.tensor(x, dev), *args, *weights, y)
+    y = y.numpy()
+    assert np.array_equal(y[0], _one_row(one, x[0], idx[0, :1], w[0, :1], weights, dev))
+    assert not y[1].any()
+    assert np.array_equal(y[2], _one_row(one, x[2], idx[2], w[2], weights, dev))
