@@ -37,7 +37,9 @@ SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 
 # ---- names: one table (helmc.model.arch.tensors, every architecture's block), read both ways ---------------
 HF_TO_GGUF_ROOT = ROOT_TENSORS
-HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() for h, g in a.block_tensors.items()}}
+# Only the entries that read GGUF files: Gemma's block names the same HF norms otherwise (post_attention_layernorm).
+HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() if a.reads_gguf or a.reads_gguf_with_experts
+                                      for h, g in a.block_tensors.items()}}
 GGUF_TO_HF_ROOT = {g: h for h, g in HF_TO_GGUF_ROOT.items()}
 GGUF_TO_HF_BLOCK = {g: h for h, g in HF_TO_GGUF_BLOCK.items()}
 # The tensors llama.cpp's llama converter reorders per head (see qk_rows_to_hf); which files have them: the arch entry.
