@@ -26,11 +26,12 @@ def gemma3(tmp_path_factory):
     from helmc.testing import make_tiny_model
     out = {}
 
-    def model(dtype="float32"):
-        if dtype not in out:
-            d = str(tmp_path_factory.mktemp(f"gemma3_{dtype}") / "model")
-            out[dtype] = (d, make_tiny_model(d, "gemma3", num_layers=4, dtype=dtype).float().eval())
-        return out[dtype]
+    def model(dtype="float32", scalar=24):
+        if (dtype, scalar) not in out:
+            d = str(tmp_path_factory.mktemp(f"gemma3_{dtype}_{scalar}") / "model")
+            out[dtype, scalar] = (d, make_tiny_model(d, "gemma3", num_layers=4, dtype=dtype,
+                                                     query_pre_attn_scalar=scalar).float().eval())
+        return out[dtype, scalar]
     return model
 
 
@@ -131,3 +132,87 @@ def test_a_gpu_plan_for_gemma3_is_refused_in_one_line(gemma3):
                                          "\\(helmc profile --gpu-backend none\\)$"):
         check_placement(spec, Plan(format_version=1, num_layers=4, cpu_units=2), None)
     check_placement(spec, Plan(format_version=1, num_layers=4, cpu_units=6), None)      # all on the CPU
+
+
+_GEMMA3_GGUF_BLOCK = {   # llama.cpp's gemma3 names (gguf-py MODEL_ARCH.GEMMA3), spelled out apart from helmc's table
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def write_gemma3_twin(model_dir: str, path: str, pattern=None) -> None:
+    """The HF directory as a `gemma3` GGUF laid out as llama.cpp's converter writes it: every norm weight stored
+    as w + 1 in F32, nothing permuted, no output.weight (tied), the global RoPE's linear scaling, the sliding
+    window; `pattern`: {arch}.attention.sliding_window_pattern (default: the model's layer_types as booleans)."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    t = load_file(os.path.join(model_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_block_count(cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_sliding_window(cfg["sliding_window"])
+    full = cfg["rope_parameters"]["full_attention"]
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR); w.add_rope_scaling_factor(full["factor"])
+    w.add_sliding_window_pattern([k == "sliding_attention" for k in cfg["layer_types"]] if pattern is None
+                                 else pattern)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])]); w.add_token_merges(["t 1"])
+    for name, x in t.items():
+        if name.startswith("model.layers."):
+            layer, _, rest = name[len("model.layers."):].partition(".")
+            g = f"blk.{layer}.{_GEMMA3_GGUF_BLOCK[rest]}"
+        else:
+            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        x = np.asarray(x, np.float32)
+        w.add_tensor(g, np.ascontiguousarray(x + np.float32(1.0) if name.endswith("norm.weight") else x))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def test_gemma3_gguf_twin_is_the_hf_model_exactly(gemma3, host_hardware, cache_dir, tmp_path):
+    from helmc import api
+    from helmc.runtime.session import Session
+    d, _ = gemma3(scalar=32)      # llama.cpp scales by head_dim ** -0.5 (the 27B's hidden / heads): no key for it
+    cpu_only = dataclasses.replace(host_hardware, gpu=None, link=None)
+    path = str(tmp_path / "gemma3.gguf")
+    write_gemma3_twin(d, path)
+    a = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+    b = api.build(path, cpu_only, str(tmp_path / "gguf.bundle"), cache_dir=cache_dir, quiet=True)
+    assert b.spec.architecture == "Gemma3ForCausalLM" and b.spec.norm_offset == 0.0 and a.spec.norm_offset == 1.0
+    assert b.spec.attn_scale == a.spec.attn_scale == 32 ** -0.5
+    assert (b.spec.global_layers, b.spec.sliding_window, b.spec.local_rope, b.spec.rope) == \
+        (a.spec.global_layers, a.spec.sliding_window, a.spec.local_rope, a.spec.rope)
+    sa, sb = Session.load(a.bundle_dir), Session.load(b.bundle_dir)
+    assert np.array_equal(sa.forward(PROMPT, all_logits=True), sb.forward(PROMPT, all_logits=True))
+    sa.reset(); sb.reset()
+    ta = sa.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens
+    assert ta == sb.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens and len(set(ta)) > 4
+    info = sb.checkpoint.info("model.layers.0.post_attention_layernorm.weight")
+    assert info.gguf_name == "blk.0.post_attention_norm.weight"
+
+
+@pytest.mark.parametrize("pattern, global_layers", [(3, (2,)), (6, ()), ([True, False, True, True], (1,))])
+def test_gemma3_gguf_sliding_window_pattern(gemma3, tmp_path, pattern, global_layers):
+    from helmc.model.gguf_spec import read_gguf_spec
+    path = str(tmp_path / "g.gguf")
+    write_gemma3_twin(gemma3()[0], path, pattern)
+    spec = read_gguf_spec(path)
+    assert spec.global_layers == global_layers and spec.attn_scale == 32 ** -0.5
+    assert (spec.local_rope.theta, spec.embed_scale, spec.hidden_act) == (10000.0, 8.0, "gelu_pytorch_tanh")
+
+
+def test_gemma3_gguf_bad_pattern_is_one_line(gemma3, tmp_path):
+    from helmc.errors import HelmcError
+    from helmc.model.gguf_spec import read_gguf_spec
+    path = str(tmp_path / "g.gguf")
+    write_gemma3_twin(gemma3()[0], path, [True, False])
+    with pytest.raises(HelmcError, match=r"gemma3.attention.sliding_window_pattern expected a positive integer or "
+                                         r"4 booleans, found \[True, False\]$"):
+        read_gguf_spec(path)
