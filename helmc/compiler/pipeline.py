@@ -112,7 +112,7 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
     RoPE tables and norms are CPU-only so far); for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
-    if plan.uses_gpu and (spec.local_rope is not None or spec.global_layers or spec.norm_offset):
+    if plan.uses_gpu and (spec.local_rope is not None or spec.global_layers or spec.sandwich_norms):
         raise HelmcError(f"plan: {spec.architecture} expected an all-CPU plan (the GPU stage's kernels take neither "
                          f"per-block windows and RoPE tables nor its norms yet), found {plan.describe()}; build it "
                          f"with a hardware profile without a GPU (helmc profile --gpu-backend none)")
