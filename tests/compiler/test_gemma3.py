@@ -216,3 +216,27 @@ def test_gemma3_gguf_bad_pattern_is_one_line(gemma3, tmp_path):
     with pytest.raises(HelmcError, match=r"gemma3.attention.sliding_window_pattern expected a positive integer or "
                                          r"4 booleans, found \[True, False\]$"):
         read_gguf_spec(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_scaled_embedding_rows_are_transformers_bits(tmp_path, dtype):
+    """Embedding rows times sqrt(hidden), rounded in the checkpoint's dtype as Gemma3TextScaledWordEmbedding does."""
+    import torch
+    from helmc.model.spec import ModelSpec
+    from helmc.runtime.weights.bind import Embedding, open_checkpoint
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "m")
+    ref = make_tiny_model(d, "gemma3", num_layers=1, dtype=dtype, hidden_size=48)   # sqrt(48): products round
+    spec = ModelSpec.from_model_dir(d)
+    ck = open_checkpoint(d, spec)
+    try:
+        ids = np.array(PROMPT, dtype=np.int64)
+        with torch.no_grad():
+            want = ref.model.embed_tokens(torch.from_numpy(ids)).float().numpy()
+        got = Embedding(ck, spec)(ids)
+        assert spec.embed_scale == 48 ** 0.5 and got.dtype == np.float32 and np.array_equal(got, want)
+        if dtype != "float32":        # rounded in the weights' dtype, not kept in fp32
+            rows = ref.model.embed_tokens.weight.detach()[torch.from_numpy(ids)].float().numpy()
+            assert not np.array_equal(got, rows * np.float32(48 ** 0.5))
+    finally:
+        ck.close()
