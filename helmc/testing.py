@@ -64,6 +64,16 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
     elif arch == "phi3":        # head_dim is hidden / heads (Phi3Config has no key of its own for it)
         from transformers import Phi3Config
         cfg = Phi3Config(tie_word_embeddings=False if tie is None else tie, pad_token_id=0, **common)
+    elif arch == "gemma3":      # head_dim (32) is not hidden / heads; sliding window 8 beside global blocks
+        from transformers import Gemma3TextConfig
+        kinds = ("sliding_attention", "sliding_attention", "full_attention")
+        gemma = dict(sliding_window=8, query_pre_attn_scalar=24, layer_types=[kinds[i % 3] for i in range(num_layers)],
+                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        gemma.update({k: over[k] for k in gemma if k in over})
+        common.update({k: v for k, v in over.items() if k not in gemma})
+        cfg = Gemma3TextConfig(head_dim=head_dim, tie_word_embeddings=True if tie is None else tie, pad_token_id=0,
+                               **gemma, **{k: v for k, v in common.items() if k not in gemma})
     else:
         raise ValueError(f"unknown tiny architecture {arch}")
     return cfg
@@ -77,12 +87,15 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", num_layers: int = 2, head
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, num_layers, head_dim, dtype, tie, **over)
-    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    cfg.architectures = [type(cfg).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+                # Gemma's norms scale by (1 + w), its w centred on 0; spread wide, since with tied embeddings
+                # scaled by sqrt(hidden) a narrow spread makes greedy decoding repeat the prompt's last token
+                centre, spread = (0.0, 1.0) if arch == "gemma3" else (1.0, 0.1)
+                p.copy_(centre + spread * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.08)
     model.eval()

@@ -69,7 +69,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
             bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=kv.page_tokens, max_tokens=plan.max_context,
-                        dtype=spec.dtype, sliding_window=spec.sliding_window or None,
+                        dtype=spec.dtype, sliding_window=tuple(spec.layer_window(i) for i in layers),
                         threads=default_threads(),
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim, spec.dtype))

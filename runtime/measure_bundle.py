@@ -31,7 +31,7 @@ from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 from helmc.runtime.kv.options import KV_PAGE_TOKENS   # the sessions' default page size
 
-from helmc.runtime.rope import RopeTables
+from helmc.runtime.rope import rope_tables
 from helmc.runtime.weights.bind import Embedding, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
@@ -177,7 +177,7 @@ class _Context:
         self.fill, self.warmup, self.steps = fill, warmup, steps
         self.total = fill + warmup + steps
         self.cpu_cache_bytes = cpu_cache_bytes
-        self.rope = RopeTables(spec.rope, spec.head_dim)
+        self.rope = rope_tables(spec)
         self.embed_rows = Embedding(ck, spec)
         self.rng = np.random.default_rng(0)
         self.token = int(self.rng.integers(3, spec.vocab_size))

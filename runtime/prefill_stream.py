@@ -20,7 +20,6 @@ costs the decode no VRAM; the hidden state goes back to the host before the GPU 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +136,7 @@ class StreamedPrefill:
         self.cp, self.spec, self.arenas, self.cpu_kv = cp, spec, arenas, cpu_kv
         self.chunk = chunk_tokens
         self.to_tvm, self.to_cupy = cupy_to_tvm, tvm_to_cupy
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale = spec.attention_scale
         self.score_budget_bytes, self.block_tokens = score_budget_bytes, block_tokens
         # Per type signature (one for unquantized models): its prefill functions.
         self.fns = {j: (vm[block_function_name("pre_attn", "prefill", j)], vm[block_function_name("post_attn", "prefill", j)])

@@ -39,12 +39,16 @@ class RopeTables:
     # (tests/model/test_rope_tables.py checks it).
     CHUNK = 256
 
-    def __init__(self, rope: RopeSpec, head_dim: int):
+    def __init__(self, rope: RopeSpec, head_dim: int, local: RopeSpec | None = None):
+        # local: the sliding-window blocks' own RoPE (Gemma 3): each row is then [global D | local D], and the
+        # stage hands each block its half (Stage.rope_halves).
         self.inv_freq = inv_freq(rope, head_dim)
+        self.local_inv_freq = None if local is None else inv_freq(local, head_dim)
         self._chunk: tuple[int, np.ndarray, np.ndarray] | None = None     # (first position, cos, sin)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [S, D] float32 of the positions (new arrays: the caller may keep or change them)."""
+        """cos, sin [S, D] float32 of the positions ([S, 2D] with a local RoPE: the global table's D, then the
+        local's); new arrays: the caller may keep or change them."""
         if len(positions) != 1:
             return self._compute(positions)
         p = int(positions[0])
@@ -55,6 +59,19 @@ class RopeTables:
         return self._chunk[1][i:i + 1].copy(), self._chunk[2][i:i + 1].copy()
 
     def _compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]   # [S] x [D/2] -> [S, D/2]
-        emb = np.concatenate([freqs, freqs], axis=-1)                             # [S, D/2] -> [S, D]
-        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+        tables = [_cos_sin(positions, self.inv_freq)]
+        if self.local_inv_freq is not None:
+            tables.append(_cos_sin(positions, self.local_inv_freq))
+            return tuple(np.concatenate(t, axis=-1) for t in zip(*tables))       # [S, D] x 2 -> [S, 2D]
+        return tables[0]
+
+
+def rope_tables(spec) -> RopeTables:
+    """The RoPE tables of a ModelSpec (with the sliding-window blocks' own where it has one)."""
+    return RopeTables(spec.rope, spec.head_dim, spec.local_rope)
+
+
+def _cos_sin(positions: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    freqs = positions.astype(np.float32)[:, None] * f[None, :]                   # [S] x [D/2] -> [S, D/2]
+    emb = np.concatenate([freqs, freqs], axis=-1)                                 # [S, D/2] -> [S, D]
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

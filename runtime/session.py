@@ -25,7 +25,7 @@ from helmc.runtime.bundle.weights_digest import check_pinned_weights
 from helmc.runtime.kv.options import KVOptions
 from helmc.runtime.bundle.manifest import BundleManifest, verify_bundle
 from helmc.runtime.detokenize import Detokenizer
-from helmc.runtime.rope import RopeTables
+from helmc.runtime.rope import rope_tables
 from helmc.runtime.weights.bind import Embedding, check_checkpoint, open_checkpoint
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.sampling import Sampler, SamplingParams
@@ -63,7 +63,7 @@ class Session:
         self.head = head
         self.tokenizer = tokenizer
         self.gpu = gpu
-        self.rope = RopeTables(spec.rope, spec.head_dim)
+        self.rope = rope_tables(spec)
         gpu_only = cpu_stage is None and gpu is not None and all(
             part is None for part in (gpu.cpu_stage_step, gpu.hybrid, gpu.streamed_prefill))
         self._embed = Embedding(checkpoint, spec, native=gpu_only)     # rows that only ever go to the GPU stay fp16

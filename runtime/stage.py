@@ -10,7 +10,6 @@ KV cache object; the loop is the same.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -67,7 +66,9 @@ class Stage:
         self.kv_base = kv_base
         self.to_array = to_array        # device tensor -> NumPy/CuPy array (zero-copy where possible)
         self.from_array = from_array    # NumPy/CuPy array -> device tensor
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale = spec.attention_scale
+        # Per block of the stage: whether it takes the local RoPE half of cos/sin (Gemma 3's sliding blocks).
+        self._local_rope = [spec.layer_rope_local(i) for i in layers]
         # Per block of the stage, its signature's functions: (phase, signature) -> PackedFunc.
         self._signature = [spec.signature_index(i) for i in layers]
         self.batch_sizes = tuple(batch_sizes)    # the batched decode variants the bundle holds (decode_batch_sizes)
@@ -103,9 +104,10 @@ class Stage:
         # written straight into the arena, the kernel's output buffer handed to post_attn as it is; the same
         # kernel and bits as append + attend, without their per-call checks, lookups and copies).
         batch = self._decode_batch_for([self.kv]) if phase == "decode" and S == 1 and attn_out is None else None
+        ropes = self.rope_halves(cos, sin)
         for local in (range(len(self.bindings)) if blocks is None else blocks):
             binding, j, layer = self.bindings[local], self._signature[local], self.kv_base + local
-            q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
+            q, k, v = self._pre[(phase, j)](x, *ropes[self._local_rope[local]], *binding.pre)
             if batch is not None:
                 x = self._post_fn(local, phase, j)(x, batch.attend([self.kv], layer, q, k, v, self.scale), *binding.post)
                 continue
@@ -137,15 +139,29 @@ class Stage:
         starts = [sum(rows[:b]) for b in range(len(rows))]
         batch = (self._decode_batch_for(caches) or self._gpu_decode_batch_for(caches)) if all(n == 1 for n in rows) \
             else None
+        ropes = self.rope_halves(cos, sin)
         for local in (range(len(self.bindings)) if blocks is None else blocks):
             binding, j = self.bindings[local], self._signature[local]
-            q, k, v = self._pre[(phase, j)](x, cos, sin, *binding.pre)
+            q, k, v = self._pre[(phase, j)](x, *ropes[self._local_rope[local]], *binding.pre)
             o = self.attend_rows(self.kv_base + local, q, k, v, caches, starts, rows, S, batch)
             x = self._post_fn(local, phase, j)(x, o, *binding.post)
         if advance:
             for kv, n in zip(caches, rows):
                 kv.advance(n)
         return x
+
+    def rope_halves(self, cos, sin) -> tuple[tuple, tuple]:
+        """((cos, sin) of the global blocks, (cos, sin) of the local ones) as device tensors [S, D]: with a local
+        RoPE, the halves of RopeTables' [S, 2D] rows (copied once a step, not per block); else cos, sin for both."""
+        if self.spec.local_rope is None:
+            return (cos, sin), (cos, sin)
+        D = self.spec.head_dim
+        c, s = self.to_array(cos), self.to_array(sin)
+        xp = _array_module(c)
+
+        def half(a, i):
+            return self.from_array(xp.ascontiguousarray(a[:, i * D:(i + 1) * D]))   # [S, 2D] -> [S, D]
+        return (half(c, 0), half(s, 0)), (half(c, 1), half(s, 1))
 
     def _post_fn(self, local: int, phase: str, signature: int):
         """The post-attention call of the stage's block `local`: the compiled post_attn, or a MoE block's."""

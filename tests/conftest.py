@@ -42,6 +42,8 @@ SLOW_TESTS = (
     # architectures beyond the first build of each: the GGUF twins and the sliding-window build
     "tests/compiler/test_phi3.py::test_phi3_gguf_twin_is_the_hf_model_exactly",
     "tests/compiler/test_phi3.py::test_phi3_sliding_window_matches_transformers",
+    "tests/compiler/test_gemma3.py::test_gemma3_fp16_greedy_matches_or_top5",
+    "tests/compiler/test_gemma3.py::test_gemma3_gguf_twin_is_the_hf_model_exactly",
     "tests/compiler/test_head_dim.py::test_llama_gguf_with_key_length_is_the_hf_model_exactly",
     # end to end: one more build per architecture, dtype and checkpoint layout (qwen3 fp32, shared, stays fast)
     "tests/compiler/test_end_to_end.py::test_fp32_logits_and_greedy_match_transformers[qwen2]",

@@ -110,9 +110,14 @@ def gpu_moe_kernels(spec: ModelSpec) -> dict:
 
 
 def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> None:
-    """A plan this build can carry out: a GPU where it places units; for a mixture-of-experts model, no streamed
+    """A plan this build can carry out: a GPU where it places units, none for Gemma 3's block (its per-block windows,
+    RoPE tables and norms are CPU-only so far); for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
+    if plan.uses_gpu and (spec.local_rope is not None or spec.global_layers or spec.sandwich_norms):
+        raise HelmcError(f"plan: {spec.architecture} expected an all-CPU plan (the GPU stage's kernels take neither "
+                         f"per-block windows and RoPE tables nor its norms yet), found {plan.describe()}; build it "
+                         f"with a hardware profile without a GPU (helmc profile --gpu-backend none)")
     if plan.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     if spec.moe is not None and (plan.prefill_on_gpu or plan.groups):

@@ -43,7 +43,7 @@ import gguf
 import numpy as np
 
 from helmc.errors import HelmcError
-from helmc.model.arch import ARCHITECTURES
+from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES
 from helmc.model.gguf_spec import gguf_name, permuted_heads, qk_rows_to_gguf
 from helmc.model.gguf_tokenizer import PRE_TOKENIZERS
 from helmc.model.quant_formats import quant_type, quantize
@@ -59,7 +59,8 @@ _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a 
 # A MoE architecture whose GGUF files helmc reads back (qwen3moe; Mixtral as llama with experts); none whose
 # checkpoint fuses q/k/v and gate/up (Phi-3: llama.cpp keeps them fused, helmc writes them split).
 _GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()
-              if (a.reads_gguf or a.reads_gguf_with_experts or not a.moe) and not a.fused_projections}
+              if (a.reads_gguf or a.reads_gguf_with_experts or not a.moe) and not a.fused_projections
+              and a.gguf_arch in GGUF_ARCHITECTURES and not a.norm_offset}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")

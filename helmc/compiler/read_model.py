@@ -54,7 +54,8 @@ def read_model(path: str, quant: str = "", cache_dir: str | None = None, progres
         _check_weights(model_dir, spec)
         return ModelSource(spec, config_sha, model_dir, tokenizer_dir=model_dir)
     writable = [a.hf_class for a in ARCHITECTURES.values()       # --quant goes through a GGUF file helmc writes
-                if a.gguf_arch in GGUF_ARCHITECTURES and not a.fused_projections and not a.moe]
+                if a.gguf_arch in GGUF_ARCHITECTURES and not a.fused_projections and not a.moe
+                and not a.norm_offset]                     # Gemma: its writer's metadata and norm offset not built
     if spec.architecture not in writable + list(_QUANTIZABLE_MOE):
         raise HelmcError(f"--quant: expected one of {', '.join(writable + list(_QUANTIZABLE_MOE))}, found "
                          f"{spec.architecture} (build it without --quant)")

@@ -27,6 +27,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF, Architecture, gguf_architecture
 from helmc.model.arch.tensors import DENSE_BLOCK, EXPERT_STACKS, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
+from helmc.model.gguf_gemma import gemma_gguf_fields
 from helmc.model.moe import NAMINGS, MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.model.weight_types import WEIGHT_TYPES
@@ -37,7 +38,10 @@ SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 
 # ---- names: one table (helmc.model.arch.tensors, every architecture's block), read both ways ---------------
 HF_TO_GGUF_ROOT = ROOT_TENSORS
-HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() for h, g in a.block_tensors.items()}}
+# Without Gemma's block, which names the same HF norm otherwise (post_attention_layernorm): its names go by the
+# architecture (gguf_name / hf_name's `arch`).
+HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() if not a.sandwich_norms
+                                      for h, g in a.block_tensors.items()}}
 GGUF_TO_HF_ROOT = {g: h for h, g in HF_TO_GGUF_ROOT.items()}
 GGUF_TO_HF_BLOCK = {g: h for h, g in HF_TO_GGUF_BLOCK.items()}
 # The tensors llama.cpp's llama converter reorders per head (see qk_rows_to_hf); which files have them: the arch entry.
@@ -56,20 +60,29 @@ _GGUF_STACKED = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exp
 _GGUF_ROUTER = "ffn_gate_inp.weight"
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of a Hugging Face parameter name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
+def _block_names(arch: str | None) -> tuple[dict, dict]:
+    """(HF -> GGUF, GGUF -> HF) block suffixes of the architecture `arch` (an HF class; None: the shared table)."""
+    if arch is None or arch not in ARCHITECTURES:
+        return HF_TO_GGUF_BLOCK, GGUF_TO_HF_BLOCK
+    table = ARCHITECTURES[arch].block_tensors
+    return table, {g: h for h, g in table.items()}
+
+
+def gguf_name(hf_name: str, arch: str | None = None) -> str:
+    """llama.cpp's name of a Hugging Face parameter name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight);
+    `arch` (the HF class) where its block names the norms its own way (Gemma)."""
     if hf_name in HF_TO_GGUF_ROOT:
         return HF_TO_GGUF_ROOT[hf_name]
     for pattern, stack in _HF_EXPERTS:
         if m := pattern.fullmatch(hf_name):
             return f"blk.{m.group(1)}.{stack}.{m.group(2)}.weight"
-    m = _HF_BLOCK.fullmatch(hf_name)
-    if m and m.group(2) in HF_TO_GGUF_BLOCK:
-        return f"blk.{m.group(1)}.{HF_TO_GGUF_BLOCK[m.group(2)]}"
+    m, block = _HF_BLOCK.fullmatch(hf_name), _block_names(arch)[0]
+    if m and m.group(2) in block:
+        return f"blk.{m.group(1)}.{block[m.group(2)]}"
     raise HelmcError(f"tensor name: expected a Qwen3/Qwen2/Llama parameter name, found {hf_name!r} (no GGUF equivalent)")
 
 
-def hf_name(gguf_name: str, naming: str = "qwen_moe") -> str:
+def hf_name(gguf_name: str, naming: str = "qwen_moe", arch: str | None = None) -> str:
     """The Hugging Face parameter name of a llama.cpp tensor name (blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight);
     a router's and an expert's under `naming` (a helmc.model.moe.NAMINGS key: the file's architecture's)."""
     if gguf_name in GGUF_TO_HF_ROOT:
@@ -81,8 +94,9 @@ def hf_name(gguf_name: str, naming: str = "qwen_moe") -> str:
     m = _GGUF_BLOCK.fullmatch(gguf_name)
     if m and m.group(2) == _GGUF_ROUTER:
         return f"model.layers.{m.group(1)}.{router}"
-    if m and m.group(2) in GGUF_TO_HF_BLOCK:
-        return f"model.layers.{m.group(1)}.{GGUF_TO_HF_BLOCK[m.group(2)]}"
+    block = _block_names(arch)[1]
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}"
     raise HelmcError(f"tensor name: expected a llama.cpp tensor of a qwen3/qwen2/llama model, found {gguf_name!r}")
 
 
@@ -425,6 +439,8 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         bos_token_id=int(bos) if isinstance(bos, int) else -1, eos_token_ids=eos_ids)
     if entry.moe:
         fields["moe"] = _moe(h, key, fields["num_layers"], entry.moe_naming)
+    if entry.local_rope:
+        fields.update(gemma_gguf_fields(h.path, h.architecture, h.metadata, key, fields))
     try:
         return ModelSpec(**fields)
     except HelmcError as e:                  # ModelSpec's own checks: say which file they are about
@@ -521,11 +537,12 @@ def _types(h: GGUFHeader) -> dict[str, str]:
     out = {}
     entry = file_architecture(h.architecture, h.metadata, h.tensors)
     naming = entry.moe_naming if entry is not None else "qwen_moe"
+    arch = entry.hf_class if entry is not None else None
     for t in h.tensors.values():
         if t.name in EXTRA_TENSORS:
             continue
         try:
-            hf = hf_name(t.name, naming)
+            hf = hf_name(t.name, naming, arch)
         except HelmcError:
             raise HelmcError(f"{h.path}: unexpected tensor {t.name!r}: not part of a qwen3/qwen2/llama model helmc runs") from None
         if t.type not in SUPPORTED_TYPES:
@@ -541,7 +558,7 @@ def check_gguf_tensors(h: GGUFHeader, spec: ModelSpec) -> dict[str, str]:
     types = _types(h)
     expected = expected_hf_tensors(spec)
     for hf, shape in expected.items():
-        g = gguf_name(hf)
+        g = gguf_name(hf, spec.architecture)
         t = h.tensors.get(g)
         if t is None:
             raise HelmcError(f"{h.path}: missing tensor {g!r} ({hf}): expected shape {list(shape)} "
@@ -552,7 +569,7 @@ def check_gguf_tensors(h: GGUFHeader, spec: ModelSpec) -> dict[str, str]:
                              f"(HF shape {list(t.shape)})")
     for hf in types:
         if hf not in expected:
-            raise HelmcError(f"{h.path}: unexpected tensor {gguf_name(hf)!r} ({hf}): not part of this "
+            raise HelmcError(f"{h.path}: unexpected tensor {gguf_name(hf, spec.architecture)!r} ({hf}): not part of this "
                              f"{h.architecture} model ({spec.num_layers} blocks, qkv_bias={spec.qkv_bias}, "
                              f"tied embeddings={spec.tie_word_embeddings})")
     return types

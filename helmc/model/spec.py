@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from helmc.model.moe import MoeSpec, moe_from_hf_config
 from helmc.model.weight_types import quant_blocks
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate activation (SwiGLU, GeGLU)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Far above any released model (Llama 3.1 405B: 126 blocks, hidden 16384, 128 heads; vocabularies ~256k), but
 # below what a corrupt header can ask for: the checks that list one tensor per block, or the planner's tables,
@@ -89,6 +91,18 @@ class ModelSpec:
     # Quantized experts: per block, the (gate, up, down) types of its experts (every expert of a block has its
     # block's: a GGUF file stacks them in one tensor per kind); ("", "", "") for a dense block. Empty: float experts.
     expert_types: tuple[tuple[str, str, str], ...] = ()
+    # Gemma's block (helmc.model.arch's features of the same names): RMSNorm scales by (norm_offset + w); norms on
+    # the attention and MLP outputs before each residual add; the MLP's activation; token embeddings times
+    # embed_scale (rounded to the weight dtype); attention scores times attn_scale (0: head_dim ** -0.5).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"          # silu | gelu_pytorch_tanh
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
+    # Blocks that attend globally though sliding_window is set (Gemma 3's every sixth); empty: all use the window.
+    global_layers: tuple[int, ...] = ()
+    # The RoPE of the sliding-window blocks where it differs from `rope` (Gemma 3's base 10000); None: all use `rope`.
+    local_rope: RopeSpec | None = None
 
     def __post_init__(self):
         # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
@@ -103,6 +117,12 @@ class ModelSpec:
             raise HelmcError(f"model spec: dtype expected one of {sorted(DTYPE_BYTES)}, found {self.dtype!r}")
         if self.sliding_window < 0:
             raise HelmcError(f"model spec: sliding_window expected >= 0, found {self.sliding_window}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise HelmcError(f"model spec: hidden_act expected one of {HIDDEN_ACTS}, found {self.hidden_act!r:.60}")
+        if any(not 0 <= i < self.num_layers for i in self.global_layers) or \
+                list(self.global_layers) != sorted(set(self.global_layers)):
+            raise HelmcError(f"model spec: global_layers expected increasing block indices below {self.num_layers}, "
+                             f"found {str(self.global_layers)[:80]}")
         quant = set(QUANT_BLOCKS) | {""}
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(len(t) != len(LINEAR_NAMES) for t in self.layer_types)
@@ -192,6 +212,19 @@ class ModelSpec:
         return self.num_layers + 2
 
     @property
+    def attention_scale(self) -> float:
+        """The factor of q . k in attention: config's query_pre_attn_scalar ** -0.5 (Gemma) or head_dim ** -0.5."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_window(self, layer: int) -> int:
+        """Block `layer`'s sliding attention window in tokens (0: it attends to the whole context)."""
+        return 0 if layer in self.global_layers else self.sliding_window
+
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether block `layer` takes the local RoPE table (the second half of RopeTables' rows)."""
+        return self.local_rope is not None and self.layer_window(layer) > 0
+
+    @property
     def max_context(self) -> int:
         return self.max_position_embeddings
 
@@ -221,8 +254,10 @@ class ModelSpec:
             s.update({"self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,)})
         if self.qk_norm:
             s.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
-        s.update({"self_attn.o_proj.weight": (H, Q), "post_attention_layernorm.weight": (H,),
-                  "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
+        s.update({"self_attn.o_proj.weight": (H, Q), "post_attention_layernorm.weight": (H,)})
+        if self.sandwich_norms:
+            s.update({"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)})
+        s.update({"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
         if layer is not None and self.is_moe_layer(layer):
             for name in self.post_attn_weight_names()[2:]:
                 del s[name]
@@ -243,8 +278,10 @@ class ModelSpec:
         (o_proj, the norm, the router), its experts bound apart (runtime/moe_experts.py)."""
         if layer is not None and self.is_moe_layer(layer):
             return ("self_attn.o_proj.weight", "post_attention_layernorm.weight", self.moe.router_name)
-        return ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+        norms = ("post_attention_layernorm.weight",) + (
+            ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight") if self.sandwich_norms else ())
+        return ("self_attn.o_proj.weight",) + norms + ("mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                                       "mlp.down_proj.weight")
 
     def head_weight_names(self) -> tuple[str, str]:
         """Checkpoint names (from the model root) of the head function's weights."""
@@ -285,72 +322,120 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "ModelSpec":
         """Every value is checked for its type here: config.json comes from anywhere (a download, a hand edit)."""
-        if not isinstance(cfg, dict):
-            raise HelmcError(f"{where}: expected a JSON object, found {type(cfg).__name__}")
-        archs = cfg.get("architectures")
-        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise HelmcError(f"{where}: architectures expected one of {list(SUPPORTED_ARCHITECTURES)}, found {archs or 'none'}"
-                             f"{_CUSTOM_CODE if cfg.get('auto_map') else ''}")
-        auto = cfg.get("auto_map")
-        if isinstance(auto, dict) and any(k in auto for k in ("AutoModel", "AutoModelForCausalLM")) or \
-                (auto is not None and not isinstance(auto, dict)):
-            raise HelmcError(f"{where}: expected a {arch} config without custom model code, found auto_map "
-                             f"{str(auto)[:80]}{_CUSTOM_CODE}")
-
-        def number(key, default=None, kind=int, positive=True):
-            v = cfg.get(key)
-            if v is None:
-                if default is None:
-                    raise HelmcError(f"{where}: required key {key!r} missing for {arch}")
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
-                    or (positive and v <= 0) or v != v or abs(v) == float("inf"):
-                raise HelmcError(f"{where}: {key!r} expected a {'positive ' if positive else ''}"
-                                 f"{'integer' if kind is int else 'number'}, found {v!r:.60}")
-            return kind(v)
-
-        H, heads = number("hidden_size"), number("num_attention_heads")
-        kv_heads = number("num_key_value_heads", heads)
-        head_dim = number("head_dim", max(1, H // heads))
-        if heads % kv_heads:
-            raise HelmcError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-        if head_dim % 2:
-            raise HelmcError(f"{where}: head_dim must be even for RoPE, found {head_dim}")
-        dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
-        if dtype_name not in _TORCH_DTYPE_NAMES:
-            raise HelmcError(f"{where}: dtype expected float32, float16 or bfloat16, found {dtype_name!r:.60}")
-        eos = cfg.get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-            raise HelmcError(f"{where}: eos_token_id expected an integer or a list of them, found {cfg['eos_token_id']!r:.60}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise HelmcError(f"{where}: hidden_act expected 'silu', found {cfg.get('hidden_act')!r:.60}")
-        entry = ARCHITECTURES[arch]
-        sliding = 0
-        if entry.sliding_window or cfg.get("use_sliding_window") is True:
-            sliding = number("sliding_window", 0, positive=False)
-        bos = cfg.get("bos_token_id")
-        fields = dict(
-            architecture=arch, hidden_size=H, intermediate_size=number("intermediate_size"),
-            num_layers=number("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, vocab_size=number("vocab_size"),
-            rms_norm_eps=number("rms_norm_eps", 1e-6, float), rope=_rope_from_config(cfg, where),
-            max_position_embeddings=number("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings") is True,
-            dtype=_TORCH_DTYPE_NAMES[dtype_name],
-            qkv_bias=entry.qkv_bias or cfg.get("attention_bias") is True,
-            qk_norm=entry.qk_norm, sliding_window=sliding,
-            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
-            eos_token_ids=tuple(eos), moe=moe_from_hf_config(cfg, arch, number("num_hidden_layers"), where))
+        fields = _hf_config_fields(cfg, where)
         try:
             return cls(**fields)
         except HelmcError as e:              # ModelSpec's own checks (sizes, heads): say which file they are about
             raise HelmcError(f"{where}: {e}") from None
 
 
+def _hf_config_fields(cfg: dict, where: str) -> dict:
+    """ModelSpec's fields from a Hugging Face config.json (ModelSpec.from_hf_config), every value checked."""
+    if not isinstance(cfg, dict):
+        raise HelmcError(f"{where}: expected a JSON object, found {type(cfg).__name__}")
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise HelmcError(f"{where}: architectures expected one of {list(SUPPORTED_ARCHITECTURES)}, found {archs or 'none'}"
+                         f"{_CUSTOM_CODE if cfg.get('auto_map') else ''}")
+    auto = cfg.get("auto_map")
+    if isinstance(auto, dict) and any(k in auto for k in ("AutoModel", "AutoModelForCausalLM")) or \
+            (auto is not None and not isinstance(auto, dict)):
+        raise HelmcError(f"{where}: expected a {arch} config without custom model code, found auto_map "
+                         f"{str(auto)[:80]}{_CUSTOM_CODE}")
+
+    def number(key, default=None, kind=int, positive=True):
+        v = cfg.get(key)
+        if v is None:
+            if default is None:
+                raise HelmcError(f"{where}: required key {key!r} missing for {arch}")
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
+                or (positive and v <= 0) or v != v or abs(v) == float("inf"):
+            raise HelmcError(f"{where}: {key!r} expected a {'positive ' if positive else ''}"
+                             f"{'integer' if kind is int else 'number'}, found {v!r:.60}")
+        return kind(v)
+
+    H, heads = number("hidden_size"), number("num_attention_heads")
+    kv_heads = number("num_key_value_heads", heads)
+    head_dim = number("head_dim", max(1, H // heads))
+    if heads % kv_heads:
+        raise HelmcError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    if head_dim % 2:
+        raise HelmcError(f"{where}: head_dim must be even for RoPE, found {head_dim}")
+    dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+    if dtype_name not in _TORCH_DTYPE_NAMES:
+        raise HelmcError(f"{where}: dtype expected float32, float16 or bfloat16, found {dtype_name!r:.60}")
+    eos = cfg.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+        raise HelmcError(f"{where}: eos_token_id expected an integer or a list of them, found {cfg['eos_token_id']!r:.60}")
+    entry = ARCHITECTURES[arch]
+    act_key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
+    act = cfg.get(act_key, "gelu_pytorch_tanh" if entry.scaled_embeddings else "silu")
+    if act not in HIDDEN_ACTS:
+        raise HelmcError(f"{where}: {act_key} expected one of {HIDDEN_ACTS}, found {act!r:.60}")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):   # Gemma 2's, not built
+        if cfg.get(key) is not None:
+            raise HelmcError(f"{where}: {key} expected null (no softcapping), found {cfg[key]!r:.60}")
+    sliding = 0
+    if entry.sliding_window or cfg.get("use_sliding_window") is True:
+        sliding = number("sliding_window", 0, positive=False)
+    gemma = gemma_fields(cfg, entry, number("num_hidden_layers"), H, sliding, where) if entry.local_rope else {}
+    bos = cfg.get("bos_token_id")
+    fields = dict(
+        architecture=arch, hidden_size=H, intermediate_size=number("intermediate_size"),
+        num_layers=number("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab_size=number("vocab_size"),
+        rms_norm_eps=number("rms_norm_eps", 1e-6, float), rope=_rope_from_config(cfg, where),
+        max_position_embeddings=number("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings") is True,
+        dtype=_TORCH_DTYPE_NAMES[dtype_name],
+        qkv_bias=entry.qkv_bias or cfg.get("attention_bias") is True,
+        qk_norm=entry.qk_norm, sliding_window=sliding,
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
+        eos_token_ids=tuple(eos), moe=moe_from_hf_config(cfg, arch, number("num_hidden_layers"), where),
+        hidden_act=act, norm_offset=entry.norm_offset, sandwich_norms=entry.sandwich_norms)
+    fields.update(gemma)
+    return fields
+
+
 _CUSTOM_CODE = " (auto_map: custom model code, which helmc never imports or runs: it compiles its own implementation " \
                "of the supported architectures)"
+
+
+_LAYER_KINDS = ("sliding_attention", "full_attention")
+
+
+def gemma_fields(cfg: dict, entry, layers: int, hidden: int, sliding: int, where: str) -> dict:
+    """Gemma 3's ModelSpec fields from its config.json: which blocks attend globally (layer_types, or every
+    sliding_window_pattern-th), the two RoPEs (transformers >= 5 nests them per layer kind in rope_parameters;
+    older files give rope_theta + rope_scaling for the global ones and rope_local_base_freq for the sliding ones),
+    the attention and embedding scales."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise HelmcError(f"{where}: sliding_window_pattern expected a positive integer, found {pattern!r:.60}")
+        kinds = [_LAYER_KINDS[(i + 1) % pattern == 0] for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in _LAYER_KINDS for k in kinds):
+        raise HelmcError(f"{where}: layer_types expected {layers} of {_LAYER_KINDS}, found {str(kinds)[:80]}")
+    if sliding < 1 and "sliding_attention" in kinds:
+        raise HelmcError(f"{where}: sliding_window expected a positive integer for sliding_attention layers, "
+                         f"found {cfg.get('sliding_window')!r:.60}")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and all(k in params for k in _LAYER_KINDS):
+        rope = _rope_from_config({"rope_parameters": params["full_attention"]}, where)
+        local = _rope_from_config({"rope_parameters": params["sliding_attention"]}, where)
+    else:
+        rope = _rope_from_config(cfg, where)
+        local = _rope_from_config({"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}, where)
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < float("inf"):
+        raise HelmcError(f"{where}: query_pre_attn_scalar expected a positive number, found {scalar!r:.60}")
+    return dict(rope=rope, local_rope=local, attn_scale=float(scalar) ** -0.5,
+                global_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention"),
+                embed_scale=float(hidden) ** 0.5 if entry.scaled_embeddings else 1.0)
 
 
 def _rope_from_config(cfg: dict, where: str) -> RopeSpec:

@@ -75,7 +75,7 @@ def kv_dtype_name(dtype) -> str:
 
 class KVCacheCPU:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
-                 max_tokens: int = 4096, dtype=np.float32, sliding_window: int | None = None,
+                 max_tokens: int = 4096, dtype=np.float32, sliding_window: int | tuple[int, ...] | None = None,
                  threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20,
                  attend_kernel=None):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -85,11 +85,16 @@ class KVCacheCPU:
                 raise HelmcError(f"KVCacheCPU: {name} expected a positive integer, found {val!r}")
         self.kv_dtype = kv_dtype_name(dtype)
         self.dtype = _STORAGE[self.kv_dtype]                              # storage: uint16 holds bf16 bits
-        if sliding_window is not None and sliding_window < 1:
-            raise HelmcError(f"KVCacheCPU: sliding_window expected None or >= 1, found {sliding_window}")
+        # One window for every layer, or one per layer (0: that layer attends to the whole context; Gemma 3).
+        windows = tuple(sliding_window) if isinstance(sliding_window, (tuple, list)) else \
+            (sliding_window or 0,) * num_layers
+        if (sliding_window is not None and not isinstance(sliding_window, (tuple, list)) and sliding_window < 1) \
+                or len(windows) != num_layers or any(not isinstance(w, (int, np.integer)) or w < 0 for w in windows):
+            raise HelmcError(f"KVCacheCPU: sliding_window expected None, >= 1 or {num_layers} per-layer windows "
+                             f"(0: none), found {sliding_window!r:.80}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_tokens, self.max_tokens = page_tokens, max_tokens
-        self.window = sliding_window or 0
+        self.windows = windows
         self.threads = threads
         self.block_tokens = max(page_tokens, block_tokens // page_tokens * page_tokens)
         self.score_budget_bytes = score_budget_bytes
@@ -196,8 +201,8 @@ class KVCacheCPU:
                 runs = self._slot_runs(n)
                 if len(runs) == 1:
                     return self._decode_kernel(layer, q, runs[0][1], n, scale)
-            return self._decode(q, self._blocks(layer, n, widen=False), n, scale)
-        return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.window,
+            return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer])
+        return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.windows[layer],
                              np.float32, self.score_budget_bytes)
 
     def advance(self, S: int) -> None:
@@ -211,9 +216,10 @@ class KVCacheCPU:
         self._row = None
 
     def _decode_row(self) -> tuple[int, int | None, int]:
-        """This one-token step's (arena row of the new token, kernel row0 or None, kernel n): the step's
-        reservation made on first use, and what append/attend work out per call, worked out once a step.
-        row0 is None where the compiled kernel cannot attend (no kernel, or pages in several runs)."""
+        """This one-token step's (arena row of the new token, arena row of position 0 or None, tokens n): the
+        step's reservation made on first use, and what append/attend work out per call, worked out once a step.
+        The row of position 0 is None where the compiled kernel cannot attend (no kernel, or pages in several
+        runs); a layer's kernel reads from position window_start(layer, n) on."""
         if self._pending == 0:
             if self.length + 1 > self.max_tokens:
                 raise HelmcError(f"KV cache (CPU layers): {self.length + 1} tokens needed, room for {self.max_tokens}")
@@ -227,9 +233,13 @@ class KVCacheCPU:
             row = self._table().host_slots[p // T] * T + p % T
             n = p + 1
             runs = self._slot_runs(n) if self._kernel is not None else ()
-            lo = max(0, n - self.window) if self.window else 0
-            self._row = (row, runs[0][1] + lo, n - lo) if len(runs) == 1 else (row, None, n)
+            self._row = (row, runs[0][1], n) if len(runs) == 1 else (row, None, n)
         return self._row
+
+    def window_start(self, layer: int, n: int) -> int:
+        """The first of positions 0..n-1 that `layer`'s newest query sees (its sliding window's)."""
+        w = self.windows[layer]
+        return max(0, n - w) if w else 0
 
     def _to_storage(self, x: np.ndarray) -> np.ndarray:
         """Float rows in the arena's dtype, rounded as _store's assignment rounds them."""
@@ -285,7 +295,7 @@ class KVCacheCPU:
         """Key blocks of `layer` over positions 0..n-1 (those inside the window); `widen`: load() gives
         float32, else the arena's own dtype."""
         K, V = self._arena[layer, 0], self._arena[layer, 1]               # [h_kv, slots*T, d] each
-        lo = max(0, n - self.window) if self.window else 0
+        lo = self.window_start(layer, n)
         out = []
         for pos0, row0, tok in self._slot_runs(n):
             for a in range(0, tok, self.block_tokens):
@@ -300,7 +310,7 @@ class KVCacheCPU:
         """One query row over positions lo..n-1, stored at arena rows row0+lo.., on the compiled kernel."""
         if self._kernel_args is None:
             self._bind_kernel(q.shape[1])
-        lo = max(0, n - self.window) if self.window else 0
+        lo = self.window_start(layer, n)
         k, v = self._kernel_args[layer]
         np.copyto(self._q, q[0])
         self._kernel(self._q_tensor, k, v, row0 + lo, n - lo, float(scale), self._o_tensor)
@@ -317,20 +327,20 @@ class KVCacheCPU:
         self._kernel_args = [(from_dlpack(self._arena[i, 0]), from_dlpack(self._arena[i, 1]))
                              for i in range(self.num_layers)]
 
-    def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float) -> np.ndarray:
+    def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float, window: int) -> np.ndarray:
         """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share."""
         qt = group_queries(np, q, self.num_kv_heads)                      # [1, h_a, d] -> [h_kv, g, d]
-        q_pos0 = n - 1 if self.window else None
+        q_pos0 = n - 1 if window else None
         groups = _split_by_tokens(blocks, self.threads)
         if self.kv_dtype != "float32":
             groups = [[self._widened(b) for b in group] for group in groups]
         if len(groups) == 1:
-            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, self.window)]
+            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, window)]
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
             parts = list(self._executor.map(
-                lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, self.window), groups))
+                lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, window), groups))
         o = merge_partials(np, parts) if len(parts) > 1 else parts[0].o / parts[0].s[..., None]   # [h_kv, g, d]
         return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
 
@@ -399,7 +409,8 @@ class DecodeBatch:
             if kv._kernel_args is None:
                 kv._bind_kernel(self.h_a)
             kt, vt = kv._kernel_args[layer]
-            kv._kernel(q_t[b], kt, vt, row0, n, scale, o_t[b])
+            lo = kv.window_start(layer, n)
+            kv._kernel(q_t[b], kt, vt, row0 + lo, n - lo, scale, o_t[b])
         return out_t
 
 

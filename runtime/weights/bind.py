@@ -216,15 +216,22 @@ class Embedding:
         self.qtype, self.hidden, self.native = spec.embed_type, spec.hidden_size, native
         self.table = ck.raw(self.NAME) if self.qtype else ck.view(self.NAME, (spec.vocab_size, spec.hidden_size))
         self.bf16 = not self.qtype and ck.info(self.NAME).dtype == "bfloat16"
+        self.scale = spec.embed_scale             # Gemma: sqrt(hidden_size), rounded to the weights' dtype as HF does
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         rows = self.table[ids]                                    # [S, H] (or [S, row bytes] quantized)
         if self.qtype:
             from helmc.runtime.weights.gguf_mmap import dequantize_rows
-            return dequantize_rows(rows, self.qtype, self.hidden)  # [S, row bytes] -> [S, H]
+            rows = dequantize_rows(rows, self.qtype, self.hidden)  # [S, row bytes] -> [S, H]
+            return rows * np.float32(self.scale) if self.scale != 1.0 else rows
         if self.bf16:
-            from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+            from helmc.runtime.tvm_tensors import bf16_bits_from_float32, float32_from_bf16_bits
             rows = float32_from_bf16_bits(rows)
+            if self.scale != 1.0:          # bf16 x bf16 is exact in fp32; the product rounds to bf16
+                rows = float32_from_bf16_bits(bf16_bits_from_float32(
+                    rows * float32_from_bf16_bits(bf16_bits_from_float32(np.float32([self.scale])))))
+        elif self.scale != 1.0:
+            rows = rows * rows.dtype.type(np.float32(self.scale))   # in the weights' dtype (fp16 rounds there)
         if self.native and rows.dtype == np.float16:
             return np.ascontiguousarray(rows)
         return np.ascontiguousarray(rows, dtype=np.float32)

@@ -65,7 +65,7 @@ class GGUFCheckpoint:
             raise HelmcError(f"{path}: this GGUF is not the model the bundle was built for: {'; '.join(diff)}")
         self.spec = spec if spec is not None else own
         self._arch = header.architecture
-        self._tensors: dict[str, GGUFTensor] = {hf: header.tensors[gguf_name(hf)]
+        self._tensors: dict[str, GGUFTensor] = {hf: header.tensors[gguf_name(hf, self.spec.architecture)]
                                                 for hf in check_gguf_tensors(header, self.spec)}
         self._file = open(path, "rb")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)

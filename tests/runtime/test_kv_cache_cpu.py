@@ -24,7 +24,8 @@ def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0):
             o = cache.attend(layer, q, 0.3)
             hist_k[layer] = np.concatenate([hist_k[layer], k.astype(kv_dtype)])
             hist_v[layer] = np.concatenate([hist_v[layer], v.astype(kv_dtype)])
-            ref = full_attention(q, hist_k[layer], hist_v[layer], 0.3, window=window)
+            w = window[layer] if isinstance(window, tuple) else window
+            ref = full_attention(q, hist_k[layer], hist_v[layer], 0.3, window=w)
             assert o.shape == (S, h_a, d) and o.dtype == np.float32
             worst = max(worst, float(np.abs(o - ref).max() / np.abs(ref).max()))
         cache.advance(S)
@@ -55,6 +56,18 @@ def test_sliding_window_fp16_storage_and_reset():
     assert cache.length == 0
     worst = run_steps(cache, np.random.default_rng(8), [3, 1], 1, 2, 32, kv_dtype=np.float16, window=6)
     assert worst < 1e-5
+
+
+def test_per_layer_windows():
+    """Gemma 3's interleaving: each layer its own window (0: the whole context), prefill and decode past them."""
+    cache = KVCacheCPU(num_layers=3, num_kv_heads=1, head_dim=16, page_tokens=4, max_tokens=64,
+                       sliding_window=(6, 0, 3))
+    worst = run_steps(cache, np.random.default_rng(3), [11, 1, 1, 7, 1, 1], 1, 2, 16, window=(6, 0, 3))
+    assert worst < 1e-5
+    assert [cache.window_start(i, 22) for i in range(3)] == [16, 0, 19]
+    for bad in ((6, 0), (6, -1, 3), 0):
+        with pytest.raises(HelmcError, match="sliding_window expected None, >= 1 or 3 per-layer windows"):
+            KVCacheCPU(num_layers=3, num_kv_heads=1, head_dim=16, sliding_window=bad)
 
 
 def test_threaded_decode_equals_single_thread():

@@ -37,13 +37,14 @@ def block_ops(spec: ModelSpec, act_dtype: str):
     import torch
     import torch.nn.functional as F
 
-    act, eps = getattr(torch, act_dtype), spec.rms_norm_eps
+    act, eps, offset = getattr(torch, act_dtype), spec.rms_norm_eps, spec.norm_offset
 
     def rms_norm(t, w):
         # x*x instead of pow(x, 2): CUDA fast-math powf of a negative base is NaN (device-notes).
         t32 = t.to(torch.float32)
         var = (t32 * t32).mean(-1, keepdim=True)
-        return (w.to(torch.float32) * (t32 * torch.rsqrt(var + eps))).to(act)
+        w32 = w.to(torch.float32) + offset if offset else w.to(torch.float32)    # Gemma: x * (1 + w), in fp32
+        return (w32 * (t32 * torch.rsqrt(var + eps))).to(act)
 
     def linear(t, w, b=None):
         return F.linear(t, w.to(act), None if b is None else b.to(act))
@@ -79,17 +80,27 @@ def _modules(spec: ModelSpec, act_dtype: str):
             c, s = cos[:, None, :].to(act), sin[:, None, :].to(act)  # [S, D] -> [S, 1, D]
             return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
 
+    def gate(t):
+        return F.gelu(t, approximate="tanh") if spec.hidden_act == "gelu_pytorch_tanh" else F.silu(t)
+
     class PostAttn(torch.nn.Module):
         def forward(self, x, attn, wo, ln2, wg, wu, wd):
             h = x + linear(attn, wo)
             m = rms_norm(h, ln2)
-            return h + linear(F.silu(linear(m, wg)) * linear(m, wu), wd)
+            return h + linear(gate(linear(m, wg)) * linear(m, wu), wd)
+
+    class SandwichPostAttn(torch.nn.Module):
+        # Gemma: the attention output and the MLP output are each normed before their residual add.
+        def forward(self, x, attn, wo, ln_attn_out, ln_pre_ffn, ln_post_ffn, wg, wu, wd):
+            h = x + rms_norm(linear(attn, wo), ln_attn_out)
+            m = rms_norm(h, ln_pre_ffn)
+            return h + rms_norm(linear(gate(linear(m, wg)) * linear(m, wu), wd), ln_post_ffn)
 
     class Head(torch.nn.Module):
         def forward(self, x, norm_w, lm_w):
             return linear(rms_norm(x, norm_w), lm_w).to(torch.float32)
 
-    return PreAttn(), PostAttn(), Head()
+    return PreAttn(), SandwichPostAttn() if spec.sandwich_norms else PostAttn(), Head()
 
 
 def export_functions(spec: ModelSpec, act_dtype: str = "float32", example_seq: int = 3) -> tuple[ExportedFunction, ...]:

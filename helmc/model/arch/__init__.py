@@ -50,9 +50,17 @@ class Architecture:
     # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked in that order): the
     # weights reader splits each into the block's own names as zero-copy row ranges (ModelSpec.fused_rows).
     fused_projections: bool = False
+    # Gemma's block: RMSNorm scales by (norm_offset + w) (checkpoints store w - 1 where this is 1.0); norms on the
+    # attention output and the MLP output before each residual add (sandwich_norms); token embeddings times
+    # sqrt(hidden_size); sliding-window layers interleaved with global ones (config.json's layer_types or
+    # sliding_window_pattern), the sliding ones with their own RoPE base (local_rope).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+    local_rope: bool = False
 
 
-_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "phi3")
+_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma3")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.hf_class: a for a in (importlib.import_module(f"helmc.model.arch.{m}").ARCH for m in _MODULES)}

@@ -11,6 +11,11 @@ DENSE_BLOCK = {
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+# Gemma 2/3's block: the dense block with a norm on the attention output (post_attention_norm) and around the MLP
+# (ffn_norm before it, post_ffw_norm after it); HF's post_attention_layernorm is the attention output's norm there.
+GEMMA_BLOCK = dict(DENSE_BLOCK, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
 # The GGUF block tensors llama.cpp's llama converter reorders per head (see gguf_spec.qk_rows_to_hf): q's rows per
 # attention head ("q"), k's per KV head ("k").
 QK_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}
