@@ -111,10 +111,12 @@ def measure_routing(session, ids: list[int] | None = None, source: str = "calibr
 
 
 def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
-                      require_signed: bool = False, source: str = "calibrate") -> str:
+                      require_signed: bool = False, source: str = "calibrate"
+                      ) -> tuple[tuple[str, ...], tuple[tuple[str, int, float], ...]]:
     """Measure a mixture-of-experts bundle's routing statistics on this machine and store them in the bundle
-    (expert_stats.json, listed in its manifest, the bundle verified again after); returns one line saying what was
-    done. A dense bundle is left alone, a signed one is measured but not rewritten (its signature would break)."""
+    (expert_stats.json, listed in its manifest, the bundle verified again after), and its CPU one-call expert sum's
+    read rates (moe_expert_rate.measure_expert_sum); returns (lines saying what was done, the rates). A dense bundle
+    is left alone; a signed one keeps its files (its signature would break), its rates are still measured."""
     import os
 
     from helmc.runtime.bundle.expert_stats import store_expert_stats
@@ -122,19 +124,22 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     from helmc.runtime.bundle.signature import SIGNATURE_NAME
     from helmc.runtime.session import Session, read_bundle
     _, spec, _, _ = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
+    from helmc.runtime.moe_expert_rate import measure_expert_sum
     if spec.moe is None:
-        return ""
-    if os.path.exists(os.path.join(bundle_dir, SIGNATURE_NAME)):
-        return (f"routing statistics: not stored in {bundle_dir}, a signed bundle (rebuild and sign it to include "
-                "them)")
+        return (), ()
     session = Session.load(bundle_dir, weights_dir, quiet=True, trusted_keys=trusted_keys,
                            require_signed=require_signed)
+    reads = measure_expert_sum(session)
+    lines = tuple(f"CPU one-call expert sum ({t}): {n} experts a call read at {gbs:.2f} GB/s" for t, n, gbs in reads)
+    if os.path.exists(os.path.join(bundle_dir, SIGNATURE_NAME)):
+        return lines + (f"routing statistics: not stored in {bundle_dir}, a signed bundle (rebuild and sign it to "
+                        "include them)",), reads
     stats = measure_routing(session, source=source)
     del session                           # its weights and caches go before the bundle is verified again
     path = store_expert_stats(bundle_dir, stats)
     verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
     hot = [stats.mass(i, stats.hottest(i, max(1, stats.num_experts // 8))) for i in range(len(stats.counts))
            if stats.routed(i)]
-    return (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each block's "
-            f"experts took {sum(hot) / len(hot):.2f} of the selections; wrote {path} (helmc plan BUNDLE places by "
-            "them)")
+    return lines + (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each "
+                     f"block's experts took {sum(hot) / len(hot):.2f} of the selections; wrote {path} (helmc plan "
+                     "BUNDLE places by them)",), reads

@@ -252,9 +252,19 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
             f"{n_steps} steps, mean context {mean_context:g}) against this profile's rates")
     # a mixture of experts' routing: counted over a calibration prompt, stored in the bundle for `helmc plan`
     from helmc.runtime.moe_routing import calibrate_routing
-    routing = tuple(line for b in bundles if (line := calibrate_routing(b, weights_dir, trusted_keys, require_signed)))
-    return CalibrationResult(apply_fits(hw, list(fits.values()), note), tuple(fits.values()), tuple(used), n_steps,
-                             mean_context, routing)
+    routing, reads = (), {}
+    for b in bundles:
+        lines, rates = calibrate_routing(b, weights_dir, trusted_keys, require_signed)
+        routing += lines
+        reads.update({(t, n): gbs for t, n, gbs in rates})
+    profile = apply_fits(hw, list(fits.values()), note)
+    if reads:        # the CPU's one-call expert sum, what the cost model prices a token's host experts at
+        from helmc.hardware.profile import ExpertSumRead
+        kept = {(r.weight_type, r.experts): r.gbs for r in profile.cpu.expert_sum_reads}
+        kept.update(reads)
+        profile = dataclasses.replace(profile, cpu=dataclasses.replace(
+            profile.cpu, expert_sum_reads=tuple(ExpertSumRead(t, n, g) for (t, n), g in sorted(kept.items()))))
+    return CalibrationResult(profile, tuple(fits.values()), tuple(used), n_steps, mean_context, routing)
 
 
 _BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms", "overhead_block_bytes")

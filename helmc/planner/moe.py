@@ -4,8 +4,10 @@ block's attention runs (runtime/moe_gpu.py on a GPU stage, runtime/moe_experts.p
 So the split search runs over the model without its routed experts (what the GPU may hold: attention, norms,
 router, dense blocks, head), and the experts add the same to every split:
   - host RAM: every expert's bytes (mmapped, bound once);
-  - time per decode step: the expert bytes the step's tokens select, read at the CPU's GEMV rate for their types
-    (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
+  - time per decode step: the expert bytes the step's tokens select, read at the rate of the CPU's one-call expert
+    sum at the number of host experts a token selects per block where the profile measured it (cpu.expert_sum_reads,
+    one-row steps of quantized experts; `helmc calibrate` on a MoE bundle), else at the CPU's GEMV rate for their
+    types (named in Plan.fallbacks) (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
     experts on average: routing is taken as uniform, which random weights give and trained routers approach over
     a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
     at the link's latency and bandwidth.
@@ -33,6 +35,9 @@ from helmc.runtime.bundle.plan import Plan
 
 # Plan.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
 UNIFORM_ROUTING = "expert routing: uniform (no routing statistics; helmc calibrate measures them)"
+# ... and for a one-row plan of quantized experts whose profile has no rate for the CPU's one-call expert sum.
+EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on a mixture-of-experts bundle); the "
+                         "CPU's experts priced at the GEMV rate")
 
 
 # A prompt's host experts cross PCIe once per prefill chunk, so a mixture of experts prefills in chunks this large
@@ -83,13 +88,17 @@ def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blo
                    in_vram: "float | dict[int, float]" = 0.0) -> tuple[float, float]:
     """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads of the share
     not in VRAM and the GPU's of the share `in_vram` (one for every block, or per block index: the share of its
-    selections whose expert is in VRAM), at once, and the two crossings per routed block of the GPU stage."""
+    selections whose expert is in VRAM), at once, and the two crossings per routed block of the GPU stage. The CPU's
+    share of a one-row step at the one-call expert sum's measured rate for the host experts a token selects there
+    (cpu.expert_sum_reads), else at the GEMV rate of each weight type."""
     share = distinct_share(spec, batch)
     cpu_s = gpu_s = read = 0.0
     for i in range(spec.num_layers):
         hit = in_vram.get(i, 0.0) if isinstance(in_vram, dict) else in_vram
-        for t, n in expert_bytes_by_type(spec, i).items():
-            cpu_s += share * n * (1 - hit) / (hw.cpu.read_gbs(t, batch) * 1e9)
+        by_type = expert_bytes_by_type(spec, i)
+        one_call = expert_sum_gbs(spec, hw, i, batch, hit) if by_type else 0.0
+        for t, n in by_type.items():
+            cpu_s += share * n * (1 - hit) / ((one_call or hw.cpu.read_gbs(t, batch)) * 1e9)
             if hit:
                 gpu_s += share * n * hit / (hw.gpu.read_gbs(t) * 1e9)
             read += share * n
@@ -98,6 +107,20 @@ def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blo
         crossing = batch * (2 * spec.hidden_size * 2 + spec.moe.num_experts * 4)     # m + logits down, y up
         seconds += gpu_moe_blocks * (2 * hw.link.latency_us * 1e-6 + crossing / (hw.link.h2d_gbs * 1e9))
     return 1e3 * seconds, read
+
+
+def expert_gate_type(spec: ModelSpec, layer: int) -> str | None:
+    """Block `layer`'s experts' gate/up weight type (None: float experts): what names its one-call expert sum."""
+    return spec.weight_type(layer, spec.moe.expert_weight_names(0)[0])
+
+
+def expert_sum_gbs(spec: ModelSpec, hw: HardwareProfile, layer: int, batch: int, hit: float) -> float:
+    """The one-call expert sum's measured rate for a one-row step's host experts of block `layer` (top_k x the share
+    not in VRAM of them per token), or 0: a batched step, float experts, or not measured."""
+    t = expert_gate_type(spec, layer)
+    if batch != 1 or t is None:
+        return 0.0
+    return hw.cpu.expert_sum_gbs(t, max(1.0, spec.moe.top_k * (1 - hit)))
 
 
 def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertStats | None" = None) -> Plan:
@@ -132,6 +155,9 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     fallbacks = p.fallbacks
     if stats is None and vram:
         fallbacks += (UNIFORM_ROUTING,)
+    if p.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
+                            {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
+        fallbacks += (EXPERT_SUM_UNMEASURED,)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
                      for i, ids in enumerate(vram))
     # the experts in VRAM are bound there, not in host RAM

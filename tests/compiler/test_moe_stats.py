@@ -2,7 +2,9 @@
 on a tiny random Qwen3MoeForCausalLM bundle (8 experts, top-2, block 1 dense) counts each block's selections over the
 calibration prompt, equal to the counts of transformers' own router outputs on the same token ids; it stores them in
 the bundle as expert_stats.json, listed in the manifest (the bundle verifies after, and fails once the file is
-edited), and replanning the bundle reads them. The reference is recomputed from transformers on every run."""
+edited), and replanning the bundle reads them. On a quantized bundle with the CPU's one-call expert sum (AVX-512) it
+measures that kernel's read rate per selected-expert count into the calibrated profile, which the cost model then
+prices a token's host experts at. The reference is recomputed from transformers on every run."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +57,7 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
     result = api.calibrate(bundle, hw_path, steps=3)
     assert len(result.routing) == 1 and f"wrote {os.path.join(bundle, EXPERT_STATS_FILE)}" in result.routing[0]
     assert result.routing[0] in result.summary() and json.loads(json.dumps(result.to_json_dict()))["routing"]
+    assert result.profile.cpu.expert_sum_reads == ()                   # float experts: no one-call expert sum
     manifest = verify_bundle(bundle)                   # listed with its digest: the bundle verifies as a whole
     stats = read_expert_stats(bundle, manifest)
     assert stats.source == "calibrate" and stats.prompt == CALIBRATION_NAME
@@ -75,3 +78,32 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
         f.write(" ")
     with pytest.raises(HelmcError, match=f"bundle: {EXPERT_STATS_FILE} size expected"):
         verify_bundle(bundle)
+
+
+def test_calibrate_measures_the_one_call_expert_sum_the_cost_model_prices(tmp_path, host_hardware, cache_dir):
+    from helmc import api
+    from helmc.planner.moe import EXPERT_SUM_UNMEASURED, expert_bytes_by_type, expert_step_ms
+    from helmc.planner.search_partition import plan
+    from helmc.schedules.cpu.isa import select_isa
+    from helmc.testing import make_tiny_model
+    if select_isa(host_hardware.cpu.features).tier != "avx512":
+        pytest.skip("the one-call expert sum is built for AVX-512 only")
+    d = str(tmp_path / "model")        # whole K-quant blocks: hidden and expert width 256
+    make_tiny_model(d, "qwen3_moe", dtype="float16", num_layers=3, head_dim=64, hidden_size=256,
+                    moe_intermediate_size=256)
+    hw = dataclasses.replace(host_hardware, gpu=None, link=None)
+    r = api.build(d, hw, d + ".bundle", cache_dir=cache_dir, quiet=True, quant="q4_k_m")
+    hw_path = str(tmp_path / "hardware.json")
+    hw.save(hw_path)
+    cal = api.calibrate(r.bundle_dir, hw_path, steps=3).profile
+    reads = {(x.weight_type, x.experts): x.gbs for x in cal.cpu.expert_sum_reads}
+    assert sorted(reads) == [("q4_k", 1), ("q4_k", 2)] and all(g > 0 for g in reads.values())   # top-2, q4_k gate/up
+    assert cal.cpu.expert_sum_gbs("q4_k", 1.5) == pytest.approx((reads["q4_k", 1] + reads["q4_k", 2]) / 2)
+    assert EXPERT_SUM_UNMEASURED in plan(r.spec, hw).fallbacks
+    assert EXPERT_SUM_UNMEASURED not in plan(r.spec, cal).fallbacks
+    # every expert on the host: a token reads top_k / E of each block's experts at the rate of 2 experts a call
+    ms, _ = expert_step_ms(r.spec, cal, 1, 0)
+    bytes_per_token = sum(sum(expert_bytes_by_type(r.spec, i).values()) for i in range(3)) * 2 / 8
+    assert ms == pytest.approx(1e3 * bytes_per_token / (reads["q4_k", 2] * 1e9), rel=1e-9)
+    from helmc.hardware.profile import HardwareProfile
+    assert HardwareProfile.from_json(cal.to_json()) == cal and '"expert_sum_reads"' not in hw.to_json()
