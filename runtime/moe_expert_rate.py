@@ -18,10 +18,22 @@ MIN_SECONDS = 0.2          # timed per expert count, at least: rounds over every
 MIN_ROUNDS = 3
 
 
+def host_feed_forwards(session) -> list:
+    """The session's host expert routers (MoeFeedForward): the CPU stage's and the GPU stage's host half."""
+    out = []
+    cpu = getattr(session, "cpu_stage", None)
+    if cpu is not None and getattr(cpu, "_moe", None) is not None:
+        out.append(cpu._moe)
+    gpu_stage = getattr(getattr(session, "gpu", None), "stage", None)
+    moe = getattr(gpu_stage, "_moe", None)
+    if moe is not None:
+        out.append(getattr(moe, "host", moe))       # GpuMoeFeedForward counts through its host half's counter
+    return out
+
+
 def _host_blocks(session) -> tuple[object, list[LayerExperts]]:
     """(the session's host MoeFeedForward, its routed blocks whose experts go through the one-call sum)."""
-    from helmc.runtime.moe_routing import _feed_forwards
-    for ffn in _feed_forwards(session):
+    for ffn in host_feed_forwards(session):
         sums = getattr(ffn, "_expert_sums", {})
         stages = [getattr(session, "cpu_stage", None), getattr(getattr(session, "gpu", None), "stage", None)]
         blocks = [b.post[-1] for s in stages if s is not None for b in s.bindings

@@ -12,6 +12,7 @@ import numpy as np
 
 from helmc.errors import HelmcError
 from helmc.runtime.bundle.expert_stats import EXPERT_STATS_FORMAT_VERSION, ExpertStats
+from helmc.runtime.moe_expert_rate import host_feed_forwards
 
 # The calibration prompt: ordinary prose on varied subjects, so a trained router spreads over the experts it uses on
 # text (random weights route as they do on any tokens).
@@ -62,19 +63,6 @@ class RoutingCounter:
                            source, prompt)
 
 
-def _feed_forwards(session) -> list:
-    """The session's host expert routers (MoeFeedForward): the CPU stage's and the GPU stage's host half."""
-    out = []
-    cpu = getattr(session, "cpu_stage", None)
-    if cpu is not None and getattr(cpu, "_moe", None) is not None:
-        out.append(cpu._moe)
-    gpu_stage = getattr(getattr(session, "gpu", None), "stage", None)
-    moe = getattr(gpu_stage, "_moe", None)
-    if moe is not None:
-        out.append(getattr(moe, "host", moe))       # GpuMoeFeedForward counts through its host half's counter
-    return out
-
-
 def calibration_ids(session, max_tokens: int = 512) -> list[int]:
     """The calibration text in the session's tokenizer, at most `max_tokens` and what the plan's context allows."""
     if session.tokenizer is None:
@@ -95,7 +83,7 @@ def measure_routing(session, ids: list[int] | None = None, source: str = "calibr
     if not ids:
         raise HelmcError("routing statistics: expected a prompt of at least one token, found none")
     counter = RoutingCounter(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
-    ffns = _feed_forwards(session)
+    ffns = host_feed_forwards(session)
     if not ffns:
         raise HelmcError("routing statistics: expected the session to route experts on the host, found no router")
     session.reset()
