@@ -99,22 +99,28 @@ def read_expert_stats(bundle_dir: str, manifest) -> ExpertStats | None:
                          "bytes") from None
 
 
-def store_expert_stats(bundle_dir: str, stats: ExpertStats) -> str:
-    """Write `stats` into the (verified) bundle and list it in its manifest; returns the path written. A signed
-    bundle is refused in one line: rewriting its manifest would void the signature."""
+def store_expert_stats(bundle_dir: str, stats: ExpertStats, plan=None) -> str:
+    """Write `stats` (and `plan`, a Plan made from them, as plan.json where given) into the (verified) bundle and
+    list them in its manifest; returns the path written. A signed bundle is refused in one line: rewriting its
+    manifest would void the signature."""
     from helmc.jsonio import atomic_write_text
     from helmc.runtime.bundle.manifest import MANIFEST_NAME, BundleFile, BundleManifest, sha256_file
     from helmc.runtime.bundle.signature import SIGNATURE_NAME
     if os.path.exists(os.path.join(bundle_dir, SIGNATURE_NAME)):
         raise HelmcError(f"expert stats: expected an unsigned bundle to add {EXPERT_STATS_FILE} to, found "
                          f"{bundle_dir} signed (rebuild and sign it again to keep the statistics)")
-    path = os.path.join(bundle_dir, EXPERT_STATS_FILE)
-    atomic_write_text(path, stats.to_json() + "\n")
+    texts = {EXPERT_STATS_FILE: stats.to_json()}
+    if plan is not None:
+        texts["plan.json"] = plan.to_json()
     with open(os.path.join(bundle_dir, MANIFEST_NAME), encoding="utf-8") as f:
         manifest = BundleManifest.from_json(f.read())
-    entry = BundleFile(EXPERT_STATS_FILE, sha256_file(path), os.path.getsize(path))
-    files = tuple(sorted([f for f in manifest.files if f.path != EXPERT_STATS_FILE] + [entry], key=lambda f: f.path))
+    entries = []
+    for name, text in texts.items():
+        full = os.path.join(bundle_dir, name)
+        atomic_write_text(full, text + "\n")
+        entries.append(BundleFile(name, sha256_file(full), os.path.getsize(full)))
+    files = tuple(sorted([f for f in manifest.files if f.path not in texts] + entries, key=lambda f: f.path))
     import dataclasses
     atomic_write_text(os.path.join(bundle_dir, MANIFEST_NAME),
                       dataclasses.replace(manifest, files=files).to_json() + "\n")
-    return path
+    return os.path.join(bundle_dir, EXPERT_STATS_FILE)

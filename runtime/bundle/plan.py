@@ -188,9 +188,8 @@ class Plan:
         self._check_gpu_experts()
 
     def _check_gpu_experts(self) -> None:
-        if not 0.0 <= self.expert_hit_rate <= 1.0 or (self.expert_hit_rate and not self.gpu_experts):
-            raise HelmcError(f"plan: expert_hit_rate expected in [0, 1] and only with gpu_experts, found "
-                             f"{self.expert_hit_rate} with {len(self.gpu_experts)} entries")
+        if not 0.0 <= self.expert_hit_rate <= 1.0:
+            raise HelmcError(f"plan: expert_hit_rate expected in [0, 1], found {self.expert_hit_rate}")
         if not self.gpu_experts:
             return
         if len(self.gpu_experts) != self.num_layers:

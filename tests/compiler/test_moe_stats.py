@@ -1,5 +1,5 @@
-"""A mixture of experts' routing statistics measured by running the model (runtime/moe_routing.py): `helmc calibrate`
-on a tiny random Qwen3MoeForCausalLM bundle (8 experts, top-2, block 1 dense) counts each block's selections over the
+"""A mixture of experts' routing statistics measured by running the model (runtime/moe_routing.py): at build (a tiny
+model is cheap to run) and by `helmc calibrate` on a tiny random Qwen3MoeForCausalLM bundle (8 experts, top-2, block 1 dense) counts each block's selections over the
 calibration prompt, equal to the counts of transformers' own router outputs on the same token ids; it stores them in
 the bundle as expert_stats.json, listed in the manifest (the bundle verifies after, and fails once the file is
 edited), and replanning the bundle reads them. On a quantized bundle with the CPU's one-call expert sum (AVX-512) it
@@ -53,6 +53,16 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
     r = api.build(d, hw, bundle, cache_dir=cache_dir, quiet=True)
     hw_path = str(tmp_path / "hardware.json")
     hw.save(hw_path)
+    ids = Tokenizer.from_file(os.path.join(bundle, "tokenizer.json")).encode(CALIBRATION_TEXT).ids
+    ids = ids[:min(512, r.plan.max_context)]
+    expected = transformers_counts(ref, ids, 8)
+    assert sorted(expected) == [0, 2]
+
+    at_build = read_expert_stats(bundle, verify_bundle(bundle))       # a tiny model: counted at build already
+    assert at_build.source == "build" and [list(at_build.counts[i]) for i in (0, 2)] == [expected[0], expected[2]]
+    from helmc.runtime.bundle.plan import Plan
+    with open(os.path.join(bundle, "plan.json")) as f:
+        assert Plan.from_json(f.read()) == r.plan                       # the plan made again is the one stored
 
     result = api.calibrate(bundle, hw_path, steps=3)
     assert len(result.routing) == 1 and f"wrote {os.path.join(bundle, EXPERT_STATS_FILE)}" in result.routing[0]
@@ -62,10 +72,7 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
     stats = read_expert_stats(bundle, manifest)
     assert stats.source == "calibrate" and stats.prompt == CALIBRATION_NAME
 
-    ids = Tokenizer.from_file(os.path.join(bundle, "tokenizer.json")).encode(CALIBRATION_TEXT).ids
-    ids = ids[:min(512, r.plan.max_context)]
-    expected = transformers_counts(ref, ids, 8)
-    assert sorted(expected) == [0, 2] and stats.counts[1] == ()            # block 1 is dense
+    assert stats.counts[1] == ()                                            # block 1 is dense
     assert stats.tokens == len(ids) > 100
     for i in (0, 2):
         assert list(stats.counts[i]) == expected[i], f"block {i}"
