@@ -63,23 +63,29 @@ class RoutingCounter:
                            source, prompt)
 
 
-def calibration_ids(session, max_tokens: int = 512) -> list[int]:
-    """The calibration text in the session's tokenizer, at most `max_tokens` and what the plan's context allows."""
+RANDOM_IDS_NAME = "random-ids"    # a bundle without a tokenizer: seeded random token ids stand for the text
+
+
+def calibration_ids(session, max_tokens: int = 512) -> tuple[list[int], str]:
+    """(the calibration prompt's ids, its name): the calibration text in the session's tokenizer, or without one
+    max_tokens seeded random ids; at most `max_tokens` and what the plan's context allows."""
+    n = min(max_tokens, session.plan.max_context)
     if session.tokenizer is None:
-        raise HelmcError("routing statistics: expected a bundle with a tokenizer to encode the calibration text, "
-                         "found none")
-    ids = session.tokenizer.encode(CALIBRATION_TEXT).ids
-    return ids[:min(max_tokens, session.plan.max_context)]
+        rng = np.random.default_rng(0)
+        return rng.integers(0, session.spec.vocab_size, n).tolist(), RANDOM_IDS_NAME
+    return session.tokenizer.encode(CALIBRATION_TEXT).ids[:n], CALIBRATION_NAME
 
 
 def measure_routing(session, ids: list[int] | None = None, source: str = "calibrate",
-                    prompt: str = CALIBRATION_NAME) -> ExpertStats:
+                    prompt: str = "") -> ExpertStats:
     """ExpertStats of `session`'s model over a prompt (the calibration text unless `ids` are given), prefilled once
     from position 0; the session is reset after."""
     spec = session.spec
     if spec.moe is None:
         raise HelmcError("routing statistics: expected a mixture-of-experts model, found a dense one")
-    ids = calibration_ids(session) if ids is None else list(ids)
+    if ids is None:
+        ids, prompt = calibration_ids(session)
+    ids = list(ids)
     if not ids:
         raise HelmcError("routing statistics: expected a prompt of at least one token, found none")
     counter = RoutingCounter(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
