@@ -133,7 +133,8 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
            "gpu_budget_gib": round(plan.usable_vram_bytes / 2 ** 30, 3) if plan.usable_vram_bytes else None,
            "measured_over_plan": per_token / plan.t_plan_ms if plan.t_plan_ms else None,
            "experts_in_vram": in_vram, "experts_total": E * s.spec.num_layers,
-           "predicted_hit_rate": in_vram / (E * s.spec.num_layers),
+           # the plan's (from routing statistics where the bundle has them); a plan made before it: the share held
+           "predicted_hit_rate": plan.expert_hit_rate or in_vram / (E * s.spec.num_layers),
            "bytes_per_token_gpu": gpu_b, "bytes_per_token_host": host_b, "roofline_ms": roof_ms,
            "decode_fraction_of_roofline": roof_ms / per_token, "tokens_first_request": list(runs[0].tokens)}
     moe = getattr(getattr(s.gpu, "stage", None), "_moe", None)

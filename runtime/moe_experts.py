@@ -34,6 +34,7 @@ class LayerExperts:
                                      # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
     vram_order: tuple = ()             # expert vram_order[slot] at slot
+    layer: int = -1                    # the block's index (routing statistics count by it)
 
 
 def find_expert_sums(vm, spec, rows: bool = False) -> dict:
@@ -102,6 +103,7 @@ class MoeFeedForward:
         self._expert_rows = expert_rows or {}            # {expert signature: its m-row twin, for batched steps}
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
                        for p in phases for j in set(signatures)}
+        self.routing = None             # a moe_routing.RoutingCounter while routing statistics are measured
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
@@ -115,7 +117,10 @@ class MoeFeedForward:
         """The block's routed feed-forward on host rows: m [S, H] (the experts' input, the stage's activation
         dtype), logits [S, E] the router's -> fp32 [S, H], each row's selected experts weighted and summed
         (without the residual)."""
-        return self.expert_sum(phase, m, *route(logits, self.moe), experts)
+        idx, w = route(logits, self.moe)
+        if self.routing is not None:
+            self.routing.record(experts.layer, idx)
+        return self.expert_sum(phase, m, idx, w, experts)
 
     def expert_sum(self, phase: str, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only=None,
                    skip=frozenset()):

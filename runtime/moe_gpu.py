@@ -79,6 +79,8 @@ class GpuMoeFeedForward:
         idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
         self.expert_rows += idx.size
+        if self.host.routing is not None:
+            self.host.routing.record(experts.layer, idx)
         if experts.on_gpu:
             self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
         if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):

@@ -61,10 +61,10 @@ def hybrid_allowed(hybrid: bool, stream_prefill: bool, batch: int) -> bool:
 
 
 def search_plan(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, output_len: int,
-                stream_prefill: bool = True, batch: int = 1, hybrid: bool = True) -> Plan:
+                stream_prefill: bool = True, batch: int = 1, hybrid: bool = True, expert_stats=None) -> Plan:
     from helmc.planner.search_partition import plan as search
     return search(spec, hw, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill, batch=batch,
-                  hybrid=hybrid_allowed(hybrid, stream_prefill, batch))
+                  hybrid=hybrid_allowed(hybrid, stream_prefill, batch), expert_stats=expert_stats)
 
 
 def cpu_target(hw: HardwareProfile) -> tuple[str, tuple[str, ...]]:
@@ -207,6 +207,7 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     types = "/".join(dict.fromkeys(t or spec.dtype for sig in spec.block_signatures() for t in sig))
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
+    searched = plan is None
     plan = plan or search_plan(spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid)
     progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
 
@@ -235,4 +236,9 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
             cuda_arch=hardware.gpu.arch if need_gpu else "", tvm_version=tvm_version(), copy_weights=o.copy_weights,
             prefill_activations=o.prefill_activations if need_cpu else "", signer=signer))
     progress(f"write_bundle: {out_dir}")
+    from helmc.compiler.build_routing import measure_at_build, routing_is_cheap
+    if searched and routing_is_cheap(spec, cpu_required, signer):     # a MoE's hottest experts in VRAM from the start
+        plan = measure_at_build(out_dir, spec, plan, lambda stats: search_plan(
+            spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid, stats))
+        progress("routing statistics: counted over the calibration prompt, plan made again from them")
     return BuildResult(os.path.abspath(out_dir), spec, plan, reused, time.perf_counter() - progress.t0)

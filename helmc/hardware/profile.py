@@ -105,6 +105,22 @@ class KernelRead:
 
 
 @dataclass(frozen=True)
+class ExpertSumRead:
+    """What the CPU library's one-call expert sum of a mixture of experts (schedules/cpu/quant/moe_experts.py) reads
+    per second over a model's stacked host experts, at `experts` selected experts per call (the experts' gate/up type
+    names the kernel). Measured by `helmc calibrate` on a mixture-of-experts bundle (runtime/moe_expert_rate.py)."""
+    weight_type: str
+    experts: int
+    gbs: float
+
+    def __post_init__(self):
+        _require(bool(self.weight_type) and self.gbs > 0 and 1 <= self.experts <= MAX_COUNT,
+                 f"cpu.expert_sum_reads expected a weight type, experts >= 1 and gbs > 0, found {self.weight_type!r}, "
+                 f"{self.experts}, {self.gbs}")
+        _check_numbers("expert_sum_reads", self)
+
+
+@dataclass(frozen=True)
 class CpuProfile:
     name: str
     cores: int                       # physical cores this process may run on
@@ -143,6 +159,9 @@ class CpuProfile:
     # blocks (0.28 of the bytes) 0.40 x, Q4_K 14B (0.48 of the bytes) 0.21 x; charged whole, the Q4_K splits were
     # planned 29-32% slow.
     overhead_block_bytes: int = 0
+    # A mixture of experts' one-call expert sum per experts' type and selected count (ExpertSumRead); empty: not
+    # measured (the cost model then prices the CPU's experts at the GEMV rate, named in Plan.fallbacks).
+    expert_sum_reads: tuple[ExpertSumRead, ...] = ()
 
     def __post_init__(self):
         _require(self.cores > 0, f"cpu.cores expected > 0, found {self.cores}")
@@ -155,6 +174,9 @@ class CpuProfile:
         types = [(r.weight_type, r.rows) for r in self.gemv_reads]
         _require(len(set(types)) == len(types),
                  f"cpu.gemv_reads expected one entry per weight type and row count, found {types}")
+        sums = [(r.weight_type, r.experts) for r in self.expert_sum_reads]
+        _require(len(set(sums)) == len(sums),
+                 f"cpu.expert_sum_reads expected one entry per weight type and expert count, found {sums}")
         _check_eta("cpu", self.eta_compute, self.eta_memory)
         _check_overheads("cpu", self.block_overhead_ms, self.step_overhead_ms)
         _check_numbers("cpu", self)
@@ -178,6 +200,19 @@ class CpuProfile:
             return one
         return min([one] + [r.gbs * r.rows / rows for r in self.gemv_reads
                             if r.weight_type == weight_type and r.rows > 1])
+
+    def expert_sum_gbs(self, weight_type: str, experts: float) -> float:
+        """The one-call expert sum's read rate for experts of `weight_type` at `experts` selected per call: linear
+        between the measured counts, the nearest one's outside them; 0 where none was measured for the type."""
+        pts = sorted((r.experts, r.gbs) for r in self.expert_sum_reads if r.weight_type == weight_type)
+        if not pts:
+            return 0.0
+        if experts <= pts[0][0]:
+            return pts[0][1]
+        for (n0, g0), (n1, g1) in zip(pts, pts[1:]):
+            if experts <= n1:
+                return g0 + (g1 - g0) * (experts - n0) / (n1 - n0)
+        return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -316,7 +351,10 @@ class HardwareProfile:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
-        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+        d = to_dict(self)
+        if not self.cpu.expert_sum_reads:          # left out unless measured: a profile without reads as before
+            del d["cpu"]["expert_sum_reads"]
+        return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":

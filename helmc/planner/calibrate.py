@@ -16,6 +16,10 @@ and, on the GPU, the crossing as the runtime makes it), charged where the lm_hea
 into the device's part of a new profile; the rates themselves (bandwidths, FLOP rates) are the
 given profile's, so the deltas make that profile predict this machine.
 
+A mixture-of-experts bundle's routing is counted too, over a calibration prompt run through the whole model
+(runtime/moe_routing.py), and stored in the bundle (expert_stats.json) for `helmc plan BUNDLE` to place the hottest
+experts in VRAM.
+
 Imports no TVM compiler (the measuring half is runtime.calibrate; the model half is pure Python),
 so this runs on the target with TVM_USE_RUNTIME_LIB=1.
 """
@@ -87,9 +91,11 @@ class CalibrationResult:
     bundles: tuple[str, ...]
     steps: int
     mean_context: float
+    routing: tuple[str, ...] = ()     # a line per mixture-of-experts bundle: its routing statistics measured, stored
 
     def to_json_dict(self) -> dict:
         return {"bundles": list(self.bundles), "steps": self.steps, "mean_context": self.mean_context,
+                "routing": list(self.routing),
                 "fits": [f.to_json_dict() for f in self.fits],
                 "cpu_block_overhead_ms": self.profile.cpu.block_overhead_ms,
                 "cpu_step_overhead_ms": self.profile.cpu.step_overhead_ms,
@@ -110,6 +116,7 @@ class CalibrationResult:
                 lines.append(f"  {name} step tail (embedding, RoPE, head, logits out, sampling{extra}): "
                              f"{f.measured_tail_ms:.4f} ms measured, modelled {f.modelled_tail_ms:.4f} "
                              f"-> sigma {f.step_overhead_ms:+.4f} ms")
+        lines += [f"  {r}" for r in self.routing]
         return "\n".join(lines)
 
 
@@ -243,8 +250,21 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
             parts.append(f"{f.device} sigma {f.step_overhead_ms:+.4f} ms/token")
     note = (f"calibrate: {'; '.join(parts)}, fitted on helmc's own decode step ({', '.join(used)}; "
             f"{n_steps} steps, mean context {mean_context:g}) against this profile's rates")
-    return CalibrationResult(apply_fits(hw, list(fits.values()), note), tuple(fits.values()), tuple(used), n_steps,
-                             mean_context)
+    # a mixture of experts' routing: counted over a calibration prompt, stored in the bundle for `helmc plan`
+    from helmc.runtime.moe_routing import calibrate_routing
+    routing, reads = (), {}
+    for b in bundles:
+        lines, rates = calibrate_routing(b, weights_dir, trusted_keys, require_signed)
+        routing += lines
+        reads.update({(t, n): gbs for t, n, gbs in rates})
+    profile = apply_fits(hw, list(fits.values()), note)
+    if reads:        # the CPU's one-call expert sum, what the cost model prices a token's host experts at
+        from helmc.hardware.profile import ExpertSumRead
+        kept = {(r.weight_type, r.experts): r.gbs for r in profile.cpu.expert_sum_reads}
+        kept.update(reads)
+        profile = dataclasses.replace(profile, cpu=dataclasses.replace(
+            profile.cpu, expert_sum_reads=tuple(ExpertSumRead(t, n, g) for (t, n), g in sorted(kept.items()))))
+    return CalibrationResult(profile, tuple(fits.values()), tuple(used), n_steps, mean_context, routing)
 
 
 _BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms", "overhead_block_bytes")

@@ -4,15 +4,19 @@ block's attention runs (runtime/moe_gpu.py on a GPU stage, runtime/moe_experts.p
 So the split search runs over the model without its routed experts (what the GPU may hold: attention, norms,
 router, dense blocks, head), and the experts add the same to every split:
   - host RAM: every expert's bytes (mmapped, bound once);
-  - time per decode step: the expert bytes the step's tokens select, read at the CPU's GEMV rate for their types
-    (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
+  - time per decode step: the expert bytes the step's tokens select, read at the rate of the CPU's one-call expert
+    sum at the number of host experts a token selects per block where the profile measured it (cpu.expert_sum_reads,
+    one-row steps of quantized experts; `helmc calibrate` on a MoE bundle), else at the CPU's GEMV rate for their
+    types (named in Plan.fallbacks) (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
     experts on average: routing is taken as uniform, which random weights give and trained routers approach over
     a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
     at the link's latency and bandwidth.
 VRAM the split leaves beyond its KV for the workload's context holds experts (Plan.gpu_experts), the same count in
 every routed block of the GPU stage; the GPU computes those while the CPU computes the rest, so a step's experts
-take the longer of the two. Under uniform routing which experts is arbitrary (the lowest indices are taken) and the
-share of selected experts found in VRAM (the predicted hit rate) is the share held.
+take the longer of the two. Which experts: with routing statistics (ExpertStats, measured on a calibration prompt and
+stored in the bundle) each block's most often selected, and the predicted hit rate (Plan.expert_hit_rate) is the
+share of the blocks' selections they took; without, routing is taken as uniform, the lowest indices are held and the
+hit rate is the share held (named in Plan.fallbacks).
 A prompt's experts run on the GPU: the host experts' weights cross PCIe into a ring of EXPERT_STAGING_GROUPS groups of
 EXPERT_STAGING_EXPERTS experts (Plan.expert_staging_bytes, taken from the same spare VRAM before any expert is
 placed there), a group copying while the one before computes (runtime/moe_prefill.py).
@@ -26,7 +30,14 @@ from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
 from helmc.planner.analyze_program import PartitionUnit, ProgramAnalysis, StageLoad
+from helmc.runtime.bundle.expert_stats import ExpertStats
 from helmc.runtime.bundle.plan import Plan
+
+# Plan.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
+UNIFORM_ROUTING = "expert routing: uniform (no routing statistics; helmc calibrate measures them)"
+# ... and for a one-row plan of quantized experts whose profile has no rate for the CPU's one-call expert sum.
+EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on a mixture-of-experts bundle); the "
+                         "CPU's experts priced at the GEMV rate")
 
 
 # A prompt's host experts cross PCIe once per prefill chunk, so a mixture of experts prefills in chunks this large
@@ -74,17 +85,22 @@ def distinct_share(spec: ModelSpec, batch: int) -> float:
 
 
 def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blocks: int,
-                   in_vram: float = 0.0) -> tuple[float, float]:
+                   in_vram: "float | dict[int, float]" = 0.0) -> tuple[float, float]:
     """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads of the share
-    not in VRAM and the GPU's of the share `in_vram`, at once, and the two crossings per routed block of the GPU
-    stage."""
+    not in VRAM and the GPU's of the share `in_vram` (one for every block, or per block index: the share of its
+    selections whose expert is in VRAM), at once, and the two crossings per routed block of the GPU stage. The CPU's
+    share of a one-row step at the one-call expert sum's measured rate for the host experts a token selects there
+    (cpu.expert_sum_reads), else at the GEMV rate of each weight type."""
     share = distinct_share(spec, batch)
     cpu_s = gpu_s = read = 0.0
     for i in range(spec.num_layers):
-        for t, n in expert_bytes_by_type(spec, i).items():
-            cpu_s += share * n * (1 - in_vram) / (hw.cpu.read_gbs(t, batch) * 1e9)
-            if in_vram:
-                gpu_s += share * n * in_vram / (hw.gpu.read_gbs(t) * 1e9)
+        hit = in_vram.get(i, 0.0) if isinstance(in_vram, dict) else in_vram
+        by_type = expert_bytes_by_type(spec, i)
+        one_call = expert_sum_gbs(spec, hw, i, batch, hit) if by_type else 0.0
+        for t, n in by_type.items():
+            cpu_s += share * n * (1 - hit) / ((one_call or hw.cpu.read_gbs(t, batch)) * 1e9)
+            if hit:
+                gpu_s += share * n * hit / (hw.gpu.read_gbs(t) * 1e9)
             read += share * n
     seconds = max(cpu_s, gpu_s)
     if gpu_moe_blocks and hw.link is not None:
@@ -93,9 +109,23 @@ def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blo
     return 1e3 * seconds, read
 
 
-def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
+def expert_gate_type(spec: ModelSpec, layer: int) -> str | None:
+    """Block `layer`'s experts' gate/up weight type (None: float experts): what names its one-call expert sum."""
+    return spec.weight_type(layer, spec.moe.expert_weight_names(0)[0])
+
+
+def expert_sum_gbs(spec: ModelSpec, hw: HardwareProfile, layer: int, batch: int, hit: float) -> float:
+    """The one-call expert sum's measured rate for a one-row step's host experts of block `layer` (top_k x the share
+    not in VRAM of them per token), or 0: a batched step, float experts, or not measured."""
+    t = expert_gate_type(spec, layer)
+    if batch != 1 or t is None:
+        return 0.0
+    return hw.cpu.expert_sum_gbs(t, max(1.0, spec.moe.top_k * (1 - hit)))
+
+
+def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertStats | None" = None) -> Plan:
     """The split search's plan (over the model without its experts) with the experts' time and host memory added
-    to every candidate, as to the chosen split."""
+    to every candidate, as to the chosen split; `stats` (routing statistics) pick the experts held in VRAM."""
     held = expert_bytes(spec)
     ram = hw.cpu.ram_free_bytes
 
@@ -117,16 +147,25 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile) -> Plan:
     staging = expert_staging_bytes(p, spec, gpu_blocks)
     p = dataclasses.replace(p, gpu_bytes=p.gpu_bytes + staging, gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - staging,
                             expert_staging_bytes=staging)
-    vram, per_block = experts_in_vram(p, spec, gpu_blocks)
-    in_vram = per_block / spec.moe.num_experts
+    if stats is not None:
+        stats.check_for(spec)
+    vram, per_block = experts_in_vram(p, spec, gpu_blocks, stats)
+    in_vram = hit_by_block(spec, vram, stats)
     t, _ = expert_step_ms(spec, hw, p.batch, gpu_blocks, in_vram)
+    fallbacks = p.fallbacks
+    if stats is None and vram:
+        fallbacks += (UNIFORM_ROUTING,)
+    if p.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
+                            {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
+        fallbacks += (EXPERT_SUM_UNMEASURED,)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
                      for i, ids in enumerate(vram))
     # the experts in VRAM are bound there, not in host RAM
     return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t,
                                cpu_bytes=p.cpu_bytes + held - vram_bytes,
                                cpu_weight_bytes=p.cpu_weight_bytes + held - vram_bytes, candidates=candidates,
-                               gpu_experts=vram,
+                               gpu_experts=vram, expert_hit_rate=predicted_hit_rate(spec, in_vram, vram),
+                               fallbacks=fallbacks,
                                gpu_bytes=p.gpu_bytes + vram_bytes, gpu_weight_bytes=p.gpu_weight_bytes + vram_bytes,
                                gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - vram_bytes if p.gpu_kv_pool_bytes else 0)
 
@@ -154,10 +193,12 @@ def vram_spare(p: Plan, spec: ModelSpec) -> int:
     return max(0, min(p.usable_vram_bytes - p.gpu_bytes, p.gpu_kv_pool_bytes - kv_need))
 
 
-def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int, stats: "ExpertStats | None" = None
+                    ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(Plan.gpu_experts, experts per routed GPU block): the VRAM the plan leaves beyond what it needs
     (p.usable_vram_bytes - p.gpu_bytes: its KV pool beyond the workload's context) in whole experts, the same
-    count in every routed block of the GPU stage."""
+    count in every routed block of the GPU stage: each block's most often selected under `stats`, else the lowest
+    indices."""
     if not gpu_blocks or not p.usable_vram_bytes:
         return (), 0
     blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
@@ -166,7 +207,22 @@ def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int) -> tuple[tuple[tu
     n = min(spec.moe.num_experts, spare // (per_expert * len(blocks)))
     if n == 0:
         return (), 0
-    return tuple(tuple(range(n)) if i in blocks else () for i in range(spec.num_layers)), n
+    def held(i):
+        return stats.hottest(i, n) if stats is not None else tuple(range(n))
+    return tuple(held(i) if i in blocks else () for i in range(spec.num_layers)), n
+
+
+def hit_by_block(spec: ModelSpec, vram: tuple, stats: "ExpertStats | None") -> dict[int, float]:
+    """{block: the share of its selections whose expert is in VRAM} for the blocks holding some: the statistics'
+    mass of the held experts, or under uniform routing the share held."""
+    return {i: stats.mass(i, ids) if stats is not None else len(ids) / spec.moe.num_experts
+            for i, ids in enumerate(vram) if ids}
+
+
+def predicted_hit_rate(spec: ModelSpec, hit: dict[int, float], vram: tuple) -> float:
+    """The share of a token's selected experts, over every routed block, found in VRAM (Plan.expert_hit_rate)."""
+    routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
+    return sum(hit.values()) / routed if vram and routed else 0.0
 
 
 __all__ = ["PartitionUnit", "distinct_share", "expert_bytes", "expert_step_ms", "with_experts", "without_experts"]

@@ -151,17 +151,19 @@ def weights_line(spec) -> str:
 
 
 def experts_line(plan: Plan, spec) -> str:
-    """A mixture of experts' split: how many routed experts the plan holds in VRAM and their share (the predicted
-    hit rate under uniform routing), the rest in host RAM for the CPU."""
-    from helmc.planner.moe import expert_bytes
+    """A mixture of experts' split: how many routed experts the plan holds in VRAM, the predicted hit rate (the share
+    of selections they take: from routing statistics, or uniform routing as Plan.fallbacks says), the rest in host
+    RAM for the CPU."""
+    from helmc.planner.moe import UNIFORM_ROUTING, expert_bytes
     gib = 1024 ** 3
     routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
     total = routed * spec.moe.num_experts
     in_vram = sum(len(ids) for ids in plan.gpu_experts)
     held = expert_bytes(spec)
+    how = "uniform routing" if UNIFORM_ROUTING in plan.fallbacks else "routing statistics"
     return (f"experts: {in_vram} of {total} in VRAM ({held * in_vram / total / gib:.2f} GiB), "
             f"{total - in_vram} in host RAM ({held * (total - in_vram) / total / gib:.2f} GiB) for the CPU; "
-            f"predicted hit rate {in_vram / total:.2f} (uniform routing), top-{spec.moe.top_k} of "
+            f"predicted hit rate {plan.expert_hit_rate:.2f} ({how}), top-{spec.moe.top_k} of "
             f"{spec.moe.num_experts} per block"
             + (f"; a prompt's host experts stream to the GPU through {plan.expert_staging_bytes / gib:.2f} GiB of "
                "staging" if plan.expert_staging_bytes else ""))

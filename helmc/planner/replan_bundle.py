@@ -7,7 +7,8 @@ and 141 GB/s). A hybrid layout made for the first host streamed one block per CP
 second, where two CPU blocks per streamed one are faster. The bundle's libraries hold one block function per device
 with weights as parameters, so every split and hybrid layout of its model and batch runs without compiling anything
 (Session.load(plan=...)): only the placement changes. The workload is the bundle's own (prompt and output lengths,
-batch, objective, KV offload), and so is the VRAM budget (its plan's usable VRAM) unless one is given.
+batch, objective, KV offload), and so is the VRAM budget (its plan's usable VRAM) unless one is given. A mixture of
+experts' routing statistics stored in the bundle (expert_stats.json) pick the experts held in VRAM.
 Pure Python over the bundle's JSON files: this runs on the target with the runtime-only TVM.
 """
 from __future__ import annotations
@@ -32,10 +33,12 @@ def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget
     # process loads none of its libraries: the plan may be made anywhere, for the machine `hardware` describes).
     manifest, spec, own, _ = read_bundle(bundle_dir, cpu_flags=frozenset(hw.cpu.features) if hw.cpu else None)
     hw = budgeted(hw, gpu_budget_gib, made_for=own)
+    from helmc.runtime.bundle.expert_stats import read_expert_stats
+    stats = read_expert_stats(bundle_dir, manifest) if spec.moe is not None else None
     p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
              batch=own.batch, objective=objective or own.objective,
              kv_offload=own.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,
-             hybrid=hybrid)
+             hybrid=hybrid, expert_stats=stats)
     _check_code_for(p, manifest, hw, bundle_dir)
     return p, spec
 

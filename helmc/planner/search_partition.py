@@ -123,9 +123,11 @@ def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
 
 def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfile", prompt_len: int = 128,
          output_len: int = 128, batch: int = 1, objective: str = "decode", gpu_budget_gib: float | None = None,
-         kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True, hybrid: bool = True) -> Plan:
+         kv_offload: bool = True, dtype: str | None = None, stream_prefill: bool = True, hybrid: bool = True,
+         expert_stats=None) -> Plan:
     """The partition plan for a model (a directory or config.json, a GGUF file, or a ModelSpec) on a hardware
-    profile (a hardware.json path, a preset name, or a HardwareProfile)."""
+    profile (a hardware.json path, a preset name, or a HardwareProfile). expert_stats: a mixture of experts' routing
+    statistics (runtime/bundle/expert_stats.ExpertStats), which pick the experts held in VRAM."""
     spec = load_spec(model_dir_or_config)
     hw = budgeted(hardware, gpu_budget_gib)
     chunk = PREFILL_CHUNK_TOKENS
@@ -138,7 +140,7 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
     a = analyze_program(spec, dtype)
     if spec.moe is not None:
         from helmc.planner.moe import with_experts, without_experts
-        p = with_experts(search_partition(without_experts(a, spec), hw, w), spec, hw)
+        p = with_experts(search_partition(without_experts(a, spec), hw, w), spec, hw, expert_stats)
     else:
         p = search_partition(a, hw, w)
     return dataclasses.replace(p, architecture_hash=spec.architecture_hash())

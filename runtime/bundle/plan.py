@@ -153,6 +153,9 @@ class Plan:
     # block's other experts run on the CPU from host RAM. Empty: every routed expert in host RAM (a dense model,
     # or a MoE model whose experts all stay on the CPU).
     gpu_experts: tuple[tuple[int, ...], ...] = ()
+    # The predicted share of a token's selected experts found in VRAM (from the bundle's routing statistics where it
+    # has them, else uniform routing); 0 without gpu_experts, and then left out of the JSON.
+    expert_hit_rate: float = 0.0
 
     def __post_init__(self):
         if self.format_version != PLAN_FORMAT_VERSION:
@@ -185,6 +188,8 @@ class Plan:
         self._check_gpu_experts()
 
     def _check_gpu_experts(self) -> None:
+        if not 0.0 <= self.expert_hit_rate <= 1.0:
+            raise HelmcError(f"plan: expert_hit_rate expected in [0, 1], found {self.expert_hit_rate}")
         if not self.gpu_experts:
             return
         if len(self.gpu_experts) != self.num_layers:
@@ -298,7 +303,7 @@ class Plan:
                 if d[key] in ([], 0, 0.0):
                     del d[key]
         if not self.gpu_experts:
-            del d["gpu_experts"]
+            del d["gpu_experts"], d["expert_hit_rate"]
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod

@@ -136,9 +136,9 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
             return tuple(load(n, *device) for n in names[e])
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
                             vram, tuple(whole for whole, _ in stacked),
-                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order))
+                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer)
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
-    return LayerExperts(experts, spec.expert_signature_index(layer), vram)
+    return LayerExperts(experts, spec.expert_signature_index(layer), vram, layer=layer)
 
 
 def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:

@@ -1,0 +1,93 @@
+"""What the CPU library's one-call expert sum (schedules/cpu/quant/moe_experts.py, called by
+moe_experts.MoeFeedForward for a decode row) reads per second on this machine, at each number of selected experts a
+call computes: measured on a loaded Session's own kernel and weights, every routed block's stacked host experts
+cycled (a model's experts far exceed the L3, as in decode), random distinct experts per call. The cost model prices
+the CPU's share of a token's experts at this rate (helmc/planner/moe.py), at the number of host experts a token is
+expected to select per block; the GEMV rate it used before overstated the kernel (~17 GB/s at ~4 experts on 16 cores
+against the GEMVs' ~50).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from helmc.runtime.moe_experts import LayerExperts
+
+MIN_SECONDS = 0.2          # timed per expert count, at least: rounds over every block until this much has passed
+MIN_ROUNDS = 3
+
+
+def host_feed_forwards(session) -> list:
+    """The session's host expert routers (MoeFeedForward): the CPU stage's and the GPU stage's host half."""
+    out = []
+    cpu = getattr(session, "cpu_stage", None)
+    if cpu is not None and getattr(cpu, "_moe", None) is not None:
+        out.append(cpu._moe)
+    gpu_stage = getattr(getattr(session, "gpu", None), "stage", None)
+    moe = getattr(gpu_stage, "_moe", None)
+    if moe is not None:
+        out.append(getattr(moe, "host", moe))       # GpuMoeFeedForward counts through its host half's counter
+    return out
+
+
+def _host_blocks(session) -> tuple[object, list[LayerExperts]]:
+    """(the session's host MoeFeedForward, its routed blocks whose experts go through the one-call sum)."""
+    for ffn in host_feed_forwards(session):
+        sums = getattr(ffn, "_expert_sums", {})
+        stages = [getattr(session, "cpu_stage", None), getattr(getattr(session, "gpu", None), "stage", None)]
+        blocks = [b.post[-1] for s in stages if s is not None for b in s.bindings
+                  if b.post and isinstance(b.post[-1], LayerExperts) and b.post[-1].stacked is not None
+                  and b.post[-1].signature in sums and len(b.post[-1].on_gpu) < len(b.post[-1].experts)]
+        if blocks:
+            return ffn, blocks
+    return None, []
+
+
+def expert_counts(top_k: int) -> tuple[int, ...]:
+    """The selected-expert counts measured: 1, 2, 4, ... up to top_k, and top_k."""
+    out, n = [], 1
+    while n < top_k:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (top_k,)
+
+
+def measure_expert_sum(session, seed: int = 0) -> tuple[tuple[str, int, float], ...]:
+    """((the experts' gate/up weight type, selected experts per call, GB/s read), ...) of the session's one-call expert
+    sum; () where it has none (float experts, no int8 kernel for their types, every expert in VRAM)."""
+    ffn, blocks = _host_blocks(session)
+    if ffn is None:
+        return ()
+    spec = session.spec
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, spec.hidden_size)).astype(np.float32)
+    out = []
+    for sig in sorted({b.signature for b in blocks}):
+        mine = [b for b in blocks if b.signature == sig]
+        kernel, gate_type = ffn._expert_sums[sig], spec.expert_signatures()[sig][0]
+        for n in expert_counts(spec.moe.top_k):
+            out.append((gate_type, n, _rate(ffn, kernel, mine, x, n, rng)))
+    return tuple(out)
+
+
+def _rate(ffn, kernel, blocks: list[LayerExperts], x: np.ndarray, n: int, rng) -> float:
+    """GB/s of `n` random host experts per call over `blocks`, cycled: bytes of the selected experts / wall time."""
+    def one_round() -> int:
+        read = 0
+        for b in blocks:
+            host = np.array([e for e in range(len(b.experts)) if e not in b.on_gpu])
+            sel = np.sort(rng.choice(host, size=min(n, host.size), replace=False))
+            w = np.full(sel.size, 1.0 / sel.size, np.float32)
+            ffn._one_call_sum(kernel, x, sel, w, b, None, frozenset())
+            read += sel.size * sum(t.shape[0] * t.shape[1] for t in b.stacked) // len(b.experts)
+        return read
+    one_round()                                   # first calls: page faults and lazy loads, untimed
+    rates, spent = [], 0.0
+    while len(rates) < MIN_ROUNDS or spent < MIN_SECONDS:
+        t0 = time.perf_counter()
+        read = one_round()
+        dt = time.perf_counter() - t0
+        spent += dt
+        rates.append(read / dt / 1e9)
+    return float(np.median(rates))
