@@ -77,12 +77,13 @@ class PlanResult:
     def to_json_dict(self) -> dict:
         """The plan and every candidate (`helmc plan --json`)."""
         from helmc.jsonio import to_dict
-        p = self.plan
-        out = {"cpu_units": p.cpu_units, "gpu_units": p.gpu_units, "t_plan_ms": p.t_plan_ms, "plan": p.describe(),
-               "max_context": p.max_context, "candidates": [to_dict(c) for c in p.candidates]}
-        if p.is_hybrid:
-            out.update(groups=[to_dict(g) for g in p.groups], staging_ring_bytes=p.staging_ring_bytes,
-                       t_copy_ms=p.t_copy_ms, hybrid_candidates=[to_dict(c) for c in p.hybrid_candidates])
+        pl, pr, mem = self.plan.placement, self.plan.predictions, self.plan.memory
+        out = {"cpu_units": pl.cpu_units, "gpu_units": pl.gpu_units, "t_plan_ms": pr.t_plan_ms,
+               "plan": self.plan.describe(), "max_context": mem.max_context,
+               "candidates": [to_dict(c) for c in pr.candidates]}
+        if pl.is_hybrid:
+            out.update(groups=[to_dict(g) for g in pl.groups], staging_ring_bytes=mem.staging_ring_bytes,
+                       t_copy_ms=pr.t_copy_ms, hybrid_candidates=[to_dict(c) for c in pr.hybrid_candidates])
         return out
 
     def save(self, path: str) -> None:

@@ -112,7 +112,7 @@ def test_batched_decode_is_bitwise_single_runs():
 @pytest.mark.parametrize("name", ["gpu_float16", "gpu_q4_k_m"])
 @pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8)))])
 def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
-    """Plan.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
+    """Plan.placement.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
     block's others (block 1 is dense: no experts). Greedy against transformers by the rule above; the share of
     selected experts served from VRAM is what the placement gives (all of them when every expert is there).
     Quantized experts decode through the GPU's two expert kernels over the stacked VRAM experts (routed on the GPU
@@ -124,7 +124,7 @@ def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
     d = moe_dir()
     weights, ref = reference(d, name)
     base = Plan.from_json(open(os.path.join(d, name, "plan.json")).read())
-    s = Session.load(os.path.join(d, name), weights_dir=weights, plan=dataclasses.replace(base, gpu_experts=vram))
+    s = Session.load(os.path.join(d, name), weights_dir=weights, plan=base.replace(gpu_experts=vram))
     got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
     expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
     moe = s.gpu.stage._moe
@@ -149,8 +149,7 @@ def test_decode_graphs_replay_the_eager_tokens(vram):
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, _ = reference(d, "gpu_q4_k_m")
-    plan = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
-                               gpu_experts=vram)
+    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=vram)
     runs = {}
     for graphs in (True, False):
         s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan, cuda_graph=graphs)
@@ -168,7 +167,7 @@ def test_decode_graphs_replay_the_eager_tokens(vram):
 
 
 def test_prompt_experts_stream_to_the_gpu():
-    """Plan.expert_staging_bytes: a prompt's host experts run on the GPU, their weights streamed through a ring of
+    """Plan.memory.expert_staging_bytes: a prompt's host experts run on the GPU, their weights streamed through a ring of
     staging slots (runtime/moe_prefill.py; two slots here, fewer than the host experts the prompt selects in a block,
     so slots are reused after their readers). Without staging the CPU computes them. The prompt's logits agree, and
     greedy decoding after the streamed prompt follows transformers by the rule above."""
@@ -179,12 +178,11 @@ def test_prompt_experts_stream_to_the_gpu():
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, ref = reference(d, "gpu_q4_k_m")
-    base = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
-                               gpu_experts=((0, 3), (), (5,)))
+    base = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=((0, 3), (), (5,)))
     logits, streamed, staging = {}, {}, 0
     for streams in (False, True):
         s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
-                         plan=dataclasses.replace(base, expert_staging_bytes=staging))
+                         plan=base.replace(expert_staging_bytes=staging))
         logits[streams] = s.forward(PROMPT, all_logits=True)
         streamed[streams] = s.gpu.stage._moe.prefill.streamed_experts
         experts = s.gpu.stage.bindings[0].post[-1]
