@@ -83,8 +83,8 @@ class Session:
         frames that held half-bound weights or KV memory, so a server that keeps the error keeps no memory."""
         kv = KVOptions.from_keywords(kv_options)
         manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
-        shape = lambda p: (p.placement.num_layers, p.workload.batch)     # noqa: E731
-        if plan is not None and shape(plan) != shape(own):
+        made_for_bundle = (own.placement.num_layers, own.workload.batch)
+        if plan is not None and (plan.placement.num_layers, plan.workload.batch) != made_for_bundle:
             raise HelmcError(f"plan override: expected {own.placement.num_layers} layers and batch "
                              f"{own.workload.batch} (the bundle's), found {plan.placement.num_layers} and "
                              f"{plan.workload.batch}")

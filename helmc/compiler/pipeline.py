@@ -115,7 +115,8 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     if spec.moe is not None and (plan.placement.prefill_on_gpu or plan.placement.groups):
         raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) expected a plain CPU/GPU split, found "
-                         f"{plan.describe()}{' with its prefill streamed to the GPU' if plan.placement.prefill_on_gpu else ''}")
+                         f"{plan.describe()}"
+                         f"{' with its prefill streamed to the GPU' if plan.placement.prefill_on_gpu else ''}")
 
 
 def _compile_jobs(spec, hardware: HardwareProfile, o: BuildOptions, batches, llvm_desc: str, need_cpu: bool,
@@ -201,7 +202,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
     progress(f"read_model: {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
              f"{'weights ' + types if spec.quantized else spec.dtype}")
     plan = plan or search_plan(spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid)
-    progress(f"search_plan: {plan.describe()}, predicted {plan.predictions.t_plan_ms:.1f} ms/token, max context {plan.memory.max_context}")
+    progress(f"search_plan: {plan.describe()}, predicted {plan.predictions.t_plan_ms:.1f} ms/token, max context "
+             f"{plan.memory.max_context}")
 
     check_placement(spec, plan, hardware)
     # a mixture of experts' routed experts run on the CPU stage wherever their block is
