@@ -130,7 +130,7 @@ def worker_helmc(args) -> None:
         s = Session.load(args.bundle, weights_dir=args.weights, kv_page_tokens=args.kv_page_tokens,
                          kv_watermark=args.kv_watermark, kv_offload=not args.no_kv_offload)
     loaded = {"system": "helmc", "event": "loaded", "load_s": round(time.perf_counter() - t, 1),
-              "plan": s.plan.describe(), "plan_max_context": s.plan.max_context, "vram_peak_gib": vram.peak_gib}
+              "plan": s.plan.describe(), "plan_max_context": s.plan.memory.max_context, "vram_peak_gib": vram.peak_gib}
     try:
         from helmc.runtime.session import request_kv_capacity
         cap = request_kv_capacity(s, max(args.contexts) - args.new_tokens)

@@ -136,7 +136,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
         s = Session.load(bundle, weights_dir=model, cuda_graph=cuda_graph, plan=plan)
         load_s = time.perf_counter() - t
         plan = s.plan
-        log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.1f} ms")
+        log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.predictions.t_plan_ms:.1f} ms")
         # Warm-up as long as a request: every KV page bucket's CUDA graph is captured before timing (a 4-token warm-up
         # left the captures in the first timed request, ~10 ms per token of a 32-token request; llama-bench also
         # warms up).
@@ -151,8 +151,8 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     out = summarize(runs)
     out["peak_vram_gib"] = None if vram is None else vram.peak_gib
     out["vram_held_before_load_gib"] = None if held_before is None else round(held_before, 3)
-    if plan.usable_vram_bytes and plan.uses_gpu:      # the budget the plan was made for (a whole GPU's free VRAM if none)
-        out["gpu_budget_gib"] = round(plan.usable_vram_bytes / 2 ** 30, 3)
+    if plan.memory.usable_vram_bytes and plan.placement.uses_gpu:      # the budget the plan was made for (a whole GPU's free VRAM if none)
+        out["gpu_budget_gib"] = round(plan.memory.usable_vram_bytes / 2 ** 30, 3)
     if vram is not None:
         log(f"  peak VRAM {vram.peak_gib:.2f} GiB (load, warm-up and requests; llama.cpp's -ngl runs report theirs; "
             f"{held_before:.2f} GiB of it held before the load: the CUDA context, what earlier rows left)")
@@ -165,22 +165,22 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
     out["rss_after_requests"] = rss = rss_bytes()
     log(f"  resident: anonymous {rss.get('RssAnon', 0) / 2**30:.2f} GiB, file-backed (mmapped weights) "
         f"{rss.get('RssFile', 0) / 2**30:.2f} GiB, pinned {rss.get('RssShmem', 0) / 2**30:.2f} GiB, peak "
-        f"{rss.get('VmHWM', 0) / 2**30:.2f} GiB; weights as stored {(plan.cpu_weight_bytes + plan.gpu_weight_bytes) / 2**30:.2f} GiB")
+        f"{rss.get('VmHWM', 0) / 2**30:.2f} GiB; weights as stored {(plan.memory.cpu_weight_bytes + plan.memory.gpu_weight_bytes) / 2**30:.2f} GiB")
     host_read, gpu_read = read_bytes(s.spec, plan)
     roof_ms = 1e3 * (host_read / (bw["host_read_gbs"] * GB) + gpu_read / (bw["hbm_copy_gbs"] * GB))
     out["decode_fraction_of_roofline"] = roof_ms / out["per_token_ms_p50"]
-    out.update({"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "cpu_units": plan.cpu_units,
-                "t_plan_ms": plan.t_plan_ms, "cpu_weight_bytes": plan.cpu_weight_bytes,
-                "gpu_weight_bytes": plan.gpu_weight_bytes, "roofline_ms": roof_ms,
-                "measured_over_plan": out["per_token_ms_p50"] / plan.t_plan_ms if plan.t_plan_ms else None,
-                "tokens_first_request": runs[0]["tokens"], "hybrid": plan.is_hybrid})
+    out.update({"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "cpu_units": plan.placement.cpu_units,
+                "t_plan_ms": plan.predictions.t_plan_ms, "cpu_weight_bytes": plan.memory.cpu_weight_bytes,
+                "gpu_weight_bytes": plan.memory.gpu_weight_bytes, "roofline_ms": roof_ms,
+                "measured_over_plan": out["per_token_ms_p50"] / plan.predictions.t_plan_ms if plan.predictions.t_plan_ms else None,
+                "tokens_first_request": runs[0]["tokens"], "hybrid": plan.placement.is_hybrid})
     if cpu_steps:
         hw = calibrated or HardwareProfile.load(os.path.join(s.bundle_dir, "hardware.json"))
         out.update(cpu_stage_fields(s, plan, cpu_steps, hw))
         log(f"  CPU stage: {out['cpu_stage_ms_p50']:.2f} ms a step, {out['cpu_stage_read_gbs']:.1f} GB/s of its weights; "
             f"the profile's stage read over that {out.get('profile_dram_vs_measured', float('nan')):.3f}, its M's "
             f"{out.get('profile_gemv_read_vs_measured', float('nan')):.3f}")
-    if plan.is_hybrid:
+    if plan.placement.is_hybrid:
         out.update(hybrid_fields(s, plan, out["per_token_ms_p50"], calibrated))
         log(f"  hybrid decode: {out['hybrid_schedule']}; {out['streamed_bytes_per_token'] / 2**20:.1f} MiB/token over "
             f"PCIe ({out['pcie_gbs']:.1f} GB/s), host weights read at {out['host_weight_gbs']:.1f} GB/s"
@@ -218,7 +218,7 @@ def time_cpu_stage(s) -> list[float] | None:
     """From here on, the seconds of each decode step a split's CPU stage runs (not a hybrid's: its CPU groups
     interleave with copies); None where there is no such stage."""
     gpu, steps = s.gpu, []
-    if gpu is None or gpu.cpu_stage_step is None or s.plan.is_hybrid:
+    if gpu is None or gpu.cpu_stage_step is None or s.plan.placement.is_hybrid:
         return None
     inner = gpu.cpu_stage_step
 
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         # --replan: what a user does on a new machine (helmc profile, helmc plan BUNDLE, helmc run --plan)
         plan = replan_bundle(bundle, calibrated)[0] if a.replan else None
         main_row = bench_helmc(bundle, a.model, prompt, a.new_tokens, a.requests, bw, calibrated, label=label, plan=plan,
-                               vram_baseline_mib=vram_baseline_mib, trace="split" in variants and bool(plan and plan.is_hybrid)
+                               vram_baseline_mib=vram_baseline_mib, trace="split" in variants and bool(plan and plan.placement.is_hybrid)
                                ) | {"replanned": plan is not None}
         report["helmc"].append(main_row)
         save()

@@ -81,7 +81,7 @@ def moe_bytes_per_token(session) -> tuple[float, float]:
     share = moe.top_k / moe.num_experts
     gpu, host = float(other), 0.0
     for i, b in enumerate(expert_bytes):
-        on_gpu = len(plan.gpu_experts[i]) / moe.num_experts if plan.gpu_experts else 0.0
+        on_gpu = len(plan.placement.gpu_experts[i]) / moe.num_experts if plan.placement.gpu_experts else 0.0
         gpu += b * share * on_gpu
         host += b * share * (1 - on_gpu)
     return gpu, host
@@ -107,7 +107,7 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
         s = Session.load(bundle, weights_dir=a.gguf)
         load_s = time.perf_counter() - t
         plan = s.plan
-        log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.t_plan_ms:.2f} ms")
+        log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.predictions.t_plan_ms:.2f} ms")
         short = prompt_ids(a.prompt_len, s.spec.vocab_size, 1)
         long = prompt_ids(a.ttft_prompt, s.spec.vocab_size, 2)
         s.generate(prompt_ids=short, max_new_tokens=a.new_tokens, temperature=0.0, stop_at_eos=False)
@@ -125,16 +125,16 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
     gpu_b, host_b = moe_bytes_per_token(s)
     roof_ms = 1e3 * (gpu_b / (bw["hbm_copy_gbs"] * GB) + host_b / (bw["host_read_gbs"] * GB))
     E = s.spec.moe.num_experts
-    in_vram = sum(len(x) for x in plan.gpu_experts) if plan.gpu_experts else 0
-    out = {"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "t_plan_ms": plan.t_plan_ms,
+    in_vram = sum(len(x) for x in plan.placement.gpu_experts) if plan.placement.gpu_experts else 0
+    out = {"bundle": bundle, "load_s": load_s, "plan": plan.describe(), "t_plan_ms": plan.predictions.t_plan_ms,
            "decode_tok_s_p50": decode, "per_token_ms_p50": per_token, "short_prompt_ttft_ms_p50":
            statistics.median(r.ttft_ms for r in runs), "ttft_ms_p50": statistics.median(ttfts),
            "ttft_prompt_len": a.ttft_prompt, "peak_vram_gib": vram.peak_gib,
-           "gpu_budget_gib": round(plan.usable_vram_bytes / 2 ** 30, 3) if plan.usable_vram_bytes else None,
-           "measured_over_plan": per_token / plan.t_plan_ms if plan.t_plan_ms else None,
+           "gpu_budget_gib": round(plan.memory.usable_vram_bytes / 2 ** 30, 3) if plan.memory.usable_vram_bytes else None,
+           "measured_over_plan": per_token / plan.predictions.t_plan_ms if plan.predictions.t_plan_ms else None,
            "experts_in_vram": in_vram, "experts_total": E * s.spec.num_layers,
            # the plan's (from routing statistics where the bundle has them); a plan made before it: the share held
-           "predicted_hit_rate": plan.expert_hit_rate or in_vram / (E * s.spec.num_layers),
+           "predicted_hit_rate": plan.predictions.expert_hit_rate or in_vram / (E * s.spec.num_layers),
            "bytes_per_token_gpu": gpu_b, "bytes_per_token_host": host_b, "roofline_ms": roof_ms,
            "decode_fraction_of_roofline": roof_ms / per_token, "tokens_first_request": list(runs[0].tokens)}
     moe = getattr(getattr(s.gpu, "stage", None), "_moe", None)

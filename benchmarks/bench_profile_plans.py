@@ -79,11 +79,11 @@ def measure(kit_dir: str, out_dir: str, gpu_backend: str = "cupy") -> int:
             plans.append({"model": model, "gpu_budget_gib": budget, "error": f"{type(e).__name__}: {e}"})
             continue
         print(f"\n== {model} fp16, GPU budget {budget} GiB\n{format_plan_table(p, spec)}")
-        plans.append({"model": model, "gpu_budget_gib": budget, "plan": p.describe(), "t_plan_ms": round(p.t_plan_ms, 3),
-                      "plain": s.describe(), "plain_t_plan_ms": round(s.t_plan_ms, 3),
-                      "predicted_hybrid_speedup": round(s.t_plan_ms / p.t_plan_ms, 3),
-                      "groups": [[g.kind, g.first_layer, g.num_layers] for g in p.groups],
-                      "staging_ring_bytes": p.staging_ring_bytes})
+        plans.append({"model": model, "gpu_budget_gib": budget, "plan": p.describe(), "t_plan_ms": round(p.predictions.t_plan_ms, 3),
+                      "plain": s.describe(), "plain_t_plan_ms": round(s.predictions.t_plan_ms, 3),
+                      "predicted_hybrid_speedup": round(s.predictions.t_plan_ms / p.predictions.t_plan_ms, 3),
+                      "groups": [[g.kind, g.first_layer, g.num_layers] for g in p.placement.groups],
+                      "staging_ring_bytes": p.memory.staging_ring_bytes})
     report["plans"] = plans
     with open(os.path.join(out_dir, "profile_check.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -119,7 +119,7 @@ def time_cpu_stage(model) -> None:
         return
     stage.forward_batch = _timed(stage.forward_batch, CPU_STAGE_S)
     stage.attend_rows = _timed(stage.attend_rows, CPU_ATTN_S)
-    if model.session.plan.is_hybrid and model.max_batch > 1:
+    if model.session.plan.placement.is_hybrid and model.max_batch > 1:
         # The batched schedule's backend is made on the first step: time its class's two synchronous crossings.
         from helmc.runtime.hybrid.batch import BatchHybridBackend
         BatchHybridBackend.to_host = _timed(BatchHybridBackend.to_host, HYBRID_WAIT_S)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     report = {"bundle": os.path.abspath(a.bundle), "concurrency": a.concurrency, "prompt_len": a.prompt_len,
               "warm_up": not a.no_warm_up,
               "new_tokens": a.new_tokens, "replanned_from": a.profile,
-              "plan": engine.model.session.plan.describe(), "plan_step_ms": engine.model.session.plan.t_plan_ms,
+              "plan": engine.model.session.plan.describe(), "plan_step_ms": engine.model.session.plan.predictions.t_plan_ms,
               "decode_tok_s_at_1": float(np.median(rate1)),
               f"decode_steps_tok_s_at_{a.concurrency}": steps_n,
               f"decode_tok_s_total_at_{a.concurrency}": rate_n,

@@ -19,16 +19,16 @@ GB = 1e9
 def read_bytes(spec, plan) -> tuple[int, int]:
     """Weight bytes (host, GPU) read per decode token: the units' W_param, one embedding row (analyze_program's)."""
     a = analyze_program(spec)
-    return tuple(x.param_bytes + x.gather_bytes_per_token for x in (a.stage(0, plan.cpu_units),
-                                                                    a.stage(plan.cpu_units, a.num_units)))
+    return tuple(x.param_bytes + x.gather_bytes_per_token for x in (a.stage(0, plan.placement.cpu_units),
+                                                                    a.stage(plan.placement.cpu_units, a.num_units)))
 
 
 def cpu_stage_fields(s, plan, steps: list[float], hw) -> dict:
     """The CPU stage's read of its blocks' weights over its median step against `hw` (--profile, or the bundle's):
     profile_dram_vs_measured (1.0: the profile told the truth) is the profile's synthetic stage read (M
     where a profile lacks it) over it; M's (GEMVs alone) and the stream read's are the other two ratios."""
-    nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.cpu_layers), 1e3 * statistics.median(steps)
-    out = {"cpu_stage_blocks": len(plan.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
+    nbytes, ms = sum(s.spec.block_weight_bytes(i) for i in plan.placement.cpu_layers), 1e3 * statistics.median(steps)
+    out = {"cpu_stage_blocks": len(plan.placement.cpu_layers), "cpu_stage_ms_p50": ms, "cpu_stage_read_gbs": nbytes / ms / 1e6}
     for rate, name in ((hw.cpu.stage_read_gbs or hw.cpu.host_read_gbs, "profile_dram_vs_measured"),
                        (hw.cpu.host_read_gbs, "profile_gemv_read_vs_measured"),
                        (hw.cpu.dram_gbs, "profile_stream_read_vs_measured")):
@@ -45,7 +45,7 @@ def hybrid_fields(s, plan, per_token_ms: float, hw=None) -> dict:
     per_token = h.backend.bytes_copied / max(1, h.tokens)
     out = {"hybrid_schedule": h.schedule.describe(), "hybrid_pairs": len(h.schedule.pairs),
            "streamed_blocks": len(h.schedule.streamed_layers), "ring_bytes": h.schedule.ring_bytes,
-           "t_copy_ms": plan.t_copy_ms, "streamed_bytes_per_token": per_token,
+           "t_copy_ms": plan.predictions.t_copy_ms, "streamed_bytes_per_token": per_token,
            "pcie_gbs": per_token / (per_token_ms * 1e-3) / GB,
            "host_weight_gbs": read_bytes(s.spec, plan)[0] / (per_token_ms * 1e-3) / GB}
     link = {}

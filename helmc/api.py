@@ -1,22 +1,25 @@
 """The plain Python API under the CLI: profile (and build_kit), plan, build, run, calibrate, serve, chat. Each
-`helmc` command parses its arguments and calls one function here; the options of the larger ones are frozen
-dataclasses (BuildOptions, PlanOptions, ServeOptions) whose defaults are defined once."""
+`helmc` command parses its arguments and calls one function here. Each takes its options as one frozen dataclass
+(BuildOptions, PlanOptions, RunOptions, ServeOptions, ChatOptions, CalibrateOptions; api_options.py) whose defaults are
+defined once, or that dataclass's fields as keywords; a bundle's plan, weights and trusted keys are given as paths."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
+from helmc.api_options import (BUILD_DEFAULTS, PLAN_DEFAULTS, BundleOptions, CalibrateOptions, ChatOptions,
+                               PlanOptions, RunOptions, ServeOptions, options_of)
 from helmc.compiler.options import BuildOptions, build_options
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.weight_types import QUANT_MIXES
-from helmc.runtime.kv.options import KV_PAGE_TOKENS, KV_WATERMARK, KVOptions
-# The KV defaults the CLI shows (runtime/kv/options.py defines them): KV_PAGE_TOKENS, KV_WATERMARK.
 
-# `build`'s quant choices (the CLI's --quant): weight_types' mixes; its defaults (BuildOptions').
+__all__ = ["BUILD_DEFAULTS", "PLAN_DEFAULTS", "QUANT_CHOICES", "BuildOptions", "BundleOptions", "CalibrateOptions",
+           "ChatOptions", "PlanOptions", "RunOptions", "ServeOptions", "build", "build_kit", "calibrate", "chat",
+           "keygen", "plan", "plan_table", "profile", "run", "runtime_only", "serve"]
+
+# `build`'s quant choices (the CLI's --quant): weight_types' mixes.
 QUANT_CHOICES = tuple(QUANT_MIXES)
-BUILD_DEFAULTS = BuildOptions()
 
 
 def _hardware(hardware) -> HardwareProfile:
@@ -63,26 +66,6 @@ def profile(quick: bool = False, gpu_backend: str | None = None, kit_dir: str | 
 
 
 @dataclass(frozen=True)
-class PlanOptions:
-    """`plan`'s options. None: PLAN_DEFAULTS' value for a model; a bundle's own plan's for a bundle (whose batch and
-    weights are always its own)."""
-    prompt_len: int | None = None
-    output_len: int | None = None
-    batch: int | None = None
-    objective: str | None = None        # "decode" (ms per token) or "prefill" (ms to the first token)
-    gpu_budget_gib: float | None = None # at most this many GiB of VRAM in all (None: all, or a bundle's plan's)
-    kv_offload: bool | None = None      # KV of GPU blocks in pinned host pages
-    stream_prefill: bool = True         # the CPU blocks' prefill on the GPU, their weights streamed over PCIe
-    hybrid: bool = True                 # hybrid decode layouts allowed where predicted faster
-    dtype: str | None = None            # weight dtype (None: the checkpoint's)
-
-
-# A model's plan where PlanOptions leaves a field None: a build's workload (BuildOptions'), KV offload (KVOptions').
-PLAN_DEFAULTS = PlanOptions(prompt_len=BUILD_DEFAULTS.prompt_len, output_len=BUILD_DEFAULTS.output_len,
-                            batch=BUILD_DEFAULTS.batch, objective="decode", kv_offload=KVOptions().offload)
-
-
-@dataclass(frozen=True)
 class PlanResult:
     plan: object                        # runtime.bundle.plan.Plan
     spec: object                        # model.spec.ModelSpec
@@ -94,12 +77,13 @@ class PlanResult:
     def to_json_dict(self) -> dict:
         """The plan and every candidate (`helmc plan --json`)."""
         from helmc.jsonio import to_dict
-        p = self.plan
-        out = {"cpu_units": p.cpu_units, "gpu_units": p.gpu_units, "t_plan_ms": p.t_plan_ms, "plan": p.describe(),
-               "max_context": p.max_context, "candidates": [to_dict(c) for c in p.candidates]}
-        if p.is_hybrid:
-            out.update(groups=[to_dict(g) for g in p.groups], staging_ring_bytes=p.staging_ring_bytes,
-                       t_copy_ms=p.t_copy_ms, hybrid_candidates=[to_dict(c) for c in p.hybrid_candidates])
+        pl, pr, mem = self.plan.placement, self.plan.predictions, self.plan.memory
+        out = {"cpu_units": pl.cpu_units, "gpu_units": pl.gpu_units, "t_plan_ms": pr.t_plan_ms,
+               "plan": self.plan.describe(), "max_context": mem.max_context,
+               "candidates": [to_dict(c) for c in pr.candidates]}
+        if pl.is_hybrid:
+            out.update(groups=[to_dict(g) for g in pl.groups], staging_ring_bytes=mem.staging_ring_bytes,
+                       t_copy_ms=pr.t_copy_ms, hybrid_candidates=[to_dict(c) for c in pr.hybrid_candidates])
         return out
 
     def save(self, path: str) -> None:
@@ -113,7 +97,7 @@ def plan(model: str, hardware, options: PlanOptions | None = None, **keywords) -
     config.json, a GGUF file, a ModelSpec) or a bundle (`helmc build`'s directory: planned again for `hardware`,
     with no compiling) on `hardware` (a HardwareProfile, a hardware.json path or a preset name). options: a
     PlanOptions, or its fields as keywords."""
-    o = _options(PlanOptions, options, keywords, "plan")
+    o = options_of(PlanOptions, options, keywords, "plan")
     if not isinstance(hardware, str):
         hardware = _hardware(hardware)
     from helmc.runtime.bundle.manifest import is_bundle_dir
@@ -142,21 +126,6 @@ def plan_table(plan, spec=None) -> str:
     return format_plan_table(plan, spec)
 
 
-def _options(cls, options, keywords: dict, what: str):
-    """`options`, or a `cls` of `keywords` (a function takes one or the other), unknown keywords refused."""
-    if options is not None and keywords:
-        raise HelmcError(f"{what}: expected a {cls.__name__} or its fields as keywords, found both "
-                         f"({', '.join(keywords)})")
-    if options is not None:
-        return options
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(keywords) - names)
-    if unknown:
-        raise HelmcError(f"{what} options: expected keywords among {', '.join(sorted(names))}, found "
-                         f"{', '.join(unknown)}")
-    return cls(**keywords)
-
-
 def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | None = None, sign_key: str | None = None,
           options: BuildOptions | None = None, **keywords):
     """model_dir: a Hugging Face model directory or a GGUF file. options: a BuildOptions (compiler/options.py: the
@@ -182,27 +151,24 @@ def build(model_dir: str, hardware, out_dir: str, *, gpu_budget_gib: float | Non
     return run_pipeline(model_dir, hw, out_dir, options, signer=signer)
 
 
-def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 32,
-        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-        weights_dir: str | None = None, on_text=None, quiet: bool = True, trusted_keys: tuple | None = None,
-        require_signed: bool = False, plan=None, warm_up: bool = True, **kv_options):
-    """trusted_keys: signature.PublicKey of the keys whose signature is accepted (signature.trusted_keys(paths)
-    reads them, with HELMC_TRUSTED_KEYS); require_signed: refuse a bundle without such a signature.
-    plan: a Plan (e.g. replan_bundle's for this machine) run instead of the bundle's own.
-    warm_up: pay the first calls' one-time costs while loading (runtime/session_warmup.py), so that the request's
-    TTFT and decode rate are a warm process's."""
+def run(bundle_dir: str, prompt: str | None = None, prompt_ids: list[int] | None = None,
+        options: RunOptions | None = None, on_text=None, **keywords):
+    """Generate from `bundle_dir` for `prompt` (text) or `prompt_ids`; returns a GenerationResult. options: a
+    RunOptions (api_options.py: the fields and their defaults), or its fields as keywords. on_text(str): the text as
+    it comes."""
     from helmc.runtime.session import Session
     from helmc.runtime.session_warmup import warm_up_session
-    check_run_arguments(max_new_tokens, temperature, top_k, top_p, seed, **kv_options)
+    o = options_of(RunOptions, options, keywords, "run")
     check_prompt_text(prompt)
-    session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
-                           require_signed=require_signed, plan=plan, **kv_options)
-    if warm_up:
+    trust = o.trust_policy()
+    session = Session.load(bundle_dir, weights_dir=o.weights_dir, quiet=o.quiet, plan=o.read_plan(), **trust,
+                           **o.kv_options())
+    if o.warm_up:
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else \
             len(session.tokenizer.encode(prompt).ids) if prompt is not None and session.tokenizer is not None else 0
-        warm_up_session(session, prompt_tokens, max_new_tokens)
-    return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=on_text)
+        warm_up_session(session, prompt_tokens, o.max_new_tokens)
+    return session.generate(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=o.max_new_tokens,
+                            temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed, on_text=on_text)
 
 
 def check_prompt_text(prompt: str | None, what: str = "--prompt") -> None:
@@ -216,16 +182,6 @@ def check_prompt_text(prompt: str | None, what: str = "--prompt") -> None:
         raw = prompt.encode("utf-8", "surrogateescape")[max(0, e.start - 8):e.end + 8]
         raise HelmcError(f"{what}: expected UTF-8 text, found bytes that are not UTF-8 at character {e.start} "
                          f"(near {raw!r}); check the terminal's or the script's encoding") from None
-
-
-def check_run_arguments(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-                        **kv_options):
-    """run's arguments, checked before the bundle is read: a typo costs no load (and writes nothing)."""
-    from helmc.runtime.sampling import SamplingParams
-    if max_new_tokens < 1:
-        raise HelmcError(f"--max-new-tokens expected >= 1, found {max_new_tokens}")
-    SamplingParams(temperature, top_k, top_p, seed)
-    KVOptions.from_keywords(kv_options)
 
 
 @dataclass(frozen=True)
@@ -255,13 +211,13 @@ def build_kit(out_dir: str, for_hardware: str | None = None, quick: bool = False
     return KitBuilt(out_dir, build(out_dir, target, progress=progress or Progress()), target)
 
 
-def calibrate(bundle_dirs: "str | list[str]", hardware, weights_dir: str | None = None, steps: int | None = None,
-              trusted_keys: tuple | None = None, require_signed: bool = False):
+def calibrate(bundle_dirs: "str | list[str]", hardware, options: CalibrateOptions | None = None, **keywords):
     """Time the bundles' decode step on this machine and fit each device's per-block and per-token overheads
-    against `hardware` (planner/calibrate.py); returns a CalibrationResult (.profile: the calibrated profile)."""
+    against `hardware` (planner/calibrate.py); returns a CalibrationResult (.profile: the calibrated profile).
+    options: a CalibrateOptions, or its fields as keywords."""
     from helmc.planner.calibrate import calibrate as fit
-    return fit(bundle_dirs, hardware, weights_dir=weights_dir, steps=steps, trusted_keys=trusted_keys,
-               require_signed=require_signed)
+    o = options_of(CalibrateOptions, options, keywords, "calibrate")
+    return fit(bundle_dirs, hardware, weights_dir=o.weights_dir, steps=o.steps, **o.trust_policy())
 
 
 def keygen(key_file: str):
@@ -277,52 +233,6 @@ def runtime_only() -> None:
     forbid_compiler_imports()
 
 
-def trust_policy(paths=(), require_signed: bool = False) -> dict:
-    """run's, serve's, chat's and calibrate's trusted_keys / require_signed for `--trust` files, read before anything
-    of the bundle is. A key named so requires a signature: otherwise an attacker who deletes manifest.sig would get
-    past it. HELMC_TRUSTED_KEYS alone (an ambient default for every command) does not."""
-    from helmc.runtime.bundle.signature import trusted_keys
-    return {"trusted_keys": trusted_keys(paths), "require_signed": require_signed or bool(paths)}
-
-
-def read_plan(path: str | None):
-    """The Plan in a plan file (`helmc plan BUNDLE hardware.json -o FILE`), or None (the bundle's own)."""
-    if path is None:
-        return None
-    from helmc.runtime.bundle.plan import read_plan_file
-    return read_plan_file(path)
-
-
-
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`serve`'s options, checked when made (a typo costs no load)."""
-    host: str = "127.0.0.1"
-    port: int = 8000                    # 0: any free port
-    max_batch: int | None = None        # sequences decoded at once (None: what the plan was made for)
-    model_name: str | None = None       # the model id clients send (None: the bundle directory's name, less .bundle)
-    weights_dir: str | None = None      # a model directory or GGUF file overriding the bundle's
-    kv_page_tokens: int = KV_PAGE_TOKENS
-    log_level: str = "warning"          # uvicorn's
-    plan: object = None                 # a Plan, or a plan file (read once the port is bound), run instead of the
-                                        # bundle's own
-    trusted_keys: tuple | None = None   # as run's (trust_policy)
-    require_signed: bool = False
-
-    def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise HelmcError(f"--port expected in [0, 65535] (0: any free port), found {self.port}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise HelmcError(f"--max-batch expected >= 1 (or left out: the plan's batch), found {self.max_batch}")
-        if self.kv_page_tokens < 1:
-            raise HelmcError(f"--kv-page-tokens expected a positive integer, found {self.kv_page_tokens}")
-        if self.log_level not in _LOG_LEVELS:
-            raise HelmcError(f"--log-level expected one of {', '.join(_LOG_LEVELS)}, found {self.log_level!r}")
-
-
 @dataclass(frozen=True)
 class Listening:
     """What `serve` tells its caller once the server listens."""
@@ -334,11 +244,13 @@ class Listening:
     chat_template: bool                 # chat requests are served (else they get a 400)
 
 
-def serve(bundle_dir: str, options: ServeOptions | None = None, on_ready=None, on_warning=None) -> None:
+def serve(bundle_dir: str, options: ServeOptions | None = None, on_ready=None, on_warning=None, **keywords) -> None:
     """Serve `bundle_dir` over HTTP with OpenAI's API (runtime/serve/) until interrupted. The port is bound before
     the model loads (a busy one fails at once); on_warning(text): a chat template the server refuses (chat
-    requests get a 400, completions are served); on_ready(Listening) once it listens."""
-    o = options or ServeOptions()
+    requests get a 400, completions are served); on_ready(Listening) once it listens. options: a ServeOptions, or
+    its fields as keywords."""
+    o = options_of(ServeOptions, options, keywords, "serve")
+    trust = o.trust_policy()                                 # the keys are read before anything else
     _need_serve_extra()
     from helmc.runtime.serve.load import load_engine
     from helmc.runtime.serve.metrics import Metrics
@@ -346,10 +258,10 @@ def serve(bundle_dir: str, options: ServeOptions | None = None, on_ready=None, o
     from helmc.runtime.serve.server import ServeState, bind, serve as run_server
     sock = bind(o.host, o.port)                              # a busy port fails before the model loads
     metrics = Metrics()
-    plan = read_plan(o.plan) if isinstance(o.plan, str) else o.plan
+    plan = o.read_plan()
     engine, template = load_engine(bundle_dir, o.max_batch, o.weights_dir, quiet=False, metrics=metrics,
                                    compile_template=False, kv_page_tokens=o.kv_page_tokens, plan=plan,
-                                   trusted_keys=o.trusted_keys, require_signed=o.require_signed)  # warm-up: stderr
+                                   **trust)  # warm-up: stderr
     name = o.model_name or model_id(bundle_dir)
     renderer = RenderPool(template, engine.tokenizer, engine.model.max_context).start()
     refused = renderer.check_template()
@@ -385,23 +297,16 @@ def model_id(bundle_dir: str) -> str:
     return name[:-len(".bundle")] if name.endswith(".bundle") and len(name) > len(".bundle") else name
 
 
-def chat(bundle_dir: str, sampling=None, weights_dir: str | None = None, plan=None, trusted_keys: tuple | None = None,
-         require_signed: bool = False):
+def chat(bundle_dir: str, options: ChatOptions | None = None, **keywords):
     """A runtime.serve.conversation.Conversation with `bundle_dir` through the serving engine (one slot).
-    sampling: a runtime.serve.conversation.Sampling (chat_sampling makes one; checked before any loading)."""
+    options: a ChatOptions (how replies are sampled; checked before any loading), or its fields as keywords."""
     import jinja2  # noqa: F401   (the chat template; missing: the line naming the serve extra, helmc/cli/extras.py)
-    from helmc.runtime.serve.conversation import Conversation, Sampling
+    from helmc.runtime.serve.conversation import Conversation
     from helmc.runtime.serve.load import load_engine
-    sampling = sampling or Sampling()
-    engine, template = load_engine(bundle_dir, 1, weights_dir, plan=plan, trusted_keys=trusted_keys,
-                                   require_signed=require_signed)
+    o = options_of(ChatOptions, options, keywords, "chat")
+    trust = o.trust_policy()
+    engine, template = load_engine(bundle_dir, 1, o.weights_dir, plan=o.read_plan(), **trust)
     if template is None:
         raise HelmcError(f"chat: expected a chat template in {bundle_dir} (tokenizer_config.json or chat_template.jinja), "
                          "found none; use helmc run --prompt")
-    return Conversation(engine, template, sampling)
-
-
-def chat_sampling(**fields):
-    """A runtime.serve.conversation.Sampling (max_new_tokens, temperature, top_k, top_p, seed), checked now."""
-    from helmc.runtime.serve.conversation import Sampling
-    return Sampling(**fields)
+    return Conversation(engine, template, o.sampling())

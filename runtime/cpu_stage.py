@@ -47,9 +47,10 @@ def load_stage_library(bundle_dir: str, manifest, name: str, dev=None, load=None
 
 def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, quiet: bool, bindings=None, layers=None,
                     kv: KVOptions = KVOptions()):
-    """The CPU stage over `layers` (default plan.cpu_layers; hybrid decode: plan.cpu_compute_layers, the CPU groups'
+    """The CPU stage over `layers` (default plan.placement.cpu_layers; hybrid decode: plan.placement.cpu_compute_layers, the CPU groups'
     blocks) or None if there are none, and the head if it is on the CPU.
     `bindings`: the blocks' weights already on the host (pinned arenas for streamed prefill)."""
+    pl, mem, wl = plan.placement, plan.memory, plan.workload
     import tvm.runtime
     from helmc.runtime.kv.cache_cpu import KVCacheCPU, default_threads, find_decode_kernel
     from helmc.runtime.tvm_tensors import (available_cpu_count, cpu_tensor_view, host_view, single_threaded_blas,
@@ -61,14 +62,14 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     from helmc.runtime.weights.bind import bind_layers, bind_head
 
     dev = tvm.cpu()
-    batches = decode_batch_sizes(plan.batch)      # the bundle's batched decode variants (import_relax)
-    layers = plan.cpu_layers if layers is None else layers
+    batches = decode_batch_sizes(wl.batch)      # the bundle's batched decode variants (import_relax)
+    layers = pl.cpu_layers if layers is None else layers
     stage = None
     if len(layers):
         if bindings is None:
             bindings = bind_layers(checkpoint, spec, layers, dev, loader_progress(quiet))
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        page_tokens=kv.page_tokens, max_tokens=plan.max_context,
+                        page_tokens=kv.page_tokens, max_tokens=mem.max_context,
                         dtype=spec.dtype, sliding_window=tuple(spec.layer_window(i) for i in layers),
                         threads=default_threads(),
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
@@ -78,7 +79,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
         stage = Stage("cpu", vm, spec, layers, kv, bindings, to_array=host_view,
                       from_array=lambda a: cpu_tensor_view(a, dev), batch_sizes=batches)
     head = None
-    if not plan.head_on_gpu:
+    if not pl.head_on_gpu:
         hw = bind_head(checkpoint, spec, dev)
         fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(batch_phase(b) for b in batches)}
 

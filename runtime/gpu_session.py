@@ -53,7 +53,7 @@ class GpuParts:
         self.cupy_to_tvm = cupy_to_tvm
         self.tvm_to_cupy = tvm_to_cupy
         self.cpu_stage_step = cpu_stage_step    # runs the CPU stage on host arrays; None if no CPU blocks
-        self.streamed_prefill = streamed_prefill  # CPU blocks' prefill on the GPU (plan.prefill_on_gpu), or None
+        self.streamed_prefill = streamed_prefill  # CPU blocks' prefill on the GPU (plan.placement.prefill_on_gpu), or None
         self.cpu_kv = cpu_kv
         self.chunk = prefill_chunk_tokens       # the GPU stage runs a prompt this many tokens at a time (0: whole)
         self.decode_graph = decode_graph        # DecodeGraph, or None (no GPU blocks, or graphs turned off)
@@ -231,22 +231,23 @@ class GpuParts:
 def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int, free: int, pool_loan: int):
     """The GPU stage's paged KV cache, after its weights are bound: the pages get what the plan left them, with the
     streamed prefill's loan as their floor. free: the VRAM free before anything of the session was allocated."""
+    mem, wl = plan.memory, plan.workload
     import cupy as cp
 
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
     free_after, _ = cp.cuda.runtime.memGetInfo()
     page_tokens = kv_options.page_tokens
-    if plan.gpu_kv_pool_bytes:
+    if mem.gpu_kv_pool_bytes:
         # The plan counted weights, activations of one prefill chunk, the cache's workspace and the
         # reserve; the pages get what it left, with the loan as their floor.
         page_bytes = 2 * kv_layers * spec.num_kv_heads * page_tokens * spec.head_dim * 2
-        budget = kv_pool_bytes(plan.gpu_kv_pool_bytes, pool_loan, free_after, page_bytes, loan_beside=plan.batch > 1)
+        budget = kv_pool_bytes(mem.gpu_kv_pool_bytes, pool_loan, free_after, page_bytes, loan_beside=wl.batch > 1)
     else:   # a plan from before gpu_kv_pool_bytes: what is left after weights and the cache's workspace
-        budget = free_after - (free - plan.gpu_bytes) if plan.gpu_bytes else free_after
+        budget = free_after - (free - mem.gpu_bytes) if mem.gpu_bytes else free_after
         budget -= KVCacheGPU.workspace_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, page_tokens)
     return KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
-                      max_tokens=plan.max_context, vram_bytes=max(0, int(budget)),
+                      max_tokens=mem.max_context, vram_bytes=max(0, int(budget)),
                       watermark=kv_options.watermark, offload=kv_options.offload,
                       sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
                       ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
@@ -254,12 +255,13 @@ def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int,
 
 def _check_gpu_plan(plan) -> int:
     """The VRAM free now, after checking the plan fits it and a hybrid plan streams its prefill."""
+    pl, mem = plan.placement, plan.memory
     import cupy as cp
     free, total = cp.cuda.runtime.memGetInfo()
-    if plan.gpu_bytes and plan.gpu_bytes > free:
-        raise HelmcError(f"GPU memory: the plan needs {plan.gpu_bytes / 2**30:.2f} GiB of VRAM, "
+    if mem.gpu_bytes and mem.gpu_bytes > free:
+        raise HelmcError(f"GPU memory: the plan needs {mem.gpu_bytes / 2**30:.2f} GiB of VRAM, "
                          f"{free / 2**30:.2f} GiB is free of {total / 2**30:.2f} GiB (build with a smaller --gpu-budget)")
-    if plan.is_hybrid and not plan.prefill_on_gpu:
+    if pl.is_hybrid and not pl.prefill_on_gpu:
         raise HelmcError("hybrid decode: expected a plan whose prefill streams the host-resident blocks to the GPU "
                          "(prefill_on_gpu), found one without")
     return free
@@ -269,18 +271,19 @@ def _load_cpu_part(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_optio
     """(cpu_stage, cpu_vm, cpu_step, arenas): the CPU stage of the blocks the CPU computes in decode, its library,
     its one-call step on NumPy arrays and, with streamed prefill, the pinned arenas of the host-resident blocks;
     Nones where the plan puts no block on the host."""
+    pl = plan.placement
     import tvm.runtime
 
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, build_cpu_stage, load_stage_library, loader_progress
-    hybrid = plan.is_hybrid
-    cpu_blocks = plan.cpu_compute_layers if hybrid else plan.cpu_layers    # the blocks the CPU computes in decode
-    if not len(plan.cpu_layers):
+    hybrid = pl.is_hybrid
+    cpu_blocks = pl.cpu_compute_layers if hybrid else pl.cpu_layers    # the blocks the CPU computes in decode
+    if not len(pl.cpu_layers):
         return None, None, None, None
     cpu_vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
     pinned = arenas = None
-    if plan.prefill_on_gpu:
+    if pl.prefill_on_gpu:
         from helmc.runtime.prefill_stream import bind_pinned_layers
-        pinned, arenas = bind_pinned_layers(checkpoint, spec, plan.cpu_layers, loader_progress(quiet))
+        pinned, arenas = bind_pinned_layers(checkpoint, spec, pl.cpu_layers, loader_progress(quiet))
         if hybrid:     # the CPU groups' arenas; the streamed blocks' arenas are the ring's sources
             pinned = [a.binding for a in arenas if a.layer in set(cpu_blocks)]
     cpu_stage, _ = build_cpu_stage(cpu_vm, spec, plan, checkpoint, quiet, bindings=pinned, layers=cpu_blocks,
@@ -295,14 +298,15 @@ def _load_cpu_part(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_optio
 
 def _prefill_loans(plan, spec, arenas, ring) -> tuple[int, bool, bool]:
     """(the pool's loan in bytes, whether the ring lends the whole loan, whether it lends the block's staging)."""
+    pl, wl = plan.placement, plan.workload
     from helmc.runtime.prefill_stream import aligned_bytes, streamed_prefill_bytes
-    hybrid = plan.is_hybrid
+    hybrid = pl.is_hybrid
     # The loan the plan counted: the streamed prefill of a prompt of the plan's length. A hybrid plan for several
     # sequences whose ring, idle between decode steps, holds it lends the ring (cost_model.ring_hosts_loan): then
     # the pool keeps no room for it.
-    arena_bytes = max(a.nbytes for a in arenas) if plan.prefill_on_gpu else 0
-    loan = streamed_prefill_bytes(arena_bytes, [plan.prompt_len] * plan.batch, spec) if plan.prefill_on_gpu else 0
-    ring_lends = hybrid and plan.batch > 1 and ring.nbytes >= loan
+    arena_bytes = max(a.nbytes for a in arenas) if pl.prefill_on_gpu else 0
+    loan = streamed_prefill_bytes(arena_bytes, [wl.prompt_len] * wl.batch, spec) if pl.prefill_on_gpu else 0
+    ring_lends = hybrid and wl.batch > 1 and ring.nbytes >= loan
     # Otherwise the ring lends the block's staging, the pool (or, serving, the loan beside its pages) holding the
     # prompts' buffers (cost_model.pool_loan_bytes counts the same).
     arena_in_ring = hybrid and not ring_lends and ring.nbytes >= arena_bytes
@@ -313,28 +317,29 @@ def _prefill_loans(plan, spec, arenas, ring) -> tuple[int, bool, bool]:
 
 def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: KVOptions, vm, cpu_vm, upload,
                kv_layers: int, free: int, pool_loan: int):
-    """The GPU stage of plan.gpu_layers: its weights bound (a MoE block's routed experts on the host, or those the
+    """The GPU stage of plan.placement.gpu_layers: its weights bound (a MoE block's routed experts on the host, or those the
     plan puts in VRAM), then its KV cache of kv_layers layers in what they leave."""
+    pl, mem, wl = plan.placement, plan.memory, plan.workload
     import tvm.runtime
 
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB, load_stage_library, loader_progress
     from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
     from helmc.runtime.stage import Stage, decode_batch_sizes
     from helmc.runtime.weights.bind import bind_layers
-    layers = plan.gpu_layers
+    layers = pl.gpu_layers
     moe = None
     if any(spec.is_moe_layer(i) for i in layers):    # the routed experts stay on the host, computed by the CPU
         from helmc.runtime.moe_gpu import gpu_moe_feed_forward
         from helmc.runtime.weights.bind import tensor_to_device
         cpu_vm = cpu_vm or load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
-        moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(plan.batch), tvm_to_cupy,
-                                   cupy_to_tvm, plan.expert_staging_bytes)
+        moe = gpu_moe_feed_forward(cpu_vm, vm, spec, layers, decode_batch_sizes(wl.batch), tvm_to_cupy,
+                                   cupy_to_tvm, mem.expert_staging_bytes)
     bindings = bind_layers(checkpoint, spec, layers, tvm.cuda(0), loader_progress(quiet), to_device=upload,
                            experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
-                           experts_in_vram=plan.gpu_experts)
+                           experts_in_vram=pl.gpu_experts)
     kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, pool_loan)
     return Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
-                 batch_sizes=decode_batch_sizes(plan.batch), kv_base=kv_layers - len(layers), moe=moe)
+                 batch_sizes=decode_batch_sizes(wl.batch), kv_base=kv_layers - len(layers), moe=moe)
 
 
 def _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options: KVOptions, hybrid: bool):
@@ -353,6 +358,7 @@ def _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options: KVOpt
 
 
 def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv_options: KVOptions):
+    pl, wl = plan.placement, plan.workload
     import cupy as cp
     import tvm.runtime
 
@@ -362,7 +368,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.weights.bind import bind_head
 
     free = _check_gpu_plan(plan)
-    hybrid = plan.is_hybrid
+    hybrid = pl.is_hybrid
     cpu_stage, cpu_vm, cpu_step, arenas = _load_cpu_part(bundle_dir, manifest, spec, plan, checkpoint, quiet,
                                                          kv_options)
     vm = load_stage_library(bundle_dir, manifest, GPU_LIB, tvm.cuda(0),
@@ -375,18 +381,18 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         from helmc.runtime.hybrid.load import allocate_ring
         schedule, ring = allocate_ring(plan, arenas)
     loan, ring_lends, arena_in_ring = _prefill_loans(plan, spec, arenas, ring)
-    kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(plan.gpu_layers)    # hybrid: streamed blocks first
+    kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(pl.gpu_layers)    # hybrid: streamed blocks first
     stage = (_gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options, vm, cpu_vm, upload,
                         kv_layers, free, 0 if ring_lends else loan) if kv_layers else None)
     head_weights = bind_head(checkpoint, spec, dev, to_device=upload)
     uploader.close()
-    head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(plan.batch)))}
+    head_fns = {p: vm[f"head_{p}"] for p in ("prefill", "decode") + tuple(map(batch_phase, decode_batch_sizes(wl.batch)))}
     streamed = None
-    if plan.prefill_on_gpu:
+    if pl.prefill_on_gpu:
         from helmc.runtime.prefill_stream import StreamedPrefill
         from helmc.runtime.hybrid.load import prefill_kv_targets, ring_lender
         lend = ring_lender(ring) if ring_lends else (stage.kv.lend_empty_pool if stage else None)
-        streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, plan.prefill_chunk_tokens or 512,
+        streamed = StreamedPrefill(vm, spec, arenas, cpu_stage.kv, pl.prefill_chunk_tokens or 512,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
                                    kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None,
                                    ops=stage.kv.ops if stage is not None else None,
@@ -401,7 +407,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
         progress(f"  hybrid decode: {schedule.describe()}", quiet)
         cpu_step = None    # the CPU stage holds only the CPU groups: decode goes through the schedule
     gpu = GpuParts(stage, head_fns, head_weights, cp.float16, cupy_to_tvm, tvm_to_cupy, cpu_step, streamed,
-                   cpu_stage.kv if cpu_stage is not None else None, plan.prefill_chunk_tokens, graph, stream,
+                   cpu_stage.kv if cpu_stage is not None else None, pl.prefill_chunk_tokens, graph, stream,
                    hybrid=decode, loan_in_ring=ring_lends)
     session = cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, None, tokenizer, gpu=gpu)
     return session

@@ -99,11 +99,11 @@ class BundleTimings:
 def plan_parts(plan: Plan) -> tuple[str, ...]:
     """What a bundle's plan lets calibration time: the devices holding blocks, and the head's device."""
     out = []
-    if len(plan.cpu_layers):
+    if len(plan.placement.cpu_layers):
         out.append("cpu_blocks")
-    if len(plan.gpu_layers) and plan.uses_gpu:
+    if len(plan.placement.gpu_layers) and plan.placement.uses_gpu:
         out.append("gpu_blocks")
-    out.append("gpu_head" if plan.head_on_gpu else "cpu_head")
+    out.append("gpu_head" if plan.placement.head_on_gpu else "cpu_head")
     return tuple(out)
 
 
@@ -138,15 +138,15 @@ def measure_bundle(bundle_dir: str, weights_dir: str | None = None, parts: tuple
     if unknown:
         raise HelmcError(f"calibrate: parts expected among those the plan {plan.describe()} uses {list(usable)}, "
                          f"found {unknown}")
-    steps = plan.output_len if steps is None else steps
+    steps = plan.workload.output_len if steps is None else steps
     if steps < 1 or warmup < 0:
         raise HelmcError(f"calibrate: steps expected >= 1 and warmup >= 0, found {steps}, {warmup}")
-    mean_context = plan.prompt_len + plan.output_len / 2          # cost_model.Workload.decode_context
+    mean_context = plan.workload.prompt_len + plan.workload.output_len / 2          # cost_model.Workload.decode_context
     first = max(0, int(round(mean_context - (steps + 1) / 2)))
     fill = max(0, first - warmup)
     total = fill + warmup + steps
-    if total > plan.max_context:
-        raise HelmcError(f"calibrate: {total} tokens of context needed, the plan allows {plan.max_context}")
+    if total > plan.memory.max_context:
+        raise HelmcError(f"calibrate: {total} tokens of context needed, the plan allows {plan.memory.max_context}")
     ctx = _Context(bundle_dir, manifest, spec, plan, ck, fill, warmup, steps, cpu_cache_bytes, cuda_graph)
     stages, tails = [], []
     if "cpu_blocks" in parts or "cpu_head" in parts:
@@ -239,9 +239,9 @@ class _CpuSide:
         from helmc.runtime.weights.bind import bind_layers
 
         ctx, spec = self.ctx, self.ctx.spec
-        m = len(ctx.plan.cpu_layers)
+        m = len(ctx.plan.placement.cpu_layers)
         n = ctx.distinct(m, ctx.cpu_cache_bytes)
-        layers = _source_layers(ctx.plan.cpu_layers, n)
+        layers = _source_layers(ctx.plan.placement.cpu_layers, n)
         arenas = None
         if getattr(ctx.plan, "prefill_on_gpu", False):    # as the session: weights in pinned arenas (streamed prefill)
             from helmc.runtime.prefill_stream import bind_pinned_layers
@@ -328,14 +328,14 @@ class _GpuSide:
         from helmc.runtime.weights.bind import bind_layers
 
         cp, ctx, spec = self.cp, self.ctx, self.ctx.spec
-        m = len(ctx.plan.gpu_layers)
+        m = len(ctx.plan.placement.gpu_layers)
         n = ctx.distinct(m, 0)
-        bound = bind_layers(ctx.ck, spec, _source_layers(ctx.plan.gpu_layers, n), self.dev, to_device=self.upload)
+        bound = bind_layers(ctx.ck, spec, _source_layers(ctx.plan.placement.gpu_layers, n), self.dev, to_device=self.upload)
         self.uploader.synchronize()
         pages = -(-ctx.total // KV_PAGE_TOKENS)
         # Every page stays resident, as in the benchmark's short requests (the plan's VRAM holds them).
         kv = KVCacheGPU(m, spec.num_kv_heads, spec.head_dim, page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total,
-                        gpu_pages=pages + 2, offload=ctx.plan.kv_offload, sliding_window=spec.sliding_window or None,
+                        gpu_pages=pages + 2, offload=ctx.plan.workload.kv_offload, sliding_window=spec.sliding_window or None,
                         ops=bundle_cuda_ops(ctx.bundle_dir, spec.head_dim, spec.group_size))
         stage = Stage("gpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
                       to_array=tvm_to_cupy, from_array=cupy_to_tvm)

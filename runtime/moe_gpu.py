@@ -7,7 +7,7 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
     m, logits  -> host                                               [S, H] fp16 and [S, E] fp32, one copy each
     y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
-A block's experts listed in Plan.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
+A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
 One decode row of quantized fp16 experts goes through moe_decode_row.MoeDecodeRow (the one-call expert sums on both
@@ -145,7 +145,7 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
         row = MoeDecodeRow(spec, host._expert_sums, device_expert_sums(gpu_vm, spec, from_cupy), to_cupy, from_cupy)
         batch = MoeDecodeBatch(row, host._expert_rows, device_expert_sums(gpu_vm, spec, from_cupy, rows=True),
                                to_cupy, from_cupy)
-    # a prompt's experts on the GPU: the host ones streamed through Plan.expert_staging_bytes (none: those blocks'
+    # a prompt's experts on the GPU: the host ones streamed through Plan.memory.expert_staging_bytes (none: those blocks'
     # host experts stay with the CPU)
     from helmc.runtime.moe_prefill import ExpertPrefill
     prefill = ExpertPrefill({j: device._expert[("prefill", j)] for j in set(expert_sigs)}, spec.moe,

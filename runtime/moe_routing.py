@@ -69,7 +69,7 @@ RANDOM_IDS_NAME = "random-ids"    # a bundle without a tokenizer: seeded random 
 def calibration_ids(session, max_tokens: int = 512) -> tuple[list[int], str]:
     """(the calibration prompt's ids, its name): the calibration text in the session's tokenizer, or without one
     max_tokens seeded random ids; at most `max_tokens` and what the plan's context allows."""
-    n = min(max_tokens, session.plan.max_context)
+    n = min(max_tokens, session.plan.memory.max_context)
     if session.tokenizer is None:
         rng = np.random.default_rng(0)
         return rng.integers(0, session.spec.vocab_size, n).tolist(), RANDOM_IDS_NAME

@@ -1,4 +1,4 @@
-"""Prefill of the CPU-stage blocks on the GPU, their weights streamed over PCIe (plan.prefill_on_gpu).
+"""Prefill of the CPU-stage blocks on the GPU, their weights streamed over PCIe (plan.placement.prefill_on_gpu).
 
 A prompt of S tokens through a CPU block costs the CPU 2 S W_param FLOPs: for a Qwen3-8B block and
 S = 128 that is 49 GFLOP, tens of milliseconds even with AVX-512. The GPU does the same work in about

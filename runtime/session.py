@@ -83,14 +83,17 @@ class Session:
         frames that held half-bound weights or KV memory, so a server that keeps the error keeps no memory."""
         kv = KVOptions.from_keywords(kv_options)
         manifest, spec, own, wdir = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
-        if plan is not None and (plan.num_layers, plan.batch) != (own.num_layers, own.batch):
-            raise HelmcError(f"plan override: expected {own.num_layers} layers and batch {own.batch} (the bundle's), "
-                             f"found {plan.num_layers} and {plan.batch}")
-        if plan is not None and plan.architecture_hash and plan.architecture_hash != spec.architecture_hash():
+        made_for_bundle = (own.placement.num_layers, own.workload.batch)
+        if plan is not None and (plan.placement.num_layers, plan.workload.batch) != made_for_bundle:
+            raise HelmcError(f"plan override: expected {own.placement.num_layers} layers and batch "
+                             f"{own.workload.batch} (the bundle's), found {plan.placement.num_layers} and "
+                             f"{plan.workload.batch}")
+        made_for = plan.provenance.architecture_hash if plan is not None else ""
+        if made_for and made_for != spec.architecture_hash():
             raise HelmcError(f"plan override: expected a plan made for this bundle's model (architecture "
-                             f"{spec.architecture_hash()}), found one for {plan.architecture_hash}")
+                             f"{spec.architecture_hash()}), found one for {plan.provenance.architecture_hash}")
         if plan is not None:   # made on this machine, unauthenticated: checked against the model and the machine
-            check_plan(plan, spec, own, "plan override", machine_memory(plan.uses_gpu))
+            check_plan(plan, spec, own, "plan override", machine_memory(plan.placement.uses_gpu))
         plan = plan or own
         checkpoint = open_checkpoint(wdir, spec)
         try:
@@ -106,7 +109,7 @@ class Session:
     def _load_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, quiet, kv: KVOptions) -> "Session":
         check_checkpoint(checkpoint, spec)
         tokenizer = _load_tokenizer(bundle_dir)
-        if plan.uses_gpu:
+        if plan.placement.uses_gpu:
             from helmc.runtime.gpu_session import load_gpu_parts  # CuPy only where the plan has a GPU stage
             return load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer, quiet, kv)
         vm = load_stage_library(bundle_dir, manifest, CPU_STAGE_LIB)
@@ -129,8 +132,9 @@ class Session:
         (greedy decoding) the last row's argmax as an int, found where the logits are (on the GPU: 8 bytes back
         instead of V * 4)."""
         S = len(ids)
-        if self.position + S > self.plan.max_context:
-            raise HelmcError(f"context: {self.position + S} tokens needed, the plan allows {self.plan.max_context}")
+        if self.position + S > self.plan.memory.max_context:
+            raise HelmcError(f"context: {self.position + S} tokens needed, the plan allows "
+                             f"{self.plan.memory.max_context}")
         phase = "decode" if S == 1 else "prefill"
         positions = np.arange(self.position, self.position + S)
         cos, sin = self.rope.cos_sin(positions)                   # [S, D] each

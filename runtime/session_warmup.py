@@ -47,7 +47,7 @@ def warm_up_session(session, prompt_tokens: int, new_tokens: int) -> WarmUp:
     cache empty and freeze the GC."""
     t0 = time.perf_counter()
     vocab = session.spec.vocab_size
-    context = session.plan.max_context
+    context = session.plan.memory.max_context
     session.reset()
     try:
         length = max(MIN_PROMPT_TOKENS, min(int(prompt_tokens), context - DECODE_STEPS - 1))

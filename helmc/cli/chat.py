@@ -13,10 +13,13 @@ import time
 
 import click
 
+from helmc.api import ChatOptions
 from helmc.cli.options import weights_option
-from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
+from helmc.cli.trust import plan_option, trust_options
 from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
+
+_CHAT = ChatOptions()
 
 COMMANDS = (("/help", "this list"), ("/reset", "forget the conversation (the system message stays)"),
             ("/stats", "the last reply's tokens, time to first token and decode rate"), ("/quit", "leave (or Ctrl-D)"))
@@ -26,11 +29,11 @@ HISTORY = os.path.join(os.path.expanduser("~"), ".cache", "helmc", "chat_history
 @click.command("chat")
 @click.argument("bundle_dir", type=click.Path())
 @click.option("--system", default=None, help="a system message at the start of the conversation")
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--max-new-tokens", type=int, default=_CHAT.max_new_tokens, show_default=True)
+@click.option("--temperature", type=float, default=_CHAT.temperature, show_default=True, help="0 is greedy")
+@click.option("--top-p", type=float, default=_CHAT.top_p, show_default=True)
+@click.option("--top-k", type=int, default=_CHAT.top_k, show_default=True)
+@click.option("--seed", type=int, default=_CHAT.seed)
 @weights_option
 @plan_option
 @trust_options
@@ -41,10 +44,10 @@ def chat_command(bundle_dir, system, max_new_tokens, temperature, top_p, top_k, 
     from helmc import api
     api.runtime_only()
     need(*RUNTIME)
-    sampling = api.chat_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed)                                  # its checks, before any loading
-    conversation = api.chat(bundle_dir, sampling, weights_dir, plan=read_plan(plan_file),
-                            **trust_policy(trust, require_signed))
+    options = ChatOptions(weights_dir=weights_dir, trust=tuple(trust), require_signed=require_signed, plan=plan_file,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          seed=seed)                                 # its checks, before any loading
+    conversation = api.chat(bundle_dir, options)
     Chat(conversation, system, bundle_dir).loop()
 
 

@@ -20,10 +20,12 @@ from helmc.cli.profile_plan import plan_command, profile_command
 from helmc.cli.chat import chat_command
 from helmc.cli.serve_chat import serve_command
 from helmc.cli.options import CONTEXT, output_option, weights_option
-from helmc.cli.trust import plan_option, read_plan, trust_options, trust_policy
-from helmc.api import BUILD_DEFAULTS as _BUILD, KV_PAGE_TOKENS, KV_WATERMARK, QUANT_CHOICES
+from helmc.cli.trust import plan_option, trust_options
+from helmc.api import BUILD_DEFAULTS as _BUILD, QUANT_CHOICES, CalibrateOptions, RunOptions
 from helmc.cli.extras import RUNTIME, need
 from helmc.errors import HelmcError
+
+_RUN = RunOptions()
 
 
 class _Group(click.Group):
@@ -172,10 +174,11 @@ def build_cmd(model_dir, hardware, out_dir, gpu_budget, copy_weights, no_cache, 
     (hardware.json) into a bundle."""
     need("tvm", "numpy")
     from helmc import api
-    r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, copy_weights=copy_weights,
-                  use_cache=not no_cache, prompt_len=prompt_len, output_len=output_len, stream_prefill=stream_prefill,
-                  prefill_activations=prefill_activations, quant=quant or "", batch=max_batch, hybrid=hybrid,
-                  sign_key=sign_key)
+    options = api.BuildOptions(copy_weights=copy_weights, use_cache=not no_cache, prompt_len=prompt_len,
+                               output_len=output_len, stream_prefill=stream_prefill,
+                               prefill_activations=prefill_activations, quant=quant or _BUILD.quant, batch=max_batch,
+                               hybrid=hybrid)
+    r = api.build(model_dir, hardware, out_dir, gpu_budget_gib=gpu_budget, sign_key=sign_key, options=options)
     click.echo(api.plan_table(r.plan, r.spec))
     reused = f" (reused cached: {', '.join(r.cache_hits)})" if r.cache_hits else ""
     click.echo(f"bundle written to {r.bundle_dir} in {r.seconds:.1f}s{reused}")
@@ -194,14 +197,14 @@ def _parse_ids(text: str | None):
 @click.argument("bundle_dir", type=click.Path())
 @click.option("--prompt", default=None, help="prompt text (tokenized with the bundle's tokenizer)")
 @click.option("--prompt-ids", default=None, help="prompt as token ids, e.g. 1,2,3")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--max-new-tokens", type=int, default=_RUN.max_new_tokens, show_default=True)
+@click.option("--temperature", type=float, default=_RUN.temperature, show_default=True, help="0 is greedy")
+@click.option("--top-k", type=int, default=_RUN.top_k, show_default=True)
+@click.option("--top-p", type=float, default=_RUN.top_p, show_default=True)
+@click.option("--seed", type=int, default=_RUN.seed)
 @weights_option
-@click.option("--kv-page-tokens", type=int, default=KV_PAGE_TOKENS, show_default=True)
-@click.option("--kv-watermark", type=float, default=KV_WATERMARK, show_default=True)
+@click.option("--kv-page-tokens", type=int, default=_RUN.kv_page_tokens, show_default=True)
+@click.option("--kv-watermark", type=float, default=_RUN.kv_watermark, show_default=True)
 @click.option("--no-kv-offload", is_flag=True, help="keep all KV of GPU layers on the GPU")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
 @plan_option
@@ -215,11 +218,12 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
     ids = _parse_ids(prompt_ids)
     if (prompt is None) == (ids is None):
         raise HelmcError("run: expected exactly one of --prompt or --prompt-ids")
+    options = RunOptions(weights_dir=weights_dir, trust=tuple(trust), require_signed=require_signed, plan=plan_file,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload,
+                         quiet=as_json)
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_k=top_k, top_p=top_p, seed=seed, weights_dir=weights_dir, on_text=stream, quiet=as_json,
-                **trust_policy(trust, require_signed), plan=read_plan(plan_file),
-                kv_page_tokens=kv_page_tokens, kv_watermark=kv_watermark, kv_offload=not no_kv_offload)
+    r = api.run(bundle_dir, prompt=prompt, prompt_ids=ids, options=options, on_text=stream)
     if as_json:
         click.echo(json.dumps(r.to_json_dict()))
     else:
@@ -233,7 +237,8 @@ def run_cmd(bundle_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
 @click.argument("hardware", type=click.Path())
 @output_option("out_path", "calibrated hardware.json to write", old_out=True, required=True, type=click.Path())
 @weights_option
-@click.option("--steps", type=int, default=None, help="decode steps timed per device [default: the plan's output_len]")
+@click.option("--steps", type=int, default=CalibrateOptions().steps,
+              help="decode steps timed per device [default: the plan's output_len]")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as one JSON object")
 @trust_options
 def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, trust, require_signed):
@@ -241,7 +246,8 @@ def calibrate_cmd(bundle_dir, hardware, out_path, weights_dir, steps, as_json, t
     from helmc import api
     api.runtime_only()
     need(*RUNTIME)
-    r = api.calibrate(bundle_dir, hardware, weights_dir=weights_dir, steps=steps, **trust_policy(trust, require_signed))
+    options = CalibrateOptions(weights_dir=weights_dir, trust=tuple(trust), require_signed=require_signed, steps=steps)
+    r = api.calibrate(bundle_dir, hardware, options)
     r.profile.save(out_path)
     click.echo(json.dumps(r.to_json_dict()) if as_json else r.summary())
     click.echo(f"wrote {out_path}", err=as_json)

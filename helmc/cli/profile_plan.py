@@ -90,27 +90,28 @@ def _echo_kit(built) -> None:
 
 def plot_plan(plan, path: str) -> None:
     """Predicted T_plan against k, the infeasible splits shaded, the chosen one marked (Figure 4.4)."""
+    pl, pr, wl = plan.placement, plan.predictions, plan.workload
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise HelmcError("--plot needs matplotlib (pip install matplotlib), found it not installed") from None
-    ks = [c.cpu_units for c in plan.candidates]
+    ks = [c.cpu_units for c in pr.candidates]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.plot(ks, [c.t_plan_ms for c in plan.candidates], marker="o", ms=3, label="predicted T_plan")
+    ax.plot(ks, [c.t_plan_ms for c in pr.candidates], marker="o", ms=3, label="predicted T_plan")
     shaded = False
-    for c in plan.candidates:
+    for c in pr.candidates:
         if not c.feasible:
             ax.axvspan(c.cpu_units - 0.5, c.cpu_units + 0.5, color="red", alpha=0.15, lw=0,
                        label=None if shaded else "infeasible (memory)")
             shaded = True
-    ax.plot([plan.cpu_units], [plan.t_plan_ms], marker="*", ms=14, color="black", ls="none",
-            label=f"chosen {plan.describe()}: {plan.t_plan_ms:.1f} ms")
+    ax.plot([pl.cpu_units], [pr.t_plan_ms], marker="*", ms=14, color="black", ls="none",
+            label=f"chosen {plan.describe()}: {pr.t_plan_ms:.1f} ms")
     ax.set_xlabel("k = partition units on the CPU")
-    ax.set_ylabel("ms per token" if plan.objective == "decode" else "ms to first token")
-    ax.set_title(f"partition search: {plan.num_layers} blocks, prompt {plan.prompt_len}, output {plan.output_len}, "
-                 f"batch {plan.batch}")
+    ax.set_ylabel("ms per token" if wl.objective == "decode" else "ms to first token")
+    ax.set_title(f"partition search: {pl.num_layers} blocks, prompt {wl.prompt_len}, output {wl.output_len}, "
+                 f"batch {wl.batch}")
     ax.legend(loc="best")
     fig.tight_layout()
     out_dir = os.path.dirname(os.path.abspath(path))

@@ -14,22 +14,8 @@ def trust_options(f):
                              "naming the signers you trust refuses unsigned bundles")(f)
 
 
-def trust_policy(trust, require_signed) -> dict:
-    """The API's trusted_keys / require_signed of --trust / --require-signed (api.trust_policy says why a key named
-    here requires a signature)."""
-    from helmc import api
-    return api.trust_policy(trust, require_signed)
-
-
 def plan_option(f):
     """--plan FILE: run the bundle with a plan made for this machine (`helmc plan BUNDLE hardware.json -o FILE`)."""
     return click.option("--plan", "plan_file", default=None, type=click.Path(dir_okay=False),
                         help="run with this plan instead of the bundle's own: `helmc profile` here, then `helmc plan "
                              "BUNDLE hardware.json -o FILE` (no compiling: the placement changes, not the code)")(f)
-
-
-def read_plan(plan_file):
-    """The Plan of --plan, or None (the bundle's own)."""
-    from helmc import api
-    return api.read_plan(plan_file)
-

@@ -8,8 +8,6 @@ CPU takes seconds), the compiled CPU code runs on this CPU, and the bundle is un
 """
 from __future__ import annotations
 
-import dataclasses
-
 from helmc.model.spec import ModelSpec
 from helmc.runtime.bundle.plan import Plan
 
@@ -30,8 +28,8 @@ def measure_at_build(bundle_dir: str, spec: ModelSpec, plan: Plan, replan) -> Pl
     from helmc.runtime.bundle.plan import all_cpu_plan
     from helmc.runtime.moe_routing import measure_routing
     from helmc.runtime.session import Session
-    on_cpu = dataclasses.replace(all_cpu_plan(spec.num_layers, plan.max_context), batch=plan.batch,
-                                 architecture_hash=plan.architecture_hash)
+    on_cpu = all_cpu_plan(spec.num_layers, plan.memory.max_context).replace(
+        batch=plan.workload.batch, architecture_hash=plan.provenance.architecture_hash)
     session = Session.load(bundle_dir, quiet=True, plan=on_cpu)
     stats = measure_routing(session, source="build")
     del session

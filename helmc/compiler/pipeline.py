@@ -114,15 +114,16 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
     RoPE tables and norms are CPU-only so far); for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
-    if plan.uses_gpu and (spec.local_rope is not None or spec.global_layers or spec.sandwich_norms):
+    if plan.placement.uses_gpu and (spec.local_rope is not None or spec.global_layers or spec.sandwich_norms):
         raise HelmcError(f"plan: {spec.architecture} expected an all-CPU plan (the GPU stage's kernels take neither "
                          f"per-block windows and RoPE tables nor its norms yet), found {plan.describe()}; build it "
                          f"with a hardware profile without a GPU (helmc profile --gpu-backend none)")
-    if plan.uses_gpu and hardware.gpu is None:
+    if plan.placement.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
-    if spec.moe is not None and (plan.prefill_on_gpu or plan.groups):
+    if spec.moe is not None and (plan.placement.prefill_on_gpu or plan.placement.groups):
         raise HelmcError(f"plan: a mixture-of-experts model ({spec.architecture}) expected a plain CPU/GPU split, found "
-                         f"{plan.describe()}{' with its prefill streamed to the GPU' if plan.prefill_on_gpu else ''}")
+                         f"{plan.describe()}"
+                         f"{' with its prefill streamed to the GPU' if plan.placement.prefill_on_gpu else ''}")
 
 
 def _compile_jobs(spec, hardware: HardwareProfile, o: BuildOptions, batches, llvm_desc: str, need_cpu: bool,
@@ -209,15 +210,16 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
              f"{'weights ' + types if spec.quantized else spec.dtype}")
     searched = plan is None
     plan = plan or search_plan(spec, hardware, o.prompt_len, o.output_len, o.stream_prefill, o.batch, o.hybrid)
-    progress(f"search_plan: {plan.describe()}, predicted {plan.t_plan_ms:.1f} ms/token, max context {plan.max_context}")
+    progress(f"search_plan: {plan.describe()}, predicted {plan.predictions.t_plan_ms:.1f} ms/token, max context "
+             f"{plan.memory.max_context}")
 
     check_placement(spec, plan, hardware)
     # a mixture of experts' routed experts run on the CPU stage wherever their block is
-    need_cpu = bool(len(plan.cpu_layers)) or not plan.head_on_gpu or spec.moe is not None
-    need_gpu = plan.uses_gpu
+    need_cpu = bool(len(plan.placement.cpu_layers)) or not plan.placement.head_on_gpu or spec.moe is not None
+    need_gpu = plan.placement.uses_gpu
     cache = ArtifactCache(o.cache_dir, enabled=o.use_cache)
     from helmc.runtime.stage import decode_batch_sizes
-    batches = decode_batch_sizes(plan.batch)        # the batched decode variants: part of what a library holds
+    batches = decode_batch_sizes(plan.workload.batch)        # the batched decode variants: part of what a library holds
     llvm_desc, cpu_required = cpu_target(hardware) if need_cpu else ("", ())
     jobs = _compile_jobs(spec, hardware, o, batches, llvm_desc, need_cpu, need_gpu)
     hits = _cached(cache, jobs, progress)

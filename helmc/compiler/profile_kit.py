@@ -198,7 +198,7 @@ def _build_stages(out_dir: str, target: KitTarget, cache_dir: str | None, progre
     """The synthetic model's bundles, all on the CPU and (for a GPU arch) all on the GPU, built as helmc build
     builds any model; its weights are written at measure time."""
     from helmc.compiler.pipeline import build
-    from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan, all_cpu_plan
+    from helmc.runtime.bundle.plan import Plan, all_cpu_plan
     hw = _target_profile(target)
     with tempfile.TemporaryDirectory(prefix="helmc-synthetic-") as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -209,7 +209,7 @@ def _build_stages(out_dir: str, target: KitTarget, cache_dir: str | None, progre
               cache_dir=cache_dir, quiet=True)
         if target.gpu_arch:
             progress(f"profile kit: the synthetic model's GPU stage for {target.gpu_arch}")
-            gpu_plan = Plan(format_version=PLAN_FORMAT_VERSION, num_layers=target.layers, cpu_units=0, max_context=1024)
+            gpu_plan = Plan.of(num_layers=target.layers, cpu_units=0, max_context=1024)
             build(model_dir, hw, os.path.join(out_dir, "gpu_bundle"), plan=gpu_plan, cache_dir=cache_dir, quiet=True)
 
 

@@ -20,6 +20,6 @@ def budgeted(hardware: "str | HardwareProfile", gpu_budget_gib: float | None = N
     hw = load_hardware(hardware)
     if gpu_budget_gib is not None:
         return hw.with_gpu_budget(gpu_budget_gib)
-    if made_for is not None and hw.gpu is not None and made_for.usable_vram_bytes > 0:
-        return dataclasses.replace(hw, gpu_budget_bytes=made_for.usable_vram_bytes)
+    if made_for is not None and hw.gpu is not None and made_for.memory.usable_vram_bytes > 0:
+        return dataclasses.replace(hw, gpu_budget_bytes=made_for.memory.usable_vram_bytes)
     return hw

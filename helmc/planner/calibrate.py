@@ -122,8 +122,9 @@ class CalibrationResult:
 
 def decode_workload(plan: Plan) -> Workload:
     """The workload a bundle's plan was made for, scored as decode."""
-    return Workload(prompt_len=plan.prompt_len, output_len=plan.output_len, batch=plan.batch, objective="decode",
-                    kv_offload=plan.kv_offload, hybrid=plan.is_hybrid)
+    pl, wl = plan.placement, plan.workload
+    return Workload(prompt_len=wl.prompt_len, output_len=wl.output_len, batch=wl.batch, objective="decode",
+                    kv_offload=wl.kv_offload, hybrid=pl.is_hybrid)
 
 
 def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len: int | None = None,
@@ -132,33 +133,35 @@ def predict_bundle(spec: ModelSpec, plan: Plan, hw: HardwareProfile, prompt_len:
     t_gpu_ms, t_comm_ms and t_plan_ms per decode token at the plan's workload, or at prompt_len /
     output_len where given (a benchmark's requests, which need not be what the plan was made for).
     Pure Python."""
+    pl = plan.placement
     from helmc.planner.search_partition import evaluate_split
 
     a = analyze_program(spec)
-    if a.num_layers != plan.num_layers:
-        raise HelmcError(f"predict: plan expected for {a.num_layers} blocks, found {plan.num_layers}")
-    if plan.uses_gpu and hw.gpu is None:
+    if a.num_layers != pl.num_layers:
+        raise HelmcError(f"predict: plan expected for {a.num_layers} blocks, found {pl.num_layers}")
+    if pl.uses_gpu and hw.gpu is None:
         raise HelmcError(f"predict: the plan {plan.describe()} uses a GPU, the hardware profile has none")
     hw = budgeted(hw, made_for=plan)
     cpu = DeviceRates.of_device(hw, "cpu", analysis=a)
     gpu = DeviceRates.of_device(hw, "gpu", analysis=a) if hw.gpu is not None else None
     w = decode_workload(plan)
     w = dataclasses.replace(w, prompt_len=prompt_len or w.prompt_len, output_len=output_len or w.output_len)
-    if plan.is_hybrid:
+    if pl.is_hybrid:
         return _predict_hybrid(a, hw, w, plan, cpu, gpu)
-    cand, _ = evaluate_split(a, hw, w, plan.cpu_units, cpu, gpu)
+    cand, _ = evaluate_split(a, hw, w, pl.cpu_units, cpu, gpu)
     return cand
 
 
 def _predict_hybrid(a: ProgramAnalysis, hw: HardwareProfile, w: Workload, plan: Plan, cpu: DeviceRates,
                     gpu: DeviceRates) -> Candidate:
     """A hybrid plan's own layout and ring scored on `hw`, as a Candidate row of its split."""
+    pl, mem = plan.placement, plan.memory
     from helmc.planner.hybrid import evaluate_layout
     if hw.link is None or not hw.link.has_concurrent:
         raise HelmcError(f"predict: the plan {plan.describe()} streams blocks during decode; the hardware profile "
                          f"expected the DRAM + PCIe concurrent rates, found none (measure them with helmc profile)")
-    pairs = tuple((c.num_layers, s.num_layers) for c, s in zip(plan.groups[::2], plan.groups[1::2]))
-    h = evaluate_layout(a, hw, w, plan.cpu_units, pairs, cpu, gpu, ring_bytes=plan.staging_ring_bytes).candidate
+    pairs = tuple((c.num_layers, s.num_layers) for c, s in zip(pl.groups[::2], pl.groups[1::2]))
+    h = evaluate_layout(a, hw, w, pl.cpu_units, pairs, cpu, gpu, ring_bytes=mem.staging_ring_bytes).candidate
     return Candidate(cpu_units=h.cpu_units, gpu_units=a.num_units - h.cpu_units, t_cpu_ms=h.t_cpu_ms,
                      t_gpu_ms=h.t_gpu_ms, t_comm_ms=h.t_comm_ms, t_plan_ms=h.t_plan_ms, gpu_bytes=h.gpu_bytes,
                      cpu_bytes=h.cpu_bytes, feasible=h.feasible, why=h.why, max_context=h.max_context)

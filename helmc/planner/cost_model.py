@@ -445,7 +445,7 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
 
 
 def kv_page_pool_bytes(gpu_need: MemoryNeed) -> int:
-    """The GPU KV page pool (Plan.gpu_kv_pool_bytes): what the plan leaves free plus the pool's floor.
+    """The GPU KV page pool (Plan.memory.gpu_kv_pool_bytes): what the plan leaves free plus the pool's floor.
     Invariant: never below gpu_need.kv, which memory_needs makes at least the streamed prefill's loan,
     so the runtime's pool of these bytes holds the loan (runtime/gpu_session.kv_pool_bytes)."""
     pool = max(0, gpu_need.available - gpu_need.total) + gpu_need.kv

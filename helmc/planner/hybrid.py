@@ -279,9 +279,9 @@ def forced_layout(p: Plan, spec: ModelSpec, pairs: tuple[tuple[int, int], ...]) 
         groups += [PlanGroup("cpu", first, c, a.stage(first + 1, first + 1 + c).stored_bytes),
                    PlanGroup("streamed", first + c, s, a.stage(first + 1 + c, first + 1 + c + s).stored_bytes)]
         first += c + s
-    return dataclasses.replace(
-        forced_split(p, spec, first + 1), groups=tuple(groups), t_cpu_ms=0.0, t_copy_ms=0.0,
-        t_plan_ms=p.t_gpu_ms + p.t_comm_ms, staging_ring_bytes=max(g.weight_bytes for g in groups[1::2]))
+    return forced_split(p, spec, first + 1).replace(
+        groups=tuple(groups), t_cpu_ms=0.0, t_copy_ms=0.0, t_plan_ms=p.predictions.t_gpu_ms + p.predictions.t_comm_ms,
+        staging_ring_bytes=max(g.weight_bytes for g in groups[1::2]))
 
 
 def forced_split(p: Plan, spec: ModelSpec, cpu_units: int) -> Plan:
@@ -290,6 +290,5 @@ def forced_split(p: Plan, spec: ModelSpec, cpu_units: int) -> Plan:
     a = analyze_program(spec)
     block = max(u.stored_bytes for u in a.units if u.kind == "block")
     host_blocks = 0 < cpu_units - 1 and cpu_units < a.num_units
-    return dataclasses.replace(p, cpu_units=cpu_units, candidates=(), hybrid_candidates=(), groups=(),
-                               staging_ring_bytes=0, t_copy_ms=0.0, prefill_on_gpu=host_blocks,
-                               prefill_staging_bytes=block if host_blocks else 0)
+    return p.replace(cpu_units=cpu_units, candidates=(), hybrid_candidates=(), groups=(), staging_ring_bytes=0,
+                     t_copy_ms=0.0, prefill_on_gpu=host_blocks, prefill_staging_bytes=block if host_blocks else 0)

@@ -204,12 +204,12 @@ def _child(bundle_dir: str, weights_dir: str, hw_path: str, base: str) -> None:
 
     hw = load_hardware(hw_path)
     whole, _ = replan_bundle(bundle_dir, hw)
-    budget = (whole.gpu_bytes + HEADROOM_BYTES) / 2 ** 30
+    budget = (whole.memory.gpu_bytes + HEADROOM_BYTES) / 2 ** 30
     plan, spec = replan_bundle(bundle_dir, hw, gpu_budget_gib=budget)
     session = Session.load(bundle_dir, weights_dir, plan=plan)
     ids = [3 + i % max(1, spec.vocab_size - 3) for i in range(PROMPT_TOKENS)]
     session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
-    planned = plan.usable_vram_bytes - hw.gpu_reserve_bytes
+    planned = plan.memory.usable_vram_bytes - hw.gpu_reserve_bytes
     print(json.dumps({"planned_bytes": planned, "context_bytes": max(0, context)}), flush=True)
     sys.stdin.readline()
 

@@ -11,14 +11,14 @@ router, dense blocks, head), and the experts add the same to every split:
     experts on average: routing is taken as uniform, which random weights give and trained routers approach over
     a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
     at the link's latency and bandwidth.
-VRAM the split leaves beyond its KV for the workload's context holds experts (Plan.gpu_experts), the same count in
+VRAM the split leaves beyond its KV for the workload's context holds experts (Plan.placement.gpu_experts), the same count in
 every routed block of the GPU stage; the GPU computes those while the CPU computes the rest, so a step's experts
 take the longer of the two. Which experts: with routing statistics (ExpertStats, measured on a calibration prompt and
 stored in the bundle) each block's most often selected, and the predicted hit rate (Plan.expert_hit_rate) is the
 share of the blocks' selections they took; without, routing is taken as uniform, the lowest indices are held and the
 hit rate is the share held (named in Plan.fallbacks).
 A prompt's experts run on the GPU: the host experts' weights cross PCIe into a ring of EXPERT_STAGING_GROUPS groups of
-EXPERT_STAGING_EXPERTS experts (Plan.expert_staging_bytes, taken from the same spare VRAM before any expert is
+EXPERT_STAGING_EXPERTS experts (Plan.memory.expert_staging_bytes, taken from the same spare VRAM before any expert is
 placed there), a group copying while the one before computes (runtime/moe_prefill.py).
 Assumed: prefill costs as the split search says (the experts' prefill GEMMs are not modelled).
 """
@@ -133,50 +133,50 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
         return sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= cpu_units)
 
     def add(c):
-        t, _ = expert_step_ms(spec, hw, p.batch, moe_blocks_on_gpu(c.cpu_units) if c.gpu_units else 0)
+        t, _ = expert_step_ms(spec, hw, p.workload.batch, moe_blocks_on_gpu(c.cpu_units) if c.gpu_units else 0)
         fits = c.feasible and (not ram or c.cpu_bytes + held <= ram)
         why = c.why if fits or not c.feasible else (f"host RAM: the experts' {held / 2**30:.2f} GiB do not fit "
                                                     f"beside {c.cpu_bytes / 2**30:.2f} GiB in {ram / 2**30:.2f} GiB free")
         return dataclasses.replace(c, t_cpu_ms=c.t_cpu_ms + t, t_plan_ms=c.t_plan_ms + t,
                                    cpu_bytes=c.cpu_bytes + held, feasible=fits, why=why)
-    candidates = tuple(add(c) for c in p.candidates)
+    candidates = tuple(add(c) for c in p.predictions.candidates)
     if candidates and not any(c.feasible for c in candidates):
         raise HelmcError(f"plan: the mixture of experts' {held / 2**30:.2f} GiB of experts expected to fit in host "
                          f"RAM ({ram / 2**30:.2f} GiB free) beside the rest, found no split where they do")
-    gpu_blocks = moe_blocks_on_gpu(p.cpu_units) if p.uses_gpu else 0
+    gpu_blocks = moe_blocks_on_gpu(p.placement.cpu_units) if p.placement.uses_gpu else 0
     staging = expert_staging_bytes(p, spec, gpu_blocks)
-    p = dataclasses.replace(p, gpu_bytes=p.gpu_bytes + staging, gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - staging,
-                            expert_staging_bytes=staging)
+    p = p.replace(gpu_bytes=p.memory.gpu_bytes + staging, gpu_kv_pool_bytes=p.memory.gpu_kv_pool_bytes - staging,
+                  expert_staging_bytes=staging)
     if stats is not None:
         stats.check_for(spec)
     vram, per_block = experts_in_vram(p, spec, gpu_blocks, stats)
     in_vram = hit_by_block(spec, vram, stats)
-    t, _ = expert_step_ms(spec, hw, p.batch, gpu_blocks, in_vram)
-    fallbacks = p.fallbacks
+    t, _ = expert_step_ms(spec, hw, p.workload.batch, gpu_blocks, in_vram)
+    fallbacks = p.predictions.fallbacks
     if stats is None and vram:
         fallbacks += (UNIFORM_ROUTING,)
-    if p.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
-                            {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
+    if p.workload.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
+                                     {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
         fallbacks += (EXPERT_SUM_UNMEASURED,)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
                      for i, ids in enumerate(vram))
     # the experts in VRAM are bound there, not in host RAM
-    return dataclasses.replace(p, t_cpu_ms=p.t_cpu_ms + t, t_plan_ms=p.t_plan_ms + t,
-                               cpu_bytes=p.cpu_bytes + held - vram_bytes,
-                               cpu_weight_bytes=p.cpu_weight_bytes + held - vram_bytes, candidates=candidates,
-                               gpu_experts=vram, expert_hit_rate=predicted_hit_rate(spec, in_vram, vram),
-                               fallbacks=fallbacks,
-                               gpu_bytes=p.gpu_bytes + vram_bytes, gpu_weight_bytes=p.gpu_weight_bytes + vram_bytes,
-                               gpu_kv_pool_bytes=p.gpu_kv_pool_bytes - vram_bytes if p.gpu_kv_pool_bytes else 0)
+    mem = p.memory
+    return p.replace(t_cpu_ms=p.predictions.t_cpu_ms + t, t_plan_ms=p.predictions.t_plan_ms + t,
+                     cpu_bytes=mem.cpu_bytes + held - vram_bytes, cpu_weight_bytes=mem.cpu_weight_bytes + held - vram_bytes,
+                     candidates=candidates, gpu_experts=vram, expert_hit_rate=predicted_hit_rate(spec, in_vram, vram),
+                     fallbacks=fallbacks, gpu_bytes=mem.gpu_bytes + vram_bytes,
+                     gpu_weight_bytes=mem.gpu_weight_bytes + vram_bytes,
+                     gpu_kv_pool_bytes=mem.gpu_kv_pool_bytes - vram_bytes if mem.gpu_kv_pool_bytes else 0)
 
 
 def expert_staging_bytes(p: Plan, spec: ModelSpec, gpu_blocks: int) -> int:
     """VRAM for the prefill's ring of streamed host experts (the module's note): the largest expert's bytes times the
     ring's experts, when the GPU stage has routed blocks and the VRAM the plan leaves holds it (else 0: the CPU
     computes a prompt's host experts)."""
-    if not gpu_blocks or not p.usable_vram_bytes:
+    if not gpu_blocks or not p.memory.usable_vram_bytes:
         return 0
-    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
+    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
     ring = EXPERT_STAGING_GROUPS * EXPERT_STAGING_EXPERTS * per_expert
     spare = vram_spare(p, spec)
@@ -188,20 +188,20 @@ def vram_spare(p: Plan, spec: ModelSpec) -> int:
     """The VRAM a plan leaves beyond what it needs: usable minus planned, and its KV pool beyond the workload's
     context."""
     from helmc.planner.cost_model import whole_pages
-    kv_need = (p.batch * whole_pages(p.prompt_len + p.output_len)
-               * (p.num_layers + 2 - p.cpu_units) * 2 * spec.num_kv_heads * spec.head_dim * 2)   # fp16 K and V
-    return max(0, min(p.usable_vram_bytes - p.gpu_bytes, p.gpu_kv_pool_bytes - kv_need))
+    kv_need = (p.workload.batch * whole_pages(p.workload.prompt_len + p.workload.output_len)
+               * p.placement.gpu_units * 2 * spec.num_kv_heads * spec.head_dim * 2)   # fp16 K and V
+    return max(0, min(p.memory.usable_vram_bytes - p.memory.gpu_bytes, p.memory.gpu_kv_pool_bytes - kv_need))
 
 
 def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int, stats: "ExpertStats | None" = None
                     ) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """(Plan.gpu_experts, experts per routed GPU block): the VRAM the plan leaves beyond what it needs
-    (p.usable_vram_bytes - p.gpu_bytes: its KV pool beyond the workload's context) in whole experts, the same
-    count in every routed block of the GPU stage: each block's most often selected under `stats`, else the lowest
-    indices."""
-    if not gpu_blocks or not p.usable_vram_bytes:
+    """(Plan.placement.gpu_experts, experts per routed GPU block): the VRAM the plan leaves beyond what it needs
+    (p.memory.usable_vram_bytes - p.memory.gpu_bytes: its KV pool beyond the workload's context) in whole experts,
+    the same count in every routed block of the GPU stage: each block's most often selected under `stats`, else the
+    lowest indices."""
+    if not gpu_blocks or not p.memory.usable_vram_bytes:
         return (), 0
-    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.cpu_units]
+    blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
     spare = vram_spare(p, spec)
     n = min(spec.moe.num_experts, spare // (per_expert * len(blocks)))

@@ -35,9 +35,10 @@ def replan_bundle(bundle_dir: str, hardware: "str | HardwareProfile", gpu_budget
     hw = budgeted(hw, gpu_budget_gib, made_for=own)
     from helmc.runtime.bundle.expert_stats import read_expert_stats
     stats = read_expert_stats(bundle_dir, manifest) if spec.moe is not None else None
-    p = plan(spec, hw, prompt_len=prompt_len or own.prompt_len, output_len=output_len or own.output_len,
-             batch=own.batch, objective=objective or own.objective,
-             kv_offload=own.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,
+    made = own.workload
+    p = plan(spec, hw, prompt_len=prompt_len or made.prompt_len, output_len=output_len or made.output_len,
+             batch=made.batch, objective=objective or made.objective,
+             kv_offload=made.kv_offload if kv_offload is None else kv_offload, stream_prefill=stream_prefill,
              hybrid=hybrid, expert_stats=stats)
     _check_code_for(p, manifest, hw, bundle_dir)
     return p, spec
@@ -48,12 +49,12 @@ def _check_code_for(p: Plan, manifest, hw: HardwareProfile, bundle_dir: str) -> 
     where host blocks or the head run on the CPU (an all-GPU bundle has none)."""
     from helmc.runtime.cpu_stage import CPU_STAGE_LIB
     rebuild = "rebuild the bundle with this machine's profile (helmc build MODEL hardware.json -o ...)"
-    if p.uses_gpu and not manifest.cuda_arch:
+    if p.placement.uses_gpu and not manifest.cuda_arch:
         raise HelmcError(f"plan: {p.describe()} uses the GPU; {bundle_dir} holds no GPU stage (built for a machine "
                          f"without one): {rebuild}")
-    if p.uses_gpu and hw.gpu is not None and hw.gpu.arch != manifest.cuda_arch:
+    if p.placement.uses_gpu and hw.gpu is not None and hw.gpu.arch != manifest.cuda_arch:
         raise HelmcError(f"plan: {bundle_dir}'s GPU code is for {manifest.cuda_arch}, this GPU is {hw.gpu.arch}: "
                          f"{rebuild}")
-    if (len(p.cpu_layers) or not p.head_on_gpu) and not manifest.lists(CPU_STAGE_LIB):
+    if (len(p.placement.cpu_layers) or not p.placement.head_on_gpu) and not manifest.lists(CPU_STAGE_LIB):
         raise HelmcError(f"plan: {p.describe()} runs blocks or the head on the CPU; {bundle_dir} holds no CPU stage "
                          f"(built to run all on the GPU): {rebuild}")

@@ -17,7 +17,8 @@ from helmc.errors import HelmcError
 from helmc.planner.hybrid import best_per_pair_count, choose_layout, search_hybrid
 from helmc.hardware.profile import HardwareProfile
 from helmc.model.spec import ModelSpec
-from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Candidate, Plan, describe_split
+from helmc.runtime.bundle.plan import (Candidate, MemoryBudget, Placement, Plan, PlanWorkload, Predictions,
+                                       Provenance, describe_split)
 
 
 class InfeasibleError(HelmcError):
@@ -95,23 +96,27 @@ def search_partition(a: ProgramAnalysis, hw: HardwareProfile, w: Workload) -> Pl
             if g.kind == "streamed":
                 streamed = streamed + a.stage(g.first_layer + 1, g.first_layer + 1 + g.num_layers)
         _, gpu_need = memory_needs(a, hw, cpu, gpu, w, streamed=streamed, ring_bytes=chosen.ring_bytes)
-        extra = dict(groups=hybrid.groups, staging_ring_bytes=chosen.ring_bytes, t_copy_ms=chosen.t_copy_ms,
-                     hybrid_candidates=tuple(e.candidate for e in layouts))
+        groups, t_copy_ms, ring = hybrid.groups, chosen.t_copy_ms, chosen.ring_bytes
     else:
         _, gpu_need = memory_needs(a, hw, cpu, gpu, w)
-        extra = {}
+        groups, t_copy_ms, ring = (), 0.0, 0
     staging = prefill_staging_bytes(a, cpu, gpu, w)
     kv_pool = kv_page_pool_bytes(gpu_need) if gpu.units else 0
-    return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=a.num_layers, cpu_units=chosen.cpu_units,
-                t_cpu_ms=chosen.t_cpu_ms, t_gpu_ms=chosen.t_gpu_ms, t_comm_ms=chosen.t_comm_ms,
-                t_plan_ms=chosen.t_plan_ms, cpu_bytes=chosen.cpu_bytes, gpu_bytes=chosen.gpu_bytes,
-                max_context=chosen.max_context, objective=w.objective, prompt_len=w.prompt_len,
-                output_len=w.output_len, batch=w.batch, candidates=tuple(rows), kv_offload=w.kv_offload,
-                cpu_weight_bytes=a.held_bytes(cpu), gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0,
-                usable_vram_bytes=hw.usable_vram_bytes, ram_free_bytes=hw.cpu.ram_free_bytes,
-                hardware_hash=hw.profile_hash(), fallbacks=rate_fallbacks(hw, w), prefill_on_gpu=staging > 0,
-                prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0, prefill_staging_bytes=staging,
-                gpu_kv_pool_bytes=kv_pool if gpu.units else 0, **extra)
+    return Plan(
+        Placement(num_layers=a.num_layers, cpu_units=chosen.cpu_units, groups=groups, prefill_on_gpu=staging > 0,
+                  prefill_chunk_tokens=gpu_prefill_tokens(w) if gpu.units else 0),
+        Predictions(t_cpu_ms=chosen.t_cpu_ms, t_gpu_ms=chosen.t_gpu_ms, t_comm_ms=chosen.t_comm_ms,
+                    t_plan_ms=chosen.t_plan_ms, t_copy_ms=t_copy_ms, candidates=tuple(rows),
+                    hybrid_candidates=tuple(e.candidate for e in layouts) if hybrid else (),
+                    fallbacks=rate_fallbacks(hw, w)),
+        MemoryBudget(max_context=chosen.max_context, cpu_bytes=chosen.cpu_bytes, gpu_bytes=chosen.gpu_bytes,
+                     cpu_weight_bytes=a.held_bytes(cpu), gpu_weight_bytes=a.held_bytes(gpu) if gpu.units else 0,
+                     usable_vram_bytes=hw.usable_vram_bytes, ram_free_bytes=hw.cpu.ram_free_bytes,
+                     gpu_kv_pool_bytes=kv_pool if gpu.units else 0, prefill_staging_bytes=staging,
+                     staging_ring_bytes=ring),
+        PlanWorkload(objective=w.objective, prompt_len=w.prompt_len, output_len=w.output_len, batch=w.batch,
+                     kv_offload=w.kv_offload),
+        Provenance(hardware_hash=hw.profile_hash()))
 
 
 def load_spec(model_dir_or_config: "str | ModelSpec") -> ModelSpec:
@@ -143,4 +148,4 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
         p = with_experts(search_partition(without_experts(a, spec), hw, w), spec, hw, expert_stats)
     else:
         p = search_partition(a, hw, w)
-    return dataclasses.replace(p, architecture_hash=spec.architecture_hash())
+    return p.replace(architecture_hash=spec.architecture_hash())

@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
-from helmc.runtime.bundle.plan import Plan
+from helmc.runtime.bundle.plan import PARTS, Plan
 
 MAX_BATCH = 1024                      # far above any plan the planner makes (serve's slots), far below a bad file's
-# Byte fields a plan sizes host memory by, and those it sizes VRAM by.
+# Byte fields of a plan's memory budget it sizes host memory by, and those it sizes VRAM by.
 HOST_BYTE_FIELDS = ("cpu_bytes", "cpu_weight_bytes")
 DEVICE_BYTE_FIELDS = ("gpu_bytes", "gpu_weight_bytes", "gpu_kv_pool_bytes", "prefill_staging_bytes", "expert_staging_bytes",
                       "staging_ring_bytes", "usable_vram_bytes")
@@ -54,9 +54,11 @@ def machine_memory(with_gpu: bool) -> MachineMemory:
 
 def _numbers_sane(plan: Plan, where: str) -> None:
     """Every number finite, every time and size >= 0 (the dataclass checks the plan's internal sums)."""
-    rows = [("plan", plan)] + [(f"plan candidate {i}", c) for i, c in enumerate(plan.candidates)] \
-        + [(f"plan hybrid candidate {i}", c) for i, c in enumerate(plan.hybrid_candidates)] \
-        + [(f"plan group {i}", g) for i, g in enumerate(plan.groups)]
+    pl, pr = plan.placement, plan.predictions
+    rows = [(f"plan {part}", getattr(plan, part)) for part in PARTS] \
+        + [(f"plan candidate {i}", c) for i, c in enumerate(pr.candidates)] \
+        + [(f"plan hybrid candidate {i}", c) for i, c in enumerate(pr.hybrid_candidates)] \
+        + [(f"plan group {i}", g) for i, g in enumerate(pl.groups)]
     for what, row in rows:
         for f in fields(row):
             v = getattr(row, f.name)
@@ -71,19 +73,21 @@ def check_plan(plan: Plan, spec: ModelSpec, own: Plan, where: str = "plan",
     """Refuse, in one line naming the field, a plan this model cannot run: its layers, batch, context and
     token counts against the model spec and the bundle's own plan (own); with machine, its byte budgets against
     the RAM and VRAM that exist. Called before any weight, KV page or staging buffer is allocated."""
+    pl, mem, wl = plan.placement, plan.memory, plan.workload
     _numbers_sane(plan, where)
-    if plan.num_layers != spec.num_layers:
-        raise HelmcError(f"{where}: num_layers expected the model's {spec.num_layers}, found {plan.num_layers}")
-    if plan.batch != own.batch or not 1 <= plan.batch <= MAX_BATCH:
-        raise HelmcError(f"{where}: batch expected the bundle's {own.batch} (1..{MAX_BATCH}), found {plan.batch}")
-    if not 1 <= plan.max_context <= spec.max_position_embeddings:
+    if pl.num_layers != spec.num_layers:
+        raise HelmcError(f"{where}: num_layers expected the model's {spec.num_layers}, found {pl.num_layers}")
+    if wl.batch != own.workload.batch or not 1 <= wl.batch <= MAX_BATCH:
+        raise HelmcError(f"{where}: batch expected the bundle's {own.workload.batch} (1..{MAX_BATCH}), found "
+                         f"{wl.batch}")
+    if not 1 <= mem.max_context <= spec.max_position_embeddings:
         raise HelmcError(f"{where}: max_context expected 1..{spec.max_position_embeddings} tokens (the model's "
-                         f"context window), found {plan.max_context}")
-    for name in ("prompt_len", "output_len", "prefill_chunk_tokens"):
-        v = getattr(plan, name)
-        if v > plan.max_context:
-            raise HelmcError(f"{where}: {name} expected at most max_context ({plan.max_context} tokens), found {v}")
-    for g in plan.groups:
+                         f"context window), found {mem.max_context}")
+    for name, v in (("prompt_len", wl.prompt_len), ("output_len", wl.output_len),
+                    ("prefill_chunk_tokens", pl.prefill_chunk_tokens)):
+        if v > mem.max_context:
+            raise HelmcError(f"{where}: {name} expected at most max_context ({mem.max_context} tokens), found {v}")
+    for g in pl.groups:
         if g.first_layer + g.num_layers > spec.num_layers:
             raise HelmcError(f"{where}: group at block {g.first_layer} of {g.num_layers} blocks expected within the "
                              f"model's {spec.num_layers} blocks")
@@ -93,9 +97,9 @@ def check_plan(plan: Plan, spec: ModelSpec, own: Plan, where: str = "plan",
 
 def _fits_machine(plan: Plan, machine: MachineMemory, where: str) -> None:
     checks = [(n, machine.host_bytes, "host RAM") for n in HOST_BYTE_FIELDS]
-    if plan.uses_gpu:
+    if plan.placement.uses_gpu:
         checks += [(n, machine.vram_bytes, "VRAM") for n in DEVICE_BYTE_FIELDS]
     for name, have, what in checks:
-        v = getattr(plan, name)
+        v = getattr(plan.memory, name)
         if have and v > have:
             raise HelmcError(f"{where}: {name} expected at most this machine's {have} B of {what}, found {v} B")

@@ -12,7 +12,7 @@ def allocate_ring(plan, arenas: list) -> tuple[HybridSchedule, object]:
     import cupy as cp
 
     by_layer = {a.layer: a for a in arenas}
-    missing = [i for i in plan.streamed_layers if i not in by_layer]
+    missing = [i for i in plan.placement.streamed_layers if i not in by_layer]
     if missing:
         raise HelmcError(f"hybrid decode: streamed blocks {missing} expected in pinned arenas, found none")
     schedule = schedule_of(plan, lambda layer: by_layer[layer].nbytes)

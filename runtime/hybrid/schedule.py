@@ -201,10 +201,10 @@ def check_ops(ops: tuple[Op, ...], num_pairs: int) -> None:
 
 def schedule_of(plan, arena_bytes: Callable[[int], int]) -> HybridSchedule:
     """The schedule of a hybrid plan; arena_bytes(layer): that block's arena size (its slots' layout)."""
-    if not plan.is_hybrid:
+    if not plan.placement.is_hybrid:
         raise HelmcError(f"hybrid schedule: expected a plan with streamed groups, found {plan.describe()}")
     pairs, cpu_kv, gpu_kv = [], 0, 0
-    groups = plan.groups
+    groups = plan.placement.groups
     for i in range(0, len(groups), 2):
         c, s = groups[i], groups[i + 1]
         slots, off = [], 0
@@ -213,5 +213,5 @@ def schedule_of(plan, arena_bytes: Callable[[int], int]) -> HybridSchedule:
             off = slots[-1].end
         pairs.append(Pair(i // 2, tuple(c.layers), cpu_kv, tuple(slots), gpu_kv))
         cpu_kv, gpu_kv = cpu_kv + c.num_layers, gpu_kv + s.num_layers
-    return HybridSchedule(tuple(pairs), tuple(plan.gpu_layers), max(p.ring_end for p in pairs),
+    return HybridSchedule(tuple(pairs), tuple(plan.placement.gpu_layers), max(p.ring_end for p in pairs),
                           token_ops(len(pairs)))

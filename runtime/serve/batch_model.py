@@ -5,7 +5,7 @@ blocks), made like the session's own, so a cache never holds two sequences and t
 as they are. A step runs the compiled position-wise block functions once on the rows of every sequence in it
 (Stage.forward_batch: each weight read once per step for all of them) and attention per sequence on its own
 slot's cache; the head runs on the last row of each sequence. With a plan whose prefill streams the CPU blocks
-to the GPU (plan.prefill_on_gpu), new requests' prompts go that way, together: each CPU block's weights cross
+to the GPU (plan.placement.prefill_on_gpu), new requests' prompts go that way, together: each CPU block's weights cross
 PCIe once for all of them, into a loan of VRAM kept beside the slots' pages (the plan counts both). A hybrid
 decode plan (runtime/hybrid/) serving several sequences runs its schedule's batched twin (runtime/hybrid/batch.py):
 each streamed group's weights cross PCIe once per step for all of them.
@@ -26,24 +26,25 @@ from helmc.runtime.stage import batch_phase, decode_batch_sizes, decode_step_row
 
 class BatchModel:
     def __init__(self, session, max_batch: int, kv_watermark: float = 0.8):
+        pl, mem, wl = session.plan.placement, session.plan.memory, session.plan.workload
         if max_batch < 1:
             raise HelmcError(f"--max-batch expected >= 1, found {max_batch}")
-        if max_batch > session.plan.batch:
-            raise HelmcError(f"--max-batch {max_batch}: the bundle's plan was made for at most {session.plan.batch} "
+        if max_batch > wl.batch:
+            raise HelmcError(f"--max-batch {max_batch}: the bundle's plan was made for at most {wl.batch} "
                              f"sequences at once (build it with `helmc build ... --max-batch {max_batch}`)")
         self.session, self.spec, self.max_batch = session, session.spec, max_batch
-        self.max_context = session.plan.max_context
+        self.max_context = mem.max_context
         # A hybrid decode plan (runtime/hybrid/) serving one sequence runs the session's own step (its captured
         # decode graph); several go through the batched twin of its schedule (runtime/hybrid/batch.py) on the slot
         # caches below: the CPU stage holds the CPU groups' blocks, the GPU cache the streamed and resident ones.
-        self.hybrid = session.plan.is_hybrid and max_batch == 1
+        self.hybrid = pl.is_hybrid and max_batch == 1
         self.loan_in_ring = False
         if self.hybrid:
             self.cpu_caches = self.gpu_caches = None
             self.page_tokens, self.chunk, self.streamed = session.gpu.stage.kv.T, 0, None
             session.reset()
             return
-        if session.plan.is_hybrid:
+        if pl.is_hybrid:
             # The one-sequence step's references to the session's GPU cache go, so its VRAM is freed for the slots'.
             backend = session.gpu.hybrid.backend
             backend.gpu_kv = None
@@ -52,14 +53,14 @@ class BatchModel:
         stage = session.cpu_stage
         self.cpu_caches = [stage.kv] + [_cpu_cache_like(stage) for _ in range(max_batch - 1)] if stage else None
         gstage = getattr(session.gpu, "stage", None)
-        # The streamed prefill (plan.prefill_on_gpu: the CPU blocks' weights cross PCIe once per prompt and the GPU
+        # The streamed prefill (plan.placement.prefill_on_gpu: the CPU blocks' weights cross PCIe once per prompt and the GPU
         # runs it) moves here, onto the slots' caches: newcomers' prompts stream together (prefill_many). It
         # borrowed the session's empty page pool; with several slots the pool is rarely empty, so the loan the
         # plan counted beside the pages (cost_model.memory_needs, batch > 1) becomes VRAM of its own.
         self.streamed = session.gpu.streamed_prefill if session.gpu is not None else None
         if session.gpu is not None:
             session.gpu.streamed_prefill = None
-        loan = self.streamed.buffer_bytes([session.plan.prompt_len] * session.plan.batch) if self.streamed else 0
+        loan = self.streamed.buffer_bytes([wl.prompt_len] * wl.batch) if self.streamed else 0
         ring_lends = self.streamed is not None and session.gpu.loan_in_ring    # decided by load_gpu_parts
         if self.streamed is not None and not ring_lends:
             self.streamed.lend = None     # its lender was the session's cache, which goes (its VRAM with it)
@@ -77,7 +78,7 @@ class BatchModel:
                 self.streamed = None      # no VRAM for the loan beside the pages: prompts run on the CPU stage
         self.page_tokens = (stage.kv.page_tokens if stage else gstage.kv.T)
         # The GPU stage takes a prompt this many rows at a time (the plan counted one chunk of activations).
-        self.chunk = session.plan.prefill_chunk_tokens or (512 if session.gpu is not None else 0)
+        self.chunk = pl.prefill_chunk_tokens or (512 if session.gpu is not None else 0)
         for slot in range(max_batch):          # slot 0 is the session's own cache: it may hold an earlier request
             self.free(slot)
 
@@ -212,7 +213,7 @@ class BatchModel:
         xt = self.session.cpu_stage.forward_batch(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(cos, dev),
                                                   tvm.runtime.tensor(sin, dev), cpu, rows)
         last = xt.numpy()[np.cumsum(rows) - 1]                                       # [S, H] -> [B, H]
-        padded = decode_step_rows([1] * len(rows), decode_batch_sizes(self.session.plan.batch))
+        padded = decode_step_rows([1] * len(rows), decode_batch_sizes(self.session.plan.workload.batch))
         last = np.concatenate([last, np.zeros((padded - len(rows), last.shape[1]), last.dtype)])  # [B', H]
         return self.session.head(tvm.runtime.tensor(last, dev), batch_phase(padded), True)[:len(rows)]
 
@@ -238,7 +239,7 @@ class BatchModel:
         x, cos, sin = self._inputs(slots, ids)
         # A batched decode step runs the compiled variant for the next batch size up, on zero rows past the
         # sequences' (Stage.forward_batch gives them no attention and no KV; their logits are dropped here).
-        padded = decode_step_rows(rows, decode_batch_sizes(self.session.plan.batch))
+        padded = decode_step_rows(rows, decode_batch_sizes(self.session.plan.workload.batch))
         if padded > len(x):
             pad = padded - len(x)
             x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])         # [B, H] -> [padded, H]

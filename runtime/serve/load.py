@@ -40,7 +40,7 @@ def load_engine(bundle_dir: str, max_batch: int | None = None, weights_dir: str 
     from helmc.runtime.serve.engine import Engine
     session = Session.load(bundle_dir, weights_dir=weights_dir, quiet=quiet, trusted_keys=trusted_keys,
                            require_signed=require_signed, plan=plan, **kv_options)
-    model = BatchModel(session, max_batch or session.plan.batch, kv_options.get("kv_watermark", 0.8))
+    model = BatchModel(session, max_batch or session.plan.workload.batch, kv_options.get("kv_watermark", 0.8))
     if warm_up:
         from helmc.runtime.serve import warmup
         warmup.warm_up(model, None if quiet else (lambda line: print("  " + line, file=sys.stderr, flush=True)))

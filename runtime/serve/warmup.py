@@ -38,7 +38,7 @@ def warm_up(model, progress: Callable[[str], None] | None = None) -> dict:
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
     check_empty(model, "before")
-    tokens = min(model.session.plan.prompt_len + model.session.plan.output_len, model.max_context)
+    tokens = min(model.session.plan.workload.prompt_len + model.session.plan.workload.output_len, model.max_context)
     t = time.perf_counter()
     nbytes = prefault_kv(model, tokens)
     kv_s = time.perf_counter() - t
@@ -50,7 +50,7 @@ def warm_up(model, progress: Callable[[str], None] | None = None) -> dict:
         t = time.perf_counter()
         run_batch(model, n)
         sizes[n] = time.perf_counter() - t
-        rows = decode_step_rows([1] * n, decode_batch_sizes(model.session.plan.batch))
+        rows = decode_step_rows([1] * n, decode_batch_sizes(model.session.plan.workload.batch))
         say(f"warm-up: {n} sequence{'s' if n > 1 else ''} ({batch_phase(rows)}): prefill + {DECODE_STEPS} decode steps "
             f"in {sizes[n]:.2f} s")
     check_empty(model, "after")
@@ -60,7 +60,7 @@ def warm_up(model, progress: Callable[[str], None] | None = None) -> dict:
 def batch_sizes(model) -> list[int]:
     """Sequence counts whose decode steps run each compiled variant the engine can reach (1 .. max_batch padded to
     the plan's decode_batch_sizes): for each variant the most sequences that run it, so every slot is used."""
-    sizes = decode_batch_sizes(model.session.plan.batch)
+    sizes = decode_batch_sizes(model.session.plan.workload.batch)
     most: dict[int, int] = {}
     for n in range(1, model.max_batch + 1):
         most[decode_step_rows([1] * n, sizes)] = n

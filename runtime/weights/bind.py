@@ -89,7 +89,7 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 experts_in_vram: tuple[tuple[int, ...], ...] = ()) -> list[StageBinding]:
     """Each block's weights on `dev` through to_device; a MoE block's routed experts on experts_on = (device,
     to_device) where given (a GPU stage's blocks keep their experts in host RAM: runtime/moe_gpu.py), except
-    those experts_in_vram lists for the block (Plan.gpu_experts), which go to `dev` with the rest."""
+    those experts_in_vram lists for the block (Plan.placement.gpu_experts), which go to `dev` with the rest."""
     expert_dev, expert_to = experts_on or (dev, to_device)
     out = []
     with steps(progress, f"binding the weights of {len(layers)} blocks", len(layers)) as bar:

@@ -133,9 +133,9 @@ def test_bundle_needing_missing_cpu_features(tmp_path, tiny):
 def test_prompt_longer_than_plan_allows(tiny):
     from helmc.runtime.session import Session
     s = Session.load(tiny.bundle("qwen3"))
-    too_long = ",".join(["5"] * (s.plan.max_context + 1))
+    too_long = ",".join(["5"] * (s.plan.memory.max_context + 1))
     r = cli("run", tiny.bundle("qwen3"), "--prompt-ids", too_long, "--max-new-tokens", "1")
-    assert_clean_error(r, "plan allows at most", str(s.plan.max_context))
+    assert_clean_error(r, "plan allows at most", str(s.plan.memory.max_context))
 
 
 def test_prompt_ids_not_integers(tiny):

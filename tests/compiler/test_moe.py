@@ -108,7 +108,7 @@ def moe_model(tmp_path_factory, cpu_hardware, cache_dir):
             # seed 3: a Mixtral whose 24 greedy tokens are not one token repeated (a weak comparison)
             ref = make_tiny_model(d, arch, num_layers=3, dtype=dtype, seed=3 if arch == "mixtral" else 0).float().eval()
             r = api.build(d, cpu_hardware, d + ".bundle", cache_dir=cache_dir, quiet=True, batch=batch)
-            assert r.plan.cpu_units == r.spec.num_units
+            assert r.plan.placement.cpu_units == r.spec.num_units
             assert r.spec.moe.dense_layers == ((1,) if arch == "qwen3_moe" else ())
             made[dtype, batch, arch] = Session.load(r.bundle_dir), ref
         return made[dtype, batch, arch]
@@ -186,8 +186,8 @@ def test_streamed_prefill_plan_is_refused(tmp_path, cache_dir):
     d = str(tmp_path / "model")
     make_tiny_model(d, "qwen3_moe", num_layers=2)
     plan = search_plan(ModelSpec.from_model_dir(d), hw, 128, 128, hybrid=False)
-    assert not plan.prefill_on_gpu and not plan.groups         # the planner makes a plain split for a MoE model
-    plan = dataclasses.replace(plan, cpu_units=2, groups=(), candidates=(), prefill_on_gpu=True,
+    assert not plan.placement.prefill_on_gpu and not plan.placement.groups         # the planner makes a plain split for a MoE model
+    plan = plan.replace(cpu_units=2, groups=(), candidates=(), prefill_on_gpu=True,
                                prefill_staging_bytes=1 << 20)
     with pytest.raises(HelmcError, match="mixture-of-experts model .* expected a plain CPU/GPU split") as e:
         build(d, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, plan=plan)

@@ -54,7 +54,7 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
     hw_path = str(tmp_path / "hardware.json")
     hw.save(hw_path)
     ids = Tokenizer.from_file(os.path.join(bundle, "tokenizer.json")).encode(CALIBRATION_TEXT).ids
-    ids = ids[:min(512, r.plan.max_context)]
+    ids = ids[:min(512, r.plan.memory.max_context)]
     expected = transformers_counts(ref, ids, 8)
     assert sorted(expected) == [0, 2]
 
@@ -79,7 +79,7 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
         assert len({c for c in expected[i]}) > 1                          # not a uniform count the test would miss
 
     p, _ = replan_bundle(bundle, hw_path)                                   # reads and checks the stored statistics
-    assert p.architecture_hash == r.spec.architecture_hash()
+    assert p.provenance.architecture_hash == r.spec.architecture_hash()
 
     with open(os.path.join(bundle, EXPERT_STATS_FILE), "a") as f:           # edited after: the manifest catches it
         f.write(" ")

@@ -83,7 +83,7 @@ def test_quant_at_build_matches_transformers(arch, quant, tiny, cache_dir):
     model_dir, _ = tiny.model(arch, "float16", **KQUANT_DIMS)       # 3 layers, head_dim 64: the session's shared model
     r = tiny.build(arch, "float16", quant=quant, cpu_only=True, batch=SHARED_BATCH.get((arch, quant), 1),
                    **KQUANT_DIMS)
-    assert r.spec.quantized and r.plan.cpu_units == r.spec.num_units
+    assert r.spec.quantized and r.plan.placement.cpu_units == r.spec.num_units
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     path = quantize_checkpoint(model_dir, quant, os.path.join(cache_dir, "weights"))   # the build's file, cached
     assert r.bundle_dir and os.path.samefile(path, _bundle_weights(r.bundle_dir))

@@ -7,7 +7,7 @@ the fp16 one quantized at build to q4_k_m and q8_0; each built for the GPU test 
 helmc/hardware/presets/h100-sxm-measured.json, sm_90) with --max-batch 4 (so decode_b2 / decode_b4 variants), weights
 copied in, and the split forced to cpu(2) -> cuda(rest): block 0 on the CPU, the others and the head on the GPU,
 so a batched decode step crosses both stages; fp16_streamed is fp16 with the CPU block's prefill streamed to the GPU
-(plan.prefill_on_gpu, as a real split's); fp16_hybrid is fp16 with a hybrid decode layout (block 0 on the CPU, blocks 1-2
+(plan.placement.prefill_on_gpu, as a real split's); fp16_hybrid is fp16 with a hybrid decode layout (block 0 on the CPU, blocks 1-2
 streamed to the GPU every step, block 3 resident). Writes DIR/<name>/bundle for name in fp16, bf16, q4_k_m, q8_0,
 fp16_streamed, fp16_hybrid
 (the model directory made for it is deleted once its weights are in the bundle); carry .devrt to the GPU machine (the test looks in $HELMC_GPU_BATCH_BUNDLES, default
@@ -32,7 +32,7 @@ DIMS = dict(num_layers=4, head_dim=64, hidden_size=256, intermediate_size=512, n
             num_key_value_heads=2, max_position_embeddings=4096)
 VARIANTS = {"fp16": ("float16", ""), "bf16": ("bfloat16", ""), "q4_k_m": ("float16", "q4_k_m"),
             "q8_0": ("float16", "q8_0"), "fp16_streamed": ("float16", "")}
-STREAMED = {"fp16_streamed"}       # the CPU block's prefill streamed to the GPU (plan.prefill_on_gpu)
+STREAMED = {"fp16_streamed"}       # the CPU block's prefill streamed to the GPU (plan.placement.prefill_on_gpu)
 VARIANTS["fp16_hybrid"] = ("float16", "")
 # hybrid decode: block 0 on the CPU, blocks 1-2 streamed over PCIe every step (a ring of two blocks, which holds the
 # joint prefill's loan: cost_model.ring_hosts_loan), block 3 resident
@@ -67,11 +67,11 @@ def build(out_dir: str, hardware: str) -> list[str]:
                 plan = forced_layout(searched, spec, HYBRID[name])
             if name in STREAMED:
                 block = max(u.stored_bytes for u in analyze_program(spec).units if u.kind == "block")
-                plan = dataclasses.replace(plan, prefill_on_gpu=True, prefill_staging_bytes=block)
+                plan = plan.replace(prefill_on_gpu=True, prefill_staging_bytes=block)
             r = run_pipeline(model_dir, hw, bundle_dir, copy_weights=True, plan=plan, quiet=True, quant=quant,
                              cache_dir=cache, batch=BATCH)
             shutil.rmtree(model_dir)        # the bundle holds its weights: less to carry
-            print(f"built {r.bundle_dir}: {r.plan.describe()}, batch {r.plan.batch}, for {hw.gpu.arch} "
+            print(f"built {r.bundle_dir}: {r.plan.describe()}, batch {r.plan.workload.batch}, for {hw.gpu.arch} "
                   f"in {time.time() - t0:.1f}s")
             built.append(r.bundle_dir)
     return built

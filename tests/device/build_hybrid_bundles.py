@@ -43,7 +43,7 @@ def build(out_dir: str, hardware: str) -> None:
     from helmc.hardware.profile import load_hardware
     from helmc.model.load import load_spec
     from helmc.planner.hybrid import forced_layout, forced_split
-    from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan
+    from helmc.runtime.bundle.plan import Plan
     from helmc.testing import hf_prompt_reference, make_tiny_model
 
     hw = load_hardware(hardware)
@@ -58,7 +58,7 @@ def build(out_dir: str, hardware: str) -> None:
         model = make_tiny_model(model_dir, "qwen3", num_layers=LAYERS, dtype="float16", seed=5, head_dim=32,
                                 hidden_size=128, intermediate_size=384, max_position_embeddings=4096).float()
         spec = load_spec(model_dir)
-        base = Plan(format_version=PLAN_FORMAT_VERSION, num_layers=LAYERS, cpu_units=0, max_context=512,
+        base = Plan.of(num_layers=LAYERS, cpu_units=0, max_context=512,
                     prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20)
         plans = {name: forced_layout(base, spec, pairs) for name, pairs in LAYOUTS.items()}
         plans.update({name: forced_split(base, spec, k) for name, k in SPLITS.items()})

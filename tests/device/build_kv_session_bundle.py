@@ -44,7 +44,7 @@ def build(out_dir: str, hardware: str, layers: int) -> str:
     plan = dataclasses.replace(searched, cpu_units=CPU_UNITS, candidates=())   # no candidates: the split is given
     r = run_pipeline(model_dir, hw, bundle_dir, copy_weights=True, plan=plan, quiet=True)
     print(f"built {r.bundle_dir}: {r.plan.describe()} (search chose {searched.describe()}), max context "
-          f"{r.plan.max_context}, for {hw.gpu.arch} in {time.time() - t0:.1f}s")
+          f"{r.plan.memory.max_context}, for {hw.gpu.arch} in {time.time() - t0:.1f}s")
     return r.bundle_dir
 
 

@@ -46,7 +46,7 @@ def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
             make_tiny_model(model, "qwen3_moe", dtype=dtype, **DIMS)
         spec = read_model(model, quant, os.path.join(cache, "weights")).spec
         plan = search_plan(spec, hw, 128, 128, batch=batch, hybrid=False)
-        plan = dataclasses.replace(plan, cpu_units=cpu_units, candidates=(), groups=(), hybrid_candidates=(),
+        plan = plan.replace(cpu_units=cpu_units, candidates=(), groups=(), hybrid_candidates=(),
                                    prefill_on_gpu=False, prefill_staging_bytes=0, prefill_chunk_tokens=0,
                                    staging_ring_bytes=0, t_copy_ms=0.0)
         bundle = os.path.join(out_dir, name)

@@ -31,7 +31,7 @@ def build(out_dir: str, hardware: str, quant: str = "") -> None:
     from helmc.compiler.pipeline import build as build_bundle
     from helmc.hardware.profile import load_hardware
     from helmc.model.load import load_spec
-    from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan
+    from helmc.runtime.bundle.plan import Plan
     from helmc.testing import hf_prompt_reference, make_tiny_model
 
     model_dir = os.path.join(out_dir, "model")
@@ -48,12 +48,12 @@ def build(out_dir: str, hardware: str, quant: str = "") -> None:
     hw = load_hardware(hardware)
     rng = np.random.default_rng(3)
     prompt = rng.integers(1, spec.vocab_size, PROMPT_LEN).tolist()
-    common = dict(format_version=PLAN_FORMAT_VERSION, num_layers=spec.num_layers, max_context=512)
+    common = dict(num_layers=spec.num_layers, max_context=512)
     plans = {
-        "split_stream": Plan(cpu_units=3, prefill_on_gpu=True, prefill_chunk_tokens=CHUNK, prefill_staging_bytes=1,
+        "split_stream": Plan.of(cpu_units=3, prefill_on_gpu=True, prefill_chunk_tokens=CHUNK, prefill_staging_bytes=1,
                              gpu_kv_pool_bytes=64 << 20, **common),
-        "split_cpu": Plan(cpu_units=3, prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20, **common),
-        "all_gpu": Plan(cpu_units=0, prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20, **common),
+        "split_cpu": Plan.of(cpu_units=3, prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20, **common),
+        "all_gpu": Plan.of(cpu_units=0, prefill_chunk_tokens=CHUNK, gpu_kv_pool_bytes=64 << 20, **common),
     }
     for name, plan in plans.items():
         build_bundle(source, hw, os.path.join(out_dir, name), plan=plan, copy_weights=True, quiet=True)

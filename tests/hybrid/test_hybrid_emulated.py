@@ -10,7 +10,7 @@ must match a float64 model of the same blocks run in order. Also: the call order
 import numpy as np
 import pytest
 
-from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan, PlanGroup
+from helmc.runtime.bundle.plan import Plan, PlanGroup
 from helmc.runtime.hybrid.cuda_backend import CudaHybridBackend
 from helmc.runtime.hybrid.executor import HybridDecode
 from helmc.runtime.hybrid.schedule import ARENA_ALIGN, aligned, schedule_of
@@ -36,7 +36,7 @@ def plan_of(pairs) -> Plan:
     for c, s in pairs:
         groups += [PlanGroup("cpu", first, c, c), PlanGroup("streamed", first + c, s, s)]
         first += c + s
-    return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=L, cpu_units=first + 1, max_context=64,
+    return Plan.of(num_layers=L, cpu_units=first + 1, max_context=64,
                 groups=tuple(groups), staging_ring_bytes=max(s for _, s in pairs))
 
 

@@ -59,7 +59,7 @@ def test_hybrid_tokens_equal_the_plain_splits(name):
     path, refs = bundles()
     prompt, n = refs["prompt"], len(refs["greedy"])
     s, tokens, logits = greedy(path, name, prompt, n)
-    assert s.plan.is_hybrid and s.gpu.hybrid is not None, "expected a hybrid plan and its executor"
+    assert s.plan.placement.is_hybrid and s.gpu.hybrid is not None, "expected a hybrid plan and its executor"
     sched, backend = s.gpu.hybrid.schedule, s.gpu.hybrid.backend
     # every decode token copied every streamed group into the ring (the first token comes from the prefill)
     per_token = sum(p.copy_bytes for p in sched.pairs)
@@ -76,8 +76,8 @@ def test_hybrid_tokens_equal_the_plain_splits(name):
         # the prompt runs the same streamed prefill in both when they hold the same host blocks and both stream
         # them (a split with no GPU block, as split7 against hybrid_all, prefills on the CPU: other kernels)
         other = _RUNS[(plain, ())][0].plan
-        if s.plan.cpu_units == other.cpu_units and s.plan.prefill_on_gpu and other.prefill_on_gpu:
-            if not other.gpu_layers:
+        if s.plan.placement.cpu_units == other.placement.cpu_units and s.plan.placement.prefill_on_gpu and other.placement.prefill_on_gpu:
+            if not other.placement.gpu_layers:
                 # hybrid_all against split7 (no GPU-resident block in either): not bit-identical on the H100
                 # (tokens equal), so within fp16 rounding until the difference is explained
                 rel = float(np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)))

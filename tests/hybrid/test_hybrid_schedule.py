@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from helmc.errors import HelmcError
-from helmc.runtime.bundle.plan import PLAN_FORMAT_VERSION, Plan, PlanGroup
+from helmc.runtime.bundle.plan import Plan, PlanGroup
 from helmc.runtime.hybrid.schedule import (ARENA_ALIGN, HybridSchedule, Op, Pair, RingSlot, check_ops, schedule_of,
                                            token_ops)
 
@@ -16,7 +16,7 @@ def hybrid_plan(pairs, num_layers, ring=10_000) -> Plan:
     for c, s in pairs:
         groups += [PlanGroup("cpu", first, c, 1000 * c), PlanGroup("streamed", first + c, s, 1000 * s)]
         first += c + s
-    return Plan(format_version=PLAN_FORMAT_VERSION, num_layers=num_layers, cpu_units=first + 1, max_context=64,
+    return Plan.of(num_layers=num_layers, cpu_units=first + 1, max_context=64,
                 groups=tuple(groups), staging_ring_bytes=ring)
 
 
@@ -57,7 +57,7 @@ def test_one_pair_has_one_crossing():
 
 
 def test_a_plain_split_has_no_schedule():
-    plain = Plan(format_version=PLAN_FORMAT_VERSION, num_layers=4, cpu_units=2, max_context=64)
+    plain = Plan.of(num_layers=4, cpu_units=2, max_context=64)
     with pytest.raises(HelmcError, match="expected a plan with streamed groups"):
         schedule_of(plain, lambda layer: 1)
 
@@ -110,17 +110,17 @@ def test_forced_layouts_make_valid_plans():
 
     spec = qwen3_spec("Qwen3-8B", torch_dtype="float16", num_hidden_layers=6)
     block = analyze_program(spec).units[1].stored_bytes
-    base = Plan(format_version=PLAN_FORMAT_VERSION, num_layers=6, cpu_units=0, t_gpu_ms=3.0, t_comm_ms=0.5,
+    base = Plan.of(num_layers=6, cpu_units=0, t_gpu_ms=3.0, t_comm_ms=0.5,
                 t_plan_ms=3.5, max_context=256, prefill_chunk_tokens=128, gpu_kv_pool_bytes=1 << 30)
     h = forced_layout(base, spec, ((1, 2), (1, 1)))
-    assert h.cpu_units == 6 and h.is_hybrid and h.streamed_layers == (1, 2, 4) and h.cpu_compute_layers == (0, 3)
-    assert [(g.kind, g.first_layer, g.num_layers, g.weight_bytes) for g in h.groups] == [
+    assert h.placement.cpu_units == 6 and h.placement.is_hybrid and h.placement.streamed_layers == (1, 2, 4) and h.placement.cpu_compute_layers == (0, 3)
+    assert [(g.kind, g.first_layer, g.num_layers, g.weight_bytes) for g in h.placement.groups] == [
         ("cpu", 0, 1, block), ("streamed", 1, 2, 2 * block), ("cpu", 3, 1, block), ("streamed", 4, 1, block)]
-    assert h.staging_ring_bytes == 2 * block and h.prefill_on_gpu and h.prefill_staging_bytes == block
+    assert h.memory.staging_ring_bytes == 2 * block and h.placement.prefill_on_gpu and h.memory.prefill_staging_bytes == block
     assert Plan.from_json(h.to_json()) == h                      # what the bundle stores reads back the same
     plain = forced_split(base, spec, 2)
-    assert (plain.cpu_units, plain.is_hybrid, plain.prefill_on_gpu, plain.prefill_staging_bytes) == (2, False, True, block)
-    assert "groups" not in plain.to_json()
+    assert (plain.placement.cpu_units, plain.placement.is_hybrid, plain.placement.prefill_on_gpu, plain.memory.prefill_staging_bytes) == (2, False, True, block)
+    assert plain.placement.groups == () and plain.memory.staging_ring_bytes == 0
     with pytest.raises(HelmcError, match="forced hybrid layout"):
         forced_layout(base, spec, ((1, 0),))
 
@@ -168,7 +168,7 @@ def test_bench_decode_reports_a_hybrid_bundle(tmp_path):
     spec = qwen3_spec("Qwen3-8B")
     session = SimpleNamespace(bundle_dir=str(tmp_path), spec=spec, gpu=SimpleNamespace(hybrid=SimpleNamespace(
         schedule=s, tokens=10, backend=SimpleNamespace(bytes_copied=10 * 3000))))
-    plan = SimpleNamespace(t_copy_ms=0.5, cpu_units=6)                 # the embedding and blocks 0-4 on the host
+    plan = SimpleNamespace(predictions=SimpleNamespace(t_copy_ms=0.5), placement=SimpleNamespace(cpu_units=6))                 # the embedding and blocks 0-4 on the host
     out = hybrid_fields(session, plan, per_token_ms=100.0)
     assert out["streamed_bytes_per_token"] == 3000 and out["hybrid_pairs"] == 2 and out["streamed_blocks"] == 3
     assert out["pcie_gbs"] == pytest.approx(3000 / 0.1 / 1e9)

@@ -12,7 +12,7 @@ from qwen3_configs import write_config
 def test_a_given_budget_wins_then_the_plans_then_all_vram(tmp_path):
     laptop = load_hardware("rtx4060-laptop")
     made = plan(write_config(str(tmp_path / "q8"), "Qwen3-8B"), laptop, gpu_budget_gib=5)
-    assert made.usable_vram_bytes == 5 * GIB                       # the planner's entry applied the budget
+    assert made.memory.usable_vram_bytes == 5 * GIB                       # the planner's entry applied the budget
     assert budgeted(laptop, 3, made_for=made).usable_vram_bytes == 3 * GIB
     assert budgeted(laptop, made_for=made).usable_vram_bytes == 5 * GIB
     assert budgeted("rtx4060-laptop") == laptop

@@ -99,17 +99,17 @@ def test_cost_model_uses_per_device_deltas():
     assert DeviceRates.of_gpu(base.gpu, 1.0) == old_gpu
     # A whole split, through predict_bundle (the bench's pure-Python prediction).
     p = make_plan(spec, base, gpu_budget_gib=None)
-    n_cpu, n_gpu = len(p.cpu_layers), len(p.gpu_layers)
-    assert n_cpu > 0 and n_gpu > 0 and p.head_on_gpu, p.describe()          # a split (cpu(21..22) -> cuda)
+    n_cpu, n_gpu = len(p.placement.cpu_layers), len(p.placement.gpu_layers)
+    assert n_cpu > 0 and n_gpu > 0 and p.placement.head_on_gpu, p.describe()          # a split (cpu(21..22) -> cuda)
     bare = predict_bundle(spec, p, _bare(hw))
     cal = predict_bundle(spec, p, hw)
     assert cal.t_cpu_ms == pytest.approx(bare.t_cpu_ms + n_cpu * 0.25, rel=1e-12)
     assert cal.t_gpu_ms == pytest.approx(bare.t_gpu_ms + n_gpu * 0.0625 + 0.125, rel=1e-12)
     assert cal.t_comm_ms == bare.t_comm_ms
-    assert predict_bundle(spec, p, base).t_plan_ms == pytest.approx(p.t_plan_ms, rel=1e-12)
+    assert predict_bundle(spec, p, base).t_plan_ms == pytest.approx(p.predictions.t_plan_ms, rel=1e-12)
     # A benchmark's own requests: the plan's workload by default; a longer prompt reads more KV per token.
-    assert predict_bundle(spec, p, hw, p.prompt_len, p.output_len) == cal
-    longer = predict_bundle(spec, p, hw, prompt_len=8 * p.prompt_len)
+    assert predict_bundle(spec, p, hw, p.workload.prompt_len, p.workload.output_len) == cal
+    longer = predict_bundle(spec, p, hw, prompt_len=8 * p.workload.prompt_len)
     assert longer.t_cpu_ms > cal.t_cpu_ms and longer.t_gpu_ms > cal.t_gpu_ms
 
 
@@ -197,7 +197,7 @@ def test_calibrate_gpu_bundle_on_the_device():
     assert HardwareProfile.from_json(r.profile.to_json()) == r.profile
     spec, plan, _, _ = load_bundle_parts(bundle, weights)
     t = predict_bundle(spec, plan, r.profile).t_plan_ms
-    print(f"{plan.describe()}: T_plan {plan.t_plan_ms:.2f} ms from the bundle's profile, {t:.2f} ms calibrated")
+    print(f"{plan.describe()}: T_plan {plan.predictions.t_plan_ms:.2f} ms from the bundle's profile, {t:.2f} ms calibrated")
     assert math.isfinite(t) and t > 0
 
 

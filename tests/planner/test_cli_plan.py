@@ -54,7 +54,7 @@ def test_plan_json(q8_dir, tmp_path):
     assert len(d["candidates"]) == 39 and d["candidates"][21]["feasible"] and not d["candidates"][0]["feasible"]
     assert d["t_plan_ms"] == min(c["t_plan_ms"] for c in d["candidates"] if c["feasible"])
     p = Plan.from_json(out.read_text())
-    assert p.cpu_units == 21 and p.t_plan_ms == d["t_plan_ms"]
+    assert p.placement.cpu_units == 21 and p.predictions.t_plan_ms == d["t_plan_ms"]
 
 
 def test_plan_options_change_the_plan(q8_dir):

@@ -366,11 +366,12 @@ def test_batched_decode_reads_at_the_m_row_gemv_rate(laptop):
     hw = dataclasses.replace(laptop, cpu=cpu)
     flat = dataclasses.replace(laptop, cpu=dataclasses.replace(cpu, gemv_reads=reads[:1] + reads[2:3]))
     batched, before = plan(spec, hw, batch=8, hybrid=False), plan(spec, flat, batch=8, hybrid=False)
-    assert batched.t_cpu_ms > before.t_cpu_ms
+    assert batched.predictions.t_cpu_ms > before.predictions.t_cpu_ms
     # A plan for a batch says when its CPU figure had no batched GEMV rate behind it.
-    assert any("no batched GEMV figures" in f for f in before.fallbacks)
-    assert not any("no batched GEMV figures" in f for f in batched.fallbacks)
-    assert plan(spec, hw, hybrid=False).t_plan_ms == pytest.approx(plan(spec, flat, hybrid=False).t_plan_ms)
+    assert any("no batched GEMV figures" in f for f in before.predictions.fallbacks)
+    assert not any("no batched GEMV figures" in f for f in batched.predictions.fallbacks)
+    assert plan(spec, hw, hybrid=False).predictions.t_plan_ms == \
+        pytest.approx(plan(spec, flat, hybrid=False).predictions.t_plan_ms)
 
 
 def test_a_plan_says_which_of_its_profile_figures_are_doubtful(laptop):

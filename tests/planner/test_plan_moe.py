@@ -5,6 +5,7 @@ every candidate alike. Pure Python: no weights, no TVM."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -32,49 +33,49 @@ def spec():
 @pytest.mark.parametrize("budget", [4, 8, 24])
 def test_experts_fill_what_the_budget_leaves(spec, budget):
     p = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=budget)
-    assert p.cpu_units <= 1 and not p.groups and not p.prefill_on_gpu        # attention and head on the GPU
-    assert p.gpu_bytes <= budget * 2**30
-    counts = {len(ids) for ids in p.gpu_experts}
+    assert p.placement.cpu_units <= 1 and not p.placement.groups and not p.placement.prefill_on_gpu        # attention and head on the GPU
+    assert p.memory.gpu_bytes <= budget * 2**30
+    counts = {len(ids) for ids in p.placement.gpu_experts}
     assert len(counts) <= 1, counts                                             # the same count in every block
     n = counts.pop() if counts else 0
     vram = 48 * n * EXPERT
     assert expert_bytes(spec) == 48 * 128 * EXPERT
-    assert p.gpu_weight_bytes - vram < budget * 2**30 and p.cpu_weight_bytes >= expert_bytes(spec) - vram
+    assert p.memory.gpu_weight_bytes - vram < budget * 2**30 and p.memory.cpu_weight_bytes >= expert_bytes(spec) - vram
     # no room for one more expert per block beside the KV the workload needs
-    assert p.usable_vram_bytes - p.gpu_bytes < 48 * EXPERT + p.gpu_kv_pool_bytes
+    assert p.memory.usable_vram_bytes - p.memory.gpu_bytes < 48 * EXPERT + p.memory.gpu_kv_pool_bytes
     # a prompt's host experts stream through a ring of 2 x 16 experts, counted before any expert is placed, where
     # the VRAM left holds it (4 GiB of bf16 attention and head leave too little: the CPU computes those prompts)
-    assert p.expert_staging_bytes == (0 if budget == 4 else 2 * 16 * EXPERT)
-    assert p.prefill_chunk_tokens == 2048                                       # the prompt in one chunk
+    assert p.memory.expert_staging_bytes == (0 if budget == 4 else 2 * 16 * EXPERT)
+    assert p.placement.prefill_chunk_tokens == 2048                                       # the prompt in one chunk
 
 
 
 def test_a_larger_budget_holds_more_experts_and_predicts_a_faster_token(spec):
     plans = [plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=b) for b in (4, 8, 24)]
-    held = [len(p.gpu_experts[0]) if p.gpu_experts else 0 for p in plans]
+    held = [len(p.placement.gpu_experts[0]) if p.placement.gpu_experts else 0 for p in plans]
     assert held[0] < held[1] < held[2] <= 128, held
-    assert plans[0].t_plan_ms > plans[1].t_plan_ms > plans[2].t_plan_ms
+    assert plans[0].predictions.t_plan_ms > plans[1].predictions.t_plan_ms > plans[2].predictions.t_plan_ms
     whole = plan(spec, "h200-profiled", prompt_len=2048, output_len=64)         # the whole H200: every expert
-    assert {len(ids) for ids in whole.gpu_experts} == {128}
-    assert whole.expert_staging_bytes == 0                                      # nothing left on the host to stream
+    assert {len(ids) for ids in whole.placement.gpu_experts} == {128}
+    assert whole.memory.expert_staging_bytes == 0                                      # nothing left on the host to stream
 
 
 def test_the_experts_add_the_same_to_every_candidate(spec):
     p = plan(spec, "h200-profiled", gpu_budget_gib=8)
-    feasible = [c for c in p.candidates if c.feasible]
-    assert min(feasible, key=lambda c: c.t_plan_ms).cpu_units == p.cpu_units
-    assert all(c.cpu_bytes >= expert_bytes(spec) for c in p.candidates)
+    feasible = [c for c in p.predictions.candidates if c.feasible]
+    assert min(feasible, key=lambda c: c.t_plan_ms).cpu_units == p.placement.cpu_units
+    assert all(c.cpu_bytes >= expert_bytes(spec) for c in p.predictions.candidates)
 
 
 def test_plan_json_round_trip_and_bad_expert_lists(spec):
     p = plan(spec, "h200-profiled", gpu_budget_gib=8)
     assert Plan.from_json(p.to_json()) == p and '"gpu_experts"' in p.to_json()
     dense = plan(ModelSpec.from_hf_config({**CONFIG, "architectures": ["Qwen3ForCausalLM"]}), "h200-profiled")
-    assert '"gpu_experts"' not in dense.to_json()                              # a dense plan reads as before
+    assert dense.placement.gpu_experts == () and json.loads(dense.to_json())["placement"]["gpu_experts"] == []
     with pytest.raises(HelmcError, match="gpu_experts of block 3 expected increasing expert indices"):
-        dataclasses.replace(p, gpu_experts=p.gpu_experts[:3] + ((5, 2),) + p.gpu_experts[4:])
+        p.replace(gpu_experts=p.placement.gpu_experts[:3] + ((5, 2),) + p.placement.gpu_experts[4:])
     with pytest.raises(HelmcError, match="gpu_experts expected one entry per block \\(48\\), found 2"):
-        dataclasses.replace(p, gpu_experts=((1,), (2,)))
+        p.replace(gpu_experts=((1,), (2,)))
 
 
 def test_experts_that_do_not_fit_in_host_ram_are_one_line(spec):

@@ -48,23 +48,23 @@ def test_the_hottest_experts_go_to_vram_and_predict_their_mass(spec, budget):
     stats = skewed_stats(spec)
     uniform = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=budget)
     p = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=budget, expert_stats=stats)
-    n = len(p.gpu_experts[0])
-    assert 0 < n < 128 and {len(ids) for ids in p.gpu_experts} == {n}
-    assert [len(ids) for ids in uniform.gpu_experts] == [n] * 48      # the same VRAM, other experts
+    n = len(p.placement.gpu_experts[0])
+    assert 0 < n < 128 and {len(ids) for ids in p.placement.gpu_experts} == {n}
+    assert [len(ids) for ids in uniform.placement.gpu_experts] == [n] * 48      # the same VRAM, other experts
     masses = []
-    for i, ids in enumerate(p.gpu_experts):
+    for i, ids in enumerate(p.placement.gpu_experts):
         row = stats.counts[i]
         assert list(ids) == sorted(ids)
         assert min(row[e] for e in ids) >= max(row[e] for e in range(128) if e not in ids)   # none cooler held
         masses.append(sum(row[e] for e in ids) / (TOKENS * 8))
-    assert p.expert_hit_rate == pytest.approx(np.mean(masses), rel=1e-12)
-    assert uniform.expert_hit_rate == pytest.approx(n / 128)
-    assert p.expert_hit_rate > uniform.expert_hit_rate
-    assert p.t_plan_ms < uniform.t_plan_ms                             # fewer expert bytes left to the CPU
-    assert UNIFORM_ROUTING in uniform.fallbacks and UNIFORM_ROUTING not in p.fallbacks
+    assert p.predictions.expert_hit_rate == pytest.approx(np.mean(masses), rel=1e-12)
+    assert uniform.predictions.expert_hit_rate == pytest.approx(n / 128)
+    assert p.predictions.expert_hit_rate > uniform.predictions.expert_hit_rate
+    assert p.predictions.t_plan_ms < uniform.predictions.t_plan_ms                             # fewer expert bytes left to the CPU
+    assert UNIFORM_ROUTING in uniform.predictions.fallbacks and UNIFORM_ROUTING not in p.predictions.fallbacks
     assert Plan.from_json(p.to_json()) == p
     table = format_plan_table(p, spec)
-    assert f"predicted hit rate {p.expert_hit_rate:.2f} (routing statistics)" in table
+    assert f"predicted hit rate {p.predictions.expert_hit_rate:.2f} (routing statistics)" in table
     assert "(uniform routing)" in format_plan_table(uniform, spec)
 
 

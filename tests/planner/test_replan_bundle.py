@@ -17,11 +17,11 @@ def test_replan_keeps_the_bundles_workload_and_follows_the_profile(tiny, host_ha
     bundle = tiny.bundle("qwen3")
     own = Plan.from_json(open(f"{bundle}/plan.json").read())
     p, spec = replan_bundle(bundle, host_hardware)
-    assert (p.num_layers, p.batch, p.prompt_len, p.output_len, p.objective) == \
-           (own.num_layers, own.batch, own.prompt_len, own.output_len, own.objective)
-    assert p.architecture_hash == spec.architecture_hash() and p.cpu_units == own.cpu_units == own.num_units
+    assert (p.placement.num_layers, p.workload.batch, p.workload.prompt_len, p.workload.output_len, p.workload.objective) == \
+           (own.placement.num_layers, own.workload.batch, own.workload.prompt_len, own.workload.output_len, own.workload.objective)
+    assert p.provenance.architecture_hash == spec.architecture_hash() and p.placement.cpu_units == own.placement.cpu_units == own.placement.num_units
     shorter, _ = replan_bundle(bundle, host_hardware, prompt_len=64, output_len=32)
-    assert (shorter.prompt_len, shorter.output_len, shorter.batch) == (64, 32, own.batch)
+    assert (shorter.workload.prompt_len, shorter.workload.output_len, shorter.workload.batch) == (64, 32, own.workload.batch)
     # This bundle was built for a machine without a GPU: a plan that would put its blocks on one is refused, with
     # what to do, rather than written for code the bundle does not hold.
     laptop = load_hardware("rtx4060-laptop")
@@ -44,7 +44,7 @@ def test_plan_cli_on_a_bundle_then_run_with_it(tiny, host_hardware, tmp_path):
     runner = CliRunner()
     r = runner.invoke(main, ["plan", bundle, str(hw), "--output-len", "48", "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert "chosen:" in r.output and Plan.from_json(out.read_text()).output_len == 48
+    assert "chosen:" in r.output and Plan.from_json(out.read_text()).workload.output_len == 48
     args = ["run", bundle, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--json"]
     own = json.loads(runner.invoke(main, args).output.strip().splitlines()[-1])
     r = runner.invoke(main, args + ["--plan", str(out)])
@@ -57,7 +57,7 @@ def test_plan_for_another_model_or_batch_is_refused(tiny, host_hardware, tmp_pat
     own = Plan.from_json(open(f"{bundle}/plan.json").read())
     runner = CliRunner()
     other = tmp_path / "other.json"
-    other.write_text(dataclasses.replace(own, architecture_hash="0" * 16).to_json())
+    other.write_text(own.replace(architecture_hash="0" * 16).to_json())
     r = runner.invoke(main, ["run", bundle, "--prompt-ids", "1,2", "--plan", str(other)])
     assert r.exit_code != 0 and "plan made for this bundle's model" in r.output and "Traceback" not in r.output
     r = runner.invoke(main, ["run", bundle, "--prompt-ids", "1,2", "--plan", str(tmp_path / "missing.json")])

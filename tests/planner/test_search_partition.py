@@ -48,25 +48,25 @@ HEAD = (151936 * 4096 + 4096) * 2
 
 def test_running_example_qwen3_8b_on_rtx4060():
     p = plan(qwen3_spec("Qwen3-8B"), "rtx4060-laptop", stream_prefill=False)   # the thesis prefills on the CPU
-    rows = p.candidates
+    rows = p.predictions.candidates
     # By hand from eqs. 4.7-4.15 and the preset (M_cpu 45, M_gpu 218, B_link 16 GB/s, l 4.5 us, delta 0.14 ms):
     c = 128 + 128 / 2                                                    # mean decode context
     t_cpu = (20 * BLOCK + 8192) / 45e9 * 1e3 + 4 * 32 * c * 128 * 20 / 45e9 * 1e3 + 20 * 0.14
     t_gpu = (16 * BLOCK + HEAD) / 218e9 * 1e3 + 16 * c * 4096 / 218e9 * 1e3 + 16 * 0.14
     t_comm = 2 * 4.5e-3 + 8192 / 16e9 * 1e3 + 4 / 16e9 * 1e3
-    print(f"\nchosen {p.describe()}: T_cpu {p.t_cpu_ms:.2f} (thesis 154.8), T_gpu {p.t_gpu_ms:.2f} (thesis 30.6), "
-          f"T_comm {p.t_comm_ms * 1e3:.1f} us (thesis ~5 us), T_plan {p.t_plan_ms:.2f} ms (thesis 186 in 4.1.3, "
-          f"263.5 in Table 6.5); GPU weights {p.gpu_weight_bytes / 1e9:.2f} GB (thesis 7.16)")
+    print(f"\nchosen {p.describe()}: T_cpu {p.predictions.t_cpu_ms:.2f} (thesis 154.8), T_gpu {p.predictions.t_gpu_ms:.2f} (thesis 30.6), "
+          f"T_comm {p.predictions.t_comm_ms * 1e3:.1f} us (thesis ~5 us), T_plan {p.predictions.t_plan_ms:.2f} ms (thesis 186 in 4.1.3, "
+          f"263.5 in Table 6.5); GPU weights {p.memory.gpu_weight_bytes / 1e9:.2f} GB (thesis 7.16)")
     assert p.describe() == "cpu(21) -> cuda(17)"
-    assert p.t_cpu_ms == pytest.approx(t_cpu, rel=1e-9)
-    assert p.t_gpu_ms == pytest.approx(t_gpu, rel=1e-9)
-    assert p.t_comm_ms == pytest.approx(t_comm, rel=1e-9)
-    assert 186 < p.t_plan_ms < 263.5
+    assert p.predictions.t_cpu_ms == pytest.approx(t_cpu, rel=1e-9)
+    assert p.predictions.t_gpu_ms == pytest.approx(t_gpu, rel=1e-9)
+    assert p.predictions.t_comm_ms == pytest.approx(t_comm, rel=1e-9)
+    assert 186 < p.predictions.t_plan_ms < 263.5
     assert not rows[0].feasible and "VRAM short by" in rows[0].why            # all-GPU: 13.9 GB of blocks
     assert 36 * BLOCK / 1e9 == pytest.approx(13.9, abs=0.05)
     assert all(not r.feasible for r in rows[:21]) and all(r.feasible for r in rows[21:38])
     assert not rows[38].feasible and "host RAM short by" in rows[38].why      # 16.4 GB of weights in 16 GiB
-    assert p.gpu_weight_bytes == 16 * BLOCK + HEAD
+    assert p.memory.gpu_weight_bytes == 16 * BLOCK + HEAD
     assert "slower by" in rows[22].why and rows[21].why.startswith("chosen")
 
 
@@ -87,17 +87,17 @@ TABLE_6_5 = [  # (GPU preset, model, the thesis's plan as cpu units, tolerance i
 @pytest.mark.parametrize("preset,model,thesis_cpu_units,tolerance,note", TABLE_6_5)
 def test_table_6_5_plans(preset, model, thesis_cpu_units, tolerance, note):
     p = plan(qwen3_spec(model), preset, stream_prefill=False)
-    print(f"\n{preset} {model}: {p.describe()} T_plan {p.t_plan_ms:.1f} ms; thesis {note}")
-    assert abs(p.cpu_units - thesis_cpu_units) <= tolerance
+    print(f"\n{preset} {model}: {p.describe()} T_plan {p.predictions.t_plan_ms:.1f} ms; thesis {note}")
+    assert abs(p.placement.cpu_units - thesis_cpu_units) <= tolerance
 
 
 def test_kv_offload_off_keeps_kv_in_vram_and_shrinks_context():
     spec = qwen3_spec("Qwen3-8B")
     on = plan(spec, "rtx4060-laptop", output_len=8000)
     off = plan(spec, "rtx4060-laptop", output_len=8000, kv_offload=False)
-    assert off.cpu_units > on.cpu_units                  # KV of GPU blocks now competes with weights
-    assert 8128 <= off.max_context < on.max_context
-    assert off.kv_offload is False
+    assert off.placement.cpu_units > on.placement.cpu_units                  # KV of GPU blocks now competes with weights
+    assert 8128 <= off.memory.max_context < on.memory.max_context
+    assert off.workload.kv_offload is False
 
 
 def test_plan_json_round_trip():
@@ -106,16 +106,16 @@ def test_plan_json_round_trip():
     bad = p.to_json().replace('"cpu_units": 4,', '"cpu_units": 4, "cpu_unitz": 4,', 1)
     with pytest.raises(HelmcError, match="unknown key"):
         Plan.from_json(bad)
-    assert p.architecture_hash and p.hardware_hash == load_hardware("rtx4060-laptop").profile_hash()
+    assert p.provenance.architecture_hash and p.provenance.hardware_hash == load_hardware("rtx4060-laptop").profile_hash()
 
 
 def test_plan_refuses_a_chosen_row_that_is_not_the_fastest_feasible():
     p = plan(qwen3_spec("Qwen3-8B"), "rtx4060-laptop")
     with pytest.raises(HelmcError, match="a feasible one"):
-        dataclasses.replace(p, cpu_units=25, t_cpu_ms=p.candidates[25].t_cpu_ms, t_gpu_ms=p.candidates[25].t_gpu_ms,
-                            t_comm_ms=p.candidates[25].t_comm_ms, t_plan_ms=p.candidates[25].t_plan_ms)
+        p.replace(cpu_units=25, t_cpu_ms=p.predictions.candidates[25].t_cpu_ms, t_gpu_ms=p.predictions.candidates[25].t_gpu_ms,
+                            t_comm_ms=p.predictions.candidates[25].t_comm_ms, t_plan_ms=p.predictions.candidates[25].t_plan_ms)
     with pytest.raises(HelmcError, match="infeasible"):
-        dataclasses.replace(p, cpu_units=3, t_cpu_ms=0.0, t_gpu_ms=0.0, t_comm_ms=0.0, t_plan_ms=0.0)
+        p.replace(cpu_units=3, t_cpu_ms=0.0, t_gpu_ms=0.0, t_comm_ms=0.0, t_plan_ms=0.0)
 
 
 def test_context_beyond_the_model_is_refused():
@@ -170,10 +170,10 @@ def test_every_plan_is_feasible(spec, hw, w):
     if p is None:
         return
     a = analyze_program(spec)
-    host, dev = memory_needs(a, hw, a.stage(0, p.cpu_units), a.stage(p.cpu_units, a.num_units), w)
+    host, dev = memory_needs(a, hw, a.stage(0, p.placement.cpu_units), a.stage(p.placement.cpu_units, a.num_units), w)
     assert host.fits and dev.fits
-    assert p.max_context >= w.total_context
-    assert p.t_plan_ms == min(c.t_plan_ms for c in p.candidates if c.feasible)
+    assert p.memory.max_context >= w.total_context
+    assert p.predictions.t_plan_ms == min(c.t_plan_ms for c in p.predictions.candidates if c.feasible)
 
 
 @settings(max_examples=60, deadline=None, database=None)
@@ -185,7 +185,7 @@ def test_more_vram_never_makes_the_plan_slower(spec, hw, w, extra_gib):
     big = _search(spec, dataclasses.replace(hw, gpu=gpu), w)
     if small is not None:
         assert big is not None
-        assert big.t_plan_ms <= small.t_plan_ms * (1 + 1e-12)
+        assert big.predictions.t_plan_ms <= small.predictions.t_plan_ms * (1 + 1e-12)
 
 
 @settings(max_examples=30, deadline=None, database=None)
@@ -194,15 +194,15 @@ def test_no_gpu_means_all_cpu_without_comm(spec, hw, w):
     p = _search(spec, _no_gpu(hw), w)
     if p is None:
         return
-    assert p.cpu_units == p.num_units and not p.uses_gpu
-    assert p.t_comm_ms == 0.0 and p.t_gpu_ms == 0.0
-    assert all(c.why == "no GPU in the hardware profile" for c in p.candidates[:-1])
+    assert p.placement.cpu_units == p.placement.num_units and not p.placement.uses_gpu
+    assert p.predictions.t_comm_ms == 0.0 and p.predictions.t_gpu_ms == 0.0
+    assert all(c.why == "no GPU in the hardware profile" for c in p.predictions.candidates[:-1])
 
 
 def test_no_gpu_running_example_and_host_shortfall():
     hw = _no_gpu(load_hardware("rtx3090-epyc"))
     p = plan(qwen3_spec("Qwen3-8B"), hw)
-    assert p.describe() == "cpu(38)" and p.t_comm_ms == 0.0
+    assert p.describe() == "cpu(38)" and p.predictions.t_comm_ms == 0.0
     with pytest.raises(InfeasibleError, match=r"the closest, cpu\(38\), has host RAM short by \d+\.\d\d GiB \(needs"):
         plan(qwen3_spec("Qwen3-8B"), _no_gpu(load_hardware("rtx4060-laptop")))
 
@@ -244,7 +244,7 @@ def test_64_layer_plan_under_a_second():
     p = plan(spec, "rtx3090-epyc")
     elapsed = time.perf_counter() - t0
     print(f"\n64-layer plan in {elapsed * 1e3:.1f} ms: {p.describe()}")
-    assert elapsed < 1.0 and p.num_layers == 64
+    assert elapsed < 1.0 and p.placement.num_layers == 64
 
 
 def test_streamed_prefill_is_planned_with_one_block_of_staging():
@@ -257,15 +257,15 @@ def test_streamed_prefill_is_planned_with_one_block_of_staging():
     spec = qwen3_spec("Qwen3-8B")
     hw = load_hardware("rtx3090-epyc").with_gpu_budget(7)
     p = plan(spec, hw)
-    assert p.prefill_on_gpu and p.prefill_staging_bytes == BLOCK and p.prefill_chunk_tokens == 128
+    assert p.placement.prefill_on_gpu and p.memory.prefill_staging_bytes == BLOCK and p.placement.prefill_chunk_tokens == 128
     a = analyze_program(spec)
-    _, dev = memory_needs(a, hw, a.stage(0, p.cpu_units), a.stage(p.cpu_units, a.num_units), Workload())
+    _, dev = memory_needs(a, hw, a.stage(0, p.placement.cpu_units), a.stage(p.placement.cpu_units, a.num_units), Workload())
     # The page pool gets what the plan leaves plus its floor, the streamed prefill's loan (block + prompt buffers).
-    assert dev.kv > BLOCK and p.gpu_kv_pool_bytes == dev.available - dev.total + dev.kv
+    assert dev.kv > BLOCK and p.memory.gpu_kv_pool_bytes == dev.available - dev.total + dev.kv
     off = plan(spec, hw, stream_prefill=False)
-    assert not off.prefill_on_gpu and off.prefill_staging_bytes == 0
-    assert off.cpu_units <= p.cpu_units                       # the staging can only push blocks to the CPU
+    assert not off.placement.prefill_on_gpu and off.memory.prefill_staging_bytes == 0
+    assert off.placement.cpu_units <= p.placement.cpu_units                       # the staging can only push blocks to the CPU
     whole = plan(qwen3_spec("Qwen3-4B"), "rtx3090-epyc")
-    assert whole.cpu_units == 0 and not whole.prefill_on_gpu
+    assert whole.placement.cpu_units == 0 and not whole.placement.prefill_on_gpu
     with pytest.raises(HelmcError, match="prefill_on_gpu"):
-        Plan(format_version=1, num_layers=4, cpu_units=0, prefill_on_gpu=True, prefill_staging_bytes=1)
+        Plan.of(num_layers=4, cpu_units=0, prefill_on_gpu=True, prefill_staging_bytes=1)

@@ -23,27 +23,50 @@ def _plan(tiny) -> dict:
 
 
 def _scale_times(d: dict, by: float) -> None:
-    for row in [d] + d.get("candidates", []):
+    for row in [d["predictions"]] + d["predictions"].get("candidates", []):
         for k in ("t_cpu_ms", "t_gpu_ms", "t_comm_ms", "t_plan_ms"):
             row[k] *= by
 
 
+def _set(part: str, **fields):
+    """An edit setting fields of one part of the plan's JSON (a callable value: of the plan's JSON)."""
+    return lambda d: d[part].update({k: v(d) if callable(v) else v for k, v in fields.items()})
+
+
+def _flat(d: dict) -> dict:
+    """The plan as helmc wrote plan.json before its parts (format 1): every field at the top level."""
+    out = {"format_version": 1}
+    for part in ("placement", "predictions", "memory", "workload", "provenance"):
+        out.update(d[part])
+    return out
+
+
 # case -> (edit of the plan's JSON, the refusal's words)
 BAD_PLANS = {
-    "max_context_1e12": (lambda d: d.update(max_context=10 ** 12), "max_context expected 1.."),
-    "max_context_zero": (lambda d: d.update(max_context=0), "max_context expected 1.."),
-    "max_context_negative": (lambda d: d.update(max_context=-5), "max_context expected"),
-    "prompt_len_over_context": (lambda d: d.update(prompt_len=d["max_context"] + 1), "prompt_len expected at most"),
-    "chunk_over_context": (lambda d: d.update(prefill_chunk_tokens=10 ** 9), "prefill_chunk_tokens expected at most"),
-    "cpu_units_past_the_model": (lambda d: d.update(cpu_units=d["num_layers"] + 9), "cpu_units expected 0.."),
-    "num_layers_other_model": (lambda d: d.update(num_layers=d["num_layers"] + 1, candidates=[]), "layers"),
-    "batch_other": (lambda d: d.update(batch=4096), "batch"),
-    "kv_pool_negative": (lambda d: d.update(gpu_kv_pool_bytes=-1), "expected >= 0"),
+    "max_context_1e12": (_set("memory", max_context=10 ** 12), "max_context expected 1.."),
+    "max_context_zero": (_set("memory", max_context=0), "max_context expected 1.."),
+    "max_context_negative": (_set("memory", max_context=-5), "max_context expected"),
+    "prompt_len_over_context": (_set("workload", prompt_len=lambda d: d["memory"]["max_context"] + 1),
+                                "prompt_len expected at most"),
+    "chunk_over_context": (_set("placement", prefill_chunk_tokens=10 ** 9), "prefill_chunk_tokens expected at most"),
+    "cpu_units_past_the_model": (_set("placement", cpu_units=lambda d: d["placement"]["num_layers"] + 9),
+                                 "cpu_units expected 0.."),
+    "num_layers_other_model": (lambda d: (d["placement"].update(num_layers=d["placement"]["num_layers"] + 1),
+                                          d["predictions"].update(candidates=[])), "layers"),
+    "batch_other": (_set("workload", batch=4096), "batch"),
+    "kv_pool_negative": (_set("memory", gpu_kv_pool_bytes=-1), "expected >= 0"),
     "negative_times": (lambda d: _scale_times(d, -1.0), "expected a finite number >= 0"),
-    "host_bytes_past_ram": (lambda d: d.update(cpu_bytes=1 << 60), "cpu_bytes expected at most this machine's"),
-    "weights_bytes_negative": (lambda d: d.update(cpu_weight_bytes=-(10 ** 9)), "cpu_weight_bytes expected a finite"),
-    "string_for_number": (lambda d: d.update(max_context="1e12"), "max_context"),
+    "host_bytes_past_ram": (_set("memory", cpu_bytes=1 << 60), "cpu_bytes expected at most this machine's"),
+    "weights_bytes_negative": (_set("memory", cpu_weight_bytes=-(10 ** 9)), "cpu_weight_bytes expected >= 0"),
+    "string_for_number": (_set("memory", max_context="1e12"), "max_context"),
     "unknown_key": (lambda d: d.update(exec="rm -rf /"), "exec"),
+    "unknown_key_in_a_part": (_set("placement", exec="rm -rf /"), "exec"),
+    "a_later_format": (lambda d: d.update(format_version=3), "format_version expected 2 (or 1, read into the parts), "
+                                                              "found 3"),
+    "flat_with_a_bad_value": (lambda d: (d.update(_flat(d)), d.update(format_version=1),
+                                         [d.pop(k) for k in ("placement", "predictions", "memory", "workload",
+                                                             "provenance")], d.update(max_context=10 ** 12)),
+                              "max_context expected 1.."),
 }
 
 
@@ -71,7 +94,7 @@ def test_bundle_plan_json_with_huge_context(tiny, tmp_path, workdir):
     b = tmp_path / "bundle"
     shutil.copytree(tiny.bundle("qwen3"), b)
     d = json.loads((b / "plan.json").read_text())
-    d["max_context"] = 10 ** 12
+    d["memory"]["max_context"] = 10 ** 12
     (b / "plan.json").write_text(json.dumps(d))
     m = json.loads((b / "manifest.json").read_text())
     data = (b / "plan.json").read_bytes()

@@ -33,7 +33,7 @@ def _session(tmp_path, hw, cache_dir, dtype="float16", quant="", batch=4, **dims
     model = str(tmp_path / "model")
     make_tiny_model(model, "qwen3", dtype=dtype, **(dims or KQUANT_DIMS))
     r = api.build(model, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, quant=quant, batch=batch)
-    assert r.plan.batch == batch and r.plan.cpu_units == r.spec.num_units
+    assert r.plan.workload.batch == batch and r.plan.placement.cpu_units == r.spec.num_units
     return Session.load(r.bundle_dir)
 
 
@@ -42,7 +42,7 @@ def _shared_session(tiny, dtype="float16", quant=""):
     the Q4_K_M and Q8_0 ones are tests/compiler/test_quantized_models.py's)."""
     from helmc.runtime.session import Session
     r = tiny.build("qwen3", dtype, batch=4, quant=quant, cpu_only=True, **KQUANT_DIMS)
-    assert r.plan.batch == 4 and r.plan.cpu_units == r.spec.num_units
+    assert r.plan.workload.batch == 4 and r.plan.placement.cpu_units == r.spec.num_units
     return Session.load(r.bundle_dir)
 
 

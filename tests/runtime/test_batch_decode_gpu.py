@@ -44,7 +44,7 @@ def test_batched_decode_is_bitwise_single_decode_on_gpu(name):
     from helmc.runtime.session import Session
     s = Session.load(bundle(name))
     assert s.gpu is not None and s.gpu.stage is not None and s.cpu_stage is not None, "expected a CPU + GPU split"
-    assert s.plan.batch == 4 and s.gpu.stage.batch_sizes == (2, 4)
+    assert s.plan.workload.batch == 4 and s.gpu.stage.batch_sizes == (2, 4)
     ps = prompts(s.spec.vocab_size, 6)
     singles = single_runs(s, ps, STEPS)
     graph = s.gpu.decode_graph
@@ -70,8 +70,8 @@ def test_joint_streamed_prefill_is_bitwise_single_on_gpu(name):
     from helmc.runtime.serve.batch_model import BatchModel
     from helmc.runtime.session import Session
     s = Session.load(bundle(name))
-    assert s.plan.prefill_on_gpu and s.gpu.streamed_prefill is not None
-    assert s.plan.is_hybrid == (name == "fp16_hybrid")
+    assert s.plan.placement.prefill_on_gpu and s.gpu.streamed_prefill is not None
+    assert s.plan.placement.is_hybrid == (name == "fp16_hybrid")
     ps = prompts(s.spec.vocab_size, 4)                        # 3, 9, 1, 17 tokens: the 1-token one decodes
     singles = single_runs(s, ps, 1)
     m = BatchModel(s, 4)

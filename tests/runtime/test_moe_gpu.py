@@ -115,19 +115,17 @@ def test_batched_decode_is_bitwise_single_runs():
 @pytest.mark.parametrize("name", ["gpu_float16", "gpu_q4_k_m"])
 @pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8)))])
 def test_experts_in_vram_run_on_the_gpu_beside_the_cpu(vram, name):
-    """Plan.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
+    """Plan.placement.gpu_experts: those experts' weights bound in VRAM and computed by the GPU while the CPU computes the
     block's others (block 1 is dense: no experts). Greedy against transformers by the rule above; the share of
     selected experts served from VRAM is what the placement gives (all of them when every expert is there).
     Quantized experts decode through the GPU's two expert kernels over the stacked VRAM experts (routed on the GPU
     when every expert is there) and the CPU's one-call expert sum."""
-    import dataclasses
-
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, ref = reference(d, name)
     base = Plan.from_json(open(os.path.join(d, name, "plan.json")).read())
-    s = Session.load(os.path.join(d, name), weights_dir=weights, plan=dataclasses.replace(base, gpu_experts=vram))
+    s = Session.load(os.path.join(d, name), weights_dir=weights, plan=base.replace(gpu_experts=vram))
     got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
     expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
     moe = s.gpu.stage._moe
@@ -145,15 +143,12 @@ def test_decode_graphs_replay_the_eager_tokens(vram):
     (moe_decode_graph.MoeDecodeGraph): the tokens are those of the same steps run eagerly (graphs off), bit for bit,
     and the steps after the first two replay: one graph per segment (a segment per block waiting on the host; one
     for the whole step when every expert is in VRAM)."""
-    import dataclasses
-
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.moe_decode_graph import MoeDecodeGraph
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, _ = reference(d, "gpu_q4_k_m")
-    plan = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
-                               gpu_experts=vram)
+    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=vram)
     runs = {}
     for graphs in (True, False):
         s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan, cuda_graph=graphs)
@@ -171,23 +166,20 @@ def test_decode_graphs_replay_the_eager_tokens(vram):
 
 
 def test_prompt_experts_stream_to_the_gpu():
-    """Plan.expert_staging_bytes: a prompt's host experts run on the GPU, their weights streamed through a ring of
+    """Plan.memory.expert_staging_bytes: a prompt's host experts run on the GPU, their weights streamed through a ring of
     staging slots (runtime/moe_prefill.py; two slots here, fewer than the host experts the prompt selects in a block,
     so slots are reused after their readers). Without staging the CPU computes them. The prompt's logits agree, and
     greedy decoding after the streamed prompt follows transformers by the rule above."""
-    import dataclasses
-
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.moe_prefill import _rows_bytes
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, ref = reference(d, "gpu_q4_k_m")
-    base = dataclasses.replace(Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()),
-                               gpu_experts=((0, 3), (), (5,)))
+    base = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=((0, 3), (), (5,)))
     logits, streamed, staging = {}, {}, 0
     for streams in (False, True):
         s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
-                         plan=dataclasses.replace(base, expert_staging_bytes=staging))
+                         plan=base.replace(expert_staging_bytes=staging))
         logits[streams] = s.forward(PROMPT, all_logits=True)
         streamed[streams] = s.gpu.stage._moe.prefill.streamed_experts
         experts = s.gpu.stage.bindings[0].post[-1]
@@ -207,14 +199,12 @@ def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     """A served step of B = 2..8 sequences runs each block's experts of every row in the m-row calls (the GPU's two
     launches over every (row, expert) pair in VRAM, the CPU's m-row expert sum over the host ones, one combine):
     every sequence's logits equal its single run's (the one-row path, CUDA graphs on), every bit."""
-    import dataclasses
-
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.session import Session
     from tests.batch_decode_checks import batched_runs, compare, prompts, single_runs
     d = moe_dir("gpu_q4_k_m_b8")
     path = os.path.join(d, "gpu_q4_k_m_b8")
-    plan = dataclasses.replace(Plan.from_json(open(os.path.join(path, "plan.json")).read()), gpu_experts=vram)
+    plan = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(gpu_experts=vram)
     s = Session.load(path, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), plan=plan)
     moe = s.gpu.stage._moe
     assert moe.decode_batch is not None and sorted(moe.decode_batch.cpu_rows) == [0, 1]

@@ -50,3 +50,46 @@ def test_build_options_defaults_and_keywords(tmp_path):
         build(str(tmp_path), None, str(tmp_path / "out"), prompt_length=64)
     with pytest.raises(HelmcError, match="found both"):
         build(str(tmp_path), None, str(tmp_path / "out"), BuildOptions(), quant="q8_0")
+
+
+def test_run_chat_serve_calibrate_options_hold_the_cli_defaults_and_check_when_made(tmp_path):
+    from helmc import api
+    from helmc.cli.main import main
+    from helmc.runtime.serve.conversation import Sampling
+
+    def defaults(command):
+        return {p.name: p.default for p in main.commands[command].params}
+    run, chat, serve, cal = defaults("run"), defaults("chat"), defaults("serve"), defaults("calibrate")
+    r = api.RunOptions()
+    assert (run["max_new_tokens"], run["kv_page_tokens"], run["kv_watermark"], run["top_p"]) == \
+        (r.max_new_tokens, r.kv_page_tokens, r.kv_watermark, r.top_p) == (32, KV_PAGE_TOKENS, KV_WATERMARK, 1.0)
+    assert api.ChatOptions().sampling() == Sampling() and chat["max_new_tokens"] == Sampling().max_new_tokens == 256
+    assert (serve["port"], serve["log_level"], serve["kv_page_tokens"]) == (8000, "warning", KV_PAGE_TOKENS)
+    assert cal["steps"] is api.CalibrateOptions().steps is None
+    for make, line in ((lambda: api.RunOptions(max_new_tokens=0), "--max-new-tokens expected >= 1, found 0"),
+                       (lambda: api.RunOptions(kv_watermark=2.0), "--kv-watermark expected in"),
+                       (lambda: api.RunOptions(top_p=0.0), "top_p"),
+                       (lambda: api.ChatOptions(temperature=-1.0), "temperature"),
+                       (lambda: api.CalibrateOptions(steps=0), "--steps expected a positive integer"),
+                       (lambda: api.ServeOptions(trust="key.pub"), "trust: expected a tuple of public key file paths")):
+        with pytest.raises(HelmcError, match=line.replace("(", r"\(")):
+            make()
+
+
+def test_run_chat_serve_calibrate_take_one_options_or_its_keywords_before_reading_anything(tmp_path):
+    from helmc import api
+    missing = str(tmp_path / "no-bundle")
+    for call, options in ((lambda o, **k: api.run(missing, prompt_ids=[1], options=o, **k), api.RunOptions()),
+                          (lambda o, **k: api.chat(missing, o, **k), api.ChatOptions()),
+                          (lambda o, **k: api.serve(missing, o, **k), api.ServeOptions()),
+                          (lambda o, **k: api.calibrate(missing, "rtx4060-laptop", o, **k), api.CalibrateOptions())):
+        name = type(options).__name__
+        with pytest.raises(HelmcError, match=f"expected a {name} or its fields as keywords, found both"):
+            call(options, seed=1)
+        with pytest.raises(HelmcError, match="options: expected keywords among .*found max_tokens$"):
+            call(None, max_tokens=1)
+        with pytest.raises(HelmcError, match=f"expected a {name}, found dict"):
+            call({})
+    # A plan file is read by the API (as serve's always was), and a missing one is named before the bundle is read.
+    with pytest.raises(HelmcError, match="--plan: expected a plan JSON file .* found nothing at"):
+        api.run(missing, prompt_ids=[1], plan=str(tmp_path / "plan.json"))

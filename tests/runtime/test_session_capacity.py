@@ -85,7 +85,7 @@ def test_predicted_pinned_memory_is_what_the_gpu_cache_allocates():
 def cpu_session(tiny):
     from helmc.runtime.session import Session
     s = Session.load(tiny.bundle("qwen3"), kv_page_tokens=16)
-    assert s.gpu is None and s.cpu_stage is not None and list(s.plan.cpu_layers) == [0, 1]
+    assert s.gpu is None and s.cpu_stage is not None and list(s.plan.placement.cpu_layers) == [0, 1]
     return s
 
 
@@ -122,9 +122,9 @@ def test_generate_refuses_before_any_work_and_runs_what_fits(cpu_session, monkey
 def test_generate_refuses_beyond_the_plan(cpu_session, monkeypatch):
     s = cpu_session
     monkeypatch.setattr(kc, "host_ram_available_bytes", lambda: 1 << 40)
-    with pytest.raises(HelmcError, match=f"at most {s.plan.max_context} fit: the plan allows at most "
-                                         f"{s.plan.max_context} tokens"):
-        s.generate(prompt_ids=[5] * s.plan.max_context, max_new_tokens=1)
+    with pytest.raises(HelmcError, match=f"at most {s.plan.memory.max_context} fit: the plan allows at most "
+                                         f"{s.plan.memory.max_context} tokens"):
+        s.generate(prompt_ids=[5] * s.plan.memory.max_context, max_new_tokens=1)
 
 
 def test_host_ram_available_reads_meminfo(tmp_path):

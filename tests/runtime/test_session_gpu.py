@@ -72,5 +72,5 @@ def test_refuses_beyond_the_plan_before_any_work():
     bundle = gpu_bundle()
     s = Session.load(bundle, kv_page_tokens=PAGE_TOKENS)
     s.forward = None                            # generate must refuse before calling it
-    with pytest.raises(HelmcError, match=f"do not fit; at most {s.plan.max_context} fit: the plan allows"):
-        s.generate(prompt_ids=[1] * s.plan.max_context, max_new_tokens=1)
+    with pytest.raises(HelmcError, match=f"do not fit; at most {s.plan.memory.max_context} fit: the plan allows"):
+        s.generate(prompt_ids=[1] * s.plan.memory.max_context, max_new_tokens=1)

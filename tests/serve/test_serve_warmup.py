@@ -19,7 +19,7 @@ MAX_BATCH = 4
 def bundle(tiny):
     # the batched CPU bundle tests/runtime/test_batch_decode_cpu.py checks too: built once per session
     r = tiny.build("qwen3", "float16", batch=MAX_BATCH, cpu_only=True, **KQUANT_DIMS)
-    assert r.plan.batch == MAX_BATCH and r.plan.cpu_units == r.spec.num_units
+    assert r.plan.workload.batch == MAX_BATCH and r.plan.placement.cpu_units == r.spec.num_units
     return r.bundle_dir
 
 
@@ -44,7 +44,7 @@ def test_warm_up_runs_every_batch_size_and_leaves_every_slot_empty(bundle):
     assert {2, 4} <= set(stage._decode_batch._bufs)                  # the per-size buffers exist before any request
     assert all(kv._kernel_args is not None for kv in m.cpu_caches)   # every slot's kernel tensors bound
     kv = m.cpu_caches[0]
-    tokens = m.session.plan.prompt_len + m.session.plan.output_len
+    tokens = m.session.plan.workload.prompt_len + m.session.plan.workload.output_len
     assert out["kv_bytes"] == MAX_BATCH * kv.num_layers * 2 * kv.num_kv_heads * tokens * kv.head_dim * kv.dtype.itemsize
     assert any("decode_b4" in line for line in lines) and any("committed" in line for line in lines), lines
 
