@@ -135,5 +135,4 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     hot = [stats.mass(i, stats.hottest(i, max(1, stats.num_experts // 8))) for i in range(len(stats.counts))
            if stats.routed(i)]
     return lines + (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each "
-                     f"block's experts took {sum(hot) / len(hot):.2f} of the selections; wrote {path} (helmc plan "
-                     "BUNDLE places by them)",), reads
+                     f"block's experts took {sum(hot) / len(hot):.2f} of the selections; wrote {path}",), reads

@@ -17,8 +17,8 @@ into the device's part of a new profile; the rates themselves (bandwidths, FLOP 
 given profile's, so the deltas make that profile predict this machine.
 
 A mixture-of-experts bundle's routing is counted too, over a calibration prompt run through the whole model
-(runtime/moe_routing.py), and stored in the bundle (expert_stats.json) for `helmc plan BUNDLE` to place the hottest
-experts in VRAM.
+(runtime/moe_routing.py), and stored in the bundle (expert_stats.json) with its plan made again from them (the hottest
+experts in VRAM), for an unsigned bundle.
 
 Imports no TVM compiler (the measuring half is runtime.calibrate; the model half is pure Python),
 so this runs on the target with TVM_USE_RUNTIME_LIB=1.
@@ -253,7 +253,7 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
             parts.append(f"{f.device} sigma {f.step_overhead_ms:+.4f} ms/token")
     note = (f"calibrate: {'; '.join(parts)}, fitted on helmc's own decode step ({', '.join(used)}; "
             f"{n_steps} steps, mean context {mean_context:g}) against this profile's rates")
-    # a mixture of experts' routing: counted over a calibration prompt, stored in the bundle for `helmc plan`
+    # a mixture of experts' routing: counted over a calibration prompt, stored in the bundle, its plan made again
     from helmc.runtime.moe_routing import calibrate_routing
     routing, reads = (), {}
     for b in bundles:
@@ -267,7 +267,33 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
         kept.update(reads)
         profile = dataclasses.replace(profile, cpu=dataclasses.replace(
             profile.cpu, expert_sum_reads=tuple(ExpertSumRead(t, n, g) for (t, n), g in sorted(kept.items()))))
+    for b in bundles:
+        routing += _place_by_routing(b, profile, trusted_keys, require_signed)
     return CalibrationResult(profile, tuple(fits.values()), tuple(used), n_steps, mean_context, routing)
+
+
+def _place_by_routing(bundle_dir: str, profile, trusted_keys, require_signed) -> tuple[str, ...]:
+    """A mixture-of-experts bundle whose routing statistics were just stored gets its plan made again from them and
+    the calibrated profile (its hottest experts in VRAM, the CPU's share at the measured expert-sum rate), stored as
+    its plan.json, so `helmc run` uses it without a --plan. A dense or signed bundle is left as it is."""
+    import os
+
+    from helmc.planner.replan_bundle import replan_bundle
+    from helmc.runtime.bundle.expert_stats import read_expert_stats, store_expert_stats
+    from helmc.runtime.bundle.manifest import verify_bundle
+    from helmc.runtime.bundle.signature import SIGNATURE_NAME
+    if os.path.exists(os.path.join(bundle_dir, SIGNATURE_NAME)):
+        return ()
+    stats = read_expert_stats(bundle_dir, verify_bundle(bundle_dir, trusted_keys=trusted_keys,
+                                                        require_signed=require_signed))
+    if stats is None:
+        return ()
+    new, _ = replan_bundle(bundle_dir, profile)
+    store_expert_stats(bundle_dir, stats, plan=new)
+    verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
+    return (f"plan made again from them: {new.describe()}, predicted expert hit rate "
+            f"{new.predictions.expert_hit_rate:.2f}, {new.tokens_per_s:.1f} tok/s predicted; stored in "
+            f"{os.path.join(bundle_dir, 'plan.json')}",)
 
 
 _BLOCK_FIELDS = ("blocks", "distinct_blocks", "measured_step_ms", "roofline_step_ms", "overhead_block_bytes")

@@ -65,7 +65,10 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
         assert Plan.from_json(f.read()) == r.plan                       # the plan made again is the one stored
 
     result = api.calibrate(bundle, hw_path, steps=3)
-    assert len(result.routing) == 1 and f"wrote {os.path.join(bundle, EXPERT_STATS_FILE)}" in result.routing[0]
+    assert len(result.routing) == 2 and f"wrote {os.path.join(bundle, EXPERT_STATS_FILE)}" in result.routing[0]
+    assert result.routing[1].startswith("plan made again from them: ")    # and stored: the calibrated profile's plan
+    with open(os.path.join(bundle, "plan.json")) as f:
+        assert Plan.from_json(f.read()) == replan_bundle(bundle, result.profile)[0]
     assert result.routing[0] in result.summary() and json.loads(json.dumps(result.to_json_dict()))["routing"]
     assert result.profile.cpu.expert_sum_reads == ()                   # float experts: no one-call expert sum
     manifest = verify_bundle(bundle)                   # listed with its digest: the bundle verifies as a whole
