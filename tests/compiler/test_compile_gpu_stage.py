@@ -259,9 +259,10 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("qtype,row_bytes", [("q5_k", 176), ("q3_k", 110), ("q5_0", 8 * 22), ("iq4_xs", 136)])
+@pytest.mark.parametrize("qtype,row_bytes", [("q5_k", 176), ("q3_k", 110), ("q5_0", 8 * 22), ("iq4_xs", 136),
+                                           ("mxfp4", 8 * 17)])
 def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path, qtype, row_bytes):
-    """A Q5_K_M- / Q3_K_M-like spec or a Q5_0 / IQ4_XS one (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
+    """A Q5_K_M- / Q3_K_M-like spec or a Q5_0 / IQ4_XS / MXFP4 one (qtype linears, down_proj of block 1 and the lm_head in q6_k): the qtype decode
     linears are its fused dequantize-GEMV on the raw blocks, its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions

@@ -34,7 +34,7 @@ AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
 TIERS = {"avx512_vnni": AVX512 + ("avx512_vnni",), "avx512": AVX512, "avx2": AVX2, "sse2": ("sse2",)}
 GGML = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q5_0": GGMLType.Q5_0, "q3_k": GGMLType.Q3_K, "q4_k": GGMLType.Q4_K, "q5_k": GGMLType.Q5_K, "q6_k": GGMLType.Q6_K,
-        "iq4_xs": GGMLType.IQ4_XS}
+        "iq4_xs": GGMLType.IQ4_XS, "mxfp4": GGMLType.MXFP4}
 # Byte offsets of the fp16 scale fields inside a K-quant block (ggml-common.h block_q4_K / block_q6_K / block_iq4_xs).
 FP16_FIELDS = {"q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
 
@@ -57,7 +57,9 @@ def random_quant_weight(rng, qtype: str, n: int, k: int) -> np.ndarray:
         return gguf_quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGML[qtype])
     fmt = QUANT_BLOCKS[qtype]
     raw = rng.integers(0, 256, (n, k // fmt.weights, fmt.bytes), dtype=np.uint8)   # [n, blocks, block bytes]
-    for at in FP16_FIELDS[qtype]:
+    if qtype == "mxfp4":        # e8m0 byte: scales 2^-10 .. 2^2 per block, so no block dominates the row
+        raw[:, :, 0] = rng.integers(118, 131, raw.shape[:2])
+    for at in FP16_FIELDS.get(qtype, ()):
         scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])
         raw[:, :, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # [n, blocks, 2]
     return raw.reshape(n, -1)                                                             # [n, row_bytes]
@@ -151,7 +153,7 @@ def test_bad_shape_is_refused(qtype):
         make_gemv_quant("q2_k", 8, 256, select_isa(AVX2))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n,k,rows,wrap,ahead", [(4096, 4096, 8, None, None), (64, 4096, 8, 16, 3 * 144),
                                                  (13, 256, 4, None, None), (2, 256, 8, None, None)])
 def test_prefetch_addresses_stay_inside_the_weight(qtype, n, k, rows, wrap, ahead):
