@@ -122,10 +122,15 @@ def test_gguf_file_builds_and_matches(gguf_build):
     compare(s, hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF q4_k")
 
 
-def _with_linears_as(src: str, dst: str, linear_type: str) -> list[str]:
-    """Copy the GGUF file src to dst with every linear of the blocks re-encoded as linear_type (gguf's dequantization of
-    its blocks through helmc's quantizer, ggml's reference); metadata and the other tensors as they are.
-    Returns the re-encoded tensors' names."""
+def _block_linear(t) -> bool:
+    return t.name.startswith("blk.") and len(t.shape) == 2 and int(t.shape[0]) % 256 == 0
+
+
+def _with_linears_as(src: str, dst: str, linear_type: str, select=_block_linear) -> list[str]:
+    """Copy the GGUF file src to dst with every tensor `select` picks (default: every linear of the blocks; a stacked
+    expert tensor [experts, rows, k] too) re-encoded as linear_type (gguf's dequantization of its blocks through
+    helmc's quantizer, ggml's reference); metadata and the other tensors as they are. Returns the re-encoded
+    tensors' names."""
     from helmc.model.quant_formats import quantize
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents()))
@@ -137,10 +142,10 @@ def _with_linears_as(src: str, dst: str, linear_type: str) -> list[str]:
     changed = []
     for t in reader.tensors:
         data, qtype = t.data, t.tensor_type
-        if t.name.startswith("blk.") and len(t.shape) == 2 and int(t.shape[0]) % 256 == 0:
-            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)        # [rows, k] float32
-            data, qtype = quantize(dense.reshape(-1, int(t.shape[0])), linear_type), \
-                gguf.GGMLQuantizationType[linear_type.upper()]
+        if select(t):
+            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)        # [..., rows, k] float32
+            data = quantize(dense.reshape(-1, int(t.shape[0])), linear_type).reshape(*dense.shape[:-1], -1)
+            qtype = gguf.GGMLQuantizationType[linear_type.upper()]
             changed.append(t.name)
         writer.add_tensor(t.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
