@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 _GGUF_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "q3_k": "Q3_K", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K",
-             "iq4_xs": "IQ4_XS"}
+             "iq4_xs": "IQ4_XS", "mxfp4": "MXFP4"}
 
 
 def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
-    """uint8 [rows, row_bytes]: valid GGUF rows of `qtype` (every fp16 field finite, weights of order 1)."""
+    """uint8 [rows, row_bytes]: valid GGUF rows of `qtype` (every fp16 field finite, every scale byte small, weights
+    of order 1)."""
     from gguf import GGMLQuantizationType, quants
 
     from helmc.model.spec import QUANT_BLOCKS      # a plain table: runs where only TVM's runtime is (bench_cpu_gemv)
@@ -34,6 +35,8 @@ def random_quant_rows(qtype: str, rows: int, k: int, rng) -> np.ndarray:
         blocks[:, :, 108:110] = halves(5e-4, 2e-3, True)
     elif qtype == "iq4_xs":      # d at bytes 0..1, either sign: |w| <= 2e-3 * 32 * 127
         blocks[:, :, 0:2] = halves(5e-4, 2e-3, True)
+    elif qtype == "mxfp4":       # e8m0 byte 0: scales 2^-10 .. 2^-1, |w| <= 12 * 2^-1
+        blocks[:, :, 0] = rng.integers(118, 128, (rows, k // block_weights))
     else:                        # q6_k: d at bytes 208..209, either sign (ggml's make_qx_quants gives both)
         blocks[:, :, 208:210] = halves(5e-4, 2e-3, True)
     return blocks.reshape(rows, -1)                                                      # [rows, row_bytes]

@@ -1,5 +1,5 @@
-"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, plus the plain
-F16 / BF16 / F32.
+"""llama.cpp's block quantization formats (GGUF): Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4, plus the
+plain F16 / BF16 / F32.
 
 A quantized row of k weights is k / block_weights blocks of block_bytes each, laid out exactly as ggml's
 block structs (ggml-common.h), so `gguf.quants.dequantize` (the reference the tests compare against) and
@@ -22,8 +22,16 @@ llama.cpp read what `quantize` writes:
                           (nibble j % 2 of byte j // 2: its low 4), 128 B nibbles (sub-block j of 32: bytes 16j..16j+16,
                           weight i low, i + 16 high);  w = d * (ls_j - 32) * kvalues[q], kvalues = ggml's
                           kvalues_iq4nl (-127 .. 113, non-linear)
+    mxfp4 (17 B / 32 w):  e uint8 (e8m0), 16 B of nibbles (w[i] low, w[i+16] high)
+                          w = kvalues_mxfp4[q] * 2^(e - 128): kvalues_mxfp4 is e2m1 doubled (0, 1, 2, 3, 4, 6, 8, 12,
+                          bit 3 the sign), so the scale is e8m0's 2^(e - 127) halved (ggml_e8m0_to_fp32_half;
+                          e < 2 the subnormals 2^-128, 2^-127)
 
-Q8_0, Q4_0 and Q5_0 use gguf's own NumPy quantizers (bit-exact with ggml's reference). Q4_K and Q6_K are
+Q8_0, Q4_0, Q5_0 and MXFP4 use gguf's own NumPy quantizers (bit-exact with ggml's reference; MXFP4's byte-identical
+to quantize_row_mxfp4_ref of llama.cpp 0c1e570, gcc -O2 -ffp-contract=off, on the golden rows, three seeds of the
+structured rows, 64 x 4096 Gaussian, Laplace, integer, quarter-integer (ties), 1e-6-scale and all-zero rows and on
+blocks whose largest |w| is a power of two, one ulp below or above it, from 2^-100 to 2^99; its dequantization
+bit-identical to dequantize_row_mxfp4 on every scale byte). Q4_K and Q6_K are
 written here (Q5_K and Q3_K too: gguf has no quantizer for them), following the algorithm of ggml's reference
 quantizers (quantize_row_q4_K_ref / q5_K_ref with make_qkx2_quants; quantize_row_q6_K_ref with make_qx_quants;
 quantize_row_q3_K_ref with make_q3_quants), which llama-quantize uses when no
@@ -165,12 +173,12 @@ def dequantize(raw: np.ndarray, name: str, shape) -> np.ndarray:
     return np.asarray(gguf_quants.dequantize(data, qt.ggml_type), dtype=np.float32).reshape(shape)
 
 
-# ---- Q8_0, Q4_0, Q5_0: gguf's quantizers -----------------------------------------------------------------
+# ---- Q8_0, Q4_0, Q5_0, MXFP4: gguf's quantizers -----------------------------------------------------------------
 
 def _gguf_blocks(qtype: GGMLType):
     # The block quantizer itself: gguf.quants.quantize would split the chunk again into groups of 16 rows.
     return {GGMLType.Q8_0: gguf_quants.Q8_0, GGMLType.Q4_0: gguf_quants.Q4_0,
-            GGMLType.Q5_0: gguf_quants.Q5_0}[qtype].quantize_blocks
+            GGMLType.Q5_0: gguf_quants.Q5_0, GGMLType.MXFP4: gguf_quants.MXFP4}[qtype].quantize_blocks
 
 
 # ---- Q4_K --------------------------------------------------------------------------------------
@@ -447,6 +455,7 @@ def _q3_k_blocks(blocks: np.ndarray) -> np.ndarray:
 q8_0_blocks = _gguf_blocks(GGMLType.Q8_0)
 q4_0_blocks = _gguf_blocks(GGMLType.Q4_0)
 q5_0_blocks = _gguf_blocks(GGMLType.Q5_0)
+mxfp4_blocks = _gguf_blocks(GGMLType.MXFP4)
 q3_k_blocks = _q3_k_blocks
 q4_k_blocks = _q4_k_blocks
 q5_k_blocks = _q5_k_blocks

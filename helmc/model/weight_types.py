@@ -103,6 +103,9 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
                gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("iq4_xs", 23, 256, 136, block_quantizer="helmc.model.quant_iq4:iq4_xs_blocks", cpu_gemv=_CPU_GEMV,
                gpu_gemv=_GPU_GEMV, gpu_gemv_tuning=(1, 4, 4), kit=True),
+    # OCP microscaling FP4 (gpt-oss's experts): 17-byte blocks, so rows are only byte-aligned.
+    WeightType("mxfp4", 39, 32, 17, block_quantizer=f"{_QUANT}:mxfp4_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
+               gpu_gemv_tuning=(1, 4, 4), kit=True),
 )}
 
 # Views of the table the other modules ask for, in the table's order.

@@ -16,6 +16,7 @@ ggml's block structs (ggml-common.h), so a GGUF tensor is passed as mapped, neve
                           w = d * sc_j * (q - 32)
     iq4_xs (136 B / 256 w): d fp16, scales_h u16, scales_l[4] (6-bit scales of 8 sub-blocks of 32), 128 B nibbles
                           (sub-block j: bytes 16j.., as q4_0's)   w = d * (ls_j - 32) * kvalues[q]
+    mxfp4 (17 B / 32 w):  e8m0 byte, 16 B nibbles as q4_0's   w = kvalues_mxfp4[q] * 2^(e - 128) (quant/mxfp4.py)
 
 Why this loop: a quantized weight is 2-4x fewer bytes than fp16, so the decode arithmetic per byte is 2-4x
 gemv.py's, and on the GPU machine's Xeon (16 cores, 2.4 GHz) the first, plainly widening version of these
@@ -27,16 +28,17 @@ made cheap:
   sum; the (sub-)block's scale is applied once, as one FMA into the row's accumulator;
 - 4-bit fields become floats by a 16-entry table lookup: on AVX-512 one vpermps per 16 weights, which reads
   only the low 4 bits of each index lane, so a nibble needs no mask and no convert, and the table holds the
-  offset too (q4_0's q - 8, q6_k's high bits * 16 - 32; iq4_xs's non-linear values); AVX2 and SSE2 mask and convert;
+  offset too (q4_0's q - 8, q6_k's high bits * 16 - 32; iq4_xs's and mxfp4's non-linear values); AVX2 and SSE2 mask
+  and convert;
 - the K-quants read their quant bytes as int32 words (one plain vector load; byte j of each word is picked by
   a shift in 32-bit lanes, where widening bytes would cost a shuffle each), so the lanes hold weights in a
   strided order; x is permuted once per call to match (xp), and sub-block scales reach their lanes by one
   permute per vector of partial sums;
 - q4_k's mins: sum_j dmin * m_j * sum(x over sub-block j) is one 8-lane FMA per block and row against
   per-sub-block sums of x (xsum), formed once per call before the parallel loop;
-- every fp16 field sits at an even byte offset of the row (all block sizes are even), so scales are read
-  through a float16 view of the same buffer (converted as fp16 weights are: weight_load.widen), int8 quants
-  through an int8 view;
+- every fp16 field sits at an even byte offset of the row (the sizes of the blocks that have one are even), so
+  scales are read through a float16 view of the same buffer (converted as fp16 weights are: weight_load.widen),
+  int8 quants through an int8 view; mxfp4's odd 17-byte blocks have a one-byte power-of-two scale instead;
 - software prefetch `prefetch_bytes` ahead in every row, one per 64-byte line, past the row end into the same
   row of the next group (the rows a thread reads next: its parallel steps are contiguous).
 - m tokens (a batched decode step): x is [m, k], y [m, n]; each block's quants are decoded once per
@@ -55,7 +57,9 @@ from tvm.script import tirx as T
 
 from helmc.model.spec import QUANT_BLOCKS as MODEL_QUANT_BLOCKS, check_quant_shape
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.float_lanes import _f32, _ints, _lane_index, _lanes, _nibble_value, _token, _Vectors
+from helmc.schedules.cpu.quant.float_lanes import (_f32, _ints, _lane_index, _lanes, _nibble_value, _token, _Vectors,
+                                                   table_value)
+from helmc.schedules.cpu.quant.mxfp4 import mxfp4_block_dot
 from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
 from helmc.schedules.cpu.quant.tiles import QuantTiles, _hsum, _sum
 from helmc.schedules.cpu.weight_load import STACK, widen
@@ -121,8 +125,8 @@ def make_gemv_quant_float(qtype: str, n: int, k: int, isa: VectorIsa,
     weight widened to fp32 in registers (what quant/decode_gemv.make_gemv_quant picks where integer dot products
     are not used).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs"; k must be a multiple of the type's block
-    (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs" | "mxfp4"; k must be a multiple of
+    the type's block (HelmcError otherwise).
     Row t of y is bit-identical to what the kernel for m = 1 computes from x[t] alone.
     """
     fmt = _check(qtype, n, k)
@@ -324,14 +328,7 @@ def _q5_0(vec: _Vectors, rows: int, group: int, m: int):
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # ggml's kvalues_iq4nl
 
 
-def _iq4_value(i):
-    """IQ4_VALUES[i] per int32 lane of i (0 <= i < 16) as float32: a select per bit, halving the table. On the
-    vpermps tier `lookup` evaluates it once on the constant lanes 0..15 (LLVM folds it to the table)."""
-    values = [tirx.Broadcast(tirx.const(float(v), "float32"), _lanes(i)) for v in IQ4_VALUES]
-    for bit in range(4):
-        odd = tirx.NE(tirx.bitwise_and(tirx.shift_right(i, _ints(bit, i)), _ints(1, i)), _ints(0, i))
-        values = [tirx.Select(odd, values[2 * h + 1], values[2 * h]) for h in range(len(values) // 2)]
-    return values[0]
+_iq4_value = table_value(IQ4_VALUES)
 
 
 def _iq4_xs(vec: _Vectors, rows: int, group: int, m: int):
@@ -585,4 +582,4 @@ def _q6_k(vec: _Vectors, rows: int, group: int, m: int):
 
 
 _BLOCK_DOT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
-              "iq4_xs": _iq4_xs}
+              "iq4_xs": _iq4_xs, "mxfp4": mxfp4_block_dot}

@@ -16,6 +16,8 @@ W is passed as its raw GGUF rows, uint8 [n, row_bytes], each row its blocks alon
                           w = d * sc_j * (q - 32)
     iq4_xs (136 B / 256 w): d fp16, scales_h u16, scales_l[4] (6-bit scales of 8 sub-blocks of 32), 128 B nibbles
                           (sub-block j: bytes 16j.., as q4_0's)   w = d * (ls_j - 32) * kvalues_iq4nl[q]
+    mxfp4 (17 B / 32 w):  e8m0 byte e, 16 B nibbles as q4_0's   w = kvalues_mxfp4[q] * 2^(e - 128) (e2m1 doubled,
+                          bit 3 the sign; the scale ggml_e8m0_to_fp32_half: subnormal for e < 2)
 (the formulas of ggml's dequantize_row_*, as in schedules/cpu/quant/dequantize.py).
 
 make_gpu_gemv_quant: y[m, n] fp16 = x[m, k] fp16 @ dequant(W)^T, summed in fp32 and rounded once to fp16 at the
@@ -31,7 +33,8 @@ warp covers 32 / TPB consecutive blocks of a row per step, so its loads fall in 
   so its quants and its header are one 16-byte load each (q5_k's 176 B too, and its qh); q8_0 / q4_0 / q5_0 /
   q3_k / q6_k blocks (34, 18, 22, 110, 210 B) are
   only 2-byte aligned (odd blocks of a row start at 2 mod 4), so they are read as uint16 (llama.cpp's
-  get_int_b2 does the same); iq4_xs blocks (136 B) are 8-byte aligned, read in 8-byte loads.
+  get_int_b2 does the same); iq4_xs blocks (136 B) are 8-byte aligned, read in 8-byte loads; mxfp4 blocks (17 B)
+  start at any byte, so they are read a byte at a time.
 - A quant becomes an fp32 by the exponent trick: the integer (or int8 + 128) is OR-ed into the mantissa of
   2^23 and 2^23 (+ the format's offset) is subtracted: one or two integer ops and one FADD, exact. A CUDA
   int-to-float convert (I2F) per weight would run on the conversion unit, listed at 16 results / clock / SM
@@ -81,7 +84,8 @@ FORMATS = {"q8_0": _Format(*QUANT_BLOCKS["q8_0"], 4, 1, 8, "uint16"),
            "q4_k": _Format(*QUANT_BLOCKS["q4_k"], 8, 2, 16, "uint32"),
            "q5_k": _Format(*QUANT_BLOCKS["q5_k"], 8, 2, 16, "uint32"),
            "q6_k": _Format(*QUANT_BLOCKS["q6_k"], 8, 4, 8, "uint16"),
-           "iq4_xs": _Format(*QUANT_BLOCKS["iq4_xs"], 8, 2, 16, "uint32")}
+           "iq4_xs": _Format(*QUANT_BLOCKS["iq4_xs"], 8, 2, 16, "uint32"),
+           "mxfp4": _Format(*QUANT_BLOCKS["mxfp4"], 2, 2, 8, "uint8")}
 AFFINE = ("q4_k", "q5_k")   # w = scale * q - offset: the formats with mins
 WARP = 32
 WARPS = 4              # warps per thread block of the GEMV (128 threads)
@@ -158,7 +162,7 @@ def _run_start(qtype: str, t, g: int):
     """Position in the block (along k) of thread t's run g."""
     if qtype == "q8_0":
         return 8 * t
-    if qtype in ("q4_0", "q5_0"):
+    if qtype in ("q4_0", "q5_0", "mxfp4"):
         return 16 * g + 8 * t                          # byte 8t + i: low nibble weight 8t+i, high 8t+i+16
     if qtype in AFFINE:
         return 64 * (t // 2) + 32 * g + 16 * (t % 2)   # chunk t//2, its bytes 16(t%2)..+16, nibble g
@@ -359,12 +363,48 @@ def _decode_iq4_xs():
     return decode
 
 
+# e2m1's magnitudes doubled (kvalues_mxfp4[0..7]: 0, 1, 2, 3, 4, 6, 8, 12), nibble i of the word holding value i.
+_MXFP4_MAGNITUDES = 0xC8643210
+
+
+def _mxfp4_value(nibble):
+    """float(kvalues_mxfp4[nibble]) for a uint32 nibble: the magnitude of its low 3 bits from the packed word, bit 3
+    the sign (0 - magnitude: nibble 8 is +0, as the table's 0)."""
+    magnitude = _unsigned(_field(T.uint32(_MXFP4_MAGNITUDES), T.shift_left(T.bitwise_and(nibble, T.uint32(7)),
+                                                                            T.uint32(2)), 0xF), 0)
+    return T.if_then_else(nibble < T.uint32(8), magnitude, T.float32(0) - magnitude)
+
+
+def _e8m0_half(e):
+    """ggml_e8m0_to_fp32_half of a uint32 byte: 2^(e - 128), the float of exponent field e - 1, or for e < 2 the
+    subnormals 2^-128, 2^-127."""
+    return T.reinterpret(_F32, T.if_then_else(e < T.uint32(2), T.shift_left(T.uint32(0x00200000), e),
+                                              T.shift_left(e - T.uint32(1), T.uint32(23))))
+
+
+def _decode_mxfp4():
+    """q4_0's runs over 17-byte blocks (byte loads): thread t's quant bytes 8t .. + 8 at byte 1, low nibbles run 0
+    (weights 8t + i), high run 1 (16 + 8t + i); the block's scale from its e8m0 byte 0."""
+    @T.macro
+    def decode(wv, base, t, q, scale, offset, r):
+        u = T.alloc_buffer((8,), "uint8", scope="local")
+        for j in T.unroll(8):
+            u[j] = wv[base + 1 + 8 * t + j]
+        for g in T.unroll(2):
+            for i in T.unroll(8):
+                q[r, g * 8 + i] = _mxfp4_value(_field(u[i], 4 * g, 0xF))
+        scale[r, 0] = _e8m0_half(_u32(wv[base]))
+        scale[r, 1] = scale[r, 0]
+
+    return decode
+
+
 _DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q5_0": _decode_q5_0, "q3_k": _decode_q3_k, "q4_k": _decode_q4_k,
-             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k, "iq4_xs": _decode_iq4_xs}
+             "q5_k": _decode_q5_k, "q6_k": _decode_q6_k, "iq4_xs": _decode_iq4_xs, "mxfp4": _decode_mxfp4}
 
 
 def _view_width(fmt: _Format) -> int:
-    return 4 if fmt.word == "uint32" else 2
+    return {"uint32": 4, "uint16": 2, "uint8": 1}[fmt.word]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -374,8 +414,8 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
 
-    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs"; k must be a multiple of the type's block
-    (HelmcError otherwise).
+    qtype: "q8_0" | "q4_0" | "q5_0" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs" | "mxfp4"; k must be a multiple of
+    the type's block (HelmcError otherwise).
     rows_per_warp / warps / unroll: the row group of one warp, the warps of one thread block and the steps
     along k unrolled together (for tuning; defaults ROWS_PER_WARP, WARPS, UNROLL).
     m: rows of x (a batched decode step's sequences). Each block's quants are decoded once per thread and used

@@ -119,6 +119,33 @@ def test_quantized_experts_match_transformers(quant, moe_dir, cpu_only, cache_di
     compare(session, hf_on_dequantized_weights(moe_dir, path), f"qwen3_moe --quant {quant}")
 
 
+@pytest.mark.slow
+def test_mxfp4_experts_match_transformers(moe_dir, cpu_only, cache_dir, tmp_path):
+    """gpt-oss's layout: the stacked experts (ffn_*_exps) of a q8_0 file re-encoded as MXFP4, the rest q8_0. The
+    build reads each expert as a view of its stacked MXFP4 tensor and runs it on the MXFP4 kernels (on AVX-512 a
+    block's selected experts in one call of the int8 expert sum); it matches
+    transformers on the gguf package's dequantization of that file."""
+    from test_quantized_models import _with_linears_as
+
+    from helmc import api
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.runtime.session import Session
+    from helmc.testing import hf_on_dequantized_weights
+    q8 = quantize_checkpoint(moe_dir, "q8_0", str(tmp_path / "q8"))
+    path = str(tmp_path / "mxfp4-experts.gguf")
+    changed = _with_linears_as(q8, path, "mxfp4", select=lambda t: "_exps." in t.name)
+    assert len(changed) == 2 * 3                                     # blocks 0 and 2: gate, up, down
+    r = api.build(path, cpu_only, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+    assert r.spec.expert_types[0] == ("mxfp4",) * 3 and r.spec.expert_types[2] == ("mxfp4",) * 3
+    assert r.spec.layer_types[0][0] == "q8_0"
+    session = Session.load(r.bundle_dir)
+    if select_isa(cpu_only.cpu.features).tier == "avx512":
+        # decode runs each block's MXFP4 experts in one call (schedules/cpu/quant/moe_experts.py, the int8 path)
+        assert r.spec.expert_signatures()[0] == ("mxfp4",) * 3
+        assert sorted(find_expert_sums(session.cpu_stage.vm, r.spec)) == [0]     # the one expert signature
+    compare(session, hf_on_dequantized_weights(moe_dir, path), "qwen3_moe GGUF, mxfp4 experts")
+
+
 def test_stacked_expert_tensor_of_a_wrong_shape_is_one_line(tmp_path):
     from helmc.errors import HelmcError
     from helmc.model.gguf_spec import read_gguf_spec

@@ -128,10 +128,15 @@ def test_gguf_file_builds_and_matches(gguf_build):
     compare(s, hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF q4_k")
 
 
-def _with_iq4_xs_linears(src: str, dst: str) -> list[str]:
-    """Copy the GGUF file src to dst with every linear of the blocks re-encoded as IQ4_XS (gguf's dequantization of
-    its blocks through helmc's IQ4_XS quantizer, ggml's reference); metadata and the other tensors as they are.
-    Returns the re-encoded tensors' names."""
+def _block_linear(t) -> bool:
+    return t.name.startswith("blk.") and len(t.shape) == 2 and int(t.shape[0]) % 256 == 0
+
+
+def _with_linears_as(src: str, dst: str, linear_type: str, select=_block_linear) -> list[str]:
+    """Copy the GGUF file src to dst with every tensor `select` picks (default: every linear of the blocks; a stacked
+    expert tensor [experts, rows, k] too) re-encoded as linear_type (gguf's dequantization of its blocks through
+    helmc's quantizer, ggml's reference); metadata and the other tensors as they are. Returns the re-encoded
+    tensors' names."""
     from helmc.model.quant_formats import quantize
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents()))
@@ -143,9 +148,10 @@ def _with_iq4_xs_linears(src: str, dst: str) -> list[str]:
     changed = []
     for t in reader.tensors:
         data, qtype = t.data, t.tensor_type
-        if t.name.startswith("blk.") and len(t.shape) == 2 and int(t.shape[0]) % 256 == 0:
-            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)        # [rows, k] float32
-            data, qtype = quantize(dense.reshape(-1, int(t.shape[0])), "iq4_xs"), gguf.GGMLQuantizationType.IQ4_XS
+        if select(t):
+            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)        # [..., rows, k] float32
+            data = quantize(dense.reshape(-1, int(t.shape[0])), linear_type).reshape(*dense.shape[:-1], -1)
+            qtype = gguf.GGMLQuantizationType[linear_type.upper()]
             changed.append(t.name)
         writer.add_tensor(t.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -167,10 +173,29 @@ def test_iq4_xs_gguf_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
     make_tiny_model(model_dir, "qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, **DIMS)
     q8 = quantize_checkpoint(model_dir, "q8_0", str(tmp_path / "gguf"))
     path = str(tmp_path / "iq4_xs.gguf")
-    assert len(_with_iq4_xs_linears(q8, path)) == 2 * 7
+    assert len(_with_linears_as(q8, path, "iq4_xs")) == 2 * 7
     r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
     assert [tuple(t) for t in r.spec.layer_types] == [("iq4_xs",) * 7] * 2 and r.spec.head_type == "q8_0"
     compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF iq4_xs")
+
+
+@pytest.mark.slow
+def test_mxfp4_gguf_builds_and_matches(tmp_path, cpu_hardware, cache_dir):
+    """A GGUF file whose block linears are MXFP4 (gpt-oss's expert type; the embedding and the lm_head q8_0) builds on
+    the CPU stage's MXFP4 kernels (decode GEMV, prefill dequantizer) and matches transformers on the gguf package's
+    dequantization of that file."""
+    from helmc import api
+    from helmc.compiler.quantize_checkpoint import quantize_checkpoint
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    model_dir = str(tmp_path / "model")
+    make_tiny_model(model_dir, "qwen3", num_layers=2, head_dim=64, dtype="float16", tie=False, **DIMS)
+    q8 = quantize_checkpoint(model_dir, "q8_0", str(tmp_path / "gguf"))
+    path = str(tmp_path / "mxfp4.gguf")
+    assert len(_with_linears_as(q8, path, "mxfp4")) == 2 * 7
+    r = api.build(path, cpu_hardware, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+    assert [tuple(t) for t in r.spec.layer_types] == [("mxfp4",) * 7] * 2 and r.spec.head_type == "q8_0"
+    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(model_dir, path), "qwen3 GGUF mxfp4")
 
 
 def _llama_quantize() -> str | None:

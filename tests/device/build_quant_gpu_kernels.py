@@ -3,7 +3,7 @@ tests/kernels/test_quant_gemv_gpu.py checks and benchmarks/bench_quant_gemv_gpu.
 
     python -m tests.device.build_quant_gpu_kernels .devrt/quant_gpu_check [--arch sm_90]
 
-The decode GEMV and the dequantizer of every type (q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k, iq4_xs;
+The decode GEMV and the dequantizer of every type (q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k, iq4_xs, mxfp4;
 schedules/gpu/quant_gemv.py) for n x k in SHAPES, the int8-activation GEMV (quant_gemv_int8.py, q4_k / q6_k) at its default and INT8_VARIANTS, plus
 the GEMV at other tunings (VARIANTS) at two shapes, in one library built with helmc's compile_gpu_stage
 (quant_kernels.so, its cubin and cubin index), and the data: per type and k, UNIQUE_ROWS random valid rows
@@ -28,7 +28,7 @@ import numpy as np
 
 from tests.quant_rows import dequantize_reference, random_quant_rows
 
-QTYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+QTYPES = ("q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))      # Qwen3-8B's q/o, gate/up and down projections
 # GEMV tunings (rows_per_warp, warps, unroll) timed beside the default (2, 4, 2), at a short and a long row
 VARIANT_SHAPES = ((4096, 4096), (4096, 12288))

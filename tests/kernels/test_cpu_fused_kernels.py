@@ -245,7 +245,7 @@ def test_amx_gemm_variants_compile_with_distinct_symbols():
 
 
 @pytest.mark.parametrize("tier", ["avx512_vnni", "avx512"])
-@pytest.mark.parametrize("qtype", ["q3_k", "q4_k", "q5_k", "q6_k", "q4_0"])
+@pytest.mark.parametrize("qtype", ["q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("ns", [(37, 16, 16), (21, 37)])
 def test_quant_multi_gemv_is_bitwise_its_single_kernels(tier, qtype, ns):
     """q/k/v (or gate/up) of one int8-path type in one launch: every weight's output the bits of its own kernel."""

@@ -36,9 +36,11 @@ def reference(x, sel, weight, gate, up, down, gate_type, down_type, inter, hidde
 
 
 @needs_avx512
-@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q4_0", "q4_0")])
-def test_expert_sum_matches_float64(gate_type, down_type):
-    E, I, H, K = 6, 512, 768, 3
+@pytest.mark.parametrize("gate_type,down_type,I,H", [("q4_k", "q6_k", 512, 768), ("q4_k", "q4_k", 512, 768),
+                                                     ("q4_0", "q4_0", 512, 768), ("mxfp4", "mxfp4", 512, 768),
+                                                     ("mxfp4", "mxfp4", 320, 2880)])   # gpt-oss's hidden size
+def test_expert_sum_matches_float64(gate_type, down_type, I, H):
+    E, K = 6, 3
     rng = np.random.default_rng(len(gate_type + down_type))
     gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))    # [E * I, row bytes]
     down = random_quant_weight(rng, down_type, E * H, I)                             # [E * H, row bytes]

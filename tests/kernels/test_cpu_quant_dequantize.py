@@ -19,7 +19,7 @@ def _run(qtype, n, k, out_dtype, raw):
     return out.numpy()
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("out_dtype", ["float32", "float16"])
 def test_dequantize_matches_gguf(qtype, out_dtype):
     from helmc.model.quant_formats import quantize
@@ -32,6 +32,19 @@ def test_dequantize_matches_gguf(qtype, out_dtype):
     err = float(np.abs(got - ref).max() / np.abs(ref).max())
     print(f"\n{qtype} -> {out_dtype}: max relative difference {err:.2e} vs gguf.quants.dequantize")
     assert err == 0.0 if out_dtype == "float32" else err < 2 ** -10
+
+
+def test_mxfp4_every_scale_byte_and_nibble():
+    """Every e8m0 byte (the subnormal scales of e = 0 and 1 and the overflow to inf of e >= 252 included) under every
+    nibble: the fp32 dequantizer's bits are gguf's (ggml_e8m0_to_fp32_half times kvalues_mxfp4)."""
+    blocks = np.zeros((256, 17), np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = (np.arange(16) * 5 % 16) | (np.arange(16) << 4)     # weights 0-15 and 16-31: every value
+    with np.errstate(over="ignore"):
+        ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4).astype(np.float32)
+    got = _run("mxfp4", 256, 32, "float32", blocks)
+    assert np.isinf(ref).any() and (ref[:2] != 0).any()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
 def test_bad_shapes_are_refused():

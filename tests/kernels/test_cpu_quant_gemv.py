@@ -34,7 +34,7 @@ AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
 TIERS = {"avx512_vnni": AVX512 + ("avx512_vnni",), "avx512": AVX512, "avx2": AVX2, "sse2": ("sse2",)}
 GGML = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q5_0": GGMLType.Q5_0, "q3_k": GGMLType.Q3_K, "q4_k": GGMLType.Q4_K, "q5_k": GGMLType.Q5_K, "q6_k": GGMLType.Q6_K,
-        "iq4_xs": GGMLType.IQ4_XS}
+        "iq4_xs": GGMLType.IQ4_XS, "mxfp4": GGMLType.MXFP4}
 # Byte offsets of the fp16 scale fields inside a K-quant block (ggml-common.h block_q4_K / block_q6_K / block_iq4_xs).
 FP16_FIELDS = {"q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
 
@@ -57,7 +57,9 @@ def random_quant_weight(rng, qtype: str, n: int, k: int) -> np.ndarray:
         return gguf_quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGML[qtype])
     fmt = QUANT_BLOCKS[qtype]
     raw = rng.integers(0, 256, (n, k // fmt.weights, fmt.bytes), dtype=np.uint8)   # [n, blocks, block bytes]
-    for at in FP16_FIELDS[qtype]:
+    if qtype == "mxfp4":        # e8m0 byte: scales 2^-16 .. 2^-4 per block (|w| <= 0.75), none dominating the row
+        raw[:, :, 0] = rng.integers(112, 125, raw.shape[:2])
+    for at in FP16_FIELDS.get(qtype, ()):
         scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])
         raw[:, :, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # [n, blocks, 2]
     return raw.reshape(n, -1)                                                             # [n, row_bytes]
@@ -75,9 +77,9 @@ def run_gemv(qtype: str, tier: str, raw: np.ndarray, x: np.ndarray,
 
 
 def int8_activations(x: np.ndarray, qtype: str = "q4_k") -> np.ndarray:
-    """x [m, k] as quant/gemv_int8.py sees it, in float64: per 256 values (Q4_0: per 32, its weight block)
+    """x [m, k] as quant/gemv_int8.py sees it, in float64: per 256 values (Q4_0, MXFP4: per 32, their weight block)
     dx = max|x| / 127 and xq = rint(x * (127 / max|x|)) in fp32 arithmetic, then xq * dx."""
-    block = 32 if qtype == "q4_0" else 256
+    block = 32 if qtype in ("q4_0", "mxfp4") else 256
     blocks = x.reshape(x.shape[0], -1, block)                                           # [m, k] -> [m, k / b, b]
     amax = np.abs(blocks).max(-1, keepdims=True)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
@@ -122,10 +124,20 @@ def test_quant_gemv_tunings(qtype, tuning):
     check_against_float64(qtype, tier, 19, 512, tuning)
 
 
+@pytest.mark.parametrize("tier", ["avx512_vnni", "avx512", "avx2"])
+def test_mxfp4_at_gpt_oss_row_length(tier):
+    """gpt-oss's K = 2880: 90 MXFP4 blocks, whole two-block units of the int8 path (not Q4_0's four-block ones)."""
+    if not runnable(tier):
+        pytest.skip(f"this CPU cannot run {tier}")
+    assert int8_gemv_applies("mxfp4", select_isa(TIERS[tier]), 2880) == tier.startswith("avx512")
+    check_against_float64("mxfp4", tier, 21, 2880)
+
+
 def test_avx512_tier_cross_compiles_to_zmm():
-    """The AVX-512 kernels must use 512-bit registers even when built on a machine without AVX-512, Q4_0 its
-    vpermps nibble table (LLVM may print the integer twin vpermd), Q4_K / Q6_K their integer dot products
-    (vpdpwssd only where the target has VNNI), and all of them prefetch."""
+    """The AVX-512 kernels must use 512-bit registers even when built on a machine without AVX-512, the fp32-lane
+    kernels their vpermps nibble table (LLVM may print the integer twin vpermd), Q4_K / Q6_K / Q4_0 / MXFP4 their
+    integer dot products (vpdpwssd / vpdpbusd only where the target has VNNI; MXFP4's values one vpshufb), and all
+    of them prefetch."""
     for flags in (AVX512, TIERS["avx512_vnni"]):
         isa = select_isa(flags)
         for qtype in QUANT_BLOCKS:
@@ -134,8 +146,11 @@ def test_avx512_tier_cross_compiles_to_zmm():
             locality = INT8_TUNING[qtype].prefetch_locality if int8_gemv_applies(qtype, isa, 512) else 3
             assert "zmm" in asm and f"prefetcht{3 - locality}" in asm, (qtype, locality)
             if int8_gemv_applies(qtype, isa, 512):   # integer dot products: vpdpwssd / vpdpbusd with VNNI
-                vnni = "vpdpbusd" if qtype == "q4_0" else "vpdpwssd"
-                assert bool(re.search(r"vpmaddubsw\s[^\n]*zmm", asm)) != (qtype == "q4_0" and "avx512_vnni" in flags), qtype
+                bytewise = qtype in ("q4_0", "mxfp4")                 # vpdpbusd over bytes, no int16 scales
+                vnni = "vpdpbusd" if bytewise else "vpdpwssd"
+                assert bool(re.search(r"vpmaddubsw\s[^\n]*zmm", asm)) != (bytewise and "avx512_vnni" in flags), qtype
+                if qtype == "mxfp4":                                   # kvalues_mxfp4 + 12: one byte table lookup
+                    assert re.search(r"vpshufb\s[^\n]*zmm", asm), qtype
                 assert bool(re.search(vnni + r"\s[^\n]*zmm", asm)) == ("avx512_vnni" in flags), qtype
             elif qtype != "q8_0":
                 assert re.search(r"vperm(ps|d)\s[^\n]*zmm", asm), qtype
@@ -151,7 +166,7 @@ def test_bad_shape_is_refused(qtype):
         make_gemv_quant("q2_k", 8, 256, select_isa(AVX2))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n,k,rows,wrap,ahead", [(4096, 4096, 8, None, None), (64, 4096, 8, 16, 3 * 144),
                                                  (13, 256, 4, None, None), (2, 256, 8, None, None)])
 def test_prefetch_addresses_stay_inside_the_weight(qtype, n, k, rows, wrap, ahead):

@@ -130,7 +130,8 @@ def test_float_gemv_on_cpu_threads_rows_bitwise(tmp_path, dtype):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("qtype,k", [("q8_0", 352), ("q4_0", 608), ("q4_k", 1280), ("q6_k", 768), ("iq4_xs", 1280)])
+@pytest.mark.parametrize("qtype,k", [("q8_0", 352), ("q4_0", 608), ("q4_k", 1280), ("q6_k", 768), ("iq4_xs", 1280),
+                                     ("mxfp4", 608)])
 def test_quant_gemv_on_cpu_threads_rows_bitwise(tmp_path, qtype, k):
     pytest.importorskip("gguf")
     n = 13

@@ -34,13 +34,14 @@ except ImportError:                     # before the compiler's passes moved int
 QTYPES = tuple(FORMATS)
 TOLERANCE = 2e-3   # fp16 rounding of y / of each weight is <= 4.9e-4 of max |ref|; see the device check
 # Small shapes with edges: n = 13 leaves the last row group part-empty; k leaves a last step past the row end
-# (q8_0 11 blocks, q4_0 / q5_0 19, q4_k / iq4_xs 5, q3_k / q6_k 3: odd, so q3_k / q6_k / q8_0 / q4_0 / q5_0 blocks start at
-# 2 mod 4). And shapes without edges, where the bounds checks are simplified away (as at the real shapes): n = 16,
+# (q8_0 11 blocks, q4_0 / q5_0 / mxfp4 19, q4_k / iq4_xs 5, q3_k / q6_k 3: odd, so q3_k / q6_k / q8_0 / q4_0 / q5_0 blocks
+# start at 2 mod 4; mxfp4's 17-byte blocks at every byte offset mod 4). And shapes without edges, where the bounds checks are simplified away (as at the real shapes): n = 16,
 # one whole step.
 EMULATED = [("q8_0", 13, 352), ("q4_0", 13, 608), ("q5_0", 13, 608), ("q3_k", 13, 768), ("q4_k", 13, 1280),
             ("q5_k", 13, 1280), ("q6_k", 13, 768), ("iq4_xs", 13, 1280),
             ("q8_0", 16, 512), ("q4_0", 16, 1024), ("q5_0", 16, 1024), ("q3_k", 16, 2048), ("q4_k", 16, 2048),
-            ("q5_k", 16, 2048), ("q6_k", 16, 2048), ("iq4_xs", 16, 2048)]
+            ("q5_k", 16, 2048), ("q6_k", 16, 2048), ("iq4_xs", 16, 2048),
+            ("mxfp4", 13, 608), ("mxfp4", 16, 1024)]
 TUNED = (3, 2, 3)   # rows_per_warp, warps, unroll: all away from the defaults
 
 

@@ -240,11 +240,13 @@ def test_k_quants_and_bf16_rows(tmp_path):
                                    ("blk.1.ffn_gate.weight", T.Q5_K, (512, 256)),
                                    ("blk.0.ffn_gate.weight", T.Q3_K, (512, 256)),
                                    ("blk.0.ffn_down.weight", T.Q5_0, (256, 512)),
-                                   ("blk.1.ffn_up.weight", T.IQ4_XS, (512, 256))):
+                                   ("blk.1.ffn_up.weight", T.IQ4_XS, (512, 256)),
+                                   ("blk.1.attn_output.weight", T.MXFP4, (256, 256))):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw[g] = (qtype, rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8))
     iq4 = raw["blk.1.ffn_up.weight"][1].reshape(512, -1, 136)          # [rows, blocks, 136]: d finite
     iq4[:, :, 0:2] = rng.uniform(-1e-2, 1e-2, iq4.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    raw["blk.1.attn_output.weight"][1].reshape(256, -1, 17)[:, :, 0] = rng.integers(100, 140, (256, 8))   # e8m0
     _, written = write_gguf(tmp_path / "k.gguf", spec, raw_override=raw)
     types = gguf_tensor_types(str(tmp_path / "k.gguf"))
     assert types["model.layers.0.mlp.up_proj.weight"] == "q4_k" and types["model.layers.1.mlp.down_proj.weight"] == "q6_k"
@@ -266,6 +268,12 @@ def test_k_quants_and_bf16_rows(tmp_path):
     assert np.array_equal(iq4, raw["blk.1.ffn_up.weight"][1])
     assert np.array_equal(dequantize(iq4, "iq4_xs", (512, 256)),
                           gguf.quants.dequantize(raw["blk.1.ffn_up.weight"][1], T.IQ4_XS).reshape(512, 256))
+    assert types["model.layers.1.self_attn.o_proj.weight"] == "mxfp4"
+    assert ck.info("model.layers.1.self_attn.o_proj.weight").row_bytes == 8 * 17
+    fp4 = ck.raw("model.layers.1.self_attn.o_proj.weight")
+    assert np.array_equal(fp4, raw["blk.1.attn_output.weight"][1])
+    assert np.array_equal(dequantize(fp4, "mxfp4", (256, 256)),
+                          gguf.quants.dequantize(raw["blk.1.attn_output.weight"][1], T.MXFP4).reshape(256, 256))
     ck.close()
 
 

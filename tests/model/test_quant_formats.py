@@ -59,6 +59,7 @@ GGML_REFERENCE_SHA256 = {
     "q5_k": "8053724638862a273e4bed7d3ec1cb084879546fd37f1335cd0f34e2a1120e34",
     "q6_k": "814d0254609c1e9d4f7f54377a58f5f4f177a42a31556d8cfc2b6d9084d69472",
     "iq4_xs": "96eb3e890566537b7aaced16a2c83e4c0203bc45dde0dc03e30a83ba3a7cdc3c",
+    "mxfp4": "9ac82f85ab82969afdf56bbcd7e3aee7efe6d25ca8e530e59924c89da5c0896b",
 }
 
 
@@ -69,14 +70,16 @@ def roundtrip(x, name):
 
 def test_the_table_matches_gguf():
     expect = {"q8_0": (32, 34, 8.5), "q4_0": (32, 18, 4.5), "q5_0": (32, 22, 5.5), "q3_k": (256, 110, 3.4375),
-              "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625), "iq4_xs": (256, 136, 4.25)}
+              "q4_k": (256, 144, 4.5), "q5_k": (256, 176, 5.5), "q6_k": (256, 210, 6.5625), "iq4_xs": (256, 136, 4.25),
+              "mxfp4": (32, 17, 4.25)}
     for name, (bw, bb, bpw) in expect.items():
         t = quant_type(name)
         assert (t.block_weights, t.block_bytes, t.bits_per_weight) == (bw, bb, bpw)
         assert gguf.GGML_QUANT_SIZES[t.ggml_type] == (bw, bb)
         assert t.row_bytes(4096) == 4096 // bw * bb
     assert quant_type("f16").row_bytes(10) == 20 and quant_type("f32").bits_per_weight == 32
-    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "f16", "bf16", "f32"}
+    assert set(QUANT_TYPES) == {"q8_0", "q4_0", "q5_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4", "f16", "bf16",
+                                "f32"}
 
 
 def test_iq4_xs_block_layout():
@@ -92,6 +95,22 @@ def test_iq4_xs_block_layout():
     block[8:] = [q[32 * j + i] | q[32 * j + 16 + i] << 4 for j in range(8) for i in range(16)]
     expect = np.array([0.5 * (scales[e // 32] - 32) * kvalues[q[e]] for e in range(256)], np.float32)
     assert np.array_equal(dequantize(block.reshape(1, 136), "iq4_xs", (1, 256))[0], expect)
+
+
+def test_mxfp4_block_layout():
+    """dequantize reads a block as ggml's dequantize_row_mxfp4: w = kvalues_mxfp4[q] * 2^(e - 128) (e2m1 doubled, the
+    e8m0 scale halved), weight i in the low nibble of byte 1 + i and weight i + 16 in its high one; e = 0 and 1 are the
+    subnormal scales 2^-128 and 2^-127."""
+    kvalues = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+    q = (np.arange(32) * 7 + 3) % 16                                 # weight i: its nibble, every one used
+    blocks = np.zeros((4, 17), np.uint8)
+    blocks[:, 0] = (130, 0, 1, 200)
+    blocks[:, 1:] = q[:16] | q[16:] << 4
+    got = dequantize(blocks, "mxfp4", (4, 32)).astype(np.float64)
+    for b, e in enumerate((130, 0, 1, 200)):
+        assert np.array_equal(got[b], [kvalues[v] * 2.0 ** (e - 128) for v in q]), e
+    with pytest.raises(HelmcError, match=r"\[2, 48\].*block size 32"):
+        quantize(np.zeros((2, 48), np.float32), "mxfp4")
 
 
 def test_an_unknown_type_is_refused_with_the_choices():
@@ -129,7 +148,9 @@ def test_max_error_per_block(name):
     q3_k: measured <= 0.251 absmax (three seeds): one step of the largest sub-block scale, ~absmax/4, where a
           weight clips at level +3 of a sub-block scaled from its negative extreme; bound absmax/3.5.
     iq4_xs: measured <= 0.136 absmax (three seeds): the table's widest gaps (23 and 24 of 127) at the extremes, under
-          a 6-bit sub-block scale of the block's largest; bound absmax/6."""
+          a 6-bit sub-block scale of the block's largest; bound absmax/6.
+    mxfp4: the scale is P/8, P = 2^floor(log2 absmax), so the top level 12 P/8 = 1.5 P clips absmax < 2P by under
+          absmax/4, and the widest gap (8 to 12) is P/2, half of it P/4 <= absmax/4; measured 0.24997 absmax."""
     x = structured_rows()
     raw, y = roundtrip(x, name)
     assert raw.shape == (x.shape[0], quant_type(name).row_bytes(x.shape[1]))
@@ -139,7 +160,7 @@ def test_max_error_per_block(name):
     absmax = np.abs(b).max(axis=1)
     span = np.maximum(b.max(axis=1), 0) - np.minimum(b.min(axis=1), 0)      # the range, 0 included
     bound = {"q8_0": absmax / 127, "q4_0": absmax / 8 * 1.002, "q5_0": absmax / 16 * (1 + 16 * 2**-11), "q3_k": absmax / 3.5, "q4_k": span / 10, "q5_k": span / 20,
-             "q6_k": absmax / 32, "iq4_xs": absmax / 6}[name]
+             "q6_k": absmax / 32, "iq4_xs": absmax / 6, "mxfp4": absmax / 4}[name]
     bad = np.nonzero(err > bound)[0]
     assert bad.size == 0, f"{name}: {bad.size} blocks over the bound, worst ratio {(err / np.maximum(bound, 1e-30)).max():.3f}"
     zero = absmax == 0
@@ -196,7 +217,8 @@ SCALE_BYTE = {"q8_0": (1, slice(0, 32)),          # d's high byte: the whole 32-
               "q4_k": (4, slice(0, 32)),          # scales[0]: 6-bit scale of sub-block 0 (weights 0-31)
               "q5_k": (4, slice(0, 32)),
               "q6_k": (192 + 3, slice(48, 64)),   # scales[3]: int8 scale of sub-block 3 (weights 48-63)
-              "iq4_xs": (4, slice(0, 32))}        # scales_l[0]: low nibble, sub-block 0's scale (weights 0-31)
+              "iq4_xs": (4, slice(0, 32)),        # scales_l[0]: low nibble, sub-block 0's scale (weights 0-31)
+              "mxfp4": (0, slice(0, 32))}         # e: the whole 32-weight block
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

@@ -1,7 +1,8 @@
 """The CPU stage's decode GEMV over a quantized weight: integer dot products where the ISA has them, else fp32 lanes.
 
 make_gemv_quant(qtype, n, k, isa, tuning, m): PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]).
-Q3_K / Q4_K / Q5_K / Q6_K / Q4_0 on AVX-512 quantize x to int8 once per call (gemv_int8.py, quant/q4_0_int8.py: llama.cpp's arithmetic, ~5e-3 of max |y|
+Q3_K / Q4_K / Q5_K / Q6_K / Q4_0 / MXFP4 on AVX-512 quantize x to int8 once per call (gemv_int8.py, quant/q4_0_int8.py,
+quant/mxfp4_int8.py: llama.cpp's arithmetic, ~5e-3 of max |y|
 from the int8 rounding of x); everything else widens each weight to fp32 (gemv_quant.py, exact to fp32 rounding).
 """
 from __future__ import annotations

@@ -71,6 +71,22 @@ def _nibble_value(offset: float):
     return lambda i: _f32(i) + tirx.Broadcast(tirx.const(offset, "float32"), _lanes(i))
 
 
+def table_value(values):
+    """The table function of 16 values for _Vectors.lookup: values[i] per int32 lane of i (0 <= i < 16) as float32, a
+    select per bit, halving the table. On the vpermps tier `lookup` evaluates it once on the constant lanes 0..15
+    (LLVM folds it to the table)."""
+    assert len(values) == 16, values
+
+    def value(i):
+        picked = [tirx.Broadcast(tirx.const(float(v), "float32"), _lanes(i)) for v in values]
+        for bit in range(4):
+            odd = tirx.NE(tirx.bitwise_and(tirx.shift_right(i, _ints(bit, i)), _ints(1, i)), _ints(0, i))
+            picked = [tirx.Select(odd, picked[2 * h + 1], picked[2 * h]) for h in range(len(picked) // 2)]
+        return picked[0]
+
+    return value
+
+
 def _token(p, t, group: int, m: int):
     """Token of pass p's t-th accumulator set, clamped for loads (a partial last pass skips its stores)."""
     return T.min(p * group + t, m - 1)

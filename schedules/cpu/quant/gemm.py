@@ -15,6 +15,7 @@ from tvm.script import tirx as T
 from helmc.schedules.cpu.gemm import gemm_body
 from helmc.schedules.cpu.gemv_quant import QUANT_BLOCKS, quant_row_bytes
 from helmc.schedules.cpu.isa import VectorIsa
+from helmc.schedules.cpu.quant.mxfp4 import e8m0_half
 from helmc.schedules.cpu.weight_load import load_dtype
 
 _OUT_DTYPES = ("float16", "float32")
@@ -107,8 +108,21 @@ def _iq4_xs(w, wh, base, e):
     return _half(wh, base) * T.Cast("float32", scale) * T.Cast("float32", value)
 
 
+# ggml's kvalues_mxfp4 as int8 bytes, four to an int32 word (little-endian): value q is byte q % 4 of word q // 4.
+_MXFP4_WORDS = (50462976, 201852420, -33620224, -185009412)
+
+
+def _mxfp4(w, wh, base, e):
+    byte = _u(w, base + 1 + e % 16)                     # 17-byte blocks: the e8m0 byte, then q4_0's nibbles
+    q = T.if_then_else(e < 16, T.bitwise_and(byte, 15), T.shift_right(byte, 4))
+    word = T.if_then_else(q < 8, T.if_then_else(q < 4, _MXFP4_WORDS[0], _MXFP4_WORDS[1]),
+                          T.if_then_else(q < 12, _MXFP4_WORDS[2], _MXFP4_WORDS[3]))
+    value = T.Cast("int32", T.Cast("int8", T.shift_right(word, 8 * T.bitwise_and(q, 3))))
+    return e8m0_half(_u(w, base)) * T.Cast("float32", value)
+
+
 _ELEMENT = {"q8_0": _q8_0, "q4_0": _q4_0, "q5_0": _q5_0, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
-            "iq4_xs": _iq4_xs}
+            "iq4_xs": _iq4_xs, "mxfp4": _mxfp4}
 
 
 def _dequantize_rows(qtype: str, n: int, k: int, out_dtype: str):

@@ -41,6 +41,7 @@ from helmc.schedules.cpu.gemv_quant import (DEFAULT_TUNING, QuantGemvTuning, _ch
                                             gemv_quant_symbol, quant_blocking)
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.quant.prefetch import prefetch_macro as _prefetch
+from helmc.schedules.cpu.quant.mxfp4_int8 import UNIT as MXFP4_UNIT, UNIT_BYTES as MXFP4_UNIT_BYTES, mxfp4_row, quantize_mxfp4
 from helmc.schedules.cpu.quant.q4_0_int8 import UNIT as Q4_0_UNIT, UNIT_BYTES as Q4_0_UNIT_BYTES, q4_0_row, quantize_q4_0
 from helmc.schedules.cpu.quant.tiles import QuantTiles
 from helmc.schedules.cpu.weight_load import STACK, widen
@@ -65,7 +66,8 @@ class Int8Unit:
 INT8_UNITS = {"q3_k": Int8Unit(256, 110, 1, 16, "int16", True),
               "q4_k": Int8Unit(256, 144, 1, 8, "float32", True), "q5_k": Int8Unit(256, 176, 1, 8, "float32", True),
               "q6_k": Int8Unit(256, 210, 1, 16, "int16", True),
-              "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False)}
+              "q4_0": Int8Unit(Q4_0_UNIT, Q4_0_UNIT_BYTES, 16, 16, "int32", False),
+              "mxfp4": Int8Unit(MXFP4_UNIT, MXFP4_UNIT_BYTES, 16, 16, "int32", False)}
 INT8_QTYPES = tuple(INT8_UNITS)
 # Rows per step for one token (quant_blocking divides them among more tokens) and prefetch distance, per type: the
 # best of the variants timed on the GPU machine's 16-core Xeon (one run, best of
@@ -86,13 +88,15 @@ INT8_TUNING = {"q3_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_loc
                "q4_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q5_k": QuantGemvTuning(rows=8, prefetch_bytes=1024, prefetch_locality=2),
                "q6_k": QuantGemvTuning(rows=4, prefetch_bytes=2048, prefetch_locality=2),
-               "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2)}
+               "q4_0": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2),
+               "mxfp4": QuantGemvTuning(rows=8, prefetch_bytes=2048, prefetch_locality=2)}   # Q4_0's: not timed apart
 _BLOCK = 256          # weights per K-quant block, and per scale of the int8 x
 
 
 def int8_gemv_applies(qtype: str, isa: VectorIsa, k: int) -> bool:
-    """AVX-512 (BW's byte and word instructions) runs Q3_K, Q4_K, Q5_K, Q6_K and Q4_0 through int8 dot products, Q4_0 where
-    K is whole units of four blocks (every real model's; tiny test models may have K = 32 or 64)."""
+    """AVX-512 (BW's byte and word instructions) runs Q3_K, Q4_K, Q5_K, Q6_K, Q4_0 and MXFP4 through int8 dot products,
+    Q4_0 where K is whole units of four blocks (every real model's; tiny test models may have K = 32 or 64), MXFP4 of
+    two."""
     return isa.tier == "avx512" and qtype in INT8_UNITS and k % INT8_UNITS[qtype].weights == 0
 
 
@@ -101,6 +105,8 @@ def _macros(qtype: str, isa: VectorIsa, group: int, m: int):
     vnni = "avx512_vnni" in isa.required_flags
     if qtype == "q4_0":
         return quantize_q4_0(_max_tree), q4_0_row(vnni, group, m, _token)
+    if qtype == "mxfp4":
+        return quantize_mxfp4(_max_tree), mxfp4_row(vnni, group, m, _token)
     if qtype in ("q4_k", "q5_k"):
         return _quantize(True), _q4_k_row(_dot_step(vnni), isa, group, m, fifth_bit=qtype == "q5_k")
     if qtype == "q3_k":
@@ -151,7 +157,7 @@ def make_gemv_quant_int8(qtype: str, n: int, k: int, isa: VectorIsa,
                          tuning: QuantGemvTuning = DEFAULT_TUNING, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float32[m, k], w: uint8[n, row_bytes], y: float32[m, n]): y = (xq * dx) @ dequant(w)^T.
 
-    x is quantized per token and 256-weight block (Q4_0: per 32-weight block, each dx in the 4 lanes of its block):
+    x is quantized per token and 256-weight block (Q4_0, MXFP4: per 32-weight block, each dx in the 4 lanes of its block):
     dx = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for an all-zero block). Same symbol and signature as
     gemv_quant.make_gemv_quant_float (decode_gemv picks one).
     """

@@ -1,6 +1,6 @@
 """One decode token's routed experts of a mixture-of-experts block in one call: every selected expert's gate/up
 GEMVs, SwiGLU and down GEMV, and their weighted sum, over the block's stacked expert weights (int8 path: Q4_K,
-Q6_K, Q4_0).
+Q6_K, Q4_0, MXFP4: gpt-oss's experts).
 
 Why: a token selects k experts per block (Qwen3-30B-A3B: 8 of 128), so calling the expert function once per
 expert made 8 calls, 24 parallel regions and 8 host round trips of the activations per block; at 48 blocks the
