@@ -253,8 +253,8 @@ K_QUANT_ROW_BYTES = {"q5_k": 176, "q3_k": 110, "q5_0": 8 * 22, "iq4_xs": 136, "m
 
 @needs_nvcc
 def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path):
-    """Block i's linears in the i-th of Q5_K / Q3_K / Q5_0 / IQ4_XS / MXFP4 (one block signature each, so one stage and one
-    nvcc run cover them all; the lm_head in q6_k): each type's decode linears are its fused dequantize-GEMV on the
+    """Block i's linears in the i-th of Q5_K / Q3_K / Q5_0 / IQ4_XS / MXFP4 (one block signature each, so one stage
+    and one nvcc run cover them all; the lm_head in q6_k): each type's decode linears are its fused dequantize-GEMV on the
     raw blocks, its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
