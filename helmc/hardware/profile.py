@@ -160,7 +160,7 @@ class CpuProfile:
     # planned 29-32% slow.
     overhead_block_bytes: int = 0
     # A mixture of experts' one-call expert sum per experts' type and selected count (ExpertSumRead); empty: not
-    # measured (the cost model then prices the CPU's experts at the GEMV rate, named in Plan.fallbacks).
+    # measured (the cost model then prices the CPU's experts at the GEMV rate, named in Plan.predictions.fallbacks).
     expert_sum_reads: tuple[ExpertSumRead, ...] = ()
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ router, dense blocks, head), and the experts add the same to every split:
   - time per decode step: the expert bytes the step's tokens select, read at the rate of the CPU's one-call expert
     sum at the number of host experts a token selects per block where the profile measured it (cpu.expert_sum_reads,
     one-row steps of quantized experts; `helmc calibrate` on a MoE bundle), else at the CPU's GEMV rate for their
-    types (named in Plan.fallbacks) (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
+    types (named in Plan.predictions.fallbacks) (a token selects top_k of num_experts per block; a step of B tokens selects E (1 - (1 - k/E)^B) distinct
     experts on average: routing is taken as uniform, which random weights give and trained routers approach over
     a long text), plus two crossings per routed block on a GPU stage (m and the logits down, the sum up), each
     at the link's latency and bandwidth.
@@ -16,7 +16,7 @@ every routed block of the GPU stage; the GPU computes those while the CPU comput
 take the longer of the two. Which experts: with routing statistics (ExpertStats, measured on a calibration prompt and
 stored in the bundle) each block's most often selected, and the predicted hit rate (Plan.expert_hit_rate) is the
 share of the blocks' selections they took; without, routing is taken as uniform, the lowest indices are held and the
-hit rate is the share held (named in Plan.fallbacks).
+hit rate is the share held (named in Plan.predictions.fallbacks).
 A prompt's experts run on the GPU: the host experts' weights cross PCIe into a ring of EXPERT_STAGING_GROUPS groups of
 EXPERT_STAGING_EXPERTS experts (Plan.memory.expert_staging_bytes, taken from the same spare VRAM before any expert is
 placed there), a group copying while the one before computes (runtime/moe_prefill.py).
@@ -33,7 +33,7 @@ from helmc.planner.analyze_program import PartitionUnit, ProgramAnalysis, StageL
 from helmc.runtime.bundle.expert_stats import ExpertStats
 from helmc.runtime.bundle.plan import Plan
 
-# Plan.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
+# Plan.predictions.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
 UNIFORM_ROUTING = "expert routing: uniform (no routing statistics; helmc calibrate measures them)"
 # ... and for a one-row plan of quantized experts whose profile has no rate for the CPU's one-call expert sum.
 EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on a mixture-of-experts bundle); the "

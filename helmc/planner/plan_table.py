@@ -154,7 +154,7 @@ def weights_line(spec) -> str:
 
 def experts_line(plan: Plan, spec) -> str:
     """A mixture of experts' split: how many routed experts the plan holds in VRAM, the predicted hit rate (the share
-    of selections they take: from routing statistics, or uniform routing as Plan.fallbacks says), the rest in host
+    of selections they take: from routing statistics, or uniform routing as Plan.predictions.fallbacks says), the rest in host
     RAM for the CPU."""
     from helmc.planner.moe import UNIFORM_ROUTING, expert_bytes
     pl, mem = plan.placement, plan.memory

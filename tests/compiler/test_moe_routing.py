@@ -109,8 +109,8 @@ def test_calibrate_measures_the_one_call_expert_sum_the_cost_model_prices(tmp_pa
     reads = {(x.weight_type, x.experts): x.gbs for x in cal.cpu.expert_sum_reads}
     assert sorted(reads) == [("q4_k", 1), ("q4_k", 2)] and all(g > 0 for g in reads.values())   # top-2, q4_k gate/up
     assert cal.cpu.expert_sum_gbs("q4_k", 1.5) == pytest.approx((reads["q4_k", 1] + reads["q4_k", 2]) / 2)
-    assert EXPERT_SUM_UNMEASURED in plan(r.spec, hw).fallbacks
-    assert EXPERT_SUM_UNMEASURED not in plan(r.spec, cal).fallbacks
+    assert EXPERT_SUM_UNMEASURED in plan(r.spec, hw).predictions.fallbacks
+    assert EXPERT_SUM_UNMEASURED not in plan(r.spec, cal).predictions.fallbacks
     # every expert on the host: a token reads top_k / E of each block's experts at the rate of 2 experts a call
     ms, _ = expert_step_ms(r.spec, cal, 1, 0)
     bytes_per_token = sum(sum(expert_bytes_by_type(r.spec, i).values()) for i in range(3)) * 2 / 8

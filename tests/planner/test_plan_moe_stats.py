@@ -1,6 +1,6 @@
 """Routing statistics in the plan of a mixture of experts (helmc/planner/moe.py): with an ExpertStats the plan holds
 each routed block's most often selected experts in VRAM and predicts the hit rate as the share of selections they
-took; without, it holds the lowest indices and names uniform routing in Plan.fallbacks. Qwen3-30B-A3B's published
+took; without, it holds the lowest indices and names uniform routing in Plan.predictions.fallbacks. Qwen3-30B-A3B's published
 configuration on the H200 preset, skewed counts made here: pure Python, no weights, no TVM."""
 from __future__ import annotations
 
