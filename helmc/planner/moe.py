@@ -14,7 +14,7 @@ router, dense blocks, head), and the experts add the same to every split:
 VRAM the split leaves beyond its KV for the workload's context holds experts (Plan.placement.gpu_experts), the same count in
 every routed block of the GPU stage; the GPU computes those while the CPU computes the rest, so a step's experts
 take the longer of the two. Which experts: with routing statistics (ExpertStats, measured on a calibration prompt and
-stored in the bundle) each block's most often selected, and the predicted hit rate (Plan.expert_hit_rate) is the
+stored in the bundle) each block's most often selected, and the predicted hit rate (Plan.predictions.expert_hit_rate) is the
 share of the blocks' selections they took; without, routing is taken as uniform, the lowest indices are held and the
 hit rate is the share held (named in Plan.predictions.fallbacks).
 A prompt's experts run on the GPU: the host experts' weights cross PCIe into a ring of EXPERT_STAGING_GROUPS groups of
@@ -220,7 +220,7 @@ def hit_by_block(spec: ModelSpec, vram: tuple, stats: "ExpertStats | None") -> d
 
 
 def predicted_hit_rate(spec: ModelSpec, hit: dict[int, float], vram: tuple) -> float:
-    """The share of a token's selected experts, over every routed block, found in VRAM (Plan.expert_hit_rate)."""
+    """The share of a token's selected experts, over every routed block, found in VRAM (Plan.predictions.expert_hit_rate)."""
     routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
     return sum(hit.values()) / routed if vram and routed else 0.0
 
