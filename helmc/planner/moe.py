@@ -153,9 +153,12 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     in_vram = hit_by_block(spec, vram, stats)
     t, _ = expert_step_ms(spec, hw, p.workload.batch, gpu_blocks, in_vram)
     fallbacks = p.predictions.fallbacks
-    if stats is None and vram:
+    routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
+    on_host = per_block < spec.moe.num_experts or len([ids for ids in vram if ids]) < routed
+    # which experts are hot matters only where some stay on the host, and so does the CPU's expert-sum rate
+    if stats is None and vram and on_host:
         fallbacks += (UNIFORM_ROUTING,)
-    if p.workload.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
+    if on_host and p.workload.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
                                      {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
         fallbacks += (EXPERT_SUM_UNMEASURED,)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
