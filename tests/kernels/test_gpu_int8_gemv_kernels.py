@@ -10,7 +10,8 @@ References, in float64 on gguf's own dequantization of the same rows (tests/quan
 - the fp16 x itself: within 2e-2 (the int8 activations' own error, as in llama.cpp's CUDA decode).
 Row t of a batched call equals the 1-row call on x[t] bit for bit, also when x goes through shared memory in
 chunks. q5_k / q3_k also bit for bit against an integer reference: the blocks' quants and scales unpacked in numpy
-(checked against gguf's dequantization), each lane's integer dots and fp32 sums in the kernel's order. To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
+(checked against gguf's dequantization), each lane's integer dots and fp32 sums in the kernel's order.
+To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
 """
 import ctypes
 import re
@@ -310,8 +311,8 @@ def _unpack_q3_k(w: np.ndarray, k: int):
     b = w.reshape(w.shape[0], k // 256, 110).astype(np.int64)
     d = w.reshape(w.shape[0], k // 256, 110)[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float32)
     hm, qs, s = b[..., 0:32], b[..., 32:96], b[..., 96:108]
-    sc = np.stack([((s[..., j] if j < 8 else s[..., j - 8] >> 4) & 0xF) | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
-                   for j in range(16)], -1)
+    sc = np.stack([((s[..., j] if j < 8 else s[..., j - 8] >> 4) & 0xF)
+                   | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4) for j in range(16)], -1)
     q = np.empty(b.shape[:2] + (2, 4, 32), np.int64)                                # [n, blocks, h, c, l]
     for h in range(2):
         for c in range(4):
