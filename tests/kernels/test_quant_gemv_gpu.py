@@ -35,6 +35,10 @@ def test_quant_kernels_match_float64(qtype):
         if e["qtype"] == qtype:
             groups.setdefault((e["n"], e["k"]), []).append(e)
     assert groups, f"the manifest has no {qtype} kernels"
+    from helmc.model.weight_types import GPU_INT8_TYPES     # the registry: no TVM compiler on the GPU machine
+    if qtype in GPU_INT8_TYPES:      # a DIR built before the type had its int8 GEMV would check only the fp32 path
+        assert any(e["kind"] == "gemv8" for es in groups.values() for e in es), \
+            f"the manifest has no {qtype} int8 GEMV: rebuild it with build_quant_gpu_kernels"
     failed = [(r["kind"], r["n"], r["k"], r["tuning"], r["max_rel_err"])
               for (n, k), entries in groups.items()
               for r in run_group(mod, d, manifest, qtype, n, k, entries, untimed) if not r["ok"]]
