@@ -30,7 +30,8 @@ from helmc.jsonio import atomic_write_text, from_dict, load_json_file, to_dict
 from helmc.model.arch import ARCHITECTURES
 from helmc.model.weight_types import GPU_INT8_TYPES, KIT_BLOCK_TYPES, KIT_FLOAT_DTYPES
 
-KIT_FORMAT_VERSION = 3          # 2: GEMVs at every ROWS_MEASURED; 3: quantized GEMVs fused where the stage fuses them
+KIT_FORMAT_VERSION = 4          # 2: GEMVs at every ROWS_MEASURED; 3: quantized GEMVs fused where the stage fuses
+# them; 4: the GPU q5_k / q3_k GEMVs fused too (their int8 GEMV)
 KIT_FILE = "profile_kit.json"
 KERNELS_LIB = "profile_kernels.so"
 # The weight types the kit measures (weight_types' `kit` entries): float ones by their dtype, block formats by name.

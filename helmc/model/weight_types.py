@@ -83,6 +83,7 @@ _QUANT = "helmc.model.quant_formats"
 # GPU tunings: the fastest timed on the H100 (benchmarks/bench_quant_gemv_gpu.py, bench_gemv_gpu.py;
 # artifacts/bench/device-2026-11-24-s7/call5 and device-2026-11-27-s15): the int8 GEMV ~1 issue slot per weight
 # instead of ~5.5, 4096x12288 Q4_K 18.4 us at (2, 8, 2) against 20.3 at (2, 4, 2) and 25.3 for the fp32 path.
+# q5_k / q3_k take q4_k's / q6_k's int8 tuning (the same lanes and runs; not yet timed apart).
 WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
     WeightType("f32", 0, 1, 4, dtype="float32"),
     WeightType("f16", 1, 1, 2, dtype="float16", kit=True),
@@ -94,11 +95,11 @@ WEIGHT_TYPES: dict[str, WeightType] = {t.name: t for t in (
     WeightType("q5_0", 6, 32, 22, block_quantizer=f"{_QUANT}:q5_0_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), kit=True),
     WeightType("q3_k", 11, 256, 110, block_quantizer=f"{_QUANT}:q3_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
-               gpu_gemv_tuning=(1, 4, 4), kit=True),
+               gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("q4_k", 12, 256, 144, block_quantizer=f"{_QUANT}:q4_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(2, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("q5_k", 13, 256, 176, block_quantizer=f"{_QUANT}:q5_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
-               gpu_gemv_tuning=(1, 4, 4), kit=True),
+               gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("q6_k", 14, 256, 210, block_quantizer=f"{_QUANT}:q6_k_blocks", cpu_gemv=_CPU_GEMV, gpu_gemv=_GPU_GEMV,
                gpu_gemv_tuning=(1, 4, 4), gpu_gemv_int8=_GPU_GEMV_INT8, gpu_int8_tuning=(2, 8, 2), kit=True),
     WeightType("iq4_xs", 23, 256, 136, block_quantizer="helmc.model.quant_iq4:iq4_xs_blocks", cpu_gemv=_CPU_GEMV,

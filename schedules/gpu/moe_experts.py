@@ -1,5 +1,5 @@
 """One decode token's routed experts of a mixture-of-experts block on the GPU in two launches, over the block's
-stacked expert weights in VRAM (Q4_K / Q6_K: the int8 decode GEMV's arithmetic, quant_gemv_int8.py).
+stacked expert weights in VRAM (Q3_K / Q4_K / Q5_K / Q6_K: the int8 decode GEMV's arithmetic, quant_gemv_int8.py).
 
 Why: the GPU stage ran each selected expert as its own compiled expert function (8 of 128 per block for
 Qwen3-30B-A3B), each a VM call with host-side bookkeeping between; and the experts to run had to be known on the

@@ -1,4 +1,5 @@
-"""Decode GEMV over q4_k / q6_k weights against int8 activations (dp4a): llama.cpp's mmvq arithmetic, in TIR.
+"""Decode GEMV over k-quant weights (q3_k, q4_k, q5_k, q6_k) against int8 activations (dp4a): llama.cpp's mmvq
+arithmetic, in TIR.
 
 Why not quant_gemv.py's fp32 path for these types: it turns every quant into an fp32 (2-3 integer ops and an
 FADD) and every activation into an fp32 (a conversion-unit op: 16 results / clock / SM on an H100 against 128
@@ -18,8 +19,13 @@ Weights: the raw GGUF rows, uint8 [n, row_bytes] (formats in quant_gemv.py). Lan
 - q4_k (16-byte aligned blocks): 16 quant bytes, 4 words, = positions 64(t//2) + 16(t%2) + [0, 16) of sub-block
   pair t//2: low nibbles sub-block 2(t//2), high ones 2(t//2) + 1. dot = dx * (d*sc * sum(q*xq) - dmin*m * sum(xq))
   over each run of 16 (q in 0..15).
+- q5_k (176-byte blocks, 16-byte aligned): q4_k's runs, each quant byte's fifth bit from qh bytes 16(t%2) + [0, 16)
+  (bit 2(t//2) + g for run g) OR-ed above the nibble as the words are decoded (q in 0..31, two words per 4 quant
+  bytes); q4_k's dot.
 - q6_k (2-byte aligned blocks: read as uint16 and paired into words): 4 runs of 8 positions 128(t//4) + 32c +
   8(t%4), q = low nibble | 2 high bits << 4 (0..63): dot = dx * d*sc * (sum(q*xq) - 32 * sum(xq)).
+- q3_k (2-byte aligned, as q6_k): q6_k's runs, q = 2 bits of qs | the hmask bit << 2 (0..7), the 6-bit scale less
+  32 (sub-blocks of 16): dot = dx * d*(sc - 32) * (sum(q*xq) - 4 * sum(xq)).
 dp4a sums stay below 2^22, so they become fp32 exactly by the same 1.5 * 2^23 trick (no I2F).
 Results: y = x_q @ dequant(W)^T with x_q the int8 activations times dx, summed in fp32 (the reference the tests
 use); against fp16 x the int8 rounding adds ~0.5% of |y| (what llama.cpp's CUDA decode computes too).
@@ -33,7 +39,9 @@ from helmc.errors import HelmcError
 from helmc.schedules.gpu.quant_gemv import (FORMATS, WARP, _check, _field, _half, _q4_k_scale_min, _signed_byte,
                                             _unsigned)
 
-INT8_TYPES = ("q4_k", "q6_k")
+INT8_TYPES = ("q3_k", "q4_k", "q5_k", "q6_k")
+_AFFINE = ("q4_k", "q5_k")      # two runs of 16 per lane, w = d*sc*q - dmin*m; the others four runs of 8
+_OFFSET = {"q3_k": 4, "q6_k": 32}   # w = d*sc * (q - offset)
 EPILOGUES = (None, "residual", "swiglu")     # as schedules/gpu/gemv.py's
 X_BLOCK = 32                # activations per int8 scale (ggml's q8_1 block)
 PIECE = 8                   # activations one thread quantizes: one 16-byte load
@@ -107,6 +115,57 @@ def _decode_q4_k():
     return decode
 
 
+def _decode_q5_k():
+    @T.macro
+    def decode(wv, base, t, qw, s1, s2, r):
+        """qw[r, 4g + j]: run g's quants 4j..4j+3 (0..31) as bytes; s1 / s2 as q4_k's."""
+        head = T.alloc_buffer((4,), "uint32", scope="local")
+        qh = T.alloc_buffer((4,), "uint32", scope="local")     # qh bytes 16(t%2) .. +16
+        qs = T.alloc_buffer((4,), "uint32", scope="local")     # quant bytes 32(t//2) + 16(t%2) .. +16
+        for v in T.vectorized(4):
+            head[v] = wv[base + v]
+        for v in T.vectorized(4):
+            qh[v] = wv[base + 4 + 4 * (t % 2) + v]
+        for v in T.vectorized(4):
+            qs[v] = wv[base + 12 + 8 * (t // 2) + 4 * (t % 2) + v]
+        for g in T.unroll(2):
+            for j in T.unroll(4):
+                qw[r, 4 * g + j] = T.bitwise_or(_field(qs[j], 4 * g, 0x0F0F0F0F), T.shift_left(
+                    _field(qh[j], 2 * (t // 2) + g, 0x01010101), T.uint32(4)))
+            s1[r, g] = _half(head[0]) * _unsigned(_q4_k_scale_min(head, t, g, 1, 0), 0)
+            s2[r, g] = _half(T.shift_right(head[0], T.uint32(16))) * _unsigned(_q4_k_scale_min(head, t, g, 2, 4), 0)
+
+    return decode
+
+
+def _decode_q3_k():
+    @T.macro
+    def decode(wv, base, t, qw, s1, s2, r):
+        """qw[r, 2c + j]: run c's quants 4j..4j+3 (0..7) as bytes; s1[r, c] = d * (sc - 32) of run c's sub-block
+        8(t//4) + 2c + (t%4)//2 (its 6 bits: nibble t//4 of scale byte 2c + (t%4)//2, and above them bits
+        4(t//4) + 2(c//2) of byte 8 + 2(c%2) + (t%4)//2)."""
+        qs = T.alloc_buffer((4,), "uint16", scope="local")     # qs bytes 32(t//4) + 8(t%4) .. +8 (at byte 32)
+        hm = T.alloc_buffer((4,), "uint16", scope="local")     # hmask bytes 8(t%4) .. +8
+        sc = T.alloc_buffer((6,), "uint16", scope="local")     # the 12 scale bytes (at byte 96)
+        for j in T.unroll(4):
+            qs[j] = wv[base + 16 + 16 * (t // 4) + 4 * (t % 4) + j]
+        for j in T.unroll(4):
+            hm[j] = wv[base + 4 * (t % 4) + j]
+        for j in T.unroll(6):
+            sc[j] = wv[base + 48 + j]
+        for c in T.unroll(4):
+            for j in T.unroll(2):
+                qw[r, 2 * c + j] = T.bitwise_or(
+                    _field(_pair(qs[2 * j], qs[2 * j + 1]), 2 * c, 0x03030303),
+                    T.shift_left(_field(_pair(hm[2 * j], hm[2 * j + 1]), 4 * (t // 4) + c, 0x01010101), T.uint32(2)))
+            s1[r, c] = _half(wv[base + 54]) * _unsigned(T.bitwise_or(
+                _field(sc[c], 8 * ((t % 4) // 2) + 4 * (t // 4), 0xF),
+                T.shift_left(_field(sc[4 + c % 2], 8 * ((t % 4) // 2) + 4 * (t // 4) + 2 * (c // 2), 3), T.uint32(4))),
+                32)
+
+    return decode
+
+
 def _decode_q6_k():
     @T.macro
     def decode(wv, base, t, qw, s1, s2, r):
@@ -153,7 +212,8 @@ def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP,
         raise HelmcError(f"GPU int8 GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
                          f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
     tpb, weights = fmt.threads, fmt.weights
-    width = 4 if qtype == "q4_k" else 2                 # bytes per word of the weight view (block alignment)
+    word_type = fmt.word                                # the weight view's word: as wide as blocks are aligned
+    width = 4 if word_type == "uint32" else 2           # bytes per word of the weight view
     blocks, row_words, block_words = k // weights, k // weights * fmt.bytes // width, fmt.bytes // width
     per_step = WARP // tpb                              # blocks of a row a warp covers per step (4)
     lanes_of_k = warps if k_split else 1               # warps splitting a row's blocks
@@ -180,10 +240,16 @@ def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP,
     groups = -(-passes // group)
     grids = [-(-n_i // cta_rows) for n_i in outs]
     grid = sum(grids)
-    word_type = "uint32" if qtype == "q4_k" else "uint16"
     nq = 4 if qtype == "q4_k" else 8                    # quant words per lane per row
-    ns = 2 if qtype == "q4_k" else 4                    # scales per lane per row
-    decode = _decode_q4_k() if qtype == "q4_k" else _decode_q6_k()
+    ns = 2 if qtype in _AFFINE else 4                   # scales per lane per row
+    decode = {"q3_k": _decode_q3_k, "q4_k": _decode_q4_k, "q5_k": _decode_q5_k, "q6_k": _decode_q6_k}[qtype]()
+    offset = _OFFSET.get(qtype, 0)
+
+    def quant_word(qw, r, g, j):
+        """Run g's quant word j of row r (q4_k: nibble g of its 4 words, masked out here)."""
+        if qtype == "q4_k":
+            return T.bitwise_and(T.shift_right(qw[r, j], T.uint32(4 * g)), T.uint32(0x0F0F0F0F))
+        return qw[r, 4 * g + j]
 
     @T.macro
     def quantize_pass(xq, xd, ch, tid, tx, xh, xf, amax, inv, word, it, j):
@@ -234,7 +300,7 @@ def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP,
                 decode(wv_up, T.min(first_row + r, n_rows - 1) * row_words + gblock * block_words, t, qw, s1, s2,
                        rows + r)
         for tok in T.unroll(m):
-            if qtype == "q4_k":
+            if qtype in _AFFINE:
                 for g in T.unroll(2):
                     for v in T.vectorized(4):
                         xw[g * 4 + v] = xq[tok * (chunk // 4) + (b * 256 + 64 * (t // 2) + 32 * g + 16 * (t % 2)) // 4 + v]
@@ -245,8 +311,7 @@ def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP,
                     for g in T.unroll(2):
                         dot[0] = T.int32(0)
                         for j in T.unroll(4):
-                            dot[0] = _dp4a(_i32(T.bitwise_and(T.shift_right(qw[r, j], T.uint32(4 * g)),
-                                                              T.uint32(0x0F0F0F0F))), xw[g * 4 + j], dot[0])
+                            dot[0] = _dp4a(_i32(quant_word(qw, r, g, j)), xw[g * 4 + j], dot[0])
                         acc[tok, r] = acc[tok, r] + dx[g] * (s1[r, g] * _to_float(dot[0]) - s2[r, g] * _to_float(sx[g]))
             else:
                 for c in T.unroll(4):
@@ -258,7 +323,7 @@ def int8_kernel_parts(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP,
                     for c in T.unroll(4):
                         dot[0] = _dp4a(_i32(qw[r, 2 * c]), xw[c * 2], _dp4a(_i32(qw[r, 2 * c + 1]), xw[c * 2 + 1],
                                                                              T.int32(0)))
-                        acc[tok, r] = acc[tok, r] + dx[c] * s1[r, c] * _to_float(dot[0] - 32 * sx[c])
+                        acc[tok, r] = acc[tok, r] + dx[c] * s1[r, c] * _to_float(dot[0] - offset * sx[c])
 
     @T.macro
     def weight_rows(x, wv, y, n_rows, cta, ty, tx, xq, xd, acc, xh, xf, amax, inv, word, qw, s1, s2, xw, dx, sx, dot,
@@ -358,8 +423,8 @@ def make_gpu_gemv_int8(qtype: str, n, k: int, rows_per_warp: int = ROWS_PER_WARP
                        epilogue: str | None = None) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]): y = int8(x) @ dequant(w)^T.
 
-    qtype "q4_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is bit-identical to the 1-row
-    kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
+    qtype "q3_k" | "q4_k" | "q5_k" | "q6_k"; k a multiple of 256 (HelmcError otherwise). Row t of y is
+    bit-identical to the 1-row kernel's on x[t] (same tuning). x, w, y 16-byte aligned (TVM and CuPy allocations are).
     n a tuple of 2 or 3 row counts: one launch over that many weights of the same x (q, k, v; gate, up):
     PrimFunc(x, w0, w1[, w2], y0, y1[, y2]); each CTA works for one weight, and y_i is bit-identical to the
     one-weight kernel's (the same lanes, blocks and order).

@@ -249,13 +249,15 @@ def test_quantized_prefill_dequantizes_each_weight_just_before_its_matmul():
 
 
 K_QUANT_ROW_BYTES = {"q5_k": 176, "q3_k": 110, "q5_0": 8 * 22, "iq4_xs": 136, "mxfp4": 8 * 17}   # per row of k = 256
+DP4A_K_QUANTS = ("q5_k", "q3_k")        # decoded by the int8-activation GEMV (quant_gemv_int8.py)
 
 
 @needs_nvcc
 def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path):
     """Block i's linears in the i-th of Q5_K / Q3_K / Q5_0 / IQ4_XS / MXFP4 (one block signature each, so one stage
     and one nvcc run cover them all; the lm_head in q6_k): each type's decode linears are its fused dequantize-GEMV on the
-    raw blocks, its prefill weights one dequantize each, in one cubin."""
+    raw blocks (Q5_K / Q3_K: the int8-activation GEMV, q/k/v in one launch, gate/up with the SwiGLU, down with the
+    residual add, as Q4_K's), its prefill weights one dequantize each, in one cubin."""
     from helmc.compiler.passes.export_block import export_functions
     from helmc.compiler.passes.import_relax import import_functions
     from helmc.compiler.passes.lower_quantized_gpu import lower_quantized_gpu
@@ -283,10 +285,19 @@ def test_k_quant_gpu_stage_builds_with_its_kernels(tmp_path):
         assert str(gate.ty.dtype) == "uint8" and [int(d) for d in gate.ty.shape.values] == \
             [512, K_QUANT_ROW_BYTES[qtype]], qtype                                          # k = 256
         decode = decode_fn.script()
-        assert f"helmc_gpu_gemv_{qtype}_n512_k256_r1w4u4" in decode and "R.matmul" not in decode, qtype
-        assert f"helmc_gpu_gemv_{qtype}_n256_k512_r1w4u4" in decode, qtype
+        assert "R.matmul" not in decode, qtype
+        if qtype in DP4A_K_QUANTS:
+            gemvs = (f"gemv8_swiglu_{qtype}_n512_k256_r1w8u2", f"gemv8_res_{qtype}_n256_k512_r2w8u2",
+                     f"gemv8_{qtype}_n256_k256_r2w8u2")
+            assert "R.sigmoid" not in decode and "helmc_gpu_gemv_" not in decode, qtype
+            pre = lowered[block_function_name("pre_attn", "decode", j)].script()
+            assert f"helmc_gpu_gemv8_{qtype}_n256_128_128_k256_r2w8u2" in pre, qtype     # q, k, v: one launch
+            gemvs += (f"gemv8_{qtype}_n256_128_128_k256_r2w8u2",)
+        else:
+            gemvs = (f"gemv_{qtype}_n512_k256_r1w4u4", f"gemv_{qtype}_n256_k512_r1w4u4")
+        for kernel in gemvs[:2]:
+            assert f"helmc_gpu_{kernel}" in decode, kernel
         assert f"helmc_gpu_dequantize_{qtype}_n512_k256" in \
             lowered[block_function_name("post_attn", "prefill", j)].script(), qtype
-        for kernel in (f"gemv_{qtype}_n512_k256_r1w4u4", f"gemv_{qtype}_n256_k512_r1w4u4",
-                       f"dequantize_{qtype}_n512_k256", f"dequantize_{qtype}_n256_k512"):
+        for kernel in gemvs + (f"dequantize_{qtype}_n512_k256", f"dequantize_{qtype}_n256_k512"):
             assert f"helmc_gpu_{kernel}" in source, kernel

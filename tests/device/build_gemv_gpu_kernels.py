@@ -3,14 +3,14 @@ tests/kernels/test_gemv_gpu.py checks and benchmarks/bench_gemv_gpu.py times on 
 
     python -m tests.device.build_gemv_gpu_kernels .devrt/gemv_gpu_check [--arch sm_90] [--fused-only | --sweep]
 
-Kernels: schedules/gpu/gemv.py (fp16 and bf16 weights), quant_gemv.py (q8_0, q4_0, q5_k) and quant_gemv_int8.py
-(q4_k, q6_k: int8 activations) at Qwen3-8B's projection shapes (and its lm_head for fp16), for m = 1 (a decode
-step) and m = 2, 4, 8 (batched decode steps), at the tunings the GPU stage uses; the fp16 m = 1 kernels also at
-FLOAT_VARIANTS. One launch, several outputs, fp16 and bf16 (and the q4_k / q6_k epilogues), every m: q/k/v (4096,
+Kernels: schedules/gpu/gemv.py (fp16 and bf16 weights), quant_gemv.py (the other block types) and quant_gemv_int8.py
+(q3_k, q4_k, q5_k, q6_k: int8 activations) at Qwen3-8B's projection shapes (and its lm_head for fp16), for m = 1 (a
+decode step) and m = 2, 4, 8 (batched decode steps), at the tunings the GPU stage uses; the fp16 m = 1 kernels also at
+FLOAT_VARIANTS. One launch, several outputs, fp16 and bf16 (and the int8 GEMV's epilogues), every m: q/k/v (4096,
 1024, 1024 rows over k 4096) in one launch, gate/up + SwiGLU (12288 rows), down_proj + residual add (k 12288), with
 the separate launches they replace (the GEMVs, then a TIR elementwise kernel of the stage's expression: T.sigmoid,
-fp16 ops). One library (helmc's compile_gpu_stage), and per k: x [8, k] fp16 and UNIQUE_ROWS random weight rows
-per type (a weight of n rows repeats them; DIR stays small), with x @ their float64 values.
+fp16 ops). One library (helmc's compile_gpu_stage), and per k: x [8, k] fp16 and UNIQUE_ROWS random weight rows per
+type (a weight of n rows repeats them; DIR stays small), with x @ their float64 values.
 --fused-only: only the one-launch forms and what they are compared with (a smaller DIR); --sweep: the fp16 m = 1
 kernels, and the one-launch forms at every SWEEP_VARIANT (rows per warp, unroll; warps fixed, so the bits stay the
 default's). The test looks in $HELMC_GEMV_GPU_DIR (default .devrt/gemv_gpu_check).

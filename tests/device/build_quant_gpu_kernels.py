@@ -4,8 +4,8 @@ tests/kernels/test_quant_gemv_gpu.py checks and benchmarks/bench_quant_gemv_gpu.
     python -m tests.device.build_quant_gpu_kernels .devrt/quant_gpu_check [--arch sm_90]
 
 The decode GEMV and the dequantizer of every type (q8_0, q4_0, q5_0, q3_k, q4_k, q5_k, q6_k, iq4_xs, mxfp4;
-schedules/gpu/quant_gemv.py) for n x k in SHAPES, the int8-activation GEMV (quant_gemv_int8.py, q4_k / q6_k) at its default and INT8_VARIANTS, plus
-the GEMV at other tunings (VARIANTS) at two shapes, in one library built with helmc's compile_gpu_stage
+schedules/gpu/quant_gemv.py) for n x k in SHAPES, the int8-activation GEMV (quant_gemv_int8.py: q3_k, q4_k, q5_k,
+q6_k) at its default and INT8_VARIANTS, plus the GEMV at other tunings (VARIANTS) at two shapes, in one library built with helmc's compile_gpu_stage
 (quant_kernels.so, its cubin and cubin index), and the data: per type and k, UNIQUE_ROWS random valid rows
 (tests/quant_rows.py), x (fp16) per k, and float64 references (gguf's numpy dequantizer, @ x in float64). A weight
 of n rows is these rows repeated (row r is row r % UNIQUE_ROWS, a prime, so a kernel that reads the wrong row of
@@ -33,7 +33,7 @@ SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288))      # Qwen3-8B's q/o, gat
 # GEMV tunings (rows_per_warp, warps, unroll) timed beside the default (2, 4, 2), at a short and a long row
 VARIANT_SHAPES = ((4096, 4096), (4096, 12288))
 VARIANTS = ((1, 4, 4), (2, 4, 4), (4, 4, 2))
-# the int8-activation GEMV (quant_gemv_int8.py, q4_k / q6_k): its default (2, 4, 2) and these, at every shape
+# the int8-activation GEMV (quant_gemv_int8.py, its INT8_TYPES): its default (2, 4, 2) and these, at every shape
 # (rows per warp, warps, unroll[, k_split]): k_split variants (warps share rows, each takes every warps-th step of
 # their blocks) for the short row counts (q/k/v, o, down: 256 CTAs of 16 rows on 132 SMs at (2, 8, 2))
 INT8_VARIANTS = ((4, 4, 2), (2, 8, 2), (4, 8, 1), (1, 4, 4), (8, 4, 1),

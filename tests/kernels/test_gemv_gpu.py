@@ -1,7 +1,7 @@
-"""The GPU stage's m-row decode GEMVs on the GPU at Qwen3-8B's projection shapes (batch invariance):
-for fp16 and bf16 weights and each quantized type, every row t of an m-row call (m = 2, 4, 8) is bit-identical to
-the 1-row kernel's y on x[t] alone, and every call is within 2e-3 of float64 (2e-2 for the int8-activation GEMVs of
-q4_k / q6_k); each one-launch form (q/k/v in one launch, gate/up + SwiGLU, down + residual add) gives every output
+"""The GPU stage's m-row decode GEMVs on the GPU at Qwen3-8B's projection shapes (batch invariance): for fp16 and bf16
+weights and each quantized type, every row t of an m-row call (m = 2, 4, 8) is bit-identical to the 1-row kernel's y
+on x[t] alone, and every call is within 2e-3 of float64 (2e-2 for the int8-activation GEMVs of q3_k / q4_k / q5_k /
+q6_k); each one-launch form (q/k/v in one launch, gate/up + SwiGLU, down + residual add) gives every output
 bit-identical to the separate launches it replaces. tests/kernels/test_gpu_gemv_kernels.py runs the same sources on
 CPU threads; benchmarks/bench_gemv_gpu.py times them.
 

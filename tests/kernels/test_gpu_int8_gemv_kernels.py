@@ -1,4 +1,4 @@
-"""The int8-activation decode GEMV for q4_k / q6_k (schedules/gpu/quant_gemv_int8.py) without a GPU.
+"""The int8-activation decode GEMV for q3_k / q4_k / q5_k / q6_k (schedules/gpu/quant_gemv_int8.py) without a GPU.
 
 The generated CUDA source is compiled with g++ against a harness (a std::thread per CUDA thread, warp shuffles and
 __syncthreads as barriers, __shared__ arrays as statics of the one block running, __dp4a on signed bytes) and run
@@ -9,7 +9,9 @@ References, in float64 on gguf's own dequantization of the same rows (tests/quan
   one FMA);
 - the fp16 x itself: within 2e-2 (the int8 activations' own error, as in llama.cpp's CUDA decode).
 Row t of a batched call equals the 1-row call on x[t] bit for bit, also when x goes through shared memory in
-chunks. To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
+chunks. q5_k / q3_k also bit for bit against an integer reference: the blocks' quants and scales unpacked in numpy
+(checked against gguf's dequantization), each lane's integer dots and fp32 sums in the kernel's order.
+To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max difference).
 """
 import ctypes
 import re
@@ -100,7 +102,8 @@ def test_symbols_chunks_and_bad_input():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("qtype,n,k", [("q4_k", 13, 1280), ("q6_k", 13, 768), ("q4_k", 16, 2048), ("q6_k", 16, 2048)])
+@pytest.mark.parametrize("qtype,n,k", [("q4_k", 13, 1280), ("q6_k", 13, 768), ("q4_k", 16, 2048), ("q6_k", 16, 2048),
+                                        ("q5_k", 13, 1280), ("q3_k", 13, 768)])
 def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
     pytest.importorskip("gguf")
     check = quant_rows
@@ -125,7 +128,7 @@ def test_generated_cuda_on_cpu_threads(tmp_path, qtype, n, k):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_k"])
 def test_rows_are_batch_invariant_through_chunks(tmp_path, qtype):
     """m = 8 at k = 5120 puts x through shared memory in two chunks (4096 + 1024); m = 1 and 3 in one."""
     pytest.importorskip("gguf")
@@ -166,11 +169,12 @@ def _call_multi(lib, sym, x, pointers, grid, warps):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("qtype,outs,m,tuning", [("q4_k", (24, 8, 8), 1, ()), ("q6_k", (16, 13), 3, ()),
-                                                  ("q4_k", (24, 8, 8), 2, SPLIT)])
+                                                  ("q4_k", (24, 8, 8), 2, SPLIT), ("q5_k", (24, 8, 8), 2, SPLIT),
+                                                  ("q3_k", (16, 13), 1, ())])
 def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtype, outs, m, tuning):
     """q, k, v (or gate, up) of one x in one kernel: each y bit-identical to its own kernel's (k_split too)."""
     pytest.importorskip("gguf")
-    k = 1280 if qtype == "q4_k" else 768
+    k = 1280 if qtype in ("q4_k", "q5_k") else 768
     check = quant_rows
     fused = make_gpu_gemv_int8(qtype, outs, k, *tuning, m=m)
     singles = {n: make_gpu_gemv_int8(qtype, n, k, *tuning, m=m) for n in set(outs)}
@@ -240,7 +244,8 @@ def test_split_k_rows_are_batch_invariant_through_chunks(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("qtype,m,tuning", [("q4_k", 1, ()), ("q6_k", 3, ()), ("q4_k", 2, (1, 8, 2))])
+@pytest.mark.parametrize("qtype,m,tuning", [("q4_k", 1, ()), ("q6_k", 3, ()), ("q4_k", 2, (1, 8, 2)),
+                                            ("q5_k", 2, (1, 8, 2)), ("q3_k", 1, ())])
 def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, qtype, m, tuning):
     """swiglu: silu(x @ wg^T) * (x @ wu^T) in one launch is the gate and up int8 GEMVs, then the stage's own
     sigmoid-multiply kernel, bit for bit; residual: the down GEMV then the add kernel. Half arithmetic rounds to
@@ -283,3 +288,96 @@ def test_epilogues_equal_gemv_then_the_stages_elementwise_kernels(tmp_path, qtyp
         make_gpu_gemv_int8(qtype, (n, n), k, epilogue="swiglu")
     with pytest.raises(HelmcError, match="epilogue"):
         make_gpu_gemv_int8(qtype, n, k, *SPLIT, epilogue="residual")
+
+
+def _unpack_q5_k(w: np.ndarray, k: int):
+    """Quants [n, k] (0..31), per-32 scale and min [n, k/32] (0..63), d and dmin [n, k/256] (fp32) of q5_k rows, as
+    ggml's dequantize_row_q5_K reads the block (w = d*sc*q - dmin*m)."""
+    b = w.reshape(w.shape[0], k // 256, 176).astype(np.int64)
+    d, dmin = (w.reshape(w.shape[0], k // 256, 176)[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+               for o in (0, 2))
+    s = b[..., 4:16]
+    lo = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)    # [n, blocks, 8]
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qh, qs = b[..., 16:48], b[..., 48:176]
+    q = np.empty(b.shape[:2] + (8, 32), np.int64)                                   # [n, blocks, sub-block, l]
+    for j in range(8):
+        q[..., j, :] = ((qs[..., 32 * (j // 2):32 * (j // 2) + 32] >> (4 * (j % 2))) & 0xF) | (((qh >> j) & 1) << 4)
+    return q.reshape(w.shape[0], k), lo.reshape(w.shape[0], -1), mn.reshape(w.shape[0], -1), d, dmin
+
+
+def _unpack_q3_k(w: np.ndarray, k: int):
+    """Quants [n, k] (0..7), per-16 scales [n, k/16] (0..63) and d [n, k/256] of q3_k rows (w = d*(sc-32)*(q-4))."""
+    b = w.reshape(w.shape[0], k // 256, 110).astype(np.int64)
+    d = w.reshape(w.shape[0], k // 256, 110)[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float32)
+    hm, qs, s = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+    sc = np.stack([((s[..., j] if j < 8 else s[..., j - 8] >> 4) & 0xF)
+                   | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4) for j in range(16)], -1)
+    q = np.empty(b.shape[:2] + (2, 4, 32), np.int64)                                # [n, blocks, h, c, l]
+    for h in range(2):
+        for c in range(4):
+            q[..., h, c, :] = ((qs[..., 32 * h:32 * h + 32] >> (2 * c)) & 3) | (((hm >> (4 * h + c)) & 1) << 2)
+    return q.reshape(w.shape[0], k), sc.reshape(w.shape[0], -1), d
+
+
+def _integer_reference(qtype: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y [1, n] fp16 as the default kernel (2 rows per warp, 4 warps, no k_split) forms it at m = 1: lane tx takes
+    blocks tx//8, + 4, ... and lane t = tx % 8's runs in order, acc += its fp32 term of the integer dots; the 32
+    lanes are summed by the xor butterfly."""
+    n, k = w.shape[0], x.shape[1]
+    f32 = np.float32
+    xf = x.astype(f32).reshape(-1, 32)
+    amax = np.abs(xf).max(-1)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, 1), f32(0)).astype(f32)
+    xq = np.rint((xf * inv[:, None]).astype(f32)).astype(np.int64).reshape(-1)
+    dx = (amax / f32(127)).astype(f32)
+    if qtype == "q5_k":
+        q, sc, mn, d, dmin = _unpack_q5_k(w, k)
+        runs = [(64 * (t // 2) + 32 * g + 16 * (t % 2), 16) for t in range(8) for g in range(2)]
+        dense = (d.repeat(8, -1).repeat(32, -1) * sc.repeat(32, -1) * q - dmin.repeat(8, -1).repeat(32, -1) *
+                 mn.repeat(32, -1))
+    else:
+        q, sc, d = _unpack_q3_k(w, k)
+        runs = [(128 * (t // 4) + 32 * c + 8 * (t % 4), 8) for t in range(8) for c in range(4)]
+        dense = d.repeat(16, -1).repeat(16, -1) * (sc.repeat(16, -1) - 32) * (q - 4)
+    # the unpacking is the format: the same weights as gguf's dequantizer
+    np.testing.assert_allclose(dense, quant_rows.dequantize_reference(qtype, w), rtol=1e-6, atol=1e-7)
+    per_lane = len(runs) // 8
+    y = np.empty(n, np.float16)
+    for row in range(n):
+        acc = np.zeros(32, f32)
+        for tx in range(32):
+            for b in range(tx // 8, k // 256, 4):
+                for start, length in runs[(tx % 8) * per_lane:(tx % 8 + 1) * per_lane]:
+                    p = b * 256 + start
+                    dot, sx = int(q[row, p:p + length] @ xq[p:p + length]), int(xq[p:p + length].sum())
+                    if qtype == "q5_k":
+                        s1, s2 = f32(d[row, b]) * f32(sc[row, p // 32]), f32(dmin[row, b]) * f32(mn[row, p // 32])
+                        term = dx[p // 32] * (s1 * f32(dot) - s2 * f32(sx))
+                    else:
+                        term = dx[p // 32] * (f32(d[row, b]) * f32(sc[row, p // 16] - 32)) * f32(dot - 4 * sx)
+                    acc[tx] = acc[tx] + term
+        for s in (16, 8, 4, 2, 1):
+            acc = acc + acc[np.arange(32) ^ s]
+        y[row] = np.float16(acc[0])
+    return y[None]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("qtype,n,k", [("q5_k", 7, 1280), ("q3_k", 7, 768)])
+def test_new_types_bit_identical_to_the_integer_reference(tmp_path, qtype, n, k):
+    """The q5_k / q3_k kernels' outputs are the integer reference's bits (fp32 evaluated as written: the harness
+    compiles without contraction); a wrong fifth / third bit, scale or run would move them."""
+    pytest.importorskip("gguf")
+    sym = gemv_int8_symbol(qtype, n, k)
+    lib = _emulate(tmp_path, _source({sym: make_gpu_gemv_int8(qtype, n, k)}))
+    rng = np.random.default_rng(41)
+    w = quant_rows.random_quant_rows(qtype, n, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float16)
+    x[0, 32:64] = 0
+    y = np.full((1, n), np.nan, np.float16)
+    _call(lib, sym, x, w, y, n, ROWS_PER_WARP, WARPS)
+    want = _integer_reference(qtype, w, x)
+    assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (y, want)
+    assert len(np.unique(y)) == n

@@ -64,7 +64,8 @@ def _run(lib, params, name, arrays: dict, n: int, grid: int):
                                 ctypes.c_int(WARPS))
 
 
-@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q6_k", "q4_k")])
+@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q5_k", "q6_k"),
+                                                  ("q3_k", "q5_k")])
 def test_selected_experts_match_float64(tmp_path, gate_type, down_type):
     E, I, H, K = 5, 256, 512, 3
     rng = np.random.default_rng(7)

@@ -1,8 +1,8 @@
 """The quantized-weight CUDA kernels (schedules/gpu/quant_gemv.py, quant_gemv_int8.py) on the GPU at Qwen3-8B's
 projection shapes, against float64 on gguf's own dequantization of the same rows: each type's decode GEMV (at its
 default and other tunings), its dequantizer (rows element by element and their product with x), and the
-int8-activation GEMV of q4_k / q6_k. Pass: max |y - ref| / max |ref| <= 2e-3 (2e-2 for int8 activations: their own
-~0.5%); the builder's docstring gives the reasoning. tests/kernels/test_gpu_quant_kernels.py runs the same sources
+int8-activation GEMV of q3_k / q4_k / q5_k / q6_k. Pass: max |y - ref| / max |ref| <= 2e-3 (2e-2 for int8
+activations: their own ~0.5%); the builder's docstring gives the reasoning. tests/kernels/test_gpu_quant_kernels.py runs the same sources
 on CPU threads at small shapes; benchmarks/bench_quant_gemv_gpu.py times them.
 
 The kernels and data are built on the compiler machine by
@@ -35,6 +35,10 @@ def test_quant_kernels_match_float64(qtype):
         if e["qtype"] == qtype:
             groups.setdefault((e["n"], e["k"]), []).append(e)
     assert groups, f"the manifest has no {qtype} kernels"
+    from helmc.model.weight_types import GPU_INT8_TYPES     # the registry: no TVM compiler on the GPU machine
+    if qtype in GPU_INT8_TYPES:      # a DIR built before the type had its int8 GEMV would check only the fp32 path
+        assert any(e["kind"] == "gemv8" for es in groups.values() for e in es), \
+            f"the manifest has no {qtype} int8 GEMV: rebuild it with build_quant_gpu_kernels"
     failed = [(r["kind"], r["n"], r["k"], r["tuning"], r["max_rel_err"])
               for (n, k), entries in groups.items()
               for r in run_group(mod, d, manifest, qtype, n, k, entries, untimed) if not r["ok"]]
