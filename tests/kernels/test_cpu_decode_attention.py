@@ -181,8 +181,9 @@ def test_decode_batch_equals_per_sequence_calls(kernels, dtype, window):
             ref.advance(1)
             assert m.length == ref.length
             assert all(np.array_equal(a.view(np.uint16), r.view(np.uint16)) for a, r in zip(m.arenas, ref.arenas))
+    # The second cache's window left its page 0 behind: released, its slot 0 then took page 2, after page 1's slot.
     assert len(mine[2].kind_pages(0).slot_runs(mine[2].length, 0)) == 2 and \
-        len(mine[1].kind_pages(0).slot_runs(mine[1].length, 0)) == 1
+        len(mine[1].kind_pages(0).slot_runs(mine[1].length, 0)) == (2 if window else 1)
 
 def test_bf16_append_rounds_to_nearest_even():
     cache = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=4, page_tokens=4, max_tokens=8, dtype="bfloat16")
