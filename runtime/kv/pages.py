@@ -405,49 +405,7 @@ class PagePool:
         return p.host_slot
 
     def check_invariants(self) -> None:
-        T = self.page_tokens
-        gpu_held, host_held = [], []
-        for sid, s in self._seqs.items():
-            assert 0 <= s.length <= s.reserved, f"I4: seq {sid} length {s.length} reserved {s.reserved}"
-            assert s.first + len(s.pages) == self.pages_for(s.reserved), \
-                f"I4: seq {sid} has {s.first} released + {len(s.pages)} pages for {s.reserved} tokens"
-            assert s.first * T <= s.length, f"I4: seq {sid} released {s.first} pages, only {s.length} tokens committed"
-            stamps = [self._pages[pid].stamp for pid in s.pages]
-            assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), f"I8: seq {sid} stamps {stamps}"
-            for i, pid in enumerate(s.pages):
-                p = self._pages.get(pid)
-                assert p is not None and p.seq_id == sid and p.index == s.first + i, \
-                    f"I1: page {pid} of seq {sid} at {s.first + i}"
-            if self.gpu_capacity and s.length == s.reserved:
-                res = [self._pages[pid].residency is Residency.GPU for pid in s.pages]
-                first = res.index(True) if True in res else len(res)
-                assert all(res[first:]), f"I6: seq {sid} GPU pages are not a suffix: {res}"
-        assert sum(len(s.pages) for s in self._seqs.values()) == len(self._pages), "I1: orphan pages"
-        for p in self._pages.values():
-            s = self._seqs[p.seq_id]
-            has_g, has_h = p.gpu_slot is not None, p.host_slot is not None
-            expect = {Residency.GPU: (True, False), Residency.HOST: (False, True), Residency.IN_FLIGHT: (True, True)}
-            assert (has_g, has_h) == expect[p.residency], f"I2: page {p.page_id} {p.residency} slots {p.gpu_slot}/{p.host_slot}"
-            if has_g:
-                gpu_held.append(p.gpu_slot)
-            if has_h:
-                host_held.append(p.host_slot)
-            if self.gpu_capacity and p.residency is not Residency.GPU:
-                full = (p.index + 1) * T <= s.length
-                pending = p.index * T >= s.length and (p.index + 1) * T <= s.reserved
-                assert full or (p.residency is Residency.HOST and pending), \
-                    f"I5: page {p.page_id} is {p.residency.value} but neither full nor wholly pending"
-        # I3 in O(held), not O(capacity) (this runs in the decode step's host path: 70 us a call over a
-        # pool of ~250 slots): free slots lie in range(capacity) (_FreeList.view), so held slots in range, disjoint
-        # from the free ones and as many as the capacity leaves are exactly the rest of range(capacity).
-        for name, held, free, cap in (("gpu", gpu_held, self._gpu_free, self.gpu_capacity),
-                                      ("host", host_held, self._host_free, self.host_capacity)):
-            held_set, free_set = set(held), free.view()
-            assert len(held) == len(held_set), f"I3: {name} slot held twice: {sorted(held)}"
-            assert len(held_set) + len(free_set) == cap and held_set.isdisjoint(free_set) and \
-                all(0 <= slot < cap for slot in held_set), \
-                f"I3: {name} slots held {sorted(held)} and free {sorted(free_set)} do not partition 0..{cap - 1}"
-        self._check_staging()
+        _check_invariants(self)
 
     def _check_staging(self) -> None:
         """I7 alone: what begin_prefetch / end_prefetch change (placement and lengths stay as they were)."""
@@ -456,3 +414,51 @@ class PagePool:
         for slot, (pid, _layer) in self._staged.items():
             assert 0 <= slot < self.staging_slots, f"I7: staging slot {slot} out of range"
             assert pid in self._pages and self._pages[pid].residency is Residency.HOST, f"I7: staged page {pid} is not HOST"
+
+
+def _check_invariants(pool: PagePool) -> None:
+    """PagePool.check_invariants: I1-I8 of the module docstring (a function of its own: the pool's class stays
+    readable)."""
+    T = pool.page_tokens
+    gpu_held, host_held = [], []
+    for sid, s in pool._seqs.items():
+        assert 0 <= s.length <= s.reserved, f"I4: seq {sid} length {s.length} reserved {s.reserved}"
+        assert s.first + len(s.pages) == pool.pages_for(s.reserved), \
+            f"I4: seq {sid} has {s.first} released + {len(s.pages)} pages for {s.reserved} tokens"
+        assert s.first * T <= s.length, f"I4: seq {sid} released {s.first} pages, only {s.length} tokens committed"
+        stamps = [pool._pages[pid].stamp for pid in s.pages]
+        assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), f"I8: seq {sid} stamps {stamps}"
+        for i, pid in enumerate(s.pages):
+            p = pool._pages.get(pid)
+            assert p is not None and p.seq_id == sid and p.index == s.first + i, \
+                f"I1: page {pid} of seq {sid} at {s.first + i}"
+        if pool.gpu_capacity and s.length == s.reserved:
+            res = [pool._pages[pid].residency is Residency.GPU for pid in s.pages]
+            first = res.index(True) if True in res else len(res)
+            assert all(res[first:]), f"I6: seq {sid} GPU pages are not a suffix: {res}"
+    assert sum(len(s.pages) for s in pool._seqs.values()) == len(pool._pages), "I1: orphan pages"
+    for p in pool._pages.values():
+        s = pool._seqs[p.seq_id]
+        has_g, has_h = p.gpu_slot is not None, p.host_slot is not None
+        expect = {Residency.GPU: (True, False), Residency.HOST: (False, True), Residency.IN_FLIGHT: (True, True)}
+        assert (has_g, has_h) == expect[p.residency], f"I2: page {p.page_id} {p.residency} slots {p.gpu_slot}/{p.host_slot}"
+        if has_g:
+            gpu_held.append(p.gpu_slot)
+        if has_h:
+            host_held.append(p.host_slot)
+        if pool.gpu_capacity and p.residency is not Residency.GPU:
+            full = (p.index + 1) * T <= s.length
+            pending = p.index * T >= s.length and (p.index + 1) * T <= s.reserved
+            assert full or (p.residency is Residency.HOST and pending), \
+                f"I5: page {p.page_id} is {p.residency.value} but neither full nor wholly pending"
+    # I3 in O(held), not O(capacity) (this runs in the decode step's host path: 70 us a call over a
+    # pool of ~250 slots): free slots lie in range(capacity) (_FreeList.view), so held slots in range, disjoint
+    # from the free ones and as many as the capacity leaves are exactly the rest of range(capacity).
+    for name, held, free, cap in (("gpu", gpu_held, pool._gpu_free, pool.gpu_capacity),
+                                  ("host", host_held, pool._host_free, pool.host_capacity)):
+        held_set, free_set = set(held), free.view()
+        assert len(held) == len(held_set), f"I3: {name} slot held twice: {sorted(held)}"
+        assert len(held_set) + len(free_set) == cap and held_set.isdisjoint(free_set) and \
+            all(0 <= slot < cap for slot in held_set), \
+            f"I3: {name} slots held {sorted(held)} and free {sorted(free_set)} do not partition 0..{cap - 1}"
+    pool._check_staging()
