@@ -200,9 +200,11 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
     B = w.batch
     if w.objective == "decode":
         tokens = 1
-        c = w.decode_context
-        if a.sliding_window:
-            c = min(c, a.sliding_window)
+        # A sliding-window block attends over its window, the others over the whole context (Gemma 3 mixes them).
+        c_full = w.decode_context
+        c_window = min(c_full, a.sliding_window) if a.sliding_window else c_full
+        window_share = load.sliding_kv_bytes_per_token / load.kv_bytes_per_token if load.kv_bytes_per_token else 0.0
+        c = c_full * (1 - window_share) + c_window * window_share
         attn_flops = B * c * load.attn_flops_per_context_token                    # eq. 4.11
         kv_bytes = B * c * load.kv_bytes_per_token                                # eq. 4.12
     else:

@@ -9,7 +9,7 @@ import pytest
 from helmc.hardware.profile import load_hardware
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.planner.analyze_program import analyze_program
-from helmc.planner.cost_model import Workload, max_context, memory_needs, sliding_kv_tokens
+from helmc.planner.cost_model import DeviceRates, Workload, max_context, memory_needs, sliding_kv_tokens, stage_time
 
 KV_TOKEN = 2 * 8 * 256 * 2
 PAGE = 512
@@ -73,5 +73,19 @@ def test_max_context_grows_with_sliding_blocks(g12, laptop):
     host, _ = memory_needs(g12, hw, cpu, none, w, context=22016)
     assert host.fits and not memory_needs(g12, hw, cpu, none, w, context=22016 + PAGE)[0].fits
     free = host0.total + 48 * KV_TOKEN * 1500
-    small = dataclasses.replace(laptop, cpu=dataclasses.replace(laptop.cpu, ram_free_bytes=free, ram_total_bytes=2 * free))
+    small = dataclasses.replace(laptop, cpu=dataclasses.replace(laptop.cpu, ram_free_bytes=free,
+                                                                ram_total_bytes=2 * free))
     assert max_context(g12, small, cpu, none, w) == 1024                    # below the cap: every block a token
+
+
+def test_decode_attention_reads_each_block_over_its_own_span(g12):
+    """The 40 sliding blocks read their 1024-token window, the 8 global ones the whole context (8192 on average
+    over the output): 872,415,232 bytes a token at 100 GB/s, 8.724 ms. Every block read over the window alone
+    (what a model whose blocks all slide gets) would be 402,653,184."""
+    rates = DeviceRates(mem_gbs=100.0, compute_gflops=0.0)
+    w = Workload(prompt_len=8000, output_len=384)
+    t = stage_time(g12, g12.stage(1, 49), rates, w, blend_l3=False)
+    assert t.attn_ms == pytest.approx((8 * KV_TOKEN * 8192 + 40 * KV_TOKEN * 1024) / 100e9 * 1e3, rel=1e-12)
+    mistral = analyze_program(dataclasses.replace(gemma12b(), global_layers=()))
+    t = stage_time(mistral, mistral.stage(1, 49), rates, w, blend_l3=False)
+    assert t.attn_ms == pytest.approx(48 * KV_TOKEN * 1024 / 100e9 * 1e3, rel=1e-12)
