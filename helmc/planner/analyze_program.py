@@ -37,13 +37,17 @@ class PartitionUnit:
     kv_bytes_per_token: int            # eq. 4.12 / (B c): 2 h_kv d_h d_sz for a block, else 0
     attn_flops_per_context_token: int  # eq. 4.11 / (B c): 4 h_a d_h for a block, else 0
     act_bytes_per_token: int           # eq. 4.4 / B: the hidden state leaving this unit (0 for the head)
+    # The share of kv_bytes_per_token a sliding-window block holds only for its window (its pages leave the CPU
+    # cache as the window passes them): kv_bytes_per_token for such a block, else 0.
+    sliding_kv_bytes_per_token: int = 0
 
     def __post_init__(self):
         if self.kind not in UNIT_KINDS:
             raise HelmcError(f"partition unit: kind expected one of {UNIT_KINDS}, found {self.kind!r}")
         if min(self.param_bytes, self.gather_bytes_per_token, self.stored_bytes, self.proj_flops_per_token,
-               self.kv_bytes_per_token, self.attn_flops_per_context_token, self.act_bytes_per_token) < 0:
-            raise HelmcError(f"partition unit {self.index}: costs expected >= 0")
+               self.kv_bytes_per_token, self.attn_flops_per_context_token, self.act_bytes_per_token,
+               self.sliding_kv_bytes_per_token) < 0 or self.sliding_kv_bytes_per_token > self.kv_bytes_per_token:
+            raise HelmcError(f"partition unit {self.index}: costs expected >= 0, the sliding KV share at most the KV")
 
     def w_kv(self, context: int, batch: int = 1) -> int:
         """Eq. 4.5 / 4.12 for this unit: KV bytes read per decode step at context c."""
@@ -70,6 +74,7 @@ class StageLoad:
     kv_bytes_per_token: int = 0
     attn_flops_per_context_token: int = 0
     block_param_bytes: int = 0          # param_bytes of the block units alone (what a per-block overhead scales by)
+    sliding_kv_bytes_per_token: int = 0  # the part of kv_bytes_per_token held only for a sliding window
 
     def __add__(self, other: "StageLoad") -> "StageLoad":
         return StageLoad(*(a + b for a, b in zip(_load_values(self), _load_values(other))))
@@ -90,7 +95,8 @@ class StageLoad:
                    head_flops_per_token=unit.proj_flops_per_token if head else 0,
                    kv_bytes_per_token=unit.kv_bytes_per_token,
                    attn_flops_per_context_token=unit.attn_flops_per_context_token,
-                   block_param_bytes=unit.param_bytes if block else 0)
+                   block_param_bytes=unit.param_bytes if block else 0,
+                   sliding_kv_bytes_per_token=unit.sliding_kv_bytes_per_token)
 
 
 # The fields in order, read without dataclasses.astuple's deep copy: the hybrid search adds and subtracts
@@ -203,14 +209,15 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
     units = [PartitionUnit(index=0, kind="embedding", param_bytes=0, gather_bytes_per_token=embed_bytes // V,
                            stored_bytes=embed_bytes, proj_flops_per_token=0, kv_bytes_per_token=0,
                            attn_flops_per_context_token=0, act_bytes_per_token=H * d)]
+    kv_token = 2 * spec.num_kv_heads * spec.head_dim * d                                               # eq. 4.5
     for i in range(spec.num_layers):
         block_bytes = spec.block_weight_bytes(i) if dtype == spec.dtype else block_params * d
         units.append(PartitionUnit(index=i + 1, kind="block", param_bytes=block_bytes,
                                    gather_bytes_per_token=0, stored_bytes=block_bytes,
-                                   proj_flops_per_token=block_flops,
-                                   kv_bytes_per_token=2 * spec.num_kv_heads * spec.head_dim * d,    # eq. 4.5
+                                   proj_flops_per_token=block_flops, kv_bytes_per_token=kv_token,
                                    attn_flops_per_context_token=4 * spec.num_heads * spec.head_dim,  # eq. 4.11
-                                   act_bytes_per_token=H * d))                                       # eq. 4.4
+                                   act_bytes_per_token=H * d,                                        # eq. 4.4
+                                   sliding_kv_bytes_per_token=kv_token if spec.layer_window(i) else 0))
     # lm_head (the tied matrix streams all the same) + final norm
     lm_type = spec.embed_type if spec.tie_word_embeddings else spec.head_type
     head_bytes = (spec.tensor_bytes((V, H), lm_type) if dtype == spec.dtype else V * H * d) + H * d

@@ -200,9 +200,11 @@ def stage_time(a: ProgramAnalysis, load: StageLoad, rates: DeviceRates, w: Workl
     B = w.batch
     if w.objective == "decode":
         tokens = 1
-        c = w.decode_context
-        if a.sliding_window:
-            c = min(c, a.sliding_window)
+        # A sliding-window block attends over its window, the others over the whole context (Gemma 3 mixes them).
+        c_full = w.decode_context
+        c_window = min(c_full, a.sliding_window) if a.sliding_window else c_full
+        window_share = load.sliding_kv_bytes_per_token / load.kv_bytes_per_token if load.kv_bytes_per_token else 0.0
+        c = c_full * (1 - window_share) + c_window * window_share
         attn_flops = B * c * load.attn_flops_per_context_token                    # eq. 4.11
         kv_bytes = B * c * load.kv_bytes_per_token                                # eq. 4.12
     else:
@@ -379,6 +381,26 @@ def whole_pages(tokens: int) -> int:
     return -(-tokens // KV_PAGE_TOKENS) * KV_PAGE_TOKENS
 
 
+def sliding_kv_cap(a: ProgramAnalysis, w: Workload) -> int:
+    """Tokens of KV a sliding-window block of the CPU cache holds at most, whatever the context: its window and
+    one page more, as the window straddles page boundaries (runtime/kv/layer_kinds.py), and while the prompt is
+    prefilled in one step, the prompt's rows beside the window's."""
+    return whole_pages(a.sliding_window + w.prompt_len - 1) + KV_PAGE_TOKENS
+
+
+def sliding_kv_tokens(a: ProgramAnalysis, w: Workload, context: int) -> int:
+    """Tokens of KV a sliding-window block of the CPU cache holds at `context` (whole pages)."""
+    return min(context, sliding_kv_cap(a, w)) if a.sliding_window else context
+
+
+def cpu_kv_bytes(a: ProgramAnalysis, load: StageLoad, w: Workload, context: int) -> int:
+    """KV bytes of one sequence of the blocks of `load` in the CPU cache at `context` tokens (whole pages): the
+    global blocks' every token, the sliding-window blocks' sliding_kv_tokens. (The GPU cache keeps every page of
+    every layer: its blocks count the whole context.)"""
+    full = load.kv_bytes_per_token - load.sliding_kv_bytes_per_token
+    return full * context + load.sliding_kv_bytes_per_token * sliding_kv_tokens(a, w, context)
+
+
 def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: StageLoad, w: Workload,
                  context: int | None = None, streamed: StageLoad | None = None,
                  ring_bytes: int = 0) -> tuple[MemoryNeed, MemoryNeed]:
@@ -392,7 +414,7 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     c = whole_pages(w.total_context if context is None else context)
     B = w.batch
     kv_gpu_blocks = B * c * (gpu.kv_bytes_per_token + s.kv_bytes_per_token)
-    host_kv = B * c * (cpu.kv_bytes_per_token - s.kv_bytes_per_token) + (kv_gpu_blocks if w.kv_offload else 0)
+    host_kv = B * cpu_kv_bytes(a, cpu - s, w, c) + (kv_gpu_blocks if w.kv_offload else 0)
     host = MemoryNeed(weights=a.held_bytes(cpu), kv=host_kv, workspace=a.workspace_bytes(cpu, B, w.prompt_len),
                       reserve=hw.host_reserve_bytes, available=hw.cpu.ram_free_bytes)
     if gpu.units == 0:
@@ -426,13 +448,10 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     s = streamed or StageLoad()
     host0, gpu0 = memory_needs(a, hw, cpu, gpu, w, context=0, streamed=s, ring_bytes=ring_bytes)
     B = w.batch
-    fit = None
     gpu_kv_tok = gpu.kv_bytes_per_token + s.kv_bytes_per_token
-    host_per_token = B * (cpu.kv_bytes_per_token - s.kv_bytes_per_token + (gpu_kv_tok if w.kv_offload else 0))
     if host0.total > host0.available or gpu0.total > gpu0.available:
         return 0
-    if host_per_token:
-        fit = (host0.available - host0.total) // host_per_token
+    fit = _host_kv_fit(a, cpu - s, w, gpu_kv_tok if w.kv_offload else 0, host0.available - host0.total)
     if gpu.units and not w.kv_offload and gpu_kv_tok:
         # KV at context c needs max(c * per_token, the prefill's loan): the loan already fits; serving (B > 1)
         # holds the loan beside the pages (memory_needs).
@@ -442,6 +461,21 @@ def max_context(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: St
     if fit is None:
         return a.max_position_embeddings
     return int(min(a.max_position_embeddings, fit // KV_PAGE_TOKENS * KV_PAGE_TOKENS))
+
+
+def _host_kv_fit(a: ProgramAnalysis, cpu: StageLoad, w: Workload, offloaded_tok: int, room: int) -> int | None:
+    """Most tokens of context whose host KV (the CPU blocks' `cpu`, the offloaded GPU blocks' `offloaded_tok` a
+    token) fits `room` bytes; None: no host KV grows with the context. Sliding-window blocks grow only up to
+    their cap (sliding_kv_tokens), every other block's KV by the token."""
+    B = w.batch
+    full = B * (cpu.kv_bytes_per_token - cpu.sliding_kv_bytes_per_token + offloaded_tok)
+    sliding = B * cpu.sliding_kv_bytes_per_token
+    if not full and not sliding:
+        return None
+    cap = sliding_kv_cap(a, w)
+    if (full + sliding) * cap >= room:
+        return room // (full + sliding)
+    return (room - sliding * cap) // full if full else None
 
 
 def kv_page_pool_bytes(gpu_need: MemoryNeed) -> int:

@@ -16,7 +16,11 @@ and once at the end `advance(S)`:
 A batched decode step (one token for each of several sequences, a cache each) goes through DecodeBatch instead,
 which does the same per cache with the per-call work done once a step.
 
-Storage: one arena [L, 2, h_kv, slots * T, d] in the model's dtype (float16; bfloat16 as uint16 bits,
+Layers are grouped by attention window (runtime/kv/layer_kinds.py): each kind (the global layers, those of one
+sliding window) has a page table and an arena of its own, and a sliding kind releases its pages as they leave
+the window, so its memory stays about window + one page however long the sequence.
+
+Storage: per kind one arena [L_kind, 2, h_kv, slots * T, d] in the model's dtype (float16; bfloat16 as uint16 bits,
 appended with round-to-nearest-even; float32 models keep float32); page slot p holds tokens
 [p*T, (p+1)*T) of every head, so a run of consecutive slots is one strided view and one batched matmul
 per head group (pages of one sequence are handed out in order, so a sequence is usually a single run).
@@ -38,7 +42,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.runtime.kv.options import KV_PAGE_TOKENS
 
-from helmc.runtime.kv.pages import PagePool
+from helmc.runtime.kv.layer_kinds import KindPages
 from helmc.runtime.memory.allocation import allocate
 from helmc.runtime.kv.paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
                               ungroup_output)
@@ -99,27 +103,49 @@ class KVCacheCPU:
         self.block_tokens = max(page_tokens, block_tokens // page_tokens * page_tokens)
         self.score_budget_bytes = score_budget_bytes
         n_slots = -(-max_tokens // page_tokens)
-        self.pool = PagePool(page_tokens, gpu_capacity=0, host_capacity=n_slots)
-        shape = (num_layers, 2, num_kv_heads, n_slots * page_tokens, head_dim)
-        self._arena = allocate("kv", int(np.prod(shape)) * np.dtype(self.dtype).itemsize,
-                               lambda: _aligned_empty(shape, self.dtype), f"{max_tokens} tokens x {num_layers} CPU layers")
-        self._seq = self.pool.add_sequence()
+        self._kinds: list[KindPages] = []
+        self._kind_of: list[tuple[KindPages, int]] = [None] * num_layers     # layer -> (its kind, index in the kind)
+        for w in sorted(set(windows)):
+            layers = tuple(i for i in range(num_layers) if windows[i] == w)
+            shape = (len(layers), 2, num_kv_heads, n_slots * page_tokens, head_dim)
+            arena = allocate("kv", int(np.prod(shape)) * np.dtype(self.dtype).itemsize,
+                             lambda shape=shape: _aligned_empty(shape, self.dtype),
+                             f"{max_tokens} tokens x {len(layers)} CPU layers")
+            kind = KindPages(w, layers, page_tokens, n_slots, arena)
+            self._kinds.append(kind)
+            for j, i in enumerate(layers):
+                self._kind_of[i] = (kind, j)
         self._pending = 0
         self._appended: set[int] = set()
-        self._runs_key = None
-        self._runs: list[tuple[int, int, int]] = []
-        self._table_key = None
-        self._table_cache = None
         self._executor = None
         self._kernel = attend_kernel
         self._kernel_args = None          # per layer (k, v) TVM tensors over the arena, made on first use
-        self._row = None                  # this decode step's (arena row, kernel row0, kernel n): DecodeBatch
+        self._rows: dict[int, tuple] = {}  # this decode step's (arena row, kernel row0, n) per kind: DecodeBatch
 
     # ------------------------------------------------------------------ state
     @property
     def length(self) -> int:
         """Committed tokens (those of finished steps)."""
-        return self.pool.length(self._seq)
+        return self._kinds[0].length
+
+    @property
+    def pool(self):
+        """The page pool of the first layer kind (the global layers where there are any)."""
+        return self._kinds[0].pool
+
+    @property
+    def pools(self) -> tuple:
+        """Every layer kind's page pool (what the cache holds: pages in use are theirs together)."""
+        return tuple(kind.pool for kind in self._kinds)
+
+    @property
+    def arenas(self) -> tuple:
+        """Every layer kind's arena [L_kind, 2, h_kv, slots * T, d], global layers first."""
+        return tuple(kind.arena for kind in self._kinds)
+
+    def kind_pages(self, layer: int) -> KindPages:
+        """The page table and arena `layer` shares with the layers of its window."""
+        return self._kind_of[layer][0]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32) -> int:
@@ -130,23 +156,27 @@ class KVCacheCPU:
         return self._kernel is not None
 
     def reset(self) -> None:
-        self.pool.free_sequence(self._seq)
-        self._seq = self.pool.add_sequence()
+        for kind in self._kinds:
+            kind.reset()
         self._pending = 0
         self._appended.clear()
-        self._runs_key = None
-        self._row = None
+        self._rows = {}
 
     def prefault(self, tokens: int) -> int:
         """Write zeros over the arena rows of positions 0..tokens-1 of an empty cache (the pool hands its page slots
         out lowest first, so a sequence's first positions land there), committing their memory now rather than in
         the steps that first write them (the arena is np.empty: the OS commits a page on its first write, ~3 ms a
-        fresh 2 MiB on the VMs helmc is measured on). Bytes written; the cache stays empty."""
+        fresh 2 MiB on the VMs helmc is measured on); a sliding kind's rows only as many as its window holds
+        (its slots are handed out again). Bytes written; the cache stays empty."""
         if self.length or self._pending:
             raise HelmcError(f"KVCacheCPU.prefault: expected an empty cache, found {self.length} tokens")
-        rows = self._arena[:, :, :, :min(max(0, int(tokens)), self._arena.shape[3])]   # [L, 2, h_kv, rows, d]
-        rows[...] = 0
-        return rows.nbytes
+        written = 0
+        for kind in self._kinds:
+            limit = min(max(0, int(tokens)), kind.live_pages_bound() * self.page_tokens, kind.arena.shape[3])
+            rows = kind.arena[:, :, :, :limit]                                # [L_kind, 2, h_kv, rows, d]
+            rows[...] = 0
+            written += rows.nbytes
+        return written
 
     def close(self) -> None:
         if self._executor is not None:
@@ -165,21 +195,21 @@ class KVCacheCPU:
         if self._pending == 0:
             if self.length + S > self.max_tokens:
                 raise HelmcError(f"KV cache (CPU layers): {self.length + S} tokens needed, room for {self.max_tokens}")
-            self.pool.reserve(self._seq, S)
-            self._pending = S
+            self._reserve(S)
         elif S != self._pending or layer in self._appended:
             raise HelmcError(f"KVCacheCPU.append: layer {layer} expected {self._pending} new rows once per step, "
                              f"found {S} rows{' (second append)' if layer in self._appended else ''}")
         T, start = self.page_tokens, self.length
-        table = self._table()
-        for i in range(start // T, table.n_pages):
+        kind, j = self._kind_of[layer]
+        table = kind.table(self._pending)
+        for i in range(start // T, table.first_page + table.n_pages):
             a, b = max(start, i * T), min(start + S, (i + 1) * T)
             if a >= b:
                 continue
-            base = table.host_slots[i] * T - i * T              # arena row of position p is base + p
+            base = table.host_slots[i - table.first_page] * T - i * T      # arena row of position p is base + p
             rows, src = slice(base + a, base + b), slice(a - start, b - start)
-            self._store(self._arena[layer, 0, :, rows], k[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
-            self._store(self._arena[layer, 1, :, rows], v[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
+            self._store(kind.arena[j, 0, :, rows], k[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
+            self._store(kind.arena[j, 1, :, rows], v[src].transpose(1, 0, 2))   # [n, h_kv, d] -> [h_kv, n, d]
         self._appended.add(layer)
 
     def attend(self, layer: int, q: np.ndarray, scale: float) -> np.ndarray:
@@ -198,9 +228,9 @@ class KVCacheCPU:
         n = self.length + S
         if S == 1:
             if self._kernel is not None:
-                runs = self._slot_runs(n)
+                runs = self.kind_pages(layer).slot_runs(n, self._pending)
                 if len(runs) == 1:
-                    return self._decode_kernel(layer, q, runs[0][1], n, scale)
+                    return self._decode_kernel(layer, q, runs[0][1] - runs[0][0], n, scale)
             return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer])
         return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.windows[layer],
                              np.float32, self.score_budget_bytes)
@@ -210,31 +240,44 @@ class KVCacheCPU:
             missing = sorted(set(range(self.num_layers)) - self._appended)
             raise HelmcError(f"KVCacheCPU.advance: expected {self._pending} rows appended by every layer, "
                              f"found advance({S}) with layers {missing} missing")
-        self.pool.advance(self._seq, S)
+        for kind in self._kinds:
+            kind.advance(S)
         self._pending = 0
         self._appended.clear()
-        self._row = None
+        self._rows = {}
 
-    def _decode_row(self) -> tuple[int, int | None, int]:
-        """This one-token step's (arena row of the new token, arena row of position 0 or None, tokens n): the
-        step's reservation made on first use, and what append/attend work out per call, worked out once a step.
-        The row of position 0 is None where the compiled kernel cannot attend (no kernel, or pages in several
-        runs); a layer's kernel reads from position window_start(layer, n) on."""
+    def _reserve(self, S: int) -> None:
+        for kind in self._kinds:
+            kind.reserve(S)
+        self._pending = S
+        self._rows = {}
+
+    def _decode_row(self, layer: int) -> tuple[int, int | None, int]:
+        """This one-token step's (arena row of the new token, arena row of position 0 or None, tokens n) in
+        `layer`'s kind's arena: the step's reservation made on first use, and what append/attend work out per call,
+        worked out once a step and kind. The row of position 0 (where it would be: a sliding kind's first pages
+        are released) is None where the compiled kernel cannot attend (no kernel, or pages in several runs); a
+        layer's kernel reads from position window_start(layer, n) on."""
         if self._pending == 0:
             if self.length + 1 > self.max_tokens:
                 raise HelmcError(f"KV cache (CPU layers): {self.length + 1} tokens needed, room for {self.max_tokens}")
-            self.pool.reserve(self._seq, 1)
-            self._pending = 1
-            self._row = None
+            self._reserve(1)
         elif self._pending != 1:
             raise HelmcError(f"KVCacheCPU: a one-token decode step in a step of {self._pending} rows")
-        if self._row is None:
-            T, p = self.page_tokens, self.length
-            row = self._table().host_slots[p // T] * T + p % T
-            n = p + 1
-            runs = self._slot_runs(n) if self._kernel is not None else ()
-            self._row = (row, runs[0][1], n) if len(runs) == 1 else (row, None, n)
-        return self._row
+        kind = self._kind_of[layer][0]
+        out = self._rows.get(kind.window)
+        if out is None:
+            p = self.length
+            row, n = kind.row_of(p, 1), p + 1
+            runs = kind.slot_runs(n, 1) if self._kernel is not None else ()
+            out = self._rows[kind.window] = (row, runs[0][1] - runs[0][0], n) if len(runs) == 1 else (row, None, n)
+        return out
+
+    def _write_row(self, layer: int, row: int, k: np.ndarray, v: np.ndarray) -> None:
+        """K and V [h_kv, d] of one position, already in the arena's dtype, at arena row `row` of `layer`."""
+        kind, j = self._kind_of[layer]
+        kind.arena[j, 0, :, row] = k
+        kind.arena[j, 1, :, row] = v
 
     def window_start(self, layer: int, n: int) -> int:
         """The first of positions 0..n-1 that `layer`'s newest query sees (its sliding window's)."""
@@ -249,31 +292,6 @@ class KVCacheCPU:
     def _check_layer(self, layer: int, what: str) -> None:
         if not 0 <= layer < self.num_layers:
             raise HelmcError(f"KVCacheCPU.{what}: layer expected 0..{self.num_layers - 1}, found {layer}")
-
-    def _table(self):
-        """The sequence's page table, rebuilt only when placement or length changed."""
-        key = (self.pool.version, self.length, self._pending)
-        if key != self._table_key:
-            self._table_cache, self._table_key = self.pool.page_table(self._seq), key
-        return self._table_cache
-
-    def _slot_runs(self, n: int) -> list[tuple[int, int, int]]:
-        """(first position, arena row of that position, tokens) for each run of consecutive slots."""
-        key = (self.pool.version, n)
-        if key != self._runs_key:
-            T = self.page_tokens
-            table = self._table()
-            runs: list[list[int]] = []
-            for i in range(table.n_pages):
-                tok = table.tokens_in(i, n)
-                slot = table.host_slots[i]
-                if runs and runs[-1][1] + runs[-1][2] == slot * T and runs[-1][2] % T == 0:
-                    runs[-1][2] += tok
-                elif tok:
-                    runs.append([i * T, slot * T, tok])
-            self._runs = [tuple(r) for r in runs]
-            self._runs_key = key
-        return self._runs
 
     def _store(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Write float rows into the arena in its dtype (bf16: round to nearest even, as torch does)."""
@@ -292,12 +310,13 @@ class KVCacheCPU:
         return KeyBlock(b.pos0, b.n, (lambda b=b: tuple(self._widen(x) for x in b.load())))
 
     def _blocks(self, layer: int, n: int, widen: bool = True) -> list[KeyBlock]:
-        """Key blocks of `layer` over positions 0..n-1 (those inside the window); `widen`: load() gives
-        float32, else the arena's own dtype."""
-        K, V = self._arena[layer, 0], self._arena[layer, 1]               # [h_kv, slots*T, d] each
-        lo = self.window_start(layer, n)
+        """Key blocks of `layer` over positions 0..n-1 (those inside the step's first query's window); `widen`:
+        load() gives float32, else the arena's own dtype."""
+        kind, j = self._kind_of[layer]
+        K, V = kind.arena[j, 0], kind.arena[j, 1]                          # [h_kv, slots*T, d] each
+        lo = self.window_start(layer, self.length + 1)      # the step's first query's window: it sees the most
         out = []
-        for pos0, row0, tok in self._slot_runs(n):
+        for pos0, row0, tok in kind.slot_runs(n, self._pending):
             for a in range(0, tok, self.block_tokens):
                 b = min(tok, a + self.block_tokens)
                 if pos0 + b <= lo:
@@ -307,7 +326,8 @@ class KVCacheCPU:
         return [self._widened(b) for b in out] if widen and self.kv_dtype != "float32" else out
 
     def _decode_kernel(self, layer: int, q: np.ndarray, row0: int, n: int, scale: float) -> np.ndarray:
-        """One query row over positions lo..n-1, stored at arena rows row0+lo.., on the compiled kernel."""
+        """One query row over positions lo..n-1, stored at arena rows row0+lo.. of the layer's kind, on the
+        compiled kernel."""
         if self._kernel_args is None:
             self._bind_kernel(q.shape[1])
         lo = self.window_start(layer, n)
@@ -324,8 +344,8 @@ class KVCacheCPU:
         self._q = _aligned_empty((num_q_heads, self.head_dim), np.float32)
         self._o = _aligned_empty((num_q_heads, self.head_dim), np.float32)
         self._q_tensor, self._o_tensor = from_dlpack(self._q), from_dlpack(self._o)
-        self._kernel_args = [(from_dlpack(self._arena[i, 0]), from_dlpack(self._arena[i, 1]))
-                             for i in range(self.num_layers)]
+        self._kernel_args = [(from_dlpack(kind.arena[j, 0]), from_dlpack(kind.arena[j, 1]))
+                             for kind, j in self._kind_of]
 
     def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float, window: int) -> np.ndarray:
         """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share."""
@@ -399,9 +419,8 @@ class DecodeBatch:
         for b, kv in enumerate(caches):
             if layer in kv._appended or not 0 <= layer < kv.num_layers:
                 raise HelmcError(f"KVCacheCPU.append: layer {layer} appended twice in a step, or out of range")
-            row, row0, n = kv._decode_row()
-            kv._arena[layer, 0, :, row] = ks[b]
-            kv._arena[layer, 1, :, row] = vs[b]
+            row, row0, n = kv._decode_row(layer)
+            kv._write_row(layer, row, ks[b], vs[b])
             kv._appended.add(layer)
             if row0 is None:                               # pages in several runs: the cache's own path
                 out[b] = kv.attend(layer, q[b:b + 1], scale).reshape(-1)

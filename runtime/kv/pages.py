@@ -11,17 +11,20 @@ Life of a page:
     complete_eviction()  the device-to-host copy finished: IN_FLIGHT -> HOST, GPU slot freed
     begin_prefetch()     a HOST page's layer slice is being copied into a staging slot for attention
     end_prefetch()       that staging slot may be reused
+    release_before()     a sliding-window layer kind's pages wholly before its window: slots back, page gone
     free_sequence()      every slot of the sequence back to its free list
 
 Invariants (checked by check_invariants() at the end of every mutator that moves or commits pages; the staging
 mutators, called per page and layer of every attention over host pages, check I7, the only one they can break:
 the whole check is O(pages + slots), and ~400 of them a token held a 32K-context decode step for ~70 ms):
-  I1  every live page belongs to exactly one sequence, at position `index` of its page list.
+  I1  every live page belongs to exactly one sequence, at position `index - first` of its page list (`first`:
+      the sequence's released leading pages, 0 unless release_before was called).
   I2  residency GPU <=> gpu_slot set and host_slot None; HOST <=> host_slot set and gpu_slot None;
       IN_FLIGHT <=> both set (the copy reads the GPU slot and writes the host slot).
   I3  per tier, the free slots and the slots held by pages partition range(capacity), no slot twice.
-  I4  per sequence 0 <= length <= reserved <= len(pages) * page_tokens, and the pages are exactly
-      enough: len(pages) == ceil(reserved / page_tokens).
+  I4  per sequence 0 <= length <= reserved <= (first + len(pages)) * page_tokens, and the pages are exactly
+      enough: first + len(pages) == ceil(reserved / page_tokens); released pages were wholly committed:
+      first * page_tokens <= length.
   I5  (pools with a GPU tier) an IN_FLIGHT page is full and committed; a HOST page is full and
       committed, or lies wholly inside the pending (reserved, not yet committed) range.
   I6  (pools with a GPU tier, between steps: length == reserved) the GPU pages of a sequence are a
@@ -62,7 +65,9 @@ class PageInfo:
 
 @dataclass(frozen=True)
 class PageTable:
-    """One sequence's pages in token order: what a buffer owner needs to read or write them."""
+    """One sequence's live pages in token order: what a buffer owner needs to read or write them. Entry j of the
+    tuples is page `first_page + j` (tokens [(first_page + j) * page_tokens, ...)); pages below first_page were
+    released (PagePool.release_before)."""
     seq_id: int
     page_tokens: int
     length: int                              # committed tokens
@@ -71,18 +76,20 @@ class PageTable:
     residency: tuple[Residency, ...]
     gpu_slots: tuple[int | None, ...]
     host_slots: tuple[int | None, ...]
+    first_page: int = 0
 
     @property
     def n_pages(self) -> int:
+        """Live pages (entries of the tuples)."""
         return len(self.page_ids)
 
     def tokens_in(self, index: int, upto: int | None = None) -> int:
-        """Tokens of page `index` below position `upto` (default: reserved)."""
+        """Tokens of page `index` (a page index, not a tuple entry) below position `upto` (default: reserved)."""
         upto = self.reserved if upto is None else upto
         return max(0, min(self.page_tokens, upto - index * self.page_tokens))
 
     def on_device(self, index: int) -> bool:
-        """Readable in place on the GPU (GPU, or IN_FLIGHT whose GPU slot is still intact)."""
+        """Entry `index` readable in place on the GPU (GPU, or IN_FLIGHT whose GPU slot is still intact)."""
         return self.residency[index] is not Residency.HOST
 
 
@@ -95,12 +102,13 @@ class _Page:
 
 
 class _Sequence:
-    __slots__ = ("pages", "length", "reserved")
+    __slots__ = ("pages", "length", "reserved", "first")
 
     def __init__(self):
-        self.pages: list[int] = []
+        self.pages: list[int] = []     # live page ids; entry j is page index first + j
         self.length = 0
         self.reserved = 0
+        self.first = 0                 # leading pages released (release_before)
 
 
 class _FreeList:
@@ -187,7 +195,7 @@ class PagePool:
     def gpu_slots_needed(self, seq_id: int, n_tokens: int) -> int:
         """GPU slots reserve(seq_id, n_tokens) will take."""
         s = self._seq(seq_id)
-        k = self.pages_for(s.reserved + n_tokens) - len(s.pages)
+        k = self.pages_for(s.reserved + n_tokens) - s.first - len(s.pages)
         return min(k, self.watermark_pages)
 
     def page_info(self, page_id: int) -> PageInfo:
@@ -199,7 +207,7 @@ class PagePool:
         ps = [self._pages[i] for i in s.pages]
         return PageTable(seq_id, self.page_tokens, s.length, s.reserved, tuple(s.pages),
                          tuple(p.residency for p in ps), tuple(p.gpu_slot for p in ps),
-                         tuple(p.host_slot for p in ps))
+                         tuple(p.host_slot for p in ps), s.first)
 
     def staged(self) -> dict[int, tuple[int, int]]:
         return dict(self._staged)
@@ -225,7 +233,7 @@ class PagePool:
         if n_tokens < 0:
             raise HelmcError(f"reserve: n_tokens expected >= 0, found {n_tokens}")
         s = self._seq(seq_id)
-        k = self.pages_for(s.reserved + n_tokens) - len(s.pages)
+        k = self.pages_for(s.reserved + n_tokens) - s.first - len(s.pages)
         n_gpu = min(k, self.watermark_pages)
         if n_gpu > self.gpu_free or k - n_gpu > self.host_free:
             raise PoolExhausted(f"KV page pool: {k} new page(s) need {n_gpu} GPU and {k - n_gpu} host slot(s), "
@@ -236,7 +244,7 @@ class PagePool:
             pid = self._next_page
             self._next_page += 1
             self._stamp += 1
-            page = _Page(pid, seq_id, len(s.pages), Residency.GPU if on_gpu else Residency.HOST,
+            page = _Page(pid, seq_id, s.first + len(s.pages), Residency.GPU if on_gpu else Residency.HOST,
                          self._gpu_free.take() if on_gpu else None,
                          None if on_gpu else self._host_free.take(), self._stamp)
             self._pages[pid] = page
@@ -285,7 +293,8 @@ class PagePool:
         if p.residency is not Residency.GPU or not self._full_committed(p):
             raise HelmcError(f"begin_eviction: page {page_id} expected full, committed and on the GPU, "
                              f"found {p.residency.value}")
-        older = [q for q in self._seqs[p.seq_id].pages[:p.index] if self._pages[q].residency is Residency.GPU]
+        s = self._seqs[p.seq_id]
+        older = [q for q in s.pages[:p.index - s.first] if self._pages[q].residency is Residency.GPU]
         if older:
             raise HelmcError(f"begin_eviction: page {page_id} has older GPU page(s) {older}: evict oldest first")
         host = self._start_eviction(p)
@@ -329,6 +338,36 @@ class PagePool:
         del self._staged[staging_slot]
         self._check_staging()
 
+    def release_before(self, seq_id: int, position: int) -> tuple[int, ...]:
+        """Release the sequence's pages that lie wholly before `position` (a committed position: the first one a
+        sliding-window layer kind still attends to), oldest first: their slots go back to the free lists and the
+        page ids are gone. Returns the released ids. The pages must not be in flight or staged."""
+        s = self._seq(seq_id)
+        if not 0 <= position <= s.length:
+            raise HelmcError(f"release_before: position expected in 0..{s.length} (committed), found {position}")
+        k = max(0, position // self.page_tokens - s.first)
+        gone = s.pages[:k]
+        busy = [pid for pid in gone if self._pages[pid].residency is Residency.IN_FLIGHT
+                or any(v[0] == pid for v in self._staged.values())]
+        if busy:
+            raise HelmcError(f"release_before: page(s) {busy} of sequence {seq_id} still have copies in flight")
+        for pid in gone:
+            p = self._pages.pop(pid)
+            if p.gpu_slot is not None:
+                self._gpu_free.give(p.gpu_slot)
+            if p.host_slot is not None:
+                self._host_free.give(p.host_slot)
+        del s.pages[:k]
+        s.first += k
+        if gone:
+            self.version += 1
+        self.check_invariants()
+        return tuple(gone)
+
+    def first_page(self, seq_id: int) -> int:
+        """Index of the sequence's oldest live page (its released leading pages)."""
+        return self._seq(seq_id).first
+
     def free_sequence(self, seq_id: int) -> None:
         """Return every slot of the sequence. Its evictions must be completed and prefetches ended."""
         s = self._seq(seq_id)
@@ -366,46 +405,7 @@ class PagePool:
         return p.host_slot
 
     def check_invariants(self) -> None:
-        T = self.page_tokens
-        gpu_held, host_held = [], []
-        for sid, s in self._seqs.items():
-            assert 0 <= s.length <= s.reserved, f"I4: seq {sid} length {s.length} reserved {s.reserved}"
-            assert len(s.pages) == self.pages_for(s.reserved), f"I4: seq {sid} has {len(s.pages)} pages for {s.reserved} tokens"
-            stamps = [self._pages[pid].stamp for pid in s.pages]
-            assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), f"I8: seq {sid} stamps {stamps}"
-            for i, pid in enumerate(s.pages):
-                p = self._pages.get(pid)
-                assert p is not None and p.seq_id == sid and p.index == i, f"I1: page {pid} of seq {sid} at {i}"
-            if self.gpu_capacity and s.length == s.reserved:
-                res = [self._pages[pid].residency is Residency.GPU for pid in s.pages]
-                first = res.index(True) if True in res else len(res)
-                assert all(res[first:]), f"I6: seq {sid} GPU pages are not a suffix: {res}"
-        assert sum(len(s.pages) for s in self._seqs.values()) == len(self._pages), "I1: orphan pages"
-        for p in self._pages.values():
-            s = self._seqs[p.seq_id]
-            has_g, has_h = p.gpu_slot is not None, p.host_slot is not None
-            expect = {Residency.GPU: (True, False), Residency.HOST: (False, True), Residency.IN_FLIGHT: (True, True)}
-            assert (has_g, has_h) == expect[p.residency], f"I2: page {p.page_id} {p.residency} slots {p.gpu_slot}/{p.host_slot}"
-            if has_g:
-                gpu_held.append(p.gpu_slot)
-            if has_h:
-                host_held.append(p.host_slot)
-            if self.gpu_capacity and p.residency is not Residency.GPU:
-                full = (p.index + 1) * T <= s.length
-                pending = p.index * T >= s.length and (p.index + 1) * T <= s.reserved
-                assert full or (p.residency is Residency.HOST and pending), \
-                    f"I5: page {p.page_id} is {p.residency.value} but neither full nor wholly pending"
-        # I3 in O(held), not O(capacity) (this runs in the decode step's host path: 70 us a call over a
-        # pool of ~250 slots): free slots lie in range(capacity) (_FreeList.view), so held slots in range, disjoint
-        # from the free ones and as many as the capacity leaves are exactly the rest of range(capacity).
-        for name, held, free, cap in (("gpu", gpu_held, self._gpu_free, self.gpu_capacity),
-                                      ("host", host_held, self._host_free, self.host_capacity)):
-            held_set, free_set = set(held), free.view()
-            assert len(held) == len(held_set), f"I3: {name} slot held twice: {sorted(held)}"
-            assert len(held_set) + len(free_set) == cap and held_set.isdisjoint(free_set) and \
-                all(0 <= slot < cap for slot in held_set), \
-                f"I3: {name} slots held {sorted(held)} and free {sorted(free_set)} do not partition 0..{cap - 1}"
-        self._check_staging()
+        _check_invariants(self)
 
     def _check_staging(self) -> None:
         """I7 alone: what begin_prefetch / end_prefetch change (placement and lengths stay as they were)."""
@@ -414,3 +414,51 @@ class PagePool:
         for slot, (pid, _layer) in self._staged.items():
             assert 0 <= slot < self.staging_slots, f"I7: staging slot {slot} out of range"
             assert pid in self._pages and self._pages[pid].residency is Residency.HOST, f"I7: staged page {pid} is not HOST"
+
+
+def _check_invariants(pool: PagePool) -> None:
+    """PagePool.check_invariants: I1-I8 of the module docstring (a function of its own: the pool's class stays
+    readable)."""
+    T = pool.page_tokens
+    gpu_held, host_held = [], []
+    for sid, s in pool._seqs.items():
+        assert 0 <= s.length <= s.reserved, f"I4: seq {sid} length {s.length} reserved {s.reserved}"
+        assert s.first + len(s.pages) == pool.pages_for(s.reserved), \
+            f"I4: seq {sid} has {s.first} released + {len(s.pages)} pages for {s.reserved} tokens"
+        assert s.first * T <= s.length, f"I4: seq {sid} released {s.first} pages, only {s.length} tokens committed"
+        stamps = [pool._pages[pid].stamp for pid in s.pages]
+        assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), f"I8: seq {sid} stamps {stamps}"
+        for i, pid in enumerate(s.pages):
+            p = pool._pages.get(pid)
+            assert p is not None and p.seq_id == sid and p.index == s.first + i, \
+                f"I1: page {pid} of seq {sid} at {s.first + i}"
+        if pool.gpu_capacity and s.length == s.reserved:
+            res = [pool._pages[pid].residency is Residency.GPU for pid in s.pages]
+            first = res.index(True) if True in res else len(res)
+            assert all(res[first:]), f"I6: seq {sid} GPU pages are not a suffix: {res}"
+    assert sum(len(s.pages) for s in pool._seqs.values()) == len(pool._pages), "I1: orphan pages"
+    for p in pool._pages.values():
+        s = pool._seqs[p.seq_id]
+        has_g, has_h = p.gpu_slot is not None, p.host_slot is not None
+        expect = {Residency.GPU: (True, False), Residency.HOST: (False, True), Residency.IN_FLIGHT: (True, True)}
+        assert (has_g, has_h) == expect[p.residency], f"I2: page {p.page_id} {p.residency} slots {p.gpu_slot}/{p.host_slot}"
+        if has_g:
+            gpu_held.append(p.gpu_slot)
+        if has_h:
+            host_held.append(p.host_slot)
+        if pool.gpu_capacity and p.residency is not Residency.GPU:
+            full = (p.index + 1) * T <= s.length
+            pending = p.index * T >= s.length and (p.index + 1) * T <= s.reserved
+            assert full or (p.residency is Residency.HOST and pending), \
+                f"I5: page {p.page_id} is {p.residency.value} but neither full nor wholly pending"
+    # I3 in O(held), not O(capacity) (this runs in the decode step's host path: 70 us a call over a
+    # pool of ~250 slots): free slots lie in range(capacity) (_FreeList.view), so held slots in range, disjoint
+    # from the free ones and as many as the capacity leaves are exactly the rest of range(capacity).
+    for name, held, free, cap in (("gpu", gpu_held, pool._gpu_free, pool.gpu_capacity),
+                                  ("host", host_held, pool._host_free, pool.host_capacity)):
+        held_set, free_set = set(held), free.view()
+        assert len(held) == len(held_set), f"I3: {name} slot held twice: {sorted(held)}"
+        assert len(held_set) + len(free_set) == cap and held_set.isdisjoint(free_set) and \
+            all(0 <= slot < cap for slot in held_set), \
+            f"I3: {name} slots held {sorted(held)} and free {sorted(free_set)} do not partition 0..{cap - 1}"
+    pool._check_staging()

@@ -98,8 +98,8 @@ class BatchModel:
             groups = (self.cpu_caches or [], self.gpu_caches or [])
         for caches in groups:
             for kv in caches:
-                pool = kv.pool
-                n += pool.host_capacity - pool.host_free + pool.gpu_capacity - pool.gpu_free
+                for pool in getattr(kv, "pools", (kv.pool,)):      # a CPU cache: a pool per layer kind
+                    n += pool.host_capacity - pool.host_free + pool.gpu_capacity - pool.gpu_free
         return n
 
     def free(self, slot: int) -> None:

@@ -62,6 +62,33 @@ def test_gemma3_matches_transformers(gemma3, host_hardware, cache_dir):
     assert np.abs(last - want).max() / np.abs(want).max() <= 1e-4
 
 
+def test_gemma3_sliding_pages_freed_over_a_long_context(gemma3, host_hardware, cache_dir):
+    """Pages of 4 tokens, a 30-token prompt and 24 greedy tokens (~7 windows of 8): the sliding blocks' pages leave
+    the CPU cache as the window passes them, the global block keeps all of its, and the tokens and every position's
+    logits are still transformers'."""
+    from helmc import api
+    from helmc.runtime.session import Session
+    d, ref = gemma3()
+    r = api.build(d, dataclasses.replace(host_hardware, gpu=None, link=None), d + ".bundle", cache_dir=cache_dir,
+                  quiet=True)
+    s = Session.load(r.bundle_dir, kv_page_tokens=4)
+    prompt = PROMPT + [int(t) for t in np.random.default_rng(4).integers(3, 500, 21)]
+    got = s.generate(prompt_ids=prompt, max_new_tokens=24, stop_at_eos=False).tokens
+    assert got == hf_greedy(ref, prompt, 24) and len(set(got)) > 4
+    kv = s.cpu_stage.kv
+    sliding, full = kv.kind_pages(0), kv.kind_pages(2)
+    assert sliding.layers == (0, 1, 3) and full.layers == (2,)
+    n = kv.length
+    assert n >= 53 and sliding.table(0).first_page == (n + 1 - 8) // 4 >= 11
+    assert sliding.table(0).n_pages <= 3 and sliding.pool.host_free >= sliding.pool.host_capacity - 3
+    assert full.table(0).first_page == 0 and full.table(0).n_pages == -(-n // 4)
+    s.reset()
+    ours, theirs = s.forward(prompt + got, all_logits=True), hf_logits(ref, prompt + got)
+    rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    print(f"gemma3, 4-token pages, {len(prompt + got)} positions: logits max rel diff {rel:.3e}")
+    assert rel <= 1e-4 and sliding.table(0).first_page == (len(prompt + got) + 1 - 8) // 4
+
+
 def test_gemma3_fp16_greedy_matches_or_top5(gemma3, host_hardware, cache_dir):
     d, ref32 = gemma3("float16")
     ref = ref32.half()

@@ -112,7 +112,7 @@ def test_cache_with_kernel_equals_numpy_path(kernels, dtype, window):
     make = lambda kernel: KVCacheCPU(num_layers=2, num_kv_heads=h_kv, head_dim=d, page_tokens=64, max_tokens=1200,
                                      dtype=dtype, sliding_window=window or None, threads=2, attend_kernel=kernel)
     fast, slow = make(kernels[(h_a, h_kv, d, dtype)]), make(None)
-    assert fast.uses_kernel and not slow.uses_kernel and fast._arena.dtype.itemsize == 2
+    assert fast.uses_kernel and not slow.uses_kernel and fast.arenas[0].dtype.itemsize == 2
     worst = 0.0
     for S in (700, 1, 1, 1, 1):
         for layer in range(2):
@@ -148,7 +148,8 @@ def test_decode_batch_equals_per_sequence_calls(kernels, dtype, window):
     def make():
         c = KVCacheCPU(num_layers=L, num_kv_heads=h_kv, head_dim=d, page_tokens=64, max_tokens=640, dtype=dtype,
                        sliding_window=window or None, threads=1, attend_kernel=kernels[(h_a, h_kv, d, dtype)])
-        c._arena[...] = 0                            # rows never written compare equal too
+        for arena in c.arenas:
+            arena[...] = 0                           # rows never written compare equal too
         return c
 
     prompts = (61, 126, 62)
@@ -179,15 +180,17 @@ def test_decode_batch_equals_per_sequence_calls(kernels, dtype, window):
             m.advance(1)
             ref.advance(1)
             assert m.length == ref.length
-            assert np.array_equal(m._arena.view(np.uint16), ref._arena.view(np.uint16))
-    assert len(mine[2]._slot_runs(mine[2].length)) == 2 and len(mine[1]._slot_runs(mine[1].length)) == 1
+            assert all(np.array_equal(a.view(np.uint16), r.view(np.uint16)) for a, r in zip(m.arenas, ref.arenas))
+    # The second cache's window left its page 0 behind: released, its slot 0 then took page 2, after page 1's slot.
+    assert len(mine[2].kind_pages(0).slot_runs(mine[2].length, 0)) == 2 and \
+        len(mine[1].kind_pages(0).slot_runs(mine[1].length, 0)) == (2 if window else 1)
 
 def test_bf16_append_rounds_to_nearest_even():
     cache = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=4, page_tokens=4, max_tokens=8, dtype="bfloat16")
     # 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even (1.0); 1 + 3 * 2^-8 ties up to 1.015625.
     k = np.array([[[1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.0]]], np.float32)          # [1, h_kv, d]
     cache.append(0, k, k)
-    stored_k = (cache._arena[0, 0, 0, :1].astype(np.uint32) << 16).view(np.float32)
+    stored_k = (cache.arenas[0][0, 0, 0, :1].astype(np.uint32) << 16).view(np.float32)
     assert stored_k.tolist() == [[1.0, 1.0, 1.015625, -2.0]]
     assert KVCacheCPU.bytes_per_token(1, 1, 4, "bfloat16") == 16
 

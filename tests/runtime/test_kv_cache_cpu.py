@@ -9,11 +9,13 @@ from helmc.runtime.kv.cache_cpu import KVCacheCPU, _split_by_tokens
 from helmc.runtime.kv.paged_attention import full_attention
 
 
-def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0):
-    """Drive the cache like a stage does; return the worst relative error against full attention."""
+def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0, hist=None):
+    """Drive the cache like a stage does; return the worst relative error against full attention. `hist`: the
+    keys and values appended by earlier calls on the same cache ([], filled here, to continue with)."""
     L = cache.num_layers
-    hist_k = [np.zeros((0, h_kv, d)) for _ in range(L)]
-    hist_v = [np.zeros((0, h_kv, d)) for _ in range(L)]
+    if hist is not None and not hist:
+        hist += [[np.zeros((0, h_kv, d)) for _ in range(L)], [np.zeros((0, h_kv, d)) for _ in range(L)]]
+    hist_k, hist_v = hist or ([np.zeros((0, h_kv, d)) for _ in range(L)], [np.zeros((0, h_kv, d)) for _ in range(L)])
     worst = 0.0
     for S in steps:
         for layer in range(L):
@@ -42,7 +44,7 @@ def test_prefill_then_decode_matches_full_attention(group):
     print(f"\nCPU KV, GQA {group}: max relative error vs full softmax over 15 steps = {worst:.2e}")
     assert worst < 1e-5
     assert cache.length == 55
-    assert cache.pool.page_table(cache._seq).host_slots == tuple(range(7))
+    assert cache.kind_pages(0).table(0).host_slots == tuple(range(7))
 
 
 def test_sliding_window_fp16_storage_and_reset():
@@ -107,3 +109,48 @@ def test_misuse_is_refused():
         cache.append(0, np.zeros((6, 1, 8), np.float32), np.zeros((6, 1, 8), np.float32))
     with pytest.raises(HelmcError, match="dtype"):
         KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=8, dtype=np.int8)
+
+
+def test_sliding_layers_release_pages_exact_ids():
+    """A sliding layer kind's pages leave as the window passes them (slots reused lowest first), the global
+    layers keep all theirs, and every output still equals full attention over the window."""
+    cache = KVCacheCPU(num_layers=3, num_kv_heads=1, head_dim=8, page_tokens=4, max_tokens=64,
+                       sliding_window=(6, 0, 6))
+    sliding, full = cache.kind_pages(0), cache.kind_pages(1)
+    assert cache.kind_pages(2) is sliding and sliding.layers == (0, 2) and full.layers == (1,)
+    rng = np.random.default_rng(11)
+    hist = []
+    ids = lambda kind: (kind.table(0).first_page, kind.table(0).page_ids, kind.table(0).host_slots)
+    assert run_steps(cache, rng, [9], 1, 2, 8, window=(6, 0, 6), hist=hist) < 1e-5
+    assert ids(sliding) == (1, (1, 2), (1, 2))              # next query (9) sees 4..9: page 0 (0..3) released
+    assert ids(full) == (0, (0, 1, 2), (0, 1, 2))
+    assert run_steps(cache, rng, [1, 1, 1, 1], 1, 2, 8, window=(6, 0, 6), hist=hist) < 1e-5
+    assert ids(sliding) == (2, (2, 3), (2, 0))              # length 13: page 3 took slot 0, then page 1 left
+    assert run_steps(cache, rng, [7, 1, 1, 1, 1], 1, 2, 8, window=(6, 0, 6), hist=hist) < 1e-5
+    assert cache.length == 24
+    assert ids(sliding) == (4, (4, 5), (1, 2))             # page 4 took slot 1, page 5 slot 2
+    assert ids(full)[1] == tuple(range(6))
+    cache.reset()
+    assert ids(sliding) == (0, (), ()) and sliding.pool.host_free == 16
+
+
+def test_sliding_kind_holds_window_plus_a_page_over_a_long_decode():
+    """Decoding many windows long, a sliding kind holds at most ceil(window / T) + 1 pages in a step and writes
+    only the arena rows of those slots (what the OS commits); outputs match full attention throughout."""
+    T, W = 4, 10
+    cache = KVCacheCPU(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=T, max_tokens=200,
+                       sliding_window=(W, 0))
+    sliding = cache.kind_pages(0)
+    rng = np.random.default_rng(5)
+    held, slots_used, hist = [], set(), []
+    worst = run_steps(cache, rng, [13], 1, 2, 8, window=(W, 0), hist=hist)
+    for _ in range(60):
+        worst = max(worst, run_steps(cache, rng, [1], 1, 2, 8, window=(W, 0), hist=hist))
+        t = sliding.table(0)
+        held.append(t.n_pages)
+        slots_used.update(t.host_slots)
+    assert worst < 1e-5 and cache.length == 73
+    assert max(held) == -(-(W - 2) // T) + 1 == 3               # between steps: the next query's W - 1 older keys
+    assert slots_used == set(range(sliding.live_pages_bound())) == {0, 1, 2, 3}   # in a step: W keys, 4 pages
+    assert sliding.pool.host_free == sliding.pool.host_capacity - sliding.table(0).n_pages
+    assert cache.kind_pages(1).table(0).n_pages == 19
