@@ -24,7 +24,8 @@ class DecodeGraph:
     page address tables by KVCacheGPU.begin_step); the logits come out where the capture's head wrote them.
     A graph bakes in page addresses, so KVCacheGPU.graph_key() names what it depends on: a key seen for the
     first time runs eagerly once (which also warms TVM's and CuPy's allocators), the second capture and
-    replay, and a step that cannot replay (a page on the host, a sliding window) runs eagerly. CuPy captures
+    replay, and a step that cannot replay (a page on the host) runs eagerly (a sliding window's first split moving
+    makes a new key: one eager step, then a capture again). CuPy captures
     the stream; TVM launches on it through tvm_ffi's environment stream; the capture's CuPy temporaries come
     from a pool of the graph's own, so no other work is ever given memory the graph writes.
     Eager and replayed steps run the same kernels on the same buffers: tokens do not depend on which ran."""

@@ -14,10 +14,10 @@ This class holds the sequence and its open step: begin_step / append / attend / 
 Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed prefill of the
 CPU blocks (prefill_stream.py), which finishes before the first append. Invariant: the store holds at least
 `loan_bytes` whenever its VRAM does, even beyond its whole slots: the plan counts the loan as the pool's floor.
-Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append with one
-kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a host value that
-changes within a page table, so the whole step is captured once as a CUDA graph and replayed while graph_key()
-stays the same (runtime/decode_graph.DecodeGraph).
+Decode steps read the step's token count and window start from device memory (`_step_devs`, one per window,
+written by begin_step), append with one kernel, and take their page address tables from begin_step: nothing a
+layer enqueues depends on a host value that changes within a page table (and a window's first split), so the whole
+step is captured once as a CUDA graph and replayed while graph_key() stays the same (runtime/decode_graph.DecodeGraph).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -58,7 +58,6 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         if len(self.windows) != num_layers or any(not isinstance(w, (int, np.integer)) or w < 0 for w in self.windows):
             raise HelmcError(f"KVCacheGPU: sliding_window expected None, >= 0 or {num_layers} per-layer windows "
                              f"(0: none), found {sliding_window!r:.80}")
-        self.window = max(self.windows)                # nonzero: some layer's first split moves (graph_key)
         self.score_budget_bytes, self.prefill_block_tokens = score_budget_bytes, prefill_block_tokens
         self._seq = self.pool.add_sequence()
         self._pending = 0
@@ -154,15 +153,17 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         return self._step_devs[self.windows[layer]]
 
     def graph_key(self):
-        """In an open decode step: what a captured step baked in (page addresses, split plan), or None when
-        the step cannot replay a graph (a page on the host: its staging copies are chosen per step; a
-        sliding window: its first split moves)."""
-        if self._pending != 1 or self.window:
+        """In an open decode step: what a captured step baked in (page addresses, split plan, each window's first
+        split: the launches take it from the host while t_begin comes from the device), or None when the step
+        cannot replay a graph (a page on the host: its staging copies are chosen per step)."""
+        if self._pending != 1:
             return None
         table = self._table()
         if not all(table.on_device(i) for i in range(table.n_pages)):
             return None
-        return (self.pool.version, table.n_pages, self._plan_key)
+        plan = self._split_plan(table)
+        firsts = tuple(self._one_launch(plan, w)[1] for w in sorted(self._step_devs))
+        return (self.pool.version, table.n_pages, self._plan_key, firsts)
 
     def forget_appends(self, layers: range | None = None) -> None:
         """The appends of the open step to `layers` (default all) were never run (a failed capture): keep its

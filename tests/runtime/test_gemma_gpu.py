@@ -8,7 +8,7 @@ The bundles and references are built on the compiler machine by
 and carried to the GPU machine; the test looks in $HELMC_GEMMA_GPU_DIR (default .devrt/gemma3_gpu). Pass: the
 prompt's last logits within 2e-2 of transformers' fp32 (max |diff| / max |ref|: fp16 activations on the GPU), the
 greedy tokens identical or, at the first divergence, transformers' token in helmc's top 5; the GPU cache's layers
-carry the blocks' own windows. Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
+carry the blocks' own windows, and the decode steps replay CUDA graphs. Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
 """
 from __future__ import annotations
 
@@ -51,5 +51,9 @@ def test_gemma3_gpu_stage_matches_transformers(name, gpu_windows):
     _, rel, r, agree, first = compare_with_hf(s, prompt, refs["logits"], ref_greedy, NEW_TOKENS)
     print(f"\ngemma3 {name}: logits max|diff|/max|ref| {rel:.2e}; greedy identical to HF for {first}/"
           f"{len(ref_greedy)}; TTFT {r.ttft_ms:.1f} ms, decode {r.decode_tok_s:.0f} tok/s")
+    graph = s.gpu.decode_graph
+    if graph is not None:        # sliding windows replay too: a graph per first split of each window
+        print(f"decode graph: {graph.captures} captures, {graph.replays} replays, {graph.eager_steps} eager steps")
+        assert not graph.disabled and graph.replays > 0, (graph.disabled, graph.replays)
     assert rel <= LOGIT_TOLERANCE, (name, rel)
     assert agree, f"{name}: HF's token {ref_greedy[first]} not in helmc's top 5 at its first divergence ({first})"

@@ -331,11 +331,31 @@ def test_per_layer_windows():
         c = make(sliding_window=(11, 0), **kw)
         worst = drive_windows(c, [19] + [1] * 12 + [3, 1], seed=4, windows=(11, 0))
         assert worst < 1e-5, (kw, worst)
-    assert make(sliding_window=(11, 0)).window == 11
     from helmc.errors import HelmcError
     for bad in ((11,), (11, -1)):
         with pytest.raises(HelmcError, match="sliding_window expected None, >= 0 or 2 per-layer windows"):
             make(sliding_window=bad)
+
+
+def test_graph_key_names_each_windows_first_split():
+    """A decode step with sliding windows replays a CUDA graph too: its key names each window's first split (a
+    launch argument from the host), so a graph is captured again only when a window's first split moves."""
+    c = make(offload=False, sliding_window=(11, 0))
+    rng = np.random.default_rng(6)
+    seen = []
+    for S in [19] + [1] * 30:
+        if S == 1:
+            c.begin_step(1)
+            key = c.graph_key()
+            span = c._split_plan(c._table())[0]
+            assert key is not None and key[3] == (0, max(0, c.length + 1 - 11) // span), (c.length, key)
+            seen.append(key[3])
+        for layer in range(2):
+            k, v = rng.standard_normal((2, S, H_KV, D)).astype(np.float32)
+            c.append(layer, k, v)
+            c.attend(layer, rng.standard_normal((S, H_KV * GROUP, D)).astype(np.float32), 0.2)
+        c.advance(S)
+    assert len(set(seen)) > 1          # the window's first split moved over these steps
 
 
 def drive_windows(cache, steps, seed, windows):
