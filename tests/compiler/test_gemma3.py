@@ -142,6 +142,14 @@ def test_gemma3_gpu_plans_are_plain_splits(gemma3):
     for budget in (None, 1e-4):
         p = search(spec, hw, gpu_budget_gib=budget)
         assert not p.placement.prefill_on_gpu and not p.placement.groups, p.describe()
+    # a --plan file asking for it is refused at load, before anything is allocated
+    from helmc.runtime.bundle.plan_check import check_plan
+    own = Plan.of(num_layers=4, cpu_units=2, max_context=512)
+    check_plan(own, spec, own)
+    with pytest.raises(HelmcError, match="^--plan: Gemma3ForCausalLM expected a plain CPU/GPU split .*, found a "
+                                         "streamed prefill$"):
+        check_plan(Plan.of(num_layers=4, cpu_units=2, prefill_on_gpu=True, prefill_staging_bytes=1, max_context=512),
+                   spec, own, where="--plan")
 
 
 _GEMMA3_GGUF_BLOCK = {   # llama.cpp's gemma3 names (gguf-py MODEL_ARCH.GEMMA3), spelled out apart from helmc's table
