@@ -24,7 +24,8 @@ class DecodeGraph:
     page address tables by KVCacheGPU.begin_step); the logits come out where the capture's head wrote them.
     A graph bakes in page addresses, so KVCacheGPU.graph_key() names what it depends on: a key seen for the
     first time runs eagerly once (which also warms TVM's and CuPy's allocators), the second capture and
-    replay, and a step that cannot replay (a page on the host, a sliding window) runs eagerly. CuPy captures
+    replay, and a step that cannot replay (a page on the host) runs eagerly (a sliding window's first split moving
+    makes a new key: one eager step, then a capture again). CuPy captures
     the stream; TVM launches on it through tvm_ffi's environment stream; the capture's CuPy temporaries come
     from a pool of the graph's own, so no other work is ever given memory the graph writes.
     Eager and replayed steps run the same kernels on the same buffers: tokens do not depend on which ran."""
@@ -34,7 +35,8 @@ class DecodeGraph:
         self.stage, self.head_fns, self.head_weights, self.stream = stage, head_fns, head_weights, stream
         self.to_cupy = to_cupy
         # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
-        H, D = spec.hidden_size, spec.head_dim
+        # a local RoPE (Gemma 3) makes each cos / sin row [global D | local D] (Stage.rope_halves splits it)
+        H, D = spec.hidden_size, spec.head_dim * (2 if spec.local_rope is not None else 1)
         x_at, cos_at, sin_at = 0, align_up(2 * H), align_up(2 * H) + align_up(4 * D)
         n = sin_at + align_up(4 * D)
         self._pinned = cp.cuda.alloc_pinned_memory(n)
@@ -60,7 +62,7 @@ class DecodeGraph:
 
     def step(self, x, cos: np.ndarray, sin: np.ndarray, begun: bool = False, argmax: bool = False):
         """x [1, H] on the host, or fp16 on the device (hybrid decode: the last streamed group's output), cos/sin
-        [1, D] on the host -> logits [1, V] float32 on the host, or with argmax their greedy token (an int: the
+        [1, D] on the host ([1, 2D] with a local RoPE) -> logits [1, V] float32 on the host, or with argmax their greedy token (an int: the
         argmax runs where the logits are, and 8 bytes cross instead of V * 4). begun: the cache's step is already
         open (hybrid decode's streamed blocks appended to it first); the graph appends only its own layers."""
         kv = self.stage.kv

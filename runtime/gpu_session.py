@@ -228,6 +228,14 @@ class GpuParts:
                 a += n
             return self._head_of_last_rows(last)                                    # [B, V], B = len(rows) > 1
 
+def gpu_cache_windows(spec, gpu_layers: range, kv_layers: int) -> tuple[int, ...]:
+    """Each GPU cache layer's window (Gemma 3: per block). The cache's last len(gpu_layers) layers are the GPU
+    blocks'; a hybrid plan's streamed blocks before them take the blocks' just before (exact where every block has
+    one window: hybrid decode is refused for per-block windows, pipeline.check_placement)."""
+    first = gpu_layers[0] - (kv_layers - len(gpu_layers)) if len(gpu_layers) else spec.num_layers - kv_layers
+    return tuple(spec.layer_window(first + j) for j in range(kv_layers))
+
+
 def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int, free: int, pool_loan: int):
     """The GPU stage's paged KV cache, after its weights are bound: the pages get what the plan left them, with the
     streamed prefill's loan as their floor. free: the VRAM free before anything of the session was allocated."""
@@ -249,7 +257,7 @@ def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int,
     return KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                       max_tokens=mem.max_context, vram_bytes=max(0, int(budget)),
                       watermark=kv_options.watermark, offload=kv_options.offload,
-                      sliding_window=spec.sliding_window or None, loan_bytes=pool_loan,
+                      sliding_window=gpu_cache_windows(spec, plan.placement.gpu_layers, kv_layers), loan_bytes=pool_loan,
                       ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
 
 

@@ -87,6 +87,9 @@ def check_plan(plan: Plan, spec: ModelSpec, own: Plan, where: str = "plan",
                     ("prefill_chunk_tokens", pl.prefill_chunk_tokens)):
         if v > mem.max_context:
             raise HelmcError(f"{where}: {name} expected at most max_context ({mem.max_context} tokens), found {v}")
+    if (spec.local_rope is not None or spec.global_layers) and (pl.prefill_on_gpu or pl.groups):
+        raise HelmcError(f"{where}: {spec.architecture} expected a plain CPU/GPU split (its blocks' own windows and "
+                         f"RoPE tables), found {'a streamed prefill' if pl.prefill_on_gpu else 'hybrid decode groups'}")
     for g in pl.groups:
         if g.first_layer + g.num_layers > spec.num_layers:
             raise HelmcError(f"{where}: group at block {g.first_layer} of {g.num_layers} blocks expected within the "

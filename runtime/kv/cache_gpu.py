@@ -14,10 +14,10 @@ This class holds the sequence and its open step: begin_step / append / attend / 
 Loan: while the pool holds no page (a new request), lend_empty_pool hands its VRAM to the streamed prefill of the
 CPU blocks (prefill_stream.py), which finishes before the first append. Invariant: the store holds at least
 `loan_bytes` whenever its VRAM does, even beyond its whole slots: the plan counts the loan as the pool's floor.
-Decode steps read the step's token count from device memory (`_step_dev`, written by begin_step), append with one
-kernel, and take their page address tables from begin_step: nothing a layer enqueues depends on a host value that
-changes within a page table, so the whole step is captured once as a CUDA graph and replayed while graph_key()
-stays the same (runtime/decode_graph.DecodeGraph).
+Decode steps read the step's token count and window start from device memory (`_step_devs`, one per window,
+written by begin_step), append with one kernel, and take their page address tables from begin_step: nothing a
+layer enqueues depends on a host value that changes within a page table (and a window's first split), so the whole
+step is captured once as a CUDA graph and replayed while graph_key() stays the same (runtime/decode_graph.DecodeGraph).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
                  max_tokens: int = 4096, *, vram_bytes: int | None = None, gpu_pages: int | None = None,
                  watermark: float = KV_WATERMARK, offload: bool = True, staging_pages: int = 16,
-                 host_extent_pages: int = 8, sliding_window: int | None = None,
+                 host_extent_pages: int = 8, sliding_window: int | tuple[int, ...] | None = None,
                  score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, loan_bytes: int = 0,
                  ops=None):
         if min(num_layers, num_kv_heads, head_dim, page_tokens, max_tokens, host_extent_pages) < 1:
@@ -52,7 +52,12 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         self._init_store(ops, (num_layers, num_kv_heads, head_dim, page_tokens), max_tokens, vram_bytes=vram_bytes,
                          gpu_pages=gpu_pages, watermark=watermark, offload=offload, staging_pages=staging_pages,
                          host_extent_pages=host_extent_pages, loan_bytes=loan_bytes)
-        self.window = sliding_window or 0
+        # one window per layer (Gemma 3 interleaves sliding and global blocks; 0: the whole context)
+        self.windows = tuple(sliding_window) if isinstance(sliding_window, (tuple, list)) else \
+            (sliding_window or 0,) * num_layers
+        if len(self.windows) != num_layers or any(not isinstance(w, (int, np.integer)) or w < 0 for w in self.windows):
+            raise HelmcError(f"KVCacheGPU: sliding_window expected None, >= 0 or {num_layers} per-layer windows "
+                             f"(0: none), found {sliding_window!r:.80}")
         self.score_budget_bytes, self.prefill_block_tokens = score_budget_bytes, prefill_block_tokens
         self._seq = self.pool.add_sequence()
         self._pending = 0
@@ -63,7 +68,9 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         self._ptr_tables: dict[int, object] = {}
         self._parts = None
         self._counters = ops.to_device(np.zeros(num_kv_heads, np.int32))   # paged_decode_fused's, 0 between launches
-        self._step_dev = ops.device_empty((2,), np.int32)                 # [n_tokens, t_begin] of a decode step
+        # [n_tokens, t_begin] of a decode step, one per distinct window: each layer's kernels read their window's
+        self._step_devs = {w: ops.device_empty((2,), np.int32) for w in sorted(set(self.windows))}
+        self._step_dev = self._step_devs[self.windows[0]]
         self._table_key = None
         self._table_cache = None
         self.num_sms = getattr(ops, "num_sms", 132)
@@ -133,23 +140,30 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         self._pending = S
         if S == 1:
             n = self.length + 1
-            t_begin = max(0, n - self.window) if self.window else 0
-            self.ops.write_step(self._step_dev, np.array([n, t_begin], np.int32), self.ops.current_stream())
+            for w, dev in self._step_devs.items():
+                t_begin = max(0, n - w) if w else 0
+                self.ops.write_step(dev, np.array([n, t_begin], np.int32), self.ops.current_stream())
             table = self._table()
             stage_of = self._split_plan(table)[4]
             for layer in range(self.L):
                 self._page_ptrs(layer, table, stage_of)
 
+    def step_for(self, layer: int):
+        """The device [n_tokens, t_begin] that `layer`'s decode kernels read (its window's)."""
+        return self._step_devs[self.windows[layer]]
+
     def graph_key(self):
-        """In an open decode step: what a captured step baked in (page addresses, split plan), or None when
-        the step cannot replay a graph (a page on the host: its staging copies are chosen per step; a
-        sliding window: its first split moves)."""
-        if self._pending != 1 or self.window:
+        """In an open decode step: what a captured step baked in (page addresses, split plan, each window's first
+        split: the launches take it from the host while t_begin comes from the device), or None when the step
+        cannot replay a graph (a page on the host: its staging copies are chosen per step)."""
+        if self._pending != 1:
             return None
         table = self._table()
         if not all(table.on_device(i) for i in range(table.n_pages)):
             return None
-        return (self.pool.version, table.n_pages, self._plan_key)
+        plan = self._split_plan(table)
+        firsts = tuple(self._one_launch(plan, w)[1] for w in sorted(self._step_devs))
+        return (self.pool.version, table.n_pages, self._plan_key, firsts)
 
     def forget_appends(self, layers: range | None = None) -> None:
         """The appends of the open step to `layers` (default all) were never run (a failed capture): keep its
@@ -187,7 +201,7 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
             ptrs = self._page_ptrs(layer, table, split_plan[4])
             k16 = xp.ascontiguousarray(k.reshape(self.h_kv, self.d), dtype=np.float16)   # [1, h_kv*d] -> [h_kv, d]
             v16 = xp.ascontiguousarray(v.reshape(self.h_kv, self.d), dtype=np.float16)
-            if self._one_launch(split_plan)[0] and self.ops.has_fused_append(self.d):
+            if self._one_launch(split_plan, self.windows[layer])[0] and self.ops.has_fused_append(self.d):
                 self._rows[layer] = (k16, v16)      # attend's one launch writes the row (paged_decode_fused_append)
             else:
                 self.ops.decode_append(k16, v16, ptrs, self.T, self.h_kv, self.d, self._step_dev)

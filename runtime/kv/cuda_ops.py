@@ -21,7 +21,9 @@ PAGED_ATTENTION_CUBIN = "paged_attention.cubin"
 _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_decode", "prefill_causal")
 # schedules/gpu/flash_prefill.py: in cubins built for sm_80+ by newer bundles; absent, prefill keeps
 # prefill_causal and attend_blocks' tiles
-FLASH_KERNEL = "flash_prefill_v2"     # = schedules/gpu/flash_prefill.KERNEL_NAME
+FLASH_KERNEL = "flash_prefill_v3"     # = schedules/gpu/flash_prefill.KERNEL_NAME
+STATIC_SMEM_LIMIT = 48 << 10          # shared memory a launch gets without opting in
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # partial + merge in one launch: in newer bundles' cubins; absent, decode launches the two
 FUSED_DECODE_KERNEL = "paged_decode_fused"
 FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # the decode append inside the fused attention
@@ -32,6 +34,11 @@ FUSED_APPEND_BATCH_KERNEL = "paged_decode_fused_append_batch"
 SHORT_KERNELS = ("paged_decode_short", "paged_decode_short_append", "paged_decode_short_append_batch")
 SHORT_THREADS = 16 * 32          # = the source's SHORT_WARPS * 32
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
+
+
+def flash_smem_bytes(head_dim: int) -> int:
+    """= schedules/gpu/flash_prefill.smem_bytes: the K and V tiles of a launch in dynamic shared memory."""
+    return 2 * FLASH_BLOCK_K * (head_dim + 8) * 2
 
 
 def bundle_cuda_ops(bundle_dir: str, head_dim: int, group: int) -> "CudaOps":
@@ -54,6 +61,7 @@ class CudaOps:
         self.cp, self.cupyx, self.xp = cupy, cupyx, cupy
         self._cubins = dict(cubins or {})
         self._kernels: dict[tuple[int, int], tuple] = {}
+        self._smem_opted: set[tuple[int, int]] = set()   # flash kernels allowed past STATIC_SMEM_LIMIT
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
 
     # buffers
@@ -266,9 +274,13 @@ class CudaOps:
             raise HelmcError(f"flash_prefill: expected a page table and multiples of {FLASH_BLOCK_K} for paged keys, "
                              f"found paged_keys {paged_keys}, page_tokens {page_tokens}")
         kernel = self._functions(d, h_a // num_kv_heads)[4]
+        smem = flash_smem_bytes(d)
+        if smem > STATIC_SMEM_LIMIT and (d, h_a // num_kv_heads) not in self._smem_opted:   # head_dim 256: 66 KB
+            self.cp.cuda.driver.funcSetAttribute(kernel.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            self._smem_opted.add((d, h_a // num_kv_heads))
         kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
                (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),
                 np.int32(num_kv_heads), np.int32(window), np.float32(scale), out,
                 page_ptrs if page_ptrs is not None else np.uint64(0), np.int32(page_tokens), np.int32(paged_keys),
                 np.int32(k_pos0), state if state is not None else np.uint64(0), np.int32(bool(state_in)),
-                np.int32(bool(state_out))))
+                np.int32(bool(state_out))), shared_mem=smem)

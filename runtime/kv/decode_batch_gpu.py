@@ -55,9 +55,10 @@ class GpuDecodeBatch:
 
     @staticmethod
     def applies(caches: list, q_dim: int) -> bool:
-        """Every cache a KVCacheGPU of one shape on one CudaOps whose cubin has the batched kernel."""
+        """Every cache a KVCacheGPU of one shape on one CudaOps whose cubin has the batched kernel, and one window for
+        all its layers (the launch reads one [n_tokens, t_begin] per sequence)."""
         first = caches[0]
-        if not all(isinstance(kv, KVCacheGPU) for kv in caches):
+        if not all(isinstance(kv, KVCacheGPU) and len(set(kv.windows)) == 1 for kv in caches):
             return False
         shape = (first.ops, first.L, first.h_kv, first.d, first.T)
         if any((kv.ops, kv.L, kv.h_kv, kv.d, kv.T) != shape for kv in caches):
@@ -121,7 +122,7 @@ class GpuDecodeBatch:
         for b, (kv, table) in enumerate(zip(caches, tables)):
             split_plan = kv._split_plan(table)
             span, n_splits, _, _, stage_of = split_plan
-            one_launch, split_base = kv._one_launch(split_plan)
+            one_launch, split_base = kv._one_launch(split_plan, kv.windows[0])
             if not one_launch:
                 ok = False
                 break

@@ -45,26 +45,27 @@ class GpuDecode:
         split_plan = self._split_plan(table)
         span, n_splits, _, _, stage_of = split_plan
         ptrs = self._page_ptrs(layer, table, stage_of)
-        one_launch, first = self._one_launch(split_plan)
+        one_launch, first = self._one_launch(split_plan, self.windows[layer])
         pm, ps, po = self._partials(n_splits, h_a)
         q16 = xp.ascontiguousarray(q[0], dtype=np.float16)               # [1, h_a, d] -> [h_a, d]
         res = xp.empty((h_a, self.d), np.float16) if out is None else out.reshape(h_a, self.d)   # [h_a*d] -> [h_a, d]
         row = self._rows.pop(layer, None)
+        step = self.step_for(layer)
         short = self._short(table, h_a)
         if short and not one_launch:         # some pages on the host: all of them staged in one chunk, then one launch
             _, _, _, chunks, _ = split_plan
             assert len(chunks) == 1 and row is None, "KVCacheGPU._decode: short-path host pages fit one chunk"
             with self._staged(layer, table, chunks[0][1], stage_of, self._after_host_writes()):
-                ops.decode_short(q16, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res)
+                ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res)
         elif short:                          # a row append left to this launch (one_launch held there) goes in it
-            ops.decode_short(q16, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res) if row is None else \
-                ops.decode_short_append(q16, *row, ptrs, self.T, self._step_dev, self.h_kv, self.d, scale, res)
+            ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res) if row is None else \
+                ops.decode_short_append(q16, *row, ptrs, self.T, step, self.h_kv, self.d, scale, res)
         elif row is not None:
             assert one_launch, "KVCacheGPU._decode: a deferred row needs the one-launch path"
-            ops.decode_fused_append(q16, row[0], row[1], ptrs, self.T, self._step_dev, span, first, n_splits - first,
+            ops.decode_fused_append(q16, row[0], row[1], ptrs, self.T, step, span, first, n_splits - first,
                                     self.h_kv, self.d, scale, pm, ps, po, self._counters, res)
         elif one_launch and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all splits
-            ops.decode_fused(q16, ptrs, self.T, self._step_dev, span, first, n_splits - first, self.h_kv, self.d,
+            ops.decode_fused(q16, ptrs, self.T, step, span, first, n_splits - first, self.h_kv, self.d,
                              scale, pm, ps, po, self._counters, res)
         else:
             self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
@@ -82,12 +83,12 @@ class GpuDecode:
             self._parts = tuple(self.xp.empty(n, np.float32) for n in (rows, rows, rows * self.d))
         return self._parts
 
-    def _one_launch(self, split_plan) -> tuple[bool, int]:
+    def _one_launch(self, split_plan, window: int) -> tuple[bool, int]:
         """(whether one launch covers this decode step's splits -- none of them on host pages --, the first split
         the window keeps)."""
         span, _, host_split, _, _ = split_plan
         n = self.length + 1
-        first = (max(0, n - self.window) // span) if self.window else 0
+        first = (max(0, n - window) // span) if window else 0
         return not any(host_split[first:]), first
 
     def _decode_in_parts(self, layer: int, table, q16, ptrs, scale: float, first: int, res) -> None:
@@ -96,9 +97,10 @@ class GpuDecode:
         ops, h_a = self.ops, q16.shape[0]
         span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
         pm, ps, po = self._parts
+        step = self.step_for(layer)
 
         def launch(s0, s1):
-            ops.decode_partial(q16, ptrs, self.T, self._step_dev, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
+            ops.decode_partial(q16, ptrs, self.T, step, span, s0, s1 - s0, self.h_kv, self.d, scale, pm, ps, po)
 
         for s0, s1 in runs(sp for sp in range(first, n_splits) if not host_split[sp]):   # resident: no waiting
             launch(s0, s1)

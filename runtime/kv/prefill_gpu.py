@@ -28,10 +28,10 @@ class GpuPrefill:
             kv = xp.ascontiguousarray(kv)                                    # [2, h_kv, S, d]
             out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
             if flash:
-                ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.window,
+                ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.windows[layer],
                                   scale, out)
             else:
-                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.window, scale, out)
+                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.windows[layer], scale, out)
             return out
         table = self._table()
         before = -(-start // T)                                            # pages holding keys 0..start-1
@@ -49,7 +49,7 @@ class GpuPrefill:
             else:
                 blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
         blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
-        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.window, np.float32, self.score_budget_bytes)
+        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.windows[layer], np.float32, self.score_budget_bytes)
         self._release_ring(compute)
         return out
 
@@ -74,12 +74,12 @@ class GpuPrefill:
             stage_of = {i: i - g0 for i in group}
             ptrs = np.array([staging + stage_of[i] * slice_bytes for i in group], np.int64)
             with self._staged(layer, table, group, stage_of, compute):
-                ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.window, scale, out,
+                ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.windows[layer], scale, out,
                                   ops.to_device(ptrs), T, len(group) * T, k_pos0=g0 * T, state=state,
                                   state_in=g0 > 0, state_out=True)
         ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * slice_bytes for i in range(host, before)] or [0],
                         np.int64)
-        ops.flash_prefill(q, kv[0], kv[1], start - host * T + n, start, self.h_kv, self.window, scale, out,
+        ops.flash_prefill(q, kv[0], kv[1], start - host * T + n, start, self.h_kv, self.windows[layer], scale, out,
                           ops.to_device(ptrs), T, start - host * T, k_pos0=host * T, state=state, state_in=host > 0)
         return out
 

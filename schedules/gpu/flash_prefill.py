@@ -1,6 +1,6 @@
 """CUDA side of prefill attention on tensor cores: a flash-attention (FA2) kernel for fresh keys.
 
-  flash_prefill_v2  grid (ceil(n_q / 64), h_a), 128 threads. Block (x, h) takes query rows 64x.. of head h, at
+  flash_prefill_v3  grid (ceil(n_q / 64), h_a), 128 threads. Block (x, h) takes query rows 64x.. of head h, at
                   positions q_pos0 + row, and walks their visible keys (causal, and a sliding window when one
                   is set) 64 at a time: S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 sums), an online
                   softmax in fp32 on the accumulators, P rounded to fp16 and O += P V with the same mma.
@@ -27,11 +27,17 @@ PTX instructions emulated by their documented fragment layouts.
 from __future__ import annotations
 
 # The symbol names the argument list: a cubin built with another list lacks it, so the runtime falls back to the
-# older paths instead of calling it with the wrong arguments (v2: k_pos0 and the carried state).
-KERNEL_NAME = "flash_prefill_v2"
+# older paths instead of calling it with the wrong arguments (v2: k_pos0 and the carried state; v3: its K and V tiles
+# in dynamic shared memory, smem_bytes(head_dim) of it at each launch).
+KERNEL_NAME = "flash_prefill_v3"
 BLOCK_Q = 64                     # query rows per block (16 per warp)
 BLOCK_K = 64                     # keys per tile
 THREADS = 128
+
+
+def smem_bytes(head_dim: int) -> int:
+    """The dynamic shared memory of a launch: the K and V tiles, BLOCK_K rows of head_dim + 8 halves each."""
+    return 2 * BLOCK_K * (head_dim + 8) * 2
 
 
 def flash_supported(head_dim: int) -> bool:
@@ -111,14 +117,21 @@ __device__ __forceinline__ void load_tile(unsigned short* s, const unsigned shor
 }
 
 extern "C" __global__ void __launch_bounds__(128)
-flash_prefill_v2(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+flash_prefill_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
               const unsigned short* __restrict__ v, long long kv_head_stride, int n_q, int n_k, int q_pos0,
               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
               const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys, int k_pos0,
               float* __restrict__ state, int state_in, int state_out)
 {
-    __shared__ __align__(16) unsigned short sK[FK * FLDS];     // the Q tile first, then key tiles
-    __shared__ __align__(16) unsigned short sV[FK * FLDS];
+#ifdef HELMC_CPU_EMULATION
+    __shared__ __align__(16) unsigned short smem[2 * FK * FLDS];
+#else
+    // dynamic: 2 * FK * FLDS halves are 66 KB at HEAD_DIM 256, past the 48 KB of static shared memory (the
+    // runtime opts the function in to FLASH_SMEM_BYTES with cuFuncSetAttribute)
+    extern __shared__ __align__(16) unsigned short smem[];
+#endif
+    unsigned short* sK = smem;                                  // the Q tile first, then key tiles
+    unsigned short* sV = smem + FK * FLDS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int head = blockIdx.y, num_heads = num_kv_heads * GROUP;
     const int r0 = blockIdx.x * FQ;

@@ -199,6 +199,12 @@ def test_paged_attention_is_built_ahead_of_time(tmp_path):
     cubin = (tmp_path / name).read_bytes()
     assert cubin[:4] == b"\x7fELF"
     assert b"paged_decode_partial" in cubin and b"paged_decode_merge" in cubin and b"paged_append_decode" in cubin
+    # Gemma 3's head_dim 256: flash_prefill's 66 KB of tiles are dynamic shared memory (static past 48 KB is a
+    # ptxas error), so the cubin builds with every kernel in it
+    big = tmp_path / "d256"
+    big.mkdir()
+    cubin = (big / compile_paged_attention(256, 2, "sm_90", str(big))).read_bytes()
+    assert b"flash_prefill_v3" in cubin and b"paged_decode_fused_append" in cubin
     with pytest.raises(HelmcError, match="head_dim expected a multiple of 32 in 32..256, found 80"):
         compile_paged_attention(80, 4, "sm_90", str(tmp_path / "bad"))
     with pytest.raises(HelmcError, match="expected a CUDA arch"):

@@ -149,16 +149,34 @@ def test_quant_of_gemma3_is_refused_in_one_line(gemma3, tmp_path):
         read_model(gemma3()[0], quant="q8_0", cache_dir=str(tmp_path))
 
 
-def test_a_gpu_plan_for_gemma3_is_refused_in_one_line(gemma3):
+def test_gemma3_gpu_plans_are_plain_splits(gemma3):
+    """A GPU stage takes Gemma 3's blocks; streamed prefill and hybrid decode (one window, one RoPE table for their
+    staged blocks) are refused in one line, and the planner never proposes them for it."""
     from helmc.compiler.pipeline import check_placement
     from helmc.errors import HelmcError
+    from helmc.hardware.profile import load_hardware
     from helmc.model.spec import ModelSpec
+    from helmc.planner.search_partition import plan as search
     from helmc.runtime.bundle.plan import Plan
     spec = ModelSpec.from_model_dir(gemma3()[0])
-    with pytest.raises(HelmcError, match="plan: Gemma3ForCausalLM expected an all-CPU plan .* "
-                                         "\\(helmc profile --gpu-backend none\\)$"):
-        check_placement(spec, Plan(format_version=1, num_layers=4, cpu_units=2), None)
-    check_placement(spec, Plan(format_version=1, num_layers=4, cpu_units=6), None)      # all on the CPU
+    hw = load_hardware("h100-sxm-measured")
+    check_placement(spec, Plan.of(num_layers=4, cpu_units=2), hw)         # a split
+    check_placement(spec, Plan.of(num_layers=4, cpu_units=0), hw)         # all on the GPU
+    with pytest.raises(HelmcError, match="plan: Gemma3ForCausalLM expected a plain CPU/GPU split .* "
+                                         "with its prefill streamed to the GPU$"):
+        check_placement(spec, Plan.of(num_layers=4, cpu_units=2, prefill_on_gpu=True, prefill_staging_bytes=1,
+                                      max_context=512), hw)
+    for budget in (None, 1e-4):
+        p = search(spec, hw, gpu_budget_gib=budget)
+        assert not p.placement.prefill_on_gpu and not p.placement.groups, p.describe()
+    # a --plan file asking for it is refused at load, before anything is allocated
+    from helmc.runtime.bundle.plan_check import check_plan
+    own = Plan.of(num_layers=4, cpu_units=2, max_context=512)
+    check_plan(own, spec, own)
+    with pytest.raises(HelmcError, match="^--plan: Gemma3ForCausalLM expected a plain CPU/GPU split .*, found a "
+                                         "streamed prefill$"):
+        check_plan(Plan.of(num_layers=4, cpu_units=2, prefill_on_gpu=True, prefill_staging_bytes=1, max_context=512),
+                   spec, own, where="--plan")
 
 
 _GEMMA3_GGUF_BLOCK = {   # llama.cpp's gemma3 names (gguf-py MODEL_ARCH.GEMMA3), spelled out apart from helmc's table

@@ -91,14 +91,14 @@ extern "C" void run_flash(const unsigned short* q, const unsigned short* k, cons
                           long long head_stride, int n_q, int n_k, int q_pos0, int h_kv, int window, float scale,
                           unsigned short* out, const long long* page_ptrs, int page_tokens, int paged_keys) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
-        flash_prefill_v2(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, page_ptrs, page_tokens,
+        flash_prefill_v3(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, page_ptrs, page_tokens,
                       paged_keys, 0, nullptr, 0, 0); });
 }
 extern "C" void run_flash_state(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                 long long head_stride, int n_q, int n_k, int q_pos0, int h_kv, int window, float scale,
                                 unsigned short* out, int k_pos0, float* state, int state_in, int state_out) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
-        flash_prefill_v2(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, nullptr, 0, 0, k_pos0,
+        flash_prefill_v3(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, nullptr, 0, 0, k_pos0,
                       state, state_in, state_out); });
 }
 """
@@ -126,6 +126,7 @@ def build(tmp_path, head_dim, group):
     (1, 3, 16, 64, 64, 0, 0, 0),        # one 16-dim k-step, a group of 3
     (2, 2, 32, 70, 70, 192, 0, 128),    # a GPU-stage chunk: keys 0..191 in shuffled pages of 128, then its own 70
     (1, 2, 32, 64, 64, 256, 100, 64),   # the same with a window: the first pages skipped, the edge in a page
+    (1, 2, 256, 80, 80, 0, 30, 0),      # Gemma 3's head_dim 256 (tiles past 48 KB of shared memory), a window
 ])
 def test_flash_prefill_on_cpu_threads(tmp_path, h_kv, group, d, cap, n_q, q_pos0, window, page_tokens):
     lib = build(tmp_path, d, group)

@@ -53,6 +53,8 @@ def rel_err(cp, o, ref) -> float:
     (2, 2, 64, 700, 333, 300, 0),
     (4, 1, 128, 900, 900, 0, 128),        # a sliding window
     (8, 4, 128, 64, 1, 0, 0),             # one row
+    (8, 2, 256, 900, 900, 0, 0),          # Gemma 3 12B heads: 66 KB of dynamic shared memory a block
+    (8, 2, 256, 1200, 400, 800, 512),     # the same, a later chunk through its sliding window
 ])
 def test_flash_prefill_matches_float64(h_kv, g, d, cap, n_q, q_pos0, window):
     from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks, full_attention

@@ -168,6 +168,7 @@ def build(tmp_path, head_dim, group):
     (2, 1, 96, 5, 23, 5, 9, 3),        # head_dim 96 (3 values per lane), a sliding window start
     (2, 4, 64, 16, 45, 4, 0, 5),       # a quarter page per split (short contexts), empty splits past n
     (1, 2, 64, 8, 300, 8, 20, 9),      # 38 splits: the fused merge stages them 32 at a time; a window start
+    (2, 2, 256, 16, 45, 16, 20, 1),    # Gemma 3 12B's head_dim 256 (8 values per lane) and group 2, a window start
 ])
 def test_kernel_source_on_cpu_threads(tmp_path, h_kv, group, d, T, n, span, t_begin, cut):
     lib = build(tmp_path, d, group)
@@ -393,6 +394,7 @@ def test_fused_append_batch_is_each_sequence_alone(tmp_path, h_kv, group, d, T):
     (1, 8, 64, 8, 40, 9),              # a window start; the new row last of its page
     (1, 2, 32, 512, 300, 0),           # one big page; 128 rows a pass (4 lanes a row)
     (1, 4, 256, 16, 1, 0),             # the first token: one row, 32 lanes a row
+    (2, 2, 256, 16, 30, 14),           # Gemma 3 12B's heads past a sliding window of 16
 ])
 def test_short_kernels_on_cpu_threads(tmp_path, h_kv, group, d, T, n, t_begin):
     """paged_decode_short (schedules/gpu/paged_decode_short.py) after paged_append_decode is within fp16 rounding of

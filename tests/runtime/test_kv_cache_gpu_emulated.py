@@ -322,3 +322,57 @@ def test_short_contexts_take_the_short_kernel_and_offload_keeps_its_bits():
     assert worst_old < 1e-5 and old.ops.short_launches == 0 and old.ops.fused_append_launches == 2 * 8
     drive([resident], [1] * 4, seed=14)            # 14-16 tokens: 2 pages; 17: 3 pages, the split kernels
     assert resident.ops.short_launches == 2 * 11 and resident.ops.fused_launches == 2 * 1
+
+
+def test_per_layer_windows():
+    """Gemma 3's interleaving on the GPU cache: each layer its own window (0: the whole context), its decode kernels
+    reading their window's [n_tokens, t_begin], with pages on the host and without."""
+    for kw in ({"gpu_pages": 3, "watermark": 0.5}, {"offload": False}):
+        c = make(sliding_window=(11, 0), **kw)
+        worst = drive_windows(c, [19] + [1] * 12 + [3, 1], seed=4, windows=(11, 0))
+        assert worst < 1e-5, (kw, worst)
+    from helmc.errors import HelmcError
+    for bad in ((11,), (11, -1)):
+        with pytest.raises(HelmcError, match="sliding_window expected None, >= 0 or 2 per-layer windows"):
+            make(sliding_window=bad)
+
+
+def test_graph_key_names_each_windows_first_split():
+    """A decode step with sliding windows replays a CUDA graph too: its key names each window's first split (a
+    launch argument from the host), so a graph is captured again only when a window's first split moves."""
+    c = make(offload=False, sliding_window=(11, 0))
+    rng = np.random.default_rng(6)
+    seen = []
+    for S in [19] + [1] * 30:
+        if S == 1:
+            c.begin_step(1)
+            key = c.graph_key()
+            span = c._split_plan(c._table())[0]
+            assert key is not None and key[3] == (0, max(0, c.length + 1 - 11) // span), (c.length, key)
+            seen.append(key[3])
+        for layer in range(2):
+            k, v = rng.standard_normal((2, S, H_KV, D)).astype(np.float32)
+            c.append(layer, k, v)
+            c.attend(layer, rng.standard_normal((S, H_KV * GROUP, D)).astype(np.float32), 0.2)
+        c.advance(S)
+    assert len(set(seen)) > 1          # the window's first split moved over these steps
+
+
+def drive_windows(cache, steps, seed, windows):
+    """drive() for one cache whose layers have windows of their own: each layer against its own reference."""
+    rng = np.random.default_rng(seed)
+    hist = [[np.zeros((0, H_KV, D), np.float16)] * 2 for _ in windows]
+    worst = 0.0
+    for S in steps:
+        for layer, w in enumerate(windows):
+            k, v = rng.standard_normal((2, S, H_KV, D)).astype(np.float32)
+            q = rng.standard_normal((S, H_KV * GROUP, D)).astype(np.float32)
+            cache.append(layer, k, v)
+            o = cache.attend(layer, q, 0.2)
+            hist[layer] = [np.concatenate([hist[layer][0], k.astype(np.float16)]),
+                           np.concatenate([hist[layer][1], v.astype(np.float16)])]
+            ref = full_attention(q.astype(np.float16) if S == 1 else q, hist[layer][0], hist[layer][1], 0.2, window=w)
+            scale = 1e-5 / DECODE_TOL if S == 1 else 1.0
+            worst = max(worst, scale * float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max()))
+        cache.advance(S)
+    return worst
