@@ -19,7 +19,7 @@ from helmc.errors import HelmcError  # noqa: E402
 from helmc.schedules.gpu.gemv import (  # noqa: E402
     WARP, WEIGHT_DTYPES, default_tuning, gemv_symbol, make_gpu_gemv, parse_gemv_symbol)
 from helmc.schedules.gpu import quant_gemv  # noqa: E402
-from test_gpu_quant_kernels import HARNESS, _cuda_source, _rel, cgs  # noqa: E402
+from test_gpu_quant_kernels import _cuda_source, _rel, build_harnessed, cgs  # noqa: E402
 from tests import quant_rows  # noqa: E402
 
 ROWS = (1, 2, 3, 8)
@@ -27,8 +27,6 @@ _ARG = {"x_ptr": "x", "xv_ptr": "x", "wv_ptr": "w", "w_ptr": "w", "y_ptr": "y"}
 
 
 def _emulate(tmp_path, source: str):
-    import ctypes
-    import subprocess
     body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
     driver = []
     for name, params in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', body):
@@ -36,12 +34,7 @@ def _emulate(tmp_path, source: str):
                                                 for q in params.split(","))]
         driver.append(f'extern "C" void run_{name}(void* x, void* w, void* y, int grid, int bdx, int bdy) {{\n'
                       f"    launch(grid, bdx, bdy, [&] {{ {name}({', '.join(args)}); }});\n}}\n")
-    src = tmp_path / "kernels.cpp"
-    src.write_text(HARNESS + body + "".join(driver))
-    lib = tmp_path / "kernels.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
-                    str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_harnessed(tmp_path / "kernels.cpp", body + "".join(driver), tmp_path / "kernels.so")
 
 
 def _call(lib, sym, x, w, y, grid, warps):
@@ -176,8 +169,6 @@ inline half hexp(half a) { return half(std::exp((float)a)); }
 
 def _emulate_named(tmp_path, source: str):
     """(library, {kernel: its parameter names}); run_<kernel>(void** pointers in parameter order, grid, bdx, bdy)."""
-    import ctypes
-    import subprocess
     body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
     drivers, params_of = [], {}
     for name, params in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', body):
@@ -186,12 +177,7 @@ def _emulate_named(tmp_path, source: str):
         args = ", ".join(f"({c}*)a[{i}]" for i, (c, _) in enumerate(typed))
         drivers.append(f'extern "C" void run_{name}(void** a, int grid, int bdx, int bdy) {{\n'
                        f"    launch(grid, bdx, bdy, [&] {{ {name}({args}); }});\n}}\n")
-    src = tmp_path / "named.cpp"
-    src.write_text(HARNESS + HALF_OPS + body + "".join(drivers))
-    lib = tmp_path / "named.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib)), params_of
+    return build_harnessed(tmp_path / "named.cpp", HALF_OPS + body + "".join(drivers), tmp_path / "named.so"), params_of
 
 
 def _run_named(emulated, kernel, arrays: dict, grid, bdx, bdy):

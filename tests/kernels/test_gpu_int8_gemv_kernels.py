@@ -16,7 +16,6 @@ To rerun: pytest -s tests/kernels/test_gpu_int8_gemv_kernels.py (prints each max
 import ctypes
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from helmc.schedules.gpu.quant_gemv import gpu_quant_row_bytes  # noqa: E402
 from helmc.schedules.gpu.quant_gemv_int8 import (  # noqa: E402
     ROWS_PER_WARP, WARPS, gemv_int8_symbol, make_gpu_gemv_int8, x_chunk)
 from helmc.compiler.passes import compile_gpu_stage as cgs  # noqa: E402
-from test_gpu_quant_kernels import HARNESS  # noqa: E402
+from test_gpu_quant_kernels import build_harnessed  # noqa: E402
 
 TUNED = (3, 2, 1)      # rows_per_warp, warps, unroll away from the defaults
 SPLIT = (2, 4, 1, True)   # the CTA's 4 warps split each of its 2 rows' blocks (k_split)
@@ -55,12 +54,7 @@ def _emulate(tmp_path, source: str):
             args.append(f"({ctype}*){_ARG[pname]}")
         drivers.append(f'extern "C" void run_{name}(void* x, void* w, void* y, int grid, int bdx, int bdy) {{\n'
                        f"    launch(grid, bdx, bdy, [&] {{ {name}({', '.join(args)}); }});\n}}\n")
-    src = tmp_path / "kernels.cpp"
-    src.write_text(HARNESS + body + "".join(drivers))
-    lib = tmp_path / "kernels.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_harnessed(tmp_path / "kernels.cpp", body + "".join(drivers), tmp_path / "kernels.so")
 
 
 def _call(lib, sym, x, w, y, n, rows, warps, k_split=False):
@@ -191,11 +185,7 @@ def test_one_launch_over_several_weights_equals_separate_launches(tmp_path, qtyp
         drivers.append(f'extern "C" void run_{name}(void* a0, void* a1, void* a2, void* a3, void* a4, void* a5, '
                        f'void* a6, int grid, int bdx, int bdy) {{\n    void* a[7] = {{a0, a1, a2, a3, a4, a5, a6}};\n'
                        f"    launch(grid, bdx, bdy, [&] {{ {name}({args}); }});\n}}\n")
-    src = tmp_path / "kernels.cpp"
-    src.write_text(HARNESS + body + "".join(drivers))
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", str(src), "-o", str(tmp_path / "k.so")], check=True)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    lib = build_harnessed(tmp_path / "kernels.cpp", body + "".join(drivers), tmp_path / "k.so")
     rng = np.random.default_rng(3)
     ws = [check.random_quant_rows(qtype, n, k, rng) for n in outs]
     x = rng.standard_normal((m, k)).astype(np.float16)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from helmc.schedules.gpu.moe_experts import make_gpu_moe_kernels  # noqa: E402
 from helmc.schedules.gpu.quant_gemv_int8 import WARPS, int8_kernel_parts  # noqa: E402
 from test_gpu_int8_gemv_kernels import quantize_x  # noqa: E402
 from test_gpu_gemv_kernels import HALF_OPS  # noqa: E402
-from test_gpu_quant_kernels import HARNESS  # noqa: E402
+from test_gpu_quant_kernels import build_harnessed  # noqa: E402
 from test_cpu_quant_gemv import GGML, random_quant_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -49,12 +48,7 @@ def _emulate(tmp_path, funcs: dict):
         drivers.append(f'extern "C" void run_{name}(void** ptrs, int n, int gx, int bdy) {{\n'
                        f"    for (int by = 0; by < n; ++by)\n"
                        f"        launch(gx, 32, bdy, [&] {{ blockIdx.y = by; {name}({', '.join(args)}); }});\n}}\n")
-    src = tmp_path / "moe.cpp"
-    src.write_text(HARNESS + HALF_OPS + body + "".join(drivers))
-    lib = tmp_path / "moe.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib)), params
+    return build_harnessed(tmp_path / "moe.cpp", HALF_OPS + body + "".join(drivers), tmp_path / "moe.so"), params
 
 
 def _run(lib, params, name, arrays: dict, n: int, grid: int):

@@ -9,10 +9,13 @@
   compared with gguf's numpy dequantizer in float64. tests/kernels/test_quant_gemv_gpu.py
   repeats this on the GPU at real shapes; benchmarks/bench_quant_gemv_gpu.py times it.
 """
+import atexit
 import ctypes
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -200,14 +203,35 @@ def _driver(source: str) -> str:
     return "".join(out)
 
 
+GXX = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-pthread", "-Winvalid-pch"]
+_PCH_DIR: list = []
+
+
+def _harness_include() -> str:
+    """An #include of HARNESS, precompiled once per process: parsing the standard headers it pulls in is most of a
+    small kernel build's g++ time, and the kernel tests build one library per case. A build with other options
+    than GXX's would not use the precompiled file (-Winvalid-pch says so) and parse the header itself."""
+    if not _PCH_DIR:
+        d = tempfile.mkdtemp(prefix="helmc-cuda-harness-")
+        atexit.register(shutil.rmtree, d, True)
+        header = os.path.join(d, "harness.hpp")
+        with open(header, "w") as f:
+            f.write(HARNESS)
+        subprocess.run(GXX + ["-x", "c++-header", header, "-o", header + ".gch"], check=True)
+        _PCH_DIR.append(d)
+    return f'#include "{_PCH_DIR[0]}/harness.hpp"\n'
+
+
+def build_harnessed(src, code: str, lib) -> ctypes.CDLL:
+    """g++ (GXX) of HARNESS + code written to src, a shared library at lib, loaded."""
+    src.write_text(_harness_include() + code)
+    subprocess.run(GXX + ["-shared", str(src), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
 def _emulate(tmp_path, source: str):
     body = source[source.index('extern "C" __global__'):].replace("__shared__ alignas(64)", "alignas(64) static")
-    src = tmp_path / "kernels.cpp"
-    src.write_text(HARNESS + body + _driver(body))
-    lib = tmp_path / "kernels.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
-                    str(src), "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_harnessed(tmp_path / "kernels.cpp", body + _driver(body), tmp_path / "kernels.so")
 
 
 def _call(lib, sym, x, w, y, grid, bdx, bdy):
