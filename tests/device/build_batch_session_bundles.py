@@ -16,7 +16,6 @@ fp16_streamed, fp16_hybrid
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -61,7 +60,7 @@ def build(out_dir: str, hardware: str) -> list[str]:
             make_tiny_model(model_dir, "qwen3", dtype=dtype, **DIMS)
             spec = read_model(model_dir, quant, os.path.join(cache, "weights")).spec
             searched = search(spec, hw, batch=BATCH)
-            plan = dataclasses.replace(searched, cpu_units=CPU_UNITS, candidates=())   # the split is given
+            plan = searched.replace(cpu_units=CPU_UNITS, candidates=())   # the split is given
             if name in HYBRID:
                 from helmc.planner.hybrid import forced_layout
                 plan = forced_layout(searched, spec, HYBRID[name])

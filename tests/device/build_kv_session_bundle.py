@@ -13,7 +13,6 @@ Regenerate by running this again (it replaces DIR/model and DIR/bundle).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -41,7 +40,7 @@ def build(out_dir: str, hardware: str, layers: int) -> str:
     if hw.gpu is None:
         raise SystemExit(f"{hardware}: expected a hardware profile with a GPU, found none")
     searched = search(model_dir, hw)
-    plan = dataclasses.replace(searched, cpu_units=CPU_UNITS, candidates=())   # no candidates: the split is given
+    plan = searched.replace(cpu_units=CPU_UNITS, candidates=())   # no candidates: the split is given
     r = run_pipeline(model_dir, hw, bundle_dir, copy_weights=True, plan=plan, quiet=True)
     print(f"built {r.bundle_dir}: {r.plan.describe()} (search chose {searched.describe()}), max context "
           f"{r.plan.memory.max_context}, for {hw.gpu.arch} in {time.time() - t0:.1f}s")
