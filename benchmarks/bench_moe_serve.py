@@ -29,8 +29,10 @@ import sys
 import time
 
 from benchmarks.llamacpp_peer import _start_sampling, _stop_sampling, gpu_memory_used_mib, llama_batched_bench
+from benchmarks.serve_load import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 
 def start_server(a, log_path: str):
@@ -40,7 +42,7 @@ def start_server(a, log_path: str):
     if a.weights:
         cmd += ["--weights", a.weights]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}, stderr=log, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=child_env(), stderr=log, stdout=subprocess.DEVNULL)
     t0 = time.time()
     while True:
         text = open(log_path).read()

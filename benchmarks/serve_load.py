@@ -27,10 +27,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+
+def child_env() -> dict:
+    """The server's environment: this checkout first on PYTHONPATH, then whatever the caller had there (the GPU
+    machine's runtime-only TVM and packages travel that way)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+
 def start_server(bundle: str, log_path: str):
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "helmc.cli.main", "serve", bundle, "--port", "0", "--model-name", "m"],
-                            env={**os.environ, "PYTHONPATH": ROOT}, stderr=log, stdout=subprocess.DEVNULL)
+                            env=child_env(), stderr=log, stdout=subprocess.DEVNULL)
     t0 = time.time()
     while True:
         text = open(log_path).read()

@@ -23,7 +23,6 @@ _KERNEL_NAMES = ("paged_decode_partial", "paged_decode_merge", "paged_append_dec
 # prefill_causal and attend_blocks' tiles
 FLASH_KERNEL = "flash_prefill_v3"     # = schedules/gpu/flash_prefill.KERNEL_NAME
 STATIC_SMEM_LIMIT = 48 << 10          # shared memory a launch gets without opting in
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # partial + merge in one launch: in newer bundles' cubins; absent, decode launches the two
 FUSED_DECODE_KERNEL = "paged_decode_fused"
 FUSED_APPEND_KERNEL = "paged_decode_fused_append"   # the decode append inside the fused attention
@@ -276,7 +275,7 @@ class CudaOps:
         kernel = self._functions(d, h_a // num_kv_heads)[4]
         smem = flash_smem_bytes(d)
         if smem > STATIC_SMEM_LIMIT and (d, h_a // num_kv_heads) not in self._smem_opted:   # head_dim 256: 66 KB
-            self.cp.cuda.driver.funcSetAttribute(kernel.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            kernel.max_dynamic_shared_size_bytes = smem            # CuPy's RawKernel sets the function attribute
             self._smem_opted.add((d, h_a // num_kv_heads))
         kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
                (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),

@@ -6,8 +6,8 @@ the GPU stage against Hugging Face references made here.
 A tiny random-weight Gemma 3 (fp16, 6 blocks: sliding, sliding, global, ...; window 8, its own RoPE base beside the
 global blocks' linear-scaled one; head_dim 256 and two query heads per KV head, as Gemma-3-12B's, so the decode
 kernels and flash_prefill run at that head size) and two bundles with fixed plans for the GPU machine's profile
-(default the measured H100 preset, sm_90): `all_gpu` (every block and the head on the GPU) and `split` (blocks 0-2 on
-the CPU, 3-5 on the GPU), each prefilling in chunks of 16 tokens; plus DIR/refs.npz: transformers' fp32 last-row
+(default the measured H100 preset, sm_90): `all_gpu` (every block and the head on the GPU) and `split` (blocks 0-1 on
+the CPU, 2-5 on the GPU), each prefilling in chunks of 16 tokens; plus DIR/refs.npz: transformers' fp32 last-row
 prompt logits and greedy tokens for a 40-token prompt (five windows: a wrong window or RoPE table diverges).
 Carry DIR to the GPU machine; the test looks in $HELMC_GEMMA_GPU_DIR (default .devrt/gemma3_gpu).
 """
