@@ -257,6 +257,8 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     w.add_value_length(spec.head_dim)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
     w.add_rope_freq_base(spec.rope.theta)
+    if spec.rope.kind not in ("default", "linear", "llama3"):
+        raise HelmcError(f"GGUF writer: RoPE scaling expected default, linear or llama3, found {spec.rope.kind}")
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
