@@ -28,6 +28,7 @@ from helmc.errors import HelmcError
 from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF, Architecture, gguf_architecture
 from helmc.model.arch.tensors import DENSE_BLOCK, EXPERT_STACKS, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
 from helmc.model.gguf_gemma import gemma_gguf_fields
+from helmc.model.gguf_rope import yarn_gguf_rope
 from helmc.model.moe import NAMINGS, MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.model.weight_types import WEIGHT_TYPES
@@ -477,29 +478,12 @@ def _rope(h: GGUFHeader, key, theta: float, head_dim: int) -> RopeSpec:
     if kind == "linear":
         return RopeSpec(theta=theta, kind="linear", factor=_f32(factor))
     if kind == "yarn":
-        return _yarn_rope(h, key, theta, factor)
+        return yarn_gguf_rope(h.path, h.architecture, h.metadata, key, theta, factor)
     if kind not in (None, "none"):
         raise HelmcError(f"{h.path}: {h.architecture}.rope.scaling.type expected none, linear or yarn, found {kind!r}")
     if h.rope_freqs:
         return _llama3_rope(h.path, h.rope_freqs, theta, head_dim)
     return RopeSpec(theta=theta)
-
-
-def _yarn_rope(h: GGUFHeader, key, theta: float, factor: float) -> RopeSpec:
-    """YaRN as llama.cpp runs it: the ramp's ends rounded outwards (truncate), beta_fast 32 and beta_slow 1 unless
-    given, cos and sin scaled by 0.1 ln(factor) + 1; a file scaling them otherwise is refused, not misread."""
-    for other in ("rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier",
-                  "rope.scaling.yarn_ext_factor"):
-        if f"{h.architecture}.{other}" in h.metadata:
-            raise HelmcError(f"{h.path}: YaRN RoPE expected llama.cpp's default attention scale, found "
-                             f"{h.architecture}.{other} = {h.metadata[f'{h.architecture}.{other}']!r:.40}")
-    if factor <= 1.0:
-        raise HelmcError(f"{h.path}: {h.architecture}.rope.scaling.factor expected above 1 for YaRN, found {factor}")
-    factor = _f32(factor)
-    return RopeSpec(theta=theta, kind="yarn", factor=factor, original_max_position=key("rope.scaling.original_context_length"),
-                    beta_fast=_f32(key("rope.scaling.yarn_beta_fast", 32.0, float)),
-                    beta_slow=_f32(key("rope.scaling.yarn_beta_slow", 1.0, float)), truncate=True,
-                    attention_factor=0.1 * math.log(factor) + 1.0)
 
 
 def _llama3_factors(freq: np.ndarray, factor: float, low: float, high: float, old: int) -> np.ndarray:
