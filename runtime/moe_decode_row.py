@@ -179,7 +179,8 @@ class MoeDecodeRow:
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
         all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
-                    and self.E <= 1024 and self.K <= 64)                 # the routing kernel's one block
+                    and self.E <= 1024 and self.K <= 64                  # the routing kernel's one block
+                    and self.moe.routing == "softmax_topk")              # the only routing the kernel has
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
             return None
         return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram)

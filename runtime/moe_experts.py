@@ -74,7 +74,14 @@ def expert_rows_args(idx: np.ndarray, w: np.ndarray, keep: np.ndarray | None = N
 
 def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
     """(experts [S, k] int64, weights [S, k] float32) of router logits [S, E]: softmax in fp32, the k largest
-    probabilities (largest first; ties to the lower index), renormalised to sum 1 when norm_topk_prob."""
+    probabilities (largest first; ties to the lower index), renormalised to sum 1 when norm_topk_prob; for
+    routing "topk_softmax" (gpt-oss) the k largest logits, then a softmax in fp32 over those k."""
+    if moe.routing == "topk_softmax":
+        top = logits.astype(np.float32)
+        idx = np.argsort(-top, axis=-1, kind="stable")[:, :moe.top_k]
+        z = np.take_along_axis(top, idx, axis=-1)
+        p = np.exp(z - z[:, :1])                                       # the largest first: its exp is 1
+        return idx, (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
     z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)

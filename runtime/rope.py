@@ -28,7 +28,33 @@ def inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     return f
+
+
+def _yarn_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
+    """YaRN's frequencies in transformers' float32 steps: each of the D/2 a blend of the original (extrapolated)
+    and the factor-interpolated one, by a linear ramp over the dimensions between the ones that turn beta_fast and
+    beta_slow times over the original context."""
+    # theta ** (i / D) rounded once from float64: within an ulp of torch's float32 pow, which NumPy's float32 pow is
+    # not at every i
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    pos_freqs = (np.float64(np.float32(rope.theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    extrapolated = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    return (interpolated * (np.float32(1.0) - keep) + extrapolated * keep).astype(np.float32)
 
 
 class RopeTables:
@@ -43,6 +69,8 @@ class RopeTables:
         # local: the sliding-window blocks' own RoPE (Gemma 3): each row is then [global D | local D], and the
         # stage hands each block its half (Stage.rope_halves).
         self.inv_freq = inv_freq(rope, head_dim)
+        # YaRN scales cos and sin (so q.k) by its attention factor; local RoPEs are unscaled (Gemma 3's default).
+        self.scale = np.float32(rope.attention_factor) if rope.kind == "yarn" else None
         self.local_inv_freq = None if local is None else inv_freq(local, head_dim)
         self._chunk: tuple[int, np.ndarray, np.ndarray] | None = None     # (first position, cos, sin)
 
@@ -59,7 +87,7 @@ class RopeTables:
         return self._chunk[1][i:i + 1].copy(), self._chunk[2][i:i + 1].copy()
 
     def _compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        tables = [_cos_sin(positions, self.inv_freq)]
+        tables = [_cos_sin(positions, self.inv_freq, self.scale)]
         if self.local_inv_freq is not None:
             tables.append(_cos_sin(positions, self.local_inv_freq))
             return tuple(np.concatenate(t, axis=-1) for t in zip(*tables))       # [S, D] x 2 -> [S, 2D]
@@ -71,7 +99,10 @@ def rope_tables(spec) -> RopeTables:
     return RopeTables(spec.rope, spec.head_dim, spec.local_rope)
 
 
-def _cos_sin(positions: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _cos_sin(positions: np.ndarray, f: np.ndarray, scale=None) -> tuple[np.ndarray, np.ndarray]:
     freqs = positions.astype(np.float32)[:, None] * f[None, :]                   # [S] x [D/2] -> [S, D/2]
     emb = np.concatenate([freqs, freqs], axis=-1)                                 # [S, D/2] -> [S, D]
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    if scale is not None:
+        cos, sin = (cos * scale).astype(np.float32), (sin * scale).astype(np.float32)
+    return cos, sin

@@ -34,6 +34,7 @@ noticed. The file is written under a temporary name in the same directory and re
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import struct
@@ -257,6 +258,17 @@ def _add_metadata(w: gguf.GGUFWriter, model_dir: str, spec: ModelSpec, quant: st
     w.add_value_length(spec.head_dim)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
     w.add_rope_freq_base(spec.rope.theta)
+    if spec.rope.kind == "yarn" and not (spec.rope.truncate and math.isclose(
+            spec.rope.attention_factor, 0.1 * math.log(spec.rope.factor) + 1.0, rel_tol=1e-12)):
+        raise HelmcError(f"GGUF writer: YaRN RoPE expected llama.cpp's (truncated ramp, attention factor "
+                         f"0.1 ln(factor) + 1), found truncate={spec.rope.truncate}, "
+                         f"attention_factor={spec.rope.attention_factor}")
+    if spec.rope.kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(spec.rope.original_max_position)
+        w.add_rope_scaling_yarn_beta_fast(spec.rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(spec.rope.beta_slow)
     if spec.rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)

@@ -28,6 +28,7 @@ from helmc.errors import HelmcError
 from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF, Architecture, gguf_architecture
 from helmc.model.arch.tensors import DENSE_BLOCK, EXPERT_STACKS, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
 from helmc.model.gguf_gemma import gemma_gguf_fields
+from helmc.model.gguf_rope import yarn_gguf_rope
 from helmc.model.moe import NAMINGS, MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
 from helmc.model.weight_types import WEIGHT_TYPES
@@ -476,8 +477,10 @@ def _rope(h: GGUFHeader, key, theta: float, head_dim: int) -> RopeSpec:
         kind = "linear"                     # older files: rope.scale_linear without a scaling type
     if kind == "linear":
         return RopeSpec(theta=theta, kind="linear", factor=_f32(factor))
+    if kind == "yarn":
+        return yarn_gguf_rope(h.path, h.architecture, h.metadata, key, theta, factor)
     if kind not in (None, "none"):
-        raise HelmcError(f"{h.path}: {h.architecture}.rope.scaling.type expected none or linear, found {kind!r}")
+        raise HelmcError(f"{h.path}: {h.architecture}.rope.scaling.type expected none, linear or yarn, found {kind!r}")
     if h.rope_freqs:
         return _llama3_rope(h.path, h.rope_freqs, theta, head_dim)
     return RopeSpec(theta=theta)

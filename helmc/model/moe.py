@@ -24,6 +24,12 @@ NAMINGS = {
                                                  "block_sparse_moe.experts.{e}.w2.weight")),
 }
 MAX_EXPERTS = 4096
+# How a router's logits become the k experts' weights: softmax over all experts then the k largest (renormalised
+# when norm_topk_prob; Qwen, Mixtral), or the k largest logits then a softmax over those k (gpt-oss).
+ROUTINGS = ("softmax_topk", "topk_softmax")
+# The experts' gated activation: SwiGLU, down(silu(gate) * up); or gpt-oss's clamped one: gate clamped above at
+# swiglu_limit, up to +-swiglu_limit, down((up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,12 @@ class MoeSpec:
     num_shared_experts: int = 0       # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
     shared_intermediate_size: int = 0
     naming: str = "qwen_moe"
+    routing: str = "softmax_topk"     # a ROUTINGS entry
+    router_bias: bool = False         # the router linear has a bias (gpt-oss)
+    expert_bias: bool = False         # each expert's gate, up and down have biases (gpt-oss)
+    expert_act: str = "silu"          # an EXPERT_ACTIVATIONS entry, with its alpha and limit
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         for name, most in (("num_experts", MAX_EXPERTS), ("top_k", MAX_EXPERTS), ("expert_intermediate_size", 1 << 20)):
@@ -52,6 +64,13 @@ class MoeSpec:
                 (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
             raise HelmcError(f"model spec: moe shared experts expected a count and a size both 0 or both positive, "
                              f"found {self.num_shared_experts} and {self.shared_intermediate_size}")
+        for name, choices in (("routing", ROUTINGS), ("expert_act", EXPERT_ACTIVATIONS)):
+            if getattr(self, name) not in choices:
+                raise HelmcError(f"model spec: moe {name} expected one of {choices}, found {getattr(self, name)!r:.60}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise HelmcError(f"model spec: moe {name} expected a positive finite number, found {v!r:.60}")
         if self.naming not in NAMINGS:
             raise HelmcError(f"model spec: moe naming expected one of {sorted(NAMINGS)}, found {self.naming!r}")
 

@@ -53,11 +53,17 @@ _TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "floa
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    kind: str = "default"            # "default" | "llama3" | "linear"
+    kind: str = "default"            # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0     # llama3 only
     high_freq_factor: float = 1.0    # llama3 only
-    original_max_position: int = 0   # llama3 only
+    original_max_position: int = 0   # llama3 and yarn
+    # yarn only: the ramp between interpolated and extrapolated frequencies (rotations beta_fast..beta_slow over
+    # the original context, its ends rounded outwards when truncate), and the factor cos and sin are scaled by.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -467,7 +473,33 @@ def _rope_from_config(cfg: dict, where: str) -> RopeSpec:
         return RopeSpec(theta=theta, kind="llama3", factor=num("factor"), low_freq_factor=num("low_freq_factor"),
                         high_freq_factor=num("high_freq_factor"),
                         original_max_position=num("original_max_position_embeddings", kind=int))
-    raise HelmcError(f"{where}: rope type expected default, linear or llama3, found {kind!r:.60}")
+    if kind == "yarn":
+        return _yarn_rope(params, theta, num, cfg.get("max_position_embeddings"), where)
+    raise HelmcError(f"{where}: rope type expected default, linear, llama3 or yarn, found {kind!r:.60}")
+
+
+def _yarn_rope(params: dict, theta: float, num, max_positions, where: str) -> RopeSpec:
+    """YaRN's values as transformers reads them: factor (else max_position_embeddings over the original), beta_fast
+    32 and beta_slow 1 where absent, and attention_factor, where absent, 0.1 ln(factor) + 1 (DeepSeek's mscale over
+    mscale_all_dim where both are given)."""
+    old = num("original_max_position_embeddings", kind=int)
+    factor = num("factor") if params.get("factor") is not None else num("max_position_embeddings", max_positions) / old
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise HelmcError(f"{where}: rope truncate expected true or false, found {truncate!r:.60}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if params.get("attention_factor") is not None:
+        attention = num("attention_factor")
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        attention = float(mscale(factor, num("mscale")) / mscale(factor, num("mscale_all_dim")))
+    else:
+        attention = mscale(factor)
+    return RopeSpec(theta=theta, kind="yarn", factor=factor, original_max_position=old,
+                    beta_fast=num("beta_fast") if params.get("beta_fast") else 32.0,
+                    beta_slow=num("beta_slow") if params.get("beta_slow") else 1.0,
+                    truncate=truncate, attention_factor=attention)
 
 
 def spec_replace(spec: ModelSpec, **changes) -> ModelSpec:

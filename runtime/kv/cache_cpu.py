@@ -81,7 +81,7 @@ class KVCacheCPU:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int = KV_PAGE_TOKENS,
                  max_tokens: int = 4096, dtype=np.float32, sliding_window: int | tuple[int, ...] | None = None,
                  threads: int = 1, block_tokens: int = 8192, score_budget_bytes: int = 64 << 20,
-                 attend_kernel=None):
+                 attend_kernel=None, sinks=None):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("page_tokens", page_tokens), ("max_tokens", max_tokens), ("threads", threads),
                           ("block_tokens", block_tokens)):
@@ -99,6 +99,9 @@ class KVCacheCPU:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_tokens, self.max_tokens = page_tokens, max_tokens
         self.windows = windows
+        # Per layer, a logit per query head in the softmax's denominator (gpt-oss's attention sinks), or None. The
+        # compiled decode kernel has no sinks: a cache with them attends in NumPy.
+        self.sinks = None if sinks is None else _sinks(sinks, num_layers, num_kv_heads)
         self.threads = threads
         self.block_tokens = max(page_tokens, block_tokens // page_tokens * page_tokens)
         self.score_budget_bytes = score_budget_bytes
@@ -118,7 +121,7 @@ class KVCacheCPU:
         self._pending = 0
         self._appended: set[int] = set()
         self._executor = None
-        self._kernel = attend_kernel
+        self._kernel = attend_kernel if self.sinks is None else None
         self._kernel_args = None          # per layer (k, v) TVM tensors over the arena, made on first use
         self._rows: dict[int, tuple] = {}  # this decode step's (arena row, kernel row0, n) per kind: DecodeBatch
 
@@ -231,9 +234,18 @@ class KVCacheCPU:
                 runs = self.kind_pages(layer).slot_runs(n, self._pending)
                 if len(runs) == 1:
                     return self._decode_kernel(layer, q, runs[0][1] - runs[0][0], n, scale)
-            return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer])
+            return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer],
+                                self._layer_sinks(layer, q))
         return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.windows[layer],
-                             np.float32, self.score_budget_bytes)
+                             np.float32, self.score_budget_bytes, sinks=self._layer_sinks(layer, q))
+
+    def _layer_sinks(self, layer: int, q: np.ndarray):
+        if self.sinks is None:
+            return None
+        if self.sinks[layer].shape[0] != q.shape[1]:
+            raise HelmcError(f"KVCacheCPU.attend: {self.sinks[layer].shape[0]} attention sinks for layer {layer} "
+                             f"expected one per query head, found {q.shape[1]} heads")
+        return self.sinks[layer]
 
     def advance(self, S: int) -> None:
         if S != self._pending or len(self._appended) != self.num_layers:
@@ -347,20 +359,23 @@ class KVCacheCPU:
         self._kernel_args = [(from_dlpack(kind.arena[j, 0]), from_dlpack(kind.arena[j, 1]))
                              for kind, j in self._kind_of]
 
-    def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float, window: int) -> np.ndarray:
-        """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share."""
+    def _decode(self, q: np.ndarray, blocks: list[KeyBlock], n: int, scale: float, window: int,
+                sinks=None) -> np.ndarray:
+        """NumPy decode over blocks in the arena's dtype, each widened to float32 per worker's share (the first
+        worker's state starts from the sinks, if any)."""
         qt = group_queries(np, q, self.num_kv_heads)                      # [1, h_a, d] -> [h_kv, g, d]
         q_pos0 = n - 1 if window else None
         groups = _split_by_tokens(blocks, self.threads)
         if self.kv_dtype != "float32":
             groups = [[self._widened(b) for b in group] for group in groups]
         if len(groups) == 1:
-            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, window)]
+            parts = [partial_attention(np, qt, q_pos0, 1, groups[0], scale, window, sinks=sinks)]
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kv-cpu")
             parts = list(self._executor.map(
-                lambda bs: partial_attention(np, qt, q_pos0, 1, bs, scale, window), groups))
+                lambda i: partial_attention(np, qt, q_pos0, 1, groups[i], scale, window,
+                                            sinks=sinks if i == 0 else None), range(len(groups))))
         o = merge_partials(np, parts) if len(parts) > 1 else parts[0].o / parts[0].s[..., None]   # [h_kv, g, d]
         return ungroup_output(o, 1).astype(q.dtype, copy=False)           # [h_kv, g, d] -> [1, h_a, d]
 
@@ -431,6 +446,19 @@ class DecodeBatch:
             lo = kv.window_start(layer, n)
             kv._kernel(q_t[b], kt, vt, row0 + lo, n - lo, scale, o_t[b])
         return out_t
+
+
+def _sinks(sinks, num_layers: int, num_kv_heads: int) -> tuple[np.ndarray, ...]:
+    """Per-layer sink logits as float32 vectors, checked: one per layer, a multiple of the KV heads each."""
+    try:
+        out = tuple(np.ascontiguousarray(np.asarray(s, dtype=np.float32).reshape(-1)) for s in sinks)
+    except (TypeError, ValueError):
+        raise HelmcError(f"KVCacheCPU: sinks expected {num_layers} vectors of numbers, found {sinks!r:.80}") from None
+    if len(out) != num_layers or any(s.shape[0] % num_kv_heads or s.shape[0] == 0 or not np.isfinite(s).all()
+                                     for s in out):
+        raise HelmcError(f"KVCacheCPU: sinks expected {num_layers} finite vectors of a multiple of {num_kv_heads} "
+                         f"(the KV heads) logits, found {[s.shape[0] for s in out]}")
+    return out
 
 
 def _split_by_tokens(blocks: list[KeyBlock], parts: int, min_tokens: int = 2048) -> list[list[KeyBlock]]:

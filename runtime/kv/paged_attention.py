@@ -13,6 +13,8 @@ divide once at the end. Three entry points:
 
 GQA: query head h reads KV head h // (h_a / h_kv) (Hugging Face's repeat_kv order).
 Sliding window w: query at position p sees keys at positions k with p - w < k <= p.
+Attention sinks (gpt-oss): a learned logit per query head in the softmax's denominator with no value: the online
+softmax starts from it (m = sink, s = 1, o = 0) instead of from nothing, so every entry point takes it alike.
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ NEG_INF = float("-inf")
 
 # ------------------------------------------------------------------ references
 def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, q_pos0: int | None = None,
-                   window: int = 0) -> np.ndarray:
+                   window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """q [S, h_a, d]; k, v [n, h_kv, d]; query row i sits at position q_pos0 + i (default: the last S
-    key positions). Causal. Returns [S, h_a, d] float64."""
+    key positions); sinks [h_a]: a logit per head in the denominator. Causal. Returns [S, h_a, d] float64."""
     S, h_a, d = q.shape
     n, h_kv, _ = k.shape
     g = h_a // h_kv
@@ -42,8 +44,12 @@ def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, q_
     if window:
         allowed &= kp > qp - window
     e = np.where(allowed[None], e, NEG_INF)
-    w = np.exp(e - e.max(-1, keepdims=True))
-    return np.einsum("hsn,nhd->shd", w / w.sum(-1, keepdims=True), vv)
+    if sinks is None:
+        w = np.exp(e - e.max(-1, keepdims=True))
+        return np.einsum("hsn,nhd->shd", w / w.sum(-1, keepdims=True), vv)
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (h_a, S, 1))
+    w = np.exp(np.concatenate([e, sink], -1) - np.maximum(e.max(-1, keepdims=True), sink))
+    return np.einsum("hsn,nhd->shd", w[..., :n] / w.sum(-1, keepdims=True), vv)
 
 
 # ------------------------------------------------------------------ Algorithm 3
@@ -134,15 +140,16 @@ class Partial:
 
 
 def partial_attention(xp, qt, q_pos0: int | None, R: int, blocks: Iterable[KeyBlock], scale: float,
-                      window: int = 0, compute_dtype=np.float32) -> Partial:
+                      window: int = 0, compute_dtype=np.float32, sinks=None) -> Partial:
     """Fold `blocks` into fresh online-softmax state for grouped query rows.
 
     qt [h_kv, g*R, d]: R query rows per head group (row j of a group is query row j % R) at absolute
     positions q_pos0 .. q_pos0+R-1; q_pos0=None means every row sees every key (decode, no window).
+    sinks [h_a]: the state starts from them (give them to one of the partials merged, not each).
     """
     cd = np.dtype(compute_dtype).type
     qt = qt.astype(cd, copy=False)
-    state = _fresh_state(xp, qt, cd)
+    state = _fresh_state(xp, qt, cd, sinks, R)
     for b in blocks:
         if _sees(b, q_pos0, R, window):
             k, v = b.load()
@@ -150,10 +157,14 @@ def partial_attention(xp, qt, q_pos0: int | None, R: int, blocks: Iterable[KeyBl
     return state
 
 
-def _fresh_state(xp, qt, cd) -> Partial:
+def _fresh_state(xp, qt, cd, sinks=None, R: int = 1) -> Partial:
+    """Empty state for grouped rows qt [h_kv, g*R, d]; with sinks [h_a], each row's head's sink already in."""
     h_kv, rows, d = qt.shape
-    return Partial(xp.full((h_kv, rows), NEG_INF, dtype=cd), xp.zeros((h_kv, rows), dtype=cd),
-                   xp.zeros((h_kv, rows, d), dtype=cd))
+    o = xp.zeros((h_kv, rows, d), dtype=cd)
+    if sinks is None:
+        return Partial(xp.full((h_kv, rows), NEG_INF, dtype=cd), xp.zeros((h_kv, rows), dtype=cd), o)
+    m = xp.repeat(xp.asarray(sinks, dtype=cd).reshape(h_kv, rows // R), R, axis=1)   # [h_a] -> [h_kv, g*R]
+    return Partial(m, xp.ones((h_kv, rows), dtype=cd), o)
 
 
 def _sees(b: KeyBlock, q_pos0: int | None, R: int, window: int) -> bool:
@@ -218,10 +229,10 @@ def ungroup_output(o, S: int):
 
 def attend_blocks(xp, q, q_pos0: int, blocks: Sequence[KeyBlock], num_kv_heads: int, scale: float,
                   window: int = 0, compute_dtype=np.float32, score_budget_bytes: int = 64 << 20,
-                  state_budget_bytes: int = 64 << 20):
+                  state_budget_bytes: int = 64 << 20, sinks=None):
     """Causal attention of S query rows at positions q_pos0.. over key blocks in position order.
 
-    q [S, h_a, d]; returns [S, h_a, d] in q's dtype. Query rows are tiled so that one score tile
+    q [S, h_a, d] (sinks [h_a]: a logit per head in the denominator); returns [S, h_a, d] in q's dtype. Query rows are tiled so that one score tile
     (h_a x rows x largest block) stays under score_budget_bytes; there is never an S x S buffer.
     Blocks are the outer loop over a group of tiles whose online-softmax states fit state_budget_bytes:
     each block is loaded (a host page staged, 16-bit keys widened) once per group, not once per tile.
@@ -239,7 +250,7 @@ def attend_blocks(xp, q, q_pos0: int, blocks: Sequence[KeyBlock], num_kv_heads: 
         g1 = min(S, g0 + group)
         tiles = [(r0, min(g1, r0 + tile)) for r0 in range(g0, g1, tile)]
         qts = [group_queries(xp, q[r0:r1], num_kv_heads).astype(cd, copy=False) for r0, r1 in tiles]
-        states = [_fresh_state(xp, qt, cd) for qt in qts]
+        states = [_fresh_state(xp, qt, cd, sinks, r1 - r0) for qt, (r0, r1) in zip(qts, tiles)]
         for b in blocks:
             seen = [i for i, (r0, r1) in enumerate(tiles) if _sees(b, q_pos0 + r0, r1 - r0, window)]
             if not seen:

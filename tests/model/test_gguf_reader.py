@@ -427,3 +427,34 @@ def test_wrong_shape_and_missing_tensor(tmp_path):
     with pytest.raises(HelmcError, match=r"weights: tensor 'lm_head.weight' expected"):   # tied: no lm_head
         write_gguf(tmp_path / "t.gguf", spec_of("qwen3"))
         GGUFCheckpoint(str(tmp_path / "t.gguf")).info("lm_head.weight")
+
+
+def test_yarn_rope_as_llama_cpp_writes_it(tmp_path):
+    """A Qwen3 config with YaRN (rope_scaling's usual long-context recipe) and the GGUF llama.cpp's converter makes
+    of it (scaling type, factor, original context; beta_fast / beta_slow when given) read to the same RopeSpec; an
+    attention scale the reader does not follow is refused, and helmc's writer refuses an untruncated YaRN ramp
+    (gpt-oss's), which llama.cpp's files cannot say."""
+    import dataclasses
+
+    from helmc.compiler.quantize_checkpoint import _add_metadata
+    params = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768)
+    expect = ModelSpec.from_hf_config(dict(hf_config("qwen3", max_position_embeddings=131072), rope_parameters=params))
+    assert expect.rope.kind == "yarn" and expect.rope.truncate and expect.rope.attention_factor > 1.1
+    S, F, U = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32
+    yarn = {"qwen3.rope.scaling.type": ("yarn", S), "qwen3.rope.scaling.factor": (4.0, F),
+            "qwen3.rope.scaling.original_context_length": (32768, U)}
+    write_gguf(tmp_path / "y.gguf", expect, meta=yarn)
+    assert read_gguf_spec(str(tmp_path / "y.gguf")) == expect
+    betas = dict(yarn, **{"qwen3.rope.scaling.yarn_beta_fast": (16.0, F), "qwen3.rope.scaling.yarn_beta_slow": (2.0, F)})
+    write_gguf(tmp_path / "b.gguf", expect, meta=betas)
+    assert read_gguf_spec(str(tmp_path / "b.gguf")).rope == dataclasses.replace(expect.rope, beta_fast=16.0, beta_slow=2.0)
+    write_gguf(tmp_path / "a.gguf", expect, meta=dict(yarn, **{"qwen3.rope.scaling.attn_factor": (0.5, F)}))
+    with pytest.raises(HelmcError, match="YaRN RoPE expected llama.cpp's default attention scale, found "
+                                         "qwen3.rope.scaling.attn_factor = 0.5"):
+        read_gguf_spec(str(tmp_path / "a.gguf"))
+    write_gguf(tmp_path / "n.gguf", expect, meta={k: v for k, v in yarn.items() if "original" not in k})
+    with pytest.raises(HelmcError, match="required key 'qwen3.rope.scaling.original_context_length' missing"):
+        read_gguf_spec(str(tmp_path / "n.gguf"))
+    untruncated = dataclasses.replace(expect, rope=dataclasses.replace(expect.rope, truncate=False))
+    with pytest.raises(HelmcError, match="GGUF writer: YaRN RoPE expected llama.cpp's .truncated ramp"):
+        _add_metadata(gguf.GGUFWriter(str(tmp_path / "w.gguf"), "qwen3"), str(tmp_path), untruncated, "q8_0")

@@ -9,7 +9,7 @@ from helmc.runtime.kv.cache_cpu import KVCacheCPU, _split_by_tokens
 from helmc.runtime.kv.paged_attention import full_attention
 
 
-def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0, hist=None):
+def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0, hist=None, sinks=None):
     """Drive the cache like a stage does; return the worst relative error against full attention. `hist`: the
     keys and values appended by earlier calls on the same cache ([], filled here, to continue with)."""
     L = cache.num_layers
@@ -27,8 +27,9 @@ def run_steps(cache, rng, steps, h_kv, h_a, d, kv_dtype=np.float32, window=0, hi
             hist_k[layer] = np.concatenate([hist_k[layer], k.astype(kv_dtype)])
             hist_v[layer] = np.concatenate([hist_v[layer], v.astype(kv_dtype)])
             w = window[layer] if isinstance(window, tuple) else window
-            ref = full_attention(q, hist_k[layer], hist_v[layer], 0.3, window=w)
-            assert o.shape == (S, h_a, d) and o.dtype == np.float32
+            ref = full_attention(q, hist_k[layer], hist_v[layer], 0.3, window=w,
+                                 sinks=None if sinks is None else sinks[layer])
+            assert o.shape == (S, h_a, d) and o.dtype == np.float32 and np.isfinite(o).all()
             worst = max(worst, float(np.abs(o - ref).max() / np.abs(ref).max()))
         cache.advance(S)
     return worst
@@ -67,9 +68,59 @@ def test_per_layer_windows():
     worst = run_steps(cache, np.random.default_rng(3), [11, 1, 1, 7, 1, 1], 1, 2, 16, window=(6, 0, 3))
     assert worst < 1e-5
     assert [cache.window_start(i, 22) for i in range(3)] == [16, 0, 19]
+    # a prompt longer than window + block: its first rows see blocks the last row's window leaves
+    cache = KVCacheCPU(num_layers=3, num_kv_heads=1, head_dim=16, page_tokens=4, max_tokens=64, block_tokens=4,
+                       sliding_window=(6, 0, 3))
+    assert run_steps(cache, np.random.default_rng(4), [19, 1, 13], 1, 2, 16, window=(6, 0, 3)) < 1e-5
     for bad in ((6, 0), (6, -1, 3), 0):
         with pytest.raises(HelmcError, match="sliding_window expected None, >= 1 or 3 per-layer windows"):
             KVCacheCPU(num_layers=3, num_kv_heads=1, head_dim=16, sliding_window=bad)
+
+
+def test_attention_sinks_prefill_decode_and_windows():
+    """gpt-oss's sinks (a logit per query head in the denominator), large enough to take much of the weight, over
+    prefill and decode, GQA, alternating windows (0: all), fp16 storage; the reference checked against transformers'
+    own eager attention once."""
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    rng = np.random.default_rng(11)
+    h_kv, h_a, d = 2, 4, 16
+    sinks = rng.standard_normal((2, h_a)).astype(np.float32) * 2 + 1
+    q, k, v = (rng.standard_normal((n, h, d)).astype(np.float32) for n, h in ((9, h_a), (9, h_kv), (9, h_kv)))
+    mod = torch.nn.Module()
+    mod.sinks, mod.num_key_value_groups, mod.training = torch.tensor(sinks[0]), h_a // h_kv, False
+    mask = torch.triu(torch.full((9, 9), float("-inf")), 1)[None, None]
+    hf, _ = eager_attention_forward(mod, *(torch.tensor(x).transpose(0, 1)[None] for x in (q, k, v)), mask, 0.3)
+    ref = full_attention(q, k, v, 0.3, sinks=sinks[0])
+    assert np.abs(hf[0].numpy() - ref).max() < 1e-6 and np.abs(ref - full_attention(q, k, v, 0.3)).max() > 0.05
+    for dtype, windows in ((np.float32, (5, 0)), (np.float16, 0)):
+        cache = KVCacheCPU(num_layers=2, num_kv_heads=h_kv, head_dim=d, page_tokens=4, max_tokens=64, dtype=dtype,
+                           sliding_window=windows or None, block_tokens=8, score_budget_bytes=2048, sinks=sinks)
+        assert not cache.uses_kernel
+        worst = run_steps(cache, rng, [13, 1, 1, 6, 1, 1], h_kv, h_a, d, kv_dtype=dtype, window=windows, sinks=sinks)
+        print(f"\nCPU KV with sinks, {np.dtype(dtype).name}, windows {windows}: max relative error = {worst:.2e}")
+        assert worst < 1e-5
+    with pytest.raises(HelmcError, match="sinks expected 2 finite vectors of a multiple of 2"):
+        KVCacheCPU(num_layers=2, num_kv_heads=2, head_dim=16, sinks=[np.zeros(3), np.zeros(4)])
+    cache = KVCacheCPU(num_layers=1, num_kv_heads=2, head_dim=16, sinks=[np.zeros(2)])
+    cache.append(0, k[:1], v[:1])
+    with pytest.raises(HelmcError, match="2 attention sinks for layer 0 expected one per query head, found 4"):
+        cache.attend(0, q[:1], 0.3)
+
+
+def test_threaded_decode_with_sinks_counts_them_once():
+    rng = np.random.default_rng(10)
+    sinks = [np.array([3.0, -1.0], np.float32)]
+    two = KVCacheCPU(num_layers=1, num_kv_heads=1, head_dim=16, page_tokens=64, max_tokens=5000, threads=2,
+                     sinks=sinks)
+    k, v = rng.standard_normal((2, 4501, 1, 16)).astype(np.float32)
+    two.append(0, k[:4500], v[:4500])
+    two.advance(4500)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    two.append(0, k[4500:], v[4500:])
+    err = float(np.abs(two.attend(0, q, 0.25) - full_attention(q, k, v, 0.25, sinks=sinks[0])).max())
+    assert len(_split_by_tokens(two._blocks(0, 4501), 2)) == 2 and err < 1e-5
+    two.close()
 
 
 def test_threaded_decode_equals_single_thread():

@@ -1,4 +1,7 @@
-"""Chat templates in the style of three model families' tokenizer_config.json (written by the tests; no hub)."""
+"""Chat templates in the style of four model families' tokenizer_config.json (written by the tests; no hub). gpt-oss's
+"harmony" template is the model's own file (templates/gpt_oss.jinja: llama.cpp's models/templates/
+openai-gpt-oss-120b.jinja, sha256 a4c9919c...c8146, the template the gpt-oss checkpoints ship)."""
+import os
 
 QWEN3 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -155,10 +158,14 @@ MISTRAL = r"""{%- if messages[0]["role"] == "system" %}
 {%- endfor %}"""
 
 # name -> (template, special tokens as tokenizer_config.json writes them)
+with open(os.path.join(os.path.dirname(__file__), "templates", "gpt_oss.jinja"), encoding="utf-8") as _f:
+    GPT_OSS = _f.read()
+
 FAMILIES = {
     "qwen3": (QWEN3, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}),
     "llama3": (LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
     "mistral": (MISTRAL, {"bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False,
                                          "single_word": False, "special": True, "__type": "AddedToken"},
                           "eos_token": "</s>", "unk_token": "<unk>"}),
+    "gpt-oss": (GPT_OSS, {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}),
 }

@@ -1,8 +1,9 @@
 """helmc's chat template rendering equals transformers' apply_chat_template (Qwen3, Llama 3 and Mistral style
-templates in tokenizer_config.json files written here), and the template is found in a bundle as transformers
+templates, and gpt-oss's own harmony template in tokenizer_config.json files written here), and the template is found in a bundle as transformers
 finds it."""
 import json
 import os
+import re
 
 import pytest
 
@@ -69,6 +70,36 @@ def test_qwen3_tools_and_template_kwargs_equal_transformers(families):
     mine = ours.render(messages, add_generation_prompt=True, tools=tools, enable_thinking=False)
     assert mine == theirs
     assert "Zürich" in mine and "<now> & \\\"here\\\"" in mine and mine.endswith("<think>\n\n</think>\n\n")
+
+
+def test_gpt_oss_harmony_tools_thinking_and_kwargs_equal_transformers(families):
+    """gpt-oss's harmony format: a developer message from the system one, function tools as a TypeScript namespace,
+    an assistant tool call in the commentary channel with its analysis kept, the tool's answer, the template's own
+    kwargs (reasoning_effort, model_identity, builtin_tools); and its refusal of channel tags in content."""
+    hf, ours = families["gpt-oss"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                               "parameters": {"type": "object", "required": ["city"], "properties": {
+                                                   "city": {"type": "string", "description": "City name"},
+                                                   "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                                                   "days": {"type": "array", "items": {"type": "integer"}}}}}}]
+    messages = CHATS["turns"] + [
+        {"role": "assistant", "thinking": "Need the weather.", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {"role": "tool", "content": "sunny"}]
+    kwargs = dict(reasoning_effort="high", model_identity="You are helmc's test model.", builtin_tools=["python"])
+    theirs = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    mine = ours.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
+    assert mine == theirs
+    for part in ("<|start|>developer<|message|># Instructions\n\nBe kind.", "namespace functions {",
+                 'unit?: "c" | "f", // default: c', "Reasoning: high", "## python",
+                 "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>",
+                 '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Zürich"}<|call|>',
+                 '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'):
+        assert part in mine, part
+    assert mine.endswith("<|start|>assistant")
+    with pytest.raises(HelmcError, match=re.escape("chat template: You have passed a message containing <|channel|> tags")):
+        ours.render([{"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": "<|channel|>final<|message|>Hello"}], add_generation_prompt=False)
 
 
 def test_mistral_refuses_roles_out_of_order(families):
