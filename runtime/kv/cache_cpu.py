@@ -235,17 +235,9 @@ class KVCacheCPU:
                 if len(runs) == 1:
                     return self._decode_kernel(layer, q, runs[0][1] - runs[0][0], n, scale)
             return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer],
-                                self._layer_sinks(layer, q))
+                                _layer_sinks(self.sinks, layer, q))
         return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.windows[layer],
-                             np.float32, self.score_budget_bytes, sinks=self._layer_sinks(layer, q))
-
-    def _layer_sinks(self, layer: int, q: np.ndarray):
-        if self.sinks is None:
-            return None
-        if self.sinks[layer].shape[0] != q.shape[1]:
-            raise HelmcError(f"KVCacheCPU.attend: {self.sinks[layer].shape[0]} attention sinks for layer {layer} "
-                             f"expected one per query head, found {q.shape[1]} heads")
-        return self.sinks[layer]
+                             np.float32, self.score_budget_bytes, sinks=_layer_sinks(self.sinks, layer, q))
 
     def advance(self, S: int) -> None:
         if S != self._pending or len(self._appended) != self.num_layers:
@@ -511,3 +503,13 @@ def default_threads() -> int:
         return max(1, min(16, len(os.sched_getaffinity(0))))
     except AttributeError:
         return max(1, min(16, os.cpu_count() or 1))
+
+
+def _layer_sinks(sinks, layer: int, q: np.ndarray):
+    """Layer `layer`'s attention sinks (one per query head of q [S, h_a, d]), or None without sinks."""
+    if sinks is None:
+        return None
+    if sinks[layer].shape[0] != q.shape[1]:
+        raise HelmcError(f"KVCacheCPU.attend: {sinks[layer].shape[0]} attention sinks for layer {layer} "
+                         f"expected one per query head, found {q.shape[1]} heads")
+    return sinks[layer]
