@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from helmc.model.spec import ModelSpec
 from helmc.runtime.kv.interface import KVCache
 from helmc.runtime.function_names import batch_phase, block_function_name  # noqa: F401 (the stage's names)
@@ -69,6 +71,7 @@ class Stage:
         self.scale = spec.attention_scale
         # Per block of the stage: whether it takes the local RoPE half of cos/sin (Gemma 3's sliding blocks).
         self._local_rope = [spec.layer_rope_local(i) for i in layers]
+        self._rope_split = None      # rope_halves' last (cos, sin, their arrays, the halves, the halves' tensors)
         # Per block of the stage, its signature's functions: (phase, signature) -> PackedFunc.
         self._signature = [spec.signature_index(i) for i in layers]
         self.batch_sizes = tuple(batch_sizes)    # the batched decode variants the bundle holds (decode_batch_sizes)
@@ -152,16 +155,25 @@ class Stage:
 
     def rope_halves(self, cos, sin) -> tuple[tuple, tuple]:
         """((cos, sin) of the global blocks, (cos, sin) of the local ones) as device tensors [S, D]: with a local
-        RoPE, the halves of RopeTables' [S, 2D] rows (copied once a step, not per block); else cos, sin for both."""
+        RoPE, the halves of RopeTables' [S, 2D] rows, copied once a step (not per block) into buffers kept for the
+        last (cos, sin) pair on the GPU (CuPy views). A decode graph passes the same static pair every step, so a captured step only copies:
+        a tensor view made during a capture would invalidate it (runtime/moe_decode_row.py says why)."""
         if self.spec.local_rope is None:
             return (cos, sin), (cos, sin)
         D = self.spec.head_dim
-        c, s = self.to_array(cos), self.to_array(sin)
-        xp = _array_module(c)
-
-        def half(a, i):
-            return self.from_array(xp.ascontiguousarray(a[:, i * D:(i + 1) * D]))   # [S, 2D] -> [S, D]
-        return (half(c, 0), half(s, 0)), (half(c, 1), half(s, 1))
+        kept = self._rope_split
+        if kept is None or kept[0] is not cos or kept[1] is not sin:       # held: their ids stay unique
+            c, s = self.to_array(cos), self.to_array(sin)
+            xp = _array_module(c)
+            if xp is np:             # the host's tensors are copies of their arrays: new halves each step
+                return tuple((self.from_array(np.ascontiguousarray(c[:, i * D:(i + 1) * D])),   # [S, 2D] -> [S, D]
+                              self.from_array(np.ascontiguousarray(s[:, i * D:(i + 1) * D]))) for i in (0, 1))
+            halves = tuple(xp.empty((c.shape[0], D), c.dtype) for _ in range(4))   # [S, D] each
+            kept = self._rope_split = (cos, sin, (c, s), halves, tuple(self.from_array(h) for h in halves))
+        _, _, (c, s), halves, tensors = kept
+        for h, (a, i) in zip(halves, ((c, 0), (s, 0), (c, 1), (s, 1))):
+            h[...] = a[:, i * D:(i + 1) * D]                                # [S, 2D] -> [S, D]
+        return (tensors[0], tensors[1]), (tensors[2], tensors[3])
 
     def _post_fn(self, local: int, phase: str, signature: int):
         """The post-attention call of the stage's block `local`: the compiled post_attn, or a MoE block's."""
