@@ -67,7 +67,7 @@ def test_fused_weights_are_row_ranges_of_the_mapping(phi3):
 
 @pytest.mark.parametrize("change, expected", [
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8}}, "rope type expected default, linear or llama3, found 'longrope'"),
+                          "long_factor": [2.0] * 8}}, "rope type expected default, linear, llama3 or yarn, found 'longrope'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
      "rope partial_rotary_factor expected 1.0 (RoPE over the whole head), found 0.75"),
 ])
