@@ -83,7 +83,7 @@ def test_negative_deltas_never_give_a_negative_time(tiny, hw_json, workdir):
     r = cli("plan", model, hw_json, "-o", out)
     assert r.exit_code == 0, r.output
     plan = json.loads(out.read_text())
-    rows = [plan] + plan["candidates"]
+    rows = [plan["predictions"]] + plan["predictions"]["candidates"]
     times = [row[k] for row in rows for k in ("t_cpu_ms", "t_gpu_ms", "t_comm_ms", "t_plan_ms")]
     assert len(times) > 4 and min(times) >= 0, times
     assert "T_plan -" not in r.stdout and "T_plan" in r.stdout, r.stdout

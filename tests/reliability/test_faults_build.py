@@ -61,7 +61,7 @@ def test_build_killed_half_way(point, existing, tiny, hw_json, cache_dir, tmp_pa
     stale = [n for n in left if n.startswith(".bundle.tmp-")]
     assert len(stale) <= 1
     if point == "swapped":                       # the new bundle is in, the old one (if any) awaits removal
-        assert _verify(out).batch == BATCH
+        assert _verify(out).workload.batch == BATCH
         assert len(stale) == existing
     elif existing:
         assert tree(out) == before               # the old bundle, byte for byte
@@ -70,7 +70,7 @@ def test_build_killed_half_way(point, existing, tiny, hw_json, cache_dir, tmp_pa
     r = cli(*_build_args(tiny, hw_json, out))
     assert r.exit_code == 0, r.output
     assert _listing(parent) == ["bundle"]        # the dead build's temporary directory is gone
-    assert _verify(out).batch == 1
+    assert _verify(out).workload.batch == 1
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["fresh", "over_a_bundle"])
@@ -88,7 +88,7 @@ def test_two_builds_into_one_directory(existing, tiny, hw_json, cache_dir, tmp_p
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    batch = _verify(out).batch
+    batch = _verify(out).workload.batch
     print(f"two builds (batch 1 and {BATCH}) into one directory: the bundle has batch {batch}; left {_listing(parent)}")
     assert batch in (1, BATCH)
     assert _listing(parent) == ["bundle"]
@@ -103,7 +103,7 @@ def test_failing_build_keeps_the_old_bundle(point, tiny, hw_json, tmp_path, work
     refused(cli(*_build_args(tiny, hw_json, out, "--max-batch", BATCH)), "No space left on device",
             "any previous bundle there is unchanged")
     assert tree(tmp_path) == before
-    assert _verify(out).batch == 1
+    assert _verify(out).workload.batch == 1
 
 
 def test_bad_model_into_an_existing_bundle_keeps_it(tiny, hw_json, tmp_path, workdir):

@@ -43,7 +43,7 @@ def bundle(tmp_path_factory, host_hardware, cache_dir):
     r = cli("build", d, hw, "-o", out, "--max-batch", str(MAX_BATCH), env={**ENV, "HELMC_CACHE_DIR": cache_dir})
     assert r.returncode == 0, r.stderr
     with open(os.path.join(out, "plan.json")) as f:
-        assert json.load(f)["batch"] == MAX_BATCH                  # the plan is made for the server's batch
+        assert json.load(f)["workload"]["batch"] == MAX_BATCH                  # the plan is made for the server's batch
     return out
 
 
