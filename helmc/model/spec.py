@@ -305,9 +305,9 @@ class ModelSpec:
     # ---- identity ----------------------------------------------------------------------------
     def architecture_hash(self) -> str:
         """Hash of what the compiled code depends on (shapes, dtype, op variants), not of token ids."""
-        d = to_dict(self)
+        d = _set_fields(self)
         for k in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):
-            d.pop(k)
+            d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
@@ -524,3 +524,16 @@ def with_weight_types(spec: ModelSpec, types: dict[str, str]) -> ModelSpec:
     lm = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     return dataclasses.replace(spec, layer_types=layers, head_type=q(lm), embed_type=q("model.embed_tokens.weight"),
                                expert_types=experts)
+
+
+def _set_fields(obj) -> dict:
+    """A dataclass as a dict of the fields that differ from their defaults (nested dataclasses alike): a field added
+    later with a default that keeps the old behaviour leaves every existing architecture's hash, and its bundles, as
+    they were."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING and v == f.default:
+            continue
+        out[f.name] = _set_fields(v) if dataclasses.is_dataclass(v) else to_dict(v)
+    return out
