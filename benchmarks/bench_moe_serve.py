@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.llamacpp_peer import _start_sampling, _stop_sampling, gpu_memory_used_mib, llama_batched_bench
+from benchmarks.llamacpp_peer import PeakVram, llama_batched_bench
 from benchmarks.serve_load import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,14 +94,13 @@ def bench_helmc(a) -> dict:
     proc, url = start_server(a, log_path)
     try:
         asyncio.run(round_of(url, prompts, 8))                      # warm-up: graphs, KV pages, first calls
-        baseline, sampler = gpu_memory_used_mib(), _start_sampling()
-        recs = asyncio.run(round_of(url, prompts, a.new_tokens))
-        peak = _stop_sampling(sampler)
+        with PeakVram() as vram:
+            recs = asyncio.run(round_of(url, prompts, a.new_tokens))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     out = {"system": "helmc serve", "bundle": a.bundle, "concurrency": a.concurrency, **rates(recs, a.new_tokens),
-           "peak_vram_gib_over_idle_server": (peak - baseline) / 1024 if peak is not None and baseline else None}
+           "peak_vram_gib_over_idle_server": vram.gib}
     plan = os.path.join(a.bundle, "plan.json")
     if os.path.isfile(plan):
         with open(plan) as f:
