@@ -65,6 +65,7 @@ class ExpertResidency:
         self.slot_of = np.full(num_experts, -1, np.int32)               # [E]
         self.slot_of[self.slot_expert] = np.arange(len(initial), dtype=np.int32)
         self.counts = np.zeros(num_experts, np.float64)                 # decayed selections per expert
+        self.selected = np.zeros(num_experts, np.int64)                 # every selection per expert, never decayed
         self.tokens = 0                       # rows routed since the last decision
         self.selections = self.hits = 0       # (row, expert) pairs observed, those served from VRAM
         self.promotions = 0                   # copies completed
@@ -101,6 +102,7 @@ class ExpertResidency:
         """The experts a step's rows selected (idx [rows, k], route's): counts, tokens, hits (served from VRAM now)."""
         idx = np.asarray(idx)
         flat = idx.reshape(-1)
+        self.selected += np.bincount(flat, minlength=self.num_experts)
         if self.options.enabled:
             self.counts += np.bincount(flat, minlength=self.num_experts)
             self.tokens += idx.shape[0] if idx.ndim > 1 else 1

@@ -46,10 +46,18 @@ class GpuMoeFeedForward:
 
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
-        row = self.decode_row
+        rows, hits = self.served()
+        return hits / rows if rows else 0.0
+
+    def served(self) -> tuple[int, int]:
+        """(selected (row, expert) pairs, those served from VRAM) over the session so far."""
         parts = [p for p in (self, self.decode_row, self.decode_batch) if p is not None]
-        rows = sum(p.expert_rows for p in parts)
-        return sum(p.gpu_expert_rows for p in parts) / rows if rows else 0.0
+        return sum(p.expert_rows for p in parts), sum(p.gpu_expert_rows for p in parts)
+
+    def cache_promotions(self) -> int:
+        """Experts the VRAM expert cache has copied into its slots, every block, over the session so far."""
+        rows = self.decode_row._rows.values() if self.decode_row is not None else ()
+        return sum(r.cache.residency.promotions for r in rows if r is not None and r.cache is not None)
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
@@ -81,15 +89,16 @@ class GpuMoeFeedForward:
         self.expert_rows += idx.size
         if self.host.routing is not None:
             self.host.routing.record(experts.layer, idx)
-        if experts.on_gpu:
-            self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
+        vram = experts.in_vram()        # now: the VRAM expert cache's residency where it runs
+        if vram:
+            self.gpu_expert_rows += int(np.isin(idx, list(vram)).sum())
         if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):
             self.prefill.add_experts(m_dev, idx, w, experts, hc)        # every expert on the GPU, host ones streamed
             return self.from_cupy(hc.astype(m_dev.dtype))
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
-        if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
-            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
-        y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=experts.on_gpu)   # [S, H] float32 on the host
+        if vram:                 # queued on the stream before the CPU starts its share: the two run together
+            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=vram)
+        y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=vram)   # [S, H] float32 on the host
         self.crossings += 1
         return self.from_cupy((hc + cp.asarray(y)).astype(m_dev.dtype))
 

@@ -3,11 +3,14 @@ expert holds each slot, the decayed counts, the promotions a refresh decides, no
 served by the CPU, slot_of and the slot table inverse after every move."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from helmc.errors import HelmcError
+from helmc.runtime.bundle.plan import Plan
 from helmc.runtime.moe_expert_cache import ExpertCacheOptions, ExpertResidency
 
 E = 8
@@ -44,6 +47,7 @@ def test_the_hottest_host_expert_replaces_the_coldest_slot():
     assert r.slot_expert.tolist() == [6, 3] and r.slot_of[6] == 0 and r.slot_of[0] == -1 and r.promotions == 1
     r.observe(np.array([[6, 3]]))
     assert r.hits == 7 and r.hit_rate() == 7 / 12
+    assert r.selected.tolist() == [2, 0, 0, 5, 0, 0, 5, 0]
 
 
 def test_equal_counts_never_swap_and_the_margin_holds_back():
@@ -99,6 +103,7 @@ def test_disabled_counts_hits_and_never_decides():
     r = residency((0, 3), enabled=False, refresh_tokens=1)
     feed(r, [[3, 6]] * 5)
     assert not r.due() and r.counts.sum() == 0 and r.hit_rate() == 0.5
+    assert r.selected.tolist() == [0, 0, 0, 5, 0, 0, 5, 0]
 
 
 def test_bad_options_and_slots_are_refused():
@@ -128,3 +133,17 @@ def test_any_sequence_keeps_the_maps_inverse(rows, slots, promotions, margin):
     for s in r.in_flight():
         r.complete(s)
     assert sorted(r.resident()) == sorted(r.slot_expert.tolist()) and len(r.resident()) == slots
+
+
+def test_the_plan_says_whether_the_cache_runs():
+    """Plan.placement.expert_cache: off unless the plan turns it on; kept through the plan's JSON (a plan written
+    before it reads as off)."""
+    plan = Plan.of(num_layers=2, cpu_units=0, t_cpu_ms=0.0, t_gpu_ms=2.0, t_comm_ms=0.0, t_plan_ms=2.0,
+                   gpu_experts=((0, 3), (1,)))
+    assert plan.placement.expert_cache is False
+    on = plan.replace(expert_cache=True)
+    assert Plan.from_json(on.to_json()).placement.expert_cache is True
+    assert Plan.from_json(plan.to_json()).placement == plan.placement
+    d = json.loads(on.to_json())
+    del d["placement"]["expert_cache"]
+    assert Plan.from_json(json.dumps(d)).placement.expert_cache is False
