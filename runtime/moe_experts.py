@@ -30,6 +30,7 @@ class LayerExperts:
     signature: int = 0               # the block's expert type signature (ModelSpec.expert_signatures()): which
                                      # compiled expert function reads these weights
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.placement.gpu_experts)
+                                     # at load; in_vram() says which are now
     stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
                                      # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],

@@ -147,3 +147,12 @@ def test_the_plan_says_whether_the_cache_runs():
     d = json.loads(on.to_json())
     del d["placement"]["expert_cache"]
     assert Plan.from_json(json.dumps(d)).placement.expert_cache is False
+
+
+def test_a_requests_json_carries_the_expert_counts_only_for_experts():
+    from helmc.runtime.session import GenerationResult
+    dense = GenerationResult([1, 2], [3]).to_json_dict()
+    assert not any(k.startswith("expert") or k == "predicted_hit_rate" for k in dense)
+    moe = GenerationResult([1, 2], [3], experts={"expert_cache_hit_rate": 0.75, "predicted_hit_rate": 0.5,
+                                                  "expert_cache": True, "expert_cache_promotions": 2}).to_json_dict()
+    assert moe["expert_cache_hit_rate"] == 0.75 and moe["predicted_hit_rate"] == 0.5 and moe["tokens"] == [3]
