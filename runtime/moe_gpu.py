@@ -43,16 +43,19 @@ class GpuMoeFeedForward:
                        for p in phases for j in set(signatures)}
         # for the benchmarks: blocks whose rows went to the host and back; (row, expert) pairs, those in VRAM
         self.crossings = self.expert_rows = self.gpu_expert_rows = 0
+        self.prefill_rows = [0, 0]              # of those pairs, a prompt's (prefill's), and those in VRAM
 
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
         rows, hits = self.served()
         return hits / rows if rows else 0.0
 
-    def served(self) -> tuple[int, int]:
-        """(selected (row, expert) pairs, those served from VRAM) over the session so far."""
+    def served(self, decode: bool = False) -> tuple[int, int]:
+        """(selected (row, expert) pairs, those served from VRAM) over the session so far; with `decode`, of the
+        decode rows and batched steps alone (where the VRAM expert cache acts)."""
         parts = [p for p in (self, self.decode_row, self.decode_batch) if p is not None]
-        return sum(p.expert_rows for p in parts), sum(p.gpu_expert_rows for p in parts)
+        rows, hits = sum(p.expert_rows for p in parts), sum(p.gpu_expert_rows for p in parts)
+        return (rows - self.prefill_rows[0], hits - self.prefill_rows[1]) if decode else (rows, hits)
 
     def cache_promotions(self) -> int:
         """Experts the VRAM expert cache has copied into its slots, every block, over the session so far."""
@@ -90,8 +93,11 @@ class GpuMoeFeedForward:
         if self.host.routing is not None:
             self.host.routing.record(experts.layer, idx)
         vram = experts.in_vram()        # now: the VRAM expert cache's residency where it runs
-        if vram:
-            self.gpu_expert_rows += int(np.isin(idx, list(vram)).sum())
+        hits = int(np.isin(idx, list(vram)).sum()) if vram else 0
+        self.gpu_expert_rows += hits
+        if phase == "prefill":
+            self.prefill_rows[0] += idx.size
+            self.prefill_rows[1] += hits
         if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):
             self.prefill.add_experts(m_dev, idx, w, experts, hc)        # every expert on the GPU, host ones streamed
             return self.from_cupy(hc.astype(m_dev.dtype))

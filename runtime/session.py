@@ -44,8 +44,9 @@ class GenerationResult:
     stop_reason: str = ""
     max_context: int = 0             # tokens this session's KV caches and memory hold (capacity check)
     kv_limited_by: str = ""          # what bounds max_context
-    experts: dict | None = None      # a GPU stage's MoE blocks: this request's expert_cache_hit_rate (the share of
-                                     # selected experts served from VRAM), the plan's predicted_hit_rate, promotions
+    experts: dict | None = None      # a GPU stage's MoE blocks: this request's expert_cache_hit_rate (the share of its
+                                     # decode's selected experts served from VRAM), the plan's predicted_hit_rate,
+                                     # expert_cache (on or off) and expert_cache_promotions (over the session)
 
     def to_json_dict(self) -> dict:
         out = {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
@@ -180,7 +181,7 @@ class Session:
         self.reset()
         eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
         moe = getattr(getattr(self.gpu, "stage", None), "_moe", None)
-        served = moe.served() if moe is not None else None
+        served = moe.served(decode=True) if moe is not None else None
         t0 = time.perf_counter()
         try:
             tok = self._next_token(prompt_ids, sampler)
@@ -217,8 +218,9 @@ class Session:
 
 
 def _expert_stats(moe, before: tuple[int, int], plan: Plan) -> dict:
-    """A request's expert counts (GenerationResult.experts) from the MoE feed-forward's totals before it."""
-    rows, hits = (a - b for a, b in zip(moe.served(), before))
+    """A request's expert counts (GenerationResult.experts) from the MoE feed-forward's decode totals before it: the
+    share of its decode tokens' selected experts served from VRAM (per token, as the plan predicts it)."""
+    rows, hits = (a - b for a, b in zip(moe.served(decode=True), before))
     return {"expert_cache_hit_rate": round(hits / rows, 4) if rows else 0.0,
             "predicted_hit_rate": plan.predictions.expert_hit_rate, "expert_cache": plan.placement.expert_cache,
             "expert_cache_promotions": moe.cache_promotions()}
