@@ -109,6 +109,12 @@ class ExpertResidency:
         self.selections += flat.size
         self.hits += int((self.slot_of[flat] >= 0).sum())
 
+    def forget(self) -> None:
+        """Drop what has been counted (a warm-up's dummy tokens: requests do not depend on it); the slots stay."""
+        self.counts[:] = 0.0
+        self.selected[:] = 0
+        self.tokens = self.selections = self.hits = 0
+
     def due(self) -> bool:
         return self.options.enabled and self.slots > 0 and self.tokens >= self.options.refresh_tokens
 
@@ -193,6 +199,14 @@ class VramExpertCache:
             done = cp.cuda.Event(disable_timing=True)
             done.record(self.copy_stream)
             self._copies[slot] = done
+
+
+def forget_counts(session) -> None:
+    """Every residency of a session's GPU stage forgets its counts (ExpertResidency.forget)."""
+    for binding in getattr(getattr(session.gpu, "stage", None), "bindings", None) or ():
+        residency = getattr(binding.post[-1], "residency", None) if binding.post else None
+        if residency is not None:
+            residency.forget()
 
 
 def _rows_bytes(t, experts: int) -> int:

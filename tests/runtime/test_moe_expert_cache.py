@@ -99,6 +99,14 @@ def test_a_slot_mid_copy_is_neither_cold_nor_a_target():
         r.complete(1)                  # slot 1 is receiving nothing
 
 
+def test_forget_drops_the_counts_and_keeps_the_slots():
+    r = residency((0, 3), refresh_tokens=4)
+    feed(r, [[5, 6]] * 3)
+    r.forget()
+    assert r.counts.sum() == 0 and r.selected.sum() == 0 and r.tokens == r.selections == r.hits == 0
+    assert r.slot_expert.tolist() == [0, 3] and not r.due()
+
+
 def test_disabled_counts_hits_and_never_decides():
     r = residency((0, 3), enabled=False, refresh_tokens=1)
     feed(r, [[3, 6]] * 5)
