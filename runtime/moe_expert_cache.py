@@ -102,12 +102,19 @@ class ExpertResidency:
         """The experts a step's rows selected (idx [rows, k], route's): counts, tokens, hits (served from VRAM now)."""
         idx = np.asarray(idx)
         flat = idx.reshape(-1)
-        self.selected += np.bincount(flat, minlength=self.num_experts)
+        rows = idx.shape[0] if idx.ndim > 1 else 1
+        if rows == 1:           # one row's top-k are distinct: an indexed add (a decode token, every block)
+            self.selected[flat] += 1
+        else:
+            np.add.at(self.selected, flat, 1)
         if self.options.enabled:
-            self.counts += np.bincount(flat, minlength=self.num_experts)
-            self.tokens += idx.shape[0] if idx.ndim > 1 else 1
+            if rows == 1:
+                self.counts[flat] += 1.0
+            else:
+                np.add.at(self.counts, flat, 1.0)
+            self.tokens += rows
         self.selections += flat.size
-        self.hits += int((self.slot_of[flat] >= 0).sum())
+        self.hits += int(np.count_nonzero(self.slot_of[flat] >= 0))
 
     def forget(self) -> None:
         """Drop what has been counted (a warm-up's dummy tokens: requests do not depend on it); the slots stay."""
@@ -125,13 +132,15 @@ class ExpertResidency:
         margin (equal counts never swap: no thrash), at most max_promotions. Then the counts decay and the token
         count restarts. Decides only: begin() starts each promotion."""
         o = self.options
-        held = set(self.slot_expert[self.slot_expert >= 0].tolist()) | set(self.incoming[self.incoming >= 0].tolist())
-        hosts = sorted((e for e in range(self.num_experts) if e not in held), key=lambda e: (-self.counts[e], e))
-        colds = sorted((int(s) for s in np.flatnonzero(self.slot_expert >= 0)),
-                       key=lambda s: (self.counts[self.slot_expert[s]], s))
+        host = self.slot_of < 0
+        host[self.incoming[self.incoming >= 0]] = False
+        hosts = np.flatnonzero(host)
+        hosts = hosts[np.argsort(-self.counts[hosts], kind="stable")][:o.max_promotions]   # ids ascending on ties
+        colds = np.flatnonzero(self.slot_expert >= 0)
+        colds = colds[np.argsort(self.counts[self.slot_expert[colds]], kind="stable")][:o.max_promotions]
         out = []
-        for hot, cold in zip(hosts, colds):
-            if len(out) >= o.max_promotions or not self.counts[hot] > self.counts[self.slot_expert[cold]] + o.margin:
+        for hot, cold in zip(hosts.tolist(), colds.tolist()):
+            if not self.counts[hot] > self.counts[self.slot_expert[cold]] + o.margin:
                 break
             out.append((cold, hot))
         self.counts *= o.decay

@@ -76,8 +76,8 @@ def test_at_most_max_promotions_hottest_first():
 
 def test_decay_forgets_old_selections():
     r = residency((0,), refresh_tokens=1, margin=0.0, decay=0.25)
-    feed(r, [[0, 0]] * 1)                             # 0: 2 (a row selecting one expert twice counts twice)
-    assert r.decide() == [] and r.counts[0] == 0.5
+    r.observe(np.array([[0, 1], [0, 2]]))             # a batched step's two rows: 0: 2, 1: 1, 2: 1
+    assert r.tokens == 2 and r.decide() == [] and r.counts[:3].tolist() == [0.5, 0.25, 0.25]
     r.observe(np.array([[4, 5]]))                     # 4: 1 > 0.5: promoted at the next decision
     assert r.decide() == [(0, 4)]
     assert r.counts[0] == pytest.approx(0.125) and r.counts[4] == pytest.approx(0.25)

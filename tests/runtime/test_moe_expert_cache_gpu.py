@@ -46,21 +46,21 @@ def _residencies(s) -> dict:
 
 @pytest.fixture(scope="module")
 def cold_slots():
-    """(d, weights, per block the two experts a cache-on run selected least: the slots the tests start from)."""
+    """(d, weights, per block the two experts a cache-on run selected least: the slots the tests start from,
+    transformers over the same weights)."""
     d = moe_dir("gpu_q4_k_m")
-    weights, _ = reference(d, "gpu_q4_k_m")
+    weights, ref = reference(d, "gpu_q4_k_m")
     s, _ = _run(d, weights, ((0, 1), (), (0, 1)), cache=True)
     picked = {}
     for i, res in _residencies(s).items():
         assert res is not None and res.selections == (TOKENS - 1) * 2      # every decode token, top-2 (not prefill)
         picked[i] = tuple(sorted(np.argsort(res.selected, kind="stable")[:2].tolist()))
     del s
-    return d, weights, (picked[0], (), picked[2])
+    return d, weights, (picked[0], (), picked[2]), ref
 
 
 def test_the_cache_promotes_the_selected_experts(cold_slots):
-    d, weights, vram = cold_slots
-    _, ref = reference(d, "gpu_q4_k_m")
+    d, weights, vram, ref = cold_slots
     off_s, off = _run(d, weights, vram, cache=False)
     assert all(r is None for r in _residencies(off_s).values())
     on_s, on = _run(d, weights, vram, cache=True)
@@ -82,7 +82,7 @@ def test_the_cache_promotes_the_selected_experts(cold_slots):
 
 
 def test_graphs_replay_the_eager_tokens_with_the_cache(cold_slots):
-    d, weights, vram = cold_slots
+    d, weights, vram, _ = cold_slots
     runs = {}
     for graphs in (True, False):
         s, r = _run(d, weights, vram, cache=True, graphs=graphs)
@@ -97,7 +97,7 @@ def test_graphs_replay_the_eager_tokens_with_the_cache(cold_slots):
 def test_a_prompt_after_promotions_reads_the_moved_experts(cold_slots):
     """Prefill asks the same residency: experts promoted during decode run from their new slots (and the ones
     they replaced from the host's rows), and the prompt's logits are the cache-off session's."""
-    d, weights, vram = cold_slots
+    d, weights, vram, _ = cold_slots
     logits = {}
     for cache in (False, True):
         s, r = _run(d, weights, vram, cache=cache)
