@@ -17,7 +17,8 @@ read rate, both measured in this run), one after the other.
 
 JSON (`--out`, rewritten after each system): `llamacpp` rows, `helmc` rows (decode_tok_s_p50, ttft_ms_p50 at the long
 prompt, peak_vram_gib, gpu_budget_gib, plan, t_plan_ms, measured_over_plan, experts_in_vram, predicted_hit_rate,
-decode_fraction_of_roofline), and the named ratios: `moe_decode_ratio_vs_llamacpp_{B}gib` per budget,
+measured_hit_rate, expert_cache_hit_rate (the decode requests' share of selected experts served from VRAM, the VRAM
+expert cache on or off as `expert_cache` says), decode_fraction_of_roofline), and the named ratios: `moe_decode_ratio_vs_llamacpp_{B}gib` per budget,
 `moe_prefill_ratio_vs_llamacpp` (helmc's TTFT over llama.cpp's within the smallest budget: the aim is <= 0.5),
 `moe_all_gpu_ratio_vs_llamacpp`.
 """
@@ -95,6 +96,15 @@ def _layer_of(name: str) -> int | None:
     return None
 
 
+def _with_expert_cache(bundle: str, mode: str):
+    """The bundle's plan with the VRAM expert cache turned on or off (--expert-cache), or None: the plan's own."""
+    if mode == "plan":
+        return None
+    from helmc.runtime.bundle.plan import Plan
+    with open(os.path.join(bundle, "plan.json")) as f:
+        return Plan.from_json(f.read()).replace(expert_cache=mode == "on")
+
+
 def bench_helmc(a, bundle: str, bw: dict) -> dict:
     import torch
 
@@ -104,7 +114,7 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
     vram = PeakVram(torch.cuda.mem_get_info, (baseline or 0) * 2 ** 20)
     with vram:
         t = time.perf_counter()
-        s = Session.load(bundle, weights_dir=a.gguf)
+        s = Session.load(bundle, weights_dir=a.gguf, plan=_with_expert_cache(bundle, a.expert_cache))
         load_s = time.perf_counter() - t
         plan = s.plan
         log(f"helmc {bundle}: loaded in {load_s:.1f} s, plan {plan.describe()}, T_plan {plan.predictions.t_plan_ms:.2f} ms")
@@ -140,6 +150,10 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
     moe = getattr(getattr(s.gpu, "stage", None), "_moe", None)
     if moe is not None:                  # selected (token, expert) pairs served from VRAM, over every request
         out["measured_hit_rate"] = moe.hit_rate()
+        # the decode requests' share (the VRAM expert cache's slots as they moved), beside predicted_hit_rate
+        out["expert_cache"] = plan.placement.expert_cache
+        out["expert_cache_hit_rate"] = statistics.median(r.experts["expert_cache_hit_rate"] for r in runs)
+        out["expert_cache_promotions"] = moe.cache_promotions()
     del s
     return out
 
@@ -202,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--llama-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--expert-cache", choices=("plan", "on", "off"), default="plan",
+                    help="the VRAM expert cache as each bundle's plan says, or on / off for every bundle")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -344,10 +344,18 @@ def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: 
                                    cupy_to_tvm, mem.expert_staging_bytes)
     bindings = bind_layers(checkpoint, spec, layers, tvm.cuda(0), loader_progress(quiet), to_device=upload,
                            experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
-                           experts_in_vram=pl.gpu_experts)
+                           experts_in_vram=pl.gpu_experts, expert_cache=_expert_cache(pl))
     kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, pool_loan)
     return Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
                  batch_sizes=decode_batch_sizes(wl.batch), kv_base=kv_layers - len(layers), moe=moe)
+
+
+def _expert_cache(pl):
+    """The VRAM expert cache's options where the plan turns it on (Plan.placement.expert_cache), else None."""
+    if not pl.expert_cache:
+        return None
+    from helmc.runtime.moe_expert_cache import ExpertCacheOptions
+    return ExpertCacheOptions()
 
 
 def _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options: KVOptions, hybrid: bool):

@@ -24,7 +24,7 @@ _COMBINE_ROWS_SOURCE = """
 int r = i / H;
 int c = i - r * H;
 float g = 0.f;
-for (int j = 0; j < n_gpu; ++j) g += w[r * K + j] * (float)part[(r * K + j) * H + c];
+for (int j = 0; j < n_gpu; ++j) if (w[r * K + j] != 0.f) g += w[r * K + j] * (float)part[(r * K + j) * H + c];
 float acc = (float)h[i] + g;
 if (use_cpu) acc += y_cpu[i];
 out = (float16)acc;
@@ -75,7 +75,11 @@ class MoeDecodeBatch:
             part = self._gpu_pairs(block, mc, sel)
             self.gpu_expert_rows += S * K
             return self._combine(hc, part, w, cp.zeros((S, H), cp.float32), K, False)
+        if block.cache is not None:         # the same residency the one-row path and prefill read
+            block.cache.step()
         idx, wts = route(cp.asnumpy(lc), row.moe)                       # [S, K] each, largest first
+        if block.cache is not None:
+            block.cache.residency.observe(idx)
         slots = block.slot_of[idx]                                      # [S, K]
         hit = slots >= 0
         part, w, n_gpu = None, cp.zeros(S * K, cp.float32), 0

@@ -25,7 +25,7 @@ from helmc.runtime.moe_experts import LayerExperts, route
 
 _COMBINE_SOURCE = """
 float g = 0.f;
-for (int j = 0; j < n_gpu; ++j) g += w[j] * (float)part[j * H + i];
+for (int j = 0; j < n_gpu; ++j) if (w[j] != 0.f) g += w[j] * (float)part[j * H + i];   // padding: not read
 float acc = (float)h[i] + g;
 if (use_cpu) acc += y_cpu[i];
 out = (float16)acc;
@@ -108,6 +108,8 @@ class BlockRow:
     cpu_sum: object              # the CPU library's one-call expert sum for the block's type signature, or None
     gpu_sum: object              # moe_gpu.DeviceExpertSum (its two kernels), or None
     all_vram: bool               # every expert in VRAM and the GPU's kernels run them: routed on the GPU
+    cache: object = None         # moe_expert_cache.VramExpertCache moving experts into the slots, or None (slot_of
+                                 # is then its residency's, changed in place)
 
     @property
     def has_vram(self) -> bool:
@@ -161,6 +163,7 @@ class MoeDecodeRow:
         self._out_views = [from_cupy(o) for o in self.out]
         self._rows: dict[int, BlockRow] = {}
         self.pending: BlockRow | None = None
+        self._copy_stream = None                        # the VRAM expert cache's copies (moe_expert_cache.py)
         self.expert_rows = self.gpu_expert_rows = 0     # selected (row, expert) pairs, those served from VRAM
 
     # ------------------------------------------------------------------ what a block needs
@@ -176,6 +179,14 @@ class MoeDecodeRow:
         slot_of = np.full(self.E, -1, np.int32)
         for s, e in enumerate(experts.vram_order):
             slot_of[e] = s
+        cache = None
+        if experts.residency is not None and experts.vram_stacked is not None:
+            from helmc.runtime.moe_expert_cache import VramExpertCache
+            if self._copy_stream is None:
+                import cupy as cp
+                self._copy_stream = cp.cuda.Stream(non_blocking=True)
+            cache = VramExpertCache(experts.residency, experts.stacked, experts.vram_stacked, self._copy_stream)
+            slot_of = experts.residency.slot_of
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
         all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
@@ -183,7 +194,7 @@ class MoeDecodeRow:
                     and self.moe.routing == "softmax_topk")              # the only routing the kernel has
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
             return None
-        return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram)
+        return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram, cache if not all_vram else None)
 
     # ------------------------------------------------------------------ the three parts
     def begin(self, h, m, logits, row: BlockRow):
@@ -210,7 +221,11 @@ class MoeDecodeRow:
         """Host: route the block's row, queue its VRAM experts (launch_gpu_experts(row), or eagerly), run the CPU's
         share into pinned memory. The stream must have completed the block's begin() (run or replayed)."""
         assert not row.all_vram, "MoeDecodeRow.host_half: this block is routed on the GPU"
+        if row.cache is not None:        # copies done serve from now on; promotions due start (never waited on)
+            row.cache.step()
         idx, w = route(self.host_logits, self.moe)                     # [1, K] each, largest first
+        if row.cache is not None:
+            row.cache.residency.observe(idx)
         idx, w = idx[0], w[0]
         slots = row.slot_of[idx]                                        # [K]
         hit = slots >= 0

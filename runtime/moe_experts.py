@@ -30,11 +30,29 @@ class LayerExperts:
     signature: int = 0               # the block's expert type signature (ModelSpec.expert_signatures()): which
                                      # compiled expert function reads these weights
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.placement.gpu_experts)
+                                     # at load; in_vram() says which are now
     stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
                                      # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
-    vram_order: tuple = ()             # expert vram_order[slot] at slot
+    vram_order: tuple = ()             # expert vram_order[slot] at slot (at load)
     layer: int = -1                    # the block's index (routing statistics count by it)
+    # with the VRAM expert cache (Plan.placement.expert_cache): which expert each slot serves now, the one home of
+    # residency (moe_expert_cache.ExpertResidency; decode, batched steps and prefill ask it), every slot's views
+    # into vram_stacked and every expert's into stacked (each expert's host rows written: one may leave VRAM)
+    residency: Any = None
+    vram_slots: tuple = ()
+    host_views: tuple = ()
+
+    def in_vram(self) -> frozenset:
+        """The experts VRAM serves now."""
+        return self.residency.resident() if self.residency is not None else self.on_gpu
+
+    def weights(self, e: int) -> tuple:
+        """Expert e's (gate, up, down) where it is served now: its VRAM slot's views, or the host's."""
+        if self.residency is None:
+            return self.experts[e]
+        s = int(self.residency.slot_of[e])
+        return self.vram_slots[s] if s >= 0 else self.host_views[e]
 
 
 def find_expert_sums(vm, spec, rows: bool = False) -> dict:
@@ -148,7 +166,7 @@ class MoeFeedForward:
                 continue
             rows, slot = np.nonzero(idx == e)
             at = xp.asarray(rows)                   # the rows' indices where m and out are (a copy to a GPU once)
-            y = self._run_expert(decode, xp.ascontiguousarray(m[at]), experts.experts[e], experts.signature)
+            y = self._run_expert(decode, xp.ascontiguousarray(m[at]), experts.weights(e), experts.signature)
             out[at] += xp.asarray(w[rows, slot, None]) * y
         return out
 

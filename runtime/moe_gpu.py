@@ -9,6 +9,8 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
 A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
 functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
+With Plan.placement.expert_cache the experts holding those VRAM slots change at run time (moe_expert_cache.py): every
+path here asks the block's LayerExperts which are in VRAM now (in_vram(), weights(e)).
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
 One decode row of quantized fp16 experts goes through moe_decode_row.MoeDecodeRow (the one-call expert sums on both
 sides, static buffers), which moe_decode_graph.MoeDecodeGraph replays as CUDA graphs between the host's halves; a
@@ -43,13 +45,24 @@ class GpuMoeFeedForward:
                        for p in phases for j in set(signatures)}
         # for the benchmarks: blocks whose rows went to the host and back; (row, expert) pairs, those in VRAM
         self.crossings = self.expert_rows = self.gpu_expert_rows = 0
+        self.prefill_rows = [0, 0]              # of those pairs, a prompt's (prefill's), and those in VRAM
 
     def hit_rate(self) -> float:
         """The share of selected (row, expert) pairs whose expert was in VRAM, over the session so far."""
-        row = self.decode_row
+        rows, hits = self.served()
+        return hits / rows if rows else 0.0
+
+    def served(self, decode: bool = False) -> tuple[int, int]:
+        """(selected (row, expert) pairs, those served from VRAM) over the session so far; with `decode`, of the
+        decode rows and batched steps alone (where the VRAM expert cache acts)."""
         parts = [p for p in (self, self.decode_row, self.decode_batch) if p is not None]
-        rows = sum(p.expert_rows for p in parts)
-        return sum(p.gpu_expert_rows for p in parts) / rows if rows else 0.0
+        rows, hits = sum(p.expert_rows for p in parts), sum(p.gpu_expert_rows for p in parts)
+        return (rows - self.prefill_rows[0], hits - self.prefill_rows[1]) if decode else (rows, hits)
+
+    def cache_promotions(self) -> int:
+        """Experts the VRAM expert cache has copied into its slots, every block, over the session so far."""
+        rows = self.decode_row._rows.values() if self.decode_row is not None else ()
+        return sum(r.cache.residency.promotions for r in rows if r is not None and r.cache is not None)
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
@@ -81,15 +94,19 @@ class GpuMoeFeedForward:
         self.expert_rows += idx.size
         if self.host.routing is not None:
             self.host.routing.record(experts.layer, idx)
-        if experts.on_gpu:
-            self.gpu_expert_rows += int(np.isin(idx, list(experts.on_gpu)).sum())
+        vram = experts.in_vram()        # now: the VRAM expert cache's residency where it runs
+        hits = int(np.isin(idx, list(vram)).sum()) if vram else 0
+        self.gpu_expert_rows += hits
+        if phase == "prefill":
+            self.prefill_rows[0] += idx.size
+            self.prefill_rows[1] += hits
         if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):
             self.prefill.add_experts(m_dev, idx, w, experts, hc)        # every expert on the GPU, host ones streamed
             return self.from_cupy(hc.astype(m_dev.dtype))
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
-        if experts.on_gpu:       # queued on the stream before the CPU starts its share: the two run together
-            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=experts.on_gpu)
-        y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=experts.on_gpu)   # [S, H] float32 on the host
+        if vram:                 # queued on the stream before the CPU starts its share: the two run together
+            hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=vram)
+        y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=vram)   # [S, H] float32 on the host
         self.crossings += 1
         return self.from_cupy((hc + cp.asarray(y)).astype(m_dev.dtype))
 

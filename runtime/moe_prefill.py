@@ -62,7 +62,8 @@ class ExpertPrefill:
         dev = cp.asarray(packed)
         rows, weights = dev[:S * k].view(cp.int32), dev[S * k:]
         used = [e for e in range(self.moe.num_experts) if counts[e]]
-        host = [e for e in used if e not in experts.on_gpu]
+        vram = experts.in_vram()                       # now (the VRAM expert cache moves experts between slots)
+        host = [e for e in used if e not in vram]
         if host:
             self._register(experts)
         views = self._slot_views(experts) if host else []
@@ -76,8 +77,8 @@ class ExpertPrefill:
         for i in range(min(n, len(host))):                               # the first copies, one per slot
             self._copy(sources, host[i], i)
         for e in used:
-            if e in experts.on_gpu:
-                wts = experts.experts[e]
+            if e in vram:
+                wts = experts.weights(e)
             else:
                 s = j % n
                 compute.wait_event(self._copied[s])
@@ -86,7 +87,7 @@ class ExpertPrefill:
             r = rows[sl]
             y = self.to_cupy(fn(self.from_cupy(cp.ascontiguousarray(m_dev[r])), *wts))   # [n_e, H]
             hc[r] += weights[sl, None] * y.astype(cp.float32)
-            if e not in experts.on_gpu:
+            if e not in vram:
                 self._free[s] = cp.cuda.Event(disable_timing=True)
                 self._free[s].record(compute)
                 if j + n < len(host):                                      # the slot's next expert
@@ -130,7 +131,8 @@ class ExpertPrefill:
 
     def _register(self, experts: LayerExperts) -> None:
         """Page-lock the host experts' rows of the block's stacked tensors once (runs of host experts only: the
-        rows of experts in VRAM stay unwritten, never resident)."""
+        rows of experts in VRAM stay unwritten, never resident; all of them under the VRAM expert cache, which
+        writes every expert's rows and copies them into its slots from here too)."""
         import cupy as cp
         for whole in experts.stacked:
             ptr = _data_ptr(whole)
@@ -138,7 +140,8 @@ class ExpertPrefill:
                 continue
             nbytes = _rows_bytes(whole, self.moe.num_experts)
             locked = []
-            for a, b in _runs([e not in experts.on_gpu for e in range(self.moe.num_experts)]):
+            written = [experts.residency is not None or e not in experts.on_gpu for e in range(self.moe.num_experts)]
+            for a, b in _runs(written):
                 try:
                     cp.cuda.runtime.hostRegister(ptr + a * nbytes, (b - a) * nbytes, 0)
                     locked.append(ptr + a * nbytes)

@@ -44,11 +44,15 @@ class GenerationResult:
     stop_reason: str = ""
     max_context: int = 0             # tokens this session's KV caches and memory hold (capacity check)
     kv_limited_by: str = ""          # what bounds max_context
+    experts: dict | None = None      # a GPU stage's MoE blocks: this request's expert_cache_hit_rate (the share of its
+                                     # decode's selected experts served from VRAM), the plan's predicted_hit_rate,
+                                     # expert_cache (on or off) and expert_cache_promotions (over the session)
 
     def to_json_dict(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
-                "ttft_ms": round(self.ttft_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
-                "stop_reason": self.stop_reason, "max_context": self.max_context, "kv_limited_by": self.kv_limited_by}
+        out = {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "text": self.text,
+               "ttft_ms": round(self.ttft_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
+               "stop_reason": self.stop_reason, "max_context": self.max_context, "kv_limited_by": self.kv_limited_by}
+        return out | (self.experts or {})
 
 
 class Session:
@@ -176,6 +180,8 @@ class Session:
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
         self.reset()
         eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
+        moe = getattr(getattr(self.gpu, "stage", None), "_moe", None)
+        served = moe.served(decode=True) if moe is not None else None
         t0 = time.perf_counter()
         try:
             tok = self._next_token(prompt_ids, sampler)
@@ -201,13 +207,23 @@ class Session:
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
         return GenerationResult(prompt_ids, out, text, 1000 * (t_first - t0),
                                 (len(out) - 1) / decode_s if decode_s > 0 else 0.0, per_token, stop,
-                                self.kv_capacity.tokens_fit, self.kv_capacity.limited_by)
+                                self.kv_capacity.tokens_fit, self.kv_capacity.limited_by,
+                                _expert_stats(moe, served, self.plan) if moe is not None else None)
 
     def _next_token(self, ids: list[int], sampler: Sampler) -> int:
         if sampler.plain_greedy:                                   # the argmax where the logits are
             return sampler.take(self.forward(ids, argmax=True))
         return sampler(self.forward(ids)[-1])
 
+
+
+def _expert_stats(moe, before: tuple[int, int], plan: Plan) -> dict:
+    """A request's expert counts (GenerationResult.experts) from the MoE feed-forward's decode totals before it: the
+    share of its decode tokens' selected experts served from VRAM (per token, as the plan predicts it)."""
+    rows, hits = (a - b for a, b in zip(moe.served(decode=True), before))
+    return {"expert_cache_hit_rate": round(hits / rows, 4) if rows else 0.0,
+            "predicted_hit_rate": plan.predictions.expert_hit_rate, "expert_cache": plan.placement.expert_cache,
+            "expert_cache_promotions": moe.cache_promotions()}
 
 
 def _emit(on_text, detok, tok: int) -> None:

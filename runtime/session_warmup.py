@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from helmc.errors import HelmcError
+from helmc.runtime.moe_expert_cache import forget_counts
 
 MIN_PROMPT_TOKENS = 2        # more than one row: the prefill functions (and a streamed prefill), not a decode step
 DECODE_STEPS = 3             # the first step of a graph key runs eagerly, the second captures, the third replays
@@ -58,6 +59,7 @@ def warm_up_session(session, prompt_tokens: int, new_tokens: int) -> WarmUp:
         session.forward([1], all_logits=False)                 # the sampled path: logits to the host
     finally:
         session.reset()
+        forget_counts(session)                  # the VRAM expert cache's counts: the dummy tokens' routing
     tokens = max(0, min(int(prompt_tokens) + int(new_tokens), context))
     kv_bytes = sum(kv.prefault(tokens) for kv in host_kv_caches(session))
     if session.position:

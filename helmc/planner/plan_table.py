@@ -169,4 +169,5 @@ def experts_line(plan: Plan, spec) -> str:
             f"predicted hit rate {plan.predictions.expert_hit_rate:.2f} ({how}), top-{spec.moe.top_k} of "
             f"{spec.moe.num_experts} per block"
             + (f"; a prompt's host experts stream to the GPU through {mem.expert_staging_bytes / gib:.2f} GiB of "
-               "staging" if mem.expert_staging_bytes else ""))
+               "staging" if mem.expert_staging_bytes else "")
+            + ("; the VRAM expert cache refreshes the slots from the tokens' routing" if pl.expert_cache else ""))

@@ -119,6 +119,9 @@ class Placement:
     # block's other experts run on the CPU from host RAM. Empty: every routed expert in host RAM (a dense model,
     # or a MoE model whose experts all stay on the CPU).
     gpu_experts: tuple[tuple[int, ...], ...] = ()
+    # a block's VRAM slots (as many as its gpu_experts) refreshed at run time from the experts its tokens select
+    # (runtime/moe_expert_cache.py); off: the slots keep gpu_experts
+    expert_cache: bool = False
     prefill_on_gpu: bool = False     # CPU blocks' prefill runs on the GPU, weights streamed block by block
     prefill_chunk_tokens: int = 0    # the GPU runs a prompt this many tokens at a time (0: all at once)
 

@@ -86,10 +86,12 @@ def tensor_to_device(view: np.ndarray, dtype: str, dev):
 def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
                 progress: Callable[[str], None] = lambda m: None,
                 to_device: Callable = tensor_to_device, experts_on=None,
-                experts_in_vram: tuple[tuple[int, ...], ...] = ()) -> list[StageBinding]:
+                experts_in_vram: tuple[tuple[int, ...], ...] = (), expert_cache=None) -> list[StageBinding]:
     """Each block's weights on `dev` through to_device; a MoE block's routed experts on experts_on = (device,
     to_device) where given (a GPU stage's blocks keep their experts in host RAM: runtime/moe_gpu.py), except
-    those experts_in_vram lists for the block (Plan.placement.gpu_experts), which go to `dev` with the rest."""
+    those experts_in_vram lists for the block (Plan.placement.gpu_experts), which go to `dev` with the rest.
+    expert_cache (moe_expert_cache.ExpertCacheOptions, or None: off): a block with some but not all of its quantized
+    experts in VRAM gets an ExpertResidency over those slots, and every expert's host rows."""
     expert_dev, expert_to = experts_on or (dev, to_device)
     out = []
     with steps(progress, f"binding the weights of {len(layers)} blocks", len(layers)) as bar:
@@ -102,18 +104,19 @@ def bind_layers(ck: Checkpoint, spec: ModelSpec, layers: range, dev,
             post = [load(w) for w in spec.post_attn_weight_names(i)]
             if spec.is_moe_layer(i):            # the experts: one argument after post_moe's weights (moe_experts.py)
                 vram = frozenset(experts_in_vram[i]) if experts_in_vram and experts_on else frozenset()
-                post.append(_bind_experts(spec, i, load, vram, (dev, to_device), (expert_dev, expert_to)))
+                post.append(_bind_experts(spec, i, load, vram, (dev, to_device), (expert_dev, expert_to),
+                                          expert_cache))
             out.append(StageBinding(pre=[load(w) for w in spec.pre_attn_weight_names()], post=post))
             release_block(ck, spec, i)          # copied (to_device returns once it has read each view): one copy
             bar.advance()
     return out
 
 
-def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, device, host):
+def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, device, host, cache=None):
     """Block `layer`'s routed experts: those in `vram` each on the stage's device, the others on `host`. Quantized
     experts on the CPU go into one tensor per kind [experts * rows, row bytes] (GGUF's stacked layout, which the
     CPU's one-call expert sum reads), each expert a view into it; an expert in VRAM leaves its rows there unset
-    (never written, never resident)."""
+    (never written, never resident), unless the VRAM expert cache (`cache`) may send it back."""
     from helmc.runtime.moe_experts import LayerExperts
     moe = spec.moe
     names = [moe.expert_weight_names(e) for e in range(moe.num_experts)]
@@ -121,8 +124,10 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
     def raw(name):
         return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
     stacked = None
+    cached = cache is not None and cache.enabled and 0 < len(vram) < moe.num_experts
     if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
-        stacked = tuple(_stacked(raw, [names[e][kind] for e in range(moe.num_experts)], vram) for kind in range(3))
+        unset = frozenset() if cached else vram          # the cache may send any expert back to the host
+        stacked = tuple(_stacked(raw, [names[e][kind] for e in range(moe.num_experts)], unset) for kind in range(3))
     if stacked is not None and None not in stacked:
         order = sorted(vram)
         in_vram = _stacked_vram(raw, names, order, device[0])
@@ -136,9 +141,20 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
             return tuple(load(n, *device) for n in names[e])
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
                             vram, tuple(whole for whole, _ in stacked),
-                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer)
+                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer,
+                            **(_cache_fields(moe.num_experts, order, stacked, in_vram, cache) if cached and in_vram
+                               else {}))
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram, layer=layer)
+
+
+def _cache_fields(num_experts: int, order: list[int], stacked, in_vram, cache) -> dict:
+    """LayerExperts' fields of a block under the VRAM expert cache: its residency (the slots start as `order`),
+    every slot's VRAM views and every expert's host views."""
+    from helmc.runtime.moe_expert_cache import ExpertResidency
+    return dict(residency=ExpertResidency(num_experts, order, cache),
+                vram_slots=tuple(tuple(views[s] for _, views in in_vram) for s in range(len(order))),
+                host_views=tuple(tuple(views[e] for _, views in stacked) for e in range(num_experts)))
 
 
 def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:
