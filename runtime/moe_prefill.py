@@ -3,8 +3,8 @@ over PCIe into a ring of staging slots, a group of experts copying while the gro
 
 Why: a prompt of a few hundred tokens selects nearly every expert of a block, and the CPU's GEMMs over S rows of
 each cost far more than its weights crossing once (Qwen3-30B-A3B Q4_K: 2.65 MB an expert, ~50 us at 55 GB/s).
-The host experts' rows are page-locked where they lie (cudaHostRegister on the stacked tensors, once per block), so
-the copies run at the link's rate straight from the bound weights: no second host copy.
+The host experts' rows are page-locked where they lie (cudaHostRegister on the stacked tensors, once when the model
+is loaded), so the copies run at the link's rate straight from the bound weights: no second host copy.
 
 Per block (rows grouped by expert once: one sorted index and weight array crosses to the GPU):
     for each expert e with rows, ascending:     x_e = m[rows_e]; y_e = expert_prefill(x_e, weights_e)
@@ -40,6 +40,7 @@ class ExpertPrefill:
         self._copied: list = []                      # per slot: the event after its copy
         self._free: list = []                        # per slot: the event after the kernels that read it
         self.streamed_experts = 0
+        self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
 
     def applies(self, experts: LayerExperts) -> bool:
         """Quantized stacked experts with a prefill function, and either room to stage host experts or none."""
@@ -49,6 +50,14 @@ class ExpertPrefill:
             return True
         return (all(_rows_bytes(t, self.moe.num_experts) % 256 == 0 for t in experts.stacked)
                 and len(self._slot_views(experts)) > 0)
+
+    def lock_host_experts(self, blocks: list[LayerExperts]) -> None:
+        """Page-lock the host experts of every block whose prompts stream them, once, when the model is loaded:
+        cudaHostRegister of ~14 GB (Qwen3-30B-A3B at 4 GiB) takes about a second, which the first prompt would
+        otherwise pay inside its TTFT."""
+        for experts in blocks:
+            if self.applies(experts) and len(experts.on_gpu) < self.moe.num_experts:
+                self._register(experts)
 
     def add_experts(self, m_dev, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, hc) -> None:
         """hc [S, H] fp32 (device) += each row's selected experts (idx, w [S, k] from route) of m_dev [S, H]."""
@@ -140,6 +149,7 @@ class ExpertPrefill:
             locked = []
             for a, b in _runs([e not in experts.on_gpu for e in range(self.moe.num_experts)]):
                 try:
+                    self.lock_calls += 1
                     cp.cuda.runtime.hostRegister(ptr + a * nbytes, (b - a) * nbytes, 0)
                     locked.append(ptr + a * nbytes)
                 except cp.cuda.runtime.CUDARuntimeError:   # pageable: the copies still run, each waiting on the host
