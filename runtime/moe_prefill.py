@@ -76,6 +76,7 @@ class ExpertPrefill:
         if marks:
             marks.mark("gather")
         ys = self._run_experts(xs, g, experts, compute, marks)           # [S k, H]: each pair's expert output
+                                                                         # (over xs: one [S k, H] buffer a block)
         if marks:
             marks.mark("experts")
         _combine_kernel()(ys, pos, weights, np.int64(hc.shape[1]), np.int32(k), hc, size=hc.size)
@@ -113,8 +114,9 @@ class ExpertPrefill:
                 wts = views[s]
             a, b = int(g.starts[e]), int(g.starts[e + 1])
             y = self.to_cupy(fn(self.from_cupy(xs[a:b]), *wts))                      # [n_e, H]
-            if ys is None:
-                ys = cp.empty((xs.shape[0], y.shape[1]), y.dtype)
+            if ys is None:         # in place where it can: slice e is read only by its own expert, queued before
+                same = y.dtype == xs.dtype and y.shape[1] == xs.shape[1]
+                ys = xs if same else cp.empty((xs.shape[0], y.shape[1]), y.dtype)
             _copy_rows(cp, ys, a, y, compute)
             if e not in experts.on_gpu:
                 self._free[s] = cp.cuda.Event(disable_timing=True)
