@@ -51,6 +51,11 @@ def main() -> None:
     print(f"loaded {a.bundle} in {time.perf_counter() - t:.1f} s: plan {s.plan.describe()}, prefill chunk "
           f"{s.plan.placement.prefill_chunk_tokens or 'whole'} tokens, expert staging "
           f"{s.plan.memory.expert_staging_bytes / 2 ** 20:.0f} MiB")
+    kv = s.gpu.stage.kv if s.gpu is not None and s.gpu.stage is not None else None
+    if kv is not None and kv.ops is not None:    # a cubin from an older build lacks the current kernel's symbol
+        flash = kv.ops.has_flash(s.spec.head_dim, s.spec.group_size)
+        print("prefill attention: " + ("flash_prefill (tensor cores)" if flash else
+                                       "NO flash_prefill in this bundle's cubin: the slower kernels (rebuild it)"))
     ids = prompt(a.prompt_len, s.spec.vocab_size)
 
     def ttft() -> float:
