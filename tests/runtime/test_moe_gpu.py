@@ -212,7 +212,8 @@ def test_grouped_expert_prefill_is_the_per_expert_loop_bit_for_bit(vram):
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan)
     experts = s.gpu.stage.bindings[0].post[-1]
     staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
-    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan.replace(expert_staging_bytes=staging))
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                     plan=plan.replace(expert_staging_bytes=staging))
     prefill, experts = s.gpu.stage._moe.prefill, s.gpu.stage.bindings[0].post[-1]
     assert prefill.applies(experts)
     rng = np.random.default_rng(0)
@@ -247,13 +248,15 @@ def test_host_experts_are_locked_once_at_load():
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, _ = reference(d, "gpu_q4_k_m")
-    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=((0, 3), (), (5,)))
+    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read())
+    plan = plan.replace(gpu_experts=((0, 3), (), (5,)))
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan.replace(expert_staging_bytes=0))
     assert s.gpu.stage._moe.prefill.lock_calls == 0
     experts = s.gpu.stage.bindings[0].post[-1]
     staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
     del s
-    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan.replace(expert_staging_bytes=staging))
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                     plan=plan.replace(expert_staging_bytes=staging))
     prefill = s.gpu.stage._moe.prefill
     at_load = prefill.lock_calls
     # blocks 0 and 2 route; their host experts are runs [1, 3), [4, 8) and [0, 5), [6, 8) of the three kinds
