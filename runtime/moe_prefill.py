@@ -94,7 +94,7 @@ class ExpertPrefill:
             self._register(experts)
         views = self._slot_views(experts) if host else []
         n = len(views)
-        fn, j, ys = self.expert_fns[experts.signature], 0, None
+        fn, j, ys, starts = self.expert_fns[experts.signature], 0, None, g.starts.tolist()
         done = cp.cuda.Event(disable_timing=True)      # the last block's readers of any slot are queued before this
         done.record(compute)
         self.copy_stream.wait_event(done)
@@ -112,12 +112,14 @@ class ExpertPrefill:
                 else:
                     compute.wait_event(self._copied[s])
                 wts = views[s]
-            a, b = int(g.starts[e]), int(g.starts[e + 1])
-            y = self.to_cupy(fn(self.from_cupy(xs[a:b]), *wts))                      # [n_e, H]
+            a, b = starts[e], starts[e + 1]
+            x = xs[a:b]
+            y = fn(self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy()), *wts)      # [n_e, H], TVM's
             if ys is None:         # in place where it can: slice e is read only by its own expert, queued before
-                same = y.dtype == xs.dtype and y.shape[1] == xs.shape[1]
-                ys = xs if same else cp.empty((xs.shape[0], y.shape[1]), y.dtype)
-            _copy_rows(cp, ys, a, y, compute)
+                first = self.to_cupy(y)
+                same = first.dtype == xs.dtype and first.shape[1] == xs.shape[1]
+                ys = xs if same else cp.empty((xs.shape[0], first.shape[1]), first.dtype)
+            _copy_rows(cp, ys, a, y, compute, self.to_cupy)
             if e not in experts.on_gpu:
                 self._free[s] = cp.cuda.Event(disable_timing=True)
                 self._free[s].record(compute)
@@ -238,14 +240,15 @@ def _combine_kernel():
     return _combine
 
 
-def _copy_rows(cp, ys, at: int, y, stream) -> None:
-    """ys[at:at + len(y)] = y, one device copy on `stream`."""
-    if y.flags.c_contiguous and y.dtype == ys.dtype and y.shape[1] == ys.shape[1]:
-        row = ys.shape[1] * ys.itemsize
-        cp.cuda.runtime.memcpyAsync(ys.data.ptr + at * row, y.data.ptr, y.nbytes,
+def _copy_rows(cp, ys, at: int, y, stream, to_cupy) -> None:
+    """ys[at:at + n] = y (the expert function's TVM tensor [n, H]), one device copy on `stream` from its address
+    (no DLPack round trip an expert)."""
+    n, H = (int(d) for d in y.shape)
+    if str(y.dtype) == str(ys.dtype) and H == ys.shape[1]:
+        cp.cuda.runtime.memcpyAsync(ys.data.ptr + at * H * ys.itemsize, y.data_ptr(), n * H * ys.itemsize,
                                     cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
     else:
-        ys[at:at + y.shape[0]] = y
+        ys[at:at + n] = to_cupy(y)
 
 
 class _Marks:
