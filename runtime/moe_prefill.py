@@ -41,7 +41,10 @@ class ExpertPrefill:
         self._registered: dict[int, tuple] = {}
         weakref.finalize(self, _unregister, self._registered)
         self._copied: list = []                      # per slot: the event after its copy
-        self._free: list = []                        # per slot: the event after the kernels that read it
+        self._free: list = []                        # per slot: the event after the kernels that read it (None:
+                                                     # not read yet this block)
+        # per slot, its two events, made once and recorded again (a wait takes the record made before it)
+        self._events: list = []
         self.streamed_experts = 0
         self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
         self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
@@ -98,7 +101,9 @@ class ExpertPrefill:
         done = cp.cuda.Event(disable_timing=True)      # the last block's readers of any slot are queued before this
         done.record(compute)
         self.copy_stream.wait_event(done)
-        self._copied, self._free = [None] * n, [None] * n
+        while len(self._events) < n:
+            self._events.append((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)))
+        self._copied, self._free = [ev for ev, _ in self._events[:n]], [None] * n
         sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in experts.stacked] if host else []
         for i in range(min(n, len(host))):                               # the first copies, one per slot
             self._copy(sources, host[i], i)
@@ -121,7 +126,7 @@ class ExpertPrefill:
                 ys = xs if same else cp.empty((xs.shape[0], first.shape[1]), first.dtype)
             _copy_rows(cp, ys, a, y, compute, self.to_cupy)
             if e not in experts.on_gpu:
-                self._free[s] = cp.cuda.Event(disable_timing=True)
+                self._free[s] = self._events[s][1]
                 self._free[s].record(compute)
                 if j + n < len(host):                                      # the slot's next expert
                     self._copy(sources, host[j + n], s)
@@ -141,7 +146,6 @@ class ExpertPrefill:
             cp.cuda.runtime.memcpyAsync(at, ptr + e * nbytes, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                         self.copy_stream.ptr)
             at += nbytes
-        self._copied[s] = cp.cuda.Event(disable_timing=True)
         self._copied[s].record(self.copy_stream)
 
     def _expert_bytes(self, experts: LayerExperts) -> int:
