@@ -345,6 +345,8 @@ def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: 
     bindings = bind_layers(checkpoint, spec, layers, tvm.cuda(0), loader_progress(quiet), to_device=upload,
                            experts_on=(tvm.cpu(), tensor_to_device) if moe is not None else None,
                            experts_in_vram=pl.gpu_experts, expert_cache=_expert_cache(pl))
+    if moe is not None and moe.prefill is not None:      # locked at load, not inside the first prompt's TTFT
+        moe.prefill.lock_host_experts([b.post[-1] for i, b in zip(layers, bindings) if spec.is_moe_layer(i)])
     kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, pool_loan)
     return Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
                  batch_sizes=decode_batch_sizes(wl.batch), kv_base=kv_layers - len(layers), moe=moe)

@@ -96,18 +96,37 @@ def route(logits: np.ndarray, moe: MoeSpec) -> tuple[np.ndarray, np.ndarray]:
     routing "topk_softmax" (gpt-oss) the k largest logits, then a softmax in fp32 over those k."""
     if moe.routing == "topk_softmax":
         top = logits.astype(np.float32)
-        idx = np.argsort(-top, axis=-1, kind="stable")[:, :moe.top_k]
+        idx = top_k(top, moe.top_k)
         z = np.take_along_axis(top, idx, axis=-1)
         p = np.exp(z - z[:, :1])                                       # the largest first: its exp is 1
         return idx, (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
     z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
-    idx = np.argsort(-p, axis=-1, kind="stable")[:, :moe.top_k]
+    idx = top_k(p, moe.top_k)
     w = np.take_along_axis(p, idx, axis=-1)
     if moe.norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx, w.astype(np.float32)
+
+
+def top_k(p: np.ndarray, k: int) -> np.ndarray:
+    """np.argsort(-p, axis=-1, kind="stable")[:, :k] (the k largest of each row, largest first, ties to the lower
+    index) without sorting whole rows: a prompt's [S, E] router rows sorted whole cost ~7 ms a block at S = 2048.
+    The k + 1 largest are partitioned out and ordered by (value descending, index); where the k-th and the
+    (k + 1)-th tie (or are NaN), a value outside them may tie too, and that row takes the full stable sort."""
+    S, E = p.shape
+    if k + 1 >= E:
+        return np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    cand = np.argpartition(-p, k, axis=-1)[:, :k + 1]                   # [S, k + 1]: the k + 1 largest, unordered
+    v = np.take_along_axis(p, cand, axis=-1)
+    order = np.lexsort((cand, -v), axis=-1)                             # by -v, then by index
+    cand, v = np.take_along_axis(cand, order, axis=-1), np.take_along_axis(v, order, axis=-1)
+    out = cand[:, :k].astype(np.intp)
+    unsure = ~(v[:, k - 1] > v[:, k])                                   # a tie at the boundary, or NaN
+    if unsure.any():
+        out[unsure] = np.argsort(-p[unsure], axis=-1, kind="stable")[:, :k]
+    return out
 
 
 class MoeFeedForward:

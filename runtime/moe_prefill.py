@@ -3,18 +3,21 @@ over PCIe into a ring of staging slots, a group of experts copying while the gro
 
 Why: a prompt of a few hundred tokens selects nearly every expert of a block, and the CPU's GEMMs over S rows of
 each cost far more than its weights crossing once (Qwen3-30B-A3B Q4_K: 2.65 MB an expert, ~50 us at 55 GB/s).
-The host experts' rows are page-locked where they lie (cudaHostRegister on the stacked tensors, once per block), so
-the copies run at the link's rate straight from the bound weights: no second host copy.
+The host experts' rows are page-locked where they lie (cudaHostRegister on the stacked tensors, once when the model
+is loaded), so the copies run at the link's rate straight from the bound weights: no second host copy.
 
-Per block (rows grouped by expert once: one sorted index and weight array crosses to the GPU):
-    for each expert e with rows, ascending:     x_e = m[rows_e]; y_e = expert_prefill(x_e, weights_e)
-                                                h[rows_e] += w_e * y_e        (fp32; each row's experts ascending)
+Per block (the (row, expert) pairs grouped by expert once on the host, group_pairs: one index array crosses):
+    xs = m[rows]                                  one gather [S k, H], expert e's rows the slice starts[e]:starts[e+1]
+    for each expert e with rows, ascending:       ys[slice_e] = expert_prefill(xs[slice_e], weights_e)
+    h[r] += sum_j w[r, j] * ys[pos[r, j]]         one combine kernel, fp32, each row's experts ascending (no atomics)
 weights_e are the expert's VRAM tensors, or its staging slot's views. Invariant: a slot is overwritten only after
 the kernels that read it are done (an event per group, waited on by the copy stream).
 """
 from __future__ import annotations
 
+import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,8 +41,13 @@ class ExpertPrefill:
         self._registered: dict[int, tuple] = {}
         weakref.finalize(self, _unregister, self._registered)
         self._copied: list = []                      # per slot: the event after its copy
-        self._free: list = []                        # per slot: the event after the kernels that read it
+        self._free: list = []                        # per slot: the event after the kernels that read it (None:
+                                                     # not read yet this block)
+        # per slot, its two events, made once and recorded again (a wait takes the record made before it)
+        self._events: list = []
         self.streamed_experts = 0
+        self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
+        self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
 
     def applies(self, experts: LayerExperts) -> bool:
         """Quantized stacked experts with a prefill function, and either room to stage host experts or none."""
@@ -50,30 +58,54 @@ class ExpertPrefill:
         return (all(_rows_bytes(t, self.moe.num_experts) % 256 == 0 for t in experts.stacked)
                 and len(self._slot_views(experts)) > 0)
 
+    def lock_host_experts(self, blocks: list[LayerExperts]) -> None:
+        """Page-lock the host experts of every block whose prompts stream them, once, when the model is loaded:
+        cudaHostRegister of ~14 GB (Qwen3-30B-A3B at 4 GiB) takes about a second, which the first prompt would
+        otherwise pay inside its TTFT."""
+        for experts in blocks:
+            if self.applies(experts) and len(experts.on_gpu) < self.moe.num_experts:
+                self._register(experts)
+
     def add_experts(self, m_dev, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, hc) -> None:
         """hc [S, H] fp32 (device) += each row's selected experts (idx, w [S, k] from route) of m_dev [S, H]."""
         import cupy as cp
         S, k = idx.shape
-        flat = idx.ravel()
-        order = np.argsort(flat, kind="stable")                          # (row, slot) pairs grouped by expert
-        counts = np.bincount(flat, minlength=self.moe.num_experts)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        packed = np.concatenate([(order // k).astype(np.int32).view(np.float32), w.ravel()[order]])   # [2 S k]
-        dev = cp.asarray(packed)
-        rows, weights = dev[:S * k].view(cp.int32), dev[S * k:]
-        used = [e for e in range(self.moe.num_experts) if counts[e]]
-        vram = experts.in_vram()                       # now (the VRAM expert cache moves experts between slots)
+        marks = _Marks(cp) if self.times is not None else None
+        g = group_pairs(idx, w, self.moe.num_experts)
+        compute = cp.cuda.get_current_stream()
+        dev = cp.asarray(g.packed())                                     # one crossing: rows | pos | weights
+        rows, pos, weights = dev[:S * k], dev[S * k:2 * S * k], dev[2 * S * k:].view(cp.float32)
+        xs = cp.take(m_dev, rows, axis=0)                                # [S k, H]: expert e's rows a slice
+        if marks:
+            marks.mark("gather")
+        ys = self._run_experts(xs, g, experts, compute, marks)           # [S k, H]: each pair's expert output
+                                                                         # (over xs: one [S k, H] buffer a block)
+        if marks:
+            marks.mark("experts")
+        _combine_kernel()(ys, pos, weights, np.int64(hc.shape[1]), np.int32(k), hc, size=hc.size)
+        if marks:
+            marks.mark("combine")
+            self.times.append(marks.finish(len(g.used()), sum(e not in experts.in_vram() for e in g.used())))
+
+    def _run_experts(self, xs, g: "ExpertGroups", experts: LayerExperts, compute, marks):
+        """Each expert with rows, ascending, over its slice of xs into its slice of one output buffer; the host ones'
+        weights streamed through the staging slots, one copying while others compute."""
+        import cupy as cp
+        used = g.used()
+        vram = experts.in_vram()                   # now: the VRAM expert cache moves experts between slots
         host = [e for e in used if e not in vram]
         if host:
             self._register(experts)
         views = self._slot_views(experts) if host else []
         n = len(views)
-        fn, compute, j = self.expert_fns[experts.signature], cp.cuda.get_current_stream(), 0
+        fn, j, ys, starts = self.expert_fns[experts.signature], 0, None, g.starts.tolist()
         done = cp.cuda.Event(disable_timing=True)      # the last block's readers of any slot are queued before this
         done.record(compute)
         self.copy_stream.wait_event(done)
-        self._copied, self._free = [None] * n, [None] * n
-        sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in experts.stacked]   # per kind
+        while len(self._events) < n:
+            self._events.append((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)))
+        self._copied, self._free = [ev for ev, _ in self._events[:n]], [None] * n
+        sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in experts.stacked] if host else []
         for i in range(min(n, len(host))):                               # the first copies, one per slot
             self._copy(sources, host[i], i)
         for e in used:
@@ -81,19 +113,27 @@ class ExpertPrefill:
                 wts = experts.weights(e)
             else:
                 s = j % n
-                compute.wait_event(self._copied[s])
+                if marks:
+                    marks.wait(compute, self._copied[s])
+                else:
+                    compute.wait_event(self._copied[s])
                 wts = views[s]
-            sl = slice(int(starts[e]), int(starts[e + 1]))
-            r = rows[sl]
-            y = self.to_cupy(fn(self.from_cupy(cp.ascontiguousarray(m_dev[r])), *wts))   # [n_e, H]
-            hc[r] += weights[sl, None] * y.astype(cp.float32)
+            a, b = starts[e], starts[e + 1]
+            x = xs[a:b]
+            y = fn(self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy()), *wts)      # [n_e, H], TVM's
+            if ys is None:         # in place where it can: slice e is read only by its own expert, queued before
+                first = self.to_cupy(y)
+                same = first.dtype == xs.dtype and first.shape[1] == xs.shape[1]
+                ys = xs if same else cp.empty((xs.shape[0], first.shape[1]), first.dtype)
+            _copy_rows(cp, ys, a, y, compute, self.to_cupy)
             if e not in vram:
-                self._free[s] = cp.cuda.Event(disable_timing=True)
+                self._free[s] = self._events[s][1]
                 self._free[s].record(compute)
                 if j + n < len(host):                                      # the slot's next expert
                     self._copy(sources, host[j + n], s)
                 j += 1
         self.streamed_experts += len(host)
+        return ys
 
     # ------------------------------------------------------------------ the staging slots
     def _copy(self, sources: list[tuple[int, int]], e: int, s: int) -> None:
@@ -107,7 +147,6 @@ class ExpertPrefill:
             cp.cuda.runtime.memcpyAsync(at, ptr + e * nbytes, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                         self.copy_stream.ptr)
             at += nbytes
-        self._copied[s] = cp.cuda.Event(disable_timing=True)
         self._copied[s].record(self.copy_stream)
 
     def _expert_bytes(self, experts: LayerExperts) -> int:
@@ -143,11 +182,112 @@ class ExpertPrefill:
             written = [experts.residency is not None or e not in experts.on_gpu for e in range(self.moe.num_experts)]
             for a, b in _runs(written):
                 try:
+                    self.lock_calls += 1
                     cp.cuda.runtime.hostRegister(ptr + a * nbytes, (b - a) * nbytes, 0)
                     locked.append(ptr + a * nbytes)
                 except cp.cuda.runtime.CUDARuntimeError:   # pageable: the copies still run, each waiting on the host
                     pass
             self._registered[ptr] = (whole, locked)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A block's (row, expert) pairs in expert order: expert e's pairs at starts[e]:starts[e + 1], their rows
+    ascending, so one gather of the rows makes each expert's input a contiguous slice; pos and weights give each
+    row's experts in ascending expert order (the fixed order its sum is added in, as the CPU stage adds it)."""
+    rows: np.ndarray          # [S k] int32: the row of m each sorted pair reads
+    starts: np.ndarray        # [E + 1] int64
+    pos: np.ndarray           # [S, k] int32: row r's j-th expert (ascending) -> its pair's sorted position
+    weights: np.ndarray       # [S, k] float32: that pair's routing weight
+
+    def used(self) -> list[int]:
+        """The experts with rows, ascending."""
+        return np.flatnonzero(np.diff(self.starts)).tolist()
+
+    def packed(self) -> np.ndarray:
+        """rows | pos | weights' bits as one int32 array [3 S k]: one copy to the GPU."""
+        return np.concatenate([self.rows, self.pos.ravel(), self.weights.ravel().view(np.int32)])
+
+
+def group_pairs(idx: np.ndarray, w: np.ndarray, num_experts: int) -> ExpertGroups:
+    """ExpertGroups of route's idx, w [S, k] (each row's experts distinct)."""
+    S, k = idx.shape
+    flat = idx.ravel()
+    order = np.argsort(flat, kind="stable")                          # pairs by expert, then by row
+    starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=num_experts))]).astype(np.int64)
+    inverse = np.empty(S * k, np.int32)
+    inverse[order] = np.arange(S * k, dtype=np.int32)                # pair (r, j) -> its sorted position
+    ascending = np.argsort(idx, axis=1, kind="stable")               # each row's experts ascending
+    pos = np.take_along_axis(inverse.reshape(S, k), ascending, axis=1)
+    weights = np.take_along_axis(np.asarray(w, np.float32), ascending, axis=1)
+    return ExpertGroups((order // k).astype(np.int32), starts, np.ascontiguousarray(pos, np.int32),
+                        np.ascontiguousarray(weights))
+
+
+# hc[r, c] += w[r, j] * ys[pos[r, j], c] for j ascending: the product rounded, then the add (no FMA), each row's
+# experts in ascending order: the bits of adding each expert's weighted rows in turn.
+_COMBINE_SOURCE = r"""
+const long long r = i / H, c = i % H;
+float acc = hc[i];
+for (int j = 0; j < K; ++j) {
+    const long long p = pos[r * K + j];
+    acc = __fadd_rn(acc, __fmul_rn(wt[r * K + j], (float)ys[p * H + c]));
+}
+hc[i] = acc;
+"""
+_combine = None
+
+
+def _combine_kernel():
+    global _combine
+    if _combine is None:
+        import cupy as cp
+        _combine = cp.ElementwiseKernel("raw T ys, raw int32 pos, raw float32 wt, int64 H, int32 K",
+                                        "raw float32 hc", _COMBINE_SOURCE, "helmc_moe_prefill_combine")
+    return _combine
+
+
+def _copy_rows(cp, ys, at: int, y, stream, to_cupy) -> None:
+    """ys[at:at + n] = y (the expert function's TVM tensor [n, H]), one device copy on `stream` from its address
+    (no DLPack round trip an expert)."""
+    n, H = (int(d) for d in y.shape)
+    if str(y.dtype) == str(ys.dtype) and H == ys.shape[1]:
+        cp.cuda.runtime.memcpyAsync(ys.data.ptr + at * H * ys.itemsize, y.data_ptr(), n * H * ys.itemsize,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+    else:
+        ys[at:at + n] = to_cupy(y)
+
+
+class _Marks:
+    """A block's timings (ExpertPrefill.times): GPU events and host clocks at each mark, and the compute stream's
+    waits on the staging copies."""
+
+    def __init__(self, cp):
+        self.cp, self.marks, self.waits = cp, [], []
+        self.mark("start")
+
+    def mark(self, name: str) -> None:
+        ev = self.cp.cuda.Event()
+        ev.record()
+        self.marks.append((name, ev, time.perf_counter()))
+
+    def wait(self, compute, copied) -> None:
+        before, after = self.cp.cuda.Event(), self.cp.cuda.Event()
+        before.record(compute)
+        compute.wait_event(copied)
+        after.record(compute)
+        self.waits.append((before, after))
+
+    def finish(self, experts: int, streamed: int) -> dict:
+        """{phase: (GPU ms, host ms)} from the start to each mark, "wait": the GPU ms the compute stream stood
+        waiting for copies; the block's expert and streamed counts."""
+        self.marks[-1][1].synchronize()
+        cp = self.cp
+        out = {"experts_run": experts, "streamed": streamed,
+               "wait": sum(cp.cuda.get_elapsed_time(a, b) for a, b in self.waits)}
+        for (_, e0, t0), (name, e1, t1) in zip(self.marks, self.marks[1:]):
+            out[name] = (cp.cuda.get_elapsed_time(e0, e1), 1e3 * (t1 - t0))
+        return out
 
 
 def _unregister(registered: dict) -> None:

@@ -194,6 +194,79 @@ def test_prompt_experts_stream_to_the_gpu():
     check_divergence(s, ref, got, hf_greedy(ref, PROMPT, NEW_TOKENS))
 
 
+@pytest.mark.parametrize("vram", [((0, 3), (), (5,)), ((), (), ()), (tuple(range(8)), (), tuple(range(8)))])
+def test_grouped_expert_prefill_is_the_per_expert_loop_bit_for_bit(vram):
+    """ExpertPrefill.add_experts (one gather of every (row, expert) pair, each expert over its slice, host experts
+    streamed through two staging slots, one combine kernel) equals the per-expert loop it replaced, every bit:
+    h[rows_e] += w * expert(m[rows_e]) for each expert ascending, weights uploaded for the loop."""
+    d = moe_dir()
+    import cupy as cp
+
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_stream, tvm_to_cupy
+    from helmc.runtime.moe_experts import route
+    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.session import Session
+    weights, _ = reference(d, "gpu_q4_k_m")
+    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=vram)
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan)
+    experts = s.gpu.stage.bindings[0].post[-1]
+    staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                     plan=plan.replace(expert_staging_bytes=staging))
+    prefill, experts = s.gpu.stage._moe.prefill, s.gpu.stage.bindings[0].post[-1]
+    assert prefill.applies(experts)
+    rng = np.random.default_rng(0)
+    S, H = 300, s.spec.hidden_size
+    idx, w = route(rng.standard_normal((S, 8)).astype(np.float32), s.spec.moe)
+    m = cp.asarray(rng.standard_normal((S, H)).astype(np.float16))
+    h = cp.asarray(rng.standard_normal((S, H)).astype(np.float32))
+    fn = prefill.expert_fns[experts.signature]
+    with s.gpu.stream, tvm_stream(s.gpu.stream):
+        got = h.copy()
+        prefill.add_experts(m, idx, w, experts, got)
+        want = h.copy()
+        for e in np.unique(idx):
+            rows, slot = np.nonzero(idx == e)
+            wts = experts.experts[e] if int(e) in experts.on_gpu else \
+                tuple(cupy_to_tvm(cp.asarray(np.from_dlpack(t))) for t in experts.experts[e])
+            r = cp.asarray(rows)
+            y = tvm_to_cupy(fn(cupy_to_tvm(cp.ascontiguousarray(m[r])), *wts))
+            want[r] += cp.asarray(w[rows, slot, None]) * y.astype(cp.float32)
+        s.gpu.stream.synchronize()
+    host = len(set(idx.ravel().tolist()) - set(experts.on_gpu))
+    assert prefill.streamed_experts == host
+    assert float(cp.abs(got - h).max()) > 0 and cp.array_equal(got, want)
+
+
+def test_host_experts_are_locked_once_at_load():
+    """The host experts a prompt streams are page-locked when the model is loaded (cudaHostRegister of the whole
+    host share takes ~1 s at Qwen3-30B-A3B's size): prompts lock nothing more, and loading without staging locks
+    nothing."""
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, _ = reference(d, "gpu_q4_k_m")
+    plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read())
+    plan = plan.replace(gpu_experts=((0, 3), (), (5,)))
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan.replace(expert_staging_bytes=0))
+    assert s.gpu.stage._moe.prefill.lock_calls == 0
+    experts = s.gpu.stage.bindings[0].post[-1]
+    staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
+    del s
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                     plan=plan.replace(expert_staging_bytes=staging))
+    prefill = s.gpu.stage._moe.prefill
+    at_load = prefill.lock_calls
+    # blocks 0 and 2 route; their host experts are runs [1, 3), [4, 8) and [0, 5), [6, 8) of the three kinds
+    assert at_load == 3 * (2 + 2), at_load
+    for _ in range(2):
+        s.reset()
+        s.forward(PROMPT + PROMPT, all_logits=False)
+    assert prefill.streamed_experts > 0 and prefill.lock_calls == at_load
+
+
 @pytest.mark.parametrize("vram", [((0, 3, 5), (), (1, 2, 6, 7)), (tuple(range(8)), (), tuple(range(8))), ((), (), ())])
 def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     """A served step of B = 2..8 sequences runs each block's experts of every row in the m-row calls (the GPU's two
