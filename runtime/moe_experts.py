@@ -115,8 +115,10 @@ class MoeFeedForward:
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
 
-    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
-        h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
+    def forward(self, phase: str, x, attn, *weights, signature: int = 0):
+        """weights: post_moe's (ModelSpec.post_attn_weight_names), then the block's LayerExperts."""
+        *weights, experts = weights
+        h, m, logits = self._post[(phase, signature)](x, attn, *weights)
         h = np.array(self.to_array(h), dtype=np.float32)                  # [S, H], a copy of our own
         return self.from_array(h + self.routed_sum(phase, self.to_array(m), self.to_array(logits), experts))
 

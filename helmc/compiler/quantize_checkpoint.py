@@ -74,7 +74,7 @@ def quantize_checkpoint(model_dir: str, quant: str, cache_dir: str, progress: Pr
     say = progress or (lambda _msg: None)
     quant_mix(quant)                                     # a HelmcError naming the choices for anything else
     spec = ModelSpec.from_model_dir(model_dir)
-    ckpt = Checkpoint(model_dir, spec.fused_rows())
+    ckpt = Checkpoint.for_spec(model_dir, spec)
     try:
         key = cache_key(model_dir, ckpt, quant)
         path = os.path.join(cache_dir, f"{key}.gguf")

@@ -24,7 +24,7 @@ def open_checkpoint(path: str, spec: ModelSpec | None = None):
     if os.path.isfile(path) and path.endswith(".gguf"):
         from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
         return GGUFCheckpoint(path, spec)
-    return Checkpoint(path, spec.fused_rows() if spec is not None else None)
+    return Checkpoint.for_spec(path, spec) if spec is not None else Checkpoint(path)
 
 
 def check_checkpoint(ck, spec: ModelSpec) -> None:
@@ -137,7 +137,8 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
                             vram, tuple(whole for whole, _ in stacked),
                             tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer)
-    experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
+    experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in moe.expert_param_names(e))
+                    for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram, layer=layer)
 
 
@@ -187,6 +188,15 @@ def _stacked_vram(raw: Callable, names: list, order: list[int], dev) -> tuple | 
                 whole[slot * rows:(slot + 1) * rows].set(np.ascontiguousarray(raw(names[e][kind])))
         out.append((cupy_to_tvm(whole), [cupy_to_tvm(whole[s * rows:(s + 1) * rows]) for s in range(len(order))]))
     return tuple(out)
+
+
+def layer_sinks(ck, spec: ModelSpec, layers) -> tuple[np.ndarray, ...] | None:
+    """Each of `layers`' attention sinks (self_attn.sinks: a logit per query head, fp32, read by the CPU KV cache),
+    or None for a model without them."""
+    if not spec.attn_sinks:
+        return None
+    return tuple(weight_view(ck, f"model.layers.{i}.self_attn.sinks", (spec.num_heads,), "", "float32")[0]
+                 .astype(np.float32) for i in layers)
 
 
 def release_block(ck, spec: ModelSpec, layer: int) -> None:

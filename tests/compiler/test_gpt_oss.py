@@ -1,0 +1,114 @@
+"""gpt-oss (GptOssForCausalLM) from a Hugging Face directory, built for the CPU: q/k/v and o_proj biases, attention
+sinks (a logit per query head in the softmax's denominator), sliding blocks (window 8) alternating with full ones,
+head_dim 32 != hidden / heads, YaRN RoPE, and experts fused in the checkpoint (gate/up interleaved, [E, H, 2I]) with
+biases, top-k logits then a softmax over the k, and the clamped SwiGLU (limit 0.5 here, so the clamps bite). A tiny
+random model against transformers: fp32 prefill logits within the dense tests' 1e-4 and 24 greedy tokens identical
+(9 + 24 positions, four windows' worth); bf16 weights: 24 greedy tokens identical to transformers in fp32 over them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from test_end_to_end import PROMPT, hf_greedy, hf_logits
+
+from helmc.errors import HelmcError
+from helmc.model.spec import ModelSpec
+
+pytest.importorskip("tvm.relax")
+NEW_TOKENS = 24
+
+
+def gpt_oss_20b_config(**over) -> dict:
+    """config.json of gpt-oss-20b as published (the keys helmc reads)."""
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+           "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+           "rms_norm_eps": 1e-05, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                  "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                  "truncate": False},
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "eos_token_id": 200002}
+    cfg.update(over)
+    return cfg
+
+
+def test_spec_reads_gpt_oss():
+    spec = ModelSpec.from_hf_config(gpt_oss_20b_config())
+    moe = spec.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.routing) == (32, 4, 2880, "topk_softmax")
+    assert (moe.router_bias, moe.expert_bias, moe.expert_act, moe.swiglu_alpha, moe.swiglu_limit) == \
+        (True, True, "swiglu_clamped", 1.702, 7.0)
+    assert spec.qkv_bias and spec.o_bias and spec.attn_sinks and spec.head_dim * spec.num_heads != spec.hidden_size
+    assert spec.sliding_window == 128 and spec.global_layers == tuple(range(1, 24, 2))
+    assert spec.layer_window(0) == 128 and spec.layer_window(1) == 0
+    assert (spec.rope.kind, spec.rope.factor, spec.rope.truncate) == ("yarn", 32.0, False)
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    shapes = spec.block_weight_shapes(0)
+    assert shapes["self_attn.sinks"] == (64,) and shapes["self_attn.o_proj.bias"] == (2880,)
+    assert shapes["mlp.router.bias"] == (32,) and shapes["mlp.experts.31.down_proj.bias"] == (2880,)
+    assert spec.post_attn_weight_names(0) == ("self_attn.o_proj.weight", "self_attn.o_proj.bias",
+                                              "post_attention_layernorm.weight", "mlp.router.weight", "mlp.router.bias")
+    # layer_types absent: transformers' default, every other block full
+    assert ModelSpec.from_hf_config(gpt_oss_20b_config(layer_types=None)).global_layers == tuple(range(1, 24, 2))
+
+
+@pytest.mark.parametrize("over,expected", [
+    (dict(swiglu_limit=-1), "'swiglu_limit' expected a positive finite number"),
+    (dict(num_local_experts=None), "'num_local_experts' expected a non-negative integer"),
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types expected 24 of"),
+])
+def test_bad_gpt_oss_config_is_one_line(over, expected):
+    with pytest.raises(HelmcError, match=re.escape(expected)) as e:
+        ModelSpec.from_hf_config(gpt_oss_20b_config(**over))
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory, host_hardware, cache_dir):
+    """dtype -> (model directory, Session, transformers model in fp32 over the same weights); each built once."""
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    cpu_only = dataclasses.replace(host_hardware, gpu=None, link=None)
+    made = {}
+
+    def get(dtype: str = "float32"):
+        if dtype not in made:
+            d = str(tmp_path_factory.mktemp(f"gpt_oss_{dtype}") / "model")
+            ref = make_tiny_model(d, "gpt_oss", num_layers=4, dtype=dtype).float().eval()
+            r = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+            assert r.plan.placement.cpu_units == r.spec.num_units
+            made[dtype] = (d, Session.load(r.bundle_dir), ref)
+        return made[dtype]
+    return get
+
+
+def test_gpt_oss_matches_transformers(gpt_oss):
+    d, s, ref = gpt_oss()
+    spec = s.spec
+    assert spec.global_layers == (1, 3) and spec.sliding_window == 8 and spec.attn_sinks and spec.o_bias
+    ours, theirs = s.forward(PROMPT, all_logits=True), hf_logits(ref, PROMPT)
+    rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    print(f"gpt-oss fp32: prefill logits max rel diff {rel:.3e}")
+    assert ours.shape == theirs.shape and rel <= 1e-4
+    s.reset()
+    expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
+    assert s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens == expected
+    assert len(set(expected)) > 4, "degenerate reference: the test would not catch a wrong model"
+
+
+def test_gpt_oss_bf16_greedy_matches_transformers(gpt_oss):
+    """bf16 weights (the published checkpoints' non-expert dtype): transformers in fp32 over the same bf16 values, as
+    helmc's CPU stage keeps fp32 activations."""
+    _, s, ref = gpt_oss("bfloat16")
+    assert s.spec.dtype == "bfloat16"
+    expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
+    assert s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens == expected
+    assert len(set(expected)) > 4
