@@ -42,6 +42,8 @@ def find_expert_sums(vm, spec, rows: bool = False) -> dict:
     (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles);
     with `rows`, its m-row twin for batched steps (moe_experts_rows.py; absent in older bundles too)."""
     out = {}
+    if not spec.moe.plain_experts:          # biased, clamped experts (gpt-oss): the expert function only
+        return out
     name_of = moe_expert_rows_name if rows else moe_expert_sum_name
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down):

@@ -93,6 +93,12 @@ class MoeSpec:
         """The checkpoint stores a block's experts fused (FUSED_EXPERT_NAMINGS), split when read."""
         return self.naming in FUSED_EXPERT_NAMINGS
 
+    @property
+    def plain_experts(self) -> bool:
+        """The experts are down(silu(gate) * up) without biases: the one-call expert sums' (and the GPU expert
+        kernels') computation; gpt-oss's biased, clamped experts run through the compiled expert function."""
+        return self.expert_act == "silu" and not self.expert_bias
+
     def expert_bias_names(self, expert: int) -> tuple[str, ...]:
         """Expert `expert`'s gate, up and down biases (gpt-oss), else ()."""
         if not self.expert_bias:

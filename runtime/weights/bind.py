@@ -128,12 +128,13 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
         in_vram = _stacked_vram(raw, names, order, device[0])
         slot = {e: i for i, e in enumerate(order)}
 
-        def weights_of(e):
+        def weights_of(e):            # the stacked weights' views, then the biases (gpt-oss), each its own tensor
+            biases = tuple(load(n, *(device if e in vram else host)) for n in moe.expert_bias_names(e))
             if e not in vram:
-                return tuple(views[e] for _, views in stacked)
+                return tuple(views[e] for _, views in stacked) + biases
             if in_vram:
-                return tuple(views[slot[e]] for _, views in in_vram)
-            return tuple(load(n, *device) for n in names[e])
+                return tuple(views[slot[e]] for _, views in in_vram) + biases
+            return tuple(load(n, *device) for n in names[e]) + biases
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
                             vram, tuple(whole for whole, _ in stacked),
                             tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer)

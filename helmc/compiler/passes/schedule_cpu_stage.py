@@ -82,8 +82,9 @@ def moe_expert_kernels(spec: ModelSpec, features: tuple[str, ...]) -> dict:
     """{global symbol: PrimFunc}: the one-call decode expert sums (schedules/cpu/quant/moe_experts.py, one row;
     moe_experts_rows.py, a batched step's rows) of each
     routed expert type signature whose gate/up and down types have int8 kernels on this CPU; the runtime looks
-    each up by name and calls the expert function per expert where one is absent."""
-    if spec.moe is None:
+    each up by name and calls the expert function per expert where one is absent (always for biased or clamped
+    experts: MoeSpec.plain_experts)."""
+    if spec.moe is None or not spec.moe.plain_experts:
         return {}
     from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum, moe_expert_sum_applies
     from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows
