@@ -42,6 +42,10 @@ def split_fused_experts(names, info, experts: int, hidden: int, inter: int) -> d
     out = {}
     for name in names:
         stem, dot, suffix = name.rpartition(".")
+        if stem.endswith(".mlp.experts") and suffix.endswith(("_blocks", "_scales")):
+            raise HelmcError(f"weights: gpt-oss's experts expected as floats in a Hugging Face directory (or in a GGUF "
+                             f"file, llama.cpp's convert_hf_to_gguf.py keeping them MXFP4), found {name} (the "
+                             f"published MXFP4 checkpoint)")
         if not (name.startswith("model.layers.") and stem.endswith(".mlp.experts") and suffix in parts):
             continue
         shape, pieces = parts[suffix]

@@ -156,3 +156,40 @@ def test_gpu_plans_are_refused_in_one_line_and_cpu_plans_made(tmp_path):
     r = CliRunner().invoke(main, ["plan", d, os.path.join(PRESET_DIR, "l40s-epyc.json")])
     assert r.exit_code == 2 and "expected a CPU-only hardware profile" in r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_fused_experts_read_as_each_experts_views_and_mxfp4_checkpoint_refused(tmp_path):
+    """The checkpoint's fused experts read as each expert's gate / up (interleaved columns, transposed) and down with
+    their biases, strided views of the mapping; a fused tensor of another shape, and the published MXFP4 layout
+    (gate_up_proj_blocks / _scales), are one line each."""
+    from safetensors.numpy import save_file
+
+    from helmc.runtime.weights.safetensors_mmap import Checkpoint
+    spec = ModelSpec.from_hf_config(gpt_oss_20b_config(hidden_size=8, intermediate_size=4, num_local_experts=3,
+                                                       num_experts_per_tok=2, num_hidden_layers=2,
+                                                       layer_types=None))
+    rng = np.random.default_rng(0)
+    t = {"model.layers.1.mlp.experts.gate_up_proj": rng.standard_normal((3, 8, 8), np.float32),
+         "model.layers.1.mlp.experts.gate_up_proj_bias": rng.standard_normal((3, 8), np.float32),
+         "model.layers.1.mlp.experts.down_proj": rng.standard_normal((3, 4, 8), np.float32),
+         "model.layers.1.mlp.experts.down_proj_bias": rng.standard_normal((3, 8), np.float32)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    ck = Checkpoint.for_spec(str(tmp_path), spec)
+    fused = t["model.layers.1.mlp.experts.gate_up_proj"]
+    views = {k: ck.view(f"model.layers.1.mlp.experts.2.{k}") for k in
+             ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_proj.bias", "up_proj.bias", "down_proj.bias")}
+    assert np.array_equal(views["gate_proj.weight"], fused[2][:, 0::2].T) and views["gate_proj.weight"].shape == (4, 8)
+    assert np.array_equal(views["up_proj.weight"], fused[2][:, 1::2].T)
+    assert np.array_equal(views["down_proj.weight"], t["model.layers.1.mlp.experts.down_proj"][2].T)
+    assert np.array_equal(views["up_proj.bias"], t["model.layers.1.mlp.experts.gate_up_proj_bias"][2, 1::2])
+    assert np.array_equal(views["down_proj.bias"], t["model.layers.1.mlp.experts.down_proj_bias"][2])
+    assert "model.layers.1.mlp.experts.gate_up_proj" not in ck.where and not views["gate_proj.weight"].flags.owndata
+    ck.close()
+    for bad, expected in (({"model.layers.0.mlp.experts.down_proj": np.zeros((3, 8, 4), np.float32)},
+                           r"down_proj shape expected \[3, 4, 8\]"),
+                          ({"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros((3, 8, 1, 16), np.uint8)},
+                           "experts expected as floats .* found model.layers.0.mlp.experts.gate_up_proj_blocks")):
+        save_file(bad, str(tmp_path / "model.safetensors"))
+        with pytest.raises(HelmcError, match=expected) as e:
+            Checkpoint.for_spec(str(tmp_path), spec)
+        assert "\n" not in str(e.value)
