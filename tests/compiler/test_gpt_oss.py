@@ -4,6 +4,8 @@ head_dim 32 != hidden / heads, YaRN RoPE, and experts fused in the checkpoint (g
 biases, top-k logits then a softmax over the k, and the clamped SwiGLU (limit 0.5 here, so the clamps bite). A tiny
 random model against transformers: fp32 prefill logits within the dense tests' 1e-4 and 24 greedy tokens identical
 (9 + 24 positions, four windows' worth); bf16 weights: 24 greedy tokens identical to transformers in fp32 over them.
+A batched decode of several sequences (the serve engine's slot caches, each with the sinks) is bit-identical to each
+sequence's single run.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 import numpy as np
 import pytest
 
+from batch_decode_checks import batched_runs, compare, prompts, single_runs
 from test_end_to_end import PROMPT, hf_greedy, hf_logits
 
 from helmc.errors import HelmcError
@@ -83,7 +86,8 @@ def gpt_oss(tmp_path_factory, host_hardware, cache_dir):
         if dtype not in made:
             d = str(tmp_path_factory.mktemp(f"gpt_oss_{dtype}") / "model")
             ref = make_tiny_model(d, "gpt_oss", num_layers=4, dtype=dtype).float().eval()
-            r = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+            r = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True,
+                          batch=4 if dtype == "float32" else 1)
             assert r.plan.placement.cpu_units == r.spec.num_units
             made[dtype] = (d, Session.load(r.bundle_dir), ref)
         return made[dtype]
@@ -102,6 +106,11 @@ def test_gpt_oss_matches_transformers(gpt_oss):
     expected = hf_greedy(ref, PROMPT, NEW_TOKENS)
     assert s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens == expected
     assert len(set(expected)) > 4, "degenerate reference: the test would not catch a wrong model"
+    ps = prompts(spec.vocab_size, 6)
+    singles = single_runs(s, ps, 12)                     # prompts of up to 17 tokens + 12 steps: past the window
+    batched, sizes = batched_runs(s, ps, 12, max_batch=4, stagger=1)
+    assert {2, 3, 4} <= set(sizes), sizes
+    compare(singles, batched, "gpt-oss fp32")
 
 
 def test_gpt_oss_bf16_greedy_matches_transformers(gpt_oss):
