@@ -202,3 +202,18 @@ def test_fused_experts_read_as_each_experts_views_and_mxfp4_checkpoint_refused(t
         with pytest.raises(HelmcError, match=expected) as e:
             Checkpoint.for_spec(str(tmp_path), spec)
         assert "\n" not in str(e.value)
+
+
+def test_calibrate_measures_a_gpt_oss_bundle(gpt_oss, host_hardware, tmp_path):
+    """helmc calibrate on a gpt-oss bundle: the CPU blocks timed with their sinks, the routing counted, the plan made
+    again on the CPU; no one-call expert sum rate (its biased, clamped experts run through the expert function)."""
+    from helmc import api
+    from helmc.runtime.bundle.plan import Plan
+    d, s, _ = gpt_oss()
+    hw_path = str(tmp_path / "hardware.json")
+    dataclasses.replace(host_hardware, gpu=None, link=None).save(hw_path)
+    result = api.calibrate(d + ".bundle", hw_path, steps=3)
+    assert result.profile.cpu.expert_sum_reads == ()
+    assert result.routing[1].startswith("plan made again from them: ")
+    with open(os.path.join(d + ".bundle", "plan.json")) as f:
+        assert Plan.from_json(f.read()).placement.cpu_units == s.spec.num_units

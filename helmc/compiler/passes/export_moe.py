@@ -54,9 +54,11 @@ def moe_jobs(spec: ModelSpec, act_dtype: str, example_seq: int, rms_norm, linear
 
     def zeros(*shape, dtype=wdt):
         return torch.zeros(*shape, dtype=dtype)
+    # post_moe's weights in ModelSpec.post_attn_weight_names' order: o_proj (+ bias), the norm, the router (+ bias)
     shapes = {"self_attn.o_proj.weight": (H, spec.q_dim), "self_attn.o_proj.bias": (H,),
-              "post_attention_layernorm.weight": (H,), moe.router_name: (moe.num_experts, H),
-              moe.router_bias_name: (moe.num_experts,)}
+              "post_attention_layernorm.weight": (H,), moe.router_name: (moe.num_experts, H)}
+    if moe.router_bias:
+        shapes[moe.router_bias_name] = (moe.num_experts,)
     post_w = tuple(n for n in ("self_attn.o_proj.weight", "self_attn.o_proj.bias" if spec.o_bias else None,
                                "post_attention_layernorm.weight", moe.router_name, moe.router_bias_name) if n)
     biases = (zeros(I), zeros(I), zeros(H)) if moe.expert_bias else ()
