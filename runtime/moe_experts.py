@@ -31,7 +31,9 @@ class LayerExperts:
                                      # compiled expert function reads these weights
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.placement.gpu_experts)
     stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
-                                     # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
+                                     # [experts * rows, row bytes] that `experts` are views into (weights/bind.py),
+                                     # then gpt-oss's biases stacked (fp32 [E, I], [E, I], [E, H]): the one-call
+                                     # sums' arguments after the weights
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
     vram_order: tuple = ()             # expert vram_order[slot] at slot
     layer: int = -1                    # the block's index (routing statistics count by it)
@@ -42,14 +44,14 @@ def find_expert_sums(vm, spec, rows: bool = False) -> dict:
     (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles);
     with `rows`, its m-row twin for batched steps (moe_experts_rows.py; absent in older bundles too)."""
     out = {}
-    if not spec.moe.plain_experts:          # biased, clamped experts (gpt-oss): the expert function only
+    if not (spec.moe.plain_experts or spec.moe.biased_experts):
         return out
     name_of = moe_expert_rows_name if rows else moe_expert_sum_name
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down):
             continue
         name = name_of(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size,
-                                   spec.hidden_size)
+                       spec.hidden_size, biased=spec.moe.biased_experts)
         try:
             out[j] = vm.module.get_function(name, query_imports=True)
         except AttributeError:

@@ -95,9 +95,14 @@ class MoeSpec:
 
     @property
     def plain_experts(self) -> bool:
-        """The experts are down(silu(gate) * up) without biases: the one-call expert sums' (and the GPU expert
-        kernels') computation; gpt-oss's biased, clamped experts run through the compiled expert function."""
+        """The experts are down(silu(gate) * up) without biases: the GPU expert kernels' computation and the CPU's
+        one-call expert sums'; gpt-oss's biased, clamped experts have CPU sums of their own (`biased_experts`)."""
         return self.expert_act == "silu" and not self.expert_bias
+
+    @property
+    def biased_experts(self) -> bool:
+        """gpt-oss's experts: biases and the clamped SwiGLU (the CPU's biased one-call expert sums)."""
+        return self.expert_act == "swiglu_clamped" and self.expert_bias
 
     def expert_bias_names(self, expert: int) -> tuple[str, ...]:
         """Expert `expert`'s gate, up and down biases (gpt-oss), else ()."""

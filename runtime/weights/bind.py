@@ -136,11 +136,29 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
                 return tuple(views[slot[e]] for _, views in in_vram) + biases
             return tuple(load(n, *device) for n in names[e]) + biases
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
-                            vram, tuple(whole for whole, _ in stacked),
+                            vram, tuple(whole for whole, _ in stacked) + _stacked_biases(load, spec, host[0]),
                             tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer)
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in moe.expert_param_names(e))
                     for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram, layer=layer)
+
+
+def _stacked_biases(load: Callable, spec: ModelSpec, dev) -> tuple:
+    """gpt-oss's expert biases for the CPU's biased one-call sums: per kind (gate, up, down) one fp32 tensor
+    [experts, rows] on `dev` (the host); () for experts without biases."""
+    import tvm.runtime
+
+    from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+    moe = spec.moe
+    if not moe.expert_bias:
+        return ()
+
+    def f32(name):
+        view, dtype = load(name, None, lambda view, dtype, _dev: (view, dtype))
+        return float32_from_bf16_bits(view) if dtype == "bfloat16" else np.asarray(view, np.float32)
+    names = [moe.expert_bias_names(e) for e in range(moe.num_experts)]
+    return tuple(tvm.runtime.tensor(np.stack([f32(names[e][kind]) for e in range(moe.num_experts)]), dev)
+                 for kind in range(3))
 
 
 def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:

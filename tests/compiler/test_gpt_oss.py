@@ -206,7 +206,7 @@ def test_fused_experts_read_as_each_experts_views_and_mxfp4_checkpoint_refused(t
 
 def test_calibrate_measures_a_gpt_oss_bundle(gpt_oss, host_hardware, tmp_path):
     """helmc calibrate on a gpt-oss bundle: the CPU blocks timed with their sinks, the routing counted, the plan made
-    again on the CPU; no one-call expert sum rate (its biased, clamped experts run through the expert function)."""
+    again on the CPU; no one-call expert sum rate (float experts run through the compiled expert function)."""
     from helmc import api
     from helmc.runtime.bundle.plan import Plan
     d, s, _ = gpt_oss()

@@ -8,6 +8,8 @@ window as keys (every other block global, llama.cpp's pattern for it).
 - MXFP4 experts with Q8_0 attention and head (llama.cpp's gpt-oss mix: experts MXFP4, the rest 8-bit or float):
   against transformers in fp32 on the weights the gguf package dequantizes, the quantized tests' rule (prefill
   logits within 1e-2 relative; greedy identical, or each side's token in the other's top 5 at the divergence).
+  Decode rows take the CPU's biased one-call expert sums (one row, and a batched step's m rows): each sequence of a
+  batched decode bit-identical to its single run.
 """
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ import numpy as np
 import pytest
 import torch
 
+from batch_decode_checks import batched_runs, compare as check_batched, prompts, single_runs
 from test_quantized_models import PROMPT, compare
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tvm.relax")
+
+from helmc.runtime.moe_experts import find_expert_sums  # noqa: E402
+from helmc.schedules.cpu.isa import select_isa  # noqa: E402
 
 ARCH = "GptOssForCausalLM"
 # llama.cpp runs YaRN with the ramp's ends rounded (truncate); gpt-oss's own config says false, which a GGUF has no
@@ -152,7 +158,17 @@ def test_mxfp4_experts_match_transformers(tmp_path, cpu_only, cache_dir):
                     intermediate_size=64)
     path = str(tmp_path / "gpt-oss-mxfp4.gguf")
     write_gpt_oss_gguf(d, path, experts="mxfp4", linears="q8_0")
-    r = api.build(path, cpu_only, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True)
+    r = api.build(path, cpu_only, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, batch=4)
     assert set(r.spec.expert_types) == {("mxfp4", "mxfp4", "mxfp4")}
     assert r.spec.layer_types[0][:4] == ("q8_0",) * 4 and r.spec.head_type == "q8_0"
-    compare(Session.load(r.bundle_dir), hf_on_gguf_weights(d, path), "gpt-oss mxfp4 experts")
+    s = Session.load(r.bundle_dir)
+    if select_isa(cpu_only.cpu.features).tier == "avx512":       # the biased one-call sums: one row and m rows
+        assert find_expert_sums(s.cpu_stage.vm, r.spec) and find_expert_sums(s.cpu_stage.vm, r.spec, rows=True)
+        assert all(len(b.post[-1].stacked) == 6 for b in s.cpu_stage.bindings)   # weights, then the fp32 biases
+    compare(s, hf_on_gguf_weights(d, path), "gpt-oss mxfp4 experts")
+    s.reset()
+    ps = prompts(r.spec.vocab_size, 6)
+    singles = single_runs(s, ps, 8)
+    batched, sizes = batched_runs(s, ps, 8, max_batch=4, stagger=1)
+    assert {2, 3, 4} <= set(sizes), sizes
+    check_batched(singles, batched, "gpt-oss mxfp4")
