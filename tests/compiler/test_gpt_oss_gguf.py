@@ -165,6 +165,9 @@ def test_mxfp4_experts_match_transformers(tmp_path, cpu_only, cache_dir):
     if select_isa(cpu_only.cpu.features).tier == "avx512":       # the biased one-call sums: one row and m rows
         assert find_expert_sums(s.cpu_stage.vm, r.spec) and find_expert_sums(s.cpu_stage.vm, r.spec, rows=True)
         assert all(len(b.post[-1].stacked) == 6 for b in s.cpu_stage.bindings)   # weights, then the fp32 biases
+        from helmc.runtime.moe_expert_rate import measure_expert_sum
+        rates = measure_expert_sum(s)                          # helmc calibrate's rate of the one-call sum
+        assert [(t, n) for t, n, _ in rates] == [("mxfp4", 1), ("mxfp4", 2), ("mxfp4", 3)] and all(r > 0 for *_, r in rates)
     compare(s, hf_on_gguf_weights(d, path), "gpt-oss mxfp4 experts")
     s.reset()
     ps = prompts(r.spec.vocab_size, 6)
