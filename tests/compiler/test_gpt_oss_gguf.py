@@ -5,6 +5,8 @@ window as keys (every other block global, llama.cpp's pattern for it).
 
 - An F32 twin of the tiny fp32 HF directory (YaRN's ramp truncated, as llama.cpp runs it): built from the file,
   its prefill logits and 24 greedy tokens equal the HF directory's bundle's exactly.
+- A file written by llama.cpp's own convert_hf_to_gguf.py (from ../shared/peers' source; skipped without it) of the
+  same tiny model: the same spec, and its bundle's logits and greedy tokens equal the HF directory's exactly.
 - MXFP4 experts with Q8_0 attention and head (llama.cpp's gpt-oss mix: experts MXFP4, the rest 8-bit or float):
   against transformers in fp32 on the weights the gguf package dequantizes, the quantized tests' rule (prefill
   logits within 1e-2 relative; greedy identical, or each side's token in the other's top 5 at the divergence).
@@ -175,3 +177,59 @@ def test_mxfp4_experts_match_transformers(tmp_path, cpu_only, cache_dir):
     batched, sizes = batched_runs(s, ps, 8, max_batch=4, stagger=1)
     assert {2, 3, 4} <= set(sizes), sizes
     check_batched(singles, batched, "gpt-oss mxfp4")
+
+
+def _llamacpp_source() -> str | None:
+    """llama.cpp's source tarball (the peers' folder beside the repository, or $HELMC_LLAMACPP_SRC)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for path in (os.environ.get("HELMC_LLAMACPP_SRC", ""), os.path.join(root, "..", "shared", "peers",
+                 "llama.cpp-src.tar.gz"), os.path.join(root, "..", "..", "shared", "peers", "llama.cpp-src.tar.gz")):
+        if path and os.path.isfile(path):
+            return path
+    return None
+
+
+# llama.cpp's converter, run as is but for its pre-tokenizer check (the toy tokenizer's hash is no known model's)
+_CONVERT = """import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.mark.skipif(_llamacpp_source() is None, reason="needs llama.cpp's source (../shared/peers/llama.cpp-src.tar.gz "
+                                                       "or HELMC_LLAMACPP_SRC)")
+def test_file_of_llamacpps_converter_is_the_hf_model_exactly(tmp_path, cpu_only, cache_dir):
+    """The tiny model converted by llama.cpp's own convert_hf_to_gguf.py (F32; its GptOssModel splits gate_up and
+    the biases itself): the same spec and, built, logits and greedy tokens equal to the HF directory's bundle's."""
+    import subprocess
+    import sys
+    import tarfile
+
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    src = tmp_path / "llama.cpp"
+    with tarfile.open(_llamacpp_source()) as tar:
+        tar.extractall(src, members=[m for m in tar.getmembers() if m.name.startswith(
+            ("./convert_hf_to_gguf.py", "./conversion/", "./gguf-py/"))], filter="data")
+    (tmp_path / "convert.py").write_text(_CONVERT)
+    d, path = str(tmp_path / "model"), str(tmp_path / "converted.gguf")
+    make_tiny_model(d, "gpt_oss", num_layers=4, rope_parameters=YARN, swiglu_limit=7.0)
+    proc = subprocess.run([sys.executable, str(tmp_path / "convert.py"), str(src), d, "--outtype", "f32", "--outfile",
+                           path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    a = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+    b = api.build(path, cpu_only, str(tmp_path / "gguf.bundle"), cache_dir=cache_dir, quiet=True)
+    assert dataclasses.replace(b.spec, eos_token_ids=(), bos_token_id=-1) == \
+        dataclasses.replace(a.spec, eos_token_ids=(), bos_token_id=-1)
+    sa, sb = Session.load(a.bundle_dir), Session.load(b.bundle_dir)
+    assert np.array_equal(sa.forward(PROMPT, all_logits=True), sb.forward(PROMPT, all_logits=True))
+    sa.reset(); sb.reset()
+    ta = sa.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens
+    assert ta == sb.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens and len(set(ta)) > 4
