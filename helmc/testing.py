@@ -74,6 +74,16 @@ def tiny_config(arch: str, num_layers: int = 2, head_dim: int = 32, dtype: str =
         common.update({k: v for k, v in over.items() if k not in gemma})
         cfg = Gemma3TextConfig(head_dim=head_dim, tie_word_embeddings=True if tie is None else tie, pad_token_id=0,
                                **gemma, **{k: v for k, v in common.items() if k not in gemma})
+    elif arch == "gpt_oss":     # head_dim 32 != hidden / heads; window 8 on blocks 0, 2, ...; YaRN; 8 experts, top-3
+        from transformers import GptOssConfig
+        oss = dict(sliding_window=8, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+                   intermediate_size=48, num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.5,
+                   max_position_embeddings=2048, rope_parameters={
+                       "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                       "original_max_position_embeddings": 64, "truncate": False})
+        oss.update({k: over[k] for k in oss if k in over})
+        cfg = GptOssConfig(head_dim=head_dim, tie_word_embeddings=False if tie is None else tie, pad_token_id=0,
+                           **oss, **{k: v for k, v in common.items() if k not in oss})
     else:
         raise ValueError(f"unknown tiny architecture {arch}")
     return cfg
@@ -96,6 +106,8 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", num_layers: int = 2, head
                 # scaled by sqrt(hidden) a narrow spread makes greedy decoding repeat the prompt's last token
                 centre, spread = (0.0, 1.0) if arch == "gemma3" else (1.0, 0.1)
                 p.copy_(centre + spread * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+            elif arch == "gpt_oss" and name.endswith("sinks"):
+                p.normal_(0, 1.0)          # a sink of the logits' own size: a wrong denominator shows
             else:
                 p.normal_(0, 0.08)
     model.eval()

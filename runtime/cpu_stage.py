@@ -59,7 +59,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
     use_cpu_threads(available_cpu_count())     # TVM otherwise uses half the cores on x86
     single_threaded_blas()                     # KV attention threads its own NumPy calls
     from helmc.runtime.stage import Stage, batch_phase, decode_batch_sizes
-    from helmc.runtime.weights.bind import bind_layers, bind_head
+    from helmc.runtime.weights.bind import bind_head, bind_layers, layer_sinks
 
     dev = tvm.cpu()
     batches = decode_batch_sizes(wl.batch)      # the bundle's batched decode variants (import_relax)
@@ -71,7 +71,7 @@ def build_cpu_stage(vm, spec: ModelSpec, plan: Plan, checkpoint: Checkpoint, qui
         kv = KVCacheCPU(num_layers=len(layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=kv.page_tokens, max_tokens=mem.max_context,
                         dtype=spec.dtype, sliding_window=tuple(spec.layer_window(i) for i in layers),
-                        threads=default_threads(),
+                        threads=default_threads(), sinks=layer_sinks(checkpoint, spec, layers),
                         attend_kernel=find_decode_kernel(vm.module, spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim, spec.dtype))
         # Views both ways, no copies: the K/V rows are copied into the pages by append, the attention's output is a

@@ -16,17 +16,19 @@ def batch_phase(batch: int) -> str:
     return "decode" if batch == 1 else f"decode_b{batch}"
 
 
-def moe_expert_sum_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> str:
+def moe_expert_sum_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int,
+                        biased: bool = False) -> str:
     """The CPU library's one-call expert sum for one decode token of the blocks whose experts have (gate/up,
     down) types (gate_type, down_type) (schedules/cpu/quant/moe_experts.py); absent where those types have no
-    int8 kernel on the target CPU."""
-    return f"helmc_moe_expert_sum_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"
+    int8 kernel on the target CPU. `biased`: gpt-oss's experts (biases, clamped SwiGLU), a kernel of more arguments."""
+    return f"helmc_moe_expert_sum_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}{'_biased' if biased else ''}"
 
 
-def moe_expert_rows_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> str:
+def moe_expert_rows_name(gate_type: str, down_type: str, experts: int, inter: int, hidden: int,
+                         biased: bool = False) -> str:
     """The CPU library's one-call expert sum for a batched decode step's m rows (schedules/cpu/quant/
     moe_experts_rows.py), beside moe_expert_sum_name's one-row kernel for the same blocks."""
-    return f"helmc_moe_expert_rows_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}"
+    return f"helmc_moe_expert_rows_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}{'_biased' if biased else ''}"
 
 
 def gpu_moe_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:

@@ -212,6 +212,13 @@ def distinct_blocks(blocks: int, cache_bytes: int, block_bytes: int, num_layers:
     return max(1, min(blocks, want, num_layers))
 
 
+def _sinks(ck, spec, layers, m: int):
+    """The attention sinks of m cache layers over the distinct blocks `layers` (None without sinks)."""
+    from helmc.runtime.weights.bind import layer_sinks
+    sinks = layer_sinks(ck, spec, layers)
+    return None if sinks is None else tuple(sinks[i % len(sinks)] for i in range(m))
+
+
 def _source_layers(plan_layers: range, n: int) -> range:
     """The checkpoint blocks whose weights are bound: the first n the plan puts on this device."""
     return range(plan_layers.start, plan_layers.start + n)
@@ -250,7 +257,7 @@ class _CpuSide:
             bound = bind_layers(ctx.ck, spec, layers, self.dev)
         kv = KVCacheCPU(num_layers=m, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                         page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total, dtype=spec.dtype,
-                        sliding_window=spec.sliding_window or None,
+                        sliding_window=spec.sliding_window or None, sinks=_sinks(ctx.ck, spec, layers, m),
                         attend_kernel=find_decode_kernel(self.vm.module, spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim, spec.dtype))
         stage = Stage("cpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],

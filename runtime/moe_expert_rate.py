@@ -80,7 +80,8 @@ def _rate(ffn, kernel, blocks: list[LayerExperts], x: np.ndarray, n: int, rng) -
             sel = np.sort(rng.choice(host, size=min(n, host.size), replace=False))
             w = np.full(sel.size, 1.0 / sel.size, np.float32)
             ffn._one_call_sum(kernel, x, sel, w, b, None, frozenset())
-            read += sel.size * sum(t.shape[0] * t.shape[1] for t in b.stacked) // len(b.experts)
+            # the selected experts' weight bytes (the stacked weights; gpt-oss's small fp32 biases after them left out)
+            read += sel.size * sum(t.shape[0] * t.shape[1] for t in b.stacked[:3]) // len(b.experts)
         return read
     one_round()                                   # first calls: page faults and lazy loads, untimed
     rates, spent = [], 0.0

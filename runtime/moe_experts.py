@@ -32,7 +32,9 @@ class LayerExperts:
     on_gpu: frozenset = frozenset()  # a GPU stage's block: the experts whose weights are in VRAM (Plan.placement.gpu_experts)
                                      # at load; in_vram() says which are now
     stacked: tuple | None = None     # quantized experts in host RAM: (gate, up, down), each one tensor
-                                     # [experts * rows, row bytes] that `experts` are views into (weights/bind.py)
+                                     # [experts * rows, row bytes] that `experts` are views into (weights/bind.py),
+                                     # then gpt-oss's biases stacked (fp32 [E, I], [E, I], [E, H]): the one-call
+                                     # sums' arguments after the weights
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
     vram_order: tuple = ()             # expert vram_order[slot] at slot (at load)
     layer: int = -1                    # the block's index (routing statistics count by it)
@@ -60,12 +62,14 @@ def find_expert_sums(vm, spec, rows: bool = False) -> dict:
     (schedules/cpu/quant/moe_experts.py; absent for float experts, types without an int8 kernel, older bundles);
     with `rows`, its m-row twin for batched steps (moe_experts_rows.py; absent in older bundles too)."""
     out = {}
+    if not (spec.moe.plain_experts or spec.moe.biased_experts):
+        return out
     name_of = moe_expert_rows_name if rows else moe_expert_sum_name
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down):
             continue
         name = name_of(gate, down, spec.moe.num_experts, spec.moe.expert_intermediate_size,
-                                   spec.hidden_size)
+                       spec.hidden_size, biased=spec.moe.biased_experts)
         try:
             out[j] = vm.module.get_function(name, query_imports=True)
         except AttributeError:
@@ -152,8 +156,10 @@ class MoeFeedForward:
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
 
-    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
-        h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
+    def forward(self, phase: str, x, attn, *weights, signature: int = 0):
+        """weights: post_moe's (ModelSpec.post_attn_weight_names), then the block's LayerExperts."""
+        *weights, experts = weights
+        h, m, logits = self._post[(phase, signature)](x, attn, *weights)
         h = np.array(self.to_array(h), dtype=np.float32)                  # [S, H], a copy of our own
         return self.from_array(h + self.routed_sum(phase, self.to_array(m), self.to_array(logits), experts))
 

@@ -113,6 +113,12 @@ SLOW_TESTS = (
     "tests/compiler/test_moe.py::test_mixtral_is_the_same_code_with_other_values",
     "tests/compiler/test_moe_gguf.py::test_quantized_experts_match_transformers[q4_k_m]",
     "tests/compiler/test_moe_gguf.py::test_f16_gguf_twin_is_the_hf_model_exactly",
+    # gpt-oss: the fp32 build against transformers stays fast; its bf16 build and GGUF twins are builds of their own
+    "tests/compiler/test_gpt_oss.py::test_gpt_oss_bf16_greedy_matches_transformers",
+    "tests/compiler/test_gpt_oss.py::test_calibrate_measures_a_gpt_oss_bundle",
+    "tests/compiler/test_gpt_oss_gguf.py::test_gguf_twin_is_the_hf_model_exactly",
+    "tests/compiler/test_gpt_oss_gguf.py::test_mxfp4_experts_match_transformers",
+    "tests/compiler/test_gpt_oss_gguf.py::test_file_of_llamacpps_converter_is_the_hf_model_exactly",
     # Mixtral as a GGUF twin and quantized: Qwen3-MoE's fast tests cover the same code with other values
     "tests/compiler/test_mixtral_gguf.py::test_f16_gguf_twin_is_the_hf_model_exactly",
     "tests/compiler/test_mixtral_gguf.py::test_quantized_mixtral_matches_transformers",

@@ -115,6 +115,9 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
     mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
+    if spec.gpu_lacks and plan.placement.uses_gpu:
+        raise HelmcError(f"plan: {spec.architecture} expected every block and the head on the CPU (the GPU stage has no "
+                         f"kernels for its {spec.gpu_lacks}), found {plan.describe()}")
     per_block = spec.local_rope is not None or bool(spec.global_layers)
     if per_block and (plan.placement.prefill_on_gpu or plan.placement.groups):
         raise HelmcError(f"plan: {spec.architecture} expected a plain CPU/GPU split (its blocks' own windows and RoPE "

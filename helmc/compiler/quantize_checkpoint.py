@@ -58,10 +58,11 @@ FORMAT_VERSION = 2                  # bump when the quantizers, the layout or th
 _CHUNK_BYTES = 64 << 20             # float32 rows converted and quantized at a time
 # HF architecture -> general.architecture as llama.cpp's converter writes it (Mistral as llama).
 # A MoE architecture whose GGUF files helmc reads back (qwen3moe; Mixtral as llama with experts); none whose
-# checkpoint fuses q/k/v and gate/up (Phi-3: llama.cpp keeps them fused, helmc writes them split).
+# checkpoint fuses q/k/v and gate/up (Phi-3: llama.cpp keeps them fused, helmc writes them split), nor gpt-oss
+# (its fused, biased experts and sinks: llama.cpp's own converter writes its files).
 _GGUF_ARCH = {hf: a.gguf_arch for hf, a in ARCHITECTURES.items()
               if (a.reads_gguf or a.reads_gguf_with_experts or not a.moe) and not a.fused_projections
-              and a.gguf_arch in GGUF_ARCHITECTURES and not a.norm_offset}
+              and a.gguf_arch in GGUF_ARCHITECTURES and not a.norm_offset and not a.attn_sinks}
 _LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -74,7 +75,7 @@ def quantize_checkpoint(model_dir: str, quant: str, cache_dir: str, progress: Pr
     say = progress or (lambda _msg: None)
     quant_mix(quant)                                     # a HelmcError naming the choices for anything else
     spec = ModelSpec.from_model_dir(model_dir)
-    ckpt = Checkpoint(model_dir, spec.fused_rows())
+    ckpt = Checkpoint.for_spec(model_dir, spec)
     try:
         key = cache_key(model_dir, ckpt, quant)
         path = os.path.join(cache_dir, f"{key}.gguf")

@@ -74,7 +74,7 @@ def _check_weights(model_dir: str, spec) -> None:
     from helmc.runtime.weights.safetensors_mmap import Checkpoint
     if not any(os.path.exists(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
         return
-    ck = Checkpoint(model_dir, spec.fused_rows())
+    ck = Checkpoint.for_spec(model_dir, spec)
     try:
         check_checkpoint(ck, spec)
     finally:

@@ -27,7 +27,7 @@ import numpy as np
 from helmc.errors import HelmcError
 from helmc.model.arch import ARCHITECTURES, GGUF_ARCHITECTURES as ARCH_BY_GGUF, Architecture, gguf_architecture
 from helmc.model.arch.tensors import DENSE_BLOCK, EXPERT_STACKS, EXTRA_TENSORS, QK_PERMUTED, ROOT_TENSORS
-from helmc.model.gguf_gemma import gemma_gguf_fields
+from helmc.model.gguf_gemma import gemma_gguf_fields, gpt_oss_gguf_fields
 from helmc.model.gguf_rope import yarn_gguf_rope
 from helmc.model.moe import NAMINGS, MoeSpec
 from helmc.model.spec import ModelSpec, RopeSpec
@@ -41,8 +41,8 @@ SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 HF_TO_GGUF_ROOT = ROOT_TENSORS
 # Without Gemma's block, which names the same HF norm otherwise (post_attention_layernorm): its names go by the
 # architecture (gguf_name / hf_name's `arch`).
-HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() if not a.sandwich_norms
-                                      for h, g in a.block_tensors.items()}}
+HF_TO_GGUF_BLOCK = {**DENSE_BLOCK, **{h: g for a in ARCHITECTURES.values() if not a.sandwich_norms and all(
+    DENSE_BLOCK.get(h, g) == g for h, g in a.block_tensors.items()) for h, g in a.block_tensors.items()}}
 GGUF_TO_HF_ROOT = {g: h for h, g in HF_TO_GGUF_ROOT.items()}
 GGUF_TO_HF_BLOCK = {g: h for h, g in HF_TO_GGUF_BLOCK.items()}
 # The tensors llama.cpp's llama converter reorders per head (see qk_rows_to_hf); which files have them: the arch entry.
@@ -53,11 +53,12 @@ _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # One expert's weight: HF model.layers.N.mlp.experts.E.gate_proj.weight (Mixtral: block_sparse_moe.experts.E.w1.weight;
 # every naming of helmc.model.moe.NAMINGS) <-> blk.N.ffn_gate_exps.E.weight, the slice E of the file's stacked
 # blk.N.ffn_gate_exps.weight (expert_slices names them so). GGUF -> HF takes the file's naming.
+# gpt-oss's experts' biases alike: mlp.experts.E.gate_proj.bias <-> blk.N.ffn_gate_exps.E.bias.
 _HF_EXPERTS = tuple((re.compile(r"model\.layers\.(\d+)\." + re.escape(t.split("{e}")[0]) + r"(\d+)"
-                                + re.escape(t.split("{e}")[1])), stack)
+                                + re.escape(t.split("{e}")[1][:-len("weight")]) + r"(weight|bias)"), stack)
                     for _router, templates in NAMINGS.values() for t, stack in zip(templates, EXPERT_STACKS))
-_GGUF_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(\d+)\.weight")
-_GGUF_STACKED = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
+_GGUF_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(\d+)\.(weight|bias)")
+_GGUF_STACKED = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(weight|bias)")
 _GGUF_ROUTER = "ffn_gate_inp.weight"
 
 
@@ -76,7 +77,7 @@ def gguf_name(hf_name: str, arch: str | None = None) -> str:
         return HF_TO_GGUF_ROOT[hf_name]
     for pattern, stack in _HF_EXPERTS:
         if m := pattern.fullmatch(hf_name):
-            return f"blk.{m.group(1)}.{stack}.{m.group(2)}.weight"
+            return f"blk.{m.group(1)}.{stack}.{m.group(2)}.{m.group(3)}"
     m, block = _HF_BLOCK.fullmatch(hf_name), _block_names(arch)[0]
     if m and m.group(2) in block:
         return f"blk.{m.group(1)}.{block[m.group(2)]}"
@@ -90,7 +91,7 @@ def hf_name(gguf_name: str, naming: str = "qwen_moe", arch: str | None = None) -
         return GGUF_TO_HF_ROOT[gguf_name]
     router, experts = NAMINGS[naming]
     if m := _GGUF_EXPERT.fullmatch(gguf_name):
-        local = experts[EXPERT_STACKS.index(m.group(2))].format(e=int(m.group(3)))
+        local = experts[EXPERT_STACKS.index(m.group(2))].format(e=int(m.group(3)))[:-len("weight")] + m.group(4)
         return f"model.layers.{m.group(1)}.{local}"
     m = _GGUF_BLOCK.fullmatch(gguf_name)
     if m and m.group(2) == _GGUF_ROUTER:
@@ -357,21 +358,24 @@ def fused_slices(path: str, arch: str, metadata: dict, tensors: dict) -> dict:
 
 
 def expert_slices(path: str, tensors: dict) -> dict:
-    """`tensors` with each stacked expert tensor (blk.N.ffn_gate_exps.weight, dims [cols, rows, experts]) replaced
-    by one entry per expert (blk.N.ffn_gate_exps.E.weight, dims [cols, rows]): expert E's rows lie together in the
-    file, so each is a plain 2-D tensor at its own offset, bound zero-copy like any other."""
+    """`tensors` with each stacked expert tensor (blk.N.ffn_gate_exps.weight, dims [cols, rows, experts]; gpt-oss's
+    biases blk.N.ffn_gate_exps.bias, [rows, experts]) replaced by one entry per expert (blk.N.ffn_gate_exps.E.weight,
+    dims [cols, rows]): expert E's rows lie together in the file, so each is a plain tensor at its own offset, bound
+    zero-copy like any other."""
     out = {}
     for name, t in tensors.items():
-        if not _GGUF_STACKED.fullmatch(name):
+        if not (m := _GGUF_STACKED.fullmatch(name)):
             out[name] = t
             continue
-        if len(t.dims) != 3 or t.dims[2] < 1:
-            raise HelmcError(f"{path}: tensor {name!r}: expected GGUF dims [cols, rows, experts], found {list(t.dims)}")
-        experts = t.dims[2]
+        n = 3 if m.group(3) == "weight" else 2
+        if len(t.dims) != n or t.dims[-1] < 1:
+            raise HelmcError(f"{path}: tensor {name!r}: expected GGUF dims [{'cols, ' * (n == 3)}rows, experts], "
+                             f"found {list(t.dims)}")
+        experts = t.dims[-1]
         each = t.nbytes // experts                     # [experts, rows, row bytes]: one expert's rows together
-        stem = name[:-len(".weight")]
+        stem, kind = name.rsplit(".", 1)
         for e in range(experts):
-            out[f"{stem}.{e}.weight"] = GGUFTensor(f"{stem}.{e}.weight", t.type, t.dims[:2], t.offset + e * each, each,
+            out[f"{stem}.{e}.{kind}"] = GGUFTensor(f"{stem}.{e}.{kind}", t.type, t.dims[:-1], t.offset + e * each, each,
                                                    t.block_weights, t.block_bytes)
     return out
 
@@ -442,6 +446,8 @@ def spec_from_gguf_header(h: GGUFHeader) -> ModelSpec:
         fields["moe"] = _moe(h, key, fields["num_layers"], entry.moe_naming)
     if entry.local_rope:
         fields.update(gemma_gguf_fields(h.path, h.architecture, h.metadata, key, fields))
+    if entry.attn_sinks:
+        fields.update(gpt_oss_gguf_fields(h.path, h.architecture, h.metadata, h.tensors, key, fields))
     try:
         return ModelSpec(**fields)
     except HelmcError as e:                  # ModelSpec's own checks: say which file they are about

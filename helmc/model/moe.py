@@ -22,7 +22,13 @@ NAMINGS = {
     "mixtral": ("block_sparse_moe.gate.weight", ("block_sparse_moe.experts.{e}.w1.weight",
                                                  "block_sparse_moe.experts.{e}.w3.weight",
                                                  "block_sparse_moe.experts.{e}.w2.weight")),
+    # gpt-oss: the checkpoint's fused experts (mlp.experts.gate_up_proj [E, H, 2I] and down_proj [E, I, H], with
+    # their biases) read as these per-expert names (runtime/weights/fused_experts.py); llama.cpp's stacks alike.
+    "gpt_oss": ("mlp.router.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                                      "mlp.experts.{e}.down_proj.weight")),
 }
+# Namings whose checkpoints store each block's experts fused in a few tensors, split by the weights reader.
+FUSED_EXPERT_NAMINGS = ("gpt_oss",)
 MAX_EXPERTS = 4096
 # How a router's logits become the k experts' weights: softmax over all experts then the k largest (renormalised
 # when norm_topk_prob; Qwen, Mixtral), or the k largest logits then a softmax over those k (gpt-oss).
@@ -78,6 +84,36 @@ class MoeSpec:
     def router_name(self) -> str:
         return NAMINGS[self.naming][0]
 
+    @property
+    def router_bias_name(self) -> str | None:
+        return self.router_name.replace(".weight", ".bias") if self.router_bias else None
+
+    @property
+    def fused_experts(self) -> bool:
+        """The checkpoint stores a block's experts fused (FUSED_EXPERT_NAMINGS), split when read."""
+        return self.naming in FUSED_EXPERT_NAMINGS
+
+    @property
+    def plain_experts(self) -> bool:
+        """The experts are down(silu(gate) * up) without biases: the GPU expert kernels' computation and the CPU's
+        one-call expert sums'; gpt-oss's biased, clamped experts have CPU sums of their own (`biased_experts`)."""
+        return self.expert_act == "silu" and not self.expert_bias
+
+    @property
+    def biased_experts(self) -> bool:
+        """gpt-oss's experts: biases and the clamped SwiGLU (the CPU's biased one-call expert sums)."""
+        return self.expert_act == "swiglu_clamped" and self.expert_bias
+
+    def expert_bias_names(self, expert: int) -> tuple[str, ...]:
+        """Expert `expert`'s gate, up and down biases (gpt-oss), else ()."""
+        if not self.expert_bias:
+            return ()
+        return tuple(n.replace(".weight", ".bias") for n in self.expert_weight_names(expert))
+
+    def expert_param_names(self, expert: int) -> tuple[str, ...]:
+        """The compiled expert function's weight parameters: gate, up, down, then their biases where present."""
+        return self.expert_weight_names(expert) + self.expert_bias_names(expert)
+
     def expert_weight_names(self, expert: int) -> tuple[str, str, str]:
         """Expert `expert`'s gate, up and down weights (relative to model.layers.{i}.), the compiled expert
         function's parameter order."""
@@ -95,9 +131,12 @@ class MoeSpec:
         """The feed-forward weights of a MoE block: the router's, then every expert's gate, up, down."""
         I = self.expert_intermediate_size
         out = {self.router_name: (self.num_experts, hidden)}
+        if self.router_bias:
+            out[self.router_bias_name] = (self.num_experts,)
         for e in range(self.num_experts):
             g, u, d = self.expert_weight_names(e)
             out.update({g: (I, hidden), u: (I, hidden), d: (hidden, I)})
+            out.update(zip(self.expert_bias_names(e), ((I,), (I,), (hidden,))))
         return out
 
 
@@ -116,6 +155,8 @@ def moe_from_hf_config(cfg: dict, arch: str, num_layers: int, where: str) -> Moe
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise HelmcError(f"{where}: {key!r} expected a non-negative integer for {arch}, found {v!r:.60}")
         return v
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_moe(cfg, integer, where)
     if arch == "MixtralForCausalLM":
         try:
             return MoeSpec(num_experts=integer("num_local_experts"), top_k=integer("num_experts_per_tok"),
@@ -139,5 +180,23 @@ def moe_from_hf_config(cfg: dict, arch: str, num_layers: int, where: str) -> Moe
     try:
         return MoeSpec(num_experts=experts, top_k=integer("num_experts_per_tok"), norm_topk_prob=norm,
                        expert_intermediate_size=integer("moe_intermediate_size"), dense_layers=dense)
+    except HelmcError as e:
+        raise HelmcError(f"{where}: {e}") from None
+
+
+def _gpt_oss_moe(cfg: dict, integer, where: str) -> MoeSpec:
+    """gpt-oss: every block routed, intermediate_size the experts', top-k logits then a softmax over those k, router
+    and expert biases, the clamped SwiGLU with config.json's swiglu_alpha (transformers' 1.702 where absent) and
+    swiglu_limit."""
+    def positive(key, default):
+        v = cfg.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise HelmcError(f"{where}: {key!r} expected a positive finite number, found {v!r:.60}")
+        return float(v)
+    try:
+        return MoeSpec(num_experts=integer("num_local_experts"), top_k=integer("num_experts_per_tok"),
+                       norm_topk_prob=True, expert_intermediate_size=integer("intermediate_size"), naming="gpt_oss",
+                       routing="topk_softmax", router_bias=True, expert_bias=True, expert_act="swiglu_clamped",
+                       swiglu_alpha=positive("swiglu_alpha", 1.702), swiglu_limit=positive("swiglu_limit", 7.0))
     except HelmcError as e:
         raise HelmcError(f"{where}: {e}") from None

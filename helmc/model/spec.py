@@ -109,6 +109,10 @@ class ModelSpec:
     global_layers: tuple[int, ...] = ()
     # The RoPE of the sliding-window blocks where it differs from `rope` (Gemma 3's base 10000); None: all use `rope`.
     local_rope: RopeSpec | None = None
+    # gpt-oss's attention: o_proj's bias; a learned logit per query head in each softmax's denominator
+    # (self_attn.sinks [num_heads], handed to the KV cache, not to a compiled function).
+    o_bias: bool = False
+    attn_sinks: bool = False
 
     def __post_init__(self):
         # A spec also arrives from a bundle's model_spec.json: every number the runtime sizes memory by is checked.
@@ -234,6 +238,13 @@ class ModelSpec:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
+    @property
+    def gpu_lacks(self) -> str:
+        """What of this model the GPU stage's kernels do not compute ("" where nothing: it may use the GPU): gpt-oss's
+        attention sinks, o_proj bias and biased, clamped experts run on the CPU only."""
+        return ", ".join(w for w, on in (("attention sinks", self.attn_sinks), ("an o_proj bias", self.o_bias), (
+            "biased, clamped experts", self.moe is not None and not self.moe.plain_experts)) if on)
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -261,11 +272,16 @@ class ModelSpec:
         if self.qk_norm:
             s.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
         s.update({"self_attn.o_proj.weight": (H, Q), "post_attention_layernorm.weight": (H,)})
+        if self.o_bias:
+            s["self_attn.o_proj.bias"] = (H,)
+        if self.attn_sinks:
+            s["self_attn.sinks"] = (self.num_heads,)
         if self.sandwich_norms:
             s.update({"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)})
         s.update({"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
         if layer is not None and self.is_moe_layer(layer):
-            for name in self.post_attn_weight_names()[2:]:
+            dense = self.post_attn_weight_names()
+            for name in dense[dense.index("post_attention_layernorm.weight") + 1:]:
                 del s[name]
             s.update(self.moe.layer_weight_shapes(H))
         return s
@@ -282,12 +298,13 @@ class ModelSpec:
     def post_attn_weight_names(self, layer: int | None = None) -> tuple[str, ...]:
         """The compiled post-attention function's weights; for a MoE block (`layer` routed), post_moe's
         (o_proj, the norm, the router), its experts bound apart (runtime/moe_experts.py)."""
+        o = ("self_attn.o_proj.weight",) + (("self_attn.o_proj.bias",) if self.o_bias else ())
         if layer is not None and self.is_moe_layer(layer):
-            return ("self_attn.o_proj.weight", "post_attention_layernorm.weight", self.moe.router_name)
+            bias = (self.moe.router_bias_name,) if self.moe.router_bias else ()
+            return o + ("post_attention_layernorm.weight", self.moe.router_name) + bias
         norms = ("post_attention_layernorm.weight",) + (
             ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight") if self.sandwich_norms else ())
-        return ("self_attn.o_proj.weight",) + norms + ("mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                                       "mlp.down_proj.weight")
+        return o + norms + ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
     def head_weight_names(self) -> tuple[str, str]:
         """Checkpoint names (from the model root) of the head function's weights."""
@@ -388,6 +405,9 @@ def _hf_config_fields(cfg: dict, where: str) -> dict:
     if entry.sliding_window or cfg.get("use_sliding_window") is True:
         sliding = number("sliding_window", 0, positive=False)
     gemma = gemma_fields(cfg, entry, number("num_hidden_layers"), H, sliding, where) if entry.local_rope else {}
+    if entry.alternating_layers and not entry.local_rope:
+        gemma = dict(global_layers=global_layers(cfg, number("num_hidden_layers"), sliding, entry.alternating_layers,
+                                                 where))
     bos = cfg.get("bos_token_id")
     fields = dict(
         architecture=arch, hidden_size=H, intermediate_size=number("intermediate_size"),
@@ -401,7 +421,8 @@ def _hf_config_fields(cfg: dict, where: str) -> dict:
         qk_norm=entry.qk_norm, sliding_window=sliding,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
         eos_token_ids=tuple(eos), moe=moe_from_hf_config(cfg, arch, number("num_hidden_layers"), where),
-        hidden_act=act, norm_offset=entry.norm_offset, sandwich_norms=entry.sandwich_norms)
+        hidden_act=act, norm_offset=entry.norm_offset, sandwich_norms=entry.sandwich_norms,
+        o_bias=entry.o_bias and (entry.qkv_bias or cfg.get("attention_bias") is True), attn_sinks=entry.attn_sinks)
     fields.update(gemma)
     return fields
 
@@ -418,17 +439,6 @@ def gemma_fields(cfg: dict, entry, layers: int, hidden: int, sliding: int, where
     sliding_window_pattern-th), the two RoPEs (transformers >= 5 nests them per layer kind in rope_parameters;
     older files give rope_theta + rope_scaling for the global ones and rope_local_base_freq for the sliding ones),
     the attention and embedding scales."""
-    kinds = cfg.get("layer_types")
-    if kinds is None:
-        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise HelmcError(f"{where}: sliding_window_pattern expected a positive integer, found {pattern!r:.60}")
-        kinds = [_LAYER_KINDS[(i + 1) % pattern == 0] for i in range(layers)]
-    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in _LAYER_KINDS for k in kinds):
-        raise HelmcError(f"{where}: layer_types expected {layers} of {_LAYER_KINDS}, found {str(kinds)[:80]}")
-    if sliding < 1 and "sliding_attention" in kinds:
-        raise HelmcError(f"{where}: sliding_window expected a positive integer for sliding_attention layers, "
-                         f"found {cfg.get('sliding_window')!r:.60}")
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and all(k in params for k in _LAYER_KINDS):
         rope = _rope_from_config({"rope_parameters": params["full_attention"]}, where)
@@ -440,8 +450,25 @@ def gemma_fields(cfg: dict, entry, layers: int, hidden: int, sliding: int, where
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < float("inf"):
         raise HelmcError(f"{where}: query_pre_attn_scalar expected a positive number, found {scalar!r:.60}")
     return dict(rope=rope, local_rope=local, attn_scale=float(scalar) ** -0.5,
-                global_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention"),
+                global_layers=global_layers(cfg, layers, sliding, 6, where),
                 embed_scale=float(hidden) ** 0.5 if entry.scaled_embeddings else 1.0)
+
+
+def global_layers(cfg: dict, layers: int, sliding: int, pattern: int, where: str) -> tuple[int, ...]:
+    """The blocks that attend to the whole context: config.json's layer_types' full_attention ones, else every
+    sliding_window_pattern-th (default `pattern`: Gemma 3's 6, gpt-oss's 2)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", pattern))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise HelmcError(f"{where}: sliding_window_pattern expected a positive integer, found {pattern!r:.60}")
+        kinds = [_LAYER_KINDS[(i + 1) % pattern == 0] for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in _LAYER_KINDS for k in kinds):
+        raise HelmcError(f"{where}: layer_types expected {layers} of {_LAYER_KINDS}, found {str(kinds)[:80]}")
+    if sliding < 1 and "sliding_attention" in kinds:
+        raise HelmcError(f"{where}: sliding_window expected a positive integer for sliding_attention layers, "
+                         f"found {cfg.get('sliding_window')!r:.60}")
+    return tuple(i for i, k in enumerate(kinds) if k == "full_attention")
 
 
 def _rope_from_config(cfg: dict, where: str) -> RopeSpec:

@@ -286,7 +286,7 @@ def _cpu_cache_like(stage):
     kv, spec = stage.kv, stage.spec
     return KVCacheCPU(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
                       page_tokens=kv.page_tokens, max_tokens=kv.max_tokens, dtype=kv.kv_dtype,
-                      sliding_window=kv.windows, threads=kv.threads,
+                      sliding_window=kv.windows, threads=kv.threads, sinks=kv.sinks,
                       attend_kernel=find_decode_kernel(stage.vm.module, spec.num_heads, spec.num_kv_heads,
                                                        spec.head_dim, spec.dtype) if kv.uses_kernel else None)
 

@@ -24,7 +24,7 @@ def open_checkpoint(path: str, spec: ModelSpec | None = None):
     if os.path.isfile(path) and path.endswith(".gguf"):
         from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
         return GGUFCheckpoint(path, spec)
-    return Checkpoint(path, spec.fused_rows() if spec is not None else None)
+    return Checkpoint.for_spec(path, spec) if spec is not None else Checkpoint(path)
 
 
 def check_checkpoint(ck, spec: ModelSpec) -> None:
@@ -133,18 +133,20 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
         in_vram = _stacked_vram(raw, names, order, device[0])
         slot = {e: i for i, e in enumerate(order)}
 
-        def weights_of(e):
+        def weights_of(e):            # the stacked weights' views, then the biases (gpt-oss), each its own tensor
+            biases = tuple(load(n, *(device if e in vram else host)) for n in moe.expert_bias_names(e))
             if e not in vram:
-                return tuple(views[e] for _, views in stacked)
+                return tuple(views[e] for _, views in stacked) + biases
             if in_vram:
-                return tuple(views[slot[e]] for _, views in in_vram)
-            return tuple(load(n, *device) for n in names[e])
+                return tuple(views[slot[e]] for _, views in in_vram) + biases
+            return tuple(load(n, *device) for n in names[e]) + biases
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
-                            vram, tuple(whole for whole, _ in stacked),
+                            vram, tuple(whole for whole, _ in stacked) + _stacked_biases(load, spec, host[0]),
                             tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer,
                             **(_cache_fields(moe.num_experts, order, stacked, in_vram, cache) if cached and in_vram
                                else {}))
-    experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in names[e]) for e in range(moe.num_experts))
+    experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in moe.expert_param_names(e))
+                    for e in range(moe.num_experts))
     return LayerExperts(experts, spec.expert_signature_index(layer), vram, layer=layer)
 
 
@@ -155,6 +157,24 @@ def _cache_fields(num_experts: int, order: list[int], stacked, in_vram, cache) -
     return dict(residency=ExpertResidency(num_experts, order, cache),
                 vram_slots=tuple(tuple(views[s] for _, views in in_vram) for s in range(len(order))),
                 host_views=tuple(tuple(views[e] for _, views in stacked) for e in range(num_experts)))
+
+
+def _stacked_biases(load: Callable, spec: ModelSpec, dev) -> tuple:
+    """gpt-oss's expert biases for the CPU's biased one-call sums: per kind (gate, up, down) one fp32 tensor
+    [experts, rows] on `dev` (the host); () for experts without biases."""
+    import tvm.runtime
+
+    from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+    moe = spec.moe
+    if not moe.expert_bias:
+        return ()
+
+    def f32(name):
+        view, dtype = load(name, None, lambda view, dtype, _dev: (view, dtype))
+        return float32_from_bf16_bits(view) if dtype == "bfloat16" else np.asarray(view, np.float32)
+    names = [moe.expert_bias_names(e) for e in range(moe.num_experts)]
+    return tuple(tvm.runtime.tensor(np.stack([f32(names[e][kind]) for e in range(moe.num_experts)]), dev)
+                 for kind in range(3))
 
 
 def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:
@@ -203,6 +223,15 @@ def _stacked_vram(raw: Callable, names: list, order: list[int], dev) -> tuple | 
                 whole[slot * rows:(slot + 1) * rows].set(np.ascontiguousarray(raw(names[e][kind])))
         out.append((cupy_to_tvm(whole), [cupy_to_tvm(whole[s * rows:(s + 1) * rows]) for s in range(len(order))]))
     return tuple(out)
+
+
+def layer_sinks(ck, spec: ModelSpec, layers) -> tuple[np.ndarray, ...] | None:
+    """Each of `layers`' attention sinks (self_attn.sinks: a logit per query head, fp32, read by the CPU KV cache),
+    or None for a model without them."""
+    if not spec.attn_sinks:
+        return None
+    return tuple(weight_view(ck, f"model.layers.{i}.self_attn.sinks", (spec.num_heads,), "", "float32")[0]
+                 .astype(np.float32) for i in layers)
 
 
 def release_block(ck, spec: ModelSpec, layer: int) -> None:

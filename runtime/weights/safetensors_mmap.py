@@ -120,10 +120,13 @@ class SafetensorsFile:
 class Checkpoint:
     """A model directory's weights: model.safetensors, or shards listed in model.safetensors.index.json."""
 
-    def __init__(self, model_dir: str, fused_rows: dict | None = None):
+    def __init__(self, model_dir: str, fused_rows: dict | None = None, fused_experts: tuple | None = None):
         """`fused_rows` ({fused name suffix: ((part suffix, rows), ...)}, ModelSpec.fused_rows): each tensor named
-        model.layers.N.<fused> is replaced by its parts, each a range of its rows (zero-copy views of the mapping)."""
+        model.layers.N.<fused> is replaced by its parts, each a range of its rows (zero-copy views of the mapping).
+        `fused_experts` (experts, hidden, inter): gpt-oss's fused expert tensors read as each expert's gate, up and
+        down weights and biases (fused_experts.py: strided views of the mapping)."""
         self.model_dir = model_dir
+        self._parts: dict[str, tuple] = {}        # a fused expert tensor's part -> (fused name, expert, shape, view)
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         if os.path.exists(index):
@@ -143,6 +146,7 @@ class Checkpoint:
             raise HelmcError(f"weights: expected model.safetensors or model.safetensors.index.json in {model_dir}, found neither")
         self.files = []
         self.where: dict[str, SafetensorsFile] = {}
+        self._fused_where: dict[str, SafetensorsFile] = {}
         try:
             for shard in shards:
                 p = os.path.join(model_dir, shard)
@@ -156,9 +160,25 @@ class Checkpoint:
                 stem, _, suffix = name[len("model.layers."):].partition(".")
                 if suffix in fused_rows:
                     self._split_rows(name, f"model.layers.{stem}.", fused_rows[suffix])
+            if fused_experts:
+                from helmc.runtime.weights.fused_experts import split_fused_experts
+                self._parts = split_fused_experts(list(self.where), self.info, *fused_experts)
+                for part, (fused, *_rest) in self._parts.items():
+                    if part in self.where:
+                        raise HelmcError(f"weights: {part} found both on its own and inside {fused}")
+                for fused in {p[0] for p in self._parts.values()}:
+                    self._fused_where[fused] = self.where.pop(fused)
+                self.where.update({part: self._fused_where[p[0]] for part, p in self._parts.items()})
         except BaseException:
             self.close()              # the shards mapped before the bad one
             raise
+
+    @classmethod
+    def for_spec(cls, model_dir: str, spec) -> "Checkpoint":
+        """The checkpoint of a ModelSpec's model directory, its fused tensors read as the spec's block names."""
+        moe = spec.moe
+        return cls(model_dir, spec.fused_rows(), (moe.num_experts, spec.hidden_size, moe.expert_intermediate_size)
+                   if moe is not None and moe.fused_experts else None)
 
     def _split_rows(self, name: str, prefix: str, parts: tuple) -> None:
         sf = self.where.pop(name)
@@ -180,18 +200,26 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         if name not in self.where:
             raise HelmcError(f"weights: tensor {name!r} expected in {self.model_dir}, not found")
+        if name in self._parts:               # a fused expert tensor's part: its own shape over the fused bytes
+            fused, _, shape, _ = self._parts[name]
+            t = self.where[name].tensors[fused]
+            return TensorInfo(name, t.dtype, shape, t.file, t.begin, t.end)
         return self.where[name].tensors[name]
 
     def view(self, name: str, expect_shape: tuple[int, ...] | None = None) -> np.ndarray:
         info = self.info(name)
         if expect_shape is not None and tuple(info.shape) != tuple(expect_shape):
             raise HelmcError(f"weights: {name} shape expected {list(expect_shape)} from config.json, found {list(info.shape)}")
+        if name in self._parts:
+            fused, expert, _, part = self._parts[name]
+            return part(self.where[name].view(fused)[expert])
         return self.where[name].view(name)
 
     def release(self, name: str) -> int:
-        """After the runtime copied `name` into memory of its own: its mapped pages go (page_release.py)."""
+        """After the runtime copied `name` into memory of its own: its mapped pages go (page_release.py); a fused
+        expert tensor's part releases the whole fused tensor (its block's experts are bound together)."""
         self.info(name)
-        return self.where[name].release(name)
+        return self.where[name].release(self._parts[name][0] if name in self._parts else name)
 
     def close(self):
         for f in self.files:

@@ -86,3 +86,31 @@ def test_rows_with_some_pairs_left_out():
     assert np.array_equal(y[0], _one_row(one, x[0], idx[0, :1], w[0, :1], weights, dev))
     assert not y[1].any()
     assert np.array_equal(y[2], _one_row(one, x[2], idx[2], w[2], weights, dev))
+
+
+@needs_avx512
+def test_biased_expert_rows_match_one_row_and_float64():
+    """gpt-oss's experts (biases, clamped SwiGLU) in the m-row kernel: each row bit-identical to the one-row biased
+    kernel and within float64's reach (tests/kernels/test_cpu_moe_expert_sum.reference_biased)."""
+    from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum_biased
+    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows_biased
+    from tests.kernels.test_cpu_moe_expert_sum import biased_case, reference_biased
+    E, I, H, K, alpha = 6, 256, 512, 3, 1.702
+    rng = np.random.default_rng(11)
+    gate, up, down, biases, _, limit = biased_case(rng, "mxfp4", "mxfp4", E, I, H)
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
+    rows = _compiled(make_moe_expert_rows_biased("mxfp4", "mxfp4", E, I, H, K, ISA, alpha, limit))
+    one = _compiled(make_moe_expert_sum_biased("mxfp4", "mxfp4", E, I, H, K, ISA, alpha, limit))
+    for idx in ([[4, 1, 5], [1, 0, 2], [5, 4, 1], [3, 2, 0]], [[2, 0, 5]]):
+        idx = np.array(idx, np.int64)
+        w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+        x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
+        y = _rows_call(rows, x, idx, w, weights, dev)
+        for r in range(idx.shape[0]):
+            alone = _one_row(one, x[r], idx[r], w[r], weights, dev)
+            assert np.array_equal(y[r].view(np.uint32), alone.view(np.uint32)), (idx.tolist(), r)
+            order = np.argsort(idx[r], kind="stable")
+            ref = reference_biased(x[r:r + 1], idx[r][order], w[r][order], gate, up, down, biases, alpha, limit,
+                                   "mxfp4", "mxfp4", I, H)
+            assert float(np.abs(y[r] - ref).max() / np.abs(ref).max()) < 1e-5, (idx.tolist(), r)

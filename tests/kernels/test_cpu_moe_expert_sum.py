@@ -75,3 +75,53 @@ def test_more_experts_than_top_k_is_refused():
         lib[str(func.attrs["global_symbol"])](
             tvm.runtime.tensor(np.ones((1, H), np.float32), dev), tvm.runtime.tensor(np.arange(3, dtype=np.int32), dev),
             tvm.runtime.tensor(np.ones(3, np.float32), dev), gate, gate, down, tvm.runtime.empty((1, H), "float32", dev))
+
+
+def reference_biased(x, sel, weight, gate, up, down, biases, alpha, limit, gate_type, down_type, inter, hidden):
+    """float64 sum over j of weight[j] * (gpt-oss's expert sel[j] + its down bias), the kernel's int8 rounding of its
+    inputs: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), each with its bias."""
+    deq = lambda raw, t: gguf_quants.dequantize(raw, GGML[t]).astype(np.float64)   # noqa: E731
+    b_gate, b_up, b_down = biases
+    x8 = int8_activations(x, gate_type)[0]
+    y = np.zeros(hidden)
+    for e, w in zip(sel, weight):
+        rows = slice(e * inter, (e + 1) * inter)
+        g = np.minimum(deq(gate[rows], gate_type) @ x8 + b_gate[e], limit)
+        u = np.clip(deq(up[rows], gate_type) @ x8 + b_up[e], -limit, limit)
+        a = ((u + 1) * g / (1 + np.exp(-alpha * g))).astype(np.float32)
+        y += w * (deq(down[e * hidden:(e + 1) * hidden], down_type) @ int8_activations(a[None], down_type)[0] + b_down[e])
+    return y
+
+
+def biased_case(rng, gate_type, down_type, E, I, H):
+    """Random weights, biases and an input for the biased kernels, and a limit the gate and up values cross often."""
+    gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))
+    down = random_quant_weight(rng, down_type, E * H, I)
+    biases = tuple(rng.standard_normal(shape).astype(np.float32) for shape in ((E, I), (E, I), (E, H)))
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    g = gguf_quants.dequantize(gate[:I], GGML[gate_type]) @ int8_activations(x, gate_type)[0]
+    return gate, up, down, biases, x, float(np.percentile(np.abs(g), 60))
+
+
+@needs_avx512
+@pytest.mark.parametrize("gate_type,down_type,I,H", [("mxfp4", "mxfp4", 320, 2880), ("q4_k", "q6_k", 512, 768)])
+def test_biased_expert_sum_matches_float64(gate_type, down_type, I, H):
+    """gpt-oss's experts in one call: the biases and the clamped SwiGLU (limit where ~40% of the gate values clamp)."""
+    from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum_biased
+    E, K, alpha = 5, 4, 1.702
+    rng = np.random.default_rng(7)
+    gate, up, down, biases, x, limit = biased_case(rng, gate_type, down_type, E, I, H)
+    func = make_moe_expert_sum_biased(gate_type, down_type, E, I, H, K, ISA, alpha, limit)
+    assert str(func.attrs["global_symbol"]).endswith("_biased")
+    call = tvm.compile(func, target=target(ISA))[str(func.attrs["global_symbol"])]
+    dev = tvm.cpu()
+    args = tuple(tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases)
+    for sel in ([0, 2, 3, 4], [4], [1, 3]):
+        weight = rng.uniform(0.1, 1.0, len(sel)).astype(np.float32)
+        y = tvm.runtime.empty((1, H), "float32", dev)
+        call(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(np.array(sel, np.int32), dev),
+             tvm.runtime.tensor(weight, dev), *args, y)
+        ref = reference_biased(x, sel, weight, gate, up, down, biases, alpha, limit, gate_type, down_type, I, H)
+        err = float(np.abs(y.numpy()[0] - ref).max() / np.abs(ref).max())
+        print(f"biased {gate_type}/{down_type} experts {sel}: rel err {err:.2e}")
+        assert err < 1e-5, (sel, err)

@@ -84,14 +84,17 @@ def _modules(spec: ModelSpec, act_dtype: str):
         return F.gelu(t, approximate="tanh") if spec.hidden_act == "gelu_pytorch_tanh" else F.silu(t)
 
     class PostAttn(torch.nn.Module):
-        def forward(self, x, attn, wo, ln2, wg, wu, wd):
-            h = x + linear(attn, wo)
+        # o_proj's bias (o_bias) follows its weight; fixed arity as PreAttn's, the last one None without it.
+        def forward(self, x, attn, wo, w1, w2, w3, w4, w5=None):
+            bo, ln2, wg, wu, wd = (w1, w2, w3, w4, w5) if spec.o_bias else (None, w1, w2, w3, w4)
+            h = x + linear(attn, wo, bo)
             m = rms_norm(h, ln2)
             return h + linear(gate(linear(m, wg)) * linear(m, wu), wd)
 
     class SandwichPostAttn(torch.nn.Module):
         # Gemma: the attention output and the MLP output are each normed before their residual add.
         def forward(self, x, attn, wo, ln_attn_out, ln_pre_ffn, ln_post_ffn, wg, wu, wd):
+            assert not spec.o_bias, "sandwich norms with an o_proj bias: no architecture has both"
             h = x + rms_norm(linear(attn, wo), ln_attn_out)
             m = rms_norm(h, ln_pre_ffn)
             return h + rms_norm(linear(gate(linear(m, wg)) * linear(m, wu), wd), ln_post_ffn)

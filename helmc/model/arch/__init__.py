@@ -58,9 +58,15 @@ class Architecture:
     sandwich_norms: bool = False
     scaled_embeddings: bool = False
     local_rope: bool = False
+    # gpt-oss's attention: o_proj has a bias wherever q/k/v have one; a learned logit per query head in each
+    # softmax's denominator (self_attn.sinks); sliding blocks alternating with full ones by config.json's
+    # layer_types, else every alternating_layers-th block full (0: the window, if any, applies to every block).
+    o_bias: bool = False
+    attn_sinks: bool = False
+    alternating_layers: int = 0
 
 
-_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma3")
+_MODULES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma3", "gpt_oss")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.hf_class: a for a in (importlib.import_module(f"helmc.model.arch.{m}").ARCH for m in _MODULES)}

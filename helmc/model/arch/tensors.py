@@ -16,6 +16,12 @@ DENSE_BLOCK = {
 GEMMA_BLOCK = dict(DENSE_BLOCK, **{
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
+# gpt-oss's block: biases on q/k/v and o_proj, the attention sinks, the MLP's norm as post_attention_norm, the router
+# (mlp.router, with its bias) as ffn_gate_inp; its experts' stacks (and their biases) are MOE_EXPERT_TENSORS'.
+GPT_OSS_BLOCK = dict(DENSE_BLOCK, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias"})
 # The GGUF block tensors llama.cpp's llama converter reorders per head (see gguf_spec.qk_rows_to_hf): q's rows per
 # attention head ("q"), k's per KV head ("k").
 QK_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "k", "attn_k.bias": "k"}

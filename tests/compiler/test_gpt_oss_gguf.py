@@ -1,0 +1,235 @@
+"""gpt-oss from `gpt-oss` GGUF files laid out as llama.cpp's converter writes them (conversion/gpt_oss.py): the fused
+experts split into ffn_{gate,up,down}_exps stacks [E, rows, cols] with their `.bias` stacks [E, rows], the router
+as ffn_gate_inp (+ bias), attn_sinks, attn_output.bias, the MLP's norm as post_attention_norm, YaRN and the sliding
+window as keys (every other block global, llama.cpp's pattern for it).
+
+- An F32 twin of the tiny fp32 HF directory (YaRN's ramp truncated, as llama.cpp runs it): built from the file,
+  its prefill logits and 24 greedy tokens equal the HF directory's bundle's exactly.
+- A file written by llama.cpp's own convert_hf_to_gguf.py (from ../shared/peers' source; skipped without it) of the
+  same tiny model: the same spec, and its bundle's logits and greedy tokens equal the HF directory's exactly.
+- MXFP4 experts with Q8_0 attention and head (llama.cpp's gpt-oss mix: experts MXFP4, the rest 8-bit or float):
+  against transformers in fp32 on the weights the gguf package dequantizes, the quantized tests' rule (prefill
+  logits within 1e-2 relative; greedy identical, or each side's token in the other's top 5 at the divergence).
+  Decode rows take the CPU's biased one-call expert sums (one row, and a batched step's m rows): each sequence of a
+  batched decode bit-identical to its single run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from batch_decode_checks import batched_runs, compare as check_batched, prompts, single_runs
+from test_quantized_models import PROMPT, compare
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tvm.relax")
+
+from helmc.runtime.moe_experts import find_expert_sums  # noqa: E402
+from helmc.schedules.cpu.isa import select_isa  # noqa: E402
+
+ARCH = "GptOssForCausalLM"
+# llama.cpp runs YaRN with the ramp's ends rounded (truncate); gpt-oss's own config says false, which a GGUF has no
+# key for: the twins are made with the ramp llama.cpp runs
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 64, "truncate": True}
+EXPERT_STACKS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+
+
+def _quantized(x: np.ndarray, qtype: str | None):
+    if qtype is None:
+        return np.ascontiguousarray(x, np.float32), None
+    t = gguf.GGMLQuantizationType[qtype.upper()]
+    return gguf.quants.quantize(np.ascontiguousarray(x, np.float32), t), t
+
+
+def write_gpt_oss_gguf(model_dir: str, path: str, experts: str | None = None, linears: str | None = None) -> None:
+    """The HF directory as a `gpt-oss` GGUF: F32 everywhere, or the experts in `experts` and the attention's and the
+    head's linears in `linears` (GGUF type names); norms, biases, sinks and the router F32."""
+    from safetensors.numpy import load_file
+
+    from helmc.model.gguf_spec import gguf_name
+    from helmc.model.spec import ModelSpec
+    spec = ModelSpec.from_model_dir(model_dir)
+    t = load_file(os.path.join(model_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(spec.num_layers); w.add_context_length(spec.max_position_embeddings)
+    w.add_embedding_length(spec.hidden_size); w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads); w.add_head_count_kv(spec.num_kv_heads)
+    w.add_key_length(spec.head_dim); w.add_value_length(spec.head_dim)
+    w.add_rope_freq_base(spec.rope.theta); w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN); w.add_rope_scaling_factor(spec.rope.factor)
+    w.add_rope_scaling_orig_ctx_len(spec.rope.original_max_position)
+    w.add_sliding_window(spec.sliding_window)
+    w.add_expert_count(spec.moe.num_experts); w.add_expert_used_count(spec.moe.top_k)
+    w.add_expert_feed_forward_length(spec.moe.expert_intermediate_size)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list([f"t{i}" for i in range(spec.vocab_size)]); w.add_token_merges(["t 1"])
+    for name, x in t.items():
+        x = np.asarray(x, np.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):          # [E, H, 2I], gate / up interleaved -> [E, I, H] each
+            for kind, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                data, raw = _quantized(x[:, :, cols].transpose(0, 2, 1), experts)
+                w.add_tensor(f"blk.{layer}.{EXPERT_STACKS[kind]}.weight", data, raw_dtype=raw)
+        elif name.endswith("mlp.experts.down_proj"):           # [E, I, H] -> [E, H, I]
+            data, raw = _quantized(x.transpose(0, 2, 1), experts)
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data, raw_dtype=raw)
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):   # [E, 2I] -> [E, I] each
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(x[:, 0::2]))
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(x[:, 1::2]))
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.bias", x)
+        elif x.ndim == 2 and "router" not in name and "embed_tokens" not in name:
+            data, raw = _quantized(x, linears)
+            w.add_tensor(gguf_name(name, ARCH), data, raw_dtype=raw)
+        else:
+            w.add_tensor(gguf_name(name, ARCH), x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def hf_on_gguf_weights(model_dir: str, gguf_path: str):
+    """The transformers model of `model_dir` in fp32 with every weight the gguf package's dequantization of the
+    file's tensor, put back into transformers' fused experts (gate / up interleaved, transposed)."""
+    from transformers import AutoModelForCausalLM
+
+    from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    ck = GGUFCheckpoint(gguf_path)
+    for name in ck.names():
+        info = ck.info(name)
+        x = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
+        x = torch.from_numpy(np.array(x, np.float32).reshape(info.shape))
+        parts = name.split(".")
+        with torch.no_grad():
+            if ".mlp.experts." not in name:
+                params[name].copy_(x)
+                continue
+            stem, e, kind, what = ".".join(parts[:5]), int(parts[5]), parts[6], parts[7]
+            if kind == "down_proj":
+                params[f"{stem}.down_proj" + ("_bias" if what == "bias" else "")][e].copy_(x.T if what == "weight" else x)
+            else:
+                cols = slice(0, None, 2) if kind == "gate_proj" else slice(1, None, 2)
+                if what == "weight":
+                    params[f"{stem}.gate_up_proj"][e][:, cols].copy_(x.T)
+                else:
+                    params[f"{stem}.gate_up_proj_bias"][e][cols].copy_(x)
+    ck.close()
+    return model
+
+
+@pytest.fixture(scope="module")
+def cpu_only(host_hardware):
+    return dataclasses.replace(host_hardware, gpu=None, link=None)
+
+
+def test_gguf_twin_is_the_hf_model_exactly(tmp_path, cpu_only, cache_dir):
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "model")
+    make_tiny_model(d, "gpt_oss", num_layers=4, rope_parameters=YARN, swiglu_limit=7.0)   # llama.cpp's fixed limit
+    path = str(tmp_path / "gpt-oss.gguf")
+    write_gpt_oss_gguf(d, path)
+    a = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+    b = api.build(path, cpu_only, str(tmp_path / "gguf.bundle"), cache_dir=cache_dir, quiet=True)
+    assert b.spec.architecture == ARCH and b.spec.moe == a.spec.moe
+    for f in ("rope", "global_layers", "sliding_window", "o_bias", "attn_sinks", "qkv_bias", "head_dim"):
+        assert getattr(b.spec, f) == getattr(a.spec, f), f
+    sa, sb = Session.load(a.bundle_dir), Session.load(b.bundle_dir)
+    assert np.array_equal(sa.forward(PROMPT, all_logits=True), sb.forward(PROMPT, all_logits=True))
+    sa.reset(); sb.reset()
+    ta = sa.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens
+    assert ta == sb.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens and len(set(ta)) > 4
+    info = sb.checkpoint.info("model.layers.2.mlp.experts.5.up_proj.bias")
+    assert info.gguf_name == "blk.2.ffn_up_exps.5.bias"
+    assert sb.checkpoint.info("model.layers.0.self_attn.sinks").gguf_name == "blk.0.attn_sinks.weight"
+
+
+def test_mxfp4_experts_match_transformers(tmp_path, cpu_only, cache_dir):
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    d = str(tmp_path / "model")
+    # whole MXFP4 blocks (32) along every expert's input: hidden 128, expert ffn 64
+    make_tiny_model(d, "gpt_oss", num_layers=4, rope_parameters=YARN, swiglu_limit=7.0, hidden_size=128,
+                    intermediate_size=64)
+    path = str(tmp_path / "gpt-oss-mxfp4.gguf")
+    write_gpt_oss_gguf(d, path, experts="mxfp4", linears="q8_0")
+    r = api.build(path, cpu_only, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, batch=4)
+    assert set(r.spec.expert_types) == {("mxfp4", "mxfp4", "mxfp4")}
+    assert r.spec.layer_types[0][:4] == ("q8_0",) * 4 and r.spec.head_type == "q8_0"
+    s = Session.load(r.bundle_dir)
+    if select_isa(cpu_only.cpu.features).tier == "avx512":       # the biased one-call sums: one row and m rows
+        assert find_expert_sums(s.cpu_stage.vm, r.spec) and find_expert_sums(s.cpu_stage.vm, r.spec, rows=True)
+        assert all(len(b.post[-1].stacked) == 6 for b in s.cpu_stage.bindings)   # weights, then the fp32 biases
+        from helmc.runtime.moe_expert_rate import measure_expert_sum
+        rates = measure_expert_sum(s)                          # helmc calibrate's rate of the one-call sum
+        assert [(t, n) for t, n, _ in rates] == [("mxfp4", 1), ("mxfp4", 2), ("mxfp4", 3)] and all(r > 0 for *_, r in rates)
+    compare(s, hf_on_gguf_weights(d, path), "gpt-oss mxfp4 experts")
+    s.reset()
+    ps = prompts(r.spec.vocab_size, 6)
+    singles = single_runs(s, ps, 8)
+    batched, sizes = batched_runs(s, ps, 8, max_batch=4, stagger=1)
+    assert {2, 3, 4} <= set(sizes), sizes
+    check_batched(singles, batched, "gpt-oss mxfp4")
+
+
+def _llamacpp_source() -> str | None:
+    """llama.cpp's source tarball (the peers' folder beside the repository, or $HELMC_LLAMACPP_SRC)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for path in (os.environ.get("HELMC_LLAMACPP_SRC", ""), os.path.join(root, "..", "shared", "peers",
+                 "llama.cpp-src.tar.gz"), os.path.join(root, "..", "..", "shared", "peers", "llama.cpp-src.tar.gz")):
+        if path and os.path.isfile(path):
+            return path
+    return None
+
+
+# llama.cpp's converter, run as is but for its pre-tokenizer check (the toy tokenizer's hash is no known model's)
+_CONVERT = """import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.mark.skipif(_llamacpp_source() is None, reason="needs llama.cpp's source (../shared/peers/llama.cpp-src.tar.gz "
+                                                       "or HELMC_LLAMACPP_SRC)")
+def test_file_of_llamacpps_converter_is_the_hf_model_exactly(tmp_path, cpu_only, cache_dir):
+    """The tiny model converted by llama.cpp's own convert_hf_to_gguf.py (F32; its GptOssModel splits gate_up and
+    the biases itself): the same spec and, built, logits and greedy tokens equal to the HF directory's bundle's."""
+    import subprocess
+    import sys
+    import tarfile
+
+    from helmc import api
+    from helmc.runtime.session import Session
+    from helmc.testing import make_tiny_model
+    src = tmp_path / "llama.cpp"
+    with tarfile.open(_llamacpp_source()) as tar:
+        tar.extractall(src, members=[m for m in tar.getmembers() if m.name.startswith(
+            ("./convert_hf_to_gguf.py", "./conversion/", "./gguf-py/"))], filter="data")
+    (tmp_path / "convert.py").write_text(_CONVERT)
+    d, path = str(tmp_path / "model"), str(tmp_path / "converted.gguf")
+    make_tiny_model(d, "gpt_oss", num_layers=4, rope_parameters=YARN, swiglu_limit=7.0)
+    proc = subprocess.run([sys.executable, str(tmp_path / "convert.py"), str(src), d, "--outtype", "f32", "--outfile",
+                           path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    a = api.build(d, cpu_only, d + ".bundle", cache_dir=cache_dir, quiet=True)
+    b = api.build(path, cpu_only, str(tmp_path / "gguf.bundle"), cache_dir=cache_dir, quiet=True)
+    assert dataclasses.replace(b.spec, eos_token_ids=(), bos_token_id=-1) == \
+        dataclasses.replace(a.spec, eos_token_ids=(), bos_token_id=-1)
+    sa, sb = Session.load(a.bundle_dir), Session.load(b.bundle_dir)
+    assert np.array_equal(sa.forward(PROMPT, all_logits=True), sb.forward(PROMPT, all_logits=True))
+    sa.reset(); sb.reset()
+    ta = sa.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens
+    assert ta == sb.generate(prompt_ids=PROMPT, max_new_tokens=24, stop_at_eos=False).tokens and len(set(ta)) > 4
