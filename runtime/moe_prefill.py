@@ -48,6 +48,7 @@ class ExpertPrefill:
                                                      # not read yet this block)
         # per slot, its two events, made once and recorded again (a wait takes the record made before it)
         self._events: list = []
+        self._done = cp.cuda.Event(disable_timing=True)   # per block: where the copy stream starts (recorded again)
         self.streamed_experts = 0
         self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
         self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
@@ -117,9 +118,8 @@ class ExpertPrefill:
         views = self._slot_views(experts) if host else []
         n = len(views)
         fn, j, ys, starts = self.expert_fns[experts.signature], 0, None, g.starts.tolist()
-        done = cp.cuda.Event(disable_timing=True)      # the last block's readers of any slot are queued before this
-        done.record(compute)
-        self.copy_stream.wait_event(done)
+        self._done.record(compute)                     # the last block's readers of any slot are queued before this
+        self.copy_stream.wait_event(self._done)
         while len(self._events) < n:
             self._events.append((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)))
         self._copied, self._free = [ev for ev, _ in self._events[:n]], [None] * n
@@ -138,7 +138,11 @@ class ExpertPrefill:
                 wts = views[s]
             a, b = starts[e], starts[e + 1]
             x = xs[a:b]
-            y = fn(self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy()), *wts)      # [n_e, H], TVM's
+            x = self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy())
+            t = time.perf_counter() if marks else 0.0
+            y = fn(x, *wts)                                                # [n_e, H], TVM's
+            if marks:
+                marks.calls += time.perf_counter() - t
             if ys is None:         # in place where it can: slice e is read only by its own expert, queued before
                 first = self.to_cupy(y)
                 same = first.dtype == xs.dtype and first.shape[1] == xs.shape[1]
@@ -239,16 +243,35 @@ def group_pairs(idx, w, num_experts: int, xp=np) -> ExpertGroups:
     # so any sort gives that one order
     keys = flat.astype(xp.int64) * max(n, 1) + xp.arange(n, dtype=xp.int64)
     order = xp.argsort(keys)
-    counts = xp.bincount(flat, minlength=num_experts)
-    counts = counts.get() if hasattr(counts, "get") else counts
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     inverse = xp.empty(n, xp.int32)
     inverse[order] = xp.arange(n, dtype=xp.int32)                    # pair (r, j) -> its sorted position
     ascending = xp.argsort(idx, axis=1)                              # each row's experts ascending (distinct)
     pos = xp.take_along_axis(inverse.reshape(S, k), ascending, axis=1)
     weights = xp.take_along_axis(xp.asarray(w, xp.float32), ascending, axis=1)
+    starts = np.concatenate([[0], np.cumsum(_counts(flat, num_experts, xp))]).astype(np.int64)   # last: the one wait
     return ExpertGroups((order // k).astype(xp.int32), starts, xp.ascontiguousarray(pos, xp.int32),
                         xp.ascontiguousarray(weights, xp.float32))
+
+
+def _counts(flat, num_experts: int, xp) -> np.ndarray:
+    """[E] pairs per expert on the host: NumPy's bincount, or on the device one atomic add a pair and one copy back
+    (CuPy's bincount waits on the device twice more, checking the values' range; the router's picks are in it)."""
+    if xp is np:
+        return np.bincount(flat, minlength=num_experts)
+    counts = xp.zeros(num_experts, xp.int32)
+    _count_kernel()(flat, counts)
+    return counts.get()
+
+
+_count = None
+
+
+def _count_kernel():
+    global _count
+    if _count is None:
+        import cupy as cp
+        _count = cp.ElementwiseKernel("T e", "raw int32 counts", "atomicAdd(&counts[e], 1)", "helmc_moe_expert_counts")
+    return _count
 
 
 # hc[r, c] += w[r, j] * ys[pos[r, j], c] for j ascending: the product rounded, then the add (no FMA), each row's
@@ -291,6 +314,7 @@ class _Marks:
 
     def __init__(self, cp):
         self.cp, self.marks, self.waits = cp, [], []
+        self.calls = 0.0                 # host seconds inside the expert function's calls (the VM's, not ours)
         self.mark("start")
 
     def mark(self, name: str) -> None:
@@ -306,11 +330,12 @@ class _Marks:
         self.waits.append((before, after))
 
     def finish(self, experts: int, streamed: int) -> dict:
-        """{phase: (GPU ms, host ms)} from the start to each mark, "wait": the GPU ms the compute stream stood
-        waiting for copies; the block's expert and streamed counts."""
+        """{phase: (GPU ms, host ms)} from the mark before to each mark, "wait": the GPU ms the compute stream stood
+        waiting for copies, "calls_host": the host ms inside the expert function's calls; the block's expert and
+        streamed counts."""
         self.marks[-1][1].synchronize()
         cp = self.cp
-        out = {"experts_run": experts, "streamed": streamed,
+        out = {"experts_run": experts, "streamed": streamed, "calls_host": 1e3 * self.calls,
                "wait": sum(cp.cuda.get_elapsed_time(a, b) for a, b in self.waits)}
         for (_, e0, t0), (name, e1, t1) in zip(self.marks, self.marks[1:]):
             out[name] = (cp.cuda.get_elapsed_time(e0, e1), 1e3 * (t1 - t0))

@@ -80,7 +80,8 @@ def main() -> None:
     print(f"{'  of which copy waits':<26}{np.mean(wait):>10.3f}{'':>10}{sum(wait):>14.1f}")
     run = sum(b["experts_run"] for b in times)
     print(f"experts run per block {run / len(times):.1f}, streamed {np.mean([b['streamed'] for b in times]):.1f}; "
-          f"per expert call: host {sum(b['experts'][1] for b in times) * 1e3 / max(run, 1):.0f} us, "
+          f"per expert call: host {sum(b['experts'][1] for b in times) * 1e3 / max(run, 1):.0f} us (inside the TVM "
+          f"function {sum(b['calls_host'] for b in times) * 1e3 / max(run, 1):.0f} us), "
           f"GPU {sum(b['experts'][0] for b in times) * 1e3 / max(run, 1):.0f} us")
 
 
