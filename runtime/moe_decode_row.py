@@ -91,7 +91,7 @@ def route_rows(logits, moe):
     import cupy as cp
     S, E = logits.shape
     K = moe.top_k
-    sel, w = cp.empty((S, K), cp.int32), cp.empty((S, K), cp.float32)
+    sel, w = cp.zeros((S, K), cp.int32), cp.zeros((S, K), cp.float32)      # NaN logits leave ranks unset: expert 0
     if S:
         route_kernel()((S,), (max(32, -(-E // 32) * 32),),
                        (cp.ascontiguousarray(logits, cp.float32), np.int32(E), np.int32(K),
