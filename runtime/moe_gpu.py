@@ -5,6 +5,8 @@ lie, never copied over PCIe).
 Per block and step (the GPU stage calls it where a dense block calls post_attn):
     h, m, logits = post_moe(x, attn, w_o, ln2, w_router)            on the GPU (the GPU library's post_moe)
     m, logits  -> host                                               [S, H] fp16 and [S, E] fp32, one copy each
+                                                                     (a prompt's rows routed on the GPU: their picks
+                                                                     and weights cross, [S, k] each, not the logits)
     y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
 A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
@@ -23,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from helmc.runtime.moe_decode_row import gpu_routes, route_rows_to_host
 from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, find_expert_sums, route
 from helmc.runtime.function_names import block_function_name, gpu_moe_names, gpu_moe_rows_names
 
@@ -96,7 +99,10 @@ class GpuMoeFeedForward:
             idx, g = self.prefill.add_routed(m_dev, self.to_cupy(logits), experts, hc)
             self._count(experts, idx, int(g.counts()[sorted(vram)].sum()) if vram else 0, prefill=True)
             return self.from_cupy(hc.astype(m_dev.dtype))
-        idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
+        if phase == "prefill" and gpu_routes(self.host.moe):          # [S, E] -> [S, k] each: a prompt's on the GPU
+            idx, w = route_rows_to_host(self.to_cupy(logits), self.host.moe)
+        else:
+            idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)   # on the host
         self._count(experts, idx, int(np.isin(idx, list(vram)).sum()) if vram else 0, prefill=phase == "prefill")
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         if vram:                 # queued on the stream before the CPU starts its share: the two run together

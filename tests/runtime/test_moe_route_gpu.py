@@ -1,7 +1,8 @@
-"""A prompt's routing on the GPU (moe_decode_row.route_rows: helmc_moe_route, one block a row) picks what the host's
-route() picks, in its order (largest first, ties to the lower index), with its weights to rounding; the pairs group
-on the device (moe_prefill.group_pairs with CuPy) into NumPy's arrays, bit for bit; and a block's prompt routed and
-grouped on the device (ExpertPrefill.add_routed) adds what the host-routed path adds.
+"""A prompt's routing on the GPU (moe_decode_row.route_rows: helmc_moe_route, one block a row; route_rows_to_host
+for the CPU's experts) picks what the host's route() picks, in its order (largest first, ties to the lower index),
+with its weights to rounding; the pairs group on the device (moe_prefill.group_pairs with CuPy) into NumPy's arrays,
+bit for bit; and a block's prompt routed and grouped on the device (ExpertPrefill.add_routed) adds what the
+host-routed path adds.
 
 Needs only CuPy and a CUDA device for the first two; the last uses the q4_k_m bundle of tests/runtime/test_moe_gpu.py
 (`python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu` on the compiler machine, carried with .devrt).
@@ -43,7 +44,7 @@ def grid_logits(rng, S: int, E: int) -> np.ndarray:
                                       (1024, 64, True), (33, 33, False)])
 def test_gpu_routing_picks_what_route_picks(E, k, norm):
     cp = cupy()
-    from helmc.runtime.moe_decode_row import gpu_routes, route_rows
+    from helmc.runtime.moe_decode_row import gpu_routes, route_rows, route_rows_to_host
     from helmc.runtime.moe_experts import route
     moe = MoeSpec(num_experts=E, top_k=k, norm_topk_prob=norm, expert_intermediate_size=16)
     assert gpu_routes(moe)
@@ -57,6 +58,10 @@ def test_gpu_routing_picks_what_route_picks(E, k, norm):
     np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=0)
     if norm:
         np.testing.assert_allclose(got_w.sum(axis=1), 1.0, rtol=1e-5)
+    # brought back for the CPU's experts: route()'s dtypes, the device's values
+    host_idx, host_w = route_rows_to_host(cp.asarray(logits), moe)
+    assert host_idx.dtype == want_idx.dtype and host_w.dtype == np.float32
+    assert np.array_equal(host_idx, want_idx) and np.array_equal(host_w, got_w)
 
 
 def test_gpu_routing_is_declined_where_the_kernel_cannot_route():
