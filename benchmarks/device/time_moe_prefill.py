@@ -4,7 +4,8 @@ expert prefill split into its parts (runtime/moe_prefill.py).
     python benchmarks/device/time_moe_prefill.py --bundle .devrt/moe4 --weights Qwen3-30B-A3B-Q4_K.gguf \
         [--prompt-len 2048] [--runs 3]
 
-Prints the TTFT of --runs prompts of --prompt-len tokens after one warm-up (as bench_moe times them), then one more
+Prints the TTFT of --runs prompts of --prompt-len tokens after one warm-up (as bench_moe times them), the same
+prompts with the expert prefill's rows routed on the host instead (where the GPU routes them), then one more
 prompt with ExpertPrefill.times on (each block synchronised once at its end, so that run's TTFT is a little longer)
 and per MoE block, averaged and summed over the blocks: the gather of every (row, expert) pair's input, the expert
 calls (the compute stream's waits on the staging copies shown apart), the combine, GPU ms from CUDA events and host
@@ -53,6 +54,15 @@ def main() -> None:
     runs = [ttft() for _ in range(a.runs)]
     print(f"TTFT of {a.prompt_len} tokens: {', '.join(f'{r:.1f}' for r in runs)} ms "
           f"(median {statistics.median(runs):.1f})")
+    if gpu_routes(s.spec.moe):          # the same prompts routed by route() on the host, for the difference
+        from helmc.runtime import moe_prefill
+        moe_prefill.gpu_routes = lambda moe: False
+        try:
+            host = [ttft() for _ in range(a.runs)]
+        finally:
+            moe_prefill.gpu_routes = gpu_routes
+        print(f"TTFT routed on the host (route(), the logits copied down): {', '.join(f'{r:.1f}' for r in host)} ms "
+              f"(median {statistics.median(host):.1f})")
 
     moe = s.gpu.stage._moe if s.gpu is not None and s.gpu.stage is not None else None
     if moe is None or moe.prefill is None:
