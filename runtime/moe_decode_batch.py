@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from helmc.runtime.moe_decode_row import BlockRow, MoeDecodeRow, route_kernel
+from helmc.runtime.moe_decode_row import BlockRow, MoeDecodeRow, route_rows
 from helmc.runtime.moe_experts import expert_rows_args, route
 
 _COMBINE_ROWS_SOURCE = """
@@ -69,9 +69,7 @@ class MoeDecodeBatch:
         self.steps += 1
         self.expert_rows += S * K
         if block.all_vram:
-            sel, w = cp.zeros(S * K, cp.int32), cp.zeros(S * K, cp.float32)
-            route_kernel()((S,), (max(32, -(-row.E // 32) * 32),),
-                           (lc, np.int32(row.E), np.int32(K), np.int32(bool(row.moe.norm_topk_prob)), sel, w))
+            sel, w = (a.reshape(-1) for a in route_rows(lc, row.moe))    # [S * K] each, one block a row
             part = self._gpu_pairs(block, mc, sel)
             self.gpu_expert_rows += S * K
             return self._combine(hc, part, w, cp.zeros((S, H), cp.float32), K, False)

@@ -80,6 +80,40 @@ def route_kernel():
     return _route_kernel
 
 
+def gpu_routes(moe) -> bool:
+    """Whether helmc_moe_route computes this router's route(): its routing, and one block of threads holds a row."""
+    return moe.routing == "softmax_topk" and moe.num_experts <= 1024 and moe.top_k <= 64
+
+
+def route_rows(logits, moe):
+    """route() of device logits [S, E] fp32 on the device, one block a row: (sel [S, k] int32, w [S, k] fp32),
+    largest first, ties to the lower index; nothing crosses to the host. gpu_routes(moe) must hold."""
+    import cupy as cp
+    both = cp.zeros((2,) + (logits.shape[0], moe.top_k), cp.int32)    # NaN logits leave ranks unset: expert 0
+    sel, w = both[0], both[1].view(cp.float32)
+    _launch_route(logits, moe, sel, w)
+    return sel, w
+
+
+def route_rows_to_host(logits, moe) -> tuple[np.ndarray, np.ndarray]:
+    """route() of device logits [S, E] as the host's route() gives it (idx int64, w fp32 [S, k]), routed on the device
+    and brought back in one copy of 8 S k bytes instead of the logits' 4 S E. gpu_routes(moe) must hold."""
+    import cupy as cp
+    both = cp.zeros((2,) + (logits.shape[0], moe.top_k), cp.int32)
+    _launch_route(logits, moe, both[0], both[1].view(cp.float32))
+    host = both.get()
+    return host[0].astype(np.int64), host[1].view(np.float32)
+
+
+def _launch_route(logits, moe, sel, w) -> None:
+    import cupy as cp
+    S, E = logits.shape
+    if S:
+        route_kernel()((S,), (max(32, -(-E // 32) * 32),),
+                       (cp.ascontiguousarray(logits, cp.float32), np.int32(E), np.int32(moe.top_k),
+                        np.int32(bool(moe.norm_topk_prob)), sel, w))
+
+
 def combine_kernel():
     """out [1, H] fp16 = h + sum_{j < n_gpu} w[j] * part[j] (+ y_cpu): one launch, fp32, a fixed order."""
     global _combine_kernel
@@ -190,8 +224,7 @@ class MoeDecodeRow:
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
         all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
-                    and self.E <= 1024 and self.K <= 64                  # the routing kernel's one block
-                    and self.moe.routing == "softmax_topk")              # the only routing the kernel has
+                    and gpu_routes(self.moe))                            # the routing kernel's
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
             return None
         return BlockRow(experts, slot_of, cpu_sum, gpu_sum, all_vram, cache if not all_vram else None)

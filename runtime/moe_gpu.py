@@ -5,6 +5,8 @@ lie, never copied over PCIe).
 Per block and step (the GPU stage calls it where a dense block calls post_attn):
     h, m, logits = post_moe(x, attn, w_o, ln2, w_router)            on the GPU (the GPU library's post_moe)
     m, logits  -> host                                               [S, H] fp16 and [S, E] fp32, one copy each
+                                                                     (a prompt's rows routed on the GPU: their picks
+                                                                     and weights cross, [S, k] each, not the logits)
     y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
 A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
@@ -23,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from helmc.runtime.moe_decode_row import gpu_routes, route_rows_to_host
 from helmc.runtime.moe_experts import LayerExperts, MoeFeedForward, find_expert_sums, route
 from helmc.runtime.function_names import block_function_name, gpu_moe_names, gpu_moe_rows_names
 
@@ -89,26 +92,35 @@ class GpuMoeFeedForward:
                 self.crossings += not row.all_vram
                 return self.decode_batch.forward(h, m, logits, row)
         m_dev = self.to_cupy(m)
-        idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)  # [S, E] -> [S, k] each, on the host
         hc = self.to_cupy(h).astype(cp.float32)                          # [S, H]
-        self.expert_rows += idx.size
-        if self.host.routing is not None:
-            self.host.routing.record(experts.layer, idx)
         vram = experts.in_vram()        # now: the VRAM expert cache's residency where it runs
-        hits = int(np.isin(idx, list(vram)).sum()) if vram else 0
-        self.gpu_expert_rows += hits
-        if phase == "prefill":
-            self.prefill_rows[0] += idx.size
-            self.prefill_rows[1] += hits
         if phase == "prefill" and self.prefill is not None and self.prefill.applies(experts):
-            self.prefill.add_experts(m_dev, idx, w, experts, hc)        # every expert on the GPU, host ones streamed
+            # every expert on the GPU, host ones streamed; routed and grouped on the GPU where the kernel can
+            idx, g = self.prefill.add_routed(m_dev, self.to_cupy(logits), experts, hc)
+            self._count(experts, idx, int(g.counts()[sorted(vram)].sum()) if vram else 0, prefill=True)
             return self.from_cupy(hc.astype(m_dev.dtype))
+        if phase == "prefill" and gpu_routes(self.host.moe):          # [S, E] -> [S, k] each: a prompt's on the GPU
+            idx, w = route_rows_to_host(self.to_cupy(logits), self.host.moe)
+        else:
+            idx, w = route(cp.asnumpy(self.to_cupy(logits)), self.host.moe)   # on the host
+        self._count(experts, idx, int(np.isin(idx, list(vram)).sum()) if vram else 0, prefill=phase == "prefill")
         m_host = cp.asnumpy(m_dev).astype(np.float32)                    # [S, H]: the CPU stage's activation dtype
         if vram:                 # queued on the stream before the CPU starts its share: the two run together
             hc += self.device.expert_sum(phase, m_dev, idx, w, experts, only=vram)
         y = self.host.expert_sum(phase, m_host, idx, w, experts, skip=vram)   # [S, H] float32 on the host
         self.crossings += 1
         return self.from_cupy((hc + cp.asarray(y)).astype(m_dev.dtype))
+
+    def _count(self, experts: LayerExperts, idx, hits: int, prefill: bool) -> None:
+        """A block's selected pairs (idx [S, k], host or device) and those in VRAM into the counters; idx into the
+        routing statistics while they are measured (the only reason a device idx crosses)."""
+        self.expert_rows += idx.size
+        self.gpu_expert_rows += hits
+        if prefill:
+            self.prefill_rows[0] += idx.size
+            self.prefill_rows[1] += hits
+        if self.host.routing is not None:
+            self.host.routing.record(experts.layer, idx if isinstance(idx, np.ndarray) else idx.get())
 
 
 class DeviceExpertSum:

@@ -6,7 +6,8 @@ each cost far more than its weights crossing once (Qwen3-30B-A3B Q4_K: 2.65 MB a
 The host experts' rows are page-locked where they lie (cudaHostRegister on the stacked tensors, once when the model
 is loaded), so the copies run at the link's rate straight from the bound weights: no second host copy.
 
-Per block (the (row, expert) pairs grouped by expert once on the host, group_pairs: one index array crosses):
+Per block (routed on the device where the routing kernel computes route(): moe_decode_row.route_rows; the
+(row, expert) pairs grouped by expert on the device, group_pairs: only the per-expert counts cross to the host):
     xs = m[rows]                                  one gather [S k, H], expert e's rows the slice starts[e]:starts[e+1]
     for each expert e with rows, ascending:       ys[slice_e] = expert_prefill(xs[slice_e], weights_e)
     h[r] += sum_j w[r, j] * ys[pos[r, j]]         one combine kernel, fp32, each row's experts ascending (no atomics)
@@ -18,10 +19,12 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from helmc.runtime.moe_experts import LayerExperts
+from helmc.runtime.moe_decode_row import gpu_routes, route_rows
+from helmc.runtime.moe_experts import LayerExperts, route
 
 
 class ExpertPrefill:
@@ -45,6 +48,7 @@ class ExpertPrefill:
                                                      # not read yet this block)
         # per slot, its two events, made once and recorded again (a wait takes the record made before it)
         self._events: list = []
+        self._done = cp.cuda.Event(disable_timing=True)   # per block: where the copy stream starts (recorded again)
         self.streamed_experts = 0
         self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
         self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
@@ -66,26 +70,41 @@ class ExpertPrefill:
             if self.applies(experts) and len(experts.on_gpu) < self.moe.num_experts:
                 self._register(experts)
 
-    def add_experts(self, m_dev, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, hc) -> None:
-        """hc [S, H] fp32 (device) += each row's selected experts (idx, w [S, k] from route) of m_dev [S, H]."""
+    def add_routed(self, m_dev, logits, experts: LayerExperts, hc) -> tuple:
+        """hc [S, H] fp32 (device) += each row's experts of m_dev [S, H], routed from the device logits [S, E]: on the
+        device where the routing kernel computes route() (the picks never cross; the per-expert counts do), else
+        by route() on the host. Returns (idx [S, k], ExpertGroups): device arrays, or host ones from route()."""
+        import cupy as cp
+        marks = _Marks(cp) if self.times is not None else None
+        if gpu_routes(self.moe):
+            idx, w = route_rows(logits, self.moe)                        # [S, k] each, on the device
+        else:
+            idx, w = route(cp.asnumpy(logits), self.moe)
+        if marks:
+            marks.mark("route")
+        return idx, self.add_experts(m_dev, idx, w, experts, hc, marks)
+
+    def add_experts(self, m_dev, idx, w, experts: LayerExperts, hc, marks: "_Marks | None" = None) -> "ExpertGroups":
+        """hc [S, H] fp32 (device) += each row's selected experts (idx, w [S, k] as route gives them, host or device
+        arrays) of m_dev [S, H]; returns the pairs' ExpertGroups (grouped on the device: only the counts crossed)."""
         import cupy as cp
         S, k = idx.shape
-        marks = _Marks(cp) if self.times is not None else None
-        g = group_pairs(idx, w, self.moe.num_experts)
+        if marks is None and self.times is not None:
+            marks = _Marks(cp)
+        g = group_pairs(cp.asarray(idx), cp.asarray(w), self.moe.num_experts, cp)
         compute = cp.cuda.get_current_stream()
-        dev = cp.asarray(g.packed())                                     # one crossing: rows | pos | weights
-        rows, pos, weights = dev[:S * k], dev[S * k:2 * S * k], dev[2 * S * k:].view(cp.float32)
-        xs = cp.take(m_dev, rows, axis=0)                                # [S k, H]: expert e's rows a slice
+        xs = cp.take(m_dev, g.rows, axis=0)                              # [S k, H]: expert e's rows a slice
         if marks:
             marks.mark("gather")
         ys = self._run_experts(xs, g, experts, compute, marks)           # [S k, H]: each pair's expert output
                                                                          # (over xs: one [S k, H] buffer a block)
         if marks:
             marks.mark("experts")
-        _combine_kernel()(ys, pos, weights, np.int64(hc.shape[1]), np.int32(k), hc, size=hc.size)
+        _combine_kernel()(ys, g.pos, g.weights, np.int64(hc.shape[1]), np.int32(k), hc, size=hc.size)
         if marks:
             marks.mark("combine")
             self.times.append(marks.finish(len(g.used()), sum(e not in experts.in_vram() for e in g.used())))
+        return g
 
     def _run_experts(self, xs, g: "ExpertGroups", experts: LayerExperts, compute, marks):
         """Each expert with rows, ascending, over its slice of xs into its slice of one output buffer; the host ones'
@@ -99,9 +118,8 @@ class ExpertPrefill:
         views = self._slot_views(experts) if host else []
         n = len(views)
         fn, j, ys, starts = self.expert_fns[experts.signature], 0, None, g.starts.tolist()
-        done = cp.cuda.Event(disable_timing=True)      # the last block's readers of any slot are queued before this
-        done.record(compute)
-        self.copy_stream.wait_event(done)
+        self._done.record(compute)                     # the last block's readers of any slot are queued before this
+        self.copy_stream.wait_event(self._done)
         while len(self._events) < n:
             self._events.append((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)))
         self._copied, self._free = [ev for ev, _ in self._events[:n]], [None] * n
@@ -120,7 +138,11 @@ class ExpertPrefill:
                 wts = views[s]
             a, b = starts[e], starts[e + 1]
             x = xs[a:b]
-            y = fn(self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy()), *wts)      # [n_e, H], TVM's
+            x = self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy())
+            t = time.perf_counter() if marks else 0.0
+            y = fn(x, *wts)                                                # [n_e, H], TVM's
+            if marks:
+                marks.calls += time.perf_counter() - t
             if ys is None:         # in place where it can: slice e is read only by its own expert, queued before
                 first = self.to_cupy(y)
                 same = first.dtype == xs.dtype and first.shape[1] == xs.shape[1]
@@ -194,34 +216,62 @@ class ExpertPrefill:
 class ExpertGroups:
     """A block's (row, expert) pairs in expert order: expert e's pairs at starts[e]:starts[e + 1], their rows
     ascending, so one gather of the rows makes each expert's input a contiguous slice; pos and weights give each
-    row's experts in ascending expert order (the fixed order its sum is added in, as the CPU stage adds it)."""
-    rows: np.ndarray          # [S k] int32: the row of m each sorted pair reads
-    starts: np.ndarray        # [E + 1] int64
-    pos: np.ndarray           # [S, k] int32: row r's j-th expert (ascending) -> its pair's sorted position
-    weights: np.ndarray       # [S, k] float32: that pair's routing weight
+    row's experts in ascending expert order (the fixed order its sum is added in, as the CPU stage adds it).
+    rows, pos and weights are arrays of the module that grouped them (CuPy: they stay on the device); starts is
+    always on the host (the expert loop slices by it)."""
+    rows: Any                 # [S k] int32: the row of m each sorted pair reads
+    starts: np.ndarray        # [E + 1] int64, host
+    pos: Any                  # [S, k] int32: row r's j-th expert (ascending) -> its pair's sorted position
+    weights: Any              # [S, k] float32: that pair's routing weight
 
     def used(self) -> list[int]:
         """The experts with rows, ascending."""
         return np.flatnonzero(np.diff(self.starts)).tolist()
 
-    def packed(self) -> np.ndarray:
-        """rows | pos | weights' bits as one int32 array [3 S k]: one copy to the GPU."""
-        return np.concatenate([self.rows, self.pos.ravel(), self.weights.ravel().view(np.int32)])
+    def counts(self) -> np.ndarray:
+        """[E] int64: how many rows selected each expert."""
+        return np.diff(self.starts)
 
 
-def group_pairs(idx: np.ndarray, w: np.ndarray, num_experts: int) -> ExpertGroups:
-    """ExpertGroups of route's idx, w [S, k] (each row's experts distinct)."""
+def group_pairs(idx, w, num_experts: int, xp=np) -> ExpertGroups:
+    """ExpertGroups of route's idx, w [S, k] (each row's experts distinct), computed with `xp` (NumPy, or CuPy on
+    device arrays: a bincount, two sorts and a scatter; only the [E] counts cross to the host)."""
     S, k = idx.shape
-    flat = idx.ravel()
-    order = np.argsort(flat, kind="stable")                          # pairs by expert, then by row
-    starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=num_experts))]).astype(np.int64)
-    inverse = np.empty(S * k, np.int32)
-    inverse[order] = np.arange(S * k, dtype=np.int32)                # pair (r, j) -> its sorted position
-    ascending = np.argsort(idx, axis=1, kind="stable")               # each row's experts ascending
-    pos = np.take_along_axis(inverse.reshape(S, k), ascending, axis=1)
-    weights = np.take_along_axis(np.asarray(w, np.float32), ascending, axis=1)
-    return ExpertGroups((order // k).astype(np.int32), starts, np.ascontiguousarray(pos, np.int32),
-                        np.ascontiguousarray(weights))
+    n = S * k
+    flat = idx.reshape(-1)
+    # pairs by expert, then by row (then by j, as a stable sort of the experts orders them): the keys are distinct,
+    # so any sort gives that one order
+    keys = flat.astype(xp.int64) * max(n, 1) + xp.arange(n, dtype=xp.int64)
+    order = xp.argsort(keys)
+    inverse = xp.empty(n, xp.int32)
+    inverse[order] = xp.arange(n, dtype=xp.int32)                    # pair (r, j) -> its sorted position
+    ascending = xp.argsort(idx, axis=1)                              # each row's experts ascending (distinct)
+    pos = xp.take_along_axis(inverse.reshape(S, k), ascending, axis=1)
+    weights = xp.take_along_axis(xp.asarray(w, xp.float32), ascending, axis=1)
+    starts = np.concatenate([[0], np.cumsum(_counts(flat, num_experts, xp))]).astype(np.int64)   # last: the one wait
+    return ExpertGroups((order // k).astype(xp.int32), starts, xp.ascontiguousarray(pos, xp.int32),
+                        xp.ascontiguousarray(weights, xp.float32))
+
+
+def _counts(flat, num_experts: int, xp) -> np.ndarray:
+    """[E] pairs per expert on the host: NumPy's bincount, or on the device one atomic add a pair and one copy back
+    (CuPy's bincount waits on the device twice more, checking the values' range; the router's picks are in it)."""
+    if xp is np:
+        return np.bincount(flat, minlength=num_experts)
+    counts = xp.zeros(num_experts, xp.int32)
+    _count_kernel()(flat, counts)
+    return counts.get()
+
+
+_count = None
+
+
+def _count_kernel():
+    global _count
+    if _count is None:
+        import cupy as cp
+        _count = cp.ElementwiseKernel("T e", "raw int32 counts", "atomicAdd(&counts[e], 1)", "helmc_moe_expert_counts")
+    return _count
 
 
 # hc[r, c] += w[r, j] * ys[pos[r, j], c] for j ascending: the product rounded, then the add (no FMA), each row's
@@ -264,6 +314,7 @@ class _Marks:
 
     def __init__(self, cp):
         self.cp, self.marks, self.waits = cp, [], []
+        self.calls = 0.0                 # host seconds inside the expert function's calls (the VM's, not ours)
         self.mark("start")
 
     def mark(self, name: str) -> None:
@@ -279,11 +330,12 @@ class _Marks:
         self.waits.append((before, after))
 
     def finish(self, experts: int, streamed: int) -> dict:
-        """{phase: (GPU ms, host ms)} from the start to each mark, "wait": the GPU ms the compute stream stood
-        waiting for copies; the block's expert and streamed counts."""
+        """{phase: (GPU ms, host ms)} from the mark before to each mark, "wait": the GPU ms the compute stream stood
+        waiting for copies, "calls_host": the host ms inside the expert function's calls; the block's expert and
+        streamed counts."""
         self.marks[-1][1].synchronize()
         cp = self.cp
-        out = {"experts_run": experts, "streamed": streamed,
+        out = {"experts_run": experts, "streamed": streamed, "calls_host": 1e3 * self.calls,
                "wait": sum(cp.cuda.get_elapsed_time(a, b) for a, b in self.waits)}
         for (_, e0, t0), (name, e1, t1) in zip(self.marks, self.marks[1:]):
             out[name] = (cp.cuda.get_elapsed_time(e0, e1), 1e3 * (t1 - t0))

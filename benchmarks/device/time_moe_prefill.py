@@ -4,11 +4,13 @@ expert prefill split into its parts (runtime/moe_prefill.py).
     python benchmarks/device/time_moe_prefill.py --bundle .devrt/moe4 --weights Qwen3-30B-A3B-Q4_K.gguf \
         [--prompt-len 2048] [--runs 3]
 
-Prints the TTFT of --runs prompts of --prompt-len tokens after one warm-up (as bench_moe times them), then one more
+Prints the TTFT of --runs prompts of --prompt-len tokens after one warm-up (as bench_moe times them), the same
+prompts with the expert prefill's rows routed on the host instead (where the GPU routes them), then one more
 prompt with ExpertPrefill.times on (each block synchronised once at its end, so that run's TTFT is a little longer)
 and per MoE block, averaged and summed over the blocks: the gather of every (row, expert) pair's input, the expert
 calls (the compute stream's waits on the staging copies shown apart), the combine, GPU ms from CUDA events and host
-ms of Python, and the host routing's ms. A short table on stdout.
+ms of Python, after the routing (on the GPU where its kernel routes the model, else route() on the host); and each
+expert call's host and GPU microseconds. A short table on stdout.
 """
 from __future__ import annotations
 
@@ -24,18 +26,6 @@ def prompt(n: int, vocab: int, seed: int = 2) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, min(vocab, 30000), n)]
 
 
-def timed_route(moe_gpu, spent: list):
-    """moe_gpu.route, its host time appended to `spent`."""
-    route = moe_gpu.route
-
-    def wrapped(logits, moe):
-        t = time.perf_counter()
-        out = route(logits, moe)
-        spent.append(1e3 * (time.perf_counter() - t))
-        return out
-    return route, wrapped
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", required=True)
@@ -44,7 +34,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
 
-    from helmc.runtime import moe_gpu
+    from helmc.runtime.moe_decode_row import gpu_routes
     from helmc.runtime.session import Session
     t = time.perf_counter()
     s = Session.load(a.bundle, weights_dir=a.weights)
@@ -64,24 +54,33 @@ def main() -> None:
     runs = [ttft() for _ in range(a.runs)]
     print(f"TTFT of {a.prompt_len} tokens: {', '.join(f'{r:.1f}' for r in runs)} ms "
           f"(median {statistics.median(runs):.1f})")
+    if gpu_routes(s.spec.moe):          # the same prompts routed by route() on the host, for the difference
+        from helmc.runtime import moe_prefill
+        moe_prefill.gpu_routes = lambda moe: False
+        try:
+            host = [ttft() for _ in range(a.runs)]
+        finally:
+            moe_prefill.gpu_routes = gpu_routes
+        print(f"TTFT routed on the host (route(), the logits copied down): {', '.join(f'{r:.1f}' for r in host)} ms "
+              f"(median {statistics.median(host):.1f})")
 
     moe = s.gpu.stage._moe if s.gpu is not None and s.gpu.stage is not None else None
     if moe is None or moe.prefill is None:
         print("no MoE block on the GPU stage: nothing to split")
         return
-    routes: list[float] = []
-    route, moe_gpu.route = timed_route(moe_gpu, routes)
     moe.prefill.times = []
     try:
         profiled = ttft()
     finally:
-        moe_gpu.route = route
         times, moe.prefill.times = moe.prefill.times, None
     if not times:
         print("no block took the GPU's expert prefill (no staging for its host experts?)")
         return
     print(f"profiled prompt: TTFT {profiled:.1f} ms, {len(times)} block calls")
-    rows = [("gather (upload, take)", "gather"), ("expert calls", "experts"), ("combine", "combine")]
+    where = "GPU (route_rows)" if gpu_routes(s.spec.moe) else "host (route)"
+    print(f"routing on the {where}; the pairs grouped on the GPU (group_pairs: only the per-expert counts cross)")
+    rows = [("routing", "route"), ("group, counts, gather", "gather"), ("expert calls", "experts"),
+            ("combine", "combine")]
     print(f"{'per MoE block':<26}{'GPU ms':>10}{'host ms':>10}{'GPU ms, all':>14}{'host ms, all':>14}")
     for label, key in rows:
         gpu = [b[key][0] for b in times]
@@ -89,10 +88,11 @@ def main() -> None:
         print(f"{label:<26}{np.mean(gpu):>10.3f}{np.mean(host):>10.3f}{sum(gpu):>14.1f}{sum(host):>14.1f}")
     wait = [b["wait"] for b in times]
     print(f"{'  of which copy waits':<26}{np.mean(wait):>10.3f}{'':>10}{sum(wait):>14.1f}")
-    if routes:
-        print(f"{'routing (host)':<26}{'':>10}{np.mean(routes):>10.3f}{'':>14}{sum(routes):>14.1f}")
-    print(f"experts run per block {np.mean([b['experts_run'] for b in times]):.1f}, streamed "
-          f"{np.mean([b['streamed'] for b in times]):.1f}")
+    run = sum(b["experts_run"] for b in times)
+    print(f"experts run per block {run / len(times):.1f}, streamed {np.mean([b['streamed'] for b in times]):.1f}; "
+          f"per expert call: host {sum(b['experts'][1] for b in times) * 1e3 / max(run, 1):.0f} us (inside the TVM "
+          f"function {sum(b['calls_host'] for b in times) * 1e3 / max(run, 1):.0f} us), "
+          f"GPU {sum(b['experts'][0] for b in times) * 1e3 / max(run, 1):.0f} us")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A prompt's (row, expert) pairs grouped by expert for the GPU's expert prefill (moe_prefill.group_pairs): one
 gather makes each expert's rows a contiguous slice, and the combine over pos / weights (each row's experts
 ascending) gives the bits of adding each expert's weighted rows in turn, as the per-expert loop did. The GPU side
-(the gather, the staging ring, the combine kernel) is tested against the same loop in tests/runtime/test_moe_gpu.py."""
+(the gather, the staging ring, the combine kernel) is tested against the same loop in tests/runtime/test_moe_gpu.py,
+the same grouping in CuPy against NumPy's in tests/runtime/test_moe_route_gpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -69,11 +70,13 @@ def test_grouped_combine_is_the_per_expert_loop_bit_for_bit(S, E, data):
     assert g.used() == sorted(set(idx.ravel().tolist()))
 
 
-def test_packed_is_one_int32_array_of_rows_pos_and_weight_bits():
+def test_the_routing_kernels_int32_picks_group_as_route_s_int64_ones():
+    """The GPU's router gives int32 picks, route() int64: the same pairs group into the same arrays and dtypes."""
     idx, w = routed(np.random.default_rng(3), 2048, 128, 8)
-    g = group_pairs(idx, w, 128)
-    p = g.packed()
-    n = idx.size
-    assert p.dtype == np.int32 and p.shape == (3 * n,)
-    assert np.array_equal(p[:n], g.rows) and np.array_equal(p[n:2 * n], g.pos.ravel())
-    assert np.array_equal(p[2 * n:].view(np.float32), g.weights.ravel())
+    a, b = group_pairs(idx, w, 128), group_pairs(idx.astype(np.int32), w, 128)
+    for f in ("rows", "starts", "pos", "weights"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+    assert a.rows.dtype == np.int32 and a.pos.dtype == np.int32 and a.weights.dtype == np.float32
+    assert a.pos.flags.c_contiguous and a.weights.flags.c_contiguous      # what the combine kernel reads raw
+    assert np.array_equal(a.counts(), np.bincount(idx.ravel(), minlength=128))
