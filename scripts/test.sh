@@ -23,6 +23,10 @@ done
 cd "$root"
 cores="$(python -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${HELMC_TEST_WORKERS:-$(( cores < 8 ? cores : 8 ))}"
+if ! python -c 'import xdist' 2>/dev/null; then
+    echo "pytest-xdist is not installed: running the tests in one process" >&2
+    workers=1
+fi
 shared="$(mktemp -d "${TMPDIR:-/tmp}/helmc-tests.XXXXXX")"
 trap 'rm -rf "$shared"' EXIT
 export HELMC_TEST_SHARED_DIR="$shared"
