@@ -124,9 +124,7 @@ SLOW_TESTS = (
     # the profile's full (Qwen3-8B-block) kit: ~40 s to build; the quick profile every build uses stays fast
     "tests/hardware/test_host_read.py::test_host_read_is_what_bench_cpu_gemv_measures",
     "tests/hardware/test_host_read.py::test_measured_reads_are_consistent",
-    "tests/hardware/test_host_read.py::test_quantized_passes_launch_what_the_cpu_stage_launches",
-    "tests/hardware/test_host_read.py::test_attention_pass_reads_whole_layers_beyond_the_cache",
-    "tests/hardware/test_host_read.py::test_kit_json_round_trip_and_refusals",
+    "tests/hardware/test_full_kit.py",
     "tests/hardware/test_profile_kit_gpu.py::test_kit_gpu_gemvs_cover_every_type_in_the_stage_launch_forms",
     "tests/hardware/test_profile_kit_gpu.py::test_measurement_launches_match_the_kernels_signatures",
     "tests/runtime/test_gpu_collection.py::test_gpu_tests_collect_with_a_runtime_only_tvm",
