@@ -161,6 +161,28 @@ SERIAL_TESTS = (
 )
 
 
+# The longest modules (a full run's junit times, each over a minute on the 2-core host), collected first: pytest-xdist
+# hands a module to whichever worker is free in collection order, so a long one handed out last would keep one
+# worker busy while the others had nothing left. The rest keep their order.
+LONG_MODULES_FIRST = (
+    "tests/kernels/test_cpu_gemv_rows.py",
+    "tests/kernels/test_cpu_fused_kernels.py",
+    "tests/compiler/test_quantized_models.py",
+    "tests/compiler/test_compile_gpu_stage.py",
+    "tests/planner/test_cli_plan.py",
+    "tests/compiler/test_moe_gguf.py",
+    "tests/compiler/test_lower_linear.py",
+    "tests/serve/test_serve_openai.py",
+    "tests/bench/test_make_gguf.py",
+    "tests/kernels/test_gpu_int8_gemv_kernels.py",
+    "tests/kernels/test_gpu_gemv_kernels.py",
+    "tests/kernels/test_cpu_quant_gemv.py",
+    "tests/runtime/test_batch_decode_cpu.py",
+    "tests/compiler/test_moe.py",
+    "tests/reliability/test_faults_build.py",
+)
+
+
 def _host_runs_vnni() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -183,6 +205,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if _SERIAL_RE.match(item.nodeid):
             item.add_marker(pytest.mark.serial)
+    first = {m: i for i, m in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))    # stable: the rest in order
 
 
 ARCHS = ("qwen3", "qwen2", "llama", "mistral")
