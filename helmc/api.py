@@ -192,11 +192,13 @@ class KitBuilt:
 
 
 def build_kit(out_dir: str, for_hardware: str | None = None, quick: bool = False, gpu_backend: str | None = None,
-              progress=None) -> KitBuilt:
+              progress=None, cache_dir: str | None = None, use_cache: bool = True) -> KitBuilt:
     """A profile kit (`helmc profile --build-kit`) in the new or empty directory `out_dir`, for the machine
     `for_hardware` describes (a hardware.json or a preset) or else this one; `helmc profile --kit` measures with
-    it where no compiler is installed. progress: a runtime.progress.Progress or a callable (default: Progress())."""
-    from helmc.compiler.profile_kit import KitTarget, build_kit as build
+    it where no compiler is installed. A kit for the same target in the artifact cache (`helmc profile` keeps the
+    one it measures with there) is copied; else it is built and stored there. progress: a runtime.progress.Progress
+    or a callable (default: Progress())."""
+    from helmc.compiler.profile_kit import KitTarget, copy_kit
     from helmc.runtime.progress import Progress
     if for_hardware:
         from helmc.hardware.profile import load_hardware
@@ -208,7 +210,8 @@ def build_kit(out_dir: str, for_hardware: str | None = None, quick: bool = False
         target = KitTarget(f.features, f.l3_bytes, f.cores, probe_arch(gpu_backend)[0], quick)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise HelmcError(f"--build-kit expected a new or empty directory, found {out_dir} with files in it")
-    return KitBuilt(out_dir, build(out_dir, target, progress=progress or Progress()), target)
+    kit = copy_kit(out_dir, target, cache_dir=cache_dir, use_cache=use_cache, progress=progress or Progress())
+    return KitBuilt(out_dir, kit, target)
 
 
 def calibrate(bundle_dirs: "str | list[str]", hardware, options: CalibrateOptions | None = None, **keywords):

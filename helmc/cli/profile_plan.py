@@ -62,7 +62,8 @@ def _ms(value) -> str:
 @click.option("--kit", "kit_dir", type=click.Path(), default=None,
               help="measure with this profile kit (built elsewhere by --build-kit): no compiler needed here")
 @click.option("--build-kit", "build_kit_dir", type=click.Path(), default=None,
-              help="only build a profile kit into this directory (for --for's machine, default this one)")
+              help="only build a profile kit into this directory (for --for's machine, default this one; "
+                   "one the artifact cache holds is copied)")
 @click.option("--for", "for_hardware", type=click.Path(), default=None,
               help="with --build-kit: a hardware.json or preset of the machine the kit is for")
 @click.option("--no-overheads", is_flag=True, help="skip the per-block overheads on the kit's compiled stages")

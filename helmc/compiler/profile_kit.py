@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -239,3 +240,18 @@ def ensure_kit(target: KitTarget, cache_dir: str | None = None, use_cache: bool 
         build_kit(kit_dir, target, cache_dir=cache.root, progress=progress)
         return cache.store_tree(key, kit_dir, {"target": dataclasses.asdict(target)})
 
+
+
+def copy_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, use_cache: bool = True,
+             progress=lambda m: None) -> ProfileKit:
+    """The kit for `target` in out_dir: ensure_kit's (from the artifact cache, built and stored there first if
+    absent), its files copied; with use_cache=False built in out_dir, the cache neither read nor written."""
+    if not use_cache:
+        return build_kit(out_dir, target, cache_dir=cache_dir, progress=progress)
+    entry = ensure_kit(target, cache_dir=cache_dir, progress=progress)
+    with open(os.path.join(entry, "meta.json")) as f:
+        names = json.load(f)["sha256"]                 # the kit's files, as the cache entry stored them
+    for name in names:
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        shutil.copy2(os.path.join(entry, name), os.path.join(out_dir, name))
+    return ProfileKit.load(out_dir)

@@ -1,6 +1,6 @@
 """helmc profile's CPU part on this machine: its host read is what helmc's GEMVs read, as
-benchmarks/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the profile
-kit's JSON; the synthetic model's weights and the per-block overheads fitted on its compiled CPU stage."""
+benchmarks/bench_cpu_gemv.py measures them; the DRAM + PCIe window's arithmetic and loop on stand-ins; the synthetic
+model's weights and the per-block overheads fitted on its compiled CPU stage."""
 import dataclasses
 import json
 import math
@@ -15,9 +15,8 @@ import pytest
 from helmc.errors import HelmcError
 from helmc.hardware import host_read as hr
 from helmc.hardware.concurrent import measure_concurrent, settle, window_plausible, window_rates
-from helmc.hardware.kit import (QUANT_FUSED_ROLES, QUANT_ROLES, QUANT_TYPES, BlockShape, ProfileKit, check_kit_runs_here,
-                                synthetic_tensors, write_synthetic_weights)
-
+from helmc.hardware.kit import BlockShape, ProfileKit, synthetic_tensors, write_synthetic_weights
+from test_full_kit import _here, shared_full_kit
 
 
 def _bench_module():
@@ -25,19 +24,11 @@ def _bench_module():
     return bench_cpu_gemv
 
 
-def _here():
-    from helmc.compiler.profile_kit import KitTarget
-    from helmc.hardware.measure import cpu_facts
-    f = cpu_facts()
-    return KitTarget(f.features, f.l3_bytes, f.cores)
-
-
 @pytest.fixture(scope="module")
 def full_kit(tmp_path_factory):
-    """The kernels of a full (Qwen3-8B-block) kit for this CPU, without the synthetic stages."""
-    from helmc.compiler.profile_kit import build_kit
-    d = str(tmp_path_factory.mktemp("kit"))
-    return d, build_kit(d, _here(), stages=False)
+    """The kernels of a full (Qwen3-8B-block) kit for this CPU, without the synthetic stages: built once per test
+    run (by test_full_kit.py, in the parallel phase, where its compile does not hold up the timed tests)."""
+    return shared_full_kit(tmp_path_factory)
 
 
 def test_host_read_is_what_bench_cpu_gemv_measures(full_kit, tmp_path):
@@ -101,30 +92,6 @@ def test_measured_reads_are_consistent(full_kit):
     assert 0 < r.attention_gbs <= 3 * r.dram_gbs
 
 
-def test_quantized_passes_launch_what_the_cpu_stage_launches(full_kit):
-    """Where the CPU stage fuses a quantized type's q/k/v and gate/up (quant_gemvs_fuse, lower_linear's "qmulti"),
-    the kit's pass times those fused kernels, else one kernel per linear; either way its calls read every weight of
-    every copy once, so its byte count is what it reads."""
-    from helmc.schedules.cpu.isa import select_isa
-    from helmc.schedules.cpu.quant.gemv_int8_multi import gemv_quant_multi_symbol, quant_gemvs_fuse
-    kit_dir, kit = full_kit
-    b, isa = kit.block, select_isa(_here().features)
-    lib, arena = hr.KitLibrary(kit_dir, kit), hr.Arena(hr.arena_bytes(kit))
-    for t in QUANT_TYPES:
-        for m in kit.rows_measured(t):
-            fused = quant_gemvs_fuse(t, isa, m, b.hidden)
-            assert kit.gemv_roles(t, m) == (QUANT_FUSED_ROLES if fused else QUANT_ROLES)
-            if fused:
-                assert kit.kernel(t, "qkv", m) == gemv_quant_multi_symbol(t, (b.q_dim, b.kv_dim, b.kv_dim), b.hidden)
-                assert kit.kernel(t, "gate_up", m) == gemv_quant_multi_symbol(t, (b.ffn, b.ffn), b.hidden)
-            g = hr.GemvPass(lib, arena, t, m)
-            read = [id(a) for _, args in g.calls for a in args]
-            weights = [id(w) for blk in g.blocks for w in blk.values()]
-            assert sorted(w for w in read if w in set(weights)) == sorted(weights)
-            assert len(g.calls) == g.copies * len(kit.gemv_roles(t, m))
-    assert any(quant_gemvs_fuse(t, isa, 1, b.hidden) for t in QUANT_TYPES) == (isa.tier == "avx512")
-
-
 def test_an_implausible_figure_is_measured_again_and_said_doubtful(monkeypatch):
     """recheck: a figure below PLAUSIBLE_SHARE of a rate it bounds is measured again (the best kept) up to RETRIES
     times, and named doubtful if it stays below; a plausible one is left alone."""
@@ -136,17 +103,6 @@ def test_an_implausible_figure_is_measured_again_and_said_doubtful(monkeypatch):
     gbs, why = hr.recheck("dram", 11.7, 89.0, lambda: calls.append(1) or 14.0 + len(calls))
     assert gbs == 14.0 + hr.RETRIES and len(calls) == hr.RETRIES
     assert why.startswith(f"dram {gbs:.1f} GB/s stayed below {hr.PLAUSIBLE_SHARE:.2f} x 89.0 GB/s")
-
-
-def test_attention_pass_reads_whole_layers_beyond_the_cache(full_kit):
-    """The attention pass calls the kernel once per layer copy over its whole context, K and V fp16 [h_kv, n, d]:
-    its byte count is what those calls read, and more than the L3 holds, so no pass is served from cache."""
-    kit_dir, kit = full_kit
-    att = hr.AttentionPass(hr.KitLibrary(kit_dir, kit), hr.Arena(hr.arena_bytes(kit)))
-    b, n = kit.block, hr.attention_context(kit)
-    assert n == hr.ATTENTION_CONTEXT and len(att.calls) == att.copies
-    assert att.nbytes == att.copies * 2 * b.kv_heads * n * b.head_dim * 2 >= max(hr.cycle_bytes(kit), 4 * kit.l3_bytes)
-    assert all(args[4] == n and args[1].shape == (b.kv_heads, n, b.head_dim) for _, args in att.calls)
 
 
 def test_window_rates_arithmetic():
@@ -240,29 +196,6 @@ def test_the_window_waits_for_the_gemvs_to_settle():
     print(f"\nundisturbed {undisturbed:.2f} GB/s, settled at {gbs:.2f}")
     assert g.slow == 0 and gbs >= 0.3 * undisturbed
     assert settle(DisturbedPass(8 << 20, slow=1000), 1e9, seconds=0.2) < 1.0     # bounded in time, not in passes
-
-
-def test_kit_json_round_trip_and_refusals(full_kit):
-    kit_dir, kit = full_kit
-    assert ProfileKit.load(kit_dir) == kit
-    raw = json.loads(kit.to_json())
-    raw["read_elementz"] = 1
-    (path := os.path.join(kit_dir, "bad")) and os.makedirs(path, exist_ok=True)
-    open(os.path.join(path, "profile_kit.json"), "w").write(json.dumps(raw))
-    with pytest.raises(HelmcError, match=r"unknown key\(s\) \['read_elementz'\]"):
-        ProfileKit.load(path)
-    with pytest.raises(HelmcError, match="expected profile_kit.json in"):
-        ProfileKit.load(os.path.join(kit_dir, "nowhere"))
-    with pytest.raises(HelmcError, match=r"compiled for CPU flags \[.*\] that this CPU lacks"):
-        check_kit_runs_here(kit, ("sse2",))
-    with pytest.raises(HelmcError, match="expected a role of 'float16' weights"):
-        dataclasses.replace(kit, kernels=(dataclasses.replace(kit.kernels[0], role="gate"),))
-    mixed = tuple(dataclasses.replace(k, role="q") if k.role == "qkv" and k.weight_type in QUANT_TYPES else k
-                  for k in kit.kernels)
-    if mixed != kit.kernels:                          # a kit with fused quantized launches: they come whole or not
-        with pytest.raises(HelmcError, match=r"GEMVs at 1 rows expected one block's launches in order"):
-            dataclasses.replace(kit, kernels=mixed)
-    assert not kit.cpu_bundle and kit.synthetic_layers > 0 and not kit.quick
 
 
 def test_synthetic_weights_are_what_the_stage_binds(tmp_path):

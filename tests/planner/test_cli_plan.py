@@ -118,14 +118,16 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
 def test_profile_kit_built_here_measures_there(tmp_path):
     """`helmc profile --build-kit DIR` (where the compiler is), then `helmc profile --kit DIR` (which needs only the
     TVM runtime): the profile is measured with that kit's kernels and stages, and bad uses say what they expected.
-    A kit for another machine (--for) is built once, in the slow tier, by
+    This machine's quick kit is the one the session's host profile left in the artifact cache (copied, not
+    rebuilt), measured quick (the busy-host refusal of a full profile: tests/reliability/test_catalogue_profile.py).
+    A kit for another machine (--for) is built, then copied from the cache, in the slow tier, by
     test_kit_for_another_cpu_reports_its_phases."""
     kit = tmp_path / "kit"
     r = CliRunner().invoke(main, ["profile", "--build-kit", str(kit), "--quick", "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
     assert "built a profile kit in" in r.output and (kit / "profile_kit.json").exists() and (kit / "cpu_bundle").is_dir()
     out = tmp_path / "hw.json"
-    r = CliRunner().invoke(main, ["profile", "--kit", str(kit), "-o", str(out), "--gpu-backend", "none"])
+    r = CliRunner().invoke(main, ["profile", "--kit", str(kit), "-o", str(out), "--quick", "--gpu-backend", "none"])
     assert r.exit_code == 0, r.output
     hw = HardwareProfile.load(str(out))
     assert hw.cpu.host_read_gbs > 0 and hw.cpu.block_overhead_ms is not None
@@ -148,8 +150,8 @@ def test_kit_for_another_cpu_reports_its_phases(tmp_path):
     it."""
     from helmc import api
     from helmc.errors import HelmcError
-    lines = []
-    built = api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)
+    lines, cache = [], str(tmp_path / "cache")
+    built = api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append, cache_dir=cache)
     assert (tmp_path / "kit" / "profile_kit.json").exists() and (tmp_path / "kit" / "gpu_bundle").is_dir()
     # what `helmc profile --build-kit` prints of it: "avx2 kernels for 14 cores, ..., GPU stage for sm_89"
     assert (built.kit.isa, built.target.cores, built.target.gpu_arch) == ("avx2", 14, "sm_89")
@@ -165,4 +167,10 @@ def test_kit_for_another_cpu_reports_its_phases(tmp_path):
     text = "\n".join(lines)
     assert "kernels for avx2" in text and "CPU stage" in text and "GPU stage for sm_89" in text, text
     with pytest.raises(HelmcError, match="--build-kit expected a new or empty directory"):
-        api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append)
+        api.build_kit(str(tmp_path / "kit"), "rtx4060-laptop", quick=True, progress=lines.append, cache_dir=cache)
+    # the same target again: the kit the artifact cache kept, copied, nothing compiled
+    again = []
+    copied = api.build_kit(str(tmp_path / "again"), "rtx4060-laptop", quick=True, progress=again.append, cache_dir=cache)
+    assert copied.kit == built.kit and not any("kernels for" in line or "stage" in line for line in again), again
+    assert (tmp_path / "again" / GPU_GEMV_DIR / f"{GPU_GEMV_NAME}.sm_89.cubin").read_bytes() == \
+        (d / f"{GPU_GEMV_NAME}.sm_89.cubin").read_bytes()
