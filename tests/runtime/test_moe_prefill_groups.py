@@ -80,3 +80,15 @@ def test_the_routing_kernels_int32_picks_group_as_route_s_int64_ones():
     assert a.rows.dtype == np.int32 and a.pos.dtype == np.int32 and a.weights.dtype == np.float32
     assert a.pos.flags.c_contiguous and a.weights.flags.c_contiguous      # what the combine kernel reads raw
     assert np.array_equal(a.counts(), np.bincount(idx.ravel(), minlength=128))
+
+
+def test_expert_calls_see_a_few_dozen_row_counts():
+    """Every count 1..16384 maps to a bucket at least as large and at most a quarter (or 16 rows) more, and the
+    buckets number a few an octave: the GPU library's pooled allocator keeps one freed buffer per size it sees."""
+    from helmc.runtime.moe_prefill import bucket_rows
+    buckets = {bucket_rows(n) for n in range(1, 16385)}
+    for n in range(1, 16385):
+        b = bucket_rows(n)
+        assert n <= b <= max(16, n + n // 4 + 1), (n, b)
+    assert len(buckets) <= 4 * 11 + 1, sorted(buckets)
+    assert bucket_rows(16) == 16 and bucket_rows(17) == 20 and bucket_rows(2048) == 2048 and bucket_rows(2049) == 2560
