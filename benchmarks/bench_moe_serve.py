@@ -79,8 +79,11 @@ def rates(recs: list[dict], new_tokens: int) -> dict:
     if bad:
         raise RuntimeError(f"expected {new_tokens} tokens per request (ignore_eos), got {bad}")
     t0 = min(r["t_submit"] for r in recs)
-    last_first = max(r["stamps"][0] for r in recs)
     end = max(r["stamps"][-1] for r in recs)
+    # the decode window opens when the last prompt's first text came; a stream whose text the detokenizer held to
+    # its end (a random model's partial UTF-8 byte tokens: no chunk until then) does not say when its decode began
+    streamed = [r["stamps"][0] for r in recs if len(r["stamps"]) > 1] or [t0]
+    last_first = max(streamed)
     return {f"decode_tok_s_at_{n}": n * (new_tokens - 1) / (end - last_first),
             f"end_to_end_tok_s_at_{n}": n * new_tokens / (end - t0),
             "ttft_ms_max": 1000 * (last_first - t0), "wall_s": end - t0}
@@ -103,10 +106,11 @@ def bench_helmc(a) -> dict:
            "peak_vram_gib_over_idle_server": vram.gib}
     plan = os.path.join(a.bundle, "plan.json")
     if os.path.isfile(plan):
+        from helmc.runtime.bundle.plan import Plan
         with open(plan) as f:
-            p = json.load(f)
-        out["plan_gpu_bytes"] = p.get("gpu_bytes")               # what the plan holds in VRAM: within the budget
-        out["plan_gpu_gib"] = p["gpu_bytes"] / 2 ** 30 if p.get("gpu_bytes") else None
+            gpu_bytes = Plan.from_json(f.read()).memory.gpu_bytes
+        out["plan_gpu_bytes"] = gpu_bytes                         # what the plan holds in VRAM: within the budget
+        out["plan_gpu_gib"] = gpu_bytes / 2 ** 30 if gpu_bytes else None
     print(f"helmc serve: {out[f'decode_tok_s_at_{a.concurrency}']:.1f} tok/s decode at {a.concurrency}, "
           f"{out[f'end_to_end_tok_s_at_{a.concurrency}']:.1f} end to end", file=sys.stderr)
     return out
