@@ -25,13 +25,13 @@ def cpu_hardware(host_hardware):
     return dataclasses.replace(host_hardware, gpu=None, link=None)
 
 
-def _session(tmp_path, hw, cache_dir, dtype="float16", quant="", batch=4, **dims):
+def _session(tmp_path, hw, cache_dir, dtype="float16", quant="", batch=4, arch="qwen3", **dims):
     """A bundle of its own: for a hardware profile or a model the session's shared bundles do not have."""
     from helmc import api
     from helmc.runtime.session import Session
     from helmc.testing import make_tiny_model
     model = str(tmp_path / "model")
-    make_tiny_model(model, "qwen3", dtype=dtype, **(dims or KQUANT_DIMS))
+    make_tiny_model(model, arch, dtype=dtype, **(dims or KQUANT_DIMS))
     r = api.build(model, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, quant=quant, batch=batch)
     assert r.plan.workload.batch == batch and r.plan.placement.cpu_units == r.spec.num_units
     return Session.load(r.bundle_dir)
@@ -85,6 +85,19 @@ def test_wide_model_batch_of_8(tmp_path, cpu_hardware, cache_dir):
     batched, sizes = batched_runs(s, ps, 6, max_batch=8, stagger=8)
     assert 8 in sizes
     compare(single_runs(s, ps, 6), batched, "wide fp16 batch 8")
+
+
+def test_gemma3_geglu_batched_decode_is_bitwise(tmp_path, cpu_hardware, cache_dir):
+    """Gemma 3's GeGLU (its tanh as fast_tanh's polynomial, passes/expand_gelu_tanh.py) and sandwich norms: with
+    an intermediate of 8192 a decode_b4 step's GeGLU runs parallel and vectorised (>= PARALLEL_MIN_ELEMENTS), the
+    one-row decode's serially, and each row's bits are still its single run's."""
+    s = _session(tmp_path, cpu_hardware, cache_dir, arch="gemma3", num_layers=3, hidden_size=256,
+                 intermediate_size=8192, num_attention_heads=4, num_key_value_heads=2)
+    assert s.spec.hidden_act == "gelu_pytorch_tanh" and s.cpu_stage.batch_sizes == (2, 4)
+    ps = prompts(s.spec.vocab_size, 4)
+    batched, sizes = batched_runs(s, ps, 10, max_batch=4, stagger=4)
+    assert 4 in sizes
+    compare(single_runs(s, ps, 10), batched, "gemma3 fp16 GeGLU")
 
 
 def test_padding_rows_change_nothing(tiny):

@@ -7,7 +7,8 @@
 Pipeline: lower_linear (every linear -> helmc's GEMV/GEMM, weights read in their stored dtype; decode q/k/v
 fused into one GEMV launch and gate/up into one that writes the SwiGLU product; prefill on AMX tiles where
 the target has amx_tile + amx_bf16) -> TVM's
-CPU legalisation (after expand_sigmoid + FastMathTransform: the SwiGLU's exp vectorised) and fusion -> schedule_elementwise (parallel + vectorised loops for the fused norm / RoPE /
+CPU legalisation (after expand_sigmoid / expand_gelu_tanh + FastMathTransform: the SwiGLU's exp and the GeGLU's
+tanh vectorised) and fusion -> schedule_elementwise (parallel + vectorised loops for the fused norm / RoPE /
 SwiGLU / residual functions that TVM leaves serial) -> TVM's VM lowering. With the ModelSpec given, the
 decode-attention kernel over the CPU layers' 16-bit KV (schedules/cpu/decode_attention.py) is added as a
 global PrimFunc, so it ships inside cpu_stage.so; the runtime finds it by name (kv_cache_cpu.find_decode_kernel)
@@ -21,6 +22,7 @@ import logging
 import tvm
 from tvm import relax
 
+from helmc.compiler.passes.expand_gelu_tanh import expand_gelu_tanh
 from helmc.compiler.passes.expand_sigmoid import expand_sigmoid
 from helmc.compiler.passes.lower_linear import lower_linear
 from helmc.model.spec import ModelSpec
@@ -55,7 +57,8 @@ def cpu_stage_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
             passes = (
-                [relax.transform.DecomposeOpsForInference(), expand_sigmoid(), relax.transform.FastMathTransform()]
+                [relax.transform.DecomposeOpsForInference(), expand_sigmoid(), expand_gelu_tanh(),
+                 relax.transform.FastMathTransform()]
                 + cpu_generic.library_dispatch_passes(target)
                 + cpu_generic.legalize_passes(target)
                 + [schedule_elementwise(target)]
