@@ -163,10 +163,16 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
         fallbacks += (EXPERT_SUM_UNMEASURED,)
     vram_bytes = sum(sum(expert_bytes_by_type(spec, i).values()) * len(ids) // spec.moe.num_experts
                      for i, ids in enumerate(vram))
-    # the experts in VRAM are bound there, not in host RAM
+    # One sequence at a time, with experts both in VRAM and on the host: the VRAM expert cache refreshes which ones
+    # hold the slots from the tokens' routing (runtime/moe_expert_cache.py). Batched steps keep the plan's slots, so
+    # a batch's rows stay bit-identical to single runs.
+    cache = p.workload.batch == 1 and on_host and any(vram)
+    # the experts in VRAM are bound there, not in host RAM (under the cache every expert's host rows are kept)
     mem = p.memory
+    host_less = 0 if cache else vram_bytes
     return p.replace(t_cpu_ms=p.predictions.t_cpu_ms + t, t_plan_ms=p.predictions.t_plan_ms + t,
-                     cpu_bytes=mem.cpu_bytes + held - vram_bytes, cpu_weight_bytes=mem.cpu_weight_bytes + held - vram_bytes,
+                     cpu_bytes=mem.cpu_bytes + held - host_less, cpu_weight_bytes=mem.cpu_weight_bytes + held - host_less,
+                     expert_cache=cache,
                      candidates=candidates, gpu_experts=vram, expert_hit_rate=predicted_hit_rate(spec, in_vram, vram),
                      fallbacks=fallbacks, gpu_bytes=mem.gpu_bytes + vram_bytes,
                      gpu_weight_bytes=mem.gpu_weight_bytes + vram_bytes,
