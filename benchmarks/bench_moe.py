@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.bench_context import PeakVram
+from benchmarks.bench_context import PeakVram, free_device_pools
 from benchmarks.bench_decode import log, measure_bandwidths
 from benchmarks.llamacpp_peer import fastest_within, gpu_memory_used_mib, llama_bench
 
@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     report["bandwidth"] = measure_bandwidths()
     log(f"bandwidths: {report['bandwidth']}")
     for bundle in a.bundle:
+        free_device_pools()           # an earlier bundle's pooled memory would count in this one's baseline
         report["helmc"].append(bench_helmc(a, bundle, report["bandwidth"]))
         save()
     if a.llama_bench:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.llamacpp_peer import PeakVram, llama_batched_bench
+from benchmarks.llamacpp_peer import SmiPeakVram, llama_batched_bench
 from benchmarks.serve_load import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,7 @@ def bench_helmc(a) -> dict:
     proc, url = start_server(a, log_path)
     try:
         asyncio.run(round_of(url, prompts, 8))                      # warm-up: graphs, KV pages, first calls
-        with PeakVram() as vram:
+        with SmiPeakVram() as vram:
             recs = asyncio.run(round_of(url, prompts, a.new_tokens))
     finally:
         proc.terminate()

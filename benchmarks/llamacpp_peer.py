@@ -162,7 +162,7 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
            "-o", "json", *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    with PeakVram() as vram:
+    with SmiPeakVram() as vram:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -185,14 +185,14 @@ def gpu_memory_used_mib() -> int | None:
     return int(out[0]) if out else None
 
 
-class PeakVram:
+class SmiPeakVram:
     """nvidia-smi printing the GPU's used memory every 100 ms while a peer runs (its VRAM is not in its output): the
     peak over the run, less the memory in use before it, is what that run held.
 
-        with PeakVram() as vram: run()
+        with SmiPeakVram() as vram: run()
         vram.gib        # None without nvidia-smi
     """
-    def __enter__(self) -> "PeakVram":
+    def __enter__(self) -> "SmiPeakVram":
         self.baseline, self.gib, self._sampler = gpu_memory_used_mib(), None, None
         if shutil.which("nvidia-smi"):
             self._sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
@@ -222,7 +222,7 @@ def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_t
            "-ngl", str(ngl), "-c", str(ctx), *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    with PeakVram() as vram:
+    with SmiPeakVram() as vram:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
