@@ -9,11 +9,12 @@ stage reuses it from there.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 
 import pytest
+
+from tests.shared_run import run_lock, shared_dir
 
 # The test tiers. `scripts/test.sh` runs the fast tier (`-m "not slow"`: every layer, one real build + run of a tiny
 # model against transformers); `scripts/test.sh --all` (CI) runs every test. A test is in the slow tier when its
@@ -254,28 +255,6 @@ def pytest_make_collect_report(collector):
         rep.result = []
 
 
-def shared_dir(tmp_path_factory) -> str:
-    """A directory every process of this test run shares: HELMC_TEST_SHARED_DIR (scripts/test.sh gives its parallel
-    and serial phases one), else the xdist workers' common temporary root, else this session's own."""
-    env = os.environ.get("HELMC_TEST_SHARED_DIR")
-    if env:
-        os.makedirs(env, exist_ok=True)
-        return env
-    base = tmp_path_factory.getbasetemp()
-    return str(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
-
-
-@contextlib.contextmanager
-def run_lock(tmp_path_factory, name: str):
-    """Held by one process of the test run at a time: the first makes what the others then reuse."""
-    with open(os.path.join(shared_dir(tmp_path_factory), f".{name}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def host_hardware(tmp_path_factory):
     # Quick sizes, no per-block overheads: a compile target and rough rates for the tests' tiny builds. The
@@ -346,7 +325,7 @@ def tiny(tmp_path_factory, host_hardware, cache_dir):
 
 
 # The compiler tests' quantized tiny GPU stage compiled to an sm_90 cubin once (nvcc takes tens of seconds) for the
-# tests that read its files. Here, not in a tests/compiler/conftest.py: that would shadow `from conftest import`.
+# tests that read its files. Here, not in a tests/compiler/conftest.py: a second conftest module.
 @pytest.fixture(scope="session")
 def quantized_gpu_stage_files(tmp_path_factory):
     """(out dir, file names) of compile_gpu_stage on gpu_stage_specs' Q4_K_M-like stage with batched decode."""

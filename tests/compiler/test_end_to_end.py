@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ARCHS
+from tests.conftest import ARCHS
 
 PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
 

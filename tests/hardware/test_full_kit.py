@@ -23,7 +23,7 @@ def _here():
 
 def shared_full_kit(tmp_path_factory) -> tuple[str, ProfileKit]:
     """(dir, ProfileKit) of the full kit's kernels for this CPU: the first process of the run to ask builds it."""
-    from conftest import run_lock, shared_dir
+    from tests.shared_run import run_lock, shared_dir
     from helmc.compiler.profile_kit import build_kit
     d = os.path.join(shared_dir(tmp_path_factory), "full-kit")
     with run_lock(tmp_path_factory, "full-kit"):

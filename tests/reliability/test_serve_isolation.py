@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import FAULT_SEED
+from tests.reliability.conftest import FAULT_SEED
 from helmc.runtime.serve.render import TIMEOUT_S
 from serve_process import Server, bundle_with_template, http
 
