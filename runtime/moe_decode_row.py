@@ -318,6 +318,4 @@ class MoeDecodeRow:
     def _route_on_gpu(self, logits) -> None:
         """route() on the device for a block with every expert in VRAM at its own slot: one launch (_ROUTE_SOURCE),
         no sort, no host sync."""
-        route_kernel()((1,), (max(32, -(-self.E // 32) * 32),),
-                 (logits, np.int32(self.E), np.int32(self.K), np.int32(bool(self.moe.norm_topk_prob)), self.sel,
-                  self.w))
+        _launch_route(logits, self.moe, self.sel, self.w)                # logits [1, E]: one block
