@@ -7,10 +7,12 @@ command quietly, status 141 (as SIGPIPE would).
 """
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -75,8 +77,34 @@ class _Group(click.Group):
 _SIGINT_SEEN: list[float] = []
 
 
+# Python code that onnx's native library calls back into (the ONNX export and its checks): an exception raised
+# there cannot cross the C++ frames below it (the binding aborts the whole process), so a Ctrl-C that lands in
+# it is delivered again once the stack has left these modules.
+_NATIVE_CALLBACK_MODULES = ("onnx", "onnx_ir", "onnxscript", "torch.onnx")
+_SIGINT_RETRY_S = 0.05
+
+
+def _under_native_callbacks(frame) -> bool:
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if any(name == m or name.startswith(m + ".") for m in _NATIVE_CALLBACK_MODULES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver_sigint_later() -> None:
+    def later():
+        time.sleep(_SIGINT_RETRY_S)
+        _thread.interrupt_main()        # runs the SIGINT handler again in the main thread
+    threading.Thread(target=later, name="helmc-sigint-retry", daemon=True).start()
+
+
 def _on_sigint(signum, frame):
     _SIGINT_SEEN.append(time.monotonic())
+    if _under_native_callbacks(frame):
+        _deliver_sigint_later()
+        return
     raise KeyboardInterrupt
 
 

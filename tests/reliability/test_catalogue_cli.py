@@ -56,3 +56,28 @@ def test_sigint_during_compile_is_an_interruption(tiny, hw_json, tmp_path, workd
     assert _lines(err) == ["helmc: interrupted"], err
     assert "internal error" not in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_ctrl_c_inside_onnx_callbacks_waits_until_the_stack_leaves_them():
+    """A KeyboardInterrupt raised in Python code that onnx's native library called would abort the process; the
+    handler defers it and raises it at the next Python frame outside those modules."""
+    from helmc.cli import main
+    previous = signal.signal(signal.SIGINT, main._on_sigint)
+    try:
+        main._SIGINT_SEEN.clear()
+        # a frame of an onnx module, as the ONNX export's callbacks run: the handler returns, nothing raised
+        exec(compile("handler(signal.SIGINT, sys._getframe())", "<onnx callback>", "exec"),
+             {"__name__": "onnx.helper", "handler": main._on_sigint, "signal": signal, "sys": sys})
+        assert len(main._SIGINT_SEEN) == 1
+        # back in this module: the interrupt is delivered again, now as a KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(main._SIGINT_SEEN) == 2
+        # and outside those modules it is raised at once
+        with pytest.raises(KeyboardInterrupt):
+            main._on_sigint(signal.SIGINT, sys._getframe())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        main._SIGINT_SEEN.clear()
