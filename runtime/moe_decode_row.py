@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from helmc.runtime.decode_graph import align_up
-from helmc.runtime.moe_experts import LayerExperts, route
+from helmc.runtime.moe_experts import LayerExperts, OneRowExpertArgs, route
 
 _COMBINE_SOURCE = """
 float g = 0.f;
@@ -125,14 +125,6 @@ def combine_kernel():
     return _combine_kernel
 
 
-def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
-    """A zeroed host array whose data starts on an `align`-byte boundary (what TVM views without a copy)."""
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(n + align, np.uint8)
-    at = -raw.ctypes.data % align
-    return raw[at:at + n].view(dtype).reshape(shape)
-
-
 @dataclass(frozen=True)
 class BlockRow:
     """What the decode row needs of one MoE block: its experts, which are in VRAM (slot_of[e] >= 0) and the
@@ -153,9 +145,6 @@ class BlockRow:
 class MoeDecodeRow:
     def __init__(self, spec, cpu_sums: dict, gpu_sums: dict, to_cupy, from_cupy):
         import cupy as cp
-        import tvm.runtime
-
-        from helmc.runtime.tvm_tensors import cpu_tensor_view
         H, E, K, I = spec.hidden_size, spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size
         self.H, self.E, self.K, self.moe = H, E, K, spec.moe
         self.cpu_sums, self.gpu_sums, self.to_cupy = cpu_sums, gpu_sums, to_cupy
@@ -184,14 +173,9 @@ class MoeDecodeRow:
         self.part = cp.zeros((K, H), cp.float16)                    # [K, H] each one's down
         self.out = [cp.zeros((1, H), cp.float16) for _ in range(2)]  # x' alternates: a block reads the last one
         self._next_out = 0
-        # the CPU's inputs, and TVM views of everything, made once (see the module's note)
-        self.x32 = _aligned((1, H), np.float32)
-        self.cpu_sel, self.cpu_w = _aligned((K,), np.int32), _aligned((K,), np.float32)
-        dev = tvm.cpu()
-        self._cpu_views = {n: (cpu_tensor_view(self.cpu_sel[:n], dev), cpu_tensor_view(self.cpu_w[:n], dev))
-                           for n in range(1, K + 1)}
-        self._x32_view = cpu_tensor_view(self.x32, dev)
-        self._y_view = cpu_tensor_view(self.host_y, dev)
+        # the CPU's inputs, and TVM views of everything, made once (see the module's note); its sum lands in pinned
+        # memory, where finish() copies it from
+        self.cpu_args = OneRowExpertArgs(H, K, y=self.host_y)
         self._m_view, self._sel_view, self._a_view, self._part_view = (from_cupy(t) for t in
                                                                        (self.m, self.sel, self.a, self.part))
         self._out_views = [from_cupy(o) for o in self.out]
@@ -277,11 +261,11 @@ class MoeDecodeRow:
             return
         cpu = cpu[np.argsort(idx[cpu], kind="stable")]                # ascending expert ids: a fixed sum order
         n = cpu.size
-        self.cpu_sel[:n] = idx[cpu]
-        self.cpu_w[:n] = w[cpu]
-        np.copyto(self.x32, self.host_m, casting="same_kind")
-        sel_view, w_view = self._cpu_views[n]
-        row.cpu_sum(self._x32_view, sel_view, w_view, *row.experts.stacked, self._y_view)
+        args = self.cpu_args
+        args.sel[:n] = idx[cpu]
+        args.w[:n] = w[cpu]
+        np.copyto(args.x, self.host_m, casting="same_kind")
+        args.run(row.cpu_sum, row.experts.stacked, n)
 
     def gpu_experts(self, row: BlockRow) -> None:
         """GPU: the slots and weights host_half() wrote cross, then the block's VRAM experts run on them."""

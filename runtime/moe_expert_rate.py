@@ -72,23 +72,34 @@ def measure_expert_sum(session, seed: int = 0) -> tuple[tuple[str, int, float], 
 
 
 def _rate(ffn, kernel, blocks: list[LayerExperts], x: np.ndarray, n: int, rng) -> float:
-    """GB/s of `n` random host experts per call over `blocks`, cycled: bytes of the selected experts / wall time."""
-    def one_round() -> int:
-        read = 0
+    """GB/s of `n` random host experts per call over `blocks`, cycled: bytes of the selected experts / wall time of
+    the kernel's calls, made as a decode row makes them (its arguments' views made once, the experts drawn before)."""
+    from helmc.runtime.moe_experts import OneRowExpertArgs
+    args = OneRowExpertArgs(x.shape[1], max(n, 1))
+    args.x[...] = x
+    args.w[:] = 1.0 / n
+
+    def draw() -> list[tuple[LayerExperts, np.ndarray]]:
+        out = []
         for b in blocks:
-            host = np.array([e for e in range(len(b.experts)) if e not in b.on_gpu])
-            sel = np.sort(rng.choice(host, size=min(n, host.size), replace=False))
-            w = np.full(sel.size, 1.0 / sel.size, np.float32)
-            ffn._one_call_sum(kernel, x, sel, w, b, None, frozenset())
+            host = np.setdiff1d(np.arange(len(b.experts)), np.fromiter(b.on_gpu, np.int64, len(b.on_gpu)))
+            out.append((b, np.sort(rng.choice(host, size=min(n, host.size), replace=False)).astype(np.int32)))
+        return out
+
+    def one_round(picks) -> tuple[int, float]:
+        read, spent = 0, 0.0
+        for b, sel in picks:
+            args.sel[:sel.size] = sel
+            t0 = time.perf_counter()
+            args.run(kernel, b.stacked, sel.size)
+            spent += time.perf_counter() - t0
             # the selected experts' weight bytes (the stacked weights; gpt-oss's small fp32 biases after them left out)
             read += sel.size * sum(t.shape[0] * t.shape[1] for t in b.stacked[:3]) // len(b.experts)
-        return read
-    one_round()                                   # first calls: page faults and lazy loads, untimed
+        return read, spent
+    one_round(draw())                             # first calls: page faults and lazy loads, untimed
     rates, spent = [], 0.0
     while len(rates) < MIN_ROUNDS or spent < MIN_SECONDS:
-        t0 = time.perf_counter()
-        read = one_round()
-        dt = time.perf_counter() - t0
+        read, dt = one_round(draw())
         spent += dt
         rates.append(read / dt / 1e9)
     return float(np.median(rates))

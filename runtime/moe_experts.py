@@ -133,6 +133,35 @@ def top_k(p: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+class OneRowExpertArgs:
+    """The arguments of the CPU library's one-call expert sum for one decode row, made once: x fp32 [1, H], the
+    selected experts int32 and their weights fp32 [n <= top_k], y fp32 [1, H] (or a caller's buffer, e.g. pinned
+    memory), each with its TVM view. Why: a view costs ~15 us to make and a block's call reads a few MB, so three new
+    views a call were a fifth of a small call's time. Invariant: one call at a time; the caller writes x, sel[:n] and
+    w[:n], then run(), then reads y before the next write."""
+
+    def __init__(self, hidden: int, top_k: int, y: np.ndarray | None = None):
+        import tvm.runtime
+
+        from helmc.runtime.memory.allocation import aligned_empty
+        from helmc.runtime.tvm_tensors import cpu_tensor_view
+        self.x = aligned_empty((1, hidden), np.float32, zero=True)                    # [1, H]
+        self.sel = aligned_empty((top_k,), np.int32, zero=True)                       # [K]
+        self.w = aligned_empty((top_k,), np.float32, zero=True)                       # [K]
+        self.y = aligned_empty((1, hidden), np.float32, zero=True) if y is None else y   # [1, H]
+        assert self.y.shape == (1, hidden) and self.y.dtype == np.float32 and self.y.ctypes.data % 64 == 0
+        dev = tvm.cpu()
+        self._x_view, self._y_view = cpu_tensor_view(self.x, dev), cpu_tensor_view(self.y, dev)
+        self._views = {n: (cpu_tensor_view(self.sel[:n], dev), cpu_tensor_view(self.w[:n], dev))
+                       for n in range(1, top_k + 1)}
+
+    def run(self, kernel, stacked, n: int) -> None:
+        """y = the sum over sel[:n] (ascending) of w[j] * expert_sel[j](x), by `kernel` over the block's stacked
+        weights."""
+        sel_view, w_view = self._views[n]
+        kernel(self._x_view, sel_view, w_view, *stacked, self._y_view)
+
+
 class MoeFeedForward:
     """The post-attention half of a MoE block, called as the dense post_attn is:
     `ffn(phase, signature)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a device tensor [S, H]), signature
@@ -152,6 +181,7 @@ class MoeFeedForward:
         self._calls = {(p, j): (lambda *a, _p=p, _j=j: self.forward(_p, *a, signature=_j))
                        for p in phases for j in set(signatures)}
         self.routing = None             # a moe_routing.RoutingCounter while routing statistics are measured
+        self._one_row = None            # OneRowExpertArgs, made at the first one-call sum
 
     def __call__(self, phase: str, signature: int = 0) -> Callable:
         return self._calls[(phase, signature)]
@@ -202,14 +232,14 @@ class MoeFeedForward:
                 if (only is None or int(idx[j]) in only) and int(idx[j]) not in skip]
         if not keep:
             return np.zeros((1, m.shape[1]), np.float32)
-        import tvm.runtime
-
-        from helmc.runtime.tvm_tensors import host_view
-        y = tvm.runtime.empty((1, m.shape[1]), "float32", tvm.cpu())      # [1, H]
-        x = np.ascontiguousarray(m, np.float32)                           # [1, H]
-        kernel(self.from_array(x), self.from_array(idx[keep].astype(np.int32)),
-               self.from_array(np.ascontiguousarray(w[keep], np.float32)), *experts.stacked, y)
-        return host_view(y)
+        if self._one_row is None:
+            self._one_row = OneRowExpertArgs(m.shape[1], self.moe.top_k)
+        args, n = self._one_row, len(keep)
+        np.copyto(args.x, m, casting="same_kind")                          # [1, H] fp32
+        args.sel[:n] = idx[keep]
+        args.w[:n] = w[keep]
+        args.run(kernel, experts.stacked, n)
+        return args.y.copy()                                               # [1, H]: the next call writes args.y
 
     def _rows_sum(self, kernel, m, idx: np.ndarray, w: np.ndarray, experts: LayerExperts, only, skip):
         """A batched decode step's rows (idx, w [S, k]; the pairs within `only`, none of `skip`) through the CPU

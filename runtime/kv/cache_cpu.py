@@ -43,7 +43,7 @@ from helmc.errors import HelmcError
 from helmc.runtime.kv.options import KV_PAGE_TOKENS
 
 from helmc.runtime.kv.layer_kinds import KindPages
-from helmc.runtime.memory.allocation import allocate
+from helmc.runtime.memory.allocation import aligned_empty, allocate
 from helmc.runtime.kv.paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
                               ungroup_output)
 
@@ -112,7 +112,7 @@ class KVCacheCPU:
             layers = tuple(i for i in range(num_layers) if windows[i] == w)
             shape = (len(layers), 2, num_kv_heads, n_slots * page_tokens, head_dim)
             arena = allocate("kv", int(np.prod(shape)) * np.dtype(self.dtype).itemsize,
-                             lambda shape=shape: _aligned_empty(shape, self.dtype),
+                             lambda shape=shape: aligned_empty(shape, self.dtype),
                              f"{max_tokens} tokens x {len(layers)} CPU layers")
             kind = KindPages(w, layers, page_tokens, n_slots, arena)
             self._kinds.append(kind)
@@ -338,15 +338,15 @@ class KVCacheCPU:
         k, v = self._kernel_args[layer]
         np.copyto(self._q, q[0])
         self._kernel(self._q_tensor, k, v, row0 + lo, n - lo, float(scale), self._o_tensor)
-        out = _aligned_empty((1, self._o.shape[0], self.head_dim), q.dtype)  # aligned: the stage's tensor is a view
+        out = aligned_empty((1, self._o.shape[0], self.head_dim), q.dtype)  # aligned: the stage's tensor is a view
         np.copyto(out, self._o.reshape(out.shape))                           # [h_a, d] -> [1, h_a, d]
         return out
 
     def _bind_kernel(self, num_q_heads: int) -> None:
         """Zero-copy TVM tensors over every layer's K and V arena and over the q/o staging buffers."""
         from tvm.runtime import from_dlpack
-        self._q = _aligned_empty((num_q_heads, self.head_dim), np.float32)
-        self._o = _aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._q = aligned_empty((num_q_heads, self.head_dim), np.float32)
+        self._o = aligned_empty((num_q_heads, self.head_dim), np.float32)
         self._q_tensor, self._o_tensor = from_dlpack(self._q), from_dlpack(self._o)
         self._kernel_args = [(from_dlpack(kind.arena[j, 0]), from_dlpack(kind.arena[j, 1]))
                              for kind, j in self._kind_of]
@@ -399,8 +399,8 @@ class DecodeBatch:
     def _buffers(self, S: int) -> tuple:
         if S not in self._bufs:
             from tvm.runtime import from_dlpack
-            q = _aligned_empty((S, self.h_a, self.d), np.float32)
-            o = _aligned_empty((S, self.h_a * self.d), np.float32)
+            q = aligned_empty((S, self.h_a, self.d), np.float32)
+            o = aligned_empty((S, self.h_a * self.d), np.float32)
             o[...] = 0
             self._bufs[S] = (q, o, [from_dlpack(q[b]) for b in range(S)],
                              [from_dlpack(o[b].reshape(self.h_a, self.d)) for b in range(S)], from_dlpack(o))
@@ -487,14 +487,6 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
         out[nan] = np.uint16(0x7FC0)
     return out
 
-
-def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty whose data starts on a 64-byte boundary (tvm.runtime.from_dlpack refuses anything less)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def default_threads() -> int:

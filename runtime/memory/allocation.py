@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Callable, TypeVar
 
+import numpy as np
+
 from helmc.errors import HelmcError
 
 T = TypeVar("T")
@@ -77,3 +79,13 @@ def allocate(site: str, nbytes: int, make: Callable[[], T], what: str = "") -> T
     for observe in observers:
         observe(site, nbytes, obj)
     return obj
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, zero: bool = False) -> np.ndarray:
+    """np.empty (np.zeros with zero=True) whose data starts on a 64-byte boundary: what cpu_tensor_view and
+    tvm.runtime.from_dlpack take without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = (np.zeros if zero else np.empty)(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
