@@ -17,6 +17,7 @@ import numpy as np
 
 from helmc.model.spec import ModelSpec
 from helmc.runtime.kv.interface import KVCache
+from helmc.runtime.rope import rope_half
 from helmc.runtime.function_names import batch_phase, block_function_name  # noqa: F401 (the stage's names)
 
 
@@ -166,7 +167,6 @@ class Stage:
         says why). Other row counts (prompt chunks) get new halves, captured by nothing."""
         if self.spec.local_rope is None:
             return (cos, sin), (cos, sin)
-        from helmc.runtime.rope import rope_half
         D = self.spec.head_dim
         S = cos.shape[0]
         kept = self._rope_split.get(S)
