@@ -36,7 +36,7 @@ class DecodeGraph:
         self.to_cupy = to_cupy
         # x, cos and sin cross in one copy from pinned memory: offsets of 256 bytes keep each view aligned
         # a local RoPE (Gemma 3) makes each cos / sin row [global D | local D] (Stage.rope_halves splits it)
-        H, D = spec.hidden_size, spec.head_dim * (2 if spec.local_rope is not None else 1)
+        H, D = spec.hidden_size, spec.rope_width
         x_at, cos_at, sin_at = 0, align_up(2 * H), align_up(2 * H) + align_up(4 * D)
         n = sin_at + align_up(4 * D)
         self._pinned = cp.cuda.alloc_pinned_memory(n)

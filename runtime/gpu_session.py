@@ -228,12 +228,15 @@ class GpuParts:
                 a += n
             return self._head_of_last_rows(last)                                    # [B, V], B = len(rows) > 1
 
-def gpu_cache_windows(spec, gpu_layers: range, kv_layers: int) -> tuple[int, ...]:
-    """Each GPU cache layer's window (Gemma 3: per block). The cache's last len(gpu_layers) layers are the GPU
-    blocks'; a hybrid plan's streamed blocks before them take the blocks' just before (exact where every block has
-    one window: hybrid decode is refused for per-block windows, pipeline.check_placement)."""
-    first = gpu_layers[0] - (kv_layers - len(gpu_layers)) if len(gpu_layers) else spec.num_layers - kv_layers
-    return tuple(spec.layer_window(first + j) for j in range(kv_layers))
+def gpu_cache_layers(placement) -> tuple[int, ...]:
+    """The blocks of the GPU cache's layers, in its index order: a hybrid plan's streamed blocks first (in the
+    schedule's order, hybrid/schedule.HybridSchedule.gpu_kv_layers), then the GPU-resident ones."""
+    return tuple(placement.streamed_layers) + tuple(placement.gpu_layers)
+
+
+def gpu_cache_windows(spec, placement) -> tuple[int, ...]:
+    """Each GPU cache layer's window: its block's own (ModelSpec.layer_window; Gemma 3's differ per block)."""
+    return tuple(spec.layer_window(i) for i in gpu_cache_layers(placement))
 
 
 def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int, free: int, pool_loan: int):
@@ -257,7 +260,7 @@ def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int,
     return KVCacheGPU(kv_layers, spec.num_kv_heads, spec.head_dim, page_tokens=page_tokens,
                       max_tokens=mem.max_context, vram_bytes=max(0, int(budget)),
                       watermark=kv_options.watermark, offload=kv_options.offload,
-                      sliding_window=gpu_cache_windows(spec, plan.placement.gpu_layers, kv_layers), loan_bytes=pool_loan,
+                      sliding_window=gpu_cache_windows(spec, plan.placement), loan_bytes=pool_loan,
                       ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
 
 
@@ -398,6 +401,9 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     if hybrid:             # before the KV pool takes what is left: the plan counted the ring as workspace
         from helmc.runtime.hybrid.load import allocate_ring
         schedule, ring = allocate_ring(plan, arenas)
+        if schedule.gpu_kv_layers != gpu_cache_layers(pl):     # the cache's windows follow gpu_cache_layers
+            raise HelmcError(f"hybrid decode: GPU cache blocks expected {gpu_cache_layers(pl)}, found the schedule's "
+                             f"{schedule.gpu_kv_layers}")
     loan, ring_lends, arena_in_ring = _prefill_loans(plan, spec, arenas, ring)
     kv_layers = len(schedule.gpu_kv_layers) if hybrid else len(pl.gpu_layers)    # hybrid: streamed blocks first
     stage = (_gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options, vm, cpu_vm, upload,

@@ -29,6 +29,7 @@ from helmc.model.spec import ModelSpec
 
 from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
 from helmc.runtime.progress import steps
+from helmc.runtime.rope import block_rope
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
 from helmc.runtime.stage import StageBinding, block_function_name
 from helmc.runtime.weights.bind import release_block, weight_view
@@ -108,18 +109,21 @@ def bind_pinned_layers(ck: Checkpoint, spec: ModelSpec, layers: range, progress=
     return [a.binding for a in arenas], arenas
 
 
-def prompt_buffer_sizes(S: int, hidden: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+def prompt_buffer_sizes(S: int, hidden: int, num_kv_heads: int, head_dim: int,
+                        rope_width: int | None = None) -> tuple[int, int, int, int]:
     """Bytes of the prompt's buffers while one CPU block runs every chunk on the GPU: the hidden state
     [S, H] fp16, the block's K and V [2, h_kv, S, d] fp16 that causal attention reads, and RoPE's cos
-    and sin [S, d] fp32 each. The cost model plans the same buffers (cost_model.prefill_prompt_bytes)."""
-    return S * hidden * 2, 2 * num_kv_heads * S * head_dim * 2, S * head_dim * 4, S * head_dim * 4
+    and sin [S, W] fp32 each (W = rope_width, default d; a local RoPE's rows hold both tables, 2d). The cost
+    model plans the same buffers (cost_model.prefill_prompt_bytes)."""
+    W = head_dim if rope_width is None else rope_width
+    return S * hidden * 2, 2 * num_kv_heads * S * head_dim * 2, S * W * 4, S * W * 4
 
 
 class StreamedPrefill:
     """Runs the prompt through the CPU stage's blocks on the GPU (see the module docstring).
 
     VRAM: one block's weights, the prompt's hidden state [S, H] and K, V [2, h_kv, S, d] (fp16) and
-    cos, sin [S, d] (fp32), held only while run() runs: borrowed from the GPU stage's empty KV page
+    cos, sin [S, W] (fp32, W = ModelSpec.rope_width), held only while run() runs: borrowed from the GPU stage's empty KV page
     pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated.
     lend_arena(nbytes), where given, lends the block's weights apart (a hybrid plan's idle staging ring of at
     least one block, runtime/hybrid/load.ring_lender): `lend` is then asked for the prompt's buffers only."""
@@ -167,13 +171,13 @@ class StreamedPrefill:
         return max(a.nbytes for a in self.arenas)
 
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x [S, H], cos/sin [S, D] on the host -> x after every CPU block, [S, H] fp16 on the host;
+        """x [S, H], cos/sin [S, W] (W = ModelSpec.rope_width) on the host -> x after every CPU block, [S, H] fp16 on the host;
         K, V land in the CPU KV cache. Returns to the host because the VRAM may be the KV pool's."""
         return self.run_sequences([(x, cos, sin)], [self.cpu_kv], self.lend)[0]
 
     def run_sequences(self, prompts: list, kvs: list, lend=None) -> list[np.ndarray]:
         """Several new requests' prompts through the CPU blocks at once (runtime/serve/batch_model.py): prompts
-        [(x [S_b, H], cos/sin [S_b, D])] on the host, kvs[b] their (empty) CPU-stage KV caches. Each block's
+        [(x [S_b, H], cos/sin [S_b, W])] on the host, kvs[b] their (empty) CPU-stage KV caches. Each block's
         weights cross PCIe once for all of them; within a block each prompt runs its own chunks on its own
         buffers exactly as run() runs it alone, so its rows and K, V are bit-identical to that. lend(nbytes):
         a flat uint8 VRAM buffer of nbytes or None (then allocated). -> x [S_b, H] fp16 on the host each."""
@@ -184,7 +188,7 @@ class StreamedPrefill:
             if kv.length != 0:
                 raise HelmcError(f"streamed prefill: expected an empty CPU-stage KV cache, found {kv.length} tokens")
         lengths = [x.shape[0] for x, _, _ in prompts]
-        H, h_kv, d = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim
+        H, h_kv, d, W = self.spec.hidden_size, self.spec.num_kv_heads, self.spec.head_dim, self.spec.rope_width
         total = self.buffer_bytes(lengths)
         buf = lend(total) if lend is not None else None
         self.borrowed = buf is not None
@@ -198,14 +202,14 @@ class StreamedPrefill:
         seqs = []                        # per prompt: x, K/V scratch, cos, sin on the device
         for (x, cos, sin), S in zip(prompts, lengths):
             parts = []
-            for n in prompt_buffer_sizes(S, H, h_kv, d):
+            for n in prompt_buffer_sizes(S, H, h_kv, d, W):
                 parts.append(buf[off:off + n])
                 off += aligned_bytes(n)
             xb, kvb, cb, sb = parts
             xg = xb.view(cp.float16).reshape(S, H)                          # [S*H*2 bytes] -> [S, H]
             scratch = kvb.view(cp.float16).reshape(2, h_kv, S, d)          # this block's K, V of the whole prompt
-            cos_g = cb.view(cp.float32).reshape(S, d)                      # [S*d*4 bytes] -> [S, d]
-            sin_g = sb.view(cp.float32).reshape(S, d)                      # [S*d*4 bytes] -> [S, d]
+            cos_g = cb.view(cp.float32).reshape(S, W)                      # [S*W*4 bytes] -> [S, W]
+            sin_g = sb.view(cp.float32).reshape(S, W)                      # [S*W*4 bytes] -> [S, W]
             xg.set(np.ascontiguousarray(x, np.float16))
             cos_g.set(np.ascontiguousarray(cos, np.float32))
             sin_g.set(np.ascontiguousarray(sin, np.float32))
@@ -227,8 +231,9 @@ class StreamedPrefill:
             for (xg, scratch, cos_g, sin_g), kv, S, gpu_rows in zip(seqs, kvs, lengths, self.gpu_rows):
                 for c0 in range(0, S, self.chunk):
                     c1 = min(S, c0 + self.chunk)
-                    xg[c0:c1] = self._chunk(xg[c0:c1], cos_g[c0:c1], sin_g[c0:c1], scratch, c0,
-                                            bindings[arena.slots], fns)
+                    xg[c0:c1] = self._chunk(xg[c0:c1], *block_rope(self.spec, arena.layer, cos_g[c0:c1],
+                                                                   sin_g[c0:c1]), scratch, c0,
+                                            bindings[arena.slots], fns, self.spec.layer_window(arena.layer))
                 rows = scratch.get()                                        # [2, h_kv, S, d] fp16 on the host
                 k_rows, v_rows = rows[0].transpose(1, 0, 2), rows[1].transpose(1, 0, 2)   # [h_kv,S,d] -> [S,h_kv,d]
                 if where == "cpu":
@@ -245,7 +250,9 @@ class StreamedPrefill:
         rows, self.gpu_rows = self.gpu_rows, []
         return rows
 
-    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns):
+    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns, window: int):
+        """Rows c0.. of the prompt through one block: cos / sin [n, d] its RoPE table's (runtime/rope.block_rope),
+        window its attention window (ModelSpec.layer_window, 0: global), as the resident stage gives that block."""
         cp, n = self.cp, x.shape[0]
         pre, post = fns
         to_tvm, to_cupy = self.to_tvm, self.to_cupy
@@ -255,7 +262,6 @@ class StreamedPrefill:
         scratch[0, :, c0:c0 + n] = to_cupy(k).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         scratch[1, :, c0:c0 + n] = to_cupy(v).reshape(n, h_kv, d).transpose(1, 0, 2)   # [n, h_kv*d] -> [h_kv, n, d]
         qc = to_cupy(q).reshape(n, self.spec.num_heads, d)                              # [n, h_a*d] -> [n, h_a, d]
-        window = self.spec.sliding_window or 0
         if self.flash is not None and qc.dtype == cp.float16:
             o = cp.empty(qc.shape, cp.float16)                                          # [n, h_a, d]
             self.flash.flash_prefill(cp.ascontiguousarray(qc), scratch[0], scratch[1], c0 + n, c0, h_kv, window,
@@ -279,4 +285,4 @@ def streamed_prefill_bytes(arena_bytes: int, prompt_tokens: "int | list[int]", s
     lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     return aligned_bytes(arena_bytes) + sum(
         aligned_bytes(n) for S in lengths
-        for n in prompt_buffer_sizes(S, spec.hidden_size, spec.num_kv_heads, spec.head_dim))
+        for n in prompt_buffer_sizes(S, spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.rope_width))

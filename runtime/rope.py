@@ -99,6 +99,19 @@ def rope_tables(spec) -> RopeTables:
     return RopeTables(spec.rope, spec.head_dim, spec.local_rope)
 
 
+def rope_half(rows, local: bool, head_dim: int):
+    """The columns of RoPE rows [S, rope_width] (NumPy or CuPy; RopeTables.cos_sin) a block takes, a view: the local
+    table's head_dim for a block with the local RoPE, else the first head_dim (the global table's, or the only one)."""
+    return rows[:, head_dim:2 * head_dim] if local else rows[:, :head_dim]
+
+
+def block_rope(spec, layer: int, cos, sin) -> tuple:
+    """Block `layer`'s (cos, sin) [S, head_dim] of RoPE rows [S, rope_width], views: the choice the stage makes per
+    block (Stage.rope_halves by ModelSpec.layer_rope_local), for the paths that run one block at a time."""
+    local = spec.layer_rope_local(layer)
+    return rope_half(cos, local, spec.head_dim), rope_half(sin, local, spec.head_dim)
+
+
 def _cos_sin(positions: np.ndarray, f: np.ndarray, scale=None) -> tuple[np.ndarray, np.ndarray]:
     freqs = positions.astype(np.float32)[:, None] * f[None, :]                   # [S] x [D/2] -> [S, D/2]
     emb = np.concatenate([freqs, freqs], axis=-1)                                 # [S, D/2] -> [S, D]

@@ -17,6 +17,7 @@ import numpy as np
 
 from helmc.model.spec import ModelSpec
 from helmc.runtime.kv.interface import KVCache
+from helmc.runtime.rope import rope_half
 from helmc.runtime.function_names import batch_phase, block_function_name  # noqa: F401 (the stage's names)
 
 
@@ -71,7 +72,9 @@ class Stage:
         self.scale = spec.attention_scale
         # Per block of the stage: whether it takes the local RoPE half of cos/sin (Gemma 3's sliding blocks).
         self._local_rope = [spec.layer_rope_local(i) for i in layers]
-        self._rope_split = None      # rope_halves' last (cos, sin, their arrays, the halves, the halves' tensors)
+        # rope_halves' device buffers per decode step's row count: rows -> (cos, sin, their arrays, the halves, the
+        # halves' tensors); kept for the session, since a captured step writes and reads them on every replay.
+        self._rope_split: dict[int, tuple] = {}
         # Per block of the stage, its signature's functions: (phase, signature) -> PackedFunc.
         self._signature = [spec.signature_index(i) for i in layers]
         self.batch_sizes = tuple(batch_sizes)    # the batched decode variants the bundle holds (decode_batch_sizes)
@@ -155,24 +158,34 @@ class Stage:
 
     def rope_halves(self, cos, sin) -> tuple[tuple, tuple]:
         """((cos, sin) of the global blocks, (cos, sin) of the local ones) as device tensors [S, D]: with a local
-        RoPE, the halves of RopeTables' [S, 2D] rows, copied once a step (not per block) into buffers kept for the
-        last (cos, sin) pair on the GPU (CuPy views). A decode graph passes the same static pair every step, so a captured step only copies:
-        a tensor view made during a capture would invalidate it (runtime/moe_decode_row.py says why)."""
+        RoPE, the halves of RopeTables' [S, 2D] rows (runtime/rope.rope_half), copied once a step (not per block).
+        On the GPU, a decode step's halves (S = 1 or a batched decode size) go into buffers kept per S for the
+        session: a captured step (decode graphs, hybrid decode's group graphs, one per step shape) bakes their
+        addresses in and replays without calling this, so they must outlive any other step's. The arrays of the
+        last (cos, sin) pair of each S are kept too: a decode graph passes the same static pair every step, so a
+        captured step only copies: a tensor view made during a capture would invalidate it (runtime/moe_decode_row.py
+        says why). Other row counts (prompt chunks) get new halves, captured by nothing."""
         if self.spec.local_rope is None:
             return (cos, sin), (cos, sin)
         D = self.spec.head_dim
-        kept = self._rope_split
+        S = cos.shape[0]
+        kept = self._rope_split.get(S)
         if kept is None or kept[0] is not cos or kept[1] is not sin:       # held: their ids stay unique
             c, s = self.to_array(cos), self.to_array(sin)
             xp = _array_module(c)
-            if xp is np:             # the host's tensors are copies of their arrays: new halves each step
-                return tuple((self.from_array(np.ascontiguousarray(c[:, i * D:(i + 1) * D])),   # [S, 2D] -> [S, D]
-                              self.from_array(np.ascontiguousarray(s[:, i * D:(i + 1) * D]))) for i in (0, 1))
-            halves = tuple(xp.empty((c.shape[0], D), c.dtype) for _ in range(4))   # [S, D] each
-            kept = self._rope_split = (cos, sin, (c, s), halves, tuple(self.from_array(h) for h in halves))
+            if xp is np or not (S == 1 or S in self.batch_sizes):
+                # the host's tensors are copies of their arrays; a prompt's chunk is not captured: new halves
+                return tuple((self.from_array(xp.ascontiguousarray(rope_half(c, local, D))),   # [S, 2D] -> [S, D]
+                              self.from_array(xp.ascontiguousarray(rope_half(s, local, D)))) for local in (False, True))
+            if kept is None:
+                halves = tuple(xp.empty((S, D), c.dtype) for _ in range(4))   # [S, D] each
+                kept = (cos, sin, (c, s), halves, tuple(self.from_array(h) for h in halves))
+            else:
+                kept = (cos, sin, (c, s), kept[3], kept[4])
+            self._rope_split[S] = kept
         _, _, (c, s), halves, tensors = kept
-        for h, (a, i) in zip(halves, ((c, 0), (s, 0), (c, 1), (s, 1))):
-            h[...] = a[:, i * D:(i + 1) * D]                                # [S, 2D] -> [S, D]
+        for h, (a, local) in zip(halves, ((c, False), (s, False), (c, True), (s, True))):
+            h[...] = rope_half(a, local, D)                                 # [S, 2D] -> [S, D]
         return (tensors[0], tensors[1]), (tensors[2], tensors[3])
 
     def _post_fn(self, local: int, phase: str, signature: int):

@@ -110,19 +110,12 @@ def gpu_moe_kernels(spec: ModelSpec) -> dict:
 
 
 def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> None:
-    """A plan this build can carry out: a GPU where it places units; for Gemma 3's block (per-block windows and RoPE
-    tables), no streamed prefill or hybrid decode (their staged blocks take one window and one RoPE table); for a
-    mixture-of-experts model, no streamed
+    """A plan this build can carry out: a GPU where it places units; for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
     if spec.gpu_lacks and plan.placement.uses_gpu:
         raise HelmcError(f"plan: {spec.architecture} expected every block and the head on the CPU (the GPU stage has no "
                          f"kernels for its {spec.gpu_lacks}), found {plan.describe()}")
-    per_block = spec.local_rope is not None or bool(spec.global_layers)
-    if per_block and (plan.placement.prefill_on_gpu or plan.placement.groups):
-        raise HelmcError(f"plan: {spec.architecture} expected a plain CPU/GPU split (its blocks' own windows and RoPE "
-                         f"tables are not staged for streamed prefill or hybrid decode), found {plan.describe()}"
-                         f"{' with its prefill streamed to the GPU' if plan.placement.prefill_on_gpu else ''}")
     if plan.placement.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     if spec.moe is not None and (plan.placement.prefill_on_gpu or plan.placement.groups):

@@ -235,6 +235,12 @@ class ModelSpec:
         return self.local_rope is not None and self.layer_window(layer) > 0
 
     @property
+    def rope_width(self) -> int:
+        """Columns of a RoPE table row (runtime/rope.RopeTables): head_dim, or with a local RoPE the global table's
+        head_dim then the local one's (each block takes its half: runtime/rope.block_rope)."""
+        return self.head_dim * (2 if self.local_rope is not None else 1)
+
+    @property
     def max_context(self) -> int:
         return self.max_position_embeddings
 

@@ -133,6 +133,8 @@ class ProgramAnalysis:
     quantized_prefill_scratch_bytes: int = 0
     # The same for a quantized lm_head on the GPU, whose prefill function serving steps of several rows call.
     quantized_head_scratch_bytes: int = 0
+    # Columns of a RoPE table row (ModelSpec.rope_width; 0: head_dim): the streamed prefill holds the prompt's rows.
+    rope_width: int = 0
 
     def __post_init__(self):
         if len(self.units) != self.num_layers + 2 or len(self.prefix) != len(self.units) + 1:
@@ -248,4 +250,4 @@ def analyze_program(spec: ModelSpec, dtype: str | None = None) -> ProgramAnalysi
         linear_bytes_by_type=tuple(sorted(by_type.items())),
         head_bytes_by_type=(((lm_type if dtype == spec.dtype else "") or dtype, head_bytes - H * d),),
         quantized_prefill_scratch_bytes=sum(scratch.values()),
-        quantized_head_scratch_bytes=V * H * FP16_BYTES if head_quantized else 0)
+        quantized_head_scratch_bytes=V * H * FP16_BYTES if head_quantized else 0, rope_width=spec.rope_width)

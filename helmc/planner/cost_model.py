@@ -330,7 +330,7 @@ def prefill_prompt_bytes(a: ProgramAnalysis, prompt_tokens: int, batch: int = 1)
     chunk, as runtime/prefill_stream.py allocates it (hidden state, the block's K/V, cos and sin,
     each ARENA_ALIGN-aligned in the one buffer it asks for)."""
     from helmc.runtime.prefill_stream import aligned_bytes, prompt_buffer_sizes
-    sizes = prompt_buffer_sizes(prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim)
+    sizes = prompt_buffer_sizes(prompt_tokens, a.hidden_size, a.num_kv_heads, a.head_dim, a.rope_width or a.head_dim)
     return batch * sum(aligned_bytes(n) for n in sizes)          # each prompt its own buffers
 
 

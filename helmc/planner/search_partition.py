@@ -144,8 +144,6 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
         from helmc.planner.moe import MOE_PREFILL_CHUNK_TOKENS
         stream_prefill = hybrid = False
         chunk = MOE_PREFILL_CHUNK_TOKENS
-    if spec.local_rope is not None or spec.global_layers:   # Gemma 3: per-block windows and RoPE tables, a plain split
-        stream_prefill = hybrid = False
     w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
                  stream_prefill=stream_prefill, hybrid=hybrid, prefill_chunk_tokens=chunk)
     a = analyze_program(spec, dtype)

@@ -90,9 +90,9 @@ def check_plan(plan: Plan, spec: ModelSpec, own: Plan, where: str = "plan",
     if spec.gpu_lacks and pl.uses_gpu:
         raise HelmcError(f"{where}: {spec.architecture} expected every block and the head on the CPU (the GPU stage "
                          f"has no kernels for its {spec.gpu_lacks}), found {plan.describe()}")
-    if (spec.local_rope is not None or spec.global_layers) and (pl.prefill_on_gpu or pl.groups):
-        raise HelmcError(f"{where}: {spec.architecture} expected a plain CPU/GPU split (its blocks' own windows and "
-                         f"RoPE tables), found {'a streamed prefill' if pl.prefill_on_gpu else 'hybrid decode groups'}")
+    if spec.moe is not None and (pl.prefill_on_gpu or pl.groups):     # the staging holds dense blocks
+        raise HelmcError(f"{where}: a mixture-of-experts model ({spec.architecture}) expected a plain CPU/GPU split, "
+                         f"found {'a streamed prefill' if pl.prefill_on_gpu else 'hybrid decode groups'}")
     for g in pl.groups:
         if g.first_layer + g.num_layers > spec.num_layers:
             raise HelmcError(f"{where}: group at block {g.first_layer} of {g.num_layers} blocks expected within the "

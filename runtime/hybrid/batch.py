@@ -35,7 +35,7 @@ class BatchHybridBackend:
             spec = resident_stage.spec
             self.graphs = BatchGroupGraphs(base.stages, resident_stage.shared_gpu_decode_batch(), base.arrays,
                                            base.graphs[0].stream, base.to_tvm,
-                                           base.to_cupy, spec.hidden_size, spec.head_dim)
+                                           base.to_cupy, spec.hidden_size, spec.rope_width)
 
     def bind(self, cpu_caches: list, gpu_caches: list, rows: list[int]) -> None:
         """The step's sequences: their CPU- and GPU-cache objects and rows (one each)."""

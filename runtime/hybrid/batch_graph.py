@@ -24,11 +24,12 @@ MAX_KEYS = 4        # graphs kept per group: sequences join and leave, and split
 
 
 class BatchGroupGraphs:
-    def __init__(self, stages: list, decode_batch, arrays, stream, to_tvm, to_cupy, hidden: int, head_dim: int):
+    def __init__(self, stages: list, decode_batch, arrays, stream, to_tvm, to_cupy, hidden: int, rope_width: int):
         """stages: the streamed groups' Stages (bindings on their ring slots); decode_batch: the GpuDecodeBatch
-        every GPU stage shares; arrays: the backend's host/device helper; stream: the session's compute stream."""
+        every GPU stage shares; arrays: the backend's host/device helper; stream: the session's compute stream;
+        rope_width: the columns of a RoPE row (ModelSpec.rope_width: a local RoPE's rows hold both tables)."""
         self.stages, self.decode_batch, self.arrays, self.stream = stages, decode_batch, arrays, stream
-        self.to_tvm, self.to_cupy, self.hidden, self.head_dim = to_tvm, to_cupy, hidden, head_dim
+        self.to_tvm, self.to_cupy, self.hidden, self.rope_width = to_tvm, to_cupy, hidden, rope_width
         self._inputs: dict[int, tuple] = {}                    # S -> (x, cos, sin device arrays, their TVM views)
         # per group, then the resident part: key -> (graph, pool, out tensor, out)
         self._graphs: list[dict] = [{} for _ in range(len(stages) + 1)]
@@ -37,13 +38,13 @@ class BatchGroupGraphs:
         self.replays = self.captures = self.eager_steps = 0
 
     def inputs(self, S: int) -> tuple:
-        """(x [S, H] fp16, cos [S, D], sin [S, D] fp32 on the device, their TVM views), made once per S outside any
+        """(x [S, H] fp16, cos [S, W], sin [S, W] fp32 (W = rope_width) on the device, their TVM views), made once per S outside any
         capture: the step writes its rows into them and every graph of S reads them there."""
         if S not in self._inputs:
             import numpy as np
             x = self.arrays.device(np.zeros((S, self.hidden), np.float16))
-            cos = self.arrays.device(np.zeros((S, self.head_dim), np.float32))
-            sin = self.arrays.device(np.zeros((S, self.head_dim), np.float32))
+            cos = self.arrays.device(np.zeros((S, self.rope_width), np.float32))
+            sin = self.arrays.device(np.zeros((S, self.rope_width), np.float32))
             self._inputs[S] = (x, cos, sin, tuple(self.to_tvm(a) for a in (x, cos, sin)))
         return self._inputs[S]
 

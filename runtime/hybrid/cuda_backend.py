@@ -82,8 +82,9 @@ class CudaHybridBackend:
         self.ring_free = ops.new_event()
         self.ring_read = False                 # whether ring_free has been recorded (a group has read the ring)
         self.x = ops.device_empty((1, spec.hidden_size), np.float16)
-        self.cos = ops.device_empty((1, spec.head_dim), np.float32)
-        self.sin = ops.device_empty((1, spec.head_dim), np.float32)
+        # a local RoPE (Gemma 3) makes each row [global D | local D]: each streamed block takes its half (Stage)
+        self.cos = ops.device_empty((1, spec.rope_width), np.float32)
+        self.sin = ops.device_empty((1, spec.rope_width), np.float32)
         self.attn = ops.device_empty((1, spec.q_dim), np.float16)
         self.views = [to_tvm(a) for a in (self.x, self.cos, self.sin, self.attn)]
         self.graphs = None

@@ -149,34 +149,32 @@ def test_quant_of_gemma3_is_refused_in_one_line(gemma3, tmp_path):
         read_model(gemma3()[0], quant="q8_0", cache_dir=str(tmp_path))
 
 
-def test_gemma3_gpu_plans_are_plain_splits(gemma3):
-    """A GPU stage takes Gemma 3's blocks; streamed prefill and hybrid decode (one window, one RoPE table for their
-    staged blocks) are refused in one line, and the planner never proposes them for it."""
+def test_gemma3_plans_may_stream_prefill_and_decode_hybrid(gemma3):
+    """Gemma 3's streamed and staged blocks take their own windows and RoPE tables (ModelSpec.layer_window,
+    runtime/rope.block_rope), so plans with the prefill streamed to the GPU or with hybrid decode groups are
+    carried out at build (check_placement) and accepted at load (check_plan), a global block among the streamed
+    ones included; the GPU cache's layers (streamed blocks first, then the resident ones) carry their blocks'
+    windows."""
     from helmc.compiler.pipeline import check_placement
-    from helmc.errors import HelmcError
     from helmc.hardware.profile import load_hardware
     from helmc.model.spec import ModelSpec
-    from helmc.planner.search_partition import plan as search
+    from helmc.planner.hybrid import forced_layout, forced_split
     from helmc.runtime.bundle.plan import Plan
-    spec = ModelSpec.from_model_dir(gemma3()[0])
-    hw = load_hardware("h100-sxm-measured")
-    check_placement(spec, Plan.of(num_layers=4, cpu_units=2), hw)         # a split
-    check_placement(spec, Plan.of(num_layers=4, cpu_units=0), hw)         # all on the GPU
-    with pytest.raises(HelmcError, match="plan: Gemma3ForCausalLM expected a plain CPU/GPU split .* "
-                                         "with its prefill streamed to the GPU$"):
-        check_placement(spec, Plan.of(num_layers=4, cpu_units=2, prefill_on_gpu=True, prefill_staging_bytes=1,
-                                      max_context=512), hw)
-    for budget in (None, 1e-4):
-        p = search(spec, hw, gpu_budget_gib=budget)
-        assert not p.placement.prefill_on_gpu and not p.placement.groups, p.describe()
-    # a --plan file asking for it is refused at load, before anything is allocated
     from helmc.runtime.bundle.plan_check import check_plan
-    own = Plan.of(num_layers=4, cpu_units=2, max_context=512)
-    check_plan(own, spec, own)
-    with pytest.raises(HelmcError, match="^--plan: Gemma3ForCausalLM expected a plain CPU/GPU split .*, found a "
-                                         "streamed prefill$"):
-        check_plan(Plan.of(num_layers=4, cpu_units=2, prefill_on_gpu=True, prefill_staging_bytes=1, max_context=512),
-                   spec, own, where="--plan")
+    from helmc.runtime.gpu_session import gpu_cache_layers, gpu_cache_windows
+    spec = ModelSpec.from_model_dir(gemma3()[0])
+    assert [spec.layer_window(i) for i in range(4)] == [8, 8, 0, 8]
+    hw = load_hardware("h100-sxm-measured")
+    base = Plan.of(num_layers=4, cpu_units=0, max_context=512, prefill_chunk_tokens=16, gpu_kv_pool_bytes=64 << 20)
+    streamed = forced_split(base, spec, 3)                 # blocks 0, 1 on the host, their prefill on the GPU
+    hybrid = forced_layout(base, spec, ((1, 2),))          # C0 [0] S0 [1, 2] | resident [3]: block 2 global
+    assert streamed.placement.prefill_on_gpu and hybrid.placement.streamed_layers == (1, 2)
+    for p in (streamed, hybrid):
+        check_placement(spec, p, hw)
+        check_plan(p, spec, p)
+        check_plan(p, spec, base, where="--plan")
+    assert gpu_cache_layers(hybrid.placement) == (1, 2, 3) and gpu_cache_windows(spec, hybrid.placement) == (8, 0, 8)
+    assert gpu_cache_windows(spec, streamed.placement) == (0, 8)                 # resident blocks 2, 3
 
 
 _GEMMA3_GGUF_BLOCK = {   # llama.cpp's gemma3 names (gguf-py MODEL_ARCH.GEMMA3), spelled out apart from helmc's table

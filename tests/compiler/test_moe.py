@@ -185,10 +185,15 @@ def test_streamed_prefill_plan_is_refused(tmp_path, cache_dir):
         hw = HardwareProfile.from_json(f.read())
     d = str(tmp_path / "model")
     make_tiny_model(d, "qwen3_moe", num_layers=2)
-    plan = search_plan(ModelSpec.from_model_dir(d), hw, 128, 128, hybrid=False)
-    assert not plan.placement.prefill_on_gpu and not plan.placement.groups         # the planner makes a plain split for a MoE model
-    plan = plan.replace(cpu_units=2, groups=(), candidates=(), prefill_on_gpu=True,
+    spec = ModelSpec.from_model_dir(d)
+    own = search_plan(spec, hw, 128, 128, hybrid=False)
+    assert not own.placement.prefill_on_gpu and not own.placement.groups         # the planner makes a plain split for a MoE model
+    plan = own.replace(cpu_units=2, groups=(), candidates=(), prefill_on_gpu=True,
                                prefill_staging_bytes=1 << 20)
+    from helmc.runtime.bundle.plan_check import check_plan
+    with pytest.raises(HelmcError, match="^--plan: a mixture-of-experts model .* expected a plain CPU/GPU split, "
+                                         "found a streamed prefill$"):     # a --plan file asking for it, at load
+        check_plan(plan, spec, own, where="--plan")
     with pytest.raises(HelmcError, match="mixture-of-experts model .* expected a plain CPU/GPU split") as e:
         build(d, hw, str(tmp_path / "bundle"), cache_dir=cache_dir, quiet=True, plan=plan)
     assert "\n" not in str(e.value)

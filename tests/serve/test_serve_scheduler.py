@@ -69,7 +69,7 @@ def test_newcomers_stream_together_while_their_buffers_fit_the_loan():
     from helmc.runtime.serve.batch_model import loan_groups
 
     class Spec:                                    # Qwen3-8B's sizes: all streamed_prefill_bytes reads of a spec
-        hidden_size, num_kv_heads, head_dim = 4096, 8, 128
+        hidden_size, num_kv_heads, head_dim, rope_width = 4096, 8, 128, 128
     arena = 400 << 20
     size = lambda lengths: streamed_prefill_bytes(arena, lengths, Spec)        # noqa: E731
     loan = size([128] * 4)                                                      # planned: 4 prompts of 128
