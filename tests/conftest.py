@@ -70,6 +70,8 @@ SLOW_TESTS = (
     "tests/compiler/test_quantized_models.py::test_calibrate_measures_a_quantized_bundle",
     # mixture of experts: the q4_k_m build (two expert signatures) and the GGUF twin stay fast
     "tests/compiler/test_moe_gguf.py::test_quantized_experts_match_transformers[q8_0]",
+    # a quantized GGUF's batched steps (test_moe's fp32 batched decode and the m-row kernels' own tests stay fast)
+    "tests/compiler/test_moe_gguf.py::test_q4_k_m_batched_steps_equal_single_runs",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[bfloat16-]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q4_k_m]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q8_0]",
