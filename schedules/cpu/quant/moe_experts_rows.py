@@ -11,9 +11,14 @@ times its weight; one forms every row's output over its experts' blocks of down,
 within a block of output rows, so the down blocks are read from DRAM once too.
 
 Bits: each pair's gate/up is the one-token GEMV step (gemv_int8.one_token_step) on that row's x quantized alone,
-its SwiGLU and weight the one-row kernel's expression, and each row's down sum runs over that row's experts in
+its SwiGLU and weight the one-row kernel's macro (moe_experts.expert_activation), its down rows the one-row kernel's
+(moe_experts.ExpertSumParts.down_expert), and each row's down sum runs over that row's experts in
 the order the caller lists them (ascending, as the runtime passes the one-row kernel) in accumulators of its own:
 each output row is bit-identical to the one-row kernel on that row alone.
+
+The one-row kernel is not this one at m = 1: that would pay a parallel region for quantizing x, the pair arrays'
+indirections and the serial loop over rows in every decode step of a single sequence (Qwen3-30B-A3B's shapes on the
+2-core EPYC, benchmarks/bench_moe_rows_cpu.py --rows 1: 2.0-2.4 ms against the one-row kernel's 1.9-2.1 ms).
 
 The caller describes the step's pairs (n of them) grouped by expert:
   make_moe_expert_rows(gate_type, down_type, experts, inter, hidden, top_k, isa)
@@ -32,12 +37,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from helmc.runtime.function_names import moe_expert_rows_name
-from helmc.schedules.cpu.gemv_quant import quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _const, _macros, _ramp, one_token_step
-from helmc.schedules.cpu.quant.moe_experts import BiasedExperts, expert_activation, moe_expert_sum_applies
-from helmc.schedules.cpu.quant.prefetch import prefetch_macro
-from helmc.schedules.cpu.quant.tiles import _hsum
+from helmc.schedules.cpu.quant.moe_experts import (BiasedExperts, expert_activation, expert_sum_parts,
+                                                   moe_expert_sum_applies)
 from helmc.schedules.cpu.weight_load import STACK
 
 
@@ -48,18 +50,10 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
     the one-row kernel's."""
     assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
     E, I, H, K = experts, inter, hidden, top_k
-    gu, dn = INT8_UNITS[gate_type], INT8_UNITS[down_type]
-    g_blocks, d_blocks = H // gu.weights, I // dn.weights
-    gb, db = g_blocks * gu.bytes, d_blocks * dn.bytes                     # row bytes of gate/up and of down
-    g_rows, _ = quant_blocking(gate_type, 1, isa, INT8_TUNING[gate_type])
-    d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
-    g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
-    quantize_x, _ = _macros(gate_type, isa, 1, 1)
-    quantize_a, down_dot = _macros(down_type, isa, 1, 1)
-    gate_step = one_token_step(gate_type, I, H, isa)
-    down_prefetch = prefetch_macro(d_rows, dn.bytes, db, INT8_TUNING[down_type], H)
-    gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
+    k = expert_sum_parts(gate_type, down_type, inter, hidden, isa)
+    gu, dn, g_blocks, d_blocks, gb, db, d_rows = k.gate, k.down, k.g_blocks, k.d_blocks, k.gb, k.db, k.d_rows
     activation = expert_activation(biased)
+    gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
 
     @T.macro
     def moe_rows(x_h, pe_h, pr_h, pw_h, gs_h, rp_h, rs_h, w_gate, w_up, w_down, b_gate, b_up, b_down, y_h):
@@ -84,9 +78,9 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
         adx = T.alloc_buffer((n, d_blocks * dx_), "float32")
         axs = T.alloc_buffer((n, d_blocks * ds), dn.xs_dtype)
         for rb in T.parallel(m * g_blocks):
-            quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
-        for step in T.parallel(ng * g_steps):
-            grp = step // g_steps
+            k.quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
+        for step in T.parallel(ng * k.g_steps):
+            grp = step // k.g_steps
             p0 = group_start[grp]
             row0 = pair_expert[p0] * I
             wg = T.decl_buffer((I, gb), "uint8", data=w_gate.data, elem_offset=row0 * gb)
@@ -107,41 +101,21 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
                 xsr = T.decl_buffer((1, g_blocks * gs), gu.xs_dtype, data=xs.data, elem_offset=r * (g_blocks * gs))
                 gp = T.decl_buffer((1, I), "float32", data=g.data, elem_offset=p * I)    # [1, I] row p of g
                 up = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=p * I)
-                gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % g_steps)
-                gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % g_steps)
+                k.gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % k.g_steps)
+                k.gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % k.g_steps)
         for jb in T.parallel(n * d_blocks):          # each pair's SwiGLU times its weight, quantized per block
             for i in T.serial(dn.weights):
                 activation(g, u, pair_weight, pair_expert, b_gate, b_up, jb // d_blocks, jb % d_blocks * dn.weights + i)
-            quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
-        for step in T.parallel(d_steps):
+            k.quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
+        for step in T.parallel(k.d_steps):
             acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
             accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
             for r in T.serial(m):
-                for o in T.unroll(d_rows):
-                    acc[0, o, _ramp(0, 16)] = _const(0.0, "float32", 16)
-                    accm[0, o, _ramp(0, 8)] = _const(0.0, "float32", 8)
+                k.clear(acc, accm)
                 for q in T.serial(row_start[r + 1] - row_start[r]):
                     p = row_pairs[row_start[r] + q]
-                    row0 = pair_expert[p] * H
-                    wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
-                    wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
-                    wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
-                    aqp = T.decl_buffer((1, I), "int8", data=aq.data, elem_offset=p * I)
-                    adxp = T.decl_buffer((1, d_blocks * dx_), "float32", data=adx.data, elem_offset=p * (d_blocks * dx_))
-                    axsp = T.decl_buffer((1, d_blocks * ds), dn.xs_dtype, data=axs.data, elem_offset=p * (d_blocks * ds))
-                    for b in T.serial(d_blocks):
-                        down_prefetch(wdf, step * d_rows, b)
-                        for o in T.unroll(d_rows):
-                            down_dot(wd, wdi, wdh, wdu, aqp, adxp, axsp, acc, accm, T.min(step * d_rows + o, H - 1),
-                                     o, b, 0)
-                for o in T.unroll(d_rows):
-                    if step * d_rows + o < H:
-                        if dn.mins:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)]) - _hsum(accm[0, o, _ramp(0, 8)])
-                        else:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)])
+                    k.down_expert(w_down, pair_expert[p], aq, adx, axs, p, acc, accm, step)
+                k.store(y, r, acc, accm, step)
         if biased is not None:
             for rh in T.parallel(m * H):             # the down biases, weighted, in each row's pair order
                 for q in T.serial(row_start[rh // H + 1] - row_start[rh // H]):
