@@ -55,9 +55,9 @@ class BiasedExperts:
 
 
 def expert_activation(biased: BiasedExperts | None):
-    """Macro (g, u, weight, expert, b_gate, b_up, row, col): u[row, col] = weight[row] * SwiGLU of gate g and up u at
-    [row, col], of the expert expert[row]: silu(g) * u, or with `biased` the gate's and up's biases added and
-    BiasedExperts' clamped SwiGLU (b_gate, b_up unused, None, without)."""
+    """Macro (g, u, weight, expert, b_gate, b_up, row, col): u[row, col] = weight[row] * the SwiGLU of gate g and up u
+    at [row, col]: silu(g) * u; with `biased`, expert expert[row]'s gate and up biases added first and BiasedExperts'
+    clamped SwiGLU (without, b_gate and b_up are not read: the plain kernels pass None)."""
     if biased is None:
         @T.macro
         def swiglu(g, u, weight, expert, b_gate, b_up, row, col):
