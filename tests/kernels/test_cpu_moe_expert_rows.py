@@ -92,16 +92,16 @@ def test_rows_with_some_pairs_left_out():
 def test_biased_expert_rows_match_one_row_and_float64():
     """gpt-oss's experts (biases, clamped SwiGLU) in the m-row kernel: each row bit-identical to the one-row biased
     kernel and within float64's reach (tests/kernels/test_cpu_moe_expert_sum.reference_biased)."""
-    from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum_biased
-    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows_biased
+    from helmc.schedules.cpu.quant.moe_experts import BiasedExperts
     from tests.kernels.test_cpu_moe_expert_sum import biased_case, reference_biased
     E, I, H, K, alpha = 6, 256, 512, 3, 1.702
     rng = np.random.default_rng(11)
     gate, up, down, biases, _, limit = biased_case(rng, "mxfp4", "mxfp4", E, I, H)
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
-    rows = _compiled(make_moe_expert_rows_biased("mxfp4", "mxfp4", E, I, H, K, ISA, alpha, limit))
-    one = _compiled(make_moe_expert_sum_biased("mxfp4", "mxfp4", E, I, H, K, ISA, alpha, limit))
+    biased = BiasedExperts(alpha, limit)
+    rows = _compiled(make_moe_expert_rows("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
+    one = _compiled(make_moe_expert_sum("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
     for idx in ([[4, 1, 5], [1, 0, 2], [5, 4, 1], [3, 2, 0]], [[2, 0, 5]]):
         idx = np.array(idx, np.int64)
         w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)

@@ -15,7 +15,8 @@ gguf_quants = pytest.importorskip("gguf.quants")
 
 from helmc.runtime.bundle.manifest import host_cpu_flags  # noqa: E402
 from helmc.schedules.cpu.isa import select_isa  # noqa: E402
-from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum, moe_expert_sum_applies  # noqa: E402
+from helmc.schedules.cpu.quant.moe_experts import (BiasedExperts, make_moe_expert_sum,  # noqa: E402
+                                                   moe_expert_sum_applies)
 from tests.kernels.test_cpu_quant_gemv import GGML, int8_activations, random_quant_weight, target  # noqa: E402
 
 ISA = select_isa(host_cpu_flags())
@@ -107,12 +108,12 @@ def biased_case(rng, gate_type, down_type, E, I, H):
 @pytest.mark.parametrize("gate_type,down_type,I,H", [("mxfp4", "mxfp4", 320, 2880), ("q4_k", "q6_k", 512, 768)])
 def test_biased_expert_sum_matches_float64(gate_type, down_type, I, H):
     """gpt-oss's experts in one call: the biases and the clamped SwiGLU (limit where ~40% of the gate values clamp)."""
-    from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum_biased
     E, K, alpha = 5, 4, 1.702
     rng = np.random.default_rng(7)
     gate, up, down, biases, x, limit = biased_case(rng, gate_type, down_type, E, I, H)
-    func = make_moe_expert_sum_biased(gate_type, down_type, E, I, H, K, ISA, alpha, limit)
+    func = make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA, BiasedExperts(alpha, limit))
     assert str(func.attrs["global_symbol"]).endswith("_biased")
+    assert [str(p.name) for p in func.params][6:9] == ["b_gate", "b_up", "b_down"]   # after the weights, before y
     call = tvm.compile(func, target=target(ISA))[str(func.attrs["global_symbol"])]
     dev = tvm.cpu()
     args = tuple(tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases)

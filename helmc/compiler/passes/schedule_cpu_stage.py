@@ -86,23 +86,19 @@ def moe_expert_kernels(spec: ModelSpec, features: tuple[str, ...]) -> dict:
     moe_experts_rows.py, a batched step's rows) of each
     routed expert type signature whose gate/up and down types have int8 kernels on this CPU; the runtime looks
     each up by name and calls the expert function per expert where one is absent. gpt-oss's biased, clamped experts
-    (MoeSpec.biased_experts) take the kernels' biased twins."""
+    (MoeSpec.biased_experts) take the kernels' biased form (BiasedExperts)."""
     if spec.moe is None or not (spec.moe.plain_experts or spec.moe.biased_experts):
         return {}
-    from helmc.schedules.cpu.quant.moe_experts import (make_moe_expert_sum, make_moe_expert_sum_biased,
-                                                       moe_expert_sum_applies)
-    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows, make_moe_expert_rows_biased
+    from helmc.schedules.cpu.quant.moe_experts import BiasedExperts, make_moe_expert_sum, moe_expert_sum_applies
+    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows
     isa, moe, out = select_isa(features), spec.moe, {}
-    makers = (make_moe_expert_sum, make_moe_expert_rows)                 # one decode row; a batched step's m rows
-    extra = ()
-    if moe.biased_experts:
-        makers, extra = (make_moe_expert_sum_biased, make_moe_expert_rows_biased), (moe.swiglu_alpha, moe.swiglu_limit)
+    biased = BiasedExperts(moe.swiglu_alpha, moe.swiglu_limit) if moe.biased_experts else None
     for gate, up, down in spec.expert_signatures():
         if gate == up and moe_expert_sum_applies(gate or None, down or None, moe.expert_intermediate_size,
                                                  spec.hidden_size, isa):
-            for make in makers:
+            for make in (make_moe_expert_sum, make_moe_expert_rows):     # one decode row; a batched step's m rows
                 f = make(gate, down, moe.num_experts, moe.expert_intermediate_size, spec.hidden_size, moe.top_k, isa,
-                         *extra)
+                         biased)
                 out[str(f.attrs["global_symbol"])] = f
     return out
 

@@ -11,9 +11,14 @@ times its weight; one forms every row's output over its experts' blocks of down,
 within a block of output rows, so the down blocks are read from DRAM once too.
 
 Bits: each pair's gate/up is the one-token GEMV step (gemv_int8.one_token_step) on that row's x quantized alone,
-its SwiGLU and weight the one-row kernel's expression, and each row's down sum runs over that row's experts in
+its SwiGLU and weight the one-row kernel's macro (moe_experts.expert_activation), its down rows the one-row kernel's
+(moe_experts.ExpertSumParts.down_expert), and each row's down sum runs over that row's experts in
 the order the caller lists them (ascending, as the runtime passes the one-row kernel) in accumulators of its own:
 each output row is bit-identical to the one-row kernel on that row alone.
+
+The one-row kernel is not this one at m = 1: that would pay a parallel region for quantizing x, the pair arrays'
+indirections and the serial loop over rows in every decode step of a single sequence (Qwen3-30B-A3B's shapes on the
+2-core EPYC, benchmarks/bench_moe_rows_cpu.py --rows 1: 2.0-2.4 ms against the one-row kernel's 1.9-2.1 ms).
 
 The caller describes the step's pairs (n of them) grouped by expert:
   make_moe_expert_rows(gate_type, down_type, experts, inter, hidden, top_k, isa)
@@ -23,6 +28,8 @@ The caller describes the step's pairs (n of them) grouped by expert:
   pairs sorted by expert: group u (one expert) is pairs group_start[u] .. group_start[u + 1];
   row r's pairs, in its sum's order, are row_pairs[row_start[r] .. row_start[r + 1]];
   y[r] = sum over row r's pairs p of pair_weight[p] * expert pair_expert[p](x[r]).
+  make_moe_expert_rows(..., biased=BiasedExperts(alpha, limit)): gpt-oss's experts, the biases b_gate, b_up [E, I],
+  b_down [E, H] (fp32) after w_down, as moe_experts.make_moe_expert_sum's.
 """
 from __future__ import annotations
 
@@ -30,36 +37,26 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from helmc.runtime.function_names import moe_expert_rows_name
-from helmc.schedules.cpu.gemv_quant import quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
-from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _const, _macros, _ramp, one_token_step
-from helmc.schedules.cpu.quant.moe_experts import moe_expert_sum_applies
-from helmc.schedules.cpu.quant.prefetch import prefetch_macro
-from helmc.schedules.cpu.quant.tiles import _hsum
+from helmc.schedules.cpu.quant.moe_experts import (BiasedExperts, expert_activation, expert_sum_parts,
+                                                   moe_expert_sum_applies)
 from helmc.schedules.cpu.weight_load import STACK
 
 
 def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: int, hidden: int, top_k: int,
-                         isa: VectorIsa) -> tirx.PrimFunc:
+                         isa: VectorIsa, biased: BiasedExperts | None = None) -> tirx.PrimFunc:
+    """`biased`: gpt-oss's experts (BiasedExperts), the plain kernel with the one-row biased kernel's bias terms and
+    clamped SwiGLU; each row's down biases added after its dot products in its pairs' order, so each row's bits are
+    the one-row kernel's."""
     assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
     E, I, H, K = experts, inter, hidden, top_k
-    gu, dn = INT8_UNITS[gate_type], INT8_UNITS[down_type]
-    g_blocks, d_blocks = H // gu.weights, I // dn.weights
-    gb, db = g_blocks * gu.bytes, d_blocks * dn.bytes                     # row bytes of gate/up and of down
-    g_rows, _ = quant_blocking(gate_type, 1, isa, INT8_TUNING[gate_type])
-    d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
-    g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
-    quantize_x, _ = _macros(gate_type, isa, 1, 1)
-    quantize_a, down_dot = _macros(down_type, isa, 1, 1)
-    gate_step = one_token_step(gate_type, I, H, isa)
-    down_prefetch = prefetch_macro(d_rows, dn.bytes, db, INT8_TUNING[down_type], H)
+    k = expert_sum_parts(gate_type, down_type, inter, hidden, isa)
+    gu, dn, g_blocks, d_blocks, gb, db, d_rows = k.gate, k.down, k.g_blocks, k.d_blocks, k.gb, k.db, k.d_rows
+    activation = expert_activation(biased)
     gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
 
-    @T.prim_func
-    def moe_rows(x_h: T.handle, pe_h: T.handle, pr_h: T.handle, pw_h: T.handle, gs_h: T.handle, rp_h: T.handle,
-                 rs_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"), w_up: T.Buffer((E * I, gb), "uint8"),
-                 w_down: T.Buffer((E * H, db), "uint8"), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+    @T.macro
+    def moe_rows(x_h, pe_h, pr_h, pw_h, gs_h, rp_h, rs_h, w_gate, w_up, w_down, b_gate, b_up, b_down, y_h):
         m, n, m1, ng1 = T.int32(), T.int32(), T.int32(), T.int32()
         x = T.match_buffer(x_h, (m, H), "float32")
         y = T.match_buffer(y_h, (m, H), "float32")
@@ -81,9 +78,9 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
         adx = T.alloc_buffer((n, d_blocks * dx_), "float32")
         axs = T.alloc_buffer((n, d_blocks * ds), dn.xs_dtype)
         for rb in T.parallel(m * g_blocks):
-            quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
-        for step in T.parallel(ng * g_steps):
-            grp = step // g_steps
+            k.quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
+        for step in T.parallel(ng * k.g_steps):
+            grp = step // k.g_steps
             p0 = group_start[grp]
             row0 = pair_expert[p0] * I
             wg = T.decl_buffer((I, gb), "uint8", data=w_gate.data, elem_offset=row0 * gb)
@@ -104,158 +101,45 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
                 xsr = T.decl_buffer((1, g_blocks * gs), gu.xs_dtype, data=xs.data, elem_offset=r * (g_blocks * gs))
                 gp = T.decl_buffer((1, I), "float32", data=g.data, elem_offset=p * I)    # [1, I] row p of g
                 up = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=p * I)
-                gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % g_steps)
-                gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % g_steps)
+                k.gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % k.g_steps)
+                k.gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % k.g_steps)
         for jb in T.parallel(n * d_blocks):          # each pair's SwiGLU times its weight, quantized per block
             for i in T.serial(dn.weights):
-                u[jb // d_blocks, jb % d_blocks * dn.weights + i] = (
-                    g[jb // d_blocks, jb % d_blocks * dn.weights + i]
-                    / (T.float32(1) + T.exp(-g[jb // d_blocks, jb % d_blocks * dn.weights + i]))
-                    * u[jb // d_blocks, jb % d_blocks * dn.weights + i] * pair_weight[jb // d_blocks])
-            quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
-        for step in T.parallel(d_steps):
+                activation(g, u, pair_weight, pair_expert, b_gate, b_up, jb // d_blocks, jb % d_blocks * dn.weights + i)
+            k.quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
+        for step in T.parallel(k.d_steps):
             acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
             accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
             for r in T.serial(m):
-                for o in T.unroll(d_rows):
-                    acc[0, o, _ramp(0, 16)] = _const(0.0, "float32", 16)
-                    accm[0, o, _ramp(0, 8)] = _const(0.0, "float32", 8)
+                k.clear(acc, accm)
                 for q in T.serial(row_start[r + 1] - row_start[r]):
                     p = row_pairs[row_start[r] + q]
-                    row0 = pair_expert[p] * H
-                    wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
-                    wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
-                    wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
-                    aqp = T.decl_buffer((1, I), "int8", data=aq.data, elem_offset=p * I)
-                    adxp = T.decl_buffer((1, d_blocks * dx_), "float32", data=adx.data, elem_offset=p * (d_blocks * dx_))
-                    axsp = T.decl_buffer((1, d_blocks * ds), dn.xs_dtype, data=axs.data, elem_offset=p * (d_blocks * ds))
-                    for b in T.serial(d_blocks):
-                        down_prefetch(wdf, step * d_rows, b)
-                        for o in T.unroll(d_rows):
-                            down_dot(wd, wdi, wdh, wdu, aqp, adxp, axsp, acc, accm, T.min(step * d_rows + o, H - 1),
-                                     o, b, 0)
-                for o in T.unroll(d_rows):
-                    if step * d_rows + o < H:
-                        if dn.mins:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)]) - _hsum(accm[0, o, _ramp(0, 8)])
-                        else:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)])
+                    k.down_expert(w_down, pair_expert[p], aq, adx, axs, p, acc, accm, step)
+                k.store(y, r, acc, accm, step)
+        if biased is not None:
+            for rh in T.parallel(m * H):             # the down biases, weighted, in each row's pair order
+                for q in T.serial(row_start[rh // H + 1] - row_start[rh // H]):
+                    y[rh // H, rh % H] = y[rh // H, rh % H] + pair_weight[row_pairs[row_start[rh // H] + q]] * b_down[
+                        pair_expert[row_pairs[row_start[rh // H] + q]], rh % H]
 
-    return moe_rows.with_attr("global_symbol", moe_expert_rows_name(gate_type, down_type, E, I, H))
+    if biased is None:
+        @T.prim_func
+        def moe_rows_plain(x_h: T.handle, pe_h: T.handle, pr_h: T.handle, pw_h: T.handle, gs_h: T.handle,
+                           rp_h: T.handle, rs_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"),
+                           w_up: T.Buffer((E * I, gb), "uint8"), w_down: T.Buffer((E * H, db), "uint8"), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            moe_rows(x_h, pe_h, pr_h, pw_h, gs_h, rp_h, rs_h, w_gate, w_up, w_down, None, None, None, y_h)
 
-
-def make_moe_expert_rows_biased(gate_type: str, down_type: str, experts: int, inter: int, hidden: int, top_k: int,
-                                isa: VectorIsa, alpha: float, limit: float) -> tirx.PrimFunc:
-    """make_moe_expert_rows's kernel for gpt-oss's experts (moe_experts.make_moe_expert_sum_biased's m-row twin: the
-    biases b_gate, b_up [E, I], b_down [E, H] after the weights, the clamped SwiGLU; each row's down biases added after
-    its dot products in its pairs' order, so each row's bits are the one-row kernel's)."""
-    assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
-    E, I, H, K = experts, inter, hidden, top_k
-    gu, dn = INT8_UNITS[gate_type], INT8_UNITS[down_type]
-    g_blocks, d_blocks = H // gu.weights, I // dn.weights
-    gb, db = g_blocks * gu.bytes, d_blocks * dn.bytes                     # row bytes of gate/up and of down
-    g_rows, _ = quant_blocking(gate_type, 1, isa, INT8_TUNING[gate_type])
-    d_rows, _ = quant_blocking(down_type, 1, isa, INT8_TUNING[down_type])
-    g_steps, d_steps = -(-I // g_rows), -(-H // d_rows)
-    quantize_x, _ = _macros(gate_type, isa, 1, 1)
-    quantize_a, down_dot = _macros(down_type, isa, 1, 1)
-    gate_step = one_token_step(gate_type, I, H, isa)
-    down_prefetch = prefetch_macro(d_rows, dn.bytes, db, INT8_TUNING[down_type], H)
-    gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
+        return moe_rows_plain.with_attr("global_symbol", moe_expert_rows_name(gate_type, down_type, E, I, H))
 
     @T.prim_func
-    def moe_rows(x_h: T.handle, pe_h: T.handle, pr_h: T.handle, pw_h: T.handle, gs_h: T.handle, rp_h: T.handle,
-                 rs_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"), w_up: T.Buffer((E * I, gb), "uint8"),
-                 w_down: T.Buffer((E * H, db), "uint8"), b_gate: T.Buffer((E, I), "float32"),
-                 b_up: T.Buffer((E, I), "float32"), b_down: T.Buffer((E, H), "float32"), y_h: T.handle):
+    def moe_rows_biased(x_h: T.handle, pe_h: T.handle, pr_h: T.handle, pw_h: T.handle, gs_h: T.handle,
+                        rp_h: T.handle, rs_h: T.handle, w_gate: T.Buffer((E * I, gb), "uint8"),
+                        w_up: T.Buffer((E * I, gb), "uint8"), w_down: T.Buffer((E * H, db), "uint8"),
+                        b_gate: T.Buffer((E, I), "float32"), b_up: T.Buffer((E, I), "float32"),
+                        b_down: T.Buffer((E, H), "float32"), y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        m, n, m1, ng1 = T.int32(), T.int32(), T.int32(), T.int32()
-        x = T.match_buffer(x_h, (m, H), "float32")
-        y = T.match_buffer(y_h, (m, H), "float32")
-        pair_expert = T.match_buffer(pe_h, (n,), "int32")
-        pair_row = T.match_buffer(pr_h, (n,), "int32")
-        pair_weight = T.match_buffer(pw_h, (n,), "float32")
-        group_start = T.match_buffer(gs_h, (ng1,), "int32")
-        row_pairs = T.match_buffer(rp_h, (n,), "int32")
-        row_start = T.match_buffer(rs_h, (m1,), "int32")
-        T.Assert(m1 == m + 1, "moe_expert_rows: row_start must hold rows + 1 entries")
-        T.Assert(n <= m * K, "moe_expert_rows: more pairs than rows times the block's top-k")
-        ng = ng1 - 1
-        xq = T.alloc_buffer((m, H), "int8")
-        dx = T.alloc_buffer((m, g_blocks * gx), "float32")
-        xs = T.alloc_buffer((m, g_blocks * gs), gu.xs_dtype)
-        g = T.alloc_buffer((n, I), "float32")                             # [n, I] each pair's gate(x)
-        u = T.alloc_buffer((n, I), "float32")                             # [n, I] up(x), then weight * SwiGLU
-        aq = T.alloc_buffer((n, I), "int8")
-        adx = T.alloc_buffer((n, d_blocks * dx_), "float32")
-        axs = T.alloc_buffer((n, d_blocks * ds), dn.xs_dtype)
-        for rb in T.parallel(m * g_blocks):
-            quantize_x(x, xq, dx, xs, rb // g_blocks, rb % g_blocks)
-        for step in T.parallel(ng * g_steps):
-            grp = step // g_steps
-            p0 = group_start[grp]
-            row0 = pair_expert[p0] * I
-            wg = T.decl_buffer((I, gb), "uint8", data=w_gate.data, elem_offset=row0 * gb)
-            wgi = T.decl_buffer((I, gb), "int8", data=w_gate.data, elem_offset=row0 * gb)
-            wgh = T.decl_buffer((I, gb // 2), "float16", data=w_gate.data, elem_offset=row0 * (gb // 2))
-            wgf = T.decl_buffer((I * gb,), "uint8", data=w_gate.data, elem_offset=row0 * gb)
-            wgu = T.decl_buffer((I, gb // 4), "uint32", data=w_gate.data, elem_offset=row0 * (gb // 4))
-            wu = T.decl_buffer((I, gb), "uint8", data=w_up.data, elem_offset=row0 * gb)
-            wui = T.decl_buffer((I, gb), "int8", data=w_up.data, elem_offset=row0 * gb)
-            wuh = T.decl_buffer((I, gb // 2), "float16", data=w_up.data, elem_offset=row0 * (gb // 2))
-            wuf = T.decl_buffer((I * gb,), "uint8", data=w_up.data, elem_offset=row0 * gb)
-            wuu = T.decl_buffer((I, gb // 4), "uint32", data=w_up.data, elem_offset=row0 * (gb // 4))
-            for q in T.serial(group_start[grp + 1] - p0):
-                p = p0 + q
-                r = pair_row[p]
-                xqr = T.decl_buffer((1, H), "int8", data=xq.data, elem_offset=r * H)
-                dxr = T.decl_buffer((1, g_blocks * gx), "float32", data=dx.data, elem_offset=r * (g_blocks * gx))
-                xsr = T.decl_buffer((1, g_blocks * gs), gu.xs_dtype, data=xs.data, elem_offset=r * (g_blocks * gs))
-                gp = T.decl_buffer((1, I), "float32", data=g.data, elem_offset=p * I)    # [1, I] row p of g
-                up = T.decl_buffer((1, I), "float32", data=u.data, elem_offset=p * I)
-                gate_step(wg, wgi, wgh, wgf, wgu, xqr, dxr, xsr, gp, step % g_steps)
-                gate_step(wu, wui, wuh, wuf, wuu, xqr, dxr, xsr, up, step % g_steps)
-        for jb in T.parallel(n * d_blocks):          # each pair's clamped SwiGLU times its weight, quantized
-            for i in T.serial(dn.weights):
-                p, c = jb // d_blocks, jb % d_blocks * dn.weights + i
-                gv = T.min(g[p, c] + b_gate[pair_expert[p], c], T.float32(limit))
-                uv = T.max(T.min(u[p, c] + b_up[pair_expert[p], c], T.float32(limit)), T.float32(-limit))
-                u[p, c] = (uv + T.float32(1)) * (gv / (T.float32(1) + T.exp(gv * T.float32(-alpha)))) * pair_weight[p]
-            quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
-        for step in T.parallel(d_steps):
-            acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
-            accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
-            for r in T.serial(m):
-                for o in T.unroll(d_rows):
-                    acc[0, o, _ramp(0, 16)] = _const(0.0, "float32", 16)
-                    accm[0, o, _ramp(0, 8)] = _const(0.0, "float32", 8)
-                for q in T.serial(row_start[r + 1] - row_start[r]):
-                    p = row_pairs[row_start[r] + q]
-                    row0 = pair_expert[p] * H
-                    wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
-                    wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
-                    wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
-                    wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
-                    aqp = T.decl_buffer((1, I), "int8", data=aq.data, elem_offset=p * I)
-                    adxp = T.decl_buffer((1, d_blocks * dx_), "float32", data=adx.data, elem_offset=p * (d_blocks * dx_))
-                    axsp = T.decl_buffer((1, d_blocks * ds), dn.xs_dtype, data=axs.data, elem_offset=p * (d_blocks * ds))
-                    for b in T.serial(d_blocks):
-                        down_prefetch(wdf, step * d_rows, b)
-                        for o in T.unroll(d_rows):
-                            down_dot(wd, wdi, wdh, wdu, aqp, adxp, axsp, acc, accm, T.min(step * d_rows + o, H - 1),
-                                     o, b, 0)
-                for o in T.unroll(d_rows):
-                    if step * d_rows + o < H:
-                        if dn.mins:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)]) - _hsum(accm[0, o, _ramp(0, 8)])
-                        else:
-                            y[r, step * d_rows + o] = _hsum(acc[0, o, _ramp(0, 16)])
-        for rh in T.parallel(m * H):                 # the down biases, weighted, in each row's pair order
-            for q in T.serial(row_start[rh // H + 1] - row_start[rh // H]):
-                y[rh // H, rh % H] = y[rh // H, rh % H] + pair_weight[row_pairs[row_start[rh // H] + q]] * b_down[
-                    pair_expert[row_pairs[row_start[rh // H] + q]], rh % H]
+        moe_rows(x_h, pe_h, pr_h, pw_h, gs_h, rp_h, rs_h, w_gate, w_up, w_down, b_gate, b_up, b_down, y_h)
 
-    return moe_rows.with_attr("global_symbol", moe_expert_rows_name(gate_type, down_type, E, I, H, biased=True))
+    return moe_rows_biased.with_attr("global_symbol",
+                                     moe_expert_rows_name(gate_type, down_type, E, I, H, biased=True))
