@@ -49,12 +49,16 @@ class PeakVram:
         if hasattr(self.source, "__enter__"):
             self._opened.enter_context(self.source)
         self.peak = None
-        first = self.source()
+        try:
+            first = self.source()
+        except BaseException:                    # a started source (a process) is not left running
+            self._opened.close()
+            raise
         self.baseline = first if self._baseline_arg is None else self._baseline_arg
         self._take(first)
         self._stop.clear()
         self._thread = None
-        if first is not None:                    # a source that cannot tell now is not asked again until exit
+        if first is not None:                    # a source that cannot tell now is not asked again
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
