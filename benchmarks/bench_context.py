@@ -39,8 +39,9 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
+
+from benchmarks.peak_vram import PeakVram, cuda_used_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024 ** 3
@@ -55,44 +56,6 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 def emit(rec: dict) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
-
-
-class PeakVram:
-    """Samples the device's used bytes in a thread; peak_gib is the most seen above `baseline_bytes`."""
-
-    def __init__(self, mem_get_info, baseline_bytes: int, period_s: float = 0.02):
-        self.mem_get_info, self.baseline, self.period = mem_get_info, baseline_bytes, period_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = None
-
-    def _sample(self):
-        free, total = self.mem_get_info()
-        self.peak = max(self.peak, total - free)
-
-    def __enter__(self):
-        self.peak = 0
-        self._sample()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(self.period):
-            try:
-                self._sample()
-            except Exception:
-                return
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    @property
-    def peak_gib(self) -> float:
-        return round(max(0, self.peak - self.baseline) / GIB, 3)
 
 
 # ------------------------------------------------------------------ workers
@@ -124,7 +87,7 @@ def worker_helmc(args) -> None:
 
     from helmc.errors import HelmcError
     from helmc.runtime.session import Session
-    vram = PeakVram(cupy.cuda.runtime.memGetInfo, args.baseline_bytes)
+    vram = PeakVram(cuda_used_bytes(cupy.cuda.runtime.memGetInfo), args.baseline_bytes)
     t = time.perf_counter()
     with vram:
         s = Session.load(args.bundle, weights_dir=args.weights, kv_page_tokens=args.kv_page_tokens,
@@ -170,7 +133,7 @@ def worker_hf(args) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget * GIB / total))
-    vram = PeakVram(torch.cuda.mem_get_info, args.baseline_bytes)
+    vram = PeakVram(cuda_used_bytes(torch.cuda.mem_get_info), args.baseline_bytes)
     t = time.perf_counter()
     with vram:
         model = AutoModelForCausalLM.from_pretrained(

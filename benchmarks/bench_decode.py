@@ -31,7 +31,7 @@ A hybrid decode bundle (its plan has streamed groups) is benchmarked like any ot
 groups, the bytes through the staging ring per token and their PCIe rate, the host weights' read rate per token
 and its share of the profile's DRAM + PCIe rate. With --llama-bench, every helmc row gets its ratios against
 llama.cpp's runs (llamacpp_peer.ratios says which).
-helmc's `peak_vram_gib`, beside llama.cpp's per -ngl: PeakVram (bench_context.py) samples the device's used memory
+helmc's `peak_vram_gib`, beside llama.cpp's per -ngl: PeakVram (peak_vram.py) samples the device's used memory
 every 20 ms through a bundle's load, warm-up and requests; the figure is the most seen above what nvidia-smi showed
 when this script started, before any CUDA call, so it counts this process's CUDA context (as llama.cpp's counts its
 own) and whatever earlier steps left on the device (the bandwidth buffers, calibration and earlier bundles: their
@@ -55,9 +55,10 @@ import time
 import numpy as np
 
 from benchmarks import llamacpp_peer  # the peer's options, runs and ratios
-from benchmarks.bench_context import PeakVram, free_device_pools
+from benchmarks.bench_context import free_device_pools
 from benchmarks.greedy_trace import GreedyTrace, compare_greedy, greedy_trace  # numpy only
 from benchmarks.measured_rates import cpu_stage_fields, hybrid_fields, read_bytes
+from benchmarks.peak_vram import PeakVram, cuda_used_bytes, gpu_memory_used_mib
 from helmc.hardware.profile import HardwareProfile  # pure Python: no torch, no TVM
 from helmc.planner.replan_bundle import replan_bundle
 
@@ -128,7 +129,7 @@ def bench_helmc(bundle: str, model: str, prompt: list[int], new_tokens: int, req
 
     from helmc.runtime.session import Session
 
-    vram = None if vram_baseline_mib is None else PeakVram(torch.cuda.mem_get_info, vram_baseline_mib * 2**20)
+    vram = None if vram_baseline_mib is None else PeakVram(cuda_used_bytes(torch.cuda.mem_get_info), vram_baseline_mib * 2**20)
     free, total = torch.cuda.mem_get_info() if vram is not None else (0, 0)
     held_before = None if vram is None else max(0, total - free - vram_baseline_mib * 2**20) / 2**30  # context, leftovers
     with contextlib.nullcontext() if vram is None else vram:
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
                  f"{'' if a.replan else ' without --replan'}")
     # Before torch or the runtime makes this process's CUDA context, so helmc's peak VRAM counts that context as
     # llama.cpp's figure counts its own.
-    vram_baseline_mib = llamacpp_peer.gpu_memory_used_mib()
+    vram_baseline_mib = gpu_memory_used_mib()
     skip = set(filter(None, a.skip.split(",")))
 
     from helmc.model.load import is_gguf, load_spec

@@ -32,9 +32,10 @@ import statistics
 import sys
 import time
 
-from benchmarks.bench_context import PeakVram, free_device_pools
+from benchmarks.bench_context import free_device_pools
 from benchmarks.bench_decode import log, measure_bandwidths
-from benchmarks.llamacpp_peer import fastest_within, gpu_memory_used_mib, llama_bench
+from benchmarks.llamacpp_peer import fastest_within, llama_bench
+from benchmarks.peak_vram import PeakVram, cuda_used_bytes, gpu_memory_used_mib
 
 GB = 1e9
 
@@ -111,7 +112,7 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
     from helmc.runtime.session import Session
 
     baseline = gpu_memory_used_mib()
-    vram = PeakVram(torch.cuda.mem_get_info, (baseline or 0) * 2 ** 20)
+    vram = PeakVram(cuda_used_bytes(torch.cuda.mem_get_info), (baseline or 0) * 2 ** 20)
     with vram:
         t = time.perf_counter()
         s = Session.load(bundle, weights_dir=a.gguf, plan=_with_expert_cache(bundle, a.expert_cache))

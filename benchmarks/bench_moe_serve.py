@@ -28,7 +28,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks.llamacpp_peer import SmiPeakVram, llama_batched_bench
+from benchmarks.llamacpp_peer import llama_batched_bench
+from benchmarks.peak_vram import smi_peak_vram
 from benchmarks.serve_load import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,13 +98,13 @@ def bench_helmc(a) -> dict:
     proc, url = start_server(a, log_path)
     try:
         asyncio.run(round_of(url, prompts, 8))                      # warm-up: graphs, KV pages, first calls
-        with SmiPeakVram() as vram:
+        with smi_peak_vram() as vram:
             recs = asyncio.run(round_of(url, prompts, a.new_tokens))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     out = {"system": "helmc serve", "bundle": a.bundle, "concurrency": a.concurrency, **rates(recs, a.new_tokens),
-           "peak_vram_gib_over_idle_server": vram.gib}
+           "peak_vram_gib_over_idle_server": vram.held_gib}
     plan = os.path.join(a.bundle, "plan.json")
     if os.path.isfile(plan):
         from helmc.runtime.bundle.plan import Plan

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
+
+from benchmarks.peak_vram import smi_peak_vram
 
 
 def add_arguments(ap) -> None:
@@ -162,7 +163,7 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
            "-o", "json", *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    with SmiPeakVram() as vram:
+    with smi_peak_vram() as vram:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -174,38 +175,7 @@ def llama_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: i
             "ttft_ms_p50": 1000.0 * prompt_len / prompt["avg_ts"], "per_token_ms_p50": 1000.0 / gen["avg_ts"],
             "model_size_bytes": gen.get("model_size"), "build": gen.get("build_commit"),
             "backends": gen.get("backends"),
-            "peak_vram_gib": vram.gib}
-
-
-def gpu_memory_used_mib() -> int | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                         stdout=subprocess.PIPE, text=True).stdout.split()
-    return int(out[0]) if out else None
-
-
-class SmiPeakVram:
-    """nvidia-smi printing the GPU's used memory every 100 ms while a peer runs (its VRAM is not in its output): the
-    peak over the run, less the memory in use before it, is what that run held.
-
-        with SmiPeakVram() as vram: run()
-        vram.gib        # None without nvidia-smi
-    """
-    def __enter__(self) -> "SmiPeakVram":
-        self.baseline, self.gib, self._sampler = gpu_memory_used_mib(), None, None
-        if shutil.which("nvidia-smi"):
-            self._sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                              "-i", "0", "-lms", "100"], stdout=subprocess.PIPE, text=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._sampler is None:
-            return
-        self._sampler.terminate()
-        values = [int(v) for v in self._sampler.communicate()[0].split() if v.isdigit()]
-        if values and self.baseline is not None:
-            self.gib = (max(values) - self.baseline) / 1024
+            "peak_vram_gib": vram.held_gib}
 
 
 def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_tokens: int,
@@ -222,7 +192,7 @@ def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_t
            "-ngl", str(ngl), "-c", str(ctx), *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    with SmiPeakVram() as vram:
+    with smi_peak_vram() as vram:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -238,4 +208,4 @@ def llama_batched_bench(binary: str, gguf: str, ngl: int, prompt_len: int, new_t
         raise RuntimeError(f"llama-batched-bench: expected a row for B in {parallel}, found none for {missing}:\n"
                            f"{proc.stdout[-2000:]}")
     return {"system": "llama.cpp llama-batched-bench", "ngl": ngl, "command": " ".join(cmd), "by_batch": rows,
-            "peak_vram_gib": vram.gib}
+            "peak_vram_gib": vram.held_gib}

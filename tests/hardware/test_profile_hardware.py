@@ -11,6 +11,7 @@ from helmc.hardware import measure_gpu as mg
 from helmc.hardware.profile import HardwareProfile
 from helmc.hardware.kit import FLOAT_TYPES, QUANT_TYPES
 from helmc.hardware.measure import _parse_size, l3_total_bytes, ram_bytes
+from tests.gpu_prebuilt import cuda_device
 
 TINY = mg.BenchSizes(gemv_bytes=2 * mg.MIB, link_bytes=4 * mg.MIB, latency_reps=5, matmul_inner=1, matmul_m=16,
                      matmul_h=256)
@@ -140,12 +141,7 @@ def test_real_gpu_profile():
     """The whole profile on a GPU machine, with the kit in HELMC_PROFILE_KIT (built elsewhere for this machine by
     `helmc profile --build-kit DIR --for hardware.json`; benchmarks/bench_profile_plans.py reports the plans it gives)."""
     import os
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:  # noqa: BLE001 - no driver
-        pytest.skip(f"no CUDA device: {e}")
+    cupy = cuda_device()
     kit = os.environ.get("HELMC_PROFILE_KIT")
     if not kit:
         pytest.skip("HELMC_PROFILE_KIT names no profile kit for this machine")

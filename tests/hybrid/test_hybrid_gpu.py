@@ -17,24 +17,16 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DIR = os.path.join(ROOT, ".devrt", "hybrid")
 LOGIT_TOLERANCE = 2e-2                  # fp16 activations on the GPU against HF's fp32 (test_prefill_gpu's)
 
 
 def bundles() -> tuple[str, dict]:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    path = os.environ.get("HELMC_GPU_HYBRID_BUNDLES", DEFAULT_DIR)
-    if not os.path.isfile(os.path.join(path, "refs.json")):
-        pytest.skip(f"no hybrid test bundles at {path}: build them on the compiler machine with "
-                    "`python -m tests.device.build_hybrid_bundles .devrt/hybrid` and carry .devrt")
+    path = prebuilt_dir("HELMC_GPU_HYBRID_BUNDLES", "hybrid", "refs.json", "hybrid test bundles",
+                        "build_hybrid_bundles .devrt/hybrid")
     with open(os.path.join(path, "refs.json")) as f:
         return path, json.load(f)
 

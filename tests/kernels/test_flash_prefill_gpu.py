@@ -18,6 +18,8 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import cuda_device
+
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,12 +28,7 @@ TOLERANCE = 4e-3
 
 def flash_ops():
     """(cupy, CudaOps over the prebuilt cubins), or a skip naming what is missing."""
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
+    cp = cuda_device()
     from helmc.runtime.kv.cuda_ops import CudaOps
     from tests.device.build_flash_prefill_cubins import cubin_paths
     path = os.environ.get("HELMC_FLASH_PREFILL_DIR", os.path.join(ROOT, ".devrt", "flash_check"))

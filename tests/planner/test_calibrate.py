@@ -19,6 +19,7 @@ import pytest
 
 from helmc.errors import HelmcError
 from helmc.hardware.profile import PRESET_DIR, HardwareProfile, list_presets, load_hardware
+from tests.gpu_prebuilt import cuda_device
 
 STEPS = 12
 
@@ -179,13 +180,10 @@ def test_cli_runtime_only_and_bad_paths(tiny, host_hardware, tmp_path):
 
 @pytest.mark.gpu
 def test_calibrate_gpu_bundle_on_the_device():
-    pytest.importorskip("cupy")
+    cuda_device()
     bundle, weights = os.environ.get("HELMC_CALIBRATE_BUNDLE"), os.environ.get("HELMC_CALIBRATE_WEIGHTS")
     if not bundle or not weights:
         pytest.skip("needs HELMC_CALIBRATE_BUNDLE (a bundle with a GPU stage) and HELMC_CALIBRATE_WEIGHTS")
-    import cupy
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no CUDA device")
     from helmc.planner.calibrate import calibrate, predict_bundle
     from helmc.runtime.measure_bundle import load_bundle_parts
     r = calibrate(bundle, os.path.join(bundle, "hardware.json"), weights_dir=weights, steps=16)

@@ -10,7 +10,6 @@ Session.load of a real bundle, pinned memory through the GPU KV cache's host ext
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import weakref
 
@@ -19,6 +18,7 @@ import pytest
 
 from cli_check import cli, refused, tree
 from helmc.errors import HelmcError
+from tests.gpu_prebuilt import prebuilt_dir
 
 PROMPT = [1, 2, 3, 4, 5]
 UPLOAD_CHUNK = 64 << 20      # cuda_runtime.PinnedUploader's default chunk
@@ -142,17 +142,8 @@ def test_pinned_allocation_failure_emulated(allocations, monkeypatch):
 
 # ---- the same on a GPU (run by hand on the GPU machine, as tests/runtime/test_session_gpu.py) --------
 def _gpu_bundle() -> str:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                          # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("HELMC_GPU_SESSION_BUNDLE", os.path.join(root, ".devrt", "kv_session", "bundle"))
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pytest.skip(f"no GPU test bundle at {path} (`python -m tests.device.build_kv_session_bundle .devrt/kv_session` makes it)")
-    return path
+    return prebuilt_dir("HELMC_GPU_SESSION_BUNDLE", "kv_session/bundle", "manifest.json", "GPU test bundle",
+                        "build_kv_session_bundle .devrt/kv_session")
 
 
 @pytest.mark.gpu

@@ -17,9 +17,10 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGIT_TOLERANCE = 2e-2
 NEW_TOKENS = 24
 
@@ -32,11 +33,8 @@ def amx_dir() -> str:
         amx = False
     if not amx:
         pytest.skip("this CPU has no amx_bf16")
-    path = os.environ.get("HELMC_AMX_DIR", os.path.join(ROOT, ".devrt", "amx"))
-    if not os.path.isfile(os.path.join(path, "refs.npz")):
-        pytest.skip(f"no AMX test bundles at {path}: build them on the compiler machine with "
-                    "`python -m tests.device.build_amx_bundles .devrt/amx` and carry .devrt")
-    return path
+    return prebuilt_dir("HELMC_AMX_DIR", "amx", "refs.npz", "AMX test bundles", "build_amx_bundles .devrt/amx",
+                        needs_gpu=False)
 
 
 @pytest.mark.parametrize("name", ["amx_model", "amx_split"])

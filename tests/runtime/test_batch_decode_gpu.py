@@ -17,26 +17,17 @@ import numpy as np
 import pytest
 
 from batch_decode_checks import batched_runs, compare, prompts, single_runs
+from tests.gpu_prebuilt import prebuilt_dir
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DIR = os.path.join(ROOT, ".devrt", "batch_session")
 STEPS = 16
 
 
 def bundle(name: str) -> str:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    path = os.path.join(os.environ.get("HELMC_GPU_BATCH_BUNDLES", DEFAULT_DIR), name, "bundle")
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pytest.skip(f"no GPU test bundle at {path}: build it on the compiler machine with "
-                    "`python -m tests.device.build_batch_session_bundles .devrt/batch_session` and carry .devrt")
-    return path
+    sub = os.path.join(name, "bundle")
+    return os.path.join(prebuilt_dir("HELMC_GPU_BATCH_BUNDLES", "batch_session", os.path.join(sub, "manifest.json"),
+                                     f"GPU test bundle {sub}", "build_batch_session_bundles .devrt/batch_session"), sub)
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "q4_k_m", "q8_0", "fp16_streamed", "fp16_hybrid"])

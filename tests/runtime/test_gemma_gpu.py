@@ -20,26 +20,17 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT = os.path.join(ROOT, ".devrt", "gemma3_gpu")
 LOGIT_TOLERANCE = 2e-2          # fp16 activations on the GPU against an fp32 reference
 NEW_TOKENS = 24
 
 
 def gemma_dir() -> str:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    path = os.environ.get("HELMC_GEMMA_GPU_DIR", DEFAULT)
-    if not os.path.isfile(os.path.join(path, "refs.npz")):
-        pytest.skip(f"no Gemma 3 GPU bundles at {path}: build them on the compiler machine with `python -m "
-                    f"tests.device.build_gemma_gpu_bundles .devrt/gemma3_gpu` and carry .devrt")
-    return path
+    return prebuilt_dir("HELMC_GEMMA_GPU_DIR", "gemma3_gpu", "refs.npz", "Gemma 3 GPU bundles",
+                        "build_gemma_gpu_bundles .devrt/gemma3_gpu")
 
 
 @pytest.mark.parametrize("name,gpu_windows", [("all_gpu", (8, 8, 0, 8, 8, 0)), ("split", (0, 8, 8, 0)),

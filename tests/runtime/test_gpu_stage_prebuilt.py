@@ -17,31 +17,19 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import cuda_device, prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUNCS = ("pre_attn_decode", "pre_attn_prefill", "post_attn_decode", "post_attn_prefill", "head_decode", "head_prefill")
 TOLERANCE = 1e-2
 _VM: dict = {}
 
 
-def cupy():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    return cp
-
-
 def stage() -> tuple:
     """(the loaded stage's VM, its refs.npz), or a skip naming how to build them."""
-    cupy()
-    path = os.environ.get("HELMC_GPU_STAGE_DIR", os.path.join(ROOT, ".devrt", "gpu_stage_check"))
-    if not os.path.isfile(os.path.join(path, "refs.npz")):
-        pytest.skip(f"no prebuilt GPU stage at {path}: build it on the compiler machine with "
-                    "`python -m tests.device.build_gpu_stage .devrt/gpu_stage_check` and carry .devrt")
+    path = prebuilt_dir("HELMC_GPU_STAGE_DIR", "gpu_stage_check", "refs.npz", "prebuilt GPU stage",
+                        "build_gpu_stage .devrt/gpu_stage_check")
     if path not in _VM:
         from helmc.runtime.cuda_runtime import load_gpu_vm
         _VM[path] = (load_gpu_vm(os.path.join(path, "check_stage.so"), os.path.join(path, "check_stage.cubins.json")),
@@ -72,7 +60,7 @@ def test_stage_function_matches_torch_fp32(name):
 @pytest.mark.parametrize("name,seq", [("probe_gemv", 1), ("probe_prefill", 128)])
 def test_probe_matches_cupy(name, seq):
     vm, _ = stage()
-    cp = cupy()
+    cp = cuda_device()
     from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_to_cupy
     rs = cp.random.RandomState(0)
     w = cupy_to_tvm((rs.standard_normal((12288, 4096), dtype=cp.float32) * 0.02).astype(cp.float16))
@@ -85,7 +73,7 @@ def test_probe_matches_cupy(name, seq):
 
 def test_pinned_upload_is_bit_exact_as_bfloat16():
     """160 MiB of raw bf16 bits through two 64 MiB staging buffers: each buffer refilled after its copy."""
-    cp = cupy()
+    cp = cuda_device()
     from helmc.runtime.cuda_runtime import PinnedUploader, tvm_to_cupy
     host = np.random.default_rng(1).integers(0, 1 << 16, size=(80 << 20,), dtype=np.uint16)
     up = PinnedUploader()

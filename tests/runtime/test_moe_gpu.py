@@ -19,26 +19,18 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [1, 17, 250, 33, 100, 7, 2, 480, 64]
 NEW_TOKENS = 16
 
 
 def moe_dir(bundle: str = "gpu_float16") -> str:
     """The bundles' folder, once it holds `bundle` and a CUDA device is here; else the test skips."""
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    path = os.environ.get("HELMC_MOE_GPU_DIR", os.path.join(ROOT, ".devrt", "moe_gpu"))
-    if not os.path.isfile(os.path.join(path, bundle, "manifest.json")):
-        pytest.skip(f"no MoE GPU bundle {bundle} at {path}: build them on the compiler machine with "
-                    "`python -m tests.device.build_moe_gpu_bundles .devrt/moe_gpu` and carry .devrt")
-    return path
+    return prebuilt_dir("HELMC_MOE_GPU_DIR", "moe_gpu", os.path.join(bundle, "manifest.json"),
+                        f"MoE GPU bundle {bundle}", "build_moe_gpu_bundles .devrt/moe_gpu")
 
 
 def reference(d: str, name: str):

@@ -15,18 +15,9 @@ import numpy as np
 import pytest
 
 from helmc.model.moe import MoeSpec
+from tests.gpu_prebuilt import cuda_device
 
 pytestmark = pytest.mark.gpu
-
-
-def cupy():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    return cp
 
 
 def grid_logits(rng, S: int, E: int) -> np.ndarray:
@@ -43,7 +34,7 @@ def grid_logits(rng, S: int, E: int) -> np.ndarray:
 @pytest.mark.parametrize("E,k,norm", [(8, 2, True), (128, 8, True), (128, 8, False), (60, 4, True),
                                       (1024, 64, True), (33, 33, False)])
 def test_gpu_routing_picks_what_route_picks(E, k, norm):
-    cp = cupy()
+    cp = cuda_device()
     from helmc.runtime.moe_decode_row import gpu_routes, route_rows, route_rows_to_host
     from helmc.runtime.moe_experts import route
     moe = MoeSpec(num_experts=E, top_k=k, norm_topk_prob=norm, expert_intermediate_size=16)
@@ -74,7 +65,7 @@ def test_gpu_routing_is_declined_where_the_kernel_cannot_route():
 
 @pytest.mark.parametrize("S,E,k", [(2048, 128, 8), (1, 8, 2), (300, 8, 8), (77, 1024, 64)])
 def test_device_grouping_is_numpys(S, E, k):
-    cp = cupy()
+    cp = cuda_device()
     from helmc.runtime.moe_decode_row import route_rows
     from helmc.runtime.moe_prefill import group_pairs
     moe = MoeSpec(num_experts=E, top_k=k, norm_topk_prob=True, expert_intermediate_size=16)
@@ -92,7 +83,7 @@ def test_device_grouping_is_numpys(S, E, k):
 def test_a_prompt_routed_on_the_gpu_adds_what_the_host_routed_prompt_adds(vram):
     """ExpertPrefill.add_routed (device logits routed and grouped on the GPU) against add_experts over route()'s
     picks of the same logits: the same picks, the same pairs run, sums within the weights' rounding."""
-    cp = cupy()
+    cp = cuda_device()
     from tests.runtime.test_moe_gpu import moe_dir, reference
 
     from helmc.runtime.bundle.plan import Plan

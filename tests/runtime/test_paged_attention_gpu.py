@@ -9,18 +9,9 @@ each cache's own decode bit for bit. Run: pytest -m gpu tests/runtime/test_paged
 import pytest
 
 from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference, prebuilt_cuda_ops, short_kernel_vs_reference
+from tests.gpu_prebuilt import cuda_device
 
 pytestmark = pytest.mark.gpu
-
-
-def _cupy():
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                                     # no driver
-        pytest.skip(f"no CUDA device ({type(e).__name__})")
-    return cp
 
 
 @pytest.mark.parametrize("h_kv,group,d,page_tokens,n_tokens,pps", [
@@ -31,7 +22,7 @@ def _cupy():
     (1, 16, 32, 7, 50, 1),
 ])
 def test_kernel_matches_reference_fp16(h_kv, group, d, page_tokens, n_tokens, pps):
-    cp = _cupy()
+    cp = cuda_device()
     err, _ = kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, pages_per_split=pps)
     print(f"\nkernel h_kv={h_kv} group={group} d={d} T={page_tokens} n={n_tokens}: max relative error {err:.2e}")
     assert err < 1e-3
@@ -43,7 +34,7 @@ def test_kernel_matches_reference_fp16(h_kv, group, d, page_tokens, n_tokens, pp
 def test_short_kernel_matches_reference(h_kv, group, d, page_tokens, n_tokens):
     """paged_decode_short_append (schedules/gpu/paged_decode_short.py): within fp16 rounding of Algorithm 3, the
     step's row written into its page."""
-    cp = _cupy()
+    cp = cuda_device()
     err, written = short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens)
     print(f"\nshort kernel h_kv={h_kv} group={group} d={d} T={page_tokens} n={n_tokens}: max relative error "
           f"{err:.2e}, row written {written}")
@@ -53,7 +44,7 @@ def test_short_kernel_matches_reference(h_kv, group, d, page_tokens, n_tokens):
 def test_short_contexts_offload_gives_identical_decode():
     """Up to decode_splits.short_path's page count (here 8 pages of 64: half the staging slots), evicted pages are
     staged and the step still runs the short kernel: the same bits as with every page on the GPU."""
-    cp = _cupy()
+    cp = cuda_device()
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     kw = dict(num_layers=3, num_kv_heads=8, head_dim=128, page_tokens=64, max_tokens=1024)
     ops = prebuilt_cuda_ops(cp, [(128, 4)])
@@ -68,7 +59,7 @@ def test_short_contexts_offload_gives_identical_decode():
 
 
 def test_forced_eviction_gives_identical_decode():
-    cp = _cupy()
+    cp = cuda_device()
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     kw = dict(num_layers=3, num_kv_heads=8, head_dim=128, page_tokens=64, max_tokens=2048)
     ops = prebuilt_cuda_ops(cp, [(128, 4)])
@@ -87,7 +78,7 @@ def test_forced_eviction_gives_identical_decode():
 def test_evicted_page_round_trip():
     """Pages evicted by the watermark (steps 2-4) and one written straight to the host by a long
     append (step 4) hold exactly the rows appended, in the page layout [L, 2, h_kv, T, d]."""
-    cp = _cupy()
+    cp = cuda_device()
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     c = KVCacheGPU(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16, max_tokens=256, gpu_pages=3,
                    watermark=0.4, ops=prebuilt_cuda_ops(cp, []))
@@ -101,7 +92,7 @@ def test_batched_decode_launch_equals_each_sequence_alone():
     paged_decode_fused_append_batch launch a layer) against twin caches' own append + attend, step by step over a
     page boundary: every sequence's output equal bit for bit, padding rows zero, and the same pages afterwards.
     Sequences from one token (a quarter-page split) to 1500 (whole-page splits) share the launch."""
-    cp = _cupy()
+    cp = cuda_device()
     import numpy as np
 
     from helmc.runtime.kv.cache_gpu import KVCacheGPU

@@ -18,28 +18,20 @@ import os
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DIRS = {"float16": ("HELMC_GPU_PREFILL_DIR", os.path.join(ROOT, ".devrt", "prefill"), ""),
-        "q4_k_m": ("HELMC_GPU_PREFILL_QUANT_DIR", os.path.join(ROOT, ".devrt", "prefill_q4_k_m"), " --quant q4_k_m")}
+DIRS = {"float16": ("HELMC_GPU_PREFILL_DIR", "prefill", ""),
+        "q4_k_m": ("HELMC_GPU_PREFILL_QUANT_DIR", "prefill_q4_k_m", " --quant q4_k_m")}
 LOGIT_TOLERANCE = 2e-2          # fp16 activations on the GPU against an fp32 reference
 NEW_TOKENS = 24
 
 
 def prefill_dir(weights: str) -> str:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
     env, default, flag = DIRS[weights]
-    path = os.environ.get(env, default)
-    if not os.path.isfile(os.path.join(path, "refs.npz")):
-        pytest.skip(f"no prefill test bundles at {path}: build them on the compiler machine with `python -m "
-                    f"tests.device.build_prefill_bundles {os.path.relpath(default, ROOT)}{flag}` and carry .devrt")
-    return path
+    return prebuilt_dir(env, default, "refs.npz", "prefill test bundles",
+                        f"build_prefill_bundles .devrt/{default}{flag}")
 
 
 @pytest.mark.parametrize("weights", sorted(DIRS))

@@ -13,30 +13,19 @@ Imports no compiler: it runs with the runtime-only TVM (TVM_USE_RUNTIME_LIB=1).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
+from tests.gpu_prebuilt import prebuilt_dir
+
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_BUNDLE = os.path.join(ROOT, ".devrt", "kv_session", "bundle")
 PAGE_TOKENS, NEW_TOKENS, PROMPT_TOKENS = 16, 40, 60
 
 
 def gpu_bundle() -> str:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as e:                      # no driver
-        pytest.skip(f"no usable CUDA device: {e}")
-    path = os.environ.get("HELMC_GPU_SESSION_BUNDLE", DEFAULT_BUNDLE)
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        pytest.skip(f"no GPU test bundle at {path}: build it on the compiler machine with "
-                    "`python -m tests.device.build_kv_session_bundle .devrt/kv_session` and carry .devrt")
-    return path
+    return prebuilt_dir("HELMC_GPU_SESSION_BUNDLE", "kv_session/bundle", "manifest.json", "GPU test bundle",
+                        "build_kv_session_bundle .devrt/kv_session")
 
 
 def run(bundle: str, **kv_options):
