@@ -12,12 +12,12 @@ llama.cpp's converter writes Qwen3-MoE) has each block's experts stacked per kin
 the dense weight of the same kind), an F32 router of Gaussian weights at ROUTER_STD and q/k norms at QK_NORM_GAIN:
 zero-mean weights and nearly one-hot attention keep the hidden states of different tokens apart, so the tokens of a
 prompt spread over the experts as a trained router's do, where blocks of random quants under positive scales (a
-large common mean in every row) route nearly every token to the same few experts. The same seed writes the same bytes on any
-machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it is used
-rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields written
-into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory stays at
-two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type table
-(standard library only): the GPU machine, which has no torch, runs it.
+large common mean in every row) route nearly every token to the same few experts. The same seed writes the same
+bytes on any machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it
+is used rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields
+written into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory
+stays at two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type
+table (standard library only): the GPU machine, which has no torch, runs it.
 The vocabulary is a dummy byte-pair list (ids only); prompts are given as token ids.
 """
 from __future__ import annotations
@@ -110,7 +110,9 @@ def tensor_types(shape: ModelShape, mix_name: str) -> dict[str, str]:
         raise SystemExit(f"make_gguf --mix: expected a mix of {', '.join(SCALE_FIELDS)}, found {mix_name!r} with {unknown}")
     hf_of = {g.removesuffix(".weight"): hf for hf, g in DENSE_BLOCK.items() if g.endswith(".weight")}
     ffn = ("ffn_gate", "ffn_up", "ffn_down")
-    linears = ("attn_q", "attn_k", "attn_v", "attn_output") + (tuple(f"{n}_exps" for n in ffn) if shape.experts else ffn)
+    if shape.experts:
+        ffn = tuple(f"{n}_exps" for n in ffn)
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output") + ffn
     f32s = ["attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"]
     if shape.post_norms:
         f32s += ["post_attention_norm", "post_ffw_norm"]

@@ -2,7 +2,8 @@
 loaded bundle, each routed block's selections counted where the runtime routes them (runtime/moe_routing's
 RoutingCounter) and its router's softmax read beside them.
 
-    python -m benchmarks.moe_routing_spread BUNDLE [--weights FILE.gguf] [--tokens 256] [--seed 0] [--hot 16] [--json OUT]
+    python -m benchmarks.moe_routing_spread BUNDLE [--weights FILE.gguf] [--tokens 256] [--seed 0] [--hot 16] \
+        [--json OUT]
 
 Per block: the distinct experts selected, the share of all selections the `--hot` most selected experts took, and
 over the tokens the mean softmax probability of the k selected experts together (before renormalising) and of the

@@ -6,10 +6,11 @@ top-4, hidden 256 and expert ffn 256 (whole K-quant blocks).
   here from its use_more_bits: ffn_down_exps and attn_v Q6_K in blocks 2 and 3 of 4, the rest Q4_K, output Q6_K);
   the experts' weights at std ~0.02 and mean ~0 by gguf's own dequantization, the router's at its std, the q/k
   norms at their gain; the same seed writes the same bytes.
-- Built for the CPU, the tokens of a random 64-token prompt spread over more than half of each block's experts
-  (blocks of random quants under positive scales send them to a few), and the bundle is transformers' model on
-  gguf's dequantization of the file: prefill logits within 1e-2 (rows whose routing is a near tie aside), greedy
-  tokens identical (or each side's token in the other's top 5 at the first divergence: the quantized tests' rule).
+- Built for the CPU, the tokens of a random 64-token prompt spread over more than half of each block's experts;
+  the same file with blocks of random quants under positive scales (dmin 0) sends them to a few.
+- The bundle is transformers' model on gguf's dequantization of the file: prefill logits within 1e-2 (rows whose
+  routing is a near tie aside), greedy tokens identical (or each side's token in the other's top 5 at the first
+  divergence: the quantized tests' rule).
 """
 from __future__ import annotations
 
@@ -118,6 +119,24 @@ def test_routing_spreads_over_the_experts(moe_session):
         assert b.distinct > TINY_MOE["experts"] // 2, b
         assert b.hottest_share < 0.5, b                  # the hottest eighth: 0.125 at an even spread
         assert 0.2 < b.topk_mass < 0.95, b               # the softmax neither uniform (0.125) nor one-hot
+
+
+def test_positive_blocks_route_to_few_experts(tmp_path, monkeypatch, host_hardware, cache_dir):
+    """The measure tells the two apart: the same file with every block's dmin 0 (Q4_K weights d * sc * q, all >= 0,
+    as the peer script's blocks nearly are) sends the prompt to a few experts of a block."""
+    pytest.importorskip("tvm.relax")
+    import benchmarks.make_gguf as mg
+    from benchmarks.moe_routing_spread import measure_spread, random_prompt
+    from helmc import api
+    from helmc.runtime.session import Session
+    monkeypatch.setitem(mg.SCALE_FIELDS, "q4_k", (0, 2, 0.0))
+    path = str(tmp_path / "positive.gguf")
+    make_gguf(path, "qwen3-30b-a3b", "q4_k", seed=3, **TINY_MOE)
+    hw = dataclasses.replace(host_hardware, gpu=None, link=None)
+    s = Session.load(api.build(path, hw, str(tmp_path / "b"), cache_dir=cache_dir, quiet=True).bundle_dir)
+    blocks = measure_spread(s, random_prompt(TINY_MOE["vocab"], 64, seed=1), hot=4)
+    print("\n" + "\n".join(str(b) for b in blocks))
+    assert all(b.distinct <= TINY_MOE["experts"] // 4 and b.hottest_share > 0.9 for b in blocks)
 
 
 def routing_margins(ref, ids: list[int], k: int) -> np.ndarray:
