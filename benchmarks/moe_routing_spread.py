@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from helmc.errors import HelmcError
     from helmc.runtime.session import Session
+    for name in ("tokens", "hot"):
+        if getattr(a, name) < 1:
+            print(f"moe_routing_spread: --{name} expected a positive count, found {getattr(a, name)}", file=sys.stderr)
+            return 2
     try:
         s = Session.load(a.bundle, a.weights, quiet=True)
         blocks = measure_spread(s, random_prompt(s.spec.vocab_size, a.tokens, a.seed), a.hot)
