@@ -15,6 +15,12 @@ length over its prompt rate. The roofline of a helmc row: the bytes a token read
 weights and the VRAM-resident experts' share at the GPU's HBM copy rate, the host-resident experts' share at the host's
 read rate, both measured in this run), one after the other.
 
+Two inputs (benchmarks/README.md, "Mixture-of-experts inputs"): llama.cpp's peer file (`mkgguf.py --config 30b-a3b
+--type q4_k`), the comparison's, whose random blocks send nearly every token to the same few experts of a block (a
+hit rate and a prompt time no real model gets); and `python -m benchmarks.make_gguf FILE --config qwen3-30b-a3b --mix
+q4_k_m`, whose prompts spread over nearly all 128 experts of every block, as a trained router's do: the same rows
+without that flattery.
+
 JSON (`--out`, rewritten after each system): `llamacpp` rows, `helmc` rows (decode_tok_s_p50, ttft_ms_p50 at the long
 prompt, peak_vram_gib, gpu_budget_gib, plan, t_plan_ms, measured_over_plan, experts_in_vram, predicted_hit_rate,
 measured_hit_rate, expert_cache_hit_rate (the decode requests' share of selected experts served from VRAM, the VRAM

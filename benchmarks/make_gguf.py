@@ -1,17 +1,23 @@
-"""Random-weight GGUF files of real dense shapes, stored as llama.cpp's quantized files are (per-tensor type mixes).
+"""Random-weight GGUF files of real shapes, stored as llama.cpp's quantized files are (per-tensor type mixes).
 
     python -m benchmarks.make_gguf OUT.gguf --config qwen3-8b --mix q5_k_m [--seed 0] [--layers N] [--vocab V]
     python -m benchmarks.make_gguf OUT.gguf --config gemma3-12b --mix q4_k_m
+    python -m benchmarks.make_gguf OUT.gguf --config qwen3-30b-a3b --mix q4_k_m
 
 A speed comparison needs the bytes of a real file, not its values: each tensor's type is what llama.cpp's
 `llama-quantize` picks for that mix (helmc.model.weight_types.QuantMix, which follows llama-quant.cpp), and each
 block holds random quants under a scale chosen so that the dequantized weights have a standard deviation of about
-0.02 and mean about 0 (activations stay finite through every block). The same seed writes the same bytes on any
-machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it is used
-rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields written
-into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory stays at
-two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type table
-(standard library only): the GPU machine, which has no torch, runs it.
+0.02 and mean about 0 (activations stay finite through every block). A mixture of experts (`qwen3moe`, as
+llama.cpp's converter writes Qwen3-MoE) has each block's experts stacked per kind ([experts, rows, cols], typed as
+the dense weight of the same kind), an F32 router of Gaussian weights at ROUTER_STD and q/k norms at QK_NORM_GAIN:
+zero-mean weights and nearly one-hot attention keep the hidden states of different tokens apart, so the tokens of a
+prompt spread over the experts as a trained router's do, where blocks of random quants under positive scales (a
+large common mean in every row) route nearly every token to the same few experts. The same seed writes the same
+bytes on any machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it
+is used rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields
+written into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory
+stays at two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type
+table (standard library only): the GPU machine, which has no torch, runs it.
 The vocabulary is a dummy byte-pair list (ids only); prompts are given as token ids.
 """
 from __future__ import annotations
@@ -26,13 +32,23 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 WEIGHT_STD = 0.02
+# A mixture of experts' router and attention, by measurement (benchmarks/moe_routing_spread.py, a 256-token random
+# prompt through a 16-block file; benchmarks/README.md): router weights at 0.044 give logits of std ~2 over the 128
+# experts (the routing input has unit RMS), whose softmax puts ~0.62 of the mass on the top 8 and ~0.24 on the first
+# (0.02: ~0.25 and ~0.05, nearly flat). With q/k norms of 1, random attention is diffuse (logits of std ~1), so a
+# late token's attention output is about the mean over its prefix, alike for every token: block by block the hidden
+# states converge, and from the fourth block on the prompt ran only 21-40 of the 128 experts. Norm weights of 3 make
+# attention nearly one-hot, as trained attention mostly is: 120-128 experts in every block, the hottest 16 taking
+# 0.20-0.46 of the selections (2: down to ~50 experts by block 48 in a NumPy model of the same shapes).
+ROUTER_STD = 0.044
+QK_NORM_GAIN = 3.0
 CHUNK_BYTES = 1 << 25        # random bytes drawn per task: 32 MiB, one stream each
 SCALE_STREAM = 2**32 - 1     # the stream of a tensor's block scales (its byte chunks are numbered from 0)
 
 
 @dataclass(frozen=True)
-class DenseShape:
-    """A dense decoder's shape as its GGUF metadata says it (the published config.json's values)."""
+class ModelShape:
+    """A decoder's shape as its GGUF metadata says it (the published config.json's values)."""
     arch: str                    # GGUF general.architecture
     hidden: int
     ffn: int
@@ -52,15 +68,25 @@ class DenseShape:
     rope_base_swa: float = 0.0
     rope_linear_factor: float = 0.0
     post_norms: bool = False     # gemma3's post-attention and post-FFN norms
+    # A mixture of experts (every block routed): expert_count, expert_used_count, expert_feed_forward_length; `ffn`
+    # is then config.json's intermediate_size, which the converter writes as feed_forward_length all the same.
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    router_std: float = ROUTER_STD
+    qk_norm_gain: float = 1.0    # the weights of attn_q_norm and attn_k_norm (every other norm's are 1)
 
 
-CONFIGS: dict[str, DenseShape] = {
+CONFIGS: dict[str, ModelShape] = {
     # Qwen/Qwen3-8B config.json
-    "qwen3-8b": DenseShape("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960, 1e6, tied=False),
+    "qwen3-8b": ModelShape("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960, 1e6, tied=False),
     # google/gemma-3-12b-it text_config (the GGUF's 262144 tokens: the converter trims the embedding's padding rows)
-    "gemma3-12b": DenseShape("gemma3", 3840, 15360, 48, 16, 8, 256, 262144, 131072, 1e6, tied=True,
+    "gemma3-12b": ModelShape("gemma3", 3840, 15360, 48, 16, 8, 256, 262144, 131072, 1e6, tied=True,
                              sliding_window=1024, sliding_pattern=6, rope_base_swa=1e4, rope_linear_factor=8.0,
                              post_norms=True),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of 768, top-8 (norm_topk_prob, which llama.cpp always applies)
+    "qwen3-30b-a3b": ModelShape("qwen3moe", 2048, 6144, 48, 32, 4, 128, 151936, 40960, 1e6, tied=False,
+                                experts=128, experts_used=8, expert_ffn=768, qk_norm_gain=QK_NORM_GAIN),
 }
 
 # Where each block format keeps its fp16 scale d (and dmin, with its ratio to d that centres the weights on 0: the
@@ -72,8 +98,10 @@ SCALE_FIELDS: dict[str, tuple[int, int | None, float]] = {
 }
 
 
-def tensor_types(shape: DenseShape, mix_name: str) -> dict[str, str]:
-    """{GGUF tensor name: helmc weight type} of every tensor, as llama-quantize types them for the mix; norms f32."""
+def tensor_types(shape: ModelShape, mix_name: str) -> dict[str, str]:
+    """{GGUF tensor name: helmc weight type} of every tensor, as llama-quantize types them for the mix; norms and a
+    router f32. A block's stacked experts take the type of the dense weight of their kind (llama-quant.cpp matches
+    ffn_down_exps as ffn_down, by the block index in its name), the n_experts rules those of a model of that many."""
     from helmc.model.arch.tensors import DENSE_BLOCK
     from helmc.model.weight_types import quant_mix
     mix = quant_mix(mix_name, "make_gguf --mix")
@@ -81,29 +109,38 @@ def tensor_types(shape: DenseShape, mix_name: str) -> dict[str, str]:
     if unknown:
         raise SystemExit(f"make_gguf --mix: expected a mix of {', '.join(SCALE_FIELDS)}, found {mix_name!r} with {unknown}")
     hf_of = {g.removesuffix(".weight"): hf for hf, g in DENSE_BLOCK.items() if g.endswith(".weight")}
-    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    norms = ["attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"]
+    ffn = ("ffn_gate", "ffn_up", "ffn_down")
+    if shape.experts:
+        ffn = tuple(f"{n}_exps" for n in ffn)
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output") + ffn
+    f32s = ["attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"]
     if shape.post_norms:
-        norms += ["post_attention_norm", "post_ffw_norm"]
+        f32s += ["post_attention_norm", "post_ffw_norm"]
+    if shape.experts:
+        f32s += ["ffn_gate_inp"]                 # the router: llama.cpp neither converts nor quantizes it from F32
     head = mix.type_of("lm_head.weight", shape.layers)
     out = {"token_embd.weight": head if shape.tied else mix.linear_type}
     for i in range(shape.layers):
-        out |= {f"blk.{i}.{n}.weight": "f32" for n in norms}
-        out |= {f"blk.{i}.{n}.weight": mix.type_of(f"model.layers.{i}.{hf_of[n]}", shape.layers) for n in linears}
+        out |= {f"blk.{i}.{n}.weight": "f32" for n in f32s}
+        out |= {f"blk.{i}.{n}.weight": mix.type_of(f"model.layers.{i}.{hf_of[n.removesuffix('_exps')]}", shape.layers,
+                                                   shape.experts) for n in linears}
     out["output_norm.weight"] = "f32"
     if not shape.tied:
         out["output.weight"] = head
     return out
 
 
-def tensor_shape(shape: DenseShape, name: str) -> tuple[int, int] | tuple[int]:
-    """(rows, cols) of a matrix as NumPy sees it (GGUF lists them the other way round), (n,) of a norm."""
+def tensor_shape(shape: ModelShape, name: str) -> tuple[int, ...]:
+    """(rows, cols) of a matrix as NumPy sees it (GGUF lists them the other way round), (experts, rows, cols) of a
+    stack of experts, (n,) of a norm."""
     s = shape
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    q, kv, E, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.experts, s.expert_ffn
     role = name.split(".")[-2]
     return {"token_embd": (s.vocab, s.hidden), "output": (s.vocab, s.hidden), "attn_q": (q, s.hidden),
             "attn_k": (kv, s.hidden), "attn_v": (kv, s.hidden), "attn_output": (s.hidden, q),
             "ffn_gate": (s.ffn, s.hidden), "ffn_up": (s.ffn, s.hidden), "ffn_down": (s.hidden, s.ffn),
+            "ffn_gate_inp": (E, s.hidden), "ffn_gate_exps": (E, I, s.hidden), "ffn_up_exps": (E, I, s.hidden),
+            "ffn_down_exps": (E, s.hidden, I),
             "attn_q_norm": (s.head_dim,), "attn_k_norm": (s.head_dim,)}.get(role, (s.hidden,))
 
 
@@ -140,18 +177,29 @@ def random_bytes(key: tuple[int, ...], nbytes: int, pool: ThreadPoolExecutor) ->
     return out.view(np.uint8)[:nbytes]
 
 
-def random_blocks(key: tuple[int, ...], rows: int, cols: int, qtype: str, unit_std: float,
+def random_blocks(key: tuple[int, ...], dims: tuple[int, ...], qtype: str, unit_std: float,
                   pool: ThreadPoolExecutor) -> np.ndarray:
-    """uint8 [rows, row bytes] of random blocks of qtype whose weights have a std of about WEIGHT_STD."""
+    """uint8 [*dims[:-1], row bytes] of random blocks of qtype whose weights have a std of about WEIGHT_STD."""
     from helmc.model.weight_types import block_type
     t = block_type(qtype)
-    n = rows * cols // t.block_weights
+    n = int(np.prod(dims, dtype=np.int64)) // t.block_weights
     raw = random_bytes(key, n * t.block_bytes, pool).reshape(n, t.block_bytes)
     d = (WEIGHT_STD / unit_std) * np.random.default_rng([*key, SCALE_STREAM]).uniform(0.75, 1.25, n).astype(np.float32)
-    return _scaled(raw, qtype, d).reshape(rows, t.row_bytes(cols))
+    return _scaled(raw, qtype, d).reshape(*dims[:-1], t.row_bytes(dims[-1]))
 
 
-def write_metadata(w, shape: DenseShape, file_type: int, name: str) -> None:
+def f32_tensor(key: tuple[int, ...], name: str, dims: tuple[int, ...], shape: ModelShape) -> np.ndarray:
+    """A norm's weights (ones, q's and k's the shape's gain), or a router's: Gaussian at the shape's router_std from
+    the tensor's own stream."""
+    if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+        return np.full(dims, shape.qk_norm_gain, dtype=np.float32)
+    if not name.endswith("ffn_gate_inp.weight"):
+        return np.ones(dims, dtype=np.float32)
+    return np.random.Generator(np.random.PCG64([*key, SCALE_STREAM])).standard_normal(dims, dtype=np.float32) \
+        * np.float32(shape.router_std)
+
+
+def write_metadata(w, shape: ModelShape, file_type: int, name: str) -> None:
     import gguf
     w.add_name(name)
     w.add_file_type(file_type)
@@ -165,6 +213,10 @@ def write_metadata(w, shape: DenseShape, file_type: int, name: str) -> None:
     w.add_value_length(shape.head_dim)
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.experts:                            # Qwen2MoeModel's keys, in the converter's order
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ffn)
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
     if shape.rope_linear_factor:
@@ -180,7 +232,7 @@ def write_metadata(w, shape: DenseShape, file_type: int, name: str) -> None:
 
 
 def make_gguf(out: str, config: str, mix: str, seed: int = 0, **overrides) -> dict[str, str]:
-    """Write the file; returns {tensor name: weight type}. overrides: DenseShape fields that differ from the
+    """Write the file; returns {tensor name: weight type}. overrides: ModelShape fields that differ from the
     config's (a smaller model of the same kind, for tests)."""
     import gguf
     from helmc.model.weight_types import quant_mix, weight_type
@@ -193,19 +245,22 @@ def make_gguf(out: str, config: str, mix: str, seed: int = 0, **overrides) -> di
     write_metadata(w, shape, quant_mix(mix).file_type, f"{config} {mix} (random weights, seed {seed})")
     for name, t in types.items():
         dims = tensor_shape(shape, name)
+        n = int(np.prod(dims[:-1], dtype=np.int64))
         if t == "f32":
-            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * n * dims[-1])
         else:
             wt = weight_type(t)
-            w.add_tensor_info(name, (dims[0], wt.row_bytes(dims[1])), np.dtype(np.uint8),
-                              dims[0] * wt.row_bytes(dims[1]), raw_dtype=gguf.GGMLQuantizationType(wt.ggml_id))
+            w.add_tensor_info(name, (*dims[:-1], wt.row_bytes(dims[-1])), np.dtype(np.uint8),
+                              n * wt.row_bytes(dims[-1]), raw_dtype=gguf.GGMLQuantizationType(wt.ggml_id))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
 
     def data(index: int, name: str, t: str) -> np.ndarray:
         dims = tensor_shape(shape, name)
-        return np.ones(dims, dtype=np.float32) if t == "f32" else random_blocks((seed, index), *dims, t, unit[t], pool)
+        if t == "f32":
+            return f32_tensor((seed, index), name, dims, shape)
+        return random_blocks((seed, index), dims, t, unit[t], pool)
 
     # The next tensor is drawn while this one is written.
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool, ThreadPoolExecutor(1) as ahead:
@@ -228,11 +283,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks than the config's (tests)")
     ap.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary than the config's (tests)")
+    ap.add_argument("--router-std", type=float, default=None,
+                    help=f"a mixture of experts' router weights' standard deviation (default {ROUTER_STD})")
     a = ap.parse_args(argv)
     from helmc.errors import HelmcError
     t = time.perf_counter()
     try:
-        types = make_gguf(a.out, a.config, a.mix, a.seed, layers=a.layers, vocab=a.vocab)
+        types = make_gguf(a.out, a.config, a.mix, a.seed, layers=a.layers, vocab=a.vocab, router_std=a.router_std)
     except HelmcError as e:
         print(f"make_gguf: {e}", file=sys.stderr)
         return 2

@@ -79,6 +79,8 @@ SLOW_TESTS = (
     # a benchmark GGUF of a second architecture (its Qwen3 file stays fast; Gemma 3's reader: test_gemma3) and the
     # 32-client load (serve's batching equals single requests: test_batched_decode_equals_single_requests)
     "tests/bench/test_make_gguf.py::test_file_builds_and_runs[gemma3-12b]",
+    # the MoE benchmark file's control build (positive-scale blocks routing to a few experts); its own build stays fast
+    "tests/bench/test_make_gguf_moe.py::test_positive_blocks_route_to_few_experts",
     "tests/serve/test_serve_openai.py::test_load_32_streaming_clients_x_8",
     # whole GPU stages and profile kits through nvcc
     "tests/compiler/test_compile_gpu_stage.py::test_quantized_gpu_stage_builds_with_its_kernels",
@@ -187,6 +189,7 @@ LONG_MODULES_FIRST = (
     "tests/compiler/test_lower_linear.py",
     "tests/serve/test_serve_openai.py",
     "tests/bench/test_make_gguf.py",
+    "tests/bench/test_make_gguf_moe.py",
     "tests/kernels/test_gpu_int8_gemv_kernels.py",
     "tests/kernels/test_gpu_gemv_kernels.py",
     "tests/kernels/test_cpu_quant_gemv.py",
