@@ -164,7 +164,9 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
     expert_sigs = [spec.expert_signature_index(i) for i in layers if spec.is_moe_layer(i)]
     host = MoeFeedForward(cpu_vm, spec.moe, phases, batch_sizes, host_view, lambda a: cpu_tensor_view(a, dev),
                           signatures=(), expert_signatures=expert_sigs, expert_sums=find_expert_sums(cpu_vm, spec),
-                          expert_rows=find_expert_sums(cpu_vm, spec, rows=True))
+                          expert_rows=find_expert_sums(cpu_vm, spec, rows=True),
+                          # a prompt's host experts on the same arithmetic as those streamed to the GPU (fp16 GEMMs)
+                          int8_prompts=False)
     device = MoeFeedForward(gpu_vm, spec.moe, phases, batch_sizes, to_cupy, from_cupy, signatures=(),
                             expert_signatures=expert_sigs, xp=cp)
     row = batch = None

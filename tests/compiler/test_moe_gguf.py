@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_quantized_models import PROMPT, compare
+from test_quantized_models import INT8_EXPERT_PREFILL_TOL, PROMPT, compare
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tvm.relax")
@@ -116,7 +116,32 @@ def test_quantized_experts_match_transformers(quant, moe_dir, cpu_only, cache_di
         assert sorted(find_expert_sums(session.cpu_stage.vm, spec)) == [0, 1]
         assert all(b.post[-1].stacked is not None for b in session.cpu_stage.bindings if b.post[-1].__class__
                    is LayerExperts)
-    compare(session, hf_on_dequantized_weights(moe_dir, path), f"qwen3_moe --quant {quant}")
+    compare(session, hf_on_dequantized_weights(moe_dir, path), f"qwen3_moe --quant {quant}",
+            prefill_tol=INT8_EXPERT_PREFILL_TOL if quant == "q4_k_m" else 1e-2)
+
+
+
+def test_prompt_experts_are_the_one_row_sums_in_chunks(moe_dir, cpu_only, cache_dir):
+    """A prompt's quantized experts on the CPU stage run through the m-row expert sum, ROWS_PER_CALL rows a call:
+    every row bit-identical to the one-row kernel on that row alone (what a decode step computes), across the chunk
+    boundaries."""
+    from helmc import api
+    from helmc.runtime import moe_experts
+    from helmc.runtime.session import Session
+    if select_isa(cpu_only.cpu.features).tier != "avx512":
+        pytest.skip("the int8 expert sums need AVX-512")
+    r = api.build(moe_dir, cpu_only, moe_dir + "-q4_k_m.bundle", cache_dir=cache_dir, quiet=True, quant="q4_k_m")
+    session = Session.load(r.bundle_dir)
+    ffn = session.cpu_stage._moe
+    experts = session.cpu_stage.bindings[0].post[-1]
+    spec, rng = r.spec, np.random.default_rng(0)
+    S = moe_experts.ROWS_PER_CALL + 37                                        # two calls, the second partial
+    m = rng.standard_normal((S, spec.hidden_size)).astype(np.float32)       # [S, H]
+    idx, w = moe_experts.route(rng.standard_normal((S, spec.moe.num_experts)).astype(np.float32), spec.moe)
+    got = ffn.expert_sum("prefill", m, idx, w, experts)                      # [S, H]
+    for row in (0, moe_experts.ROWS_PER_CALL - 1, moe_experts.ROWS_PER_CALL, S - 1):
+        one = ffn.expert_sum("decode", m[row:row + 1], idx[row:row + 1], w[row:row + 1], experts)   # [1, H]
+        assert np.array_equal(got[row:row + 1], one), row
 
 
 @pytest.mark.slow
@@ -143,7 +168,8 @@ def test_mxfp4_experts_match_transformers(moe_dir, cpu_only, cache_dir, tmp_path
         # decode runs each block's MXFP4 experts in one call (schedules/cpu/quant/moe_experts.py, the int8 path)
         assert r.spec.expert_signatures()[0] == ("mxfp4",) * 3
         assert sorted(find_expert_sums(session.cpu_stage.vm, r.spec)) == [0]     # the one expert signature
-    compare(session, hf_on_dequantized_weights(moe_dir, path), "qwen3_moe GGUF, mxfp4 experts")
+    compare(session, hf_on_dequantized_weights(moe_dir, path), "qwen3_moe GGUF, mxfp4 experts",
+            prefill_tol=INT8_EXPERT_PREFILL_TOL)
 
 
 def test_stacked_expert_tensor_of_a_wrong_shape_is_one_line(tmp_path):

@@ -40,7 +40,15 @@ def hf_greedy(model, ids, n):
     return out[len(ids):]
 
 
-def compare(session, ref, label: str):
+# A prompt's quantized experts take int8 activations (runtime/moe_experts.py: the m-row expert sum), as decode steps
+# do and as llama.cpp's q8 activations do: the tiny MoE models' prompt logits measured 1.35e-2 to 1.78e-2 from
+# transformers' fp32 on the same dequantized weights (1e-3 where the experts are q8_0, which take the fp32 path).
+INT8_EXPERT_PREFILL_TOL = 2e-2
+
+
+def compare(session, ref, label: str, prefill_tol: float = 1e-2):
+    """Prefill logits within prefill_tol of the reference (relative to its largest), greedy tokens identical or the
+    reference's token in our top 5 where they part."""
     with torch.no_grad():
         theirs = ref(torch.tensor([PROMPT])).logits[0].numpy()
     ours = session.forward(PROMPT, all_logits=True)
@@ -51,7 +59,7 @@ def compare(session, ref, label: str):
     same = sum(a == b for a, b in zip(got, expected))
     print(f"\n{label}: prefill logits max rel diff {rel:.2e} vs HF fp32 on gguf-dequantized weights; "
           f"greedy {same}/{NEW_TOKENS} identical")
-    assert rel < 1e-2
+    assert rel < prefill_tol
     assert len(set(expected)) > 1, "degenerate reference: the test would not catch a wrong model"
     if got != expected:
         i = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
