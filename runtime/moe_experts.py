@@ -222,8 +222,10 @@ class MoeFeedForward:
         # A batched step: each row bit-identical to the one-row call above. A prompt: each expert's int8 blocks read
         # once for all its rows of a chunk, the activations int8 as a decode step's (and llama.cpp's q8 ones): the
         # prefill expert function dequantized a whole expert for the few rows each gets (~1.2 s a 128-token
-        # prompt's block of Qwen3-30B-A3B on two cores, 0.13 s this way). gpt-oss's clamped experts keep the
-        # dequantizing path for prompts: their int8 rows moved a tiny model's prompt logits by 0.14 (others ~0.017).
+        # prompt's block of Qwen3-30B-A3B on two cores, 0.13 s this way). gpt-oss keeps the dequantizing path for
+        # prompts: its int8 rows are as close as the others' (a block's sum 1.1-1.3e-2 from fp32 activations), but
+        # its routing softmaxes over the top-k logits alone, so the k-th expert holds 0.1-0.3 of the weight and the
+        # int8 error swapping it at a near tie moved a tiny model's prompt logits by 0.14 (others ~0.017).
         if rows_call is not None and (decode or (self.int8_prompts and not self.moe.biased_experts)):
             return self._rows_sum(rows_call, m, idx, w, experts, only, skip)
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
