@@ -72,6 +72,12 @@ SLOW_TESTS = (
     "tests/compiler/test_moe_gguf.py::test_quantized_experts_match_transformers[q8_0]",
     # a quantized GGUF's batched steps (test_moe's fp32 batched decode and the m-row kernels' own tests stay fast)
     "tests/compiler/test_moe_gguf.py::test_q4_k_m_batched_steps_equal_single_runs",
+    # a prompt's int8 experts bit for bit in chunks (the q4_k_m comparison with transformers runs that path, fast)
+    "tests/compiler/test_moe_gguf.py::test_prompt_experts_are_the_one_row_sums_in_chunks",
+    # the spread-routing benchmark input built and routed (its layout, metadata and reader tests stay fast)
+    "tests/bench/test_make_gguf_moe.py::test_routing_spreads_over_the_experts",
+    # Gemma 3's batched GeGLU rows (the batched-decode bit tests of the other architectures stay fast)
+    "tests/runtime/test_batch_decode_cpu.py::test_gemma3_geglu_batched_decode_is_bitwise",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[bfloat16-]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q4_k_m]",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[float16-q8_0]",
