@@ -74,8 +74,12 @@ SLOW_TESTS = (
     "tests/compiler/test_moe_gguf.py::test_q4_k_m_batched_steps_equal_single_runs",
     # a prompt's int8 experts bit for bit in chunks (the q4_k_m comparison with transformers runs that path, fast)
     "tests/compiler/test_moe_gguf.py::test_prompt_experts_are_the_one_row_sums_in_chunks",
-    # the spread-routing benchmark input built and routed (its layout, metadata and reader tests stay fast)
+    # the spread-routing benchmark input built, routed and compared with transformers (its layout, metadata and
+    # reader tests stay fast)
     "tests/bench/test_make_gguf_moe.py::test_routing_spreads_over_the_experts",
+    "tests/bench/test_make_gguf_moe.py::test_bundle_is_transformers_on_the_dequantized_file",
+    # the GPU MoE kernels' m-row form against the one-row form, emulated (each form against float64 stays fast)
+    "tests/kernels/test_gpu_moe_kernels.py::test_rows_kernels_equal_the_one_row_kernels_per_row*",
     # Gemma 3's batched GeGLU rows (the batched-decode bit tests of the other architectures stay fast)
     "tests/runtime/test_batch_decode_cpu.py::test_gemma3_geglu_batched_decode_is_bitwise",
     "tests/runtime/test_batch_decode_cpu.py::test_batched_decode_is_bitwise_single_decode[bfloat16-]",
