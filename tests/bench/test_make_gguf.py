@@ -94,13 +94,16 @@ def test_gemma3_metadata_and_norms(files):
     assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.8.attn_q_norm.weight"} <= names
 
 
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def test_same_seed_same_bytes(files, tmp_path):
-    def digest(p):
-        return hashlib.sha256(open(p, "rb").read()).hexdigest()
     again, other = str(tmp_path / "again.gguf"), str(tmp_path / "other.gguf")
     make_gguf(again, "qwen3-8b", "q5_k_m", seed=7, **TINY)
     make_gguf(other, "qwen3-8b", "q5_k_m", seed=8, **TINY)
-    assert digest(again) == digest(files["qwen3-8b"]) != digest(other)
+    assert file_digest(again) == file_digest(files["qwen3-8b"]) != file_digest(other)
 
 
 def test_unknown_mix_or_config_is_refused(tmp_path):
