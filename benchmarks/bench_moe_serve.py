@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -95,16 +96,17 @@ def bench_helmc(a) -> dict:
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(10, 30000, a.prompt_len)] for _ in range(a.concurrency)]
     log_path = os.path.join(a.log_dir, "helmc-serve.log")
-    proc, url = start_server(a, log_path)
-    try:
-        asyncio.run(round_of(url, prompts, 8))                      # warm-up: graphs, KV pages, first calls
-        with smi_peak_vram() as vram:
+    # sampled from before the server starts: its whole VRAM (context, weights, KV, pools), as llama.cpp's is
+    with smi_peak_vram() as vram:
+        proc, url = start_server(a, log_path)
+        try:
+            asyncio.run(round_of(url, prompts, 8))                  # warm-up: graphs, KV pages, first calls
             recs = asyncio.run(round_of(url, prompts, a.new_tokens))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     out = {"system": "helmc serve", "bundle": a.bundle, "concurrency": a.concurrency, **rates(recs, a.new_tokens),
-           "peak_vram_gib_over_idle_server": vram.held_gib}
+           "peak_vram_gib": vram.held_gib}
     plan = os.path.join(a.bundle, "plan.json")
     if os.path.isfile(plan):
         from helmc.runtime.bundle.plan import Plan
@@ -143,8 +145,20 @@ def ratio(report: dict, a) -> dict:
     if not fits or "helmc" not in report:
         return {}
     best = max(fits, key=lambda r: r[key])
+    held = report["helmc"].get("peak_vram_gib")
     return {"llamacpp_fastest_within_budget": best["config"], "llamacpp_decode_tok_s_within_budget": best[key],
+            "helmc_within_budget": None if held is None else held <= a.budget_gib,
             "moe_serve_ratio_vs_llamacpp": report["helmc"][key] / best[key]}
+
+
+def device_name() -> str:
+    """GPU 0's name as nvidia-smi gives it ("?" without one): this process starts no CUDA context of its own."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
 
 
 def main(argv=None) -> int:
@@ -167,7 +181,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.llama_batched_bench and not a.gguf:
         ap.error("--llama-batched-bench needs --gguf")
-    report = {"label": a.label, "budget_gib": a.budget_gib, "concurrency": a.concurrency, "prompt_len": a.prompt_len,
+    report = {"label": a.label, "device": device_name(), "threads": a.threads,
+              "command": "python -m benchmarks.bench_moe_serve " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
+              "budget_gib": a.budget_gib, "concurrency": a.concurrency, "prompt_len": a.prompt_len,
               "new_tokens": a.new_tokens, "llamacpp": []}
 
     def save():

@@ -74,13 +74,15 @@ def table(results_dir: str) -> str:
         if report.get("command"):
             commands.append(f"- `{os.path.basename(path)}`: `{report['command']}`")
     lines += moe_section(os.path.join(results_dir, "moe"))
+    lines += serve_section(os.path.join(results_dir, "moe_serve"))
     lines += ["", "Commands (each writes the JSON file named):", ""] + commands
     return "\n".join(lines) + "\n"
 
 
-MOE_HEADER = ("| model | GPU budget | machine | helmc tok/s | experts in VRAM | hit rate planned / decode | "
-              "helmc peak VRAM GiB | llama.cpp tok/s (config) | helmc / llama.cpp | TTFT 2048 helmc / llama.cpp ms |\n"
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+MOE_HEADER = ("| model | GPU budget | machine | helmc tok/s | measured / planned ms | experts in VRAM | "
+              "hit rate planned / decode | helmc peak VRAM GiB | llama.cpp tok/s (config) | helmc / llama.cpp | "
+              "TTFT 2048 helmc / llama.cpp ms |\n"
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
 def moe_section(folder: str) -> list[str]:
@@ -105,7 +107,8 @@ def moe_section(folder: str) -> list[str]:
             hit = row.get("expert_cache_hit_rate", row.get("measured_hit_rate"))
             lines.append(
                 f"| {report.get('label', '?')} | {'whole GPU' if whole else f'{budget:g} GiB'} | {machine} | "
-                f"{fmt(row['decode_tok_s_p50'], 1)} | {row['experts_in_vram']} of {row['experts_total']} | "
+                f"{fmt(row['decode_tok_s_p50'], 1)} | {fmt(row.get('measured_over_plan'), 2)} | "
+                f"{row['experts_in_vram']} of {row['experts_total']} | "
                 f"{fmt(row.get('predicted_hit_rate'), 2)} / {fmt(hit, 2)} | {fmt(row.get('peak_vram_gib'), 2)} | "
                 f"{'-' if peer is None else fmt(peer['decode_tok_s_p50'], 1) + ' (' + peer['config'] + ')'} | "
                 f"{'-' if peer is None else fmt(row['decode_tok_s_p50'] / peer['decode_tok_s_p50'], 2)} | "
@@ -113,6 +116,37 @@ def moe_section(folder: str) -> list[str]:
         lines.append("")
         lines.append(f"- `moe/{os.path.basename(path)}`: `{report.get('command', '')}`")
     return lines
+
+
+SERVE_HEADER = ("| model | GPU budget | concurrent requests | machine | helmc tok/s | helmc peak VRAM GiB | "
+                "llama.cpp tok/s (config, peak VRAM GiB) | helmc / llama.cpp |\n"
+                "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |")
+
+
+def serve_section(folder: str) -> list[str]:
+    """The served rows of results/moe_serve/*.json (benchmarks/bench_moe_serve.py): `helmc serve` decoding N
+    streamed requests at once beside llama.cpp's `llama-batched-bench` at N, its fastest configuration within the
+    budget."""
+    paths = sorted(glob.glob(os.path.join(folder, "*.json")))
+    if not paths:
+        return []
+    lines = ["", "Serving (`python -m benchmarks.bench_moe_serve`): decode tok/s of all the requests together, N "
+             "streamed requests through `helmc serve` beside `llama-batched-bench` at N.", "", SERVE_HEADER]
+    commands = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        n, h = report["concurrency"], report["helmc"]
+        key = f"decode_tok_s_at_{n}"
+        peer = next((r for r in report.get("llamacpp", [])
+                     if r["config"] == report.get("llamacpp_fastest_within_budget")), None)
+        peer_text = "-" if peer is None else f"{fmt(peer[key], 1)} ({peer['config']}, {fmt(peer['peak_vram_gib'], 2)})"
+        lines.append(f"| {report.get('label', '?')} | {report['budget_gib']:g} GiB | {n} | {report.get('device', '?')} | "
+                     f"{fmt(h[key], 1)} | {fmt(h.get('peak_vram_gib'), 2)} | {peer_text} | "
+                     f"{fmt(report.get('moe_serve_ratio_vs_llamacpp'), 2)} |")
+        if report.get("command"):
+            commands.append(f"- `moe_serve/{os.path.basename(path)}`: `{report['command']}`")
+    return lines + [""] + commands
 
 
 def main(argv=None) -> int:

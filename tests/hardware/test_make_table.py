@@ -28,3 +28,17 @@ def test_rows_pair_each_helmc_run_with_llamacpp_in_its_budget(tmp_path):
     assert make_table.main(["--results", str(tmp_path), "--out", str(out), "--check"]) == 1   # missing: stale
     assert make_table.main(["--results", str(tmp_path), "--out", str(out)]) == 0
     assert make_table.main(["--results", str(tmp_path), "--out", str(out), "--check"]) == 0
+
+
+def test_served_rows_name_llamacpps_fastest_run_within_the_budget(tmp_path):
+    report = {"label": "MoE", "device": "GPU X", "budget_gib": 8.0, "concurrency": 8,
+              "command": "python -m benchmarks.bench_moe_serve b",
+              "helmc": {"decode_tok_s_at_8": 130.0, "peak_vram_gib": 7.5},
+              "llamacpp": [{"config": "ncmoe40", "decode_tok_s_at_8": 100.0, "peak_vram_gib": 4.9},
+                           {"config": "ncmoe28", "decode_tok_s_at_8": 90.0, "peak_vram_gib": 7.9}],
+              "llamacpp_fastest_within_budget": "ncmoe40", "moe_serve_ratio_vs_llamacpp": 1.3}
+    (tmp_path / "moe_serve").mkdir()
+    (tmp_path / "moe_serve" / "s.json").write_text(json.dumps(report))
+    text = make_table.table(str(tmp_path))
+    assert "| MoE | 8 GiB | 8 | GPU X | 130.0 | 7.50 | 100.0 (ncmoe40, 4.90) | 1.30 |" in text
+    assert "- `moe_serve/s.json`: `python -m benchmarks.bench_moe_serve b`" in text
