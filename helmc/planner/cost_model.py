@@ -376,6 +376,14 @@ def gpu_prefill_tokens(w: Workload) -> int:
     return min(w.prompt_len, w.prefill_chunk_tokens)
 
 
+def gpu_activation_bytes(a: ProgramAnalysis, computed: StageLoad, w: Workload) -> int:
+    """Peak live activations of the blocks the GPU computes: a prefill step's or a decode step's, the larger.
+    A prefill step holds at most gpu_prefill_tokens(w) rows whatever the batch: one prompt's chunk, or several
+    newcomers' chunks sharing a step up to that many rows (runtime/serve/batch_model.py prefill_many, where the GPU
+    stage runs them sequence by sequence); a batched decode step holds one row per sequence."""
+    return max(a.workspace_bytes(computed, 1, gpu_prefill_tokens(w)), a.workspace_bytes(computed, w.batch, 1))
+
+
 def whole_pages(tokens: int) -> int:
     """Tokens of KV actually allocated: the caches allocate whole pages."""
     return -(-tokens // KV_PAGE_TOKENS) * KV_PAGE_TOKENS
@@ -420,7 +428,7 @@ def memory_needs(a: ProgramAnalysis, hw: HardwareProfile, cpu: StageLoad, gpu: S
     if gpu.units == 0:
         return host, MemoryNeed(available=hw.usable_vram_bytes)
     computed = gpu + s                        # every block the GPU runs, resident or streamed
-    gpu_ws = (a.workspace_bytes(computed, B, gpu_prefill_tokens(w)) + kv_staging_bytes(a, computed, B) + ring_bytes
+    gpu_ws = (gpu_activation_bytes(a, computed, w) + kv_staging_bytes(a, computed, B) + ring_bytes
               + quantized_prefill_scratch_bytes(a, cpu, gpu, computed, w))
     lent = pool_loan_bytes(a, cpu, gpu, w, ring_bytes)    # hybrid: the idle ring lends the rest
     gpu_kv = 0 if w.kv_offload else kv_gpu_blocks

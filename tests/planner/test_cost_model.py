@@ -283,8 +283,10 @@ def test_serving_counts_the_prefill_score_tiles_once(q8, laptop):
     assert kv_staging_bytes(q8, q8.stage(21, 38), 8) == 8 * (one - tiles) + tiles
     _, d1 = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), Workload(stream_prefill=False))
     _, d8 = memory_needs(q8, laptop, q8.stage(0, 21), q8.stage(21, 38), Workload(stream_prefill=False, batch=8))
-    acts = q8.workspace_bytes(q8.stage(21, 38), 8, 128) - q8.workspace_bytes(q8.stage(21, 38), 1, 128)
-    assert d8.workspace - d1.workspace == 7 * (one - tiles) + acts
+    # activations: a prefill step holds one chunk's rows whatever the batch (prefill_many runs the GPU stage
+    # sequence by sequence), a batched decode step one row per sequence: 8 rows of 1 here need less than 128 of 1
+    assert q8.workspace_bytes(q8.stage(21, 38), 8, 1) < q8.workspace_bytes(q8.stage(21, 38), 1, 128)
+    assert d8.workspace - d1.workspace == 7 * (one - tiles)
 
 
 def test_workload_validation():
@@ -406,3 +408,16 @@ def test_quantized_prefill_scratch_is_vram_where_the_gpu_prefills_blocks(laptop)
     assert extra(21, batch=4) == blocks + head                       # serving: the head's prefill takes last rows
     q8 = analyze_program(qwen3_spec("Qwen3-8B"))
     assert q8.quantized_prefill_scratch_bytes == 0
+
+
+def test_a_batch_plans_one_prefill_chunk_of_activations_not_one_per_sequence(q8, laptop):
+    """8 sequences' 2048-token prompts never run on the GPU at once (one sequence's chunk at a time), so the GPU's
+    activations are one chunk's, or a batched decode step's where that is larger: with 8 chunks counted, a MoE
+    serving plan gave ~2 GiB of an 8 GiB budget to activations and kept 432 experts in VRAM instead of 1056."""
+    from helmc.planner.cost_model import gpu_activation_bytes
+    gpu = q8.stage(21, 38)
+    w1, w8 = Workload(prompt_len=2048, stream_prefill=False), Workload(prompt_len=2048, stream_prefill=False, batch=8)
+    chunk = min(2048, w8.prefill_chunk_tokens)
+    assert gpu_activation_bytes(q8, gpu, w8) == gpu_activation_bytes(q8, gpu, w1) == q8.workspace_bytes(gpu, 1, chunk)
+    wide = Workload(prompt_len=2, stream_prefill=False, batch=8)        # a 2-token prompt: the decode step is larger
+    assert gpu_activation_bytes(q8, gpu, wide) == q8.workspace_bytes(gpu, 8, 1) > q8.workspace_bytes(gpu, 1, 2)
