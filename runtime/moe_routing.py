@@ -40,17 +40,23 @@ CALIBRATION_TEXT = (
 class RoutingCounter:
     """Per block, how many times each expert was selected, and how many rows were routed."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int):
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, first_half_rows: int = 0):
         self.counts = np.zeros((num_layers, num_experts), np.int64)
+        self.first = np.zeros((num_layers, num_experts), np.int64)      # the first first_half_rows rows' counts
         self.rows = np.zeros(num_layers, np.int64)
         self.top_k = top_k
+        self.first_half_rows = first_half_rows
 
     def record(self, layer: int, idx: np.ndarray) -> None:
-        """idx [S, k]: the experts route() selected for S rows of block `layer`."""
+        """idx [S, k]: the experts route() selected for the next S rows of block `layer` (the prompt's rows arrive
+        in order, chunk by chunk)."""
         if not 0 <= layer < len(self.rows):
             raise HelmcError(f"routing statistics: expected a block index in [0, {len(self.rows)}), found {layer}")
-        np.add.at(self.counts[layer], np.asarray(idx).reshape(-1), 1)
-        self.rows[layer] += np.asarray(idx).shape[0]
+        idx = np.asarray(idx)
+        early = max(0, min(idx.shape[0], self.first_half_rows - int(self.rows[layer])))   # rows still in the first half
+        np.add.at(self.counts[layer], idx.reshape(-1), 1)
+        np.add.at(self.first[layer], idx[:early].reshape(-1), 1)
+        self.rows[layer] += idx.shape[0]
 
     def stats(self, spec, source: str, prompt: str) -> ExpertStats:
         routed = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
@@ -59,8 +65,13 @@ class RoutingCounter:
             raise HelmcError(f"routing statistics: expected every routed block to route the same tokens, found "
                              f"{sorted(tokens)[:4]} rows")
         counts = tuple(tuple(int(c) for c in self.counts[i]) if i in routed else () for i in range(spec.num_layers))
-        return ExpertStats(EXPERT_STATS_FORMAT_VERSION, spec.moe.num_experts, spec.moe.top_k, tokens.pop(), counts,
-                           source, prompt)
+        n = tokens.pop()
+        halves = {}
+        if 0 < self.first_half_rows < n:
+            halves = {"first_half": tuple(tuple(int(c) for c in self.first[i]) if i in routed else ()
+                                          for i in range(spec.num_layers)), "first_half_tokens": self.first_half_rows}
+        return ExpertStats(EXPERT_STATS_FORMAT_VERSION, spec.moe.num_experts, spec.moe.top_k, n, counts,
+                           source, prompt, **halves)
 
 
 RANDOM_IDS_NAME = "random-ids"    # a bundle without a tokenizer: seeded random token ids stand for the text
@@ -88,7 +99,7 @@ def measure_routing(session, ids: list[int] | None = None, source: str = "calibr
     ids = list(ids)
     if not ids:
         raise HelmcError("routing statistics: expected a prompt of at least one token, found none")
-    counter = RoutingCounter(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
+    counter = RoutingCounter(spec.num_layers, spec.moe.num_experts, spec.moe.top_k, first_half_rows=len(ids) // 2)
     ffns = host_feed_forwards(session)
     if not ffns:
         raise HelmcError("routing statistics: expected the session to route experts on the host, found no router")
@@ -132,7 +143,10 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     del session                           # its weights and caches go before the bundle is verified again
     path = store_expert_stats(bundle_dir, stats)
     verify_bundle(bundle_dir, trusted_keys=trusted_keys, require_signed=require_signed)
-    hot = [stats.mass(i, stats.hottest(i, max(1, stats.num_experts // 8))) for i in range(len(stats.counts))
-           if stats.routed(i)]
+    eighth = max(1, stats.num_experts // 8)
+    routed = [i for i in range(len(stats.counts)) if stats.routed(i)]
+    hot = sum(stats.mass(i, stats.hottest(i, eighth)) for i in routed) / len(routed)
+    held_out = sum(stats.predicted_mass(i, eighth) for i in routed) / len(routed)
     return lines + (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each "
-                     f"block's experts took {sum(hot) / len(hot):.2f} of the selections; wrote {path}",), reads
+                     f"block's experts took {hot:.2f} of the selections ({held_out:.2f} of the other half's, chosen "
+                     f"on one half of the prompt); wrote {path}",), reads

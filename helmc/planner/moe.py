@@ -222,9 +222,10 @@ def experts_in_vram(p: Plan, spec: ModelSpec, gpu_blocks: int, stats: "ExpertSta
 
 
 def hit_by_block(spec: ModelSpec, vram: tuple, stats: "ExpertStats | None") -> dict[int, float]:
-    """{block: the share of its selections whose expert is in VRAM} for the blocks holding some: the statistics'
-    mass of the held experts, or under uniform routing the share held."""
-    return {i: stats.mass(i, ids) if stats is not None else len(ids) / spec.moe.num_experts
+    """{block: the share of its selections whose expert is in VRAM} for the blocks holding some: the share the
+    statistics predict for their hottest experts on tokens other than those that chose them (ExpertStats.
+    predicted_mass; experts_in_vram holds each block's hottest), or under uniform routing the share held."""
+    return {i: stats.predicted_mass(i, len(ids)) if stats is not None else len(ids) / spec.moe.num_experts
             for i, ids in enumerate(vram) if ids}
 
 

@@ -80,6 +80,10 @@ def test_calibrate_counts_the_routing_transformers_computes(tiny, tmp_path, cach
     for i in (0, 2):
         assert list(stats.counts[i]) == expected[i], f"block {i}"
         assert len({c for c in expected[i]}) > 1                          # not a uniform count the test would miss
+    # the first half of the prompt counted alone (causal: its routing is that of the half prompt on its own)
+    first = transformers_counts(ref, ids[:len(ids) // 2], 8)
+    assert stats.first_half_tokens == len(ids) // 2
+    assert [list(stats.first_half[i]) for i in (0, 2)] == [first[0], first[2]] != [expected[0], expected[2]]
 
     p, _ = replan_bundle(bundle, hw_path)                                   # reads and checks the stored statistics
     assert p.provenance.architecture_hash == r.spec.architecture_hash()
