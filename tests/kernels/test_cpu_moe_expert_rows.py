@@ -133,7 +133,8 @@ def _tiled_groups(tile: int) -> np.ndarray:
                                                  ("q6_k", "q4_k"), ("q4_0", "q4_0")])
 def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     """Rows sharing experts in groups that fill whole tiles of pairs (gate/up decoded once per tile), leave a
-    smaller tile or a single pair: every row bit-identical to the one-row kernel on that row alone."""
+    smaller tile or a single pair: every row bit-identical to the one-row kernel on that row alone. Tile 8: 51 pairs
+    of 6 experts, so down runs expert by expert in the same tiles; tile 2: 15 pairs, down row by row."""
     from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     E, I, H, K = 6, 256, 512, 3
     rng = np.random.default_rng(len(gate_type + down_type))
@@ -156,7 +157,8 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
 
 @needs_avx512
 def test_biased_tiles_of_one_experts_pairs_match_one_row():
-    """gpt-oss's experts (MXFP4, biases) with the tiled groups: each row bit-identical to the one-row biased kernel."""
+    """gpt-oss's experts (MXFP4, biases) with the tiled groups (down expert by expert too): each row bit-identical to
+    the one-row biased kernel."""
     from helmc.schedules.cpu.quant.moe_experts import BiasedExperts
     from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     from tests.kernels.test_cpu_moe_expert_sum import biased_case

@@ -25,7 +25,8 @@ offset.
 
 The m-row kernel (moe_experts_rows.py) steps over the same blocks with the same macros (ExpertSumParts: the int8
 quantizations, the gate/up GEMV step, one expert's down rows, the accumulators' sums; expert_activation: the
-SwiGLU), so each of its rows is this kernel's bits; only the loop nests differ.
+SwiGLU; for tiles of one expert's pairs gemv_int8's m-token row_dot, each token's sums formed as at one), so each of
+its rows is this kernel's bits; only the loop nests differ.
 """
 from __future__ import annotations
 

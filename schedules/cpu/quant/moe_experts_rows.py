@@ -10,20 +10,25 @@ region over (selected expert, block of gate/up rows) runs that block of rows for
 to PAIR_TILE pairs, each tile one m-token GEMV step (tokens_step: gemv_int8's m-token row_dot), so a block's
 quants, scales and mins are decoded once per tile rather than once per pair, and the weights come from DRAM once
 and from L1 for the next tiles; one region forms each pair's SwiGLU times its weight; one forms every row's output
-over its experts' blocks of down, the rows one after the other within a block of output rows, so the down blocks
-are read from DRAM once too.
+over its experts' blocks of down, each block of down rows read from DRAM once per step too: where the step's experts
+average DOWN_BY_EXPERT pairs or more (a prompt chunk), expert by expert in the same tiles of pairs, each tile adding
+into its rows' accumulators (ROWS_PER_CALL rows of them on the stack: a workspace allocation per step cost ~9% at
+m = 8-32); with fewer (a decode batch, mostly one pair per expert) row by row, each row's accumulators in registers
+over its experts (the expert-by-expert loop's loads and stores of them cost ~9% at m = 8-32 there).
 Tiles: the remainder of a group (count % PAIR_TILE pairs) is one tile of that many, a single pair the one-token step
-(most groups of a few-row decode step). Qwen3-30B-A3B's shapes (q4_k gate/up, q6_k down) on the 2-core EPYC, the
-median of `python -m benchmarks.bench_moe_rows_cpu --rows 8,32,128 --tile T` (independent rows, ms):
+(most groups of a few-row decode step). Qwen3-30B-A3B's shapes (q4_k gate/up, q6_k down) on the 2-core EPYC, gate/up
+tiles only, the median of `python -m benchmarks.bench_moe_rows_cpu --rows 8,32,128 --tile T` (independent rows, ms):
   T = 1: 11.1 / 41.4 / 153.6; 4: 11.3 / 38.8 / 135.8; 6: 10.5 / 39.1 / 129.1; 8: 10.9 / 38.8 / 122.0
-(the gate/up dot products stay one per pair and token: only the decode is shared). Larger tiles than 8 would take
-two passes over the tokens (gemv_quant.quant_blocking: accumulators past half the vector registers).
+(the dot products stay one per pair and token: only the decode is shared); down expert by expert then took m = 128
+from 119 to 111 ms and left m = 8 and 32 as they were. Larger tiles than 8 would take two passes over the tokens
+(gemv_quant.quant_blocking: accumulators past half the vector registers).
 
 Bits: each pair's gate/up is the one-token GEMV step's sums (gemv_int8: every token's sums are formed as at m = 1)
 on that row's x quantized alone, its SwiGLU and weight the one-row kernel's macro (moe_experts.expert_activation),
-its down rows the one-row kernel's (moe_experts.ExpertSumParts.down_expert), and each row's down sum runs over that
-row's experts in the order the caller lists them (ascending, as the runtime passes the one-row kernel) in
-accumulators of its own: each output row is bit-identical to the one-row kernel on that row alone.
+its down rows the one-row kernel's sums (moe_experts.ExpertSumParts.down_expert, or gemv_int8's m-token row_dot), and
+each row's down sum runs over that row's experts in ascending order (the groups' order, and row_pairs' order: as the
+runtime passes the one-row kernel) block after block in accumulators of its own: each output row is bit-identical
+to the one-row kernel on that row alone.
 
 The one-row kernel is not this one at m = 1: that would pay a parallel region for quantizing x, the pair arrays'
 indirections and the serial loop over rows in every decode step of a single sequence (Qwen3-30B-A3B's shapes on the
@@ -34,8 +39,8 @@ The caller describes the step's pairs (n of them) grouped by expert:
       -> PrimFunc(x: f32[m, H], pair_expert: i32[n], pair_row: i32[n], pair_weight: f32[n],
                   group_start: i32[g + 1], row_pairs: i32[n], row_start: i32[m + 1],
                   w_gate: u8[E * I, gb], w_up: u8[E * I, gb], w_down: u8[E * H, db], y: f32[m, H])
-  pairs sorted by expert: group u (one expert) is pairs group_start[u] .. group_start[u + 1];
-  row r's pairs, in its sum's order, are row_pairs[row_start[r] .. row_start[r + 1]];
+  pairs sorted by expert: group u (one expert) is pairs group_start[u] .. group_start[u + 1], the groups ascending;
+  row r's pairs, ascending by expert, are row_pairs[row_start[r] .. row_start[r + 1]];
   y[r] = sum over row r's pairs p of pair_weight[p] * expert pair_expert[p](x[r]).
   make_moe_expert_rows(..., biased=BiasedExperts(alpha, limit)): gpt-oss's experts, the biases b_gate, b_up [E, I],
   b_down [E, H] (fp32) after w_down, as moe_experts.make_moe_expert_sum's.
@@ -46,6 +51,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from helmc.runtime.function_names import moe_expert_rows_name
+from helmc.runtime.moe_experts import ROWS_PER_CALL
 from helmc.schedules.cpu.gemv_quant import quant_blocking
 from helmc.schedules.cpu.isa import VectorIsa
 from helmc.schedules.cpu.quant.gemv_int8 import INT8_TUNING, INT8_UNITS, _const, _macros, _ramp, one_token_step
@@ -55,7 +61,8 @@ from helmc.schedules.cpu.quant.prefetch import prefetch_macro
 from helmc.schedules.cpu.quant.tiles import _hsum
 from helmc.schedules.cpu.weight_load import STACK
 
-PAIR_TILE = 8         # pairs of one expert whose gate/up blocks are decoded once (see the module's docstring)
+PAIR_TILE = 8         # pairs of one expert whose gate/up (and down) blocks are decoded once (see the docstring)
+DOWN_BY_EXPERT = 4    # pairs per selected expert from which down runs expert by expert (see the docstring)
 
 
 def tokens_step(qtype: str, n: int, k: int, isa: VectorIsa, m: int):
@@ -133,37 +140,82 @@ def _pair_tile(qtype: str, inter: int, hidden: int, isa: VectorIsa, size: int):
     return tile
 
 
-def _group_gate_up(qtype: str, inter: int, hidden: int, isa: VectorIsa, tile: int):
-    """Macro (w_gate, w_up, expert, xq, dx, xs, g, u, first, count, step): gate and up's step `step` for the `count`
-    pairs of one expert from pair `first` on: tiles of `tile` pairs, then one tile of the count % tile left."""
-    tiles = {size: _pair_tile(qtype, inter, hidden, isa, size) for size in range(1, tile + 1)}
+def _down_tile(down_type: str, inter: int, hidden: int, isa: VectorIsa, size: int):
+    """Macro (w_down, pair_row, expert, aq, adx, axs, accs, accms, first, step): down's step `step` (the one-row
+    kernel's d_rows rows of H) for `size` pairs of one expert, pairs first .. first + size of the quantized activations
+    (aq, adx, axs), added to their rows' accumulators accs [m, d_rows, 16] / accms [m, d_rows, 8] (held in registers
+    over the step's blocks, as ExpertSumParts.down_expert holds them, each pair's sums formed as at one pair)."""
+    I, H = inter, hidden
+    dn, tuning = INT8_UNITS[down_type], INT8_TUNING[down_type]
+    d_blocks = I // dn.weights
+    db, ax, axw = d_blocks * dn.bytes, d_blocks * dn.dx_lanes, d_blocks * dn.sums
+    step_rows, _ = quant_blocking(down_type, 1, isa, tuning)
+    rows, group = quant_blocking(down_type, size, isa, tuning)
+    assert group == size and step_rows % rows == 0, (down_type, size, rows, group)
+    prefetch = prefetch_macro(rows, dn.bytes, db, tuning, H)
+    _, row_dot = _macros(down_type, isa, size, size)
 
+    @T.macro
+    def tile(w_down, pair_row, expert, aq, adx, axs, accs, accms, first, step):
+        row0 = T.meta_var(expert * H)
+        wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
+        wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
+        wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))
+        wdf = T.decl_buffer((H * db,), "uint8", data=w_down.data, elem_offset=row0 * db)
+        wdu = T.decl_buffer((H, db // 4), "uint32", data=w_down.data, elem_offset=row0 * (db // 4))
+        aqt = T.decl_buffer((size, I), "int8", data=aq.data, elem_offset=first * I)
+        adxt = T.decl_buffer((size, ax), "float32", data=adx.data, elem_offset=first * ax)
+        axst = T.decl_buffer((size, axw), dn.xs_dtype, data=axs.data, elem_offset=first * axw)
+        for rg in T.serial(step_rows // rows):
+            acc = T.alloc_buffer((size, rows, 16), "float32", scope="global", annotations=STACK)
+            accm = T.alloc_buffer((size, rows, 8), "float32", scope="global", annotations=STACK)
+            for t in T.unroll(size):
+                for r in T.unroll(rows):
+                    acc[t, r, _ramp(0, 16)] = accs[pair_row[first + t], rg * rows + r, _ramp(0, 16)]
+                    accm[t, r, _ramp(0, 8)] = accms[pair_row[first + t], rg * rows + r, _ramp(0, 8)]
+            for b in T.serial(d_blocks):
+                prefetch(wdf, step * step_rows + rg * rows, b)
+                for r in T.unroll(rows):
+                    row_dot(wd, wdi, wdh, wdu, aqt, adxt, axst, acc, accm,
+                            T.min(step * step_rows + rg * rows + r, H - 1), r, b, 0)
+            for t in T.unroll(size):
+                for r in T.unroll(rows):
+                    accs[pair_row[first + t], rg * rows + r, _ramp(0, 16)] = acc[t, r, _ramp(0, 16)]
+                    accms[pair_row[first + t], rg * rows + r, _ramp(0, 8)] = accm[t, r, _ramp(0, 8)]
+
+    return tile
+
+
+def _group_tiles(tiles: dict, tile: int):
+    """Macro (a, b, expert, xq, dx, xs, out_a, out_b, first, count, step) running the tile macros `tiles` (size ->
+    macro (a, b, expert, xq, dx, xs, out_a, out_b, first, step): _pair_tile's or _down_tile's) over the `count` pairs of
+    one expert from pair `first` on: tiles of `tile` pairs, then one tile of the count % tile left."""
     def left(size: int):
         """Macro running the count % tile pairs left when that is size or fewer (sizes from `size` down to 1)."""
         if size == 1:
             @T.macro
-            def one(w_gate, w_up, expert, xq, dx, xs, g, u, first, rest, step):
+            def one(a, b, expert, xq, dx, xs, out_a, out_b, first, rest, step):
                 if rest == 1:
-                    tiles[1](w_gate, w_up, expert, xq, dx, xs, g, u, first, step)
+                    tiles[1](a, b, expert, xq, dx, xs, out_a, out_b, first, step)
             return one
         this, smaller = tiles[size], left(size - 1)
 
         @T.macro
-        def some(w_gate, w_up, expert, xq, dx, xs, g, u, first, rest, step):
+        def some(a, b, expert, xq, dx, xs, out_a, out_b, first, rest, step):
             if rest == size:
-                this(w_gate, w_up, expert, xq, dx, xs, g, u, first, step)
+                this(a, b, expert, xq, dx, xs, out_a, out_b, first, step)
             else:
-                smaller(w_gate, w_up, expert, xq, dx, xs, g, u, first, rest, step)
+                smaller(a, b, expert, xq, dx, xs, out_a, out_b, first, rest, step)
         return some
 
     full, rest = tiles[tile], left(tile - 1) if tile > 1 else None
 
     @T.macro
-    def group(w_gate, w_up, expert, xq, dx, xs, g, u, first, count, step):
+    def group(a, b, expert, xq, dx, xs, out_a, out_b, first, count, step):
         for t in T.serial(count // tile):
-            full(w_gate, w_up, expert, xq, dx, xs, g, u, first + t * tile, step)
+            full(a, b, expert, xq, dx, xs, out_a, out_b, first + t * tile, step)
         if tile > 1:
-            rest(w_gate, w_up, expert, xq, dx, xs, g, u, first + count - count % tile, count % tile, step)
+            rest(a, b, expert, xq, dx, xs, out_a, out_b, first + count - count % tile, count % tile, step)
 
     return group
 
@@ -172,14 +224,16 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
                          isa: VectorIsa, biased: BiasedExperts | None = None, tile: int = PAIR_TILE) -> tirx.PrimFunc:
     """`biased`: gpt-oss's experts (BiasedExperts), the plain kernel with the one-row biased kernel's bias terms and
     clamped SwiGLU; each row's down biases added after its dot products in its pairs' order, so each row's bits are
-    the one-row kernel's. `tile`: pairs of one expert whose gate/up blocks are decoded once (1: each pair alone)."""
+    the one-row kernel's. `tile`: pairs of one expert whose blocks are decoded once (1: each pair alone)."""
     assert moe_expert_sum_applies(gate_type, down_type, inter, hidden, isa), (gate_type, down_type, inter, hidden)
     E, I, H, K = experts, inter, hidden, top_k
     k = expert_sum_parts(gate_type, down_type, inter, hidden, isa)
     gu, dn, g_blocks, d_blocks, gb, db, d_rows = k.gate, k.down, k.g_blocks, k.d_blocks, k.gb, k.db, k.d_rows
     activation = expert_activation(biased)
     gx, gs, dx_, ds = gu.dx_lanes, gu.sums, dn.dx_lanes, dn.sums
-    gate_up = _group_gate_up(gate_type, I, H, isa, tile)
+    sizes = range(1, tile + 1)
+    gate_up = _group_tiles({size: _pair_tile(gate_type, I, H, isa, size) for size in sizes}, tile)
+    down = _group_tiles({size: _down_tile(down_type, I, H, isa, size) for size in sizes}, tile)
 
     @T.macro
     def copy_x(xq, dx, xs, pxq, pdx, pxs, row, pair, b):
@@ -203,6 +257,7 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
         row_start = T.match_buffer(rs_h, (m1,), "int32")
         T.Assert(m1 == m + 1, "moe_expert_rows: row_start must hold rows + 1 entries")
         T.Assert(n <= m * K, "moe_expert_rows: more pairs than rows times the block's top-k")
+        T.Assert(m <= ROWS_PER_CALL, "moe_expert_rows: more rows than ROWS_PER_CALL")
         ng = ng1 - 1
         xq = T.alloc_buffer((m, H), "int8")
         dx = T.alloc_buffer((m, g_blocks * gx), "float32")
@@ -228,15 +283,31 @@ def make_moe_expert_rows(gate_type: str, down_type: str, experts: int, inter: in
             for i in T.serial(dn.weights):
                 activation(g, u, pair_weight, pair_expert, b_gate, b_up, jb // d_blocks, jb % d_blocks * dn.weights + i)
             k.quantize_a(u, aq, adx, axs, jb // d_blocks, jb % d_blocks)
-        for step in T.parallel(k.d_steps):
-            acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
-            accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
-            for r in T.serial(m):
-                k.clear(acc, accm)
-                for q in T.serial(row_start[r + 1] - row_start[r]):
-                    p = T.meta_var(row_pairs[row_start[r] + q])
-                    k.down_expert(w_down, pair_expert[p], aq, adx, axs, p, acc, accm, step)
-                k.store(y, r, acc, accm, step)
+        if n >= DOWN_BY_EXPERT * ng:                 # down decoded once per tile of an expert's pairs
+            for step in T.parallel(k.d_steps):       # every row's accumulators, the experts in the groups' order
+                accs = T.alloc_buffer((ROWS_PER_CALL, d_rows, 16), "float32", scope="global", annotations=STACK)
+                accms = T.alloc_buffer((ROWS_PER_CALL, d_rows, 8), "float32", scope="global", annotations=STACK)
+                for r in T.serial(m):
+                    k.clear(T.decl_buffer((1, d_rows, 16), "float32", data=accs.data, elem_offset=r * (d_rows * 16)),
+                            T.decl_buffer((1, d_rows, 8), "float32", data=accms.data, elem_offset=r * (d_rows * 8)))
+                for grp in T.serial(ng):
+                    down(w_down, pair_row, pair_expert[group_start[grp]], aq, adx, axs, accs, accms,
+                         group_start[grp], group_start[grp + 1] - group_start[grp], step)
+                for r in T.serial(m):
+                    k.store(y, r, T.decl_buffer((1, d_rows, 16), "float32", data=accs.data,
+                                                elem_offset=r * (d_rows * 16)),
+                            T.decl_buffer((1, d_rows, 8), "float32", data=accms.data, elem_offset=r * (d_rows * 8)),
+                            step)
+        else:                                        # down per pair, each row's accumulators in registers
+            for step in T.parallel(k.d_steps):
+                acc = T.alloc_buffer((1, d_rows, 16), "float32", scope="global", annotations=STACK)
+                accm = T.alloc_buffer((1, d_rows, 8), "float32", scope="global", annotations=STACK)
+                for r in T.serial(m):
+                    k.clear(acc, accm)
+                    for q in T.serial(row_start[r + 1] - row_start[r]):
+                        p = T.meta_var(row_pairs[row_start[r] + q])
+                        k.down_expert(w_down, pair_expert[p], aq, adx, axs, p, acc, accm, step)
+                    k.store(y, r, acc, accm, step)
         if biased is not None:
             for rh in T.parallel(m * H):             # the down biases, weighted, in each row's pair order
                 for q in T.serial(row_start[rh // H + 1] - row_start[rh // H]):
