@@ -16,11 +16,12 @@ into its rows' accumulators (ROWS_PER_CALL rows of them on the stack: a workspac
 m = 8-32); with fewer (a decode batch, mostly one pair per expert) row by row, each row's accumulators in registers
 over its experts (the expert-by-expert loop's loads and stores of them cost ~9% at m = 8-32 there).
 Tiles: the remainder of a group (count % PAIR_TILE pairs) is one tile of that many, a single pair the one-token step
-(most groups of a few-row decode step). Qwen3-30B-A3B's shapes (q4_k gate/up, q6_k down) on the 2-core EPYC, gate/up
-tiles only, the median of `python -m benchmarks.bench_moe_rows_cpu --rows 8,32,128 --tile T` (independent rows, ms):
-  T = 1: 11.1 / 41.4 / 153.6; 4: 11.3 / 38.8 / 135.8; 6: 10.5 / 39.1 / 129.1; 8: 10.9 / 38.8 / 122.0
-(the dot products stay one per pair and token: only the decode is shared); down expert by expert then took m = 128
-from 119 to 111 ms and left m = 8 and 32 as they were. Larger tiles than 8 would take two passes over the tokens
+(most groups of a few-row decode step). Qwen3-30B-A3B's shapes (q4_k gate/up, q6_k down) on the quiet 2-core EPYC,
+`python -m benchmarks.bench_moe_rows_cpu --rows 1,8,32,128 --reps 10 [--tile T]`, independent rows, median ms at
+m = 8 / 32 / 128: T = 1 (no decode shared) 11.1 / 42.5 / 153; T = 4: 10.9 / 36.9 / 116; T = 8: 11.9 / 36.4 / 113
+(the dot products stay one per pair and token: only the decode is shared); the kernel before the tiles and the
+meta_var row_dots (gemv_int8._macros) 17.4 / 55.8 / 206. Down expert by expert took m = 128 from 119 to 111 ms in
+an A/B run and left m = 8 and 32 as they were. Larger tiles than 8 would take two passes over the tokens
 (gemv_quant.quant_blocking: accumulators past half the vector registers).
 
 Bits: each pair's gate/up is the one-token GEMV step's sums (gemv_int8: every token's sums are formed as at m = 1)
@@ -32,7 +33,7 @@ to the one-row kernel on that row alone.
 
 The one-row kernel is not this one at m = 1: that would pay a parallel region for quantizing x, the pair arrays'
 indirections and the serial loop over rows in every decode step of a single sequence (Qwen3-30B-A3B's shapes on the
-2-core EPYC, benchmarks/bench_moe_rows_cpu.py --rows 1: 2.0-2.4 ms against the one-row kernel's 1.9-2.1 ms).
+2-core EPYC, benchmarks/bench_moe_rows_cpu.py --rows 1: 1.5-1.7 ms against the one-row kernel's 1.4-1.6 ms).
 
 The caller describes the step's pairs (n of them) grouped by expert:
   make_moe_expert_rows(gate_type, down_type, experts, inter, hidden, top_k, isa)
