@@ -2,8 +2,11 @@
 against the one-row expert sum called once per row (what a step would take without it), at a MoE model's shapes
 (default Qwen3-30B-A3B: 128 experts of 768 x 2048, top-8, q4_k gate/up and q6_k down), random weights.
 
-    python -m benchmarks.bench_moe_rows_cpu [--experts 128 --inter 768 --hidden 2048 --top-k 8] [--reps 30] \
-        [--out benchmarks/results/moe_rows_cpu.json]
+    python -m benchmarks.bench_moe_rows_cpu [--experts 128 --inter 768 --hidden 2048 --top-k 8] [--rows 1,8,32,128] \
+        [--reps 30] [--tile PAIRS] [--out benchmarks/results/moe_rows_cpu.json]
+
+--rows 128 is a CPU prompt chunk (each expert picked by ~8 rows); --tile sets the m-row kernel's pairs of one expert
+per gate/up tile (moe_experts_rows.PAIR_TILE by default).
 
 Rows select their experts either independently or sharing half of them with the first row (a served batch of
 related prompts); per row count m and sharing: the median ms of each, the distinct experts' bytes over the m-row
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     from helmc.runtime.moe_experts import expert_rows_args
     from helmc.schedules.cpu.isa import select_isa
     from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum
-    from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows
+    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE, make_moe_expert_rows
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--inter", type=int, default=768)
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tile", type=int, default=None, help="pairs of one expert decoded together (default PAIR_TILE)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     E, I, H, K = a.experts, a.inter, a.hidden, a.top_k
@@ -74,8 +78,8 @@ def main(argv=None) -> int:
     if isa.tier != "avx512":
         sys.exit("bench_moe_rows_cpu: the int8 expert sums need AVX-512; this CPU has none")
     kernels = {}
-    for name, make in (("rows", make_moe_expert_rows), ("one", make_moe_expert_sum)):
-        f = make("q4_k", "q6_k", E, I, H, K, isa)
+    rows_kernel = make_moe_expert_rows("q4_k", "q6_k", E, I, H, K, isa, tile=a.tile or PAIR_TILE)
+    for name, f in (("rows", rows_kernel), ("one", make_moe_expert_sum("q4_k", "q6_k", E, I, H, K, isa))):
         kernels[name] = tvm.compile(f, target=llvm_target(tuple(flags)))[str(f.attrs["global_symbol"])]
     rng = np.random.default_rng(0)
     dev = tvm.cpu()

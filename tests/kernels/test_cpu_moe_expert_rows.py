@@ -114,3 +114,66 @@ def test_biased_expert_rows_match_one_row_and_float64():
             ref = reference_biased(x[r:r + 1], idx[r][order], w[r][order], gate, up, down, biases, alpha, limit,
                                    "mxfp4", "mxfp4", I, H)
             assert float(np.abs(y[r] - ref).max() / np.abs(ref).max()) < 1e-5, (idx.tolist(), r)
+
+
+def _tiled_groups(tile: int) -> np.ndarray:
+    """idx [2 * tile + 1, 3] whose experts 0 .. 5 are chosen by 2 * tile + 1, tile + 1, tile, tile - 1, 1 and
+    tile + 1 rows: full tiles of one expert's pairs, remainders of a smaller tile or one pair alone, each row's
+    experts in a shuffled order."""
+    m = 2 * tile + 1
+    idx = np.zeros((m, 3), np.int64)
+    idx[:, 1] = np.where(np.arange(m) <= tile, 1, 2)
+    idx[:, 2] = np.where(np.arange(m) < tile - 1, 3, np.where(np.arange(m) == tile - 1, 4, 5))
+    rng = np.random.default_rng(tile)
+    return np.stack([rng.permutation(row) for row in idx])
+
+
+@needs_avx512
+@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q5_k", "q3_k"), ("q3_k", "q5_k"),
+                                                 ("q6_k", "q4_k"), ("q4_0", "q4_0")])
+def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
+    """Rows sharing experts in groups that fill whole tiles of pairs (gate/up decoded once per tile), leave a
+    smaller tile or a single pair: every row bit-identical to the one-row kernel on that row alone. Tile 8: 51 pairs
+    of 6 experts, so down runs expert by expert in the same tiles; tile 2: 15 pairs, down row by row."""
+    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
+    E, I, H, K = 6, 256, 512, 3
+    rng = np.random.default_rng(len(gate_type + down_type))
+    gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))
+    down = random_quant_weight(rng, down_type, E * H, I)
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
+    one = _compiled(make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA))
+    for tile in sorted({2, PAIR_TILE}):
+        rows = _compiled(make_moe_expert_rows(gate_type, down_type, E, I, H, K, ISA, tile=tile))
+        idx = _tiled_groups(tile)
+        assert np.bincount(idx.ravel()).tolist() == [2 * tile + 1, tile + 1, tile, tile - 1, 1, tile + 1]
+        w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+        x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
+        y = _rows_call(rows, x, idx, w, weights, dev)
+        for r in range(idx.shape[0]):
+            alone = _one_row(one, x[r], idx[r], w[r], weights, dev)
+            assert np.array_equal(y[r].view(np.uint32), alone.view(np.uint32)), (tile, r)
+
+
+@needs_avx512
+def test_biased_tiles_of_one_experts_pairs_match_one_row():
+    """gpt-oss's experts (MXFP4, biases) with the tiled groups (down expert by expert too): each row bit-identical to
+    the one-row biased kernel."""
+    from helmc.schedules.cpu.quant.moe_experts import BiasedExperts
+    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
+    from tests.kernels.test_cpu_moe_expert_sum import biased_case
+    E, I, H, K = 6, 256, 512, 3
+    rng = np.random.default_rng(13)
+    gate, up, down, biases, _, limit = biased_case(rng, "mxfp4", "mxfp4", E, I, H)
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
+    biased = BiasedExperts(1.702, limit)
+    rows = _compiled(make_moe_expert_rows("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
+    one = _compiled(make_moe_expert_sum("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
+    idx = _tiled_groups(PAIR_TILE)
+    w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
+    y = _rows_call(rows, x, idx, w, weights, dev)
+    for r in range(idx.shape[0]):
+        alone = _one_row(one, x[r], idx[r], w[r], weights, dev)
+        assert np.array_equal(y[r].view(np.uint32), alone.view(np.uint32)), r

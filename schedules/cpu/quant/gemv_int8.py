@@ -101,7 +101,10 @@ def int8_gemv_applies(qtype: str, isa: VectorIsa, k: int) -> bool:
 
 
 def _macros(qtype: str, isa: VectorIsa, group: int, m: int):
-    """(quantize, row_dot) macros of qtype's int8 kernel."""
+    """(quantize, row_dot) macros of qtype's int8 kernel. A row_dot's per-block values (scales, mins, quants) are
+    T.meta_var expressions, not `v = expr` locals: TVMScript makes such a local a one-element buffer, which TVM lowers
+    to a TVMBackendAllocWorkspace call and its free in every iteration of the parallel loop around it (the MoE expert
+    kernels run a step's row_dot in several tile sizes: 17-100+ pool calls per step, a quarter of their time)."""
     vnni = "avx512_vnni" in isa.required_flags
     if qtype == "q4_0":
         return quantize_q4_0(_max_tree), q4_0_row(vnni, group, m, _token)
@@ -343,23 +346,23 @@ def _q4_k_row(dot_step, isa: VectorIsa, group: int, m: int, fifth_bit: bool = Fa
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        d = widen(wh[row, b * (bb // 2)], "float16", f16c)
-        dmin = widen(wh[row, b * (bb // 2) + 1], "float16", f16c)
+        d = T.meta_var(widen(wh[row, b * (bb // 2)], "float16", f16c))
+        dmin = T.meta_var(widen(wh[row, b * (bb // 2) + 1], "float16", f16c))
         # The 12 scale bytes as words u0, u1, u2 (and the block's first quant word, unused) in one 128-bit vector,
         # get_scale_min_k4 by llama.cpp's kmask trick on its lanes: unpacked in scalar words, the fields then moved
         # into a vector two port-5 uops a word, on the port the scale broadcasts below already fill (llvm-mca:
         # 153 -> 132 cycles per 8 row-blocks).
-        u = wu[row, _ramp(b * (bb // 4) + 1, 4)]                                        # uint32x4
-        u2 = tirx.Shuffle([u], [2, 2, 2, 2])
-        low = tirx.bitwise_and(u, _const(0x3F3F3F3F, "uint32", 4))                     # sc0-3 | m0-3 | - | -
-        high = tirx.bitwise_or(                                                          # sc4-7 | m4-7 | - | -
+        u = T.meta_var(wu[row, _ramp(b * (bb // 4) + 1, 4)])                            # uint32x4
+        u2 = T.meta_var(tirx.Shuffle([u], [2, 2, 2, 2]))
+        low = T.meta_var(tirx.bitwise_and(u, _const(0x3F3F3F3F, "uint32", 4)))        # sc0-3 | m0-3 | - | -
+        high = T.meta_var(tirx.bitwise_or(                                             # sc4-7 | m4-7 | - | -
             tirx.bitwise_and(tirx.shift_right(u2, tirx.Shuffle([_const(0, "uint32", 2), _const(4, "uint32", 2)],
                                                                [0, 2, 1, 3])), _const(0x0F0F0F0F, "uint32", 4)),
             tirx.shift_left(tirx.bitwise_and(tirx.shift_right(u, _const(6, "uint32", 4)),
-                                             _const(0x03030303, "uint32", 4)), _const(4, "uint32", 4)))
-        fields = tirx.reinterpret("uint8x16", tirx.Shuffle([low, high], [0, 4, 1, 5]))   # sc0-7 | m0-7 as bytes
-        scales = tirx.Cast("int16x8", tirx.Shuffle([fields], list(range(8))))
-        mins = tirx.Cast("float32x8", tirx.Shuffle([fields], list(range(8, 16)))) * _bcast(dmin, 8)
+                                             _const(0x03030303, "uint32", 4)), _const(4, "uint32", 4))))
+        fields = T.meta_var(tirx.reinterpret("uint8x16", tirx.Shuffle([low, high], [0, 4, 1, 5])))  # sc0-7 | m0-7
+        scales = T.meta_var(tirx.Cast("int16x8", tirx.Shuffle([fields], list(range(8)))))
+        mins = T.meta_var(tirx.Cast("float32x8", tirx.Shuffle([fields], list(range(8, 16)))) * _bcast(dmin, 8))
         for s in T.unroll(group):
             acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
                 dot_step, [nibbles(w, row, b, g) for g in range(4)],
@@ -392,8 +395,8 @@ def _q6_k_row(dot_step, isa: VectorIsa, group: int, m: int):
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        d = widen(wh[row, b * 105 + 104], "float16", f16c)
-        scales = tirx.Cast("int16x16", wi[row, _ramp(b * 210 + 192, 16)])
+        d = T.meta_var(widen(wh[row, b * 105 + 104], "float16", f16c))
+        scales = T.meta_var(tirx.Cast("int16x16", wi[row, _ramp(b * 210 + 192, 16)]))
         for s in T.unroll(group):
             acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
                 dot_step, [quants(w, row, b, g) for g in range(4)],
@@ -439,8 +442,8 @@ def _q3_k_row(dot_step, isa: VectorIsa, group: int, m: int):
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        d = widen(wh[row, b * 55 + 54], "float16", f16c)
-        sc = scales(w, row, b)
+        d = T.meta_var(widen(wh[row, b * 55 + 54], "float16", f16c))
+        sc = T.meta_var(scales(w, row, b))
         for s in T.unroll(group):
             acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", _chain(
                 dot_step, [quants(w, row, b, g) for g in range(4)],

@@ -25,7 +25,8 @@ offset.
 
 The m-row kernel (moe_experts_rows.py) steps over the same blocks with the same macros (ExpertSumParts: the int8
 quantizations, the gate/up GEMV step, one expert's down rows, the accumulators' sums; expert_activation: the
-SwiGLU), so each of its rows is this kernel's bits; only the loop nests differ.
+SwiGLU; for tiles of one expert's pairs gemv_int8's m-token row_dot, each token's sums formed as at one), so each of
+its rows is this kernel's bits; only the loop nests differ.
 """
 from __future__ import annotations
 
@@ -67,10 +68,9 @@ def expert_activation(biased: BiasedExperts | None):
     alpha, limit = biased.alpha, biased.limit
 
     @T.macro
-    def clamped_swiglu(g, u, weight, expert, b_gate, b_up, row, col):
-        j, c = row, col
-        gv = T.min(g[j, c] + b_gate[expert[j], c], T.float32(limit))
-        uv = T.max(T.min(u[j, c] + b_up[expert[j], c], T.float32(limit)), T.float32(-limit))
+    def clamped_swiglu(g, u, weight, expert, b_gate, b_up, j, c):
+        gv = T.meta_var(T.min(g[j, c] + b_gate[expert[j], c], T.float32(limit)))
+        uv = T.meta_var(T.max(T.min(u[j, c] + b_up[expert[j], c], T.float32(limit)), T.float32(-limit)))
         u[j, c] = (uv + T.float32(1)) * (gv / (T.float32(1) + T.exp(gv * T.float32(-alpha)))) * weight[j]
 
     return clamped_swiglu
@@ -132,7 +132,7 @@ def expert_sum_parts(gate_type: str, down_type: str, inter: int, hidden: int, is
 
     @T.macro
     def down_expert(w_down, expert, aq, adx, axs, a, acc, accm, step):
-        row0 = expert * H
+        row0 = T.meta_var(expert * H)
         wd = T.decl_buffer((H, db), "uint8", data=w_down.data, elem_offset=row0 * db)
         wdi = T.decl_buffer((H, db), "int8", data=w_down.data, elem_offset=row0 * db)
         wdh = T.decl_buffer((H, db // 2), "float16", data=w_down.data, elem_offset=row0 * (db // 2))

@@ -79,13 +79,13 @@ def mxfp4_row(vnni: bool, group: int, m: int, token):
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        first = w[row, _ramp(b * UNIT_BYTES, 32)]                                      # uint8x32: bytes 0-31
-        second = w[row, _ramp(b * UNIT_BYTES + 2, 32)]                                 # uint8x32: bytes 2-33
-        quants = tirx.Shuffle([first, second], _QUANT_LANES)                           # uint8x32: 2 x 16 bytes
-        nibbles = tirx.Shuffle([tirx.bitwise_and(quants, _const(15, "uint8", 32)),
-                                tirx.shift_right(quants, _const(4, "uint8", 32))], list(range(64)))
-        values = tirx.call_llvm_pure_intrin("uint8x64", "llvm.x86.avx512.pshuf.b.512", _table(), nibbles)
-        d = _scales(first, second)
+        first = T.meta_var(w[row, _ramp(b * UNIT_BYTES, 32)])                                  # uint8x32: bytes 0-31
+        second = T.meta_var(w[row, _ramp(b * UNIT_BYTES + 2, 32)])                             # uint8x32: bytes 2-33
+        quants = T.meta_var(tirx.Shuffle([first, second], _QUANT_LANES))                       # uint8x32: 2 x 16 bytes
+        nibbles = T.meta_var(tirx.Shuffle([tirx.bitwise_and(quants, _const(15, "uint8", 32)),
+                                            tirx.shift_right(quants, _const(4, "uint8", 32))], list(range(64))))
+        values = T.meta_var(tirx.call_llvm_pure_intrin("uint8x64", "llvm.x86.avx512.pshuf.b.512", _table(), nibbles))
+        d = T.meta_var(_scales(first, second))
         for s in T.unroll(group):
             acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", dot(
                 xs[token(p, s, group, m), _ramp(b * 16, 16)], values, xq[token(p, s, group, m), _ramp(b * UNIT, 64)])

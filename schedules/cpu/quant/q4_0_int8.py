@@ -89,12 +89,12 @@ def q4_0_row(vnni: bool, group: int, m: int, token):
 
     @T.macro
     def row_dot(w, wi, wh, wu, xq, dx, xs, acc, accm, row, r, b, p):
-        first = w[row, _ramp(b * UNIT_BYTES, 64)]                                      # uint8x64: bytes 0-63
-        second = w[row, _ramp(b * UNIT_BYTES + 8, 64)]                                 # uint8x64: bytes 8-71
-        quants = tirx.Shuffle([first, second], _QUANT_LANES)                           # uint8x64: 4 x 16 bytes
-        low = tirx.bitwise_and(quants, _const(15, "uint8", 64))
-        high = tirx.shift_right(quants, _const(4, "uint8", 64))
-        d = tirx.Cast("float32x16", tirx.Shuffle([tirx.reinterpret("float16x32", first)], _SCALE_LANES))
+        first = T.meta_var(w[row, _ramp(b * UNIT_BYTES, 64)])                                  # uint8x64: bytes 0-63
+        second = T.meta_var(w[row, _ramp(b * UNIT_BYTES + 8, 64)])                             # uint8x64: bytes 8-71
+        quants = T.meta_var(tirx.Shuffle([first, second], _QUANT_LANES))                       # uint8x64: 4 x 16 bytes
+        low = T.meta_var(tirx.bitwise_and(quants, _const(15, "uint8", 64)))
+        high = T.meta_var(tirx.shift_right(quants, _const(4, "uint8", 64)))
+        d = T.meta_var(tirx.Cast("float32x16", tirx.Shuffle([tirx.reinterpret("float16x32", first)], _SCALE_LANES)))
         for s in T.unroll(group):
             acc[s, r, _ramp(0, 16)] = acc[s, r, _ramp(0, 16)] + tirx.Cast("float32x16", dot(dot(
                 xs[token(p, s, group, m), _ramp(b * 16, 16)], low, xq[token(p, s, group, m), _ramp(b * UNIT, 64)]),
