@@ -129,12 +129,13 @@ def _tiled_groups(tile: int) -> np.ndarray:
 
 
 @needs_avx512
-@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q5_k", "q3_k"), ("q3_k", "q5_k"),
-                                                 ("q6_k", "q4_k"), ("q4_0", "q4_0")])
+@pytest.mark.parametrize("gate_type,down_type", [("q4_k", "q6_k"), ("q5_k", "q3_k"), ("q4_0", "q4_0")])
 def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     """Rows sharing experts in groups that fill whole tiles of pairs (gate/up decoded once per tile), leave a
     smaller tile or a single pair: every row bit-identical to the one-row kernel on that row alone. Tile 8: 51 pairs
-    of 6 experts, so down runs expert by expert in the same tiles; tile 2: 15 pairs, down row by row."""
+    of 6 experts, so down runs expert by expert in the same tiles; tile 2 (Qwen3-MoE's types): 15 pairs, down row by
+    row. The tiles run each type's m-token step, which test_cpu_gemv_rows checks row by row for every type; here
+    each type in one role (three compiles a pair took ~28 s on the 2-core CI machine)."""
     from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     E, I, H, K = 6, 256, 512, 3
     rng = np.random.default_rng(len(gate_type + down_type))
@@ -143,7 +144,7 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
     one = _compiled(make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA))
-    for tile in sorted({2, PAIR_TILE}):
+    for tile in sorted({2, PAIR_TILE} if (gate_type, down_type) == ("q4_k", "q6_k") else {PAIR_TILE}):
         rows = _compiled(make_moe_expert_rows(gate_type, down_type, E, I, H, K, ISA, tile=tile))
         idx = _tiled_groups(tile)
         assert np.bincount(idx.ravel()).tolist() == [2 * tile + 1, tile + 1, tile, tile - 1, 1, tile + 1]
