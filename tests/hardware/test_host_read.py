@@ -77,7 +77,13 @@ def test_measured_reads_are_consistent(full_kit):
     faster than a plain read; one that seemed to would be reading cache or counting copies it never read). The
     margin is wide because the figures are taken one after another on a machine shared with other work."""
     kit_dir, kit = full_kit
-    r = hr.measure_host_reads(kit_dir, kit, passes=3)
+    from helmc.errors import HelmcError
+    try:
+        r = hr.measure_host_reads(kit_dir, kit, passes=3)
+    except HelmcError as e:      # a refusal of an unsteady host (its own test checks it): on a shared CI host, once more
+        if "expected a steady host" not in str(e):
+            raise
+        r = hr.measure_host_reads(kit_dir, kit, passes=3)
     print(f"\nstream read {r.dram_gbs} GB/s, L3 {r.l3_gbs}; "
           + ", ".join(f"{k.weight_type} x{k.rows} {k.gbs}" for k in r.gemv_reads))
     # One figure per weight type at each row count the kit measures (one token; a batched step of 8).
