@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
     ap.add_argument("--profile", default=None, help="plan the bundle again for this `helmc profile` of the machine "
                     "(what `helmc plan BUNDLE PROFILE -o plan.json; helmc serve BUNDLE --plan plan.json` runs)")
-    ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) of the "
+    ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) and 60 by cumulative time of the "
                     "run at --concurrency here (where the host's share of a step goes; the timings then carry its cost)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--no-warm-up", action="store_true", help="load the engine without its warm-up and GC freeze "
@@ -222,6 +222,7 @@ def main(argv=None) -> int:
         together = prof.runcall(run_requests, engine, prompts, a.new_tokens, "all", steps)
         with open(a.cprofile, "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
     else:
         together = run_requests(engine, prompts, a.new_tokens, "all", steps)
     rate_n, steps_n, e2e_n = decode_rate(together), decode_steps_rate(steps, a.concurrency), end_to_end_rate(together)
@@ -244,6 +245,12 @@ def main(argv=None) -> int:
               "ttft_ms_at_1": [1000 * (r["stamps"][0] - r["t_submit"]) for r in singles],
               "step_split_at_1": step_split(one_steps, 1),
               f"step_split_at_{a.concurrency}": step_split(steps, a.concurrency)}
+    moe = getattr(getattr(engine.model.session.gpu, "stage", None), "_moe", None)
+    if moe is not None:                 # a mixture of experts: the selected (row, expert) pairs served from VRAM
+        rows, hits = moe.served(decode=True)
+        report["moe_decode_hit_rate"] = hits / rows if rows else None
+        report["moe_predicted_hit_rate"] = engine.model.session.plan.predictions.expert_hit_rate
+        report["moe_batched_blocks"] = moe.decode_batch.steps if moe.decode_batch is not None else None
     batch_decode = getattr(engine.model.session.gpu, "_batch_decode", None)
     graphs = batch_decode.backend.graphs if batch_decode is not None else None
     report["batch_group_graphs"] = graphs.stats() if graphs is not None else None     # hybrid/batch_graph.py
