@@ -57,8 +57,14 @@ extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, in
   if (e < E) p[e] = pe;
   __syncthreads();
   if (e < E) {
+    // NaN ranks below every number, NaNs by index: NumPy's stable sort of -p (route()), so a row of NaN (a logit
+    // overflowed) picks experts 0..K-1 on both; without it no NaN is ranked and a row's K picks were all expert 0
+    float ke = pe == pe ? pe : -1.f;
     int rank = 0;
-    for (int j = 0; j < E; ++j) rank += (p[j] > pe) || (p[j] == pe && j < e);
+    for (int j = 0; j < E; ++j) {
+      float kj = p[j] == p[j] ? p[j] : -1.f;
+      rank += (kj > ke) || (kj == ke && j < e);
+    }
     if (rank < K) { sel[rank] = e; top[rank] = pe; }
   }
   __syncthreads();
@@ -89,7 +95,7 @@ def route_rows(logits, moe):
     """route() of device logits [S, E] fp32 on the device, one block a row: (sel [S, k] int32, w [S, k] fp32),
     largest first, ties to the lower index; nothing crosses to the host. gpu_routes(moe) must hold."""
     import cupy as cp
-    both = cp.zeros((2,) + (logits.shape[0], moe.top_k), cp.int32)    # NaN logits leave ranks unset: expert 0
+    both = cp.zeros((2,) + (logits.shape[0], moe.top_k), cp.int32)    # [2, S, k]: the picks, the weights' bits
     sel, w = both[0], both[1].view(cp.float32)
     _launch_route(logits, moe, sel, w)
     return sel, w

@@ -20,14 +20,18 @@ from tests.gpu_prebuilt import cuda_device
 pytestmark = pytest.mark.gpu
 
 
-def grid_logits(rng, S: int, E: int) -> np.ndarray:
+def grid_logits(rng, S: int, E: int, overflowed: bool = True) -> np.ndarray:
     """Router rows whose values tie exactly or differ by far more than rounding (a 1/256 grid: exp's last bits,
     which differ between NumPy and CUDA, cannot reorder them): random rows, rows of a few values (ties inside the
-    top k and at its boundary), rows all equal."""
+    top k and at its boundary), rows all equal, rows with a NaN or an inf logit (route() picks experts 0..k-1 there,
+    NaN weights: the GPU must pick the same, or a prompt's routing statistics miss what decode selects)."""
     x = rng.integers(-1024, 1024, (S, E)).astype(np.float32) / np.float32(256)
     x[1::5] = rng.integers(-2, 3, (len(x[1::5]), E)).astype(np.float32)       # five values: ties everywhere
     x[2::7, : E // 2] = x[2::7, E // 2: 2 * (E // 2)]                         # each value twice
     x[3::11] = np.float32(0.75)                                               # one value: the first k
+    if overflowed:
+        x[4::13, E // 3] = np.nan                                             # an overflowed logit: a row of NaN
+        x[6::17, -1] = np.inf                                                 # inf - inf: NaN too
     return x
 
 
@@ -48,11 +52,13 @@ def test_gpu_routing_picks_what_route_picks(E, k, norm):
     assert bad.size == 0, (bad[:5], got_idx[bad[:2]], want_idx[bad[:2]], logits[bad[:2]])
     np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=0)
     if norm:
-        np.testing.assert_allclose(got_w.sum(axis=1), 1.0, rtol=1e-5)
+        finite = np.isfinite(logits).all(axis=1)
+        assert 0 < (~finite).sum() < len(finite) and np.isnan(got_w[~finite]).all()
+        np.testing.assert_allclose(got_w[finite].sum(axis=1), 1.0, rtol=1e-5)
     # brought back for the CPU's experts: route()'s dtypes, the device's values
     host_idx, host_w = route_rows_to_host(cp.asarray(logits), moe)
     assert host_idx.dtype == want_idx.dtype and host_w.dtype == np.float32
-    assert np.array_equal(host_idx, want_idx) and np.array_equal(host_w, got_w)
+    assert np.array_equal(host_idx, want_idx) and np.array_equal(host_w, got_w, equal_nan=True)
 
 
 def test_gpu_routing_is_declined_where_the_kernel_cannot_route():
@@ -75,7 +81,7 @@ def test_device_grouping_is_numpys(S, E, k):
     for f in ("rows", "pos", "weights"):
         a, b = getattr(got, f), getattr(want, f)
         assert isinstance(a, cp.ndarray) and a.dtype == b.dtype and a.flags.c_contiguous, f
-        assert np.array_equal(a.get(), b), f
+        assert np.array_equal(a.get(), b, equal_nan=True), f                    # NaN weights of NaN rows
     assert got.used() == sorted(set(sel.get().ravel().tolist()))
 
 
@@ -102,7 +108,7 @@ def test_a_prompt_routed_on_the_gpu_adds_what_the_host_routed_prompt_adds(vram):
     assert prefill.applies(experts)
     rng = np.random.default_rng(1)
     S, H = 300, s.spec.hidden_size
-    logits = grid_logits(rng, S, 8)
+    logits = grid_logits(rng, S, 8, overflowed=False)          # finite sums to compare (NaN rows: the test above)
     m = cp.asarray(rng.standard_normal((S, H)).astype(np.float16))
     h = cp.asarray(rng.standard_normal((S, H)).astype(np.float32))
     with s.gpu.stream, tvm_stream(s.gpu.stream):
