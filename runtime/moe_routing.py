@@ -3,12 +3,8 @@ loaded Session, every routed block's top-k selections counted where the runtime 
 the host, for the CPU stage's blocks and the GPU stage's alike). The counts become an ExpertStats
 (bundle/expert_stats.py), from which the planner keeps each block's most often selected experts in VRAM.
 
-Counted as a prompt, not as decode steps: a prompt's rows are all routed on the host (a decode row of a block with
-every expert in VRAM is routed on the GPU, unseen there). The prompt is the calibration text followed by the model's
-own greedy continuation of it (CALIBRATION_CONTINUATION tokens, generated first): the plan is made for decode, whose
-rows are the model's generated tokens, and those can route elsewhere than the text's. Measured on the GPU machine
-(random Qwen3-30B-A3B, llama.cpp's peer file, 8 sequences served): the experts chosen from the text alone served 0.52
-of the decode rows' selections against 1.00 predicted, where each half of the text predicted the other's at 1.00.
+A prompt, not decode steps: a prompt's rows are all routed on the host (a decode row of a block with every expert in
+VRAM is routed on the GPU, unseen here), and its tokens are what the calibration text is.
 """
 from __future__ import annotations
 
@@ -81,18 +77,10 @@ class RoutingCounter:
 RANDOM_IDS_NAME = "random-ids"    # a bundle without a tokenizer: seeded random token ids stand for the text
 
 
-CALIBRATION_CONTINUATION = 128     # greedy tokens generated after the calibration text and counted with it
-
-
-def continuation_tokens(max_context: int) -> int:
-    """The greedy continuation's length: CALIBRATION_CONTINUATION, at most a quarter of the plan's context."""
-    return min(CALIBRATION_CONTINUATION, max_context // 4)
-
-
 def calibration_ids(session, max_tokens: int = 512) -> tuple[list[int], str]:
     """(the calibration prompt's ids, its name): the calibration text in the session's tokenizer, or without one
-    max_tokens seeded random ids; at most `max_tokens` and what the plan's context leaves beside the continuation."""
-    n = min(max_tokens, session.plan.memory.max_context - continuation_tokens(session.plan.memory.max_context))
+    max_tokens seeded random ids; at most `max_tokens` and what the plan's context allows."""
+    n = min(max_tokens, session.plan.memory.max_context)
     if session.tokenizer is None:
         rng = np.random.default_rng(0)
         return rng.integers(0, session.spec.vocab_size, n).tolist(), RANDOM_IDS_NAME
@@ -101,17 +89,13 @@ def calibration_ids(session, max_tokens: int = 512) -> tuple[list[int], str]:
 
 def measure_routing(session, ids: list[int] | None = None, source: str = "calibrate",
                     prompt: str = "") -> ExpertStats:
-    """ExpertStats of `session`'s model over a prompt (the calibration text and its greedy continuation unless `ids`
-    are given), prefilled once from position 0; the session is reset after."""
+    """ExpertStats of `session`'s model over a prompt (the calibration text unless `ids` are given), prefilled once
+    from position 0; the session is reset after."""
     spec = session.spec
     if spec.moe is None:
         raise HelmcError("routing statistics: expected a mixture-of-experts model, found a dense one")
     if ids is None:
         ids, prompt = calibration_ids(session)
-        n = continuation_tokens(session.plan.memory.max_context)
-        if n and ids:
-            ids = ids + session.generate(prompt_ids=ids, max_new_tokens=n, stop_at_eos=False).tokens
-            prompt = f"{prompt} and {n} generated tokens"
     ids = list(ids)
     if not ids:
         raise HelmcError("routing statistics: expected a prompt of at least one token, found none")
@@ -165,4 +149,4 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     held_out = sum(stats.predicted_mass(i, eighth) for i in routed) / len(routed)
     return lines + (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each "
                      f"block's experts took {hot:.2f} of the selections ({held_out:.2f} of the other half's, chosen "
-                     f"on one half of them); wrote {path}",), reads
+                     f"on one half of the prompt); wrote {path}",), reads
