@@ -159,7 +159,6 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     of 6 experts, so down runs expert by expert in the same tiles; tile 2 (Qwen3-MoE's types): 15 pairs, down row by
     row. The tiles run each type's m-token step, which test_cpu_gemv_rows checks row by row for every type; here
     each type in one role (three compiles a pair took ~28 s on the 2-core CI machine)."""
-    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     E, I, H, K = 6, 256, 512, 3
     rng = np.random.default_rng(len(gate_type + down_type))
     gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))
