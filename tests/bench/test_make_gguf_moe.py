@@ -119,8 +119,10 @@ def test_routing_spreads_over_the_experts(moe_session):
 
 
 def test_positive_blocks_route_to_few_experts(tmp_path, monkeypatch, host_hardware, cache_dir):
-    """The measure tells the two apart: the same file with every block's dmin 0 (Q4_K weights d * sc * q, all >= 0,
-    as the peer script's blocks nearly are) sends the prompt to a few experts of a block."""
+    """The measure tells the two apart: the same file with every Q4_K block's dmin 0 (weights d * sc * q, all >= 0,
+    as the peer script's blocks nearly are) sends the prompt to a few experts of a block. Q4_K_M as the file: the
+    blocks of its q6_k down projections and attn_v (blocks 2 and 3) keep their signs, and its types are the file's,
+    so the build is moe_session's compiled stage from the artifact cache (its own compile: ~35 s on 2 cores)."""
     pytest.importorskip("tvm.relax")
     import benchmarks.make_gguf as mg
     from benchmarks.moe_routing_spread import measure_spread, random_prompt
@@ -128,7 +130,7 @@ def test_positive_blocks_route_to_few_experts(tmp_path, monkeypatch, host_hardwa
     from helmc.runtime.session import Session
     monkeypatch.setitem(mg.SCALE_FIELDS, "q4_k", (0, 2, 0.0))
     path = str(tmp_path / "positive.gguf")
-    make_gguf(path, "qwen3-30b-a3b", "q4_k", seed=3, **TINY_MOE)
+    make_gguf(path, "qwen3-30b-a3b", "q4_k_m", seed=3, **TINY_MOE)
     hw = dataclasses.replace(host_hardware, gpu=None, link=None)
     s = Session.load(api.build(path, hw, str(tmp_path / "b"), cache_dir=cache_dir, quiet=True).bundle_dir)
     blocks = measure_spread(s, random_prompt(TINY_MOE["vocab"], 64, seed=1), hot=4)

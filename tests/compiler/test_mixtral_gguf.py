@@ -9,8 +9,9 @@ Mixtral; a llama file without experts stays Llama.
 
 - An F16 GGUF twin of the fp16 HF directory, written here with the gguf package as llama.cpp's converter lays it
   out: built from the file, its logits and 24 greedy tokens equal the HF directory's bundle's exactly.
-- `--quant q8_0 | q4_k_m` of the HF directory (helmc writes that llama-with-experts file) against transformers in
-  fp32 on the weights dequantized by the gguf package's own code: the dense quantized tests' rule.
+- `--quant q8_0 | q4_k` of the HF directory (helmc writes that llama-with-experts file) against transformers in
+  fp32 on the weights dequantized by the gguf package's own code: the dense quantized tests' rule; q4_k_m's mix read
+  back from the file it writes.
 """
 from __future__ import annotations
 
@@ -152,30 +153,54 @@ def test_f16_gguf_twin_is_the_hf_model_exactly(mixtral_dir, cpu_only, cache_dir,
     assert info.gguf_name == "blk.2.ffn_down_exps.7.weight" and info.offset == first.offset + 7 * first.nbytes
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
 def test_quantized_mixtral_matches_transformers(quant, mixtral_dir, cpu_only, cache_dir):
+    """q8_0's experts run as GEMVs of their own, q4_k's through the one-call int8 expert sums (one expert signature:
+    every block's experts q4_k). Two signatures in one build, q4_k_m's, are Qwen3-MoE's q4_k_m build's
+    (tests/compiler/test_moe_gguf.py, the same expert shapes and kernels; each signature's kernels compile for
+    ~40 s on 2 cores); Mixtral's q4_k_m mix is read back in test_q4_k_m_mix_of_mixtral_reads_back."""
     pytest.importorskip("tvm.relax")
     from helmc import api
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     from helmc.model.gguf_spec import read_gguf_header
+    from helmc.runtime.moe_experts import find_expert_sums
     from helmc.runtime.session import Session
+    from helmc.schedules.cpu.isa import select_isa
     from helmc.testing import hf_on_dequantized_weights
     r = api.build(mixtral_dir, cpu_only, mixtral_dir + f"-{quant}.bundle", cache_dir=cache_dir, quiet=True,
                   quant=quant)
     spec = r.spec
     assert spec.architecture == "MixtralForCausalLM" and spec.moe.naming == "mixtral"
-    base = {"q8_0": "q8_0", "q4_k_m": "q4_k"}[quant]
-    assert all(t[:2] == (base, base) for t in spec.expert_types)
-    if quant == "q4_k_m":     # llama.cpp's mix: ffn_down of the more-bits blocks (block 2 of 3) in q6_k, experts' too
-        assert (spec.expert_types[0][2], spec.expert_types[2][2]) == ("q4_k", "q6_k")
-        # and, for 8 experts, attn_k / attn_v in q8_0 and attn_output in q5_k (q, k, v, o; no dense MLP)
+    assert spec.expert_types == ((quant,) * 3,) * 3 and len(spec.expert_signatures()) == 1
+    if quant == "q4_k":       # for 8 experts llama.cpp's K mixes put attn_k / attn_v in q8_0, attn_output in q5_k
         assert spec.layer_types[0] == ("q4_k", "q8_0", "q8_0", "q5_k", "", "", "")
     path = quantize_checkpoint(mixtral_dir, quant, os.path.join(cache_dir, "weights"))
     h = read_gguf_header(path)                    # written as llama.cpp writes Mixtral: llama with experts
     assert h.architecture == "llama" and h.metadata["llama.expert_count"] == 8
     assert h.tensors["blk.0.ffn_gate_inp.weight"].type == "f32"
-    compare(Session.load(r.bundle_dir), hf_on_dequantized_weights(mixtral_dir, path), f"mixtral --quant {quant}",
-            prefill_tol=INT8_EXPERT_PREFILL_TOL if quant == "q4_k_m" else 1e-2)
+    session = Session.load(r.bundle_dir)
+    if quant == "q4_k" and select_isa(cpu_only.cpu.features).tier == "avx512":
+        assert sorted(find_expert_sums(session.cpu_stage.vm, spec)) == [0]     # the one-call sums, one signature
+    compare(session, hf_on_dequantized_weights(mixtral_dir, path), f"mixtral --quant {quant}",
+            prefill_tol=INT8_EXPERT_PREFILL_TOL if quant == "q4_k" else 1e-2)
+
+
+def test_q4_k_m_mix_of_mixtral_reads_back(mixtral_dir, tmp_path):
+    """--quant q4_k_m of the Mixtral directory (no compile): llama.cpp's mix, ffn_down of the more-bits blocks
+    (block 2 of 3) in q6_k, the experts' too, so two expert signatures; for 8 experts attn_k / attn_v in q8_0 and
+    attn_output in q5_k (q, k, v, o; no dense MLP); written as a llama file with experts."""
+    from helmc.compiler.read_model import read_model
+    from helmc.model.gguf_spec import read_gguf_header
+    source = read_model(mixtral_dir, "q4_k_m", str(tmp_path / "cache"))
+    spec = source.spec
+    assert spec.architecture == "MixtralForCausalLM" and spec.moe.naming == "mixtral"
+    assert spec.expert_types == (("q4_k",) * 3, ("q4_k",) * 3, ("q4_k", "q4_k", "q6_k"))
+    assert len(spec.expert_signatures()) == 2
+    assert spec.layer_types[0] == ("q4_k", "q8_0", "q8_0", "q5_k", "", "", "")
+    h = read_gguf_header(source.weights)
+    assert h.architecture == "llama" and h.metadata["llama.expert_count"] == 8
+    for block, down in ((0, "q4_k"), (2, "q6_k")):       # the file's types, each expert a view of its stack
+        assert {h.tensors[f"blk.{block}.ffn_down_exps.{e}.weight"].type for e in range(8)} == {down}, block
 
 
 def test_quant_reads_back_as_mixtral_with_its_types(tmp_path):

@@ -96,13 +96,24 @@ def test_f16_gguf_twin_is_the_hf_model_exactly(moe_dir, cpu_only, cache_dir, tmp
     assert info.gguf_name == "blk.2.ffn_down_exps.7.weight" and info.offset == first.offset + 7 * first.nbytes
 
 
+def _build(moe_dir, cpu_only, cache_dir, quant):
+    """The --quant build of the module's model. q4_k_m's is built for batches of up to 4 sequences, once for the
+    tests that run it (the artifact cache): a single sequence on it runs the one-row expert sums and its prompts the
+    m-row ones in chunks, as on a one-sequence build, and test_q4_k_m_batched_steps_equal_single_runs runs its
+    batched steps (each q4_k_m build compiles both expert signatures' kernels: ~80 s on 2 cores)."""
+    from helmc import api
+    if quant == "q4_k_m":
+        return api.build(moe_dir, cpu_only, moe_dir + "-q4_k_m-b4.bundle", cache_dir=cache_dir, quiet=True,
+                         quant="q4_k_m", batch=4)
+    return api.build(moe_dir, cpu_only, moe_dir + f"-{quant}.bundle", cache_dir=cache_dir, quiet=True, quant=quant)
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_quantized_experts_match_transformers(quant, moe_dir, cpu_only, cache_dir):
-    from helmc import api
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     from helmc.runtime.session import Session
     from helmc.testing import hf_on_dequantized_weights
-    r = api.build(moe_dir, cpu_only, moe_dir + f"-{quant}.bundle", cache_dir=cache_dir, quiet=True, quant=quant)
+    r = _build(moe_dir, cpu_only, cache_dir, quant)
     spec = r.spec
     base = {"q8_0": "q8_0", "q4_k_m": "q4_k"}[quant]
     assert spec.expert_types[0][:2] == (base, base) and spec.expert_types[1] == ("", "", "")   # block 1 is dense
@@ -125,12 +136,11 @@ def test_prompt_experts_are_the_one_row_sums_in_chunks(moe_dir, cpu_only, cache_
     """A prompt's quantized experts on the CPU stage run through the m-row expert sum, ROWS_PER_CALL rows a call:
     every row bit-identical to the one-row kernel on that row alone (what a decode step computes), across the chunk
     boundaries."""
-    from helmc import api
     from helmc.runtime import moe_experts
     from helmc.runtime.session import Session
     if select_isa(cpu_only.cpu.features).tier != "avx512":
         pytest.skip("the int8 expert sums need AVX-512")
-    r = api.build(moe_dir, cpu_only, moe_dir + "-q4_k_m.bundle", cache_dir=cache_dir, quiet=True, quant="q4_k_m")
+    r = _build(moe_dir, cpu_only, cache_dir, "q4_k_m")
     session = Session.load(r.bundle_dir)
     ffn = session.cpu_stage._moe
     experts = session.cpu_stage.bindings[0].post[-1]
@@ -193,12 +203,10 @@ def test_q4_k_m_batched_steps_equal_single_runs(moe_dir, cpu_only, cache_dir):
     """Single decode rows take the one-row expert sum, batched steps the m-row one: the same bits per row."""
     from batch_decode_checks import batched_runs, compare, prompts, single_runs
 
-    from helmc import api
     from helmc.runtime.session import Session
     if select_isa(cpu_only.cpu.features).tier != "avx512":
         pytest.skip("the one-call expert sums need AVX-512")
-    r = api.build(moe_dir, cpu_only, moe_dir + "-q4_k_m-b4.bundle", cache_dir=cache_dir, quiet=True, quant="q4_k_m",
-                  batch=4)
+    r = _build(moe_dir, cpu_only, cache_dir, "q4_k_m")
     session = Session.load(r.bundle_dir)
     assert sorted(find_expert_sums(session.cpu_stage.vm, r.spec, rows=True)) == [0, 1]
     ps = prompts(r.spec.vocab_size, 6)

@@ -5,6 +5,8 @@ The rows share some experts and not others, and pick them out of order, so an ex
 a pair's weight on another pair, or a row summing another row's experts is a large error or a changed bit."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ pytest.importorskip("gguf.quants")
 
 from helmc.runtime.moe_experts import expert_rows_args  # noqa: E402
 from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum  # noqa: E402
-from helmc.schedules.cpu.quant.moe_experts_rows import make_moe_expert_rows  # noqa: E402
+from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE, make_moe_expert_rows  # noqa: E402
 from tests.kernels.test_cpu_moe_expert_sum import ISA, needs_avx512, reference  # noqa: E402
 from tests.kernels.test_cpu_quant_gemv import random_quant_weight, target  # noqa: E402
 
@@ -21,6 +23,29 @@ from tests.kernels.test_cpu_quant_gemv import random_quant_weight, target  # noq
 def _compiled(func):
     lib = tvm.compile(func, target=target(ISA))
     return lib[str(func.attrs["global_symbol"])]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_once(kind, gate_type, down_type, E, I, H, K, biased, tile):
+    make = make_moe_expert_rows if kind == "rows" else make_moe_expert_sum
+    return _compiled(make(gate_type, down_type, E, I, H, K, ISA, biased, **({"tile": tile} if kind == "rows" else {})))
+
+
+def _rows_kernel(gate_type, down_type, E, I, H, K, biased=None, tile=PAIR_TILE):
+    """The m-row kernel for these types and shapes, compiled once for this module: the tests that check the same
+    kernel on other rows (mixed experts, tiled groups) call the same compiled code (a compile takes ~5-15 s on 2
+    cores); only the inputs passed to it differ."""
+    return _compiled_once("rows", gate_type, down_type, E, I, H, K, biased, tile)
+
+
+def _one_row_kernel(gate_type, down_type, E, I, H, K, biased=None):
+    """The one-row kernel the m-row kernel's rows are compared with, compiled once for this module likewise."""
+    return _compiled_once("one", gate_type, down_type, E, I, H, K, biased, None)
+
+
+def _kernels(gate_type, down_type, E, I, H, K, biased=None):
+    return _rows_kernel(gate_type, down_type, E, I, H, K, biased), _one_row_kernel(gate_type, down_type, E, I, H, K,
+                                                                                  biased)
 
 
 def _rows_call(call, x, idx, w, weights, dev):
@@ -48,8 +73,7 @@ def test_expert_rows_match_one_row_and_float64(gate_type, down_type):
     down = random_quant_weight(rng, down_type, E * H, I)                             # [E * H, row bytes]
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
-    rows = _compiled(make_moe_expert_rows(gate_type, down_type, E, I, H, K, ISA))
-    one = _compiled(make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA))
+    rows, one = _kernels(gate_type, down_type, E, I, H, K)
     for idx in ([[4, 1, 5], [1, 0, 2], [5, 4, 1], [3, 2, 0], [1, 5, 4]], [[2, 0, 5]], [[0, 3, 1], [3, 0, 1]]):
         idx = np.array(idx, np.int64)                                               # [m, K], largest first
         w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
@@ -66,26 +90,27 @@ def test_expert_rows_match_one_row_and_float64(gate_type, down_type):
 @needs_avx512
 def test_rows_with_some_pairs_left_out():
     """A step where rows hand some experts to another device (the GPU's VRAM share): fewer pairs than m * k, a row
-    with none at all gets zeros, the others equal the one-row kernel on the pairs they kept."""
-    E, I, H, K = 4, 256, 256, 2
+    with none at all gets zeros, the others equal the one-row kernel on the pairs they kept. The kernels are
+    test_expert_rows_match_one_row_and_float64's q4_k/q6_k pair (compiled once for the module): which pairs a row
+    keeps is in the pair list the kernel reads, not in its types or shapes."""
+    E, I, H, K = 6, 256, 512, 3
     rng = np.random.default_rng(3)
     gate, up = (random_quant_weight(rng, "q4_k", E * I, H) for _ in range(2))
-    down = random_quant_weight(rng, "q4_k", E * H, I)
+    down = random_quant_weight(rng, "q6_k", E * H, I)
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
-    rows = _compiled(make_moe_expert_rows("q4_k", "q4_k", E, I, H, K, ISA))
-    one = _compiled(make_moe_expert_sum("q4_k", "q4_k", E, I, H, K, ISA))
-    idx = np.array([[3, 1], [2, 0], [1, 3]], np.int64)
+    rows, one = _kernels("q4_k", "q6_k", E, I, H, K)
+    idx = np.array([[3, 1, 5], [2, 0, 4], [1, 3, 0], [4, 5, 2]], np.int64)
     w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
-    keep = np.array([[True, False], [False, False], [True, True]])
-    x = rng.standard_normal((3, H)).astype(np.float32)
+    keep = np.array([[True, False, False], [False, False, False], [True, True, True], [False, True, True]])
+    x = rng.standard_normal((len(idx), H)).astype(np.float32)
     args = [tvm.runtime.tensor(a, dev) for a in expert_rows_args(idx, w, keep)]
-    y = tvm.runtime.empty((3, H), "float32", dev)
+    y = tvm.runtime.empty((len(idx), H), "float32", dev)
     rows(tvm.runtime.tensor(x, dev), *args, *weights, y)
     y = y.numpy()
-    assert np.array_equal(y[0], _one_row(one, x[0], idx[0, :1], w[0, :1], weights, dev))
     assert not y[1].any()
-    assert np.array_equal(y[2], _one_row(one, x[2], idx[2], w[2], weights, dev))
+    for r in (0, 2, 3):
+        assert np.array_equal(y[r], _one_row(one, x[r], idx[r, keep[r]], w[r, keep[r]], weights, dev)), r
 
 
 @needs_avx512
@@ -99,9 +124,7 @@ def test_biased_expert_rows_match_one_row_and_float64():
     gate, up, down, biases, _, limit = biased_case(rng, "mxfp4", "mxfp4", E, I, H)
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
-    biased = BiasedExperts(alpha, limit)
-    rows = _compiled(make_moe_expert_rows("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
-    one = _compiled(make_moe_expert_sum("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
+    rows, one = _kernels("mxfp4", "mxfp4", E, I, H, K, BiasedExperts(alpha, limit))
     for idx in ([[4, 1, 5], [1, 0, 2], [5, 4, 1], [3, 2, 0]], [[2, 0, 5]]):
         idx = np.array(idx, np.int64)
         w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
@@ -136,16 +159,15 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     of 6 experts, so down runs expert by expert in the same tiles; tile 2 (Qwen3-MoE's types): 15 pairs, down row by
     row. The tiles run each type's m-token step, which test_cpu_gemv_rows checks row by row for every type; here
     each type in one role (three compiles a pair took ~28 s on the 2-core CI machine)."""
-    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     E, I, H, K = 6, 256, 512, 3
     rng = np.random.default_rng(len(gate_type + down_type))
     gate, up = (random_quant_weight(rng, gate_type, E * I, H) for _ in range(2))
     down = random_quant_weight(rng, down_type, E * H, I)
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
-    one = _compiled(make_moe_expert_sum(gate_type, down_type, E, I, H, K, ISA))
+    one = _one_row_kernel(gate_type, down_type, E, I, H, K)
     for tile in sorted({2, PAIR_TILE} if (gate_type, down_type) == ("q4_k", "q6_k") else {PAIR_TILE}):
-        rows = _compiled(make_moe_expert_rows(gate_type, down_type, E, I, H, K, ISA, tile=tile))
+        rows = _rows_kernel(gate_type, down_type, E, I, H, K, tile=tile)
         idx = _tiled_groups(tile)
         assert np.bincount(idx.ravel()).tolist() == [2 * tile + 1, tile + 1, tile, tile - 1, 1, tile + 1]
         w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
@@ -159,18 +181,17 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
 @needs_avx512
 def test_biased_tiles_of_one_experts_pairs_match_one_row():
     """gpt-oss's experts (MXFP4, biases) with the tiled groups (down expert by expert too): each row bit-identical to
-    the one-row biased kernel."""
+    the one-row biased kernel. The weights and limit are test_biased_expert_rows_match_one_row_and_float64's (the
+    limit is compiled into the kernels, so both tests run the same compiled pair); the rows and inputs are this
+    test's."""
     from helmc.schedules.cpu.quant.moe_experts import BiasedExperts
-    from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE
     from tests.kernels.test_cpu_moe_expert_sum import biased_case
     E, I, H, K = 6, 256, 512, 3
+    gate, up, down, biases, _, limit = biased_case(np.random.default_rng(11), "mxfp4", "mxfp4", E, I, H)
     rng = np.random.default_rng(13)
-    gate, up, down, biases, _, limit = biased_case(rng, "mxfp4", "mxfp4", E, I, H)
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
-    biased = BiasedExperts(1.702, limit)
-    rows = _compiled(make_moe_expert_rows("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
-    one = _compiled(make_moe_expert_sum("mxfp4", "mxfp4", E, I, H, K, ISA, biased))
+    rows, one = _kernels("mxfp4", "mxfp4", E, I, H, K, BiasedExperts(1.702, limit))
     idx = _tiled_groups(PAIR_TILE)
     w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
     x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
