@@ -12,7 +12,9 @@ every request makes exactly --new-tokens tokens), after one warm-up round of the
 BUNDLE is built for the budget and the batch: `helmc build GGUF --gpu-budget 8GiB --max-batch 8`.
   decode_tok_s_at_N   every request's tokens after its first, from the last first token to the last token: the
                       steps where all N decode (bench_serve's decode_tok_s_total_at_N);
-  end_to_end_tok_s_at_N  all N x --new-tokens tokens from the submission to the last token, prefills included.
+  end_to_end_tok_s_at_N  all N x --new-tokens tokens from the submission to the last token, prefills included;
+  moe_decode_hit_rate   of the timed round's decode rows, the share of selected experts VRAM served (the server's
+                        /metrics: helmc_moe_decode_vram_hits over helmc_moe_decode_expert_selections).
 Peak VRAM of both is sampled with nvidia-smi over each run, less what was in use before it.
 llama.cpp: `llama-batched-bench -m GGUF -ngl 99 -npp P -ntg T -npl N` with `-ncmoe K` for each K given and with
 `-ot exps=CPU`; its S_TG at N is the decode figure. moe_serve_ratio_vs_llamacpp = helmc's decode_tok_s_at_N over the
@@ -101,12 +103,16 @@ def bench_helmc(a) -> dict:
         proc, url = start_server(a, log_path)
         try:
             asyncio.run(round_of(url, prompts, 8))                  # warm-up: graphs, KV pages, first calls
+            before = moe_counts(url)
             recs = asyncio.run(round_of(url, prompts, a.new_tokens))
+            after = moe_counts(url)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     out = {"system": "helmc serve", "bundle": a.bundle, "concurrency": a.concurrency, **rates(recs, a.new_tokens),
            "peak_vram_gib": vram.held_gib}
+    if before is not None and after is not None and after[0] > before[0]:     # the timed round's decode rows
+        out["moe_decode_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
     plan = os.path.join(a.bundle, "plan.json")
     if os.path.isfile(plan):
         from helmc.runtime.bundle.plan import Plan
@@ -117,6 +123,21 @@ def bench_helmc(a) -> dict:
     print(f"helmc serve: {out[f'decode_tok_s_at_{a.concurrency}']:.1f} tok/s decode at {a.concurrency}, "
           f"{out[f'end_to_end_tok_s_at_{a.concurrency}']:.1f} end to end", file=sys.stderr)
     return out
+
+
+def moe_counts(url: str) -> tuple[float, float] | None:
+    """(decode expert selections, VRAM hits) from the server's /metrics, or None (not a MoE on a GPU stage)."""
+    import urllib.request
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("helmc_moe_decode_expert_selections", "helmc_moe_decode_vram_hits"):
+            values[name] = float(value)
+    if len(values) < 2:
+        return None
+    return values["helmc_moe_decode_expert_selections"], values["helmc_moe_decode_vram_hits"]
 
 
 def llama_configs(a) -> list[tuple[str, tuple[str, ...]]]:

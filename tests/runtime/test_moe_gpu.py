@@ -282,3 +282,31 @@ def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     assert set(range(2, 9)) <= set(sizes), sizes
     assert moe.decode_batch.steps >= 2 * len([n for n in sizes if n > 1])      # blocks 0 and 2 of every step
     compare(singles, batched, f"qwen3_moe q4_k_m gpu_experts {vram}")
+
+
+def test_served_moe_rows_show_in_the_server_metrics():
+    """`helmc serve`'s /metrics count a mixture of experts' decode selections and those VRAM served
+    (runtime/serve/metrics.py, what bench_moe_serve reports as moe_decode_hit_rate): after batched requests the gauges
+    equal the GPU stage's own counts since the engine was watched (the warm-up's rows left out), hits between none
+    and all with experts split between VRAM and the host."""
+    from benchmarks.bench_serve import run_requests
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.serve.load import load_engine
+    from helmc.runtime.serve.metrics import Metrics
+    d = moe_dir("gpu_q4_k_m_b8")
+    path = os.path.join(d, "gpu_q4_k_m_b8")
+    plan = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(
+        gpu_experts=((0, 3, 5), (), (1, 2, 6, 7)))
+    engine, _ = load_engine(path, 4, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), quiet=True, plan=plan)
+    metrics = Metrics()
+    metrics.watch(engine)
+    moe = engine.model.session.gpu.stage._moe
+    base = moe.served(decode=True)
+    run_requests(engine, [PROMPT, PROMPT[::-1], PROMPT[2:], PROMPT[:5]], 8, "metrics")
+    rows, hits = moe.served(decode=True)
+    got = {name: float(value) for name, _, value in (line.partition(" ") for line in
+                                                     metrics.text()[0].decode().splitlines())
+           if name.startswith("helmc_moe_")}
+    assert got == {"helmc_moe_decode_expert_selections": rows - base[0],
+                   "helmc_moe_decode_vram_hits": hits - base[1]}, got
+    assert 0 < got["helmc_moe_decode_vram_hits"] < got["helmc_moe_decode_expert_selections"]
