@@ -35,6 +35,10 @@ from helmc.runtime.bundle.plan import Plan
 
 # Plan.predictions.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
 UNIFORM_ROUTING = "expert routing: uniform (no routing statistics; helmc calibrate measures them)"
+# ... for a plan whose GPU stage has routed blocks with experts on the host: each waits for the host every step, and
+# only the crossings' link time is priced (the host's routing and copies around them are not: the prediction is low).
+HOST_WAIT_UNPRICED = ("moe: a routed GPU block with experts on the host waits for the host every step; only its "
+                      "crossings' link time is priced, not the host's work around them")
 # ... and for a one-row plan of quantized experts whose profile has no rate for the CPU's one-call expert sum.
 EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on a mixture-of-experts bundle); the "
                          "CPU's experts priced at the GEMV rate")
@@ -158,6 +162,8 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     # which experts are hot matters only where some stay on the host, and so does the CPU's expert-sum rate
     if stats is None and vram and on_host:
         fallbacks += (UNIFORM_ROUTING,)
+    if gpu_blocks and on_host:
+        fallbacks += (HOST_WAIT_UNPRICED,)
     if on_host and p.workload.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
                                      {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
         fallbacks += (EXPERT_SUM_UNMEASURED,)

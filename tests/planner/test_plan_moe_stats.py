@@ -11,7 +11,7 @@ import pytest
 
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
-from helmc.planner.moe import UNIFORM_ROUTING
+from helmc.planner.moe import HOST_WAIT_UNPRICED, UNIFORM_ROUTING
 from helmc.planner.plan_table import format_plan_table
 from helmc.planner.search_partition import plan
 from helmc.runtime.bundle.expert_stats import EXPERT_STATS_FORMAT_VERSION, ExpertStats
@@ -130,3 +130,15 @@ def test_bad_halves_are_one_line(spec):
     over[0, 0] += 1
     with pytest.raises(HelmcError, match="block 0 expected first-half counts between 0 and the block's counts"):
         halved(stats, over, 500)
+
+
+def test_a_plan_with_host_experts_on_the_gpu_stage_says_their_wait_is_not_priced(spec):
+    """A GPU stage whose routed blocks keep experts on the host waits for the host at each of them every step; the
+    plan says that time is not priced (its prediction is low), and says nothing of it where every expert is in VRAM."""
+    split = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=8)
+    whole = plan(spec, "h200-profiled", prompt_len=2048, output_len=64)
+    assert split.placement.uses_gpu and 0 < len(split.placement.gpu_experts[0]) < 128
+    assert HOST_WAIT_UNPRICED in split.predictions.fallbacks
+    assert [len(ids) for ids in whole.placement.gpu_experts] == [128] * 48
+    assert HOST_WAIT_UNPRICED not in whole.predictions.fallbacks
+    assert HOST_WAIT_UNPRICED in format_plan_table(split, spec)                 # printed with the plan
