@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 
 import pytest
 
@@ -277,6 +278,23 @@ def pytest_make_collect_report(collector):
         rep.longrepr = (str(collector.path), 0, "Skipped: imports the TVM compiler, which this runtime-only TVM "
                         f"lacks ({last[0].strip()[:160]})")
         rep.result = []
+
+
+_ABSENT = object()
+
+
+@pytest.fixture(autouse=True)
+def compiler_imports_restored():
+    """`helmc run`, `calibrate`, `serve` and `chat` bar torch, onnx and onnxscript from their process
+    (runtime/isolation.py); a test invoking them in-process (CliRunner) would leave the bar on its xdist worker, and a
+    later test there that exports a model (its onnxscript not yet imported: the build came from the shared cache) fails
+    with "import of onnxscript halted". The bar is lifted after each test."""
+    from helmc.runtime.isolation import FORBIDDEN
+    before = {name: sys.modules.get(name, _ABSENT) for name in FORBIDDEN}
+    yield
+    for name, module in before.items():
+        if module is _ABSENT and name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="session")
