@@ -154,7 +154,7 @@ def bench_helmc(a, bundle: str, bw: dict) -> dict:
            "predicted_hit_rate": plan.predictions.expert_hit_rate or in_vram / (E * s.spec.num_layers),
            "bytes_per_token_gpu": gpu_b, "bytes_per_token_host": host_b, "roofline_ms": roof_ms,
            "decode_fraction_of_roofline": roof_ms / per_token, "tokens_first_request": list(runs[0].tokens)}
-    moe = getattr(getattr(s.gpu, "stage", None), "_moe", None)
+    moe = s.gpu_moe()
     if moe is not None:                  # selected (token, expert) pairs served from VRAM, over every request
         out["measured_hit_rate"] = moe.hit_rate()
         # the decode requests' share (the VRAM expert cache's slots as they moved), beside predicted_hit_rate

@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default=None, help="model directory or GGUF file overriding the bundle's")
     ap.add_argument("--profile", default=None, help="plan the bundle again for this `helmc profile` of the machine "
                     "(what `helmc plan BUNDLE PROFILE -o plan.json; helmc serve BUNDLE --plan plan.json` runs)")
-    ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) and 60 by cumulative time of the "
-                    "run at --concurrency here (where the host's share of a step goes; the timings then carry its cost)")
+    ap.add_argument("--cprofile", default=None, help="write cProfile's 40 costliest functions (own time) and 60 by "
+                    "cumulative time of the run at --concurrency here (where the host's share of a step goes; the timings then carry its cost)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--no-warm-up", action="store_true", help="load the engine without its warm-up and GC freeze "
                     "(runtime/serve/warmup.py): the first batched steps pay the first-use costs, as before")
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
               "ttft_ms_at_1": [1000 * (r["stamps"][0] - r["t_submit"]) for r in singles],
               "step_split_at_1": step_split(one_steps, 1),
               f"step_split_at_{a.concurrency}": step_split(steps, a.concurrency)}
-    moe = getattr(getattr(engine.model.session.gpu, "stage", None), "_moe", None)
+    moe = engine.model.session.gpu_moe()
     if moe is not None:                 # a mixture of experts: the selected (row, expert) pairs served from VRAM
         rows, hits = moe.served(decode=True)
         report["moe_decode_hit_rate"] = hits / rows if rows else None

@@ -85,7 +85,7 @@ class BatchBuffers:
         self.part = cp.zeros((S * K, H), cp.float16)                           # [S * K, H] each pair's down
         self.out = [cp.zeros((S, H), cp.float16) for _ in range(2)]
         self._next = 0
-        self.views = {name: from_cupy(getattr(self, name)) for name in ("m", "sel", "rows", "a", "part")}
+        self.views = {name: from_cupy(getattr(self, name)) for name in ("sel", "rows", "a", "part")}
         self.out_views = [from_cupy(o) for o in self.out]
 
     def down(self, m, logits) -> None:

@@ -121,6 +121,10 @@ class Session:
         return cls(bundle_dir, manifest, spec, plan, checkpoint, cpu_stage, head, tokenizer)
 
     # ---------------------------------------------------------------- model steps
+    def gpu_moe(self):
+        """The GPU stage's mixture-of-experts feed-forward (moe_gpu.GpuMoeFeedForward: its served() counts), or None."""
+        return getattr(getattr(self.gpu, "stage", None), "_moe", None)
+
     def reset(self):
         self.position = 0
         if self.cpu_stage is not None:
@@ -180,7 +184,7 @@ class Session:
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
         self.reset()
         eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
-        moe = getattr(getattr(self.gpu, "stage", None), "_moe", None)
+        moe = self.gpu_moe()
         served = moe.served(decode=True) if moe is not None else None
         t0 = time.perf_counter()
         try:

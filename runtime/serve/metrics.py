@@ -26,7 +26,7 @@ class Metrics:
             engine.model.pages_in_use)
         Gauge("helmc_kv_pages_reserved", "KV pages reserved by running requests", registry=self.registry).set_function(
             lambda: engine.scheduler.pages_in_use)
-        moe = getattr(getattr(engine.model.session.gpu, "stage", None), "_moe", None)
+        moe = engine.model.session.gpu_moe()
         if moe is not None:       # a mixture of experts on a GPU stage: how often VRAM served the decode rows' experts
             base = moe.served(decode=True)              # from here: the warm-up's dummy rows are not requests'
             Gauge("helmc_moe_decode_expert_selections", "Selected (decode row, expert) pairs since the server started",
