@@ -86,11 +86,13 @@ def rates(recs: list[dict], new_tokens: int) -> dict:
     end = max(r["stamps"][-1] for r in recs)
     # the decode window opens when the last prompt's first text came; a stream whose text the detokenizer held to
     # its end (a random model's partial UTF-8 byte tokens: no chunk until then) does not say when its decode began
-    streamed = [r["stamps"][0] for r in recs if len(r["stamps"]) > 1] or [t0]
-    last_first = max(streamed)
+    # (then the window is the whole round, its prompts included, and the first tokens' time is unknown: None)
+    streamed = [r["stamps"][0] for r in recs if len(r["stamps"]) > 1]
+    last_first = max(streamed) if streamed else t0
     return {f"decode_tok_s_at_{n}": n * (new_tokens - 1) / (end - last_first),
             f"end_to_end_tok_s_at_{n}": n * new_tokens / (end - t0),
-            "ttft_ms_max": 1000 * (last_first - t0), "wall_s": end - t0}
+            "ttft_ms_max": 1000 * (last_first - t0) if streamed else None,
+            "decode_window": "from the last first token" if streamed else "the whole round", "wall_s": end - t0}
 
 
 def bench_helmc(a) -> dict:

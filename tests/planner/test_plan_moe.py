@@ -92,12 +92,12 @@ def test_uniform_routing_share():
     assert distinct_share(s, 8) == pytest.approx(1 - (120 / 128) ** 8)
 
 
-def test_the_vram_expert_cache_is_on_for_one_sequence_with_experts_on_both_sides(spec):
+def test_the_vram_expert_cache_is_on_wherever_experts_are_on_both_sides(spec):
     one = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=8)
     assert 0 < len(one.placement.gpu_experts[0]) < 128 and one.placement.expert_cache
     # every expert's host rows stay bound (the cache sends experts back): host RAM counts all of them
     assert one.memory.cpu_weight_bytes >= expert_bytes(spec)
-    batched = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=24, batch=8)
-    assert batched.placement.gpu_experts and not batched.placement.expert_cache     # a batch keeps the plan's slots
+    batched = plan(spec, "h200-profiled", prompt_len=2048, output_len=64, gpu_budget_gib=8, batch=8)
+    assert 0 < len(batched.placement.gpu_experts[-1]) < 128 and batched.placement.expert_cache   # served batches too
     whole = plan(spec, "h200-profiled", prompt_len=2048, output_len=64)
     assert not whole.placement.expert_cache                                           # nothing on the host to cache

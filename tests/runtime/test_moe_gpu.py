@@ -269,9 +269,10 @@ def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     from tests.batch_decode_checks import batched_runs, compare, prompts, single_runs
     d = moe_dir("gpu_q4_k_m_b8")
     path = os.path.join(d, "gpu_q4_k_m_b8")
-    plan = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(gpu_experts=vram)
+    # the slots kept: the VRAM expert cache would move experts between the single runs and the batched ones
+    plan = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(gpu_experts=vram, expert_cache=False)
     s = Session.load(path, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), plan=plan)
-    moe = s.gpu.stage._moe
+    moe = s.gpu_moe()
     assert moe.decode_batch is not None and sorted(moe.decode_batch.cpu_rows) == [0, 1]
     assert sorted(moe.decode_batch.gpu_rows) == [0, 1]
     ps = prompts(s.spec.vocab_size, 8)
@@ -282,6 +283,43 @@ def test_batched_quantized_steps_of_2_to_8_rows_are_bitwise_single_runs(vram):
     assert set(range(2, 9)) <= set(sizes), sizes
     assert moe.decode_batch.steps >= 2 * len([n for n in sizes if n > 1])      # blocks 0 and 2 of every step
     compare(singles, batched, f"qwen3_moe q4_k_m gpu_experts {vram}")
+
+
+def test_the_vram_expert_cache_fills_its_slots_from_served_batches():
+    """A served plan runs the VRAM expert cache too: batched steps feed it their rows' selections and it promotes the
+    hottest host experts into the slots (copies never waited on), so more of the batch's selections are served from
+    VRAM than with the plan's slots kept; every sequence's greedy tokens are those of its run with the slots kept, or part
+    from them only at a near tie."""
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.session import Session
+    from tests.batch_decode_checks import batched_runs, prompts
+    d = moe_dir("gpu_q4_k_m_b8")
+    path = os.path.join(d, "gpu_q4_k_m_b8")
+    weights = os.path.join(d, "model_float16-q4_k_m.gguf")
+    base = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(gpu_experts=((0, 3), (), (1, 2)))
+    runs = {}
+    for cache in (False, True):
+        s = Session.load(path, weights_dir=weights, plan=base.replace(expert_cache=cache))
+        moe = s.gpu_moe()
+        ps = prompts(s.spec.vocab_size, 8)
+        before = moe.served(decode=True)
+        logits, sizes = batched_runs(s, ps, 24, max_batch=8, stagger=1)
+        rows, hits = (a - b for a, b in zip(moe.served(decode=True), before))
+        runs[cache] = (logits, hits / rows, moe.cache_promotions())
+        assert max(sizes) == 8, sizes
+        del s, moe
+    (kept, kept_rate, none), (cached, cached_rate, promoted) = runs[False], runs[True]
+    print(f"\nbatched decode hit rate: slots kept {kept_rate:.3f}, cache on {cached_rate:.3f} ({promoted} promotions)")
+    assert none == 0 and promoted > 0 and cached_rate > kept_rate
+    for b, (want, got) in enumerate(zip(kept, cached)):
+        # an expert moved from the CPU's int8 sum to the GPU's fp16 one changes a row by ~1e-2, and a router's near tie
+        # downstream can turn that into other experts: where the greedy tokens first part, each is in the other's top 5
+        parted = np.flatnonzero(got.argmax(1) != want.argmax(1))
+        if parted.size:
+            i = int(parted[0])
+            assert want[i].argmax() in np.argsort(-got[i])[:5] and got[i].argmax() in np.argsort(-want[i])[:5], (b, i)
+    print(f"greedy tokens equal in {sum(np.array_equal(a.argmax(1), c.argmax(1)) for a, c in zip(kept, cached))} of "
+          f"{len(kept)} sequences")
 
 
 def test_served_moe_rows_show_in_the_server_metrics():
@@ -296,7 +334,7 @@ def test_served_moe_rows_show_in_the_server_metrics():
     d = moe_dir("gpu_q4_k_m_b8")
     path = os.path.join(d, "gpu_q4_k_m_b8")
     plan = Plan.from_json(open(os.path.join(path, "plan.json")).read()).replace(
-        gpu_experts=((0, 3, 5), (), (1, 2, 6, 7)))
+        gpu_experts=((0, 3, 5), (), (1, 2, 6, 7)), expert_cache=False)   # some selections on each side
     engine, _ = load_engine(path, 4, weights_dir=os.path.join(d, "model_float16-q4_k_m.gguf"), quiet=True, plan=plan)
     metrics = Metrics()
     metrics.watch(engine)
