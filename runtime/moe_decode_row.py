@@ -16,6 +16,7 @@ Invariant: begin() and finish() alternate, one block at a time; a block pending 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +190,9 @@ class MoeDecodeRow:
         self.pending: BlockRow | None = None
         self._copy_stream = None                        # the VRAM expert cache's copies (moe_expert_cache.py)
         self.expert_rows = self.gpu_expert_rows = 0     # selected (row, expert) pairs, those served from VRAM
+        # the host halves run and their wall time, the CPU's expert sum left out (the cost model prices that on its
+        # own): what the GPU waits for at each such block beside the copy's wait (helmc calibrate measures it here)
+        self.host_halves, self.host_half_s = 0, 0.0
 
     # ------------------------------------------------------------------ what a block needs
     def block(self, experts: LayerExperts) -> BlockRow | None:
@@ -244,6 +248,8 @@ class MoeDecodeRow:
         """Host: route the block's row, queue its VRAM experts (launch_gpu_experts(row), or eagerly), run the CPU's
         share into pinned memory. The stream must have completed the block's begin() (run or replayed)."""
         assert not row.all_vram, "MoeDecodeRow.host_half: this block is routed on the GPU"
+        start = time.perf_counter()
+        self.host_halves += 1
         if row.cache is not None:        # copies done serve from now on; promotions due start (never waited on)
             row.cache.step()
         idx, w = route(self.host_logits, self.moe)                     # [1, K] each, largest first
@@ -264,6 +270,7 @@ class MoeDecodeRow:
         cpu = np.nonzero(~hit)[0]
         if cpu.size == 0:
             self.host_y[...] = 0.0
+            self.host_half_s += time.perf_counter() - start
             return
         cpu = cpu[np.argsort(idx[cpu], kind="stable")]                # ascending expert ids: a fixed sum order
         n = cpu.size
@@ -271,6 +278,7 @@ class MoeDecodeRow:
         args.sel[:n] = idx[cpu]
         args.w[:n] = w[cpu]
         np.copyto(args.x, self.host_m, casting="same_kind")
+        self.host_half_s += time.perf_counter() - start
         args.run(row.cpu_sum, row.experts.stacked, n)
 
     def gpu_experts(self, row: BlockRow) -> None:

@@ -103,3 +103,24 @@ def _rate(ffn, kernel, blocks: list[LayerExperts], x: np.ndarray, n: int, rng) -
         spent += dt
         rates.append(read / dt / 1e9)
     return float(np.median(rates))
+
+
+def measure_host_half(session, tokens: int = 32, seed: int = 0) -> float | None:
+    """Mean ms of a GPU stage's host half at a routed decode block whose experts are partly on the host
+    (moe_decode_row.MoeDecodeRow.host_half: route, the slots and the VRAM experts' launch, the CPU's inputs; its
+    expert sum left out), over `tokens` greedy decode steps of a random prompt after as many warm-up steps (CUDA graphs
+    captured); None where the session has no such block. The GPU waits this long at each such block, beside the
+    copy's own wait: the planner charges it per block (helmc/planner/moe.py)."""
+    moe = session.gpu_moe()
+    row = getattr(moe, "decode_row", None)
+    if row is None:
+        return None
+    ids = np.random.default_rng(seed).integers(1, session.spec.vocab_size, 16).tolist()
+    session.reset()
+    session.generate(prompt_ids=ids, max_new_tokens=tokens, stop_at_eos=False)      # warm-up: graphs captured
+    session.reset()
+    halves, spent = row.host_halves, row.host_half_s
+    session.generate(prompt_ids=ids, max_new_tokens=tokens, stop_at_eos=False)
+    session.reset()
+    n = row.host_halves - halves
+    return 1e3 * (row.host_half_s - spent) / n if n else None

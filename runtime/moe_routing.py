@@ -8,6 +8,8 @@ VRAM is routed on the GPU, unseen here), and its tokens are what the calibration
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from helmc.errors import HelmcError
@@ -115,13 +117,21 @@ def measure_routing(session, ids: list[int] | None = None, source: str = "calibr
     return counter.stats(spec, source, prompt)
 
 
+@dataclass(frozen=True)
+class RoutingCalibration:
+    """What `helmc calibrate` measured of a mixture-of-experts bundle (calibrate_routing)."""
+    lines: tuple[str, ...] = ()                          # what was done, a line each
+    expert_sum_reads: tuple[tuple[str, int, float], ...] = ()   # (gate/up weight type, experts a call, GB/s)
+    host_half_ms: float | None = None                    # a GPU stage's host half per routed block (None: none ran)
+
+
 def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_keys: tuple | None = None,
-                      require_signed: bool = False, source: str = "calibrate"
-                      ) -> tuple[tuple[str, ...], tuple[tuple[str, int, float], ...]]:
+                      require_signed: bool = False, source: str = "calibrate") -> RoutingCalibration:
     """Measure a mixture-of-experts bundle's routing statistics on this machine and store them in the bundle
-    (expert_stats.json, listed in its manifest, the bundle verified again after), and its CPU one-call expert sum's
-    read rates (moe_expert_rate.measure_expert_sum); returns (lines saying what was done, the rates). A dense bundle
-    is left alone; a signed one keeps its files (its signature would break), its rates are still measured."""
+    (expert_stats.json, listed in its manifest, the bundle verified again after), its CPU one-call expert sum's
+    read rates (moe_expert_rate.measure_expert_sum) and a GPU stage's host half at a routed decode block
+    (moe_expert_rate.measure_host_half). A dense bundle is left alone; a signed one keeps its files (its signature
+    would break), its rates are still measured."""
     import os
 
     from helmc.runtime.bundle.expert_stats import store_expert_stats
@@ -129,16 +139,19 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     from helmc.runtime.bundle.signature import SIGNATURE_NAME
     from helmc.runtime.session import Session, read_bundle
     _, spec, _, _ = read_bundle(bundle_dir, weights_dir, trusted_keys, require_signed)
-    from helmc.runtime.moe_expert_rate import measure_expert_sum
+    from helmc.runtime.moe_expert_rate import measure_expert_sum, measure_host_half
     if spec.moe is None:
-        return (), ()
+        return RoutingCalibration()
     session = Session.load(bundle_dir, weights_dir, quiet=True, trusted_keys=trusted_keys,
                            require_signed=require_signed)
     reads = measure_expert_sum(session)
+    half = measure_host_half(session)
     lines = tuple(f"CPU one-call expert sum ({t}): {n} experts a call read at {gbs:.2f} GB/s" for t, n, gbs in reads)
+    if half is not None:
+        lines += (f"GPU stage's host half at a routed decode block (the CPU's expert sum apart): {half:.4f} ms",)
     if os.path.exists(os.path.join(bundle_dir, SIGNATURE_NAME)):
-        return lines + (f"routing statistics: not stored in {bundle_dir}, a signed bundle (rebuild and sign it to "
-                        "include them)",), reads
+        return RoutingCalibration(lines + (f"routing statistics: not stored in {bundle_dir}, a signed bundle (rebuild "
+                                           "and sign it to include them)",), reads, half)
     stats = measure_routing(session, source=source)
     del session                           # its weights and caches go before the bundle is verified again
     path = store_expert_stats(bundle_dir, stats)
@@ -147,6 +160,7 @@ def calibrate_routing(bundle_dir: str, weights_dir: str | None = None, trusted_k
     routed = [i for i in range(len(stats.counts)) if stats.routed(i)]
     hot = sum(stats.mass(i, stats.hottest(i, eighth)) for i in routed) / len(routed)
     held_out = sum(stats.predicted_mass(i, eighth) for i in routed) / len(routed)
-    return lines + (f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each "
-                     f"block's experts took {hot:.2f} of the selections ({held_out:.2f} of the other half's, chosen "
-                     f"on one half of the prompt); wrote {path}",), reads
+    return RoutingCalibration(lines + (
+        f"routing statistics: {stats.tokens} tokens of {stats.prompt} routed, the hottest eighth of each block's "
+        f"experts took {hot:.2f} of the selections ({held_out:.2f} of the other half's, chosen on one half of the "
+        f"prompt); wrote {path}",), reads, half)

@@ -49,6 +49,8 @@ MAX_LATENCY_US = 1e6
 def _bound_of(name: str) -> "tuple[float, float] | None":
     if name.endswith("overhead_ms"):
         return -MAX_OVERHEAD_MS, MAX_OVERHEAD_MS
+    if name.endswith("_ms"):
+        return 0.0, MAX_OVERHEAD_MS
     if name.endswith("_gbs"):
         return 0.0, MAX_GBS
     if name.endswith(("_gflops", "_tflops")):
@@ -232,6 +234,10 @@ class GpuProfile:
     # helmc's own decode GEMVs, per weight type: a block's launches as the GPU stage makes them (one-launch q/k/v,
     # SwiGLU and residual epilogues), over weights in HBM (measure_gpu_gemv). Empty: every type at hbm_gbs.
     gemv_reads: tuple[KernelRead, ...] = ()
+    # A mixture of experts' routed decode block whose experts are partly on the host: the host's half between the
+    # GPU's two parts (route, the VRAM experts' slots and launch, the CPU's inputs; its expert sum apart), measured
+    # by `helmc calibrate` on the bundle's own decode (runtime/moe_expert_rate.measure_host_half). None: not measured.
+    moe_host_half_ms: Optional[float] = None
 
     def __post_init__(self):
         _require(self.arch.startswith("sm_"), f"gpu.arch expected like 'sm_90', found {self.arch!r}")

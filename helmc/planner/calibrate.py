@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -259,12 +260,16 @@ def calibrate(bundle_dirs: "str | list[str]", hardware: "str | HardwareProfile",
             f"{n_steps} steps, mean context {mean_context:g}) against this profile's rates")
     # a mixture of experts' routing: counted over a calibration prompt, stored in the bundle, its plan made again
     from helmc.runtime.moe_routing import calibrate_routing
-    routing, reads = (), {}
+    routing, reads, halves = (), {}, []
     for b in bundles:
-        lines, rates = calibrate_routing(b, weights_dir, trusted_keys, require_signed)
-        routing += lines
-        reads.update({(t, n): gbs for t, n, gbs in rates})
+        measured = calibrate_routing(b, weights_dir, trusted_keys, require_signed)
+        routing += measured.lines
+        reads.update({(t, n): gbs for t, n, gbs in measured.expert_sum_reads})
+        halves += [measured.host_half_ms] if measured.host_half_ms is not None else []
     profile = apply_fits(hw, list(fits.values()), note)
+    if halves and profile.gpu is not None:     # the GPU's wait at a routed block whose experts are partly on the host
+        profile = dataclasses.replace(profile, gpu=dataclasses.replace(
+            profile.gpu, moe_host_half_ms=round(statistics.median(halves), 5)))
     if reads:        # the CPU's one-call expert sum, what the cost model prices a token's host experts at
         from helmc.hardware.profile import ExpertSumRead
         kept = {(r.weight_type, r.experts): r.gbs for r in profile.cpu.expert_sum_reads}

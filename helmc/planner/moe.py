@@ -35,10 +35,11 @@ from helmc.runtime.bundle.plan import Plan
 
 # Plan.predictions.fallbacks' entry for a plan that held experts in VRAM without routing statistics.
 UNIFORM_ROUTING = "expert routing: uniform (no routing statistics; helmc calibrate measures them)"
-# ... for a plan whose GPU stage has routed blocks with experts on the host: each waits for the host every step, and
-# only the crossings' link time is priced (the host's routing and copies around them are not: the prediction is low).
+# ... for a plan whose GPU stage has routed blocks with experts on the host, on a profile without the host half's time
+# (gpu.moe_host_half_ms, from helmc calibrate on such a bundle): only the crossings' link time is priced.
 HOST_WAIT_UNPRICED = ("moe: a routed GPU block with experts on the host waits for the host every step; only its "
-                      "crossings' link time is priced, not the host's work around them")
+                      "crossings' link time is priced, not the host's work around them (gpu.moe_host_half_ms: not "
+                      "measured; helmc calibrate on a mixture-of-experts bundle measures it)")
 # ... and for a one-row plan of quantized experts whose profile has no rate for the CPU's one-call expert sum.
 EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on a mixture-of-experts bundle); the "
                          "CPU's experts priced at the GEMV rate")
@@ -92,9 +93,10 @@ def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blo
                    in_vram: "float | dict[int, float]" = 0.0) -> tuple[float, float]:
     """(ms a decode step spends on the routed experts, bytes of experts it reads): the CPU's reads of the share
     not in VRAM and the GPU's of the share `in_vram` (one for every block, or per block index: the share of its
-    selections whose expert is in VRAM), at once, and the two crossings per routed block of the GPU stage. The CPU's
-    share of a one-row step at the one-call expert sum's measured rate for the host experts a token selects there
-    (cpu.expert_sum_reads), else at the GEMV rate of each weight type."""
+    selections whose expert is in VRAM), at once, and per routed block of the GPU stage that waits on the host
+    (`gpu_moe_blocks`: its experts not all in VRAM) the two crossings and the host's half between them
+    (gpu.moe_host_half_ms, where calibrated). The CPU's share of a one-row step at the one-call expert sum's measured
+    rate for the host experts a token selects there (cpu.expert_sum_reads), else at the GEMV rate of each weight type."""
     share = distinct_share(spec, batch)
     cpu_s = gpu_s = read = 0.0
     for i in range(spec.num_layers):
@@ -110,6 +112,8 @@ def expert_step_ms(spec: ModelSpec, hw: HardwareProfile, batch: int, gpu_moe_blo
     if gpu_moe_blocks and hw.link is not None:
         crossing = batch * (2 * spec.hidden_size * 2 + spec.moe.num_experts * 4)     # m + logits down, y up
         seconds += gpu_moe_blocks * (2 * hw.link.latency_us * 1e-6 + crossing / (hw.link.h2d_gbs * 1e9))
+    if gpu_moe_blocks and hw.gpu is not None and hw.gpu.moe_host_half_ms is not None:
+        seconds += gpu_moe_blocks * hw.gpu.moe_host_half_ms * 1e-3
     return 1e3 * seconds, read
 
 
@@ -155,14 +159,17 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
         stats.check_for(spec)
     vram, per_block = experts_in_vram(p, spec, gpu_blocks, stats)
     in_vram = hit_by_block(spec, vram, stats)
-    t, _ = expert_step_ms(spec, hw, p.workload.batch, gpu_blocks, in_vram)
+    # the GPU stage's routed blocks that wait on the host: a block with every expert in VRAM is routed on the GPU
+    waiting = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units
+                  and (len(vram[i]) if vram else 0) < spec.moe.num_experts) if gpu_blocks else 0
+    t, _ = expert_step_ms(spec, hw, p.workload.batch, waiting, in_vram)
     fallbacks = p.predictions.fallbacks
     routed = sum(1 for i in range(spec.num_layers) if spec.is_moe_layer(i))
     on_host = per_block < spec.moe.num_experts or len([ids for ids in vram if ids]) < routed
     # which experts are hot matters only where some stay on the host, and so does the CPU's expert-sum rate
     if stats is None and vram and on_host:
         fallbacks += (UNIFORM_ROUTING,)
-    if gpu_blocks and on_host:
+    if waiting and (hw.gpu is None or hw.gpu.moe_host_half_ms is None):
         fallbacks += (HOST_WAIT_UNPRICED,)
     if on_host and p.workload.batch == 1 and any(t and not hw.cpu.expert_sum_gbs(t, 1) for t in
                                      {expert_gate_type(spec, i) for i in range(spec.num_layers) if spec.is_moe_layer(i)}):
@@ -175,6 +182,11 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     # the plan's slots kept, where every row's experts fit). A row's bits then follow the residency it meets, in a
     # batch as alone; with the same residency a batched row equals its single run (tests/runtime/test_moe_gpu.py).
     cache = on_host and any(vram)
+    if not p.placement.groups and 0 <= p.placement.cpu_units < len(candidates):
+        # the chosen split's row as the plan prices it (its experts in VRAM); the others' rows assume none there
+        c = p.predictions.candidates[p.placement.cpu_units]
+        chosen = dataclasses.replace(candidates[p.placement.cpu_units], t_cpu_ms=c.t_cpu_ms + t, t_plan_ms=c.t_plan_ms + t)
+        candidates = candidates[:p.placement.cpu_units] + (chosen,) + candidates[p.placement.cpu_units + 1:]
     # the experts in VRAM are bound there, not in host RAM (under the cache every expert's host rows are kept)
     mem = p.memory
     host_less = 0 if cache else vram_bytes

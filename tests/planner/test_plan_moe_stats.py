@@ -142,3 +142,20 @@ def test_a_plan_with_host_experts_on_the_gpu_stage_says_their_wait_is_not_priced
     assert [len(ids) for ids in whole.placement.gpu_experts] == [128] * 48
     assert HOST_WAIT_UNPRICED not in whole.predictions.fallbacks
     assert HOST_WAIT_UNPRICED in format_plan_table(split, spec)                 # printed with the plan
+
+
+def test_a_calibrated_host_half_is_charged_at_each_block_that_waits_for_the_host(spec):
+    """gpu.moe_host_half_ms (helmc calibrate's measure of the host's half at a routed decode block): the plan charges it
+    once a step per routed GPU block whose experts are not all in VRAM, and no longer says that wait is unpriced; a
+    plan with every expert in VRAM (routed on the GPU) is charged nothing."""
+    from helmc.hardware.profile import load_hardware
+    hw = load_hardware("h200-profiled")
+    timed = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, moe_host_half_ms=0.05))
+    split, split_timed = (plan(spec, h, prompt_len=2048, output_len=64, gpu_budget_gib=8) for h in (hw, timed))
+    assert split_timed.placement == split.placement
+    waiting = sum(1 for ids in split.placement.gpu_experts if 0 < len(ids) < 128)
+    assert waiting == 48
+    assert split_timed.predictions.t_plan_ms == pytest.approx(split.predictions.t_plan_ms + waiting * 0.05, abs=1e-6)
+    assert HOST_WAIT_UNPRICED not in split_timed.predictions.fallbacks
+    whole, whole_timed = (plan(spec, h, prompt_len=2048, output_len=64) for h in (hw, timed))
+    assert whole_timed.predictions.t_plan_ms == pytest.approx(whole.predictions.t_plan_ms, abs=1e-9)

@@ -348,3 +348,24 @@ def test_served_moe_rows_show_in_the_server_metrics():
     assert got == {"helmc_moe_decode_expert_selections": rows - base[0],
                    "helmc_moe_decode_vram_hits": hits - base[1]}, got
     assert 0 < got["helmc_moe_decode_vram_hits"] < got["helmc_moe_decode_expert_selections"]
+
+
+def test_the_host_half_of_a_routed_decode_block_is_measured():
+    """helmc calibrate's measure of the GPU's wait at a routed decode block with experts on the host
+    (moe_expert_rate.measure_host_half): one host half a waiting block per decode step, each a positive time under a
+    millisecond (route, slots, launches; the CPU's sum apart); None where every expert is in VRAM (routed on the GPU)."""
+    from helmc.runtime.bundle.plan import Plan
+    from helmc.runtime.moe_expert_rate import measure_host_half
+    from helmc.runtime.session import Session
+    d = moe_dir()
+    weights, _ = reference(d, "gpu_q4_k_m")
+    base = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read())
+    s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                     plan=base.replace(gpu_experts=((0, 3, 5), (), (1, 2, 6, 7)), expert_cache=False))
+    row = s.gpu_moe().decode_row
+    ms = measure_host_half(s, tokens=8)
+    print(f"\nhost half {ms:.4f} ms a block, {row.host_halves} halves")
+    assert 0 < ms < 1 and row.host_halves >= 2 * 2 * 7 and row.host_halves % 2 == 0   # 2 waiting blocks a step
+    whole = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
+                         plan=base.replace(gpu_experts=(tuple(range(8)), (), tuple(range(8)))))
+    assert measure_host_half(whole, tokens=4) is None
