@@ -3,7 +3,8 @@
 #   scripts/test.sh          the fast tier (-m "not slow"): every layer, one real build + run against transformers
 #   scripts/test.sh --all    every test (what CI runs)
 # Two phases, one exit status: every test not marked `serial` on one pytest-xdist worker per core (a module's tests
-# on one worker, so its fixtures build once), then the `serial` ones (they time the host) alone. Both share one
+# on one worker, so its fixtures build once; handed out in collection order, tests/conftest.py's LONG_MODULES_FIRST
+# first, not xdist's most-tests-first), then the `serial` ones (they time the host) alone. Both share one
 # artifact cache and host profile (HELMC_TEST_SHARED_DIR), so the serial phase recompiles nothing. The 25 slowest
 # tests of each phase are listed. GPU tests skip cleanly where there is no GPU; other arguments go to pytest (test
 # paths under tests/ instead of the whole suite).
@@ -36,7 +37,7 @@ phase() { local rc=0; python -m pytest -q -rs --durations=25 "$@" "${args[@]}" "
 rc=0
 if (( workers > 1 )); then
     echo "== tests on $workers workers (xdist, a module per worker) =="
-    phase -n "$workers" --dist loadfile -m "$(with_tier "not serial")" || rc=$?
+    phase -n "$workers" --dist loadfile --no-loadscope-reorder -m "$(with_tier "not serial")" || rc=$?
     echo "== tests that time the host, alone =="
     phase -m "$(with_tier "serial")" || rc=$(( rc ? rc : $? ))
 else

@@ -196,26 +196,37 @@ SERIAL_TESTS = (
 )
 
 
-# The longest modules (a full run's junit times, each over a minute on the 2-core host), collected first: pytest-xdist
-# hands a module to whichever worker is free in collection order, so a long one handed out last would keep one
-# worker busy while the others had nothing left. The rest keep their order.
+# The longest modules (a full run's per-test times, each over a minute on the 2-core host), collected first, about
+# longest first: pytest-xdist hands a module to whichever worker is free in collection order (scripts/test.sh passes
+# --no-loadscope-reorder: by default xdist hands out the modules with the most tests first, which put the kit
+# modules, a few tests of minutes each, among the last), so a long one handed out last would keep one worker busy
+# while the other had nothing left. The two kit modules lead: one test or fixture of 2-3 minutes each. Modules not
+# listed keep their order.
 LONG_MODULES_FIRST = (
+    "tests/planner/test_cli_plan.py",
+    "tests/hardware/test_full_kit.py",
     "tests/kernels/test_cpu_gemv_rows.py",
     "tests/kernels/test_cpu_fused_kernels.py",
-    "tests/compiler/test_quantized_models.py",
-    "tests/compiler/test_compile_gpu_stage.py",
-    "tests/planner/test_cli_plan.py",
     "tests/compiler/test_moe_gguf.py",
+    "tests/compiler/test_quantized_models.py",
+    "tests/kernels/test_cpu_moe_expert_rows.py",
+    "tests/compiler/test_compile_gpu_stage.py",
     "tests/compiler/test_lower_linear.py",
     "tests/serve/test_serve_openai.py",
     "tests/bench/test_make_gguf.py",
     "tests/bench/test_make_gguf_moe.py",
+    "tests/compiler/test_gpt_oss_gguf.py",
+    "tests/kernels/test_gpu_moe_kernels.py",
+    "tests/compiler/test_mixtral_gguf.py",
+    "tests/compiler/test_lower_decode_gemv.py",
     "tests/kernels/test_gpu_int8_gemv_kernels.py",
     "tests/kernels/test_gpu_gemv_kernels.py",
     "tests/kernels/test_cpu_quant_gemv.py",
     "tests/runtime/test_batch_decode_cpu.py",
     "tests/compiler/test_moe.py",
     "tests/reliability/test_faults_build.py",
+    "tests/kernels/test_paged_attention_cuda_emulated.py",
+    "tests/hardware/test_profile_kit_gpu.py",
 )
 
 

@@ -10,6 +10,7 @@ count (parallel split counts), the L3 (which sizes the reads) and the CUDA arch 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -62,6 +63,12 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
     H, I, Q, KV = b.hidden, b.ffn, b.q_dim, b.kv_dim
     funcs, kernels = {}, []
 
+    @functools.lru_cache(maxsize=None)
+    def made(make, *args, **kw):
+        """Roles of one shape share a kernel (k and v; q and o where the block is square), written once: TVMScript
+        takes ~0.15 s a kernel, and a third of the calls below would repeat one."""
+        return make(*args, **kw)
+
     def add(weight_type, role, m, f):
         name = str(f.attrs["global_symbol"])
         # k and v share a shape, so a kernel; one symbol never stands for two row counts
@@ -70,18 +77,18 @@ def _kernels(target: KitTarget, isa) -> tuple[dict, list[KitKernel]]:
         kernels.append(KitKernel(weight_type, role, name, m))
     for m in ROWS_MEASURED:
         for t in FLOAT_TYPES:
-            add(t, "qkv", m, make_gemv_multi(m, (Q, KV, KV), H, t, isa))
-            add(t, "o", m, make_gemv(m, H, Q, t, isa))
-            add(t, "swiglu", m, make_gemv_swiglu(m, I, H, t, isa))
-            add(t, "down", m, make_gemv(m, H, I, t, isa))
+            add(t, "qkv", m, made(make_gemv_multi, m, (Q, KV, KV), H, t, isa))
+            add(t, "o", m, made(make_gemv, m, H, Q, t, isa))
+            add(t, "swiglu", m, made(make_gemv_swiglu, m, I, H, t, isa))
+            add(t, "down", m, made(make_gemv, m, H, I, t, isa))
         shapes = b.linear_shapes()
         for t in QUANT_TYPES:
             # the launches the stage would fuse (q/k/v, gate/up) read x of K = hidden
             for role in QUANT_FUSED_ROLES if quant_gemvs_fuse(t, isa, m, H) else QUANT_ROLES:
                 linears = FUSED_LINEARS.get(role, (role,))
                 n, k = shapes[linears[0]]
-                add(t, role, m, make_gemv_quant_int8_multi(t, tuple(shapes[x][0] for x in linears), k, isa)
-                    if len(linears) > 1 else make_gemv_quant(t, n, k, isa, m=m))
+                add(t, role, m, made(make_gemv_quant_int8_multi, t, tuple(shapes[x][0] for x in linears), k, isa)
+                    if len(linears) > 1 else made(make_gemv_quant, t, n, k, isa, m=m))
     return funcs, kernels
 
 

@@ -16,6 +16,7 @@ Runs before compile_gpu_stage's fp32-accumulation rewrite, which then sees only 
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import tvm
@@ -26,7 +27,7 @@ from tvm.relax.utils import copy_with_new_vars
 from helmc.compiler.passes.lower_decode_gemv import fuse_gemv_epilogues, one_launch_per_shared_x
 from helmc.compiler.passes.quantize_functions import raw_weight_params
 from helmc.model.weight_types import BLOCK_TYPES, GPU_INT8_EPILOGUES, GPU_INT8_TYPES, WEIGHT_TYPES
-from helmc.schedules.gpu.quant_gemv import make_gpu_dequantize
+from helmc.schedules.gpu import quant_gemv
 
 
 # (rows per warp, warps, unroll) of the decode GEMV per type, and of the int8-activation GEMV (alone and with each
@@ -37,14 +38,25 @@ GEMV_INT8_EPILOGUE_TUNING = {(q, e): WEIGHT_TYPES[q].gpu_epilogue_tuning(e)
                              for q in GPU_INT8_TYPES for e in GPU_INT8_EPILOGUES}
 
 
+# The kernel makers below are memoized per process: a PrimFunc is immutable and writing one through TVMScript takes
+# 0.1-1 s, so a stage lowered twice (its lowered form read, then compiled) or several stages of the same shapes in one
+# process (the profile kit's GEMVs beside its GPU stage) make each kernel once.
+@functools.lru_cache(maxsize=None)
 def make_gpu_gemv_int8(qtype: str, *args, **kw):
     """The int8-activation decode GEMV of `qtype` (weight_types' gpu_gemv_int8 maker)."""
     return WEIGHT_TYPES[qtype].maker("gpu_gemv_int8")(qtype, *args, **kw)
 
 
+@functools.lru_cache(maxsize=None)
 def make_gpu_gemv_quant(qtype: str, *args, **kw):
     """The decode GEMV of `qtype` (weight_types' gpu_gemv maker)."""
     return WEIGHT_TYPES[qtype].maker("gpu_gemv")(qtype, *args, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def make_gpu_dequantize(qtype: str, n: int, k: int):
+    """The prefill's dequantize of an [n, k] `qtype` weight to fp16 (quant_gemv.make_gpu_dequantize)."""
+    return quant_gemv.make_gpu_dequantize(qtype, n, k)
 OP_PATTERN_OPAQUE = 8               # relax OpPatternKind kOpaque: FuseOps fuses it with nothing
 _DECODE = re.compile(r"_decode(_b\d+)?(_t\d+)?$")   # runtime.stage.block_function_name's decode functions
 
