@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from helmc.runtime.decode_graph import align_up
+from helmc.runtime.crossing_buffers import CrossingBuffers
 from helmc.runtime.moe_decode_row import BlockRow, MoeDecodeRow, route_rows
 from helmc.runtime.moe_experts import expert_rows_args, route
 
@@ -57,26 +57,15 @@ class BatchBuffers:
 
     def __init__(self, S: int, H: int, E: int, K: int, I: int, from_cupy):
         import cupy as cp
-        # device to host: m fp16 [S, H] | logits fp32 [S, E]
-        self.down_bytes = align_up(2 * S * H) + align_up(4 * S * E)
-        self.dev_down = cp.zeros(self.down_bytes, cp.uint8)
-        self.m = self.dev_down[:2 * S * H].view(cp.float16).reshape(S, H)
-        self.logits = self.dev_down[align_up(2 * S * H):align_up(2 * S * H) + 4 * S * E].view(cp.float32).reshape(S, E)
-        self._pin_down = cp.cuda.alloc_pinned_memory(self.down_bytes)
-        pin = np.frombuffer(self._pin_down, np.uint8, self.down_bytes)
-        self.host_m = pin[:2 * S * H].view(np.float16).reshape(S, H)
-        self.host_logits = pin[align_up(2 * S * H):align_up(2 * S * H) + 4 * S * E].view(np.float32).reshape(S, E)
-        # host to device: slots int32 [S * K] | weights fp32 [S * K]; then the CPU's sum fp32 [S, H] apart
-        self.up_bytes = 2 * align_up(4 * S * K)
-        self.dev_up = cp.zeros(self.up_bytes + 4 * S * H, cp.uint8)
-        self.sel = self.dev_up[:4 * S * K].view(cp.int32)
-        self.w = self.dev_up[align_up(4 * S * K):align_up(4 * S * K) + 4 * S * K].view(cp.float32)
-        self.y = self.dev_up[self.up_bytes:].view(cp.float32).reshape(S, H)
-        self._pin_up = cp.cuda.alloc_pinned_memory(self.up_bytes + 4 * S * H)
-        pin = np.frombuffer(self._pin_up, np.uint8, self.up_bytes + 4 * S * H)
-        self.host_sel = pin[:4 * S * K].view(np.int32).reshape(S, K)
-        self.host_w = pin[align_up(4 * S * K):align_up(4 * S * K) + 4 * S * K].view(np.float32).reshape(S, K)
-        self.host_y = pin[self.up_bytes:].view(np.float32).reshape(S, H)     # the CPU's m-row sum writes here
+        # device to host: m fp16 [S, H] | logits fp32 [S, E], one copy; host to device: slots int32 and weights fp32
+        # [S, K] in one copy, the CPU's sum fp32 [S, H] (its m-row sum writes there) in another
+        self._down = CrossingBuffers((("m", "float16", (S, H)), ("logits", "float32", (S, E))))
+        self._up = CrossingBuffers((("sel", "int32", (S, K)), ("w", "float32", (S, K)), ("y", "float32", (S, H))))
+        self.m, self.logits = self._down.device["m"], self._down.device["logits"]
+        self.host_m, self.host_logits = self._down.host["m"], self._down.host["logits"]
+        self.sel, self.w = (self._up.device[n].reshape(-1) for n in ("sel", "w"))          # [S * K] each
+        self.y = self._up.device["y"]
+        self.host_sel, self.host_w, self.host_y = (self._up.host[n] for n in ("sel", "w", "y"))
         self._x32 = np.zeros(S * H + 16, np.float32)
         skip = (-self._x32.ctypes.data % 64) // 4
         self.x32 = self._x32[skip:skip + S * H].reshape(S, H)     # m for the CPU in its dtype, 64-byte aligned (no copy)
@@ -93,23 +82,16 @@ class BatchBuffers:
         import cupy as cp
         self.m[...] = m
         self.logits[...] = logits
-        stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(self._pin_down.ptr, self.dev_down.data.ptr, self.down_bytes,
-                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        stream.synchronize()
+        self._down.to_host("m", "logits")
+        cp.cuda.get_current_stream().synchronize()
 
     def up_routes(self) -> None:
         """host_sel / host_w to the device, queued on the stream."""
-        self._up(0, self.up_bytes)
+        self._up.to_device("sel", "w")
 
     def up_cpu_sum(self) -> None:
         """host_y to the device, queued on the stream."""
-        self._up(self.up_bytes, self.y.nbytes)
-
-    def _up(self, offset: int, nbytes: int) -> None:
-        import cupy as cp
-        cp.cuda.runtime.memcpyAsync(self.dev_up.data.ptr + offset, self._pin_up.ptr + offset, nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        self._up.to_device("y")
 
     def next_out(self) -> tuple:
         i = self._next

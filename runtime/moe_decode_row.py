@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from helmc.runtime.decode_graph import align_up
+from helmc.runtime.crossing_buffers import CrossingBuffers
 from helmc.runtime.moe_experts import LayerExperts, OneRowExpertArgs, route
 
 _COMBINE_SOURCE = """
@@ -155,26 +155,14 @@ class MoeDecodeRow:
         H, E, K, I = spec.hidden_size, spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size
         self.H, self.E, self.K, self.moe = H, E, K, spec.moe
         self.cpu_sums, self.gpu_sums, self.to_cupy = cpu_sums, gpu_sums, to_cupy
-        # device to host: m fp16 [1, H] | logits fp32 [1, E], one copy into pinned memory
-        self._out_bytes = align_up(2 * H) + align_up(4 * E)
-        self._dev_out = cp.zeros(self._out_bytes, cp.uint8)
-        self.m = self._dev_out[:2 * H].view(cp.float16).reshape(1, H)
-        self.logits = self._dev_out[align_up(2 * H):align_up(2 * H) + 4 * E].view(cp.float32).reshape(1, E)
-        self._pin_out_mem = cp.cuda.alloc_pinned_memory(self._out_bytes)
-        pin_out = np.frombuffer(self._pin_out_mem, np.uint8, self._out_bytes)
-        self.host_m = pin_out[:2 * H].view(np.float16).reshape(1, H)
-        self.host_logits = pin_out[align_up(2 * H):align_up(2 * H) + 4 * E].view(np.float32).reshape(1, E)
-        # host to device: the GPU share's slots int32 [K] | weights fp32 [K], then the CPU's sum fp32 [1, H]
-        self._sel_bytes = align_up(4 * K) + align_up(4 * K)
-        self._dev_sel = cp.zeros(self._sel_bytes, cp.uint8)
-        self.sel = self._dev_sel[:4 * K].view(cp.int32)
-        self.w = self._dev_sel[align_up(4 * K):align_up(4 * K) + 4 * K].view(cp.float32)
-        self._pin_sel_mem = cp.cuda.alloc_pinned_memory(self._sel_bytes + align_up(4 * H))
-        pin_in = np.frombuffer(self._pin_sel_mem, np.uint8, self._sel_bytes + align_up(4 * H))
-        self.host_sel = pin_in[:4 * K].view(np.int32)
-        self.host_w = pin_in[align_up(4 * K):align_up(4 * K) + 4 * K].view(np.float32)
-        self.host_y = pin_in[self._sel_bytes:self._sel_bytes + 4 * H].view(np.float32).reshape(1, H)
-        self.y = cp.zeros((1, H), cp.float32)
+        # device to host: m fp16 [1, H] | logits fp32 [1, E], one copy; host to device: the GPU share's slots and
+        # weights [K] in one copy, the CPU's sum [1, H] in another
+        self._down = CrossingBuffers((("m", "float16", (1, H)), ("logits", "float32", (1, E))))
+        self._up = CrossingBuffers((("sel", "int32", (K,)), ("w", "float32", (K,)), ("y", "float32", (1, H))))
+        self.m, self.logits = self._down.device["m"], self._down.device["logits"]
+        self.host_m, self.host_logits = self._down.host["m"], self._down.host["logits"]
+        self.sel, self.w, self.y = (self._up.device[n] for n in ("sel", "w", "y"))
+        self.host_sel, self.host_w, self.host_y = (self._up.host[n] for n in ("sel", "w", "y"))
         self.h = cp.zeros((1, H), cp.float16)
         self.a = cp.zeros((K, I), cp.float16)                       # [K, I] each GPU expert's SwiGLU
         self.part = cp.zeros((K, H), cp.float16)                    # [K, H] each one's down
@@ -228,7 +216,6 @@ class MoeDecodeRow:
         """GPU: the block's post_moe outputs into the static buffers. Returns x' (a TVM tensor) for a block routed
         on the GPU, else None: m and the logits are on their way to pinned memory; call host_half() once the stream
         has reached here, then finish()."""
-        import cupy as cp
         assert self.pending is None, "MoeDecodeRow.begin: the last block was never finished"
         if row.all_vram:              # nothing crosses: the kernels read post_moe's own outputs
             self._route_on_gpu(self.to_cupy(logits))
@@ -240,8 +227,7 @@ class MoeDecodeRow:
         self.m[...] = self.to_cupy(m)
         self.logits[...] = self.to_cupy(logits)
         self.pending = row
-        cp.cuda.runtime.memcpyAsync(self._pin_out_mem.ptr, self._dev_out.data.ptr, self._out_bytes,
-                                    cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
+        self._down.to_host("m", "logits")
         return None
 
     def host_half(self, row: BlockRow, launch_gpu_experts=None) -> None:
@@ -283,19 +269,15 @@ class MoeDecodeRow:
 
     def gpu_experts(self, row: BlockRow) -> None:
         """GPU: the slots and weights host_half() wrote cross, then the block's VRAM experts run on them."""
-        import cupy as cp
-        cp.cuda.runtime.memcpyAsync(self._dev_sel.data.ptr, self._pin_sel_mem.ptr, self._sel_bytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        self._up.to_device("sel", "w")
         self._gpu_experts(row)
 
     def finish(self, use_cpu: bool = True):
         """GPU: x' = h + the GPU share + the CPU's sum into the next static output; returns its TVM view."""
-        import cupy as cp
         row = self.pending
         assert row is not None, "MoeDecodeRow.finish: no block pending"
         if use_cpu:
-            cp.cuda.runtime.memcpyAsync(self.y.data.ptr, self.host_y.ctypes.data, 4 * self.H,
-                                        cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+            self._up.to_device("y")
         out = self._combine_into_out(self.h, self.K if row.has_vram else 0, use_cpu)
         self.pending = None
         return out
