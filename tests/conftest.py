@@ -15,32 +15,13 @@ import sys
 
 import pytest
 
+from helmc.compiler.frame_modules import remember_frames_of_no_module
 from tests.shared_run import run_lock, shared_dir
 
 
-def _remember_frames_of_no_module() -> None:
-    """TVMScript's parser walks the whole stack (inspect.getouterframes) for every prim_func and for most T.* calls in
-    one, and inspect.getmodule scans all of sys.modules (~2400 here: torch, transformers) for each frame whose file is
-    no module's: its evaluated "<ast>" code, "<frozen runpy>". That scan was most of a kernel's parse time. Its answer
-    for such a frame is None until a module with that file is imported, so it is remembered per count of modules; an
-    import rescans. Nothing TVM computes changes."""
-    import inspect
-    scan = inspect.getmodule
-    no_module: dict[str, int] = {}
-
-    def getmodule(obj, _filename=None):
-        if _filename is None or hasattr(obj, "__module__") or not inspect.isframe(obj):
-            return scan(obj, _filename)
-        if no_module.get(_filename) == len(sys.modules):
-            return None
-        found = scan(obj, _filename)
-        if found is None:
-            no_module[_filename] = len(sys.modules)
-        return found
-    inspect.getmodule = getmodule
-
-
-_remember_frames_of_no_module()
+# Every kernel a test writes parses without rescanning each loaded module per stack frame, as `helmc build` and
+# `helmc profile`'s kits do (helmc/compiler/frame_modules.py); tests call the schedules' makers directly too.
+remember_frames_of_no_module()
 
 # The test tiers. `scripts/test.sh` runs the fast tier (`-m "not slow"`: every layer, one real build + run of a tiny
 # model against transformers); `scripts/test.sh --all` (CI) runs every test. A test is in the slow tier when its

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key, tvm_version
+from helmc.compiler.frame_modules import frames_of_no_module_remembered
 from helmc.compiler.options import BuildOptions, build_options
 from helmc.errors import HelmcError
 from helmc.hardware.profile import HardwareProfile
@@ -225,7 +226,8 @@ def build(model_dir: str, hardware: HardwareProfile, out_dir: str, options: Buil
 
     with tempfile.TemporaryDirectory(prefix="helmc-build-") as work:
         if not all(hits.values()):
-            _compile_missing(spec, hardware, o, cache, jobs, hits, batches, llvm_desc, work, progress)
+            with frames_of_no_module_remembered():          # TVMScript's kernels parse without rescans
+                _compile_missing(spec, hardware, o, cache, jobs, hits, batches, llvm_desc, work, progress)
         libraries = _libraries(hits, need_cpu, need_gpu)
         write_bundle(BundleInputs(
             out_dir=out_dir, spec=spec, plan=plan, hardware=hardware, weights=source.weights,

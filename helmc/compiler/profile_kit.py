@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 from helmc.compiler.artifact_cache import ArtifactCache, cache_key
+from helmc.compiler.frame_modules import frames_of_no_module_remembered
 from helmc.errors import HelmcError
 from helmc.hardware.kit import (FLOAT_TYPES, FUSED_LINEARS, GPU_FUSED_TYPES, GPU_GEMV_DIR, GPU_GEMV_NAME,
                                 KERNELS_LIB, KIT_FORMAT_VERSION, QUANT_FUSED_ROLES, QUANT_ROLES, QUANT_TYPES,
@@ -156,6 +157,11 @@ def build_kit(out_dir: str, target: KitTarget, cache_dir: str | None = None, pro
               stages: bool = True) -> ProfileKit:
     """Compile the kit for `target` into out_dir (created); stages=False: the kernels only (no synthetic bundles,
     so no per-block overheads can be measured with it)."""
+    with frames_of_no_module_remembered():              # TVMScript's kernels parse without rescans
+        return _build_kit(out_dir, target, cache_dir, progress, stages)
+
+
+def _build_kit(out_dir: str, target: KitTarget, cache_dir: str | None, progress, stages: bool) -> ProfileKit:
     import tvm
     from helmc.compiler.passes.schedule_cpu_stage import llvm_target
     from helmc.schedules.cpu.isa import select_isa
