@@ -3,6 +3,7 @@
     python -m benchmarks.make_gguf OUT.gguf --config qwen3-8b --mix q5_k_m [--seed 0] [--layers N] [--vocab V]
     python -m benchmarks.make_gguf OUT.gguf --config gemma3-12b --mix q4_k_m
     python -m benchmarks.make_gguf OUT.gguf --config qwen3-30b-a3b --mix q4_k_m
+    python -m benchmarks.make_gguf OUT.gguf --config gpt-oss-20b --mix mxfp4_moe
 
 A speed comparison needs the bytes of a real file, not its values: each tensor's type is what llama.cpp's
 `llama-quantize` picks for that mix (helmc.model.weight_types.QuantMix, which follows llama-quant.cpp), and each
@@ -14,7 +15,10 @@ zero-mean weights and nearly one-hot attention keep the hidden states of differe
 prompt spread over the experts as a trained router's do, where blocks of random quants under positive scales (a
 large common mean in every row) route nearly every token to the same few experts. The same seed writes the same
 bytes on any machine (NumPy's PCG64 through SeedSequence, one stream per tensor), so the file can be made where it
-is used rather than carried. Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields
+is used rather than carried. gpt-oss (`gpt-oss`, as llama.cpp's converter writes it) adds the biases of q/k/v/o, the
+router and each expert stack (F32, Gaussian at BIAS_STD), the attention sinks (F32, Gaussian at SINK_STD), YaRN's keys
+and the MLP's norm as post_attention_norm; its one mix is llama.cpp's MXFP4_MOE (experts MXFP4, every other matrix
+Q8_0, the output too). Blocks are drawn in bulk on every core (one NumPy buffer per tensor, the scale fields
 written into it as a column; the next tensor drawn while this one is written) and streamed to the file, so memory
 stays at two tensors and the time is the disk's. This module needs NumPy, the `gguf` package and helmc's weight-type
 table (standard library only): the GPU machine, which has no torch, runs it.
@@ -42,6 +46,16 @@ WEIGHT_STD = 0.02
 # 0.20-0.46 of the selections (2: down to ~50 experts by block 48 in a NumPy model of the same shapes).
 ROUTER_STD = 0.044
 QK_NORM_GAIN = 3.0
+# gpt-oss's biases and sinks: small beside the weights' products (a random row's dot product with a unit-RMS input
+# has a std of ~WEIGHT_STD * sqrt(hidden) ~ 1), sinks of the order of trained ones (a few nats either way).
+BIAS_STD = 0.02
+SINK_STD = 1.0
+# MXFP4's block scale is an E8M0 exponent byte, not an fp16 field: w = kvalues[q] * 2^(e - 128) with kvalues the
+# doubled E2M1 magnitudes (std ~5.85 over random nibbles), so e = 120 gives a std of ~0.023, about WEIGHT_STD.
+MXFP4_EXPONENT = 120
+# llama.cpp's MXFP4_MOE file type (llama-quant.cpp): stacked experts MXFP4, every other matrix (the output too) Q8_0.
+MXFP4_MOE = "mxfp4_moe"
+MXFP4_MOE_FILE_TYPE = 38
 CHUNK_BYTES = 1 << 25        # random bytes drawn per task: 32 MiB, one stream each
 SCALE_STREAM = 2**32 - 1     # the stream of a tensor's block scales (its byte chunks are numbered from 0)
 
@@ -75,6 +89,13 @@ class ModelShape:
     expert_ffn: int = 0
     router_std: float = ROUTER_STD
     qk_norm_gain: float = 1.0    # the weights of attn_q_norm and attn_k_norm (every other norm's are 1)
+    qk_norms: bool = True        # attn_q_norm / attn_k_norm (qwen3, gemma3); gpt-oss has none
+    ffn_norm: str = "ffn_norm"   # the MLP's norm: gpt-oss's converter names it post_attention_norm
+    # gpt-oss: biases on q/k/v/o, the router and the experts; a sink logit per head; YaRN (factor, original context)
+    biases: bool = False
+    sinks: bool = False
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 0
 
 
 CONFIGS: dict[str, ModelShape] = {
@@ -87,6 +108,11 @@ CONFIGS: dict[str, ModelShape] = {
     # Qwen/Qwen3-30B-A3B config.json: 128 experts of 768, top-8 (norm_topk_prob, which llama.cpp always applies)
     "qwen3-30b-a3b": ModelShape("qwen3moe", 2048, 6144, 48, 32, 4, 128, 151936, 40960, 1e6, tied=False,
                                 experts=128, experts_used=8, expert_ffn=768, qk_norm_gain=QK_NORM_GAIN),
+    # openai/gpt-oss-20b config.json: 32 experts of 2880, top-4; every other block a window of 128 (llama.cpp's
+    # loader fixes the pattern at 2); YaRN x32 over 4096
+    "gpt-oss-20b": ModelShape("gpt-oss", 2880, 2880, 24, 64, 8, 64, 201088, 131072, 150000.0, tied=False,
+                              rms_eps=1e-5, sliding_window=128, experts=32, experts_used=4, expert_ffn=2880,
+                              qk_norms=False, ffn_norm="post_attention_norm", biases=True, sinks=True, yarn_factor=32.0, yarn_original_context=4096),
 }
 
 # Where each block format keeps its fp16 scale d (and dmin, with its ratio to d that centres the weights on 0: the
@@ -99,31 +125,45 @@ SCALE_FIELDS: dict[str, tuple[int, int | None, float]] = {
 
 
 def tensor_types(shape: ModelShape, mix_name: str) -> dict[str, str]:
-    """{GGUF tensor name: helmc weight type} of every tensor, as llama-quantize types them for the mix; norms and a
-    router f32. A block's stacked experts take the type of the dense weight of their kind (llama-quant.cpp matches
-    ffn_down_exps as ffn_down, by the block index in its name), the n_experts rules those of a model of that many."""
+    """{GGUF tensor name: helmc weight type} of every tensor, as llama-quantize types them for the mix; norms, a
+    router, biases and sinks f32. A block's stacked experts take the type of the dense weight of their kind
+    (llama-quant.cpp matches ffn_down_exps as ffn_down, by the block index in its name), the n_experts rules those
+    of a model of that many; under MXFP4_MOE they are MXFP4 and every other matrix Q8_0."""
     from helmc.model.arch.tensors import DENSE_BLOCK
     from helmc.model.weight_types import quant_mix
-    mix = quant_mix(mix_name, "make_gguf --mix")
-    unknown = [t for t in mix.types if t not in SCALE_FIELDS]
-    if unknown:
-        raise SystemExit(f"make_gguf --mix: expected a mix of {', '.join(SCALE_FIELDS)}, found {mix_name!r} with {unknown}")
+    if mix_name == MXFP4_MOE:
+        if not shape.experts:
+            raise SystemExit(f"make_gguf --mix: {MXFP4_MOE} expected a mixture of experts, found {shape.arch}")
+        type_of, head, embd = (lambda hf, layers, experts: "q8_0"), "q8_0", "q8_0"
+    else:
+        mix = quant_mix(mix_name, "make_gguf --mix")
+        unknown = [t for t in mix.types if t not in SCALE_FIELDS]
+        if unknown:
+            raise SystemExit(f"make_gguf --mix: expected a mix of {', '.join(SCALE_FIELDS)}, found {mix_name!r} "
+                             f"with {unknown}")
+        type_of, head, embd = mix.type_of, mix.type_of("lm_head.weight", shape.layers), mix.linear_type
     hf_of = {g.removesuffix(".weight"): hf for hf, g in DENSE_BLOCK.items() if g.endswith(".weight")}
     ffn = ("ffn_gate", "ffn_up", "ffn_down")
     if shape.experts:
         ffn = tuple(f"{n}_exps" for n in ffn)
-    linears = ("attn_q", "attn_k", "attn_v", "attn_output") + ffn
-    f32s = ["attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"]
+    attn = ("attn_q", "attn_k", "attn_v", "attn_output")
+    f32s = ["attn_norm", shape.ffn_norm]
+    f32s += ["attn_q_norm", "attn_k_norm"] if shape.qk_norms else []
     if shape.post_norms:
         f32s += ["post_attention_norm", "post_ffw_norm"]
     if shape.experts:
         f32s += ["ffn_gate_inp"]                 # the router: llama.cpp neither converts nor quantizes it from F32
-    head = mix.type_of("lm_head.weight", shape.layers)
-    out = {"token_embd.weight": head if shape.tied else mix.linear_type}
+    out = {"token_embd.weight": head if shape.tied else embd}
     for i in range(shape.layers):
         out |= {f"blk.{i}.{n}.weight": "f32" for n in f32s}
-        out |= {f"blk.{i}.{n}.weight": mix.type_of(f"model.layers.{i}.{hf_of[n.removesuffix('_exps')]}", shape.layers,
-                                                   shape.experts) for n in linears}
+        for n in attn + ffn:
+            hf = f"model.layers.{i}.{hf_of[n.removesuffix('_exps')]}"
+            out[f"blk.{i}.{n}.weight"] = "mxfp4" if mix_name == MXFP4_MOE and n in ffn else \
+                type_of(hf, shape.layers, shape.experts)
+        if shape.sinks:
+            out[f"blk.{i}.attn_sinks.weight"] = "f32"
+        if shape.biases:
+            out |= {f"blk.{i}.{n}.bias": "f32" for n in attn + ffn + ("ffn_gate_inp",)}
     out["output_norm.weight"] = "f32"
     if not shape.tied:
         out["output.weight"] = head
@@ -132,20 +172,25 @@ def tensor_types(shape: ModelShape, mix_name: str) -> dict[str, str]:
 
 def tensor_shape(shape: ModelShape, name: str) -> tuple[int, ...]:
     """(rows, cols) of a matrix as NumPy sees it (GGUF lists them the other way round), (experts, rows, cols) of a
-    stack of experts, (n,) of a norm."""
+    stack of experts, (n,) of a norm or a sink vector; a bias is its matrix's shape without the columns."""
     s = shape
     q, kv, E, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.experts, s.expert_ffn
     role = name.split(".")[-2]
-    return {"token_embd": (s.vocab, s.hidden), "output": (s.vocab, s.hidden), "attn_q": (q, s.hidden),
+    dims = {"token_embd": (s.vocab, s.hidden), "output": (s.vocab, s.hidden), "attn_q": (q, s.hidden),
             "attn_k": (kv, s.hidden), "attn_v": (kv, s.hidden), "attn_output": (s.hidden, q),
             "ffn_gate": (s.ffn, s.hidden), "ffn_up": (s.ffn, s.hidden), "ffn_down": (s.hidden, s.ffn),
             "ffn_gate_inp": (E, s.hidden), "ffn_gate_exps": (E, I, s.hidden), "ffn_up_exps": (E, I, s.hidden),
-            "ffn_down_exps": (E, s.hidden, I),
+            "ffn_down_exps": (E, s.hidden, I), "attn_sinks": (s.heads,),
             "attn_q_norm": (s.head_dim,), "attn_k_norm": (s.head_dim,)}.get(role, (s.hidden,))
+    return dims[:-1] if name.endswith(".bias") else dims
 
 
 def _scaled(raw: np.ndarray, qtype: str, d: np.ndarray) -> np.ndarray:
-    """raw (uint8 [blocks, block bytes]) with its scale fields set to d (fp16) and dmin to d times the type's ratio."""
+    """raw (uint8 [blocks, block bytes]) with its scale fields set to d (fp16) and dmin to d times the type's ratio;
+    an MXFP4 block's exponent byte to MXFP4_EXPONENT (d unused: the type has no fractional scale)."""
+    if qtype == "mxfp4":
+        raw[:, 0] = MXFP4_EXPONENT
+        return raw
     off, dmin_off, ratio = SCALE_FIELDS[qtype]
     raw[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
     if dmin_off is not None:
@@ -189,14 +234,16 @@ def random_blocks(key: tuple[int, ...], dims: tuple[int, ...], qtype: str, unit_
 
 
 def f32_tensor(key: tuple[int, ...], name: str, dims: tuple[int, ...], shape: ModelShape) -> np.ndarray:
-    """A norm's weights (ones, q's and k's the shape's gain), or a router's: Gaussian at the shape's router_std from
-    the tensor's own stream."""
+    """A norm's weights (ones, q's and k's the shape's gain), or Gaussian from the tensor's own stream: a router's
+    at the shape's router_std, a bias at BIAS_STD, sinks at SINK_STD."""
     if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
         return np.full(dims, shape.qk_norm_gain, dtype=np.float32)
-    if not name.endswith("ffn_gate_inp.weight"):
+    std = shape.router_std if name.endswith("ffn_gate_inp.weight") else BIAS_STD if name.endswith(".bias") else \
+        SINK_STD if name.endswith("attn_sinks.weight") else None
+    if std is None:
         return np.ones(dims, dtype=np.float32)
     return np.random.Generator(np.random.PCG64([*key, SCALE_STREAM])).standard_normal(dims, dtype=np.float32) \
-        * np.float32(shape.router_std)
+        * np.float32(std)
 
 
 def write_metadata(w, shape: ModelShape, file_type: int, name: str) -> None:
@@ -222,8 +269,12 @@ def write_metadata(w, shape: ModelShape, file_type: int, name: str) -> None:
     if shape.rope_linear_factor:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(shape.rope_linear_factor)
+    if shape.yarn_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(shape.yarn_original_context)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre("gpt-4o" if shape.arch == "gpt-oss" else "qwen2")
     w.add_token_list([f"t{i}" for i in range(shape.vocab)])
     w.add_token_types([gguf.TokenType.NORMAL] * shape.vocab)
     w.add_token_merges(["t 1", "t 2"])
@@ -240,9 +291,10 @@ def make_gguf(out: str, config: str, mix: str, seed: int = 0, **overrides) -> di
         raise SystemExit(f"make_gguf --config: expected one of {', '.join(CONFIGS)}, found {config!r}")
     shape = replace(CONFIGS[config], **{k: v for k, v in overrides.items() if v is not None})
     types = tensor_types(shape, mix)
-    unit = {t: _unit_std(t) for t in set(types.values()) if t != "f32"}
+    unit = {t: _unit_std(t) if t != "mxfp4" else 1.0 for t in set(types.values()) if t != "f32"}
     w = gguf.GGUFWriter(out, shape.arch)
-    write_metadata(w, shape, quant_mix(mix).file_type, f"{config} {mix} (random weights, seed {seed})")
+    file_type = MXFP4_MOE_FILE_TYPE if mix == MXFP4_MOE else quant_mix(mix).file_type
+    write_metadata(w, shape, file_type, f"{config} {mix} (random weights, seed {seed})")
     for name, t in types.items():
         dims = tensor_shape(shape, name)
         n = int(np.prod(dims[:-1], dtype=np.int64))
