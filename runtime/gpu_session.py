@@ -239,14 +239,17 @@ def gpu_cache_windows(spec, placement) -> tuple[int, ...]:
     return tuple(spec.layer_window(i) for i in gpu_cache_layers(placement))
 
 
-def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int, free: int, pool_loan: int):
+def _gpu_kv_cache(bundle_dir, spec, plan, checkpoint, kv_options: KVOptions, kv_layers: int, free: int,
+                  pool_loan: int):
     """The GPU stage's paged KV cache, after its weights are bound: the pages get what the plan left them, with the
-    streamed prefill's loan as their floor. free: the VRAM free before anything of the session was allocated."""
+    streamed prefill's loan as their floor, and its blocks' attention sinks (gpu_cache_layers' order) where the model
+    has them. free: the VRAM free before anything of the session was allocated."""
     mem, wl = plan.memory, plan.workload
     import cupy as cp
 
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.cuda_ops import bundle_cuda_ops
+    from helmc.runtime.weights.bind import layer_sinks
     free_after, _ = cp.cuda.runtime.memGetInfo()
     page_tokens = kv_options.page_tokens
     if mem.gpu_kv_pool_bytes:
@@ -261,7 +264,8 @@ def _gpu_kv_cache(bundle_dir, spec, plan, kv_options: KVOptions, kv_layers: int,
                       max_tokens=mem.max_context, vram_bytes=max(0, int(budget)),
                       watermark=kv_options.watermark, offload=kv_options.offload,
                       sliding_window=gpu_cache_windows(spec, plan.placement), loan_bytes=pool_loan,
-                      ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size))
+                      ops=bundle_cuda_ops(bundle_dir, spec.head_dim, spec.group_size),
+                      sinks=layer_sinks(checkpoint, spec, gpu_cache_layers(plan.placement)))
 
 
 def _check_gpu_plan(plan) -> int:
@@ -350,7 +354,7 @@ def _gpu_stage(bundle_dir, manifest, spec, plan, checkpoint, quiet, kv_options: 
                            experts_in_vram=pl.gpu_experts, expert_cache=_expert_cache(pl))
     if moe is not None and moe.prefill is not None:      # locked at load, not inside the first prompt's TTFT
         moe.prefill.lock_host_experts([b.post[-1] for i, b in zip(layers, bindings) if spec.is_moe_layer(i)])
-    kv = _gpu_kv_cache(bundle_dir, spec, plan, kv_options, kv_layers, free, pool_loan)
+    kv = _gpu_kv_cache(bundle_dir, spec, plan, checkpoint, kv_options, kv_layers, free, pool_loan)
     return Stage("gpu", vm, spec, layers, kv, bindings, to_array=tvm_to_cupy, from_array=cupy_to_tvm,
                  batch_sizes=decode_batch_sizes(wl.batch), kv_base=kv_layers - len(layers), moe=moe)
 
@@ -386,7 +390,7 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
     from helmc.runtime.cuda_runtime import PinnedUploader, cupy_to_tvm, load_gpu_executable, tvm_to_cupy
     from helmc.runtime.cpu_stage import load_stage_library, progress
     from helmc.runtime.stage import batch_phase, decode_batch_sizes
-    from helmc.runtime.weights.bind import bind_head
+    from helmc.runtime.weights.bind import bind_head, layer_sinks
 
     free = _check_gpu_plan(plan)
     hybrid = pl.is_hybrid
@@ -420,7 +424,8 @@ def load_gpu_parts(cls, bundle_dir, manifest, spec, plan, checkpoint, tokenizer,
                                    cupy_to_tvm, tvm_to_cupy, lend=lend,
                                    kv_targets=prefill_kv_targets(schedule, arenas) if hybrid else None,
                                    ops=stage.kv.ops if stage is not None else None,
-                                   lend_arena=ring_lender(ring) if arena_in_ring else None)
+                                   lend_arena=ring_lender(ring) if arena_in_ring else None,
+                                   sinks=layer_sinks(checkpoint, spec, [a.layer for a in arenas]))
     stream = cp.cuda.Stream(non_blocking=True)
     graph = _decode_graph(stage, head_fns, head_weights, spec, stream, kv_options, hybrid)
     decode = None

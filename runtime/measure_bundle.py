@@ -343,7 +343,8 @@ class _GpuSide:
         # Every page stays resident, as in the benchmark's short requests (the plan's VRAM holds them).
         kv = KVCacheGPU(m, spec.num_kv_heads, spec.head_dim, page_tokens=KV_PAGE_TOKENS, max_tokens=ctx.total,
                         gpu_pages=pages + 2, offload=ctx.plan.workload.kv_offload, sliding_window=spec.sliding_window or None,
-                        ops=bundle_cuda_ops(ctx.bundle_dir, spec.head_dim, spec.group_size))
+                        ops=bundle_cuda_ops(ctx.bundle_dir, spec.head_dim, spec.group_size),
+                        sinks=_sinks(ctx.ck, spec, _source_layers(ctx.plan.placement.gpu_layers, n), m))
         stage = Stage("gpu", self.vm, spec, range(m), kv, [bound[i % n] for i in range(m)],
                       to_array=tvm_to_cupy, from_array=cupy_to_tvm)
         if ctx.fill:

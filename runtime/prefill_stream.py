@@ -28,6 +28,7 @@ from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
 
 from helmc.runtime.kv.paged_attention import attend_blocks, contiguous_blocks
+from helmc.runtime.kv.sinks import checked_sinks, sinks_of_layer
 from helmc.runtime.progress import steps
 from helmc.runtime.rope import block_rope
 from helmc.runtime.weights.safetensors_mmap import Checkpoint
@@ -126,11 +127,14 @@ class StreamedPrefill:
     cos, sin [S, W] (fp32, W = ModelSpec.rope_width), held only while run() runs: borrowed from the GPU stage's empty KV page
     pool through `lend(nbytes)` when it is big enough (the plan sizes the pool for it), else allocated.
     lend_arena(nbytes), where given, lends the block's weights apart (a hybrid plan's idle staging ring of at
-    least one block, runtime/hybrid/load.ring_lender): `lend` is then asked for the prompt's buffers only."""
+    least one block, runtime/hybrid/load.ring_lender): `lend` is then asked for the prompt's buffers only.
+    sinks: per arena, its block's attention sinks (weights.bind.layer_sinks of the arenas' layers), or None; kept on
+    the device once and given to each chunk's attention."""
 
     def __init__(self, vm, spec: ModelSpec, arenas: list[PinnedBlockArena], cpu_kv, chunk_tokens: int,
                  cupy_to_tvm, tvm_to_cupy, score_budget_bytes: int = 32 << 20, block_tokens: int = 4096,
-                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None, ops=None, lend_arena=None):
+                 lend=None, kv_targets: tuple[tuple[str, int], ...] | None = None, ops=None, lend_arena=None,
+                 sinks=None):
         import cupy as cp
 
         if not arenas:
@@ -156,6 +160,8 @@ class StreamedPrefill:
         if len(self.kv_targets) != len(arenas) or {t for t, _ in self.kv_targets} - {"cpu", "gpu"}:
             raise HelmcError(f"StreamedPrefill: expected a ('cpu' | 'gpu', layer) target per arena, found "
                              f"{self.kv_targets} for {len(arenas)} arenas")
+        checked = checked_sinks(sinks, len(arenas), spec.num_kv_heads, "StreamedPrefill")
+        self.sinks = None if checked is None else tuple(cp.asarray(s) for s in checked)   # per arena, on the device
         self.gpu_rows: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []     # per prompt of the last run
         self.bytes_streamed = 0
         self.borrowed = None            # whether the last run() used the KV pool's VRAM
@@ -228,12 +234,13 @@ class StreamedPrefill:
             self.bytes_streamed += arena.nbytes
             fns = self.fns[self.spec.signature_index(arena.layer)]
             where, layer = self.kv_targets[local]
+            sinks = sinks_of_layer(self.sinks, local, self.spec.num_heads, "StreamedPrefill")
             for (xg, scratch, cos_g, sin_g), kv, S, gpu_rows in zip(seqs, kvs, lengths, self.gpu_rows):
                 for c0 in range(0, S, self.chunk):
                     c1 = min(S, c0 + self.chunk)
                     xg[c0:c1] = self._chunk(xg[c0:c1], *block_rope(self.spec, arena.layer, cos_g[c0:c1],
                                                                    sin_g[c0:c1]), scratch, c0,
-                                            bindings[arena.slots], fns, self.spec.layer_window(arena.layer))
+                                            bindings[arena.slots], fns, self.spec.layer_window(arena.layer), sinks)
                 rows = scratch.get()                                        # [2, h_kv, S, d] fp16 on the host
                 k_rows, v_rows = rows[0].transpose(1, 0, 2), rows[1].transpose(1, 0, 2)   # [h_kv,S,d] -> [S,h_kv,d]
                 if where == "cpu":
@@ -250,9 +257,10 @@ class StreamedPrefill:
         rows, self.gpu_rows = self.gpu_rows, []
         return rows
 
-    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns, window: int):
+    def _chunk(self, x, cos, sin, scratch, c0: int, binding: StageBinding, fns, window: int, sinks=None):
         """Rows c0.. of the prompt through one block: cos / sin [n, d] its RoPE table's (runtime/rope.block_rope),
-        window its attention window (ModelSpec.layer_window, 0: global), as the resident stage gives that block."""
+        window its attention window (ModelSpec.layer_window, 0: global), sinks its attention sinks on the device (or
+        None), as the resident stage gives that block."""
         cp, n = self.cp, x.shape[0]
         pre, post = fns
         to_tvm, to_cupy = self.to_tvm, self.to_cupy
@@ -265,10 +273,11 @@ class StreamedPrefill:
         if self.flash is not None and qc.dtype == cp.float16:
             o = cp.empty(qc.shape, cp.float16)                                          # [n, h_a, d]
             self.flash.flash_prefill(cp.ascontiguousarray(qc), scratch[0], scratch[1], c0 + n, c0, h_kv, window,
-                                     self.scale, o)
+                                     self.scale, o, sinks=sinks)
         else:
             blocks = contiguous_blocks(scratch[0, :, :c0 + n], scratch[1, :, :c0 + n], 0, self.block_tokens)
-            o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, window, np.float32, self.score_budget_bytes)
+            o = attend_blocks(cp, qc, c0, blocks, h_kv, self.scale, window, np.float32, self.score_budget_bytes,
+                              sinks=sinks)
         attn = to_tvm(cp.ascontiguousarray(o.reshape(n, self.spec.q_dim)))              # [n, h_a, d] -> [n, h_a*d]
         return to_cupy(post(xt, attn, *binding.post))
 

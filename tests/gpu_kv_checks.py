@@ -22,8 +22,17 @@ def prebuilt_cuda_ops(cp, shapes):
     return CudaOps(cubins)
 
 
-def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages_per_split=1):
-    """Run the two decode kernels over pages in shuffled pool slots; return (rel err, output)."""
+def _reference(q, pages, scale, sinks):
+    """Algorithm 3 in float64 over pages [(k, v) [h_kv, n_i, d]] in order; with sinks [h_a], full_attention's."""
+    if sinks is None:
+        return streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+    k, v = (np.concatenate([p[w] for p in pages], axis=1).transpose(1, 0, 2) for w in (0, 1))   # -> [n, h_kv, d]
+    return full_attention(q[None], k, v, scale, sinks=sinks)[0]
+
+
+def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages_per_split=1, sinks=None):
+    """Run the two decode kernels over pages in shuffled pool slots (sinks [h_a] fp32 to the merge, or None);
+    return (rel err, output); with sinks, paged_decode_fused's output must equal the merge's bit for bit."""
     ops = prebuilt_cuda_ops(cp, [(d, group)])
     rng = np.random.default_rng(seed)
     n_pages = -(-n_tokens // page_tokens)
@@ -40,19 +49,26 @@ def kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, pages
     step = cp.asarray(np.array([n_tokens, 0], np.int32))
     ops.decode_partial(cp.asarray(q), ptrs, page_tokens, step, pages_per_split * page_tokens, 0, n_splits, h_kv, d, scale,
                        pm, ps, po)
-    ops.decode_merge(pm, ps, po, 0, n_splits, h_kv * group, d, group, out)
+    sinks_dev = None if sinks is None else cp.asarray(sinks)
+    ops.decode_merge(pm, ps, po, 0, n_splits, h_kv * group, d, group, out, sinks_dev)
+    if sinks is not None:
+        fused = cp.empty_like(out)
+        ops.decode_fused(cp.asarray(q), ptrs, page_tokens, step, pages_per_split * page_tokens, 0, n_splits, h_kv, d,
+                         scale, pm, ps, po, cp.zeros(h_kv, np.int32), fused, sinks_dev)
+        assert cp.array_equal(fused.view(cp.uint16), out.view(cp.uint16)), "fused decode differs from the merge"
     got = cp.asnumpy(out).astype(np.float64)                  # fp16 output: relative rounding up to 2^-11
     pages = []
     for i, s in enumerate(slots):
         n_i = min(page_tokens, n_tokens - i * page_tokens)
         pages.append((pool[s, 0, :, :n_i].astype(np.float64), pool[s, 1, :, :n_i].astype(np.float64)))
-    ref = streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+    ref = _reference(q, pages, scale, sinks)
     return float(np.abs(got - ref).max() / np.abs(ref).max()), got
 
 
-def short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0):
-    """paged_decode_short_append over pages in shuffled pool slots, the step's row (token n-1) from k, v: (rel err
-    against Algorithm 3 over the pages with that row written, whether the kernel wrote it)."""
+def short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0, sinks=None):
+    """paged_decode_short_append over pages in shuffled pool slots, the step's row (token n-1) from k, v, sinks [h_a]
+    fp32 or None: (rel err against Algorithm 3 -- full_attention with sinks -- over the pages with that row written,
+    whether the kernel wrote it)."""
     ops = prebuilt_cuda_ops(cp, [(d, group)])
     rng = np.random.default_rng(seed)
     n_pages = -(-n_tokens // page_tokens)
@@ -65,7 +81,8 @@ def short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0)
     out = cp.empty((h_kv * group, d), np.float16)
     scale = 1 / np.sqrt(d)
     step = cp.asarray(np.array([n_tokens, 0], np.int32))
-    ops.decode_short_append(cp.asarray(q), cp.asarray(k), cp.asarray(v), ptrs, page_tokens, step, h_kv, d, scale, out)
+    ops.decode_short_append(cp.asarray(q), cp.asarray(k), cp.asarray(v), ptrs, page_tokens, step, h_kv, d, scale, out,
+                            None if sinks is None else cp.asarray(sinks))
     got = cp.asnumpy(out).astype(np.float64)
     page, row = divmod(n_tokens - 1, page_tokens)
     pool[slots[page], 0, :, row], pool[slots[page], 1, :, row] = k, v
@@ -74,13 +91,13 @@ def short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, seed=0)
     for i, s in enumerate(slots):
         n_i = min(page_tokens, n_tokens - i * page_tokens)
         pages.append((pool[s, 0, :, :n_i].astype(np.float64), pool[s, 1, :, :n_i].astype(np.float64)))
-    ref = streaming_attention_decode(q.astype(np.float64), ListPageSource(pages), scale)
+    ref = _reference(q, pages, scale, sinks)
     return float(np.abs(got - ref).max() / np.abs(ref).max()), written
 
 
-def drive(cp, caches, steps, seed, h_kv, group, d):
-    """Feed identical fp16 rows to every cache (CuPy); return (max relative error vs full softmax,
-    whether every decode output was bitwise equal across caches)."""
+def drive(cp, caches, steps, seed, h_kv, group, d, sinks=None):
+    """Feed identical fp16 rows to every cache (CuPy); return (max relative error vs full softmax, with sinks[layer]
+    in its denominator where given, whether every decode output was bitwise equal across caches)."""
     rng = np.random.default_rng(seed)
     hist = [[np.zeros((0, h_kv, d), np.float16)] * 2 for _ in range(caches[0].L)]
     worst, identical = 0.0, True
@@ -93,7 +110,8 @@ def drive(cp, caches, steps, seed, h_kv, group, d):
                 c.append(layer, cp.asarray(k), cp.asarray(v))
                 outs.append(cp.asnumpy(c.attend(layer, cp.asarray(q), 1 / np.sqrt(d))))
             hist[layer] = [np.concatenate([hist[layer][0], k]), np.concatenate([hist[layer][1], v])]
-            ref = full_attention(q, hist[layer][0], hist[layer][1], 1 / np.sqrt(d))
+            ref = full_attention(q, hist[layer][0], hist[layer][1], 1 / np.sqrt(d),
+                                 sinks=None if sinks is None else sinks[layer])
             for o in outs:
                 worst = max(worst, float(np.abs(o - ref).max() / np.abs(ref).max()))
             if S == 1:

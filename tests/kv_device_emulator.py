@@ -10,6 +10,9 @@ every address KVCacheGPU computes (pool slots, layer slices, pinned extents, sta
   - a host->device copy must read inside a pinned buffer and write inside a device buffer, a
     device->host copy must write inside a pinned buffer, and the kernel may only read device
     buffers (never pinned host memory);
+  - attention sinks (`sinks`, a layer's [h_a] logits, or None) enter as each kernel's module says: the merge adds
+    them once (decode_merge and the fused kernels), the single-launch kernels (short, prefill_causal) start from
+    them, flash_prefill starts from them in a launch that reads no state;
   - with delay_events=True an event is done only after synchronize(), so eviction completions are
     exercised on the slow path;
   - a race detector: streams carry vector clocks (events copy them, waits and host syncs merge
@@ -247,8 +250,9 @@ class EmulatedOps:
         sl[0, :, row] = np.asarray(k).reshape(num_kv_heads, head_dim)
         sl[1, :, row] = np.asarray(v).reshape(num_kv_heads, head_dim)
 
-    def prefill_causal(self, q, kv, num_kv_heads, head_dim, window, scale, out):
-        """The kernel's contract: causal (windowed) softmax attention of S fresh rows over their own K/V."""
+    def prefill_causal(self, q, kv, num_kv_heads, head_dim, window, scale, out, sinks=None):
+        """The kernel's contract: causal (windowed) softmax attention of S fresh rows over their own K/V, the sinks
+        in each row's denominator."""
         self.kernel_launches += 1
         for a, w in ((q, False), (kv, False), (out, True)):
             self.access(self._compute, a, write=w)
@@ -260,15 +264,20 @@ class EmulatedOps:
         t = np.arange(S)
         visible = (t[None, :] <= t[:, None]) & ((t[None, :] > t[:, None] - window) if window else True)
         e = np.where(visible[None], e, -np.inf)
-        p = np.exp(e - e.max(-1, keepdims=True))
-        o = np.einsum("hst,htd->shd", p / p.sum(-1, keepdims=True), v)
+        m = e.max(-1, keepdims=True)
+        sink = None if sinks is None else np.asarray(sinks, np.float64)[:, None, None]   # [h_a] -> [h_a, 1, 1]
+        if sink is not None:
+            m = np.maximum(m, sink)
+        p = np.exp(e - m)
+        den = p.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - m))
+        o = np.einsum("hst,htd->shd", p / den, v)
         np.ndarray.__setitem__(out, Ellipsis, o.astype(np.float16))
 
     def has_flash(self, head_dim, group):
         return self.flash
 
     def flash_prefill(self, q, k, v, n_k, q_pos0, num_kv_heads, window, scale, out, page_ptrs=None,
-                      page_tokens=0, paged_keys=0, k_pos0=0, state=None, state_in=False, state_out=False):
+                      page_tokens=0, paged_keys=0, k_pos0=0, state=None, state_in=False, state_out=False, sinks=None):
         """The kernel's contract: causal (windowed) softmax attention of n_q rows at positions q_pos0.. over
         keys 0..n_k-1: those before paged_keys in device pages (page_ptrs, multiples of 64), the rest at rows
         0.. of k, v [h_kv, >= n_k - paged_keys, d] (rows contiguous, one head stride)."""
@@ -296,6 +305,9 @@ class EmulatedOps:
         e = np.where(visible[None], e, -np.inf)
         # the kernel's softmax state per (head, row): running max m, sum l, unnormalised o; carried in `state`
         m_prev, l_prev, o_prev = np.full((h_a, n_q), -np.inf), np.zeros((h_a, n_q)), np.zeros((h_a, n_q, d))
+        if sinks is not None and not state_in:           # a launch reading no state starts from the sinks
+            m_prev = np.repeat(np.asarray(sinks, np.float64)[:, None], n_q, axis=1)   # [h_a] -> [h_a, n_q]
+            l_prev = np.ones((h_a, n_q))
         if state_in:
             self.access(self._compute, state, write=False)
             st = np.asarray(state, np.float64).transpose(1, 0, 2)              # [n_q, h_a, d+2] -> [h_a, n_q, d+2]
@@ -352,24 +364,24 @@ class EmulatedOps:
         return self.fused
 
     def decode_fused(self, q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
-                     head_dim, scale, part_m, part_s, part_o, counters, out):
+                     head_dim, scale, part_m, part_s, part_o, counters, out, sinks=None):
         assert self.fused and not np.asarray(counters).any(), "the fused kernel's counters must be 0 at launch"
         self.fused_launches += 1
         self.decode_partial(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
                             head_dim, scale, part_m, part_s, part_o)
         self.decode_merge(part_m, part_s, part_o, split_base, split_base + n_splits, q.shape[0], head_dim,
-                          q.shape[0] // num_kv_heads, out)
+                          q.shape[0] // num_kv_heads, out, sinks)
 
     def has_fused_append(self, head_dim, group=None):
         return self.fused_append
 
     def decode_fused_append(self, q, k, v, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits,
-                            num_kv_heads, head_dim, scale, part_m, part_s, part_o, counters, out):
+                            num_kv_heads, head_dim, scale, part_m, part_s, part_o, counters, out, sinks=None):
         self.fused_append_launches += 1
         self.decode_append(k, v, page_ptrs, page_tokens, num_kv_heads, head_dim, step)
         self.kernel_launches -= 1                        # one launch: the append's count is the fused one's
         self.decode_fused(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads,
-                          head_dim, scale, part_m, part_s, part_o, counters, out)
+                          head_dim, scale, part_m, part_s, part_o, counters, out, sinks)
 
     def has_fused_append_batch(self, head_dim, group):
         return self.fused_append_batch
@@ -379,9 +391,9 @@ class EmulatedOps:
         return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(addr), dtype)
 
     def decode_fused_append_batch(self, q, k, v, seqs_ptr, n_seqs, max_splits, page_tokens, num_kv_heads, head_dim,
-                                  scale, out):
+                                  scale, out, sinks=None):
         """The kernel's contract: decode_fused_append of sequence b on rows b of q, k, v, out, with the page table,
-        step, partials, counters and splits its row of the table [n_seqs, 9] int64 names."""
+        step, partials, counters and splits its row of the table [n_seqs, 9] int64 names; one layer's sinks for all."""
         assert self.fused_append_batch
         self.batch_launches += 1
         launches = self.kernel_launches
@@ -398,14 +410,15 @@ class EmulatedOps:
                 self._view(ptrs, -(-int(step[0]) // page_tokens), np.int64), page_tokens, step, span, base, n,
                 num_kv_heads, head_dim, scale, self._view(pm, rows, np.float32), self._view(ps, rows, np.float32),
                 self._view(po, rows * head_dim, np.float32), self._view(counters, num_kv_heads, np.int32),
-                out[b].reshape(h_a, head_dim))
+                out[b].reshape(h_a, head_dim), sinks)
         self.kernel_launches = launches + 1
 
     def has_short_decode(self, head_dim, group):
         return self.short
 
-    def decode_short(self, q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out):
-        """The kernel's contract: softmax(q K^T * scale) V over the step's window [t_begin, n_tokens), fp16 out."""
+    def decode_short(self, q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out, sinks=None):
+        """The kernel's contract: softmax(q K^T * scale) V over the step's window [t_begin, n_tokens), the sinks in
+        the denominator, fp16 out."""
         assert self.short
         self.kernel_launches += 1
         self.short_launches += 1
@@ -414,16 +427,23 @@ class EmulatedOps:
         k, v = self._tokens(page_ptrs, page_tokens, num_kv_heads, head_dim, t_begin, n_tokens)   # [h_kv, n, d] each
         qg = np.asarray(q, np.float32).reshape(num_kv_heads, h_a // num_kv_heads, head_dim)   # -> [h_kv, g, d]
         e = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)       # [h_kv, g, n]
-        w = np.exp(e - e.max(-1, keepdims=True))
-        o = np.matmul(w, v) / w.sum(-1, keepdims=True)                     # [h_kv, g, d]
+        m = e.max(-1, keepdims=True)
+        sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(qg.shape[0], -1, 1)   # -> [h_kv, g, 1]
+        if sink is not None:
+            m = np.maximum(m, sink)
+        w = np.exp(e - m)
+        den = w.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - m))
+        o = np.matmul(w, v) / den                                          # [h_kv, g, d]
         out[...] = o.reshape(h_a, head_dim).astype(np.float16)
 
-    def decode_short_append(self, q, k, v, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out):
+    def decode_short_append(self, q, k, v, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out,
+                            sinks=None):
         self.decode_append(k, v, page_ptrs, page_tokens, num_kv_heads, head_dim, step)
         self.kernel_launches -= 1                        # one launch
-        self.decode_short(q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out)
+        self.decode_short(q, page_ptrs, page_tokens, step, num_kv_heads, head_dim, scale, out, sinks)
 
-    def decode_short_append_batch(self, q, k, v, seqs_ptr, n_seqs, page_tokens, num_kv_heads, head_dim, scale, out):
+    def decode_short_append_batch(self, q, k, v, seqs_ptr, n_seqs, page_tokens, num_kv_heads, head_dim, scale, out,
+                                  sinks=None):
         """The kernel's contract: decode_short_append of each sequence whose n_splits field is 0, rows b of q, k,
         v, out; the others untouched."""
         assert self.short
@@ -436,13 +456,16 @@ class EmulatedOps:
             self.decode_short_append(
                 q[b].reshape(h_a, head_dim), k[b].reshape(num_kv_heads, head_dim), v[b].reshape(num_kv_heads, head_dim),
                 self._view(int(row[0]), -(-int(step[0]) // page_tokens), np.int64), page_tokens, step, num_kv_heads,
-                head_dim, scale, out[b].reshape(h_a, head_dim))
+                head_dim, scale, out[b].reshape(h_a, head_dim), sinks)
         self.kernel_launches = launches + 1
 
-    def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out):
+    def decode_merge(self, part_m, part_s, part_o, split_begin, split_end, num_heads, head_dim, group, out, sinks=None):
         pm = part_m.reshape(-1, num_heads)[split_begin:split_end]
         ps = part_s.reshape(-1, num_heads)[split_begin:split_end]
         po = part_o.reshape(-1, num_heads, head_dim)[split_begin:split_end]
         M = pm.max(0)
+        if sinks is not None:                            # the sinks join the denominator here, once
+            M = np.maximum(M, np.asarray(sinks, np.float32))
         a = np.where(pm == -np.inf, 0, np.exp(pm - M))
-        out[...] = (a[..., None] * po).sum(0) / (a * ps).sum(0)[:, None]
+        den = (a * ps).sum(0) + (0 if sinks is None else np.exp(np.asarray(sinks, np.float32) - M))
+        out[...] = (a[..., None] * po).sum(0) / den[:, None]

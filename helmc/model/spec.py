@@ -247,8 +247,8 @@ class ModelSpec:
     @property
     def gpu_lacks(self) -> str:
         """What of this model the GPU stage's kernels do not compute ("" where nothing: it may use the GPU): gpt-oss's
-        attention sinks, o_proj bias and biased, clamped experts run on the CPU only."""
-        return ", ".join(w for w, on in (("attention sinks", self.attn_sinks), ("an o_proj bias", self.o_bias), (
+        o_proj bias and biased, clamped experts run on the CPU only."""
+        return ", ".join(w for w, on in (("an o_proj bias", self.o_bias), (
             "biased, clamped experts", self.moe is not None and not self.moe.plain_experts)) if on)
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -46,6 +46,7 @@ from helmc.runtime.kv.layer_kinds import KindPages
 from helmc.runtime.memory.allocation import aligned_empty, allocate
 from helmc.runtime.kv.paged_attention import (KeyBlock, attend_blocks, group_queries, merge_partials, partial_attention,
                               ungroup_output)
+from helmc.runtime.kv.sinks import checked_sinks, sinks_of_layer
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
@@ -101,7 +102,7 @@ class KVCacheCPU:
         self.windows = windows
         # Per layer, a logit per query head in the softmax's denominator (gpt-oss's attention sinks), or None. The
         # compiled decode kernel has no sinks: a cache with them attends in NumPy.
-        self.sinks = None if sinks is None else _sinks(sinks, num_layers, num_kv_heads)
+        self.sinks = checked_sinks(sinks, num_layers, num_kv_heads, "KVCacheCPU")
         self.threads = threads
         self.block_tokens = max(page_tokens, block_tokens // page_tokens * page_tokens)
         self.score_budget_bytes = score_budget_bytes
@@ -235,9 +236,9 @@ class KVCacheCPU:
                 if len(runs) == 1:
                     return self._decode_kernel(layer, q, runs[0][1] - runs[0][0], n, scale)
             return self._decode(q, self._blocks(layer, n, widen=False), n, scale, self.windows[layer],
-                                _layer_sinks(self.sinks, layer, q))
+                                sinks_of_layer(self.sinks, layer, q.shape[1], "KVCacheCPU"))
         return attend_blocks(np, q, self.length, self._blocks(layer, n), self.num_kv_heads, scale, self.windows[layer],
-                             np.float32, self.score_budget_bytes, sinks=_layer_sinks(self.sinks, layer, q))
+                             np.float32, self.score_budget_bytes, sinks=sinks_of_layer(self.sinks, layer, q.shape[1], "KVCacheCPU"))
 
     def advance(self, S: int) -> None:
         if S != self._pending or len(self._appended) != self.num_layers:
@@ -440,19 +441,6 @@ class DecodeBatch:
         return out_t
 
 
-def _sinks(sinks, num_layers: int, num_kv_heads: int) -> tuple[np.ndarray, ...]:
-    """Per-layer sink logits as float32 vectors, checked: one per layer, a multiple of the KV heads each."""
-    try:
-        out = tuple(np.ascontiguousarray(np.asarray(s, dtype=np.float32).reshape(-1)) for s in sinks)
-    except (TypeError, ValueError):
-        raise HelmcError(f"KVCacheCPU: sinks expected {num_layers} vectors of numbers, found {sinks!r:.80}") from None
-    if len(out) != num_layers or any(s.shape[0] % num_kv_heads or s.shape[0] == 0 or not np.isfinite(s).all()
-                                     for s in out):
-        raise HelmcError(f"KVCacheCPU: sinks expected {num_layers} finite vectors of a multiple of {num_kv_heads} "
-                         f"(the KV heads) logits, found {[s.shape[0] for s in out]}")
-    return out
-
-
 def _split_by_tokens(blocks: list[KeyBlock], parts: int, min_tokens: int = 2048) -> list[list[KeyBlock]]:
     """Cut the block list into up to `parts` groups of about equal tokens, splitting big blocks so
     each worker gets a share; a context shorter than parts * min_tokens stays in one group."""
@@ -495,13 +483,3 @@ def default_threads() -> int:
         return max(1, min(16, len(os.sched_getaffinity(0))))
     except AttributeError:
         return max(1, min(16, os.cpu_count() or 1))
-
-
-def _layer_sinks(sinks, layer: int, q: np.ndarray):
-    """Layer `layer`'s attention sinks (one per query head of q [S, h_a, d]), or None without sinks."""
-    if sinks is None:
-        return None
-    if sinks[layer].shape[0] != q.shape[1]:
-        raise HelmcError(f"KVCacheCPU.attend: {sinks[layer].shape[0]} attention sinks for layer {layer} "
-                         f"expected one per query head, found {q.shape[1]} heads")
-    return sinks[layer]

@@ -18,6 +18,8 @@ Decode steps read the step's token count and window start from device memory (`_
 written by begin_step), append with one kernel, and take their page address tables from begin_step: nothing a
 layer enqueues depends on a host value that changes within a page table (and a window's first split), so the whole
 step is captured once as a CUDA graph and replayed while graph_key() stays the same (runtime/decode_graph.DecodeGraph).
+Attention sinks (`sinks=`, per layer, as KVCacheCPU takes them) live on the device once, one array per layer, and
+every attention launch of a layer gets its array (the kernels' `sinks`; how each counts it: their modules).
 The stream that is current when a method is called is the compute stream.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from helmc.runtime.kv.cuda_ops import D2D, D2H
 from helmc.runtime.kv.decode_gpu import GpuDecode
 from helmc.runtime.kv.gpu_pages import GpuPageStore
 from helmc.runtime.kv.prefill_gpu import GpuPrefill
+from helmc.runtime.kv.sinks import checked_sinks, sinks_of_layer
 
 
 class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
@@ -39,7 +42,7 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
                  watermark: float = KV_WATERMARK, offload: bool = True, staging_pages: int = 16,
                  host_extent_pages: int = 8, sliding_window: int | tuple[int, ...] | None = None,
                  score_budget_bytes: int = 32 << 20, prefill_block_tokens: int = 4096, loan_bytes: int = 0,
-                 ops=None):
+                 ops=None, sinks=None):
         if min(num_layers, num_kv_heads, head_dim, page_tokens, max_tokens, host_extent_pages) < 1:
             raise HelmcError("KVCacheGPU: expected positive layer, head, page and token counts")
         if not 0 < watermark <= 1:
@@ -59,6 +62,10 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
             raise HelmcError(f"KVCacheGPU: sliding_window expected None, >= 0 or {num_layers} per-layer windows "
                              f"(0: none), found {sliding_window!r:.80}")
         self.score_budget_bytes, self.prefill_block_tokens = score_budget_bytes, prefill_block_tokens
+        # Per layer, a logit per query head in the softmax's denominator (gpt-oss's attention sinks), or None: the
+        # host vectors, and one device copy per layer made here, so a captured graph's launches keep their address
+        self.sinks = checked_sinks(sinks, num_layers, num_kv_heads, "KVCacheGPU")
+        self._sink_devs = None if self.sinks is None else tuple(ops.to_device(s) for s in self.sinks)
         self._seq = self.pool.add_sequence()
         self._pending = 0
         self._appended: set[int] = set()
@@ -265,6 +272,10 @@ class KVCacheGPU(GpuPageStore, GpuDecode, GpuPrefill):
         if key != self._table_key:
             self._table_cache, self._table_key = self.pool.page_table(self._seq), key
         return self._table_cache
+
+    def layer_sinks(self, layer: int, num_heads: int):
+        """Layer `layer`'s sinks on the device ([num_heads] fp32, the kernels' `sinks`), or None without sinks."""
+        return sinks_of_layer(self._sink_devs, layer, num_heads, "KVCacheGPU")
 
     def _check_layer(self, layer: int, what: str) -> None:
         if not 0 <= layer < self.L:

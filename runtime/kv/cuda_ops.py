@@ -1,6 +1,8 @@
 """The device operations KVCacheGPU uses, on CuPy: buffers, streams, events, copies, and the paged decode
 attention kernels (their source and what they compute: schedules/gpu/paged_attention.py).
 
+Attention sinks: the methods that write an attention output take `sinks`, a device [h_a] fp32 array of the layer's
+sink logits (made once, so a captured graph keeps its address), or None (the kernels' null: no sinks).
 The kernels come prebuilt from the bundle (`paged_attention.cubin`, compiled by `helmc build` for the model's
 head_dim and query group and the GPU's arch); nothing is compiled at run time.
 CuPy is imported only when CudaOps is built, so this module imports on machines without it.
@@ -33,6 +35,11 @@ FUSED_APPEND_BATCH_KERNEL = "paged_decode_fused_append_batch"
 SHORT_KERNELS = ("paged_decode_short", "paged_decode_short_append", "paged_decode_short_append_batch")
 SHORT_THREADS = 16 * 32          # = the source's SHORT_WARPS * 32
 FLASH_BLOCK_Q, FLASH_BLOCK_K, FLASH_THREADS = 64, 64, 128   # = schedules/gpu/flash_prefill's
+
+
+def _null(a):
+    """A kernel argument for an optional device array: the array, or a null pointer for None."""
+    return a if a is not None else np.uint64(0)
 
 
 def flash_smem_bytes(head_dim: int) -> int:
@@ -172,7 +179,7 @@ class CudaOps:
 
     def decode_fused(self, q, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
                      n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o,
-                     counters, out) -> None:
+                     counters, out, sinks=None) -> None:
         """decode_partial over splits [split_base, split_base + n_splits), then decode_merge of them, in one
         launch; counters: device int32 [num_kv_heads], zero, and zero again after the kernel."""
         group = q.shape[0] // num_kv_heads
@@ -180,65 +187,69 @@ class CudaOps:
         i32 = np.int32
         fused((num_kv_heads, n_splits), (WARPS * 32,),
               (q, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
-               i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
+               i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out, _null(sinks)))
 
     def decode_fused_append(self, q, k, v, page_ptrs, page_tokens: int, step, split_tokens: int, split_base: int,
                             n_splits: int, num_kv_heads: int, head_dim: int, scale: float, part_m, part_s, part_o,
-                            counters, out) -> None:
+                            counters, out, sinks=None) -> None:
         """decode_append of k, v [h_kv, d] fp16, then decode_fused, in one launch (the same bits)."""
         group = q.shape[0] // num_kv_heads
         kernel = self._functions(head_dim, group)[6]
         i32 = np.int32
         kernel((num_kv_heads, n_splits), (WARPS * 32,),
                (q, k, v, page_ptrs, i32(page_tokens), step, i32(split_tokens), i32(split_base), i32(n_splits),
-                i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out))
+                i32(num_kv_heads), np.float32(scale), part_m, part_s, part_o, counters, out, _null(sinks)))
 
     def decode_fused_append_batch(self, q, k, v, seqs_ptr: int, n_seqs: int, max_splits: int, page_tokens: int,
-                                  num_kv_heads: int, head_dim: int, scale: float, out) -> None:
+                                  num_kv_heads: int, head_dim: int, scale: float, out, sinks=None) -> None:
         """decode_fused_append for each of n_seqs sequences in one launch: rows b < n_seqs of q, out [>= n_seqs,
         h_a*d] and k, v [>= n_seqs, h_kv*d] fp16 contiguous; seqs_ptr: the device address of the sequences' table
         [n_seqs, SEQ_FIELDS] int64 (runtime/kv/decode_batch_gpu.py); max_splits: the most splits any sequence
-        launches."""
+        launches; sinks: the layer's, one for every sequence."""
         group = q.shape[1] // (num_kv_heads * head_dim)
         kernel = self._functions(head_dim, group)[7]
         kernel((num_kv_heads, max_splits, n_seqs), (WARPS * 32,),
-               (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out))
+               (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out,
+                _null(sinks)))
 
     def has_short_decode(self, head_dim: int, group: int) -> bool:
         """Whether the bundle's cubin has the short-context decode kernels (paged_decode_short*)."""
         return all(f is not None for f in self._functions(head_dim, group)[8:11])
 
     def decode_short(self, q, page_ptrs, page_tokens: int, step, num_kv_heads: int, head_dim: int, scale: float,
-                     out) -> None:
+                     out, sinks=None) -> None:
         """Decode attention of q [h_a, d] fp16 over the step's window in one launch, no partials (short contexts)."""
         group = q.shape[0] // num_kv_heads
         self._functions(head_dim, group)[8](
             (num_kv_heads, group), (SHORT_THREADS,),
-            (q, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out))
+            (q, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out, _null(sinks)))
 
     def decode_short_append(self, q, k, v, page_ptrs, page_tokens: int, step, num_kv_heads: int, head_dim: int,
-                            scale: float, out) -> None:
+                            scale: float, out, sinks=None) -> None:
         """decode_append of k, v [h_kv, d] fp16, then decode_short, in one launch (the same bits)."""
         group = q.shape[0] // num_kv_heads
         self._functions(head_dim, group)[9](
             (num_kv_heads, group), (SHORT_THREADS,),
-            (q, k, v, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out))
+            (q, k, v, page_ptrs, np.int32(page_tokens), step, np.int32(num_kv_heads), np.float32(scale), out,
+             _null(sinks)))
 
     def decode_short_append_batch(self, q, k, v, seqs_ptr: int, n_seqs: int, page_tokens: int, num_kv_heads: int,
-                                  head_dim: int, scale: float, out) -> None:
+                                  head_dim: int, scale: float, out, sinks=None) -> None:
         """decode_short_append for each sequence of the table whose n_splits field is 0 (the others: the split
         kernel's, untouched); arguments as decode_fused_append_batch's."""
         group = q.shape[1] // (num_kv_heads * head_dim)
         self._functions(head_dim, group)[10](
             (num_kv_heads, group, n_seqs), (SHORT_THREADS,),
-            (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out))
+            (q, k, v, np.uint64(seqs_ptr), np.int32(page_tokens), np.int32(num_kv_heads), np.float32(scale), out,
+             _null(sinks)))
 
     def decode_merge(self, part_m, part_s, part_o, split_begin: int, split_end: int, num_heads: int,
-                     head_dim: int, group: int, out) -> None:
-        """out [h_a, d] fp16."""
+                     head_dim: int, group: int, out, sinks=None) -> None:
+        """out [h_a, d] fp16; the sinks join the denominator here, once (the partials have none)."""
         merge = self._functions(head_dim, group)[1]
         merge((num_heads,), (head_dim,),
-              (part_m, part_s, part_o, np.int32(split_begin), np.int32(split_end), np.int32(num_heads), out))
+              (part_m, part_s, part_o, np.int32(split_begin), np.int32(split_end), np.int32(num_heads), out,
+               _null(sinks)))
 
     def decode_append(self, k, v, page_ptrs, page_tokens: int, num_kv_heads: int, head_dim: int, step) -> None:
         """k, v [h_kv, d] fp16 contiguous -> row step[0]-1 of their page (page_ptrs: this layer's slices).
@@ -246,23 +257,25 @@ class CudaOps:
         append = self._functions(head_dim, self._any_group(head_dim))[2]
         append((num_kv_heads, 2), (head_dim,), (k, v, page_ptrs, np.int32(page_tokens), np.int32(num_kv_heads), step))
 
-    def prefill_causal(self, q, kv, num_kv_heads: int, head_dim: int, window: int, scale: float, out) -> None:
+    def prefill_causal(self, q, kv, num_kv_heads: int, head_dim: int, window: int, scale: float, out,
+                       sinks=None) -> None:
         """A fresh prompt's causal attention: q, out [S, h_a, d] fp16, kv [2, h_kv, S, d] fp16, all contiguous."""
         S, h_a = q.shape[0], q.shape[1]
         kernel = self._functions(head_dim, h_a // num_kv_heads)[3]
         kernel((-(-S // WARPS), num_kv_heads), (WARPS * 32,),
-               (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out))
+               (q, kv, np.int32(S), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out, _null(sinks)))
 
     def flash_prefill(self, q, k, v, n_k: int, q_pos0: int, num_kv_heads: int, window: int, scale: float,
                       out, page_ptrs=None, page_tokens: int = 0, paged_keys: int = 0, k_pos0: int = 0, state=None,
-                      state_in: bool = False, state_out: bool = False) -> None:
+                      state_in: bool = False, state_out: bool = False, sinks=None) -> None:
         """Causal attention of n_q query rows at positions q_pos0.. over keys 0..n_k-1 on tensor cores:
         q, out [n_q, h_a, d] fp16 contiguous. Keys before paged_keys lie in pages (page_ptrs: device int64, a
         layer's slice [2, h_kv, page_tokens, d] each; paged_keys and page_tokens multiples of 64), the rest at
         rows 0.. of k, v [h_kv, >= n_k - paged_keys, d] fp16 with contiguous rows (any head stride, the same
         for both: a [2, h_kv, S, d] scratch's two halves, or a prompt chunk's own K/V). k_pos0: the position of
         this launch's key 0 (keys elsewhere: earlier ranges' launches); state [n_q, h_a, d + 2] float32: the
-        softmax state (o unnormalised, m, l) read first (state_in) and written instead of out (state_out)."""
+        softmax state (o unnormalised, m, l) read first (state_in) and written instead of out (state_out); sinks
+        [h_a]: a launch without state_in starts from them."""
         n_q, h_a, d = q.shape
         head_stride = k.strides[0] // 2
         if (k.strides[1:] != (2 * d, 2) or v.strides != k.strides or k.shape[1] < n_k - paged_keys
@@ -280,6 +293,6 @@ class CudaOps:
         kernel((-(-n_q // FLASH_BLOCK_Q), h_a), (FLASH_THREADS,),
                (q, k, v, np.int64(head_stride), np.int32(n_q), np.int32(n_k), np.int32(q_pos0),
                 np.int32(num_kv_heads), np.int32(window), np.float32(scale), out,
-                page_ptrs if page_ptrs is not None else np.uint64(0), np.int32(page_tokens), np.int32(paged_keys),
-                np.int32(k_pos0), state if state is not None else np.uint64(0), np.int32(bool(state_in)),
-                np.int32(bool(state_out))), shared_mem=smem)
+                _null(page_ptrs), np.int32(page_tokens), np.int32(paged_keys),
+                np.int32(k_pos0), _null(state), np.int32(bool(state_in)), np.int32(bool(state_out)), _null(sinks)),
+               shared_mem=smem)

@@ -28,6 +28,13 @@ from helmc.runtime.kv.cache_gpu import KVCacheGPU
 SEQ_FIELDS = ("page_ptrs", "step", "part_m", "part_s", "part_o", "counters", "split_tokens", "split_base", "n_splits")
 
 
+def _same_sinks(a, b) -> bool:
+    """Whether two caches' per-layer sinks (KVCacheGPU.sinks: host vectors, or None) are equal."""
+    if a is None or b is None:
+        return a is b
+    return a is b or (len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)))
+
+
 class _StepTable:
     """The sequences' table of one step and what it was built from (held, so no identity is reused while it lives)."""
 
@@ -55,13 +62,14 @@ class GpuDecodeBatch:
 
     @staticmethod
     def applies(caches: list, q_dim: int) -> bool:
-        """Every cache a KVCacheGPU of one shape on one CudaOps whose cubin has the batched kernel, and one window for
-        all its layers (the launch reads one [n_tokens, t_begin] per sequence)."""
+        """Every cache a KVCacheGPU of one shape on one CudaOps whose cubin has the batched kernel, one window for
+        all its layers (the launch reads one [n_tokens, t_begin] per sequence), and the same attention sinks (the
+        launch takes one layer's for every sequence: the first cache's)."""
         first = caches[0]
         if not all(isinstance(kv, KVCacheGPU) and len(set(kv.windows)) == 1 for kv in caches):
             return False
         shape = (first.ops, first.L, first.h_kv, first.d, first.T)
-        if any((kv.ops, kv.L, kv.h_kv, kv.d, kv.T) != shape for kv in caches):
+        if any((kv.ops, kv.L, kv.h_kv, kv.d, kv.T) != shape or not _same_sinks(kv.sinks, first.sinks) for kv in caches):
             return False
         return first.ops.has_fused_append_batch(first.d, q_dim // (first.h_kv * first.d))
 
@@ -91,10 +99,12 @@ class GpuDecodeBatch:
         ops = first.ops
         row_bytes = step.rows.strides[0]
         rows = ops.ptr(step.rows) + layer * row_bytes
+        sinks = first.layer_sinks(layer, self.h_a)              # applies(): every cache's are these
         if step.n_short:
-            ops.decode_short_append_batch(q, k, v, rows, B, first.T, first.h_kv, first.d, scale, out[0])
+            ops.decode_short_append_batch(q, k, v, rows, B, first.T, first.h_kv, first.d, scale, out[0], sinks)
         if step.max_splits:
-            ops.decode_fused_append_batch(q, k, v, rows, B, step.max_splits, first.T, first.h_kv, first.d, scale, out[0])
+            ops.decode_fused_append_batch(q, k, v, rows, B, step.max_splits, first.T, first.h_kv, first.d, scale, out[0],
+                                          sinks)
         for kv in caches:
             kv._appended.add(layer)          # the launch wrote its row: what append + attend leave behind
         return out[1]

@@ -5,7 +5,8 @@ by half on the copy stream (GpuPageStore._staged: events order copy -> kernel ->
 pages one block per query head reads the whole window (paged_decode_short), else splits of whole pages (or page
 parts); both fixed by the page count alone (decode_splits.plan_splits), so offload never changes the result.
 Where every split of the window is on the device, one launch covers them all (paged_decode_fused), and the step's
-new row, left by append in `_rows`, is written by that same launch.
+new row, left by append in `_rows`, is written by that same launch. A layer's attention sinks (KVCacheGPU.layer_sinks)
+go to whichever launch writes the output: the short kernel, the fused one, or the merge.
 """
 from __future__ import annotations
 
@@ -52,23 +53,24 @@ class GpuDecode:
         row = self._rows.pop(layer, None)
         step = self.step_for(layer)
         short = self._short(table, h_a)
+        sinks = self.layer_sinks(layer, h_a)
         if short and not one_launch:         # some pages on the host: all of them staged in one chunk, then one launch
             _, _, _, chunks, _ = split_plan
             assert len(chunks) == 1 and row is None, "KVCacheGPU._decode: short-path host pages fit one chunk"
             with self._staged(layer, table, chunks[0][1], stage_of, self._after_host_writes()):
-                ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res)
+                ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res, sinks)
         elif short:                          # a row append left to this launch (one_launch held there) goes in it
-            ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res) if row is None else \
-                ops.decode_short_append(q16, *row, ptrs, self.T, step, self.h_kv, self.d, scale, res)
+            ops.decode_short(q16, ptrs, self.T, step, self.h_kv, self.d, scale, res, sinks) if row is None else \
+                ops.decode_short_append(q16, *row, ptrs, self.T, step, self.h_kv, self.d, scale, res, sinks)
         elif row is not None:
             assert one_launch, "KVCacheGPU._decode: a deferred row needs the one-launch path"
             ops.decode_fused_append(q16, row[0], row[1], ptrs, self.T, step, span, first, n_splits - first,
-                                    self.h_kv, self.d, scale, pm, ps, po, self._counters, res)
+                                    self.h_kv, self.d, scale, pm, ps, po, self._counters, res, sinks)
         elif one_launch and ops.has_fused_decode(self.d, h_a // self.h_kv):   # one launch for all splits
             ops.decode_fused(q16, ptrs, self.T, step, span, first, n_splits - first, self.h_kv, self.d,
-                             scale, pm, ps, po, self._counters, res)
+                             scale, pm, ps, po, self._counters, res, sinks)
         else:
-            self._decode_in_parts(layer, table, q16, ptrs, scale, first, res)
+            self._decode_in_parts(layer, table, q16, ptrs, scale, first, res, sinks)
         res = res.reshape(1, h_a, self.d)                                  # [h_a, d] -> [1, h_a, d]
         return res if q.dtype == np.float16 else res.astype(q.dtype)
 
@@ -91,9 +93,9 @@ class GpuDecode:
         first = (max(0, n - window) // span) if window else 0
         return not any(host_split[first:]), first
 
-    def _decode_in_parts(self, layer: int, table, q16, ptrs, scale: float, first: int, res) -> None:
+    def _decode_in_parts(self, layer: int, table, q16, ptrs, scale: float, first: int, res, sinks) -> None:
         """_decode's splits [first, n_splits) as partials -- the resident runs at once, the host pages' splits as
-        their pages arrive in the staging slots -- then their merge into res [h_a, d]."""
+        their pages arrive in the staging slots -- then their merge into res [h_a, d] (which adds the sinks)."""
         ops, h_a = self.ops, q16.shape[0]
         span, n_splits, host_split, chunks, stage_of = self._split_plan(table)
         pm, ps, po = self._parts
@@ -110,4 +112,4 @@ class GpuDecode:
             with self._staged(layer, table, pages, stage_of, compute):
                 for s0, s1 in runs(sp for sp in splits if sp >= first):
                     launch(s0, s1)
-        ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res)
+        ops.decode_merge(pm, ps, po, first, n_splits, h_a, self.d, h_a // self.h_kv, res, sinks)

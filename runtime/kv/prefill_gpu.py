@@ -23,22 +23,24 @@ class GpuPrefill:
         xp, ops = self.xp, self.ops
         start, T = self.length, self.T
         flash = q.dtype == np.float16 and self._has_flash(q.shape[1])
+        sinks = self.layer_sinks(layer, q.shape[1])
         if start == 0 and (flash or (q.shape[0] <= PREFILL_MAX_TOKENS and q.dtype == np.float16)):
             # a fresh prompt: every key is this step's own; one kernel where the tiles below take ~20 launches
             kv = xp.ascontiguousarray(kv)                                    # [2, h_kv, S, d]
             out = xp.empty(q.shape, np.float16)                              # [S, h_a, d]
             if flash:
                 ops.flash_prefill(xp.ascontiguousarray(q), kv[0], kv[1], q.shape[0], 0, self.h_kv, self.windows[layer],
-                                  scale, out)
+                                  scale, out, sinks=sinks)
             else:
-                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.windows[layer], scale, out)
+                ops.prefill_causal(xp.ascontiguousarray(q), kv, self.h_kv, self.d, self.windows[layer], scale, out,
+                                   sinks)
             return out
         table = self._table()
         before = -(-start // T)                                            # pages holding keys 0..start-1
         host = next((i for i in range(before) if table.on_device(i)), before)   # leading host pages (I6: a prefix)
         if (flash and start % 64 == 0 and T % 64 == 0 and all(table.on_device(i) for i in range(host, before))
                 and (host == 0 or self.staging_pages > 0)):
-            return self._flash_later_chunk(layer, q, kv, scale, table, host, before)
+            return self._flash_later_chunk(layer, q, kv, scale, table, host, before, sinks)
         blocks: list[KeyBlock] = []
         compute = ops.current_stream()
         for i in range(before):
@@ -49,14 +51,16 @@ class GpuPrefill:
             else:
                 blocks.append(KeyBlock(i * T, n_i, (lambda i=i, n_i=n_i: self._stage_one(layer, table, i, n_i, compute))))
         blocks += contiguous_blocks(kv[0], kv[1], start, self.prefill_block_tokens)
-        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.windows[layer], np.float32, self.score_budget_bytes)
+        out = attend_blocks(xp, q, start, blocks, self.h_kv, scale, self.windows[layer], np.float32, self.score_budget_bytes,
+                            sinks=sinks)
         self._release_ring(compute)
         return out
 
-    def _flash_later_chunk(self, layer: int, q, kv, scale: float, table, host: int, before: int):
+    def _flash_later_chunk(self, layer: int, q, kv, scale: float, table, host: int, before: int, sinks):
         """A later chunk on the tensor-core kernel: the host pages [0, host) staged staging_pages at a time, a launch
         per group carrying the softmax state, then the device pages [host, before) read in place through a page
-        table and the chunk's own rows in the last launch, which writes the output."""
+        table and the chunk's own rows in the last launch, which writes the output (the first launch, reading no
+        state, starts from the sinks)."""
         xp, ops, T, start = self.xp, self.ops, self.T, self.length
         q = xp.ascontiguousarray(q)
         n, h_a = q.shape[0], q.shape[1]
@@ -76,11 +80,12 @@ class GpuPrefill:
             with self._staged(layer, table, group, stage_of, compute):
                 ops.flash_prefill(q, kv[0], kv[1], len(group) * T, start, self.h_kv, self.windows[layer], scale, out,
                                   ops.to_device(ptrs), T, len(group) * T, k_pos0=g0 * T, state=state,
-                                  state_in=g0 > 0, state_out=True)
+                                  state_in=g0 > 0, state_out=True, sinks=sinks)
         ptrs = np.array([self._gpu_ptr(table.gpu_slots[i]) + layer * slice_bytes for i in range(host, before)] or [0],
                         np.int64)
         ops.flash_prefill(q, kv[0], kv[1], start - host * T + n, start, self.h_kv, self.windows[layer], scale, out,
-                          ops.to_device(ptrs), T, start - host * T, k_pos0=host * T, state=state, state_in=host > 0)
+                          ops.to_device(ptrs), T, start - host * T, k_pos0=host * T, state=state, state_in=host > 0,
+                          sinks=sinks)
         return out
 
     def _has_flash(self, num_heads: int) -> bool:

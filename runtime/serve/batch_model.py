@@ -303,7 +303,7 @@ def _gpu_caches(stage, max_batch: int, watermark: float, loan: int = 0):
         return [kv], (kv.lend_empty_pool if loan else None), (kv._store.nbytes if loan else 0)
     vram, ops = kv.vram_budget, kv.ops      # the store never exceeds it
     args = dict(num_layers=kv.L, num_kv_heads=kv.h_kv, head_dim=kv.d, page_tokens=kv.T, max_tokens=kv.max_tokens,
-                watermark=watermark, offload=kv.offload, sliding_window=kv.windows, ops=ops)
+                watermark=watermark, offload=kv.offload, sliding_window=kv.windows, ops=ops, sinks=kv.sinks)
     pages_each = (vram - loan) // max_batch // kv.page_bytes if loan else 0
     if loan and pages_each < (2 if kv.offload else -(-kv.max_tokens // kv.T)):
         loan = 0                 # the pages first: no room for the loan beside them

@@ -226,7 +226,7 @@ def _stacked_vram(raw: Callable, names: list, order: list[int], dev) -> tuple | 
 
 
 def layer_sinks(ck, spec: ModelSpec, layers) -> tuple[np.ndarray, ...] | None:
-    """Each of `layers`' attention sinks (self_attn.sinks: a logit per query head, fp32, read by the CPU KV cache),
+    """Each of `layers`' attention sinks (self_attn.sinks: a logit per query head, fp32, read by the KV caches),
     or None for a model without them."""
     if not spec.attn_sinks:
         return None

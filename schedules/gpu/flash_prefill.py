@@ -16,6 +16,12 @@
                   carries the online softmax between launches over consecutive key ranges (state_in reads it
                   first, state_out writes it instead of out): a chunk whose earlier keys sit in host pages runs
                   a launch per staged group of them (runtime/kv/prefill_gpu.py).
+                  sinks [h_a] fp32 (gpt-oss's attention sinks: a logit per head in the denominator; nullptr:
+                  none, the arithmetic unchanged), the last argument: a launch that does not read the state
+                  (state_in 0) starts each row's softmax from its head's sink (m = sink, l = 1, o = 0, as
+                  runtime/kv/paged_attention.py); a launch reading it finds the sink already in, so a chunk's
+                  launches count it once. A cubin built before the argument ignores it (only models without
+                  sinks were built for the GPU then).
 
 It replaces CuPy's fp32 score tiles (runtime/kv/paged_attention.attend_blocks), which at a 32K prompt ran
 tens of element-wise kernels over every score: most of the prompt's 75 s. Needs sm_80+ (cp.async,
@@ -121,7 +127,7 @@ flash_prefill_v3(const unsigned short* __restrict__ q, const unsigned short* __r
               const unsigned short* __restrict__ v, long long kv_head_stride, int n_q, int n_k, int q_pos0,
               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
               const long long* __restrict__ page_ptrs, int page_tokens, int paged_keys, int k_pos0,
-              float* __restrict__ state, int state_in, int state_out)
+              float* __restrict__ state, int state_in, int state_out, const float* __restrict__ sinks)
 {
 #ifdef HELMC_CPU_EMULATION
     __shared__ __align__(16) unsigned short smem[2 * FK * FLDS];
@@ -159,6 +165,10 @@ flash_prefill_v3(const unsigned short* __restrict__ q, const unsigned short* __r
     const int p0 = q_pos0 + r0 + warp * 16 + (lane >> 2);
     const float sl2 = scale * 1.4426950408889634f;             // scores in log2 units: exp2 in the softmax
     float m_run[2] = {-1e30f, -1e30f}, l_run[2] = {0.f, 0.f};  // finite start: a row with no key yet stays NaN-free
+    if (sinks != nullptr && !state_in) {                        // the sink first (log2 units); l in one lane of the quad
+        m_run[0] = m_run[1] = sinks[head] * 1.4426950408889634f;
+        l_run[0] = l_run[1] = (lane & 3) == 0 ? 1.f : 0.f;
+    }
     float o[FDTILES][4];
 #pragma unroll
     for (int i = 0; i < FDTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;

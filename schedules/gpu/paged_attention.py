@@ -23,6 +23,14 @@ Decode attention (one query row per head) over a page table, split-K over pages:
                         walks keys 0..row with the same online softmax, for the GROUP heads of that KV head,
                         reading the step's own K/V [2, h_kv, S, HEAD_DIM]; one launch per layer where the
                         CuPy tiles of attend_blocks took ~20 (TTFT was launches, not FLOPs).
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator, no value): every kernel that writes
+an output takes `sinks` ([h_a] fp32, the layer's; nullptr: none, and then the arithmetic is exactly the one without
+the argument), its last argument. The split family adds the sink once, in the merge (paged_decode_merge and the
+fused kernels' last block): M' = max(M, sink), S' = e^(sink - M') + sum_i a_i s_i, before the splits; the partials
+never see it, so a step's splits over any number of launches count it once. prefill_causal, one warp a row, starts
+its state from it (m = sink, s = 1, o = 0), as runtime/kv/paged_attention.py does. A batched launch takes one
+sinks pointer for every sequence (one layer's). A cubin built before the argument ignores it (a launch's parameters
+are read by the kernel's own list); only models without sinks were built for the GPU then.
 The decode step's token count and window start are read from device memory (`step`: [n_tokens, t_begin]),
 not passed by value, so one captured CUDA graph of the whole decode step replays at every position of a
 page table (runtime/gpu_session.py); the host writes `step` once per step.
@@ -207,11 +215,12 @@ paged_decode_partial(const unsigned short* __restrict__ q, const long long* __re
 // a line of them read before (a line spans heads of several KV heads).
 __device__ __forceinline__ void merge_column(const float* part_m, const float* part_s, const float* part_o,
                                              int split_begin, int split_end, int num_heads, int h, int c,
-                                             unsigned short* __restrict__ out)
+                                             unsigned short* __restrict__ out, const float* __restrict__ sinks)
 {
     float M = NEG_INF;
     for (int sp = split_begin; sp < split_end; ++sp) M = fmaxf(M, __ldcg(part_m + (long long)sp * num_heads + h));
-    float S = 0.f, O = 0.f;
+    if (sinks != nullptr) M = fmaxf(M, sinks[h]);       // the sink joins the denominator once, here
+    float S = sinks != nullptr ? expf(sinks[h] - M) : 0.f, O = 0.f;
     for (int sp = split_begin; sp < split_end; ++sp) {
         const long long row = (long long)sp * num_heads + h;
         const float mm = __ldcg(part_m + row);
@@ -227,9 +236,10 @@ __device__ __forceinline__ void merge_column(const float* part_m, const float* p
 extern "C" __global__ void
 paged_decode_merge(const float* __restrict__ part_m, const float* __restrict__ part_s,
                    const float* __restrict__ part_o, int split_begin, int split_end, int num_heads,
-                   unsigned short* __restrict__ out)            // [h_a, HEAD_DIM] fp16; grid h_a, block HEAD_DIM
+                   unsigned short* __restrict__ out,            // [h_a, HEAD_DIM] fp16; grid h_a, block HEAD_DIM
+                   const float* __restrict__ sinks)             // [h_a] fp32 or nullptr
 {
-    merge_column(part_m, part_s, part_o, split_begin, split_end, num_heads, blockIdx.x, threadIdx.x, out);
+    merge_column(part_m, part_s, part_o, split_begin, split_end, num_heads, blockIdx.x, threadIdx.x, out, sinks);
 }
 
 // paged_decode_partial over splits [split_base, split_base + n_splits) (all of the step's: grid (h_kv, n_splits)),
@@ -243,7 +253,8 @@ decode_fused_body(const unsigned short* __restrict__ q, const long long* __restr
                   int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
                   int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
                   float* __restrict__ part_o, int* __restrict__ counters, unsigned short* __restrict__ out,
-                  const unsigned short* __restrict__ k_new, const unsigned short* __restrict__ v_new)
+                  const unsigned short* __restrict__ k_new, const unsigned short* __restrict__ v_new,
+                  const float* __restrict__ sinks)
 {
     decode_partial_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, num_kv_heads, scale,
                         part_m, part_s, part_o, k_new, v_new);
@@ -265,7 +276,8 @@ decode_fused_body(const unsigned short* __restrict__ q, const long long* __restr
         for (int sp = begin + lane; sp < end; sp += 32) M = fmaxf(M, __ldcg(part_m + (long long)sp * num_heads + h));
 #pragma unroll
         for (int sh = 16; sh > 0; sh >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, sh));   // max: exact
-        float S = 0.f, O[VEC];
+        if (sinks != nullptr) M = fmaxf(M, sinks[h]);   // as merge_column: the sink once, before the splits
+        float S = sinks != nullptr ? expf(sinks[h] - M) : 0.f, O[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) O[i] = 0.f;
         for (int s0 = begin; s0 < end; s0 += 32) {
@@ -302,10 +314,11 @@ paged_decode_fused(const unsigned short* __restrict__ q, const long long* __rest
                    int page_tokens, const int* __restrict__ step, int split_tokens, int split_base, int n_splits,
                    int num_kv_heads, float scale, float* __restrict__ part_m, float* __restrict__ part_s,
                    float* __restrict__ part_o, int* __restrict__ counters,   // [h_kv] int32, 0 between launches
-                   unsigned short* __restrict__ out)                          // [h_a, HEAD_DIM] fp16
+                   unsigned short* __restrict__ out,                          // [h_a, HEAD_DIM] fp16
+                   const float* __restrict__ sinks)                           // [h_a] fp32 or nullptr
 {
     decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
-                      part_m, part_s, part_o, counters, out, nullptr, nullptr);
+                      part_m, part_s, part_o, counters, out, nullptr, nullptr, sinks);
 }
 
 // Block (j, 0) of a launch of `threads` threads writes KV head j's row of this step (token step[0] - 1) into its page
@@ -333,11 +346,11 @@ decode_fused_append_body(const unsigned short* __restrict__ q, const unsigned sh
                          int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
                          int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
                          float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
-                         unsigned short* __restrict__ out)
+                         unsigned short* __restrict__ out, const float* __restrict__ sinks)
 {
     append_step_row(k_new, v_new, page_ptrs, page_tokens, step, num_kv_heads, WARPS * 32);
     decode_fused_body(q, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits, num_kv_heads, scale,
-                      part_m, part_s, part_o, counters, out, k_new, v_new);
+                      part_m, part_s, part_o, counters, out, k_new, v_new, sinks);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -346,10 +359,10 @@ paged_decode_fused_append(const unsigned short* __restrict__ q, const unsigned s
                           int page_tokens, const int* __restrict__ step, int split_tokens, int split_base,
                           int n_splits, int num_kv_heads, float scale, float* __restrict__ part_m,
                           float* __restrict__ part_s, float* __restrict__ part_o, int* __restrict__ counters,
-                          unsigned short* __restrict__ out)
+                          unsigned short* __restrict__ out, const float* __restrict__ sinks)
 {
     decode_fused_append_body(q, k_new, v_new, page_ptrs, page_tokens, step, split_tokens, split_base, n_splits,
-                             num_kv_heads, scale, part_m, part_s, part_o, counters, out);
+                             num_kv_heads, scale, part_m, part_s, part_o, counters, out, sinks);
 }
 
 // A batched decode step of one layer: sequence b (blockIdx.z) is paged_decode_fused_append's launch for that
@@ -373,7 +386,8 @@ paged_decode_fused_append_batch(const unsigned short* __restrict__ q,       // [
                                 const unsigned short* __restrict__ v_new,   // [B, h_kv, HEAD_DIM] fp16
                                 const long long* __restrict__ seqs,         // [B, SEQ_FIELDS]
                                 int page_tokens, int num_kv_heads, float scale,
-                                unsigned short* __restrict__ out)           // [B, h_a, HEAD_DIM] fp16
+                                unsigned short* __restrict__ out,           // [B, h_a, HEAD_DIM] fp16
+                                const float* __restrict__ sinks)            // [h_a] fp32 (the layer's), or nullptr
 {
     const long long* seq = seqs + (long long)blockIdx.z * SEQ_FIELDS;
     const int n_splits = (int)seq[SEQ_N_SPLITS];
@@ -385,7 +399,7 @@ paged_decode_fused_append_batch(const unsigned short* __restrict__ q,       // [
                              (int)seq[SEQ_SPLIT_BASE], n_splits, num_kv_heads, scale,
                              reinterpret_cast<float*>(seq[SEQ_PART_M]), reinterpret_cast<float*>(seq[SEQ_PART_S]),
                              reinterpret_cast<float*>(seq[SEQ_PART_O]), reinterpret_cast<int*>(seq[SEQ_COUNTERS]),
-                             out + q_row);
+                             out + q_row, sinks);
 }
 
 // Causal attention of S fresh query rows (positions 0..S-1) over the same rows' K/V; window > 0 keeps keys
@@ -394,7 +408,8 @@ paged_decode_fused_append_batch(const unsigned short* __restrict__ q,       // [
 // so a warp past the last row returns at once.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 prefill_causal(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv, int S,
-               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out)
+               int num_kv_heads, int window, float scale, unsigned short* __restrict__ out,
+               const float* __restrict__ sinks)             // [h_a] fp32 or nullptr
 {
     const int kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -404,8 +419,8 @@ prefill_causal(const unsigned short* __restrict__ q, const unsigned short* __res
     float qr[GROUP][VEC], o[GROUP][VEC], m[GROUP], s[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        m[g] = NEG_INF;
-        s[g] = 0.f;
+        m[g] = sinks != nullptr ? sinks[kvh * GROUP + g] : NEG_INF;   // the state starts from the sink
+        s[g] = sinks != nullptr ? 1.f : 0.f;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
             qr[g][i] = h2f(q[((long long)r * num_heads + kvh * GROUP + g) * HEAD_DIM + lane * VEC + i]) * scale;

@@ -24,6 +24,9 @@ phase (H200: 5.2 us a layer at 190 tokens against the split kernel's 11.7).
 The window start and token count come from `step` in device memory, as in the split kernels, so one captured
 graph replays at every position of a page layout; the host takes this path while the layout holds at most
 decode_splits.SHORT_MAX_TOKENS tokens (runtime/kv/decode_splits.short_path), host pages staged first.
+Attention sinks (`sinks`, [h_a] fp32 or nullptr, each kernel's last argument): slot 0's state starts from the
+head's sink (m = sink, s = 1, o = 0), the other slots from nothing, so the slots' merge counts it once; without
+sinks every slot starts empty, as before. The batch kernel takes one layer's sinks for every sequence.
 Compiled after paged_attention.DECODE_SOURCE (it uses h2f / f2h, NEG_INF, append_step_row and the SEQ_* fields)
 for head_dim in SHORT_HEAD_DIMS; other head sizes keep the split kernels.
 """
@@ -54,7 +57,8 @@ decode_short_body(const unsigned short* __restrict__ q,       // [h_kv * GROUP, 
                   const long long* __restrict__ page_ptrs, int page_tokens,
                   const int* __restrict__ step,               // [n_tokens, t_begin]
                   int num_kv_heads, float scale, unsigned short* __restrict__ out,   // [h_a, HEAD_DIM] fp16
-                  const unsigned short* __restrict__ k_new, const unsigned short* __restrict__ v_new)
+                  const unsigned short* __restrict__ k_new, const unsigned short* __restrict__ v_new,
+                  const float* __restrict__ sinks)            // [h_a] fp32 or nullptr
 {
     const int kvh = blockIdx.x, h = kvh * GROUP + blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31;
@@ -68,7 +72,8 @@ decode_short_body(const unsigned short* __restrict__ q,       // [h_kv * GROUP, 
 
     // Slot `slot` takes rows slot, slot + SHORT_SLOTS, ... of the window; SHORT_UNROLL of them (K and V) are loaded
     // before any is used. `base` is the same for every thread, so every lane of a warp reaches every shuffle.
-    float m = NEG_INF, s = 0.f, o[8];
+    const bool sink = sinks != nullptr && slot == 0;     // slot 0 starts from the sink: the merge counts it once
+    float m = sink ? sinks[h] : NEG_INF, s = sink ? 1.f : 0.f, o[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = 0.f;
     for (int base = 0; base < len; base += SHORT_SLOTS * SHORT_UNROLL) {
@@ -141,19 +146,20 @@ decode_short_body(const unsigned short* __restrict__ q,       // [h_kv * GROUP, 
 
 extern "C" __global__ void __launch_bounds__(SHORT_WARPS * 32)
 paged_decode_short(const unsigned short* __restrict__ q, const long long* __restrict__ page_ptrs, int page_tokens,
-                   const int* __restrict__ step, int num_kv_heads, float scale, unsigned short* __restrict__ out)
+                   const int* __restrict__ step, int num_kv_heads, float scale, unsigned short* __restrict__ out,
+                   const float* __restrict__ sinks)
 {
-    decode_short_body(q, page_ptrs, page_tokens, step, num_kv_heads, scale, out, nullptr, nullptr);
+    decode_short_body(q, page_ptrs, page_tokens, step, num_kv_heads, scale, out, nullptr, nullptr, sinks);
 }
 
 extern "C" __global__ void __launch_bounds__(SHORT_WARPS * 32)
 paged_decode_short_append(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_new,
                           const unsigned short* __restrict__ v_new, const long long* __restrict__ page_ptrs,
                           int page_tokens, const int* __restrict__ step, int num_kv_heads, float scale,
-                          unsigned short* __restrict__ out)
+                          unsigned short* __restrict__ out, const float* __restrict__ sinks)
 {
     append_step_row(k_new, v_new, page_ptrs, page_tokens, step, num_kv_heads, SHORT_WARPS * 32);
-    decode_short_body(q, page_ptrs, page_tokens, step, num_kv_heads, scale, out, k_new, v_new);
+    decode_short_body(q, page_ptrs, page_tokens, step, num_kv_heads, scale, out, k_new, v_new, sinks);
 }
 
 extern "C" __global__ void __launch_bounds__(SHORT_WARPS * 32)
@@ -162,7 +168,8 @@ paged_decode_short_append_batch(const unsigned short* __restrict__ q,       // [
                                 const unsigned short* __restrict__ v_new,   // [B, h_kv, HEAD_DIM] fp16
                                 const long long* __restrict__ seqs,         // [B, SEQ_FIELDS]
                                 int page_tokens, int num_kv_heads, float scale,
-                                unsigned short* __restrict__ out)           // [B, h_a, HEAD_DIM] fp16
+                                unsigned short* __restrict__ out,           // [B, h_a, HEAD_DIM] fp16
+                                const float* __restrict__ sinks)            // [h_a] fp32 (the layer's), or nullptr
 {
     const long long* seq = seqs + (long long)blockIdx.z * SEQ_FIELDS;
     if (seq[SEQ_N_SPLITS] != 0) return;                 // a split-kernel sequence
@@ -171,7 +178,7 @@ paged_decode_short_append_batch(const unsigned short* __restrict__ q,       // [
     const int* st = reinterpret_cast<const int*>(seq[SEQ_STEP]);
     append_step_row(k_new + kv_row, v_new + kv_row, ptrs, page_tokens, st, num_kv_heads, SHORT_WARPS * 32);
     decode_short_body(q + q_row, ptrs, page_tokens, st, num_kv_heads, scale, out + q_row, k_new + kv_row,
-                      v_new + kv_row);
+                      v_new + kv_row, sinks);
 }
 #endif
 """

@@ -145,9 +145,9 @@ def test_gpu_plans_are_refused_in_one_line_and_cpu_plans_made(tmp_path):
         gpu = HardwareProfile.from_json(f.read())
     cpu = dataclasses.replace(gpu, gpu=None, link=None)
     spec = ModelSpec.from_hf_config(gpt_oss_20b_config())
-    assert spec.gpu_lacks == "attention sinks, an o_proj bias, biased, clamped experts"
+    assert spec.gpu_lacks == "an o_proj bias, biased, clamped experts"     # the GPU kernels take attention sinks
     with pytest.raises(HelmcError, match=r"GptOssForCausalLM expected a CPU-only hardware profile \(helmc profile "
-                                         r"--gpu-backend none\): the GPU stage has no kernels for its attention sinks"):
+                                         r"--gpu-backend none\): the GPU stage has no kernels for its an o_proj bias"):
         plan(spec, gpu)
     own = plan(spec, cpu)
     assert own.placement.cpu_units == spec.num_units and not own.placement.uses_gpu

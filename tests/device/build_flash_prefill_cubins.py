@@ -1,7 +1,7 @@
 """Build, on the compiler machine (nvcc), the paged attention cubins tests/kernels/test_flash_prefill_gpu.py and
 benchmarks/bench_flash_prefill.py load on the GPU: the decode kernels and flash_prefill
-(schedules/gpu/flash_prefill.py) for (head_dim, group) = (128, 4) (Qwen3-8B/14B), (64, 2), (128, 1) and (256, 2) (Gemma 3 12B: 66 KB of
-dynamic shared memory), one
+(schedules/gpu/flash_prefill.py) for (head_dim, group) = (128, 4) (Qwen3-8B/14B), (64, 2), (128, 1), (256, 2) (Gemma 3 12B: 66 KB of
+dynamic shared memory) and (64, 8) (gpt-oss: its attention sinks' cases), one
 sub-directory each (DIR/d128_g4/paged_attention.cubin, ...), as `helmc build` compiles them into a bundle.
 
     python -m tests.device.build_flash_prefill_cubins .devrt/flash_check [--arch sm_90]
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-SHAPES = ((128, 4), (64, 2), (128, 1), (256, 2))
+SHAPES = ((128, 4), (64, 2), (128, 1), (256, 2), (64, 8))
 
 
 def cubin_paths(dir_: str) -> dict:

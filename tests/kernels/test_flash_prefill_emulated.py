@@ -74,6 +74,8 @@ unsigned pack_h2(float lo, float hi) { return (unsigned)f2h(lo) | ((unsigned)f2h
 """
 
 DRIVER = r"""
+static const float* sinks = nullptr;    // the `sinks` both run_* pass the kernel ([h_a] fp32; null: none)
+extern "C" void set_sinks(const float* s) { sinks = s; }
 template <class F> static void launch(int gx, int gy, int threads, F body) {
     for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
         std::barrier<> bb(threads);
@@ -92,14 +94,14 @@ extern "C" void run_flash(const unsigned short* q, const unsigned short* k, cons
                           unsigned short* out, const long long* page_ptrs, int page_tokens, int paged_keys) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
         flash_prefill_v3(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, page_ptrs, page_tokens,
-                      paged_keys, 0, nullptr, 0, 0); });
+                      paged_keys, 0, nullptr, 0, 0, sinks); });
 }
 extern "C" void run_flash_state(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                 long long head_stride, int n_q, int n_k, int q_pos0, int h_kv, int window, float scale,
                                 unsigned short* out, int k_pos0, float* state, int state_in, int state_out) {
     launch((n_q + 63) / 64, h_kv * GROUP, 128, [&] {
         flash_prefill_v3(q, k, v, head_stride, n_q, n_k, q_pos0, h_kv, window, scale, out, nullptr, 0, 0, k_pos0,
-                      state, state_in, state_out); });
+                      state, state_in, state_out, sinks); });
 }
 """
 

@@ -1,6 +1,8 @@
 """The tensor-core prefill attention (schedules/gpu/flash_prefill.py) on the GPU through the runtime's CudaOps,
 against causal softmax attention in float64 over the same fp16 inputs: fresh prompts, a later chunk of a longer
-scratch, a sliding window, one row; keys in shuffled KV pages; keys in three launches with the softmax state carried.
+scratch, a sliding window, one row; keys in shuffled KV pages; keys in three launches with the softmax state carried;
+with attention sinks (gpt-oss's heads and window), against full_attention(..., sinks=), and over three launches (the
+first starts from the sinks, the others carry them in the state: counted once).
 Pass: max |o - ref| / max |ref| <= 4e-3 (P is rounded to fp16 before P V) and no NaN left in the output.
 tests/kernels/test_flash_prefill_emulated.py runs the same source on the CPU; benchmarks/bench_flash_prefill.py
 times it.
@@ -114,4 +116,53 @@ def test_flash_prefill_carries_its_state_across_launches():
         ops.flash_prefill(cp.asarray(q), ka, va, b - a, start, h_kv, 0, scale, o, k_pos0=a, state=state,
                           state_in=i > 0, state_out=i < 2)
     ref = full_attention(q, *(x.transpose(1, 0, 2) for x in c["keys"]), scale, start)
+    assert rel_err(cp, o, ref) <= TOLERANCE
+
+
+def sink_logits(h_a: int, seed: int = 0) -> np.ndarray:
+    """Logits near the larger scores here (q of std 2, scale 1/sqrt(d)): a visible share of each softmax."""
+    return (np.random.default_rng(60 + seed).standard_normal(h_a) * 1.5 + 4.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("h_kv,g,d,cap,n_q,q_pos0,window", [
+    (8, 8, 64, 1000, 1000, 0, 0),         # gpt-oss's heads (64 on 8 KV heads of 64), a fresh prompt
+    (8, 8, 64, 1200, 400, 800, 128),      # a later chunk through gpt-oss's 128-token window
+    (8, 4, 128, 3000, 512, 2400, 0),
+])
+def test_flash_prefill_with_sinks_matches_float64(h_kv, g, d, cap, n_q, q_pos0, window):
+    from helmc.runtime.kv.paged_attention import full_attention
+    cp, ops = flash_ops()
+    rng = np.random.default_rng(1)
+    h_a, n_k, scale = h_kv * g, q_pos0 + n_q, 1.0 / math.sqrt(d)
+    q = (rng.standard_normal((n_q, h_a, d)) * 2).astype(np.float16)
+    kv = rng.standard_normal((2, h_kv, cap, d)).astype(np.float16)
+    sinks = sink_logits(h_a)
+    kvg = cp.asarray(kv)
+    o = cp.full((n_q, h_a, d), cp.nan, cp.float16)
+    ops.flash_prefill(cp.asarray(q), kvg[0], kvg[1], n_k, q_pos0, h_kv, window, scale, o, sinks=cp.asarray(sinks))
+    keys = [x.transpose(1, 0, 2)[:n_k] for x in kv]
+    ref = full_attention(q, *keys, scale, q_pos0, window, sinks)
+    gap = float(np.abs(ref - full_attention(q, *keys, scale, q_pos0, window)).max() / np.abs(ref).max())
+    err = rel_err(cp, o, ref)
+    print(f"\nflash with sinks h_kv={h_kv} g={g} d={d}: {err:.2e}; the sinks move the output by {gap:.2e}")
+    assert err <= TOLERANCE and gap > 10 * TOLERANCE
+
+
+def test_flash_prefill_counts_the_sinks_once_across_launches():
+    """The paged test's chunk with its keys in three launches and sinks given to each: only the first (no state in)
+    starts from them."""
+    from helmc.runtime.kv.paged_attention import full_attention
+    cp, ops = flash_ops()
+    c = _paged_chunk(np.random.default_rng(2))
+    h_kv, d, start, n_q, q = c["h_kv"], c["d"], c["start"], c["n_q"], c["q"]
+    scale = 1.0 / math.sqrt(d)
+    sinks = sink_logits(q.shape[1], 1)
+    o = cp.full(q.shape, cp.nan, cp.float16)
+    state = cp.empty((n_q, q.shape[1], d + 2), cp.float32)
+    allk = [cp.asarray(np.ascontiguousarray(k)) for k in c["keys"]]               # [h_kv, start + n_q, d] each
+    for i, (a, b) in enumerate(((0, 1024), (1024, start), (start, start + n_q))):
+        ka, va = cp.ascontiguousarray(allk[0][:, a:b]), cp.ascontiguousarray(allk[1][:, a:b])
+        ops.flash_prefill(cp.asarray(q), ka, va, b - a, start, h_kv, 0, scale, o, k_pos0=a, state=state,
+                          state_in=i > 0, state_out=i < 2, sinks=cp.asarray(sinks))
+    ref = full_attention(q, *(x.transpose(1, 0, 2) for x in c["keys"]), scale, start, sinks=sinks)
     assert rel_err(cp, o, ref) <= TOLERANCE

@@ -65,6 +65,8 @@ unsigned short f2h(float f) { _Float16 h = (_Float16)f; unsigned short u; std::m
 DRIVER = r"""
 static int reverse_blocks = 0;          // 1: the grid's blocks run last to first (no block may rely on another's writes)
 extern "C" void set_reverse_blocks(int r) { reverse_blocks = r; }
+static const float* sinks = nullptr;    // the `sinks` every run_* below passes its kernel ([h_a] fp32; null: none)
+extern "C" void set_sinks(const float* s) { sinks = s; }
 template <class F> static void launch(int gx, int gy, int threads, F body, int gz = 1) {
     for (int i = 0; i < gx * gy * gz; ++i) {
         const int j = reverse_blocks ? gx * gy * gz - 1 - i : i, bz = j / (gx * gy), by = j / gx % gy, bx = j % gx;
@@ -88,7 +90,8 @@ extern "C" void run_fused(const unsigned short* q, const long long* ptrs, int T,
                           int split_base, int n_splits, int h_kv, float scale, float* pm, float* ps, float* po,
                           int* counters, unsigned short* out) {
     launch(h_kv, n_splits, WARPS * 32, [&] {
-        paged_decode_fused(q, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po, counters, out); });
+        paged_decode_fused(q, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po, counters, out,
+                           sinks); });
 }
 extern "C" void run_fused_append(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                  const long long* ptrs, int T, const int* step, int span, int split_base, int n_splits,
@@ -96,21 +99,21 @@ extern "C" void run_fused_append(const unsigned short* q, const unsigned short* 
                                  unsigned short* out) {
     launch(h_kv, n_splits, WARPS * 32, [&] {
         paged_decode_fused_append(q, k, v, ptrs, T, step, span, split_base, n_splits, h_kv, scale, pm, ps, po,
-                                  counters, out); });
+                                  counters, out, sinks); });
 }
 extern "C" void run_fused_append_batch(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                        const long long* seqs, int T, int h_kv, float scale, unsigned short* out,
                                        int max_splits, int batch) {
     launch(h_kv, max_splits, WARPS * 32, [&] {
-        paged_decode_fused_append_batch(q, k, v, seqs, T, h_kv, scale, out); }, batch);
+        paged_decode_fused_append_batch(q, k, v, seqs, T, h_kv, scale, out, sinks); }, batch);
 }
 extern "C" void run_merge(const float* pm, const float* ps, const float* po, int b, int e, int heads,
                           unsigned short* out) {
-    launch(heads, 1, HEAD_DIM, [&] { paged_decode_merge(pm, ps, po, b, e, heads, out); });
+    launch(heads, 1, HEAD_DIM, [&] { paged_decode_merge(pm, ps, po, b, e, heads, out, sinks); });
 }
 extern "C" void run_prefill(const unsigned short* q, const unsigned short* kv, int S, int h_kv, int window,
                             float scale, unsigned short* out) {
-    launch((S + WARPS - 1) / WARPS, h_kv, WARPS * 32, [&] { prefill_causal(q, kv, S, h_kv, window, scale, out); });
+    launch((S + WARPS - 1) / WARPS, h_kv, WARPS * 32, [&] { prefill_causal(q, kv, S, h_kv, window, scale, out, sinks); });
 }
 extern "C" void run_append(const unsigned short* k, const unsigned short* v, const long long* ptrs, int T, int h_kv,
                            const int* step) {
@@ -119,17 +122,19 @@ extern "C" void run_append(const unsigned short* k, const unsigned short* v, con
 #ifdef SHORT_WARPS
 extern "C" void run_short(const unsigned short* q, const long long* ptrs, int T, const int* step, int h_kv,
                           float scale, unsigned short* out) {
-    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short(q, ptrs, T, step, h_kv, scale, out); });
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short(q, ptrs, T, step, h_kv, scale, out, sinks); });
 }
 extern "C" void run_short_append(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                  const long long* ptrs, int T, const int* step, int h_kv, float scale,
                                  unsigned short* out) {
-    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short_append(q, k, v, ptrs, T, step, h_kv, scale, out); });
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] {
+        paged_decode_short_append(q, k, v, ptrs, T, step, h_kv, scale, out, sinks); });
 }
 extern "C" void run_short_append_batch(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                        const long long* seqs, int T, int h_kv, float scale, unsigned short* out,
                                        int batch) {
-    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] { paged_decode_short_append_batch(q, k, v, seqs, T, h_kv, scale, out); },
+    launch(h_kv, GROUP, SHORT_WARPS * 32, [&] {
+        paged_decode_short_append_batch(q, k, v, seqs, T, h_kv, scale, out, sinks); },
            batch);
 }
 #endif

@@ -4,8 +4,12 @@ Kernel vs the NumPy reference (Algorithm 3, float64 over the same fp16 K/V): 1e-
 Offload vs --no-kv-offload: decode outputs identical bit for bit, with eviction forced by a tiny
 watermark; an evicted page read back from pinned memory equals what was written. References are
 recomputed here; nothing to regenerate. Batched decode (GpuDecodeBatch, one launch for several caches) equals
-each cache's own decode bit for bit. Run: pytest -m gpu tests/runtime/test_paged_attention_gpu.py
+each cache's own decode bit for bit. Attention sinks (gpt-oss): the kernels with `sinks` against
+full_attention(..., sinks=) in float64, the fused decode equal to the merge bit for bit, KVCacheGPU(sinks=) with
+offload equal to without, and the batched launch with one layer's sinks for all sequences equal to each alone.
+Run: pytest -m gpu tests/runtime/test_paged_attention_gpu.py
 """
+import numpy as np
 import pytest
 
 from gpu_kv_checks import check_round_trip, drive, kernel_vs_reference, prebuilt_cuda_ops, short_kernel_vs_reference
@@ -39,6 +43,56 @@ def test_short_kernel_matches_reference(h_kv, group, d, page_tokens, n_tokens):
     print(f"\nshort kernel h_kv={h_kv} group={group} d={d} T={page_tokens} n={n_tokens}: max relative error "
           f"{err:.2e}, row written {written}")
     assert err < 1e-3 and written
+
+
+def sink_logits(h_a: int, seed: int = 0) -> np.ndarray:
+    """Logits near the larger scores of these checks (fp16 q of std 1-2, scale 1/sqrt(d)): a visible share."""
+    return (np.random.default_rng(50 + seed).standard_normal(h_a) * 1.5 + 3.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("h_kv,group,d,page_tokens,n_tokens,pps", [
+    (8, 4, 128, 512, 1000, 1), (8, 8, 64, 16, 300, 2),     # gpt-oss's heads: 64 query heads on 8 KV heads of 64
+])
+def test_split_kernels_with_sinks_match_reference(h_kv, group, d, page_tokens, n_tokens, pps):
+    """paged_decode_partial + paged_decode_merge with the sinks (added once, in the merge), and paged_decode_fused
+    with them giving the merge's bits."""
+    cp = cuda_device()
+    err, _ = kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, pages_per_split=pps,
+                                 sinks=sink_logits(h_kv * group))
+    print(f"\nsplit kernels with sinks h_kv={h_kv} group={group} d={d}: max relative error {err:.2e}")
+    assert err < 1e-3
+
+
+@pytest.mark.parametrize("h_kv,group,d,page_tokens,n_tokens", [(8, 4, 128, 512, 190), (8, 8, 64, 16, 1),
+                                                               (8, 8, 64, 16, 100)])
+def test_short_kernel_with_sinks_matches_reference(h_kv, group, d, page_tokens, n_tokens):
+    """paged_decode_short_append with the sinks (slot 0 starts from them)."""
+    cp = cuda_device()
+    err, written = short_kernel_vs_reference(cp, h_kv, group, d, page_tokens, n_tokens, sinks=sink_logits(h_kv * group))
+    print(f"\nshort kernel with sinks h_kv={h_kv} group={group} d={d} n={n_tokens}: max relative error {err:.2e}")
+    assert err < 1e-3 and written
+
+
+@pytest.mark.parametrize("page_tokens,max_tokens,steps", [
+    (64, 2048, [700] + [1] * 40 + [150] + [1] * 10),      # split kernels, the host pages' splits merged apart
+    (64, 1024, [300] + [1] * 60 + [100] + [1] * 20),      # short kernel with staged pages, then splits
+])
+def test_sinks_offload_gives_identical_decode(page_tokens, max_tokens, steps):
+    """KVCacheGPU(sinks=) in gpt-oss's head shape: prefill (flash) and decode within fp16 rounding of full softmax
+    with the sinks, decode with pages on the host equal to decode with every page on the GPU bit for bit."""
+    cp = cuda_device()
+    from helmc.runtime.kv.cache_gpu import KVCacheGPU
+    sinks = tuple(sink_logits(64, seed) for seed in range(3))
+    kw = dict(num_layers=3, num_kv_heads=8, head_dim=64, page_tokens=page_tokens, max_tokens=max_tokens, sinks=sinks)
+    ops = prebuilt_cuda_ops(cp, [(64, 8)])
+    off = KVCacheGPU(**kw, gpu_pages=4, watermark=0.01, ops=ops)
+    full = KVCacheGPU(**kw, offload=False, ops=ops)
+    worst, identical = drive(cp, [off, full], steps, 3, 8, 8, 64, sinks=sinks)
+    t = off.pool.page_table(off._seq)
+    on_host = sum(not t.on_device(i) for i in range(t.n_pages))
+    print(f"\nGPU KV with sinks: {t.n_pages} pages, {on_host} on the host; max relative error {worst:.2e}; "
+          f"offload == no offload bit for bit: {identical}")
+    assert on_host >= 1 and identical and worst < 1e-2
 
 
 def test_short_contexts_offload_gives_identical_decode():
@@ -87,20 +141,21 @@ def test_evicted_page_round_trip():
                                                          cp.cuda.Device().synchronize()))
 
 
-def test_batched_decode_launch_equals_each_sequence_alone():
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_batched_decode_launch_equals_each_sequence_alone(with_sinks):
     """GpuDecodeBatch (a batched decode step of several sequences, each on its own KVCacheGPU: one
     paged_decode_fused_append_batch launch a layer) against twin caches' own append + attend, step by step over a
     page boundary: every sequence's output equal bit for bit, padding rows zero, and the same pages afterwards.
-    Sequences from one token (a quarter-page split) to 1500 (whole-page splits) share the launch."""
+    Sequences from one token (a quarter-page split) to 1500 (whole-page splits) share the launch; with sinks, one
+    layer's for every sequence (gpt-oss's heads)."""
     cp = cuda_device()
-    import numpy as np
-
     from helmc.runtime.kv.cache_gpu import KVCacheGPU
     from helmc.runtime.kv.decode_batch_gpu import GpuDecodeBatch
-    h_kv, group, d, T = 8, 4, 128, 64
+    h_kv, group, d, T = (8, 8, 64, 64) if with_sinks else (8, 4, 128, 64)
     ops = prebuilt_cuda_ops(cp, [(d, group)])
     assert ops.has_fused_append_batch(d, group)
-    kw = dict(num_layers=3, num_kv_heads=h_kv, head_dim=d, page_tokens=T, max_tokens=2048, ops=ops)
+    sinks = tuple(sink_logits(h_kv * group, seed) for seed in range(3)) if with_sinks else None
+    kw = dict(num_layers=3, num_kv_heads=h_kv, head_dim=d, page_tokens=T, max_tokens=2048, ops=ops, sinks=sinks)
     prompts = (1, 37, 200, 700, 1500)
     batched, alone = [KVCacheGPU(**kw) for _ in prompts], [KVCacheGPU(**kw) for _ in prompts]
     rng = np.random.default_rng(7)

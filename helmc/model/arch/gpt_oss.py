@@ -1,5 +1,5 @@
 """gpt-oss (GptOssForCausalLM): q/k/v and o_proj with biases, a learned logit per attention head in each softmax's
-denominator (attention sinks, `self_attn.sinks`, attended by the CPU KV cache), sliding-window blocks alternating with
+denominator (attention sinks, `self_attn.sinks`, attended by the CPU and GPU KV caches), sliding-window blocks alternating with
 full ones (config.json's layer_types), YaRN RoPE, and a routed mixture of experts in every block: the router with a
 bias, top-k of its logits then a softmax over those k, each expert's gate, up and down with biases and the clamped
 SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both ways at swiglu_limit). The
