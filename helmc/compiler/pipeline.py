@@ -96,8 +96,9 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def gpu_moe_kernels(spec: ModelSpec) -> dict:
     """{global symbol: PrimFunc}: the GPU's two-launch decode expert kernels (schedules/gpu/moe_experts.py) of each
     routed expert type signature with int8 GPU kernels, for the experts the plan keeps in VRAM; the runtime looks
-    them up by name and runs the expert function per expert where they are absent."""
-    if spec.moe is None:
+    them up by name and runs the expert function per expert where they are absent (gpt-oss's biased, clamped
+    experts: the kernels compute down(silu(gate) * up) without biases)."""
+    if spec.moe is None or not spec.moe.plain_experts:
         return {}
     from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels, make_gpu_moe_rows_kernels
     moe, out = spec.moe, {}

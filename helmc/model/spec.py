@@ -247,9 +247,9 @@ class ModelSpec:
     @property
     def gpu_lacks(self) -> str:
         """What of this model the GPU stage's kernels do not compute ("" where nothing: it may use the GPU): gpt-oss's
-        attention sinks, o_proj bias and biased, clamped experts run on the CPU only."""
-        return ", ".join(w for w, on in (("attention sinks", self.attn_sinks), ("an o_proj bias", self.o_bias), (
-            "biased, clamped experts", self.moe is not None and not self.moe.plain_experts)) if on)
+        attention sinks run on the CPU only (its o_proj and router biases and its biased, clamped experts have GPU
+        functions: export_moe.py, runtime/moe_gpu.py)."""
+        return ", ".join(w for w, on in (("attention sinks", self.attn_sinks),) if on)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""

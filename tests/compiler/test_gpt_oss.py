@@ -131,7 +131,7 @@ def _config_dir(tmp_path) -> str:
 
 
 def test_gpu_plans_are_refused_in_one_line_and_cpu_plans_made(tmp_path):
-    """The GPU stage has no kernels for gpt-oss's sinks, o_proj bias or biased, clamped experts: the planner refuses a
+    """The GPU stage has no kernels for gpt-oss's attention sinks (its biases and experts have them): the planner refuses a
     profile with a GPU, a build refuses a plan with GPU units, and so does a bundle's load (a --plan file), each in
     one line; `helmc plan` on a CPU-only profile plans every unit on the CPU."""
     from click.testing import CliRunner
@@ -145,7 +145,8 @@ def test_gpu_plans_are_refused_in_one_line_and_cpu_plans_made(tmp_path):
         gpu = HardwareProfile.from_json(f.read())
     cpu = dataclasses.replace(gpu, gpu=None, link=None)
     spec = ModelSpec.from_hf_config(gpt_oss_20b_config())
-    assert spec.gpu_lacks == "attention sinks, an o_proj bias, biased, clamped experts"
+    assert spec.gpu_lacks == "attention sinks"
+    assert dataclasses.replace(spec, attn_sinks=False).gpu_lacks == ""
     with pytest.raises(HelmcError, match=r"GptOssForCausalLM expected a CPU-only hardware profile \(helmc profile "
                                          r"--gpu-backend none\): the GPU stage has no kernels for its attention sinks"):
         plan(spec, gpu)
