@@ -58,6 +58,10 @@ def test_blocks_go_to_the_gpu_within_the_budget(spec, plans, budget):
     if n < spec.moe.num_experts:
         assert mem.usable_vram_bytes - mem.gpu_bytes < spec.num_layers * one + mem.gpu_kv_pool_bytes
     assert n == {4: 0, 8: n, None: 32}[budget] and (budget != 8 or 0 < n < 32), n
+    # a prompt's host experts stay on the CPU (the staging ring holds no biases): no VRAM for their ring
+    assert mem.expert_staging_bytes == 0
+    # nor the VRAM expert cache: its slots are refreshed by the int8 GPU expert kernels' decode rows alone
+    assert not pl.expert_cache
 
 
 def test_a_larger_budget_predicts_a_faster_token(plans):
