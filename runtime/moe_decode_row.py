@@ -34,9 +34,11 @@ out = (float16)acc;
 _combine_kernel = None
 
 _ROUTE_SOURCE = r"""
-extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, int norm, int* sel, float* w) {
-  // one block of >= E threads: softmax, each expert's rank (how many beat it: higher, or equal at a lower index),
-  // the top K scattered by rank, renormalised; every sum in index order, so the bits do not depend on scheduling
+extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, int norm, int topk_first, int* sel,
+                                           float* w) {
+  // one block of >= E threads. softmax_topk: softmax, each expert's rank (how many beat it: higher, or equal at a
+  // lower index), the top K scattered by rank, renormalised. topk_first (gpt-oss): the ranks of the logits
+  // themselves, then a softmax over the K picked. Every sum in index order, so the bits do not depend on scheduling.
   // one row per block: blockIdx.x's logits [E] -> its sel [K] and w [K] (a batched step launches one block a row)
   __shared__ float p[1024];
   __shared__ float top[64];
@@ -46,33 +48,44 @@ extern "C" __global__ void helmc_moe_route(const float* logits, int E, int K, in
   int e = threadIdx.x;
   if (e < E) p[e] = logits[e];
   __syncthreads();
-  float mx = p[0];
-  for (int j = 1; j < E; ++j) mx = fmaxf(mx, p[j]);
-  __syncthreads();
-  if (e < E) p[e] = expf(p[e] - mx);
-  __syncthreads();
-  float sum = 0.f;
-  for (int j = 0; j < E; ++j) sum += p[j];
-  float pe = e < E ? p[e] / sum : 0.f;
-  __syncthreads();
-  if (e < E) p[e] = pe;
-  __syncthreads();
+  float pe = e < E ? p[e] : 0.f;
+  if (!topk_first) {
+    float mx = p[0];
+    for (int j = 1; j < E; ++j) mx = fmaxf(mx, p[j]);
+    __syncthreads();
+    if (e < E) p[e] = expf(p[e] - mx);
+    __syncthreads();
+    float sum = 0.f;
+    for (int j = 0; j < E; ++j) sum += p[j];
+    pe = e < E ? p[e] / sum : 0.f;
+    __syncthreads();
+    if (e < E) p[e] = pe;
+    __syncthreads();
+  }
   if (e < E) {
-    // NaN ranks below every number, NaNs by index: NumPy's stable sort of -p (route()), so a row of NaN (a logit
-    // overflowed) picks experts 0..K-1 on both; without it no NaN is ranked and a row's K picks were all expert 0
-    float ke = pe == pe ? pe : -1.f;
+    // NaN ranks below every number (-inf included), NaNs by index: NumPy's stable sort of -p (route()), so a row
+    // of NaN (a logit overflowed) picks experts 0..K-1 on both; without it no NaN is ranked and a row's K picks
+    // were all expert 0
+    bool nan_e = pe != pe;
     int rank = 0;
     for (int j = 0; j < E; ++j) {
-      float kj = p[j] == p[j] ? p[j] : -1.f;
-      rank += (kj > ke) || (kj == ke && j < e);
+      float pj = p[j];
+      bool nan_j = pj != pj;
+      rank += nan_j ? (nan_e && j < e) : (nan_e || pj > pe || (pj == pe && j < e));
     }
     if (rank < K) { sel[rank] = e; top[rank] = pe; }
   }
   __syncthreads();
   if (e < K) {
-    float s = 0.f;
-    for (int j = 0; j < K; ++j) s += top[j];
-    w[e] = norm ? top[e] / s : top[e];
+    if (topk_first) {      // route(): exp(z - z_0) over the K largest logits (largest first), over their sum
+      float s = 0.f;
+      for (int j = 0; j < K; ++j) s += expf(top[j] - top[0]);
+      w[e] = expf(top[e] - top[0]) / s;
+    } else {
+      float s = 0.f;
+      for (int j = 0; j < K; ++j) s += top[j];
+      w[e] = norm ? top[e] / s : top[e];
+    }
   }
 }
 """
@@ -89,7 +102,7 @@ def route_kernel():
 
 def gpu_routes(moe) -> bool:
     """Whether helmc_moe_route computes this router's route(): its routing, and one block of threads holds a row."""
-    return moe.routing == "softmax_topk" and moe.num_experts <= 1024 and moe.top_k <= 64
+    return moe.routing in ("softmax_topk", "topk_softmax") and moe.num_experts <= 1024 and moe.top_k <= 64
 
 
 def route_rows(logits, moe):
@@ -118,7 +131,7 @@ def _launch_route(logits, moe, sel, w) -> None:
     if S:
         route_kernel()((S,), (max(32, -(-E // 32) * 32),),
                        (cp.ascontiguousarray(logits, cp.float32), np.int32(E), np.int32(moe.top_k),
-                        np.int32(bool(moe.norm_topk_prob)), sel, w))
+                        np.int32(bool(moe.norm_topk_prob)), np.int32(moe.routing == "topk_softmax"), sel, w))
 
 
 def combine_kernel():

@@ -3,7 +3,9 @@ on the CPU from host RAM (KTransformers' split: the few bytes a token needs from
 lie, never copied over PCIe).
 
 Per block and step (the GPU stage calls it where a dense block calls post_attn):
-    h, m, logits = post_moe(x, attn, w_o, ln2, w_router)            on the GPU (the GPU library's post_moe)
+    h, m, logits = post_moe(x, attn, w_o, ln2, w_router)            on the GPU (the GPU library's post_moe; gpt-oss:
+                                                                     o_proj's bias after w_o, the router's after
+                                                                     w_router, so its logits carry the bias)
     m, logits  -> host                                               [S, H] fp16 and [S, E] fp32, one copy each
                                                                      (a prompt's rows routed on the GPU: their picks
                                                                      and weights cross, [S, k] each, not the logits)
@@ -31,8 +33,8 @@ from helmc.runtime.function_names import block_function_name, gpu_moe_names, gpu
 
 
 class GpuMoeFeedForward:
-    """Called as MoeFeedForward is: `ffn(phase, signature)(x, attn, w_o, ln2, w_router, LayerExperts)` -> x' (a
-    device tensor [S, H], the stage's activation dtype)."""
+    """Called as MoeFeedForward is: `ffn(phase, signature)(x, attn, w_o, [b_o,] ln2, w_router, [b_router,]
+    LayerExperts)` -> x' (a device tensor [S, H], the stage's activation dtype)."""
 
     def __init__(self, gpu_vm, host: MoeFeedForward, device: MoeFeedForward, phases: tuple[str, ...], signatures,
                  to_cupy: Callable, from_cupy: Callable, decode_row=None, prefill=None, decode_batch=None):
@@ -74,9 +76,12 @@ class GpuMoeFeedForward:
         """The decode row's state for this block, or None when the block's experts take the per-expert path."""
         return self.decode_row.block(experts) if self.decode_row is not None else None
 
-    def forward(self, phase: str, x, attn, w_o, ln2, w_router, experts: LayerExperts, signature: int = 0):
+    def forward(self, phase: str, x, attn, *weights, signature: int = 0):
+        """weights: post_moe's (ModelSpec.post_attn_weight_names: o_proj's and the router's biases where the model
+        has them), then the block's LayerExperts."""
         import cupy as cp
-        h, m, logits = self._post[(phase, signature)](x, attn, w_o, ln2, w_router)
+        *weights, experts = weights
+        h, m, logits = self._post[(phase, signature)](x, attn, *weights)
         row = self.row_of(experts) if phase == "decode" and m.shape[0] == 1 else None
         if row is not None:
             out = self.decode_row.begin(h, m, logits, row)
@@ -133,8 +138,11 @@ class DeviceExpertSum:
 
 def device_expert_sums(gpu_vm, spec, from_cupy, rows: bool = False) -> dict:
     """{expert signature index: DeviceExpertSum} for the signatures the GPU library has kernels for; with `rows`,
-    the m-row kernels of batched steps (absent in older bundles)."""
+    the m-row kernels of batched steps (absent in older bundles). None for biased, clamped experts (gpt-oss): the
+    kernels compute plain SwiGLU, so their VRAM experts take the expert function per expert."""
     out = {}
+    if not spec.moe.plain_experts:
+        return out
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down) or spec.dtype != "float16":     # the kernels' activations are fp16
             continue

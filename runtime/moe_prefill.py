@@ -54,8 +54,10 @@ class ExpertPrefill:
         self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
 
     def applies(self, experts: LayerExperts) -> bool:
-        """Quantized stacked experts with a prefill function, and either room to stage host experts or none."""
-        if experts.stacked is None or experts.signature not in self.expert_fns:
+        """Quantized stacked experts with a prefill function, and either room to stage host experts or none. Not
+        biased experts (gpt-oss): the staging slots hold the weights alone, without the biases the expert function
+        takes after them (the per-expert path runs those prompts)."""
+        if experts.stacked is None or experts.signature not in self.expert_fns or self.moe.expert_bias:
             return False
         if len(experts.on_gpu) == self.moe.num_experts:
             return True

@@ -96,8 +96,9 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 def gpu_moe_kernels(spec: ModelSpec) -> dict:
     """{global symbol: PrimFunc}: the GPU's two-launch decode expert kernels (schedules/gpu/moe_experts.py) of each
     routed expert type signature with int8 GPU kernels, for the experts the plan keeps in VRAM; the runtime looks
-    them up by name and runs the expert function per expert where they are absent."""
-    if spec.moe is None:
+    them up by name and runs the expert function per expert where they are absent (gpt-oss's biased, clamped
+    experts: the kernels compute down(silu(gate) * up) without biases)."""
+    if spec.moe is None or not spec.moe.plain_experts:
         return {}
     from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels, make_gpu_moe_rows_kernels
     moe, out = spec.moe, {}
@@ -114,9 +115,6 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
     """A plan this build can carry out: a GPU where it places units; for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
-    if spec.gpu_lacks and plan.placement.uses_gpu:
-        raise HelmcError(f"plan: {spec.architecture} expected every block and the head on the CPU (the GPU stage has no "
-                         f"kernels for its {spec.gpu_lacks}), found {plan.describe()}")
     if plan.placement.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     if spec.moe is not None and (plan.placement.prefill_on_gpu or plan.placement.groups):

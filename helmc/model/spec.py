@@ -244,13 +244,6 @@ class ModelSpec:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
-    @property
-    def gpu_lacks(self) -> str:
-        """What of this model the GPU stage's kernels do not compute ("" where nothing: it may use the GPU): gpt-oss's
-        o_proj bias and biased, clamped experts run on the CPU only."""
-        return ", ".join(w for w, on in (("an o_proj bias", self.o_bias), (
-            "biased, clamped experts", self.moe is not None and not self.moe.plain_experts)) if on)
-
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""
         return self.moe is not None and layer not in self.moe.dense_layers

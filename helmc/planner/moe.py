@@ -181,7 +181,8 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     # need not be the decode rows' (a batch of 8 on Qwen3-30B-A3B's peer file: 0.52 of its selections in VRAM with
     # the plan's slots kept, where every row's experts fit). A row's bits then follow the residency it meets, in a
     # batch as alone; with the same residency a batched row equals its single run (tests/runtime/test_moe_gpu.py).
-    cache = on_host and any(vram)
+    # Not for biased experts (gpt-oss): their VRAM experts decode per expert, where no slot is refreshed.
+    cache = on_host and any(vram) and not spec.moe.expert_bias
     if not p.placement.groups and 0 <= p.placement.cpu_units < len(candidates):
         # the chosen split's row as the plan prices it (its experts in VRAM); the others' rows assume none there
         c = p.predictions.candidates[p.placement.cpu_units]
@@ -202,8 +203,9 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
 def expert_staging_bytes(p: Plan, spec: ModelSpec, gpu_blocks: int) -> int:
     """VRAM for the prefill's ring of streamed host experts (the module's note): the largest expert's bytes times the
     ring's experts, when the GPU stage has routed blocks and the VRAM the plan leaves holds it (else 0: the CPU
-    computes a prompt's host experts)."""
-    if not gpu_blocks or not p.memory.usable_vram_bytes:
+    computes a prompt's host experts). None for biased experts (gpt-oss): the ring's slots hold an expert's weights
+    without its biases, so the runtime computes those prompts' host experts on the CPU (moe_prefill.ExpertPrefill)."""
+    if not gpu_blocks or not p.memory.usable_vram_bytes or spec.moe.expert_bias:
         return 0
     blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts

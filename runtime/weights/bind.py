@@ -124,7 +124,8 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
     def raw(name):
         return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
     stacked = None
-    cached = cache is not None and cache.enabled and 0 < len(vram) < moe.num_experts
+    # biased experts (gpt-oss) decode their VRAM experts per expert, which refreshes no slot: no cache for them
+    cached = cache is not None and cache.enabled and 0 < len(vram) < moe.num_experts and not moe.expert_bias
     if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
         unset = frozenset() if cached else vram          # the cache may send any expert back to the host
         stacked = tuple(_stacked(raw, [names[e][kind] for e in range(moe.num_experts)], unset) for kind in range(3))

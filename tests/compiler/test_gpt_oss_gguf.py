@@ -31,6 +31,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("tvm.relax")
 
 from helmc.runtime.moe_experts import find_expert_sums  # noqa: E402
+from helmc.testing import hf_on_gpt_oss_gguf as hf_on_gguf_weights, write_gpt_oss_gguf  # noqa: E402
 from helmc.schedules.cpu.isa import select_isa  # noqa: E402
 
 ARCH = "GptOssForCausalLM"
@@ -38,92 +39,6 @@ ARCH = "GptOssForCausalLM"
 # key for: the twins are made with the ramp llama.cpp runs
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_max_position_embeddings": 64, "truncate": True}
-EXPERT_STACKS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
-
-
-def _quantized(x: np.ndarray, qtype: str | None):
-    if qtype is None:
-        return np.ascontiguousarray(x, np.float32), None
-    t = gguf.GGMLQuantizationType[qtype.upper()]
-    return gguf.quants.quantize(np.ascontiguousarray(x, np.float32), t), t
-
-
-def write_gpt_oss_gguf(model_dir: str, path: str, experts: str | None = None, linears: str | None = None) -> None:
-    """The HF directory as a `gpt-oss` GGUF: F32 everywhere, or the experts in `experts` and the attention's and the
-    head's linears in `linears` (GGUF type names); norms, biases, sinks and the router F32."""
-    from safetensors.numpy import load_file
-
-    from helmc.model.gguf_spec import gguf_name
-    from helmc.model.spec import ModelSpec
-    spec = ModelSpec.from_model_dir(model_dir)
-    t = load_file(os.path.join(model_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(path, "gpt-oss")
-    w.add_block_count(spec.num_layers); w.add_context_length(spec.max_position_embeddings)
-    w.add_embedding_length(spec.hidden_size); w.add_feed_forward_length(spec.intermediate_size)
-    w.add_head_count(spec.num_heads); w.add_head_count_kv(spec.num_kv_heads)
-    w.add_key_length(spec.head_dim); w.add_value_length(spec.head_dim)
-    w.add_rope_freq_base(spec.rope.theta); w.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN); w.add_rope_scaling_factor(spec.rope.factor)
-    w.add_rope_scaling_orig_ctx_len(spec.rope.original_max_position)
-    w.add_sliding_window(spec.sliding_window)
-    w.add_expert_count(spec.moe.num_experts); w.add_expert_used_count(spec.moe.top_k)
-    w.add_expert_feed_forward_length(spec.moe.expert_intermediate_size)
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list([f"t{i}" for i in range(spec.vocab_size)]); w.add_token_merges(["t 1"])
-    for name, x in t.items():
-        x = np.asarray(x, np.float32)
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("mlp.experts.gate_up_proj"):          # [E, H, 2I], gate / up interleaved -> [E, I, H] each
-            for kind, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
-                data, raw = _quantized(x[:, :, cols].transpose(0, 2, 1), experts)
-                w.add_tensor(f"blk.{layer}.{EXPERT_STACKS[kind]}.weight", data, raw_dtype=raw)
-        elif name.endswith("mlp.experts.down_proj"):           # [E, I, H] -> [E, H, I]
-            data, raw = _quantized(x.transpose(0, 2, 1), experts)
-            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data, raw_dtype=raw)
-        elif name.endswith("mlp.experts.gate_up_proj_bias"):   # [E, 2I] -> [E, I] each
-            w.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(x[:, 0::2]))
-            w.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(x[:, 1::2]))
-        elif name.endswith("mlp.experts.down_proj_bias"):
-            w.add_tensor(f"blk.{layer}.ffn_down_exps.bias", x)
-        elif x.ndim == 2 and "router" not in name and "embed_tokens" not in name:
-            data, raw = _quantized(x, linears)
-            w.add_tensor(gguf_name(name, ARCH), data, raw_dtype=raw)
-        else:
-            w.add_tensor(gguf_name(name, ARCH), x)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-
-
-def hf_on_gguf_weights(model_dir: str, gguf_path: str):
-    """The transformers model of `model_dir` in fp32 with every weight the gguf package's dequantization of the
-    file's tensor, put back into transformers' fused experts (gate / up interleaved, transposed)."""
-    from transformers import AutoModelForCausalLM
-
-    from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
-    ck = GGUFCheckpoint(gguf_path)
-    for name in ck.names():
-        info = ck.info(name)
-        x = gguf.quants.dequantize(np.ascontiguousarray(ck.raw_hf(name)), gguf.GGMLQuantizationType[info.type.upper()])
-        x = torch.from_numpy(np.array(x, np.float32).reshape(info.shape))
-        parts = name.split(".")
-        with torch.no_grad():
-            if ".mlp.experts." not in name:
-                params[name].copy_(x)
-                continue
-            stem, e, kind, what = ".".join(parts[:5]), int(parts[5]), parts[6], parts[7]
-            if kind == "down_proj":
-                params[f"{stem}.down_proj" + ("_bias" if what == "bias" else "")][e].copy_(x.T if what == "weight" else x)
-            else:
-                cols = slice(0, None, 2) if kind == "gate_proj" else slice(1, None, 2)
-                if what == "weight":
-                    params[f"{stem}.gate_up_proj"][e][:, cols].copy_(x.T)
-                else:
-                    params[f"{stem}.gate_up_proj_bias"][e][cols].copy_(x)
-    ck.close()
-    return model
-
-
 @pytest.fixture(scope="module")
 def cpu_only(host_hardware):
     return dataclasses.replace(host_hardware, gpu=None, link=None)

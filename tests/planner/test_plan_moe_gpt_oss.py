@@ -1,0 +1,68 @@
+"""Planning gpt-oss-20b (its published configuration: 24 blocks, 32 biased, clamped experts a block, top-4) on the
+H200 preset: the blocks go to the GPU, the total stays within the budget, and whole experts go to VRAM only where
+they fit (none at 4 GiB, a few at 8 GiB, all 32 on the whole GPU), the same count in every block; each GPU cache
+layer keeps its block's own window (sliding on even blocks, global on odd ones). Pure Python: no weights, no TVM."""
+from __future__ import annotations
+
+
+import pytest
+
+from helmc.model.spec import ModelSpec
+from helmc.planner.moe import expert_bytes
+from helmc.planner.search_partition import plan
+
+CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+          "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+          "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+          "rms_norm_eps": 1e-05, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+          "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+          "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                 "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                 "truncate": False},
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "eos_token_id": 200002}
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec.from_hf_config(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def plans(spec):
+    return {b: plan(spec, "h200-profiled", prompt_len=2048, output_len=64, **({"gpu_budget_gib": b} if b else {}))
+            for b in (4, 8, None)}
+
+
+@pytest.mark.parametrize("budget", [4, 8, None])
+def test_blocks_go_to_the_gpu_within_the_budget(spec, plans, budget):
+    p = plans[budget]
+    pl, mem = p.placement, p.memory
+    assert len(pl.gpu_layers) == spec.num_layers and pl.head_on_gpu and pl.cpu_units <= 1
+    assert not pl.groups and not pl.prefill_on_gpu                 # a MoE's plain CPU/GPU split (check_placement)
+    assert mem.gpu_bytes <= (budget * 2**30 if budget else mem.usable_vram_bytes)
+    assert p.predictions.t_plan_ms > 0
+    counts = {len(ids) for ids in pl.gpu_experts}
+    assert len(counts) <= 1, counts                                # the same count in every routed block
+    n = counts.pop() if counts else 0
+    one = expert_bytes(spec) // (spec.num_layers * spec.moe.num_experts)
+    assert one >= 3 * 2880 * 2880 * 2                              # bf16 gate, up, down (and their biases)
+    # experts in VRAM only where whole ones fit: the bytes left beside the KV cache hold no further expert a block
+    assert mem.gpu_weight_bytes >= spec.num_layers * n * one
+    if n < spec.moe.num_experts:
+        assert mem.usable_vram_bytes - mem.gpu_bytes < spec.num_layers * one + mem.gpu_kv_pool_bytes
+    assert n == {4: 0, 8: n, None: 32}[budget] and (budget != 8 or 0 < n < 32), n
+    # a prompt's host experts stay on the CPU (the staging ring holds no biases): no VRAM for their ring
+    assert mem.expert_staging_bytes == 0
+    # nor the VRAM expert cache: its slots are refreshed by the int8 GPU expert kernels' decode rows alone
+    assert not pl.expert_cache
+
+
+def test_a_larger_budget_predicts_a_faster_token(plans):
+    t = [plans[b].predictions.t_plan_ms for b in (4, 8, None)]
+    assert t[0] >= t[1] > t[2], t
+
+
+def test_the_gpu_cache_keeps_each_blocks_window(spec, plans):
+    from helmc.runtime.gpu_session import gpu_cache_windows
+    windows = gpu_cache_windows(spec, plans[None].placement)
+    assert windows == (128, 0) * 12
