@@ -12,7 +12,8 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
     y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
 A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
-functions, or its two-launch expert kernels: plain and gpt-oss's biased ones), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
+functions, or its two-launch expert kernels: plain and gpt-oss's biased ones), queued before the CPU starts on the
+others, so the two devices work at once; their sums add on the GPU.
 With Plan.placement.expert_cache the experts holding those VRAM slots change at run time (moe_expert_cache.py): every
 path here asks the block's LayerExperts which are in VRAM now (in_vram(), weights(e)).
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.

@@ -93,7 +93,8 @@ def test_gpt_oss_functions_take_their_biases_and_mxfp4_experts_compile_for_sm_90
         assert any(k.startswith(want) for k in kernels), (want, sorted(kernels)[:20])
     assert any(re.fullmatch(r"fused_\w*where\w*sigmoid\w*_kernel", k) for k in kernels)
     # VRAM experts' decode rows: the biased two-launch kernels, one row and m rows, the GPU library's by these names
-    want = [n + "_kernel" for f in (gpu_moe_names, gpu_moe_rows_names) for n in f("mxfp4", "mxfp4", 8, 64, 128, biased=True)]
+    want = [n + "_kernel" for f in (gpu_moe_names, gpu_moe_rows_names)
+            for n in f("mxfp4", "mxfp4", 8, 64, 128, biased=True)]
     assert set(want) <= kernels, (want, sorted(k for k in kernels if "moe" in k))
     body = cu[cu.rindex(f"void __launch_bounds__(128) {want[0]}("):]
     body = body[:body.index("__global__")] if "__global__" in body else body
