@@ -31,15 +31,18 @@ def moe_expert_rows_name(gate_type: str, down_type: str, experts: int, inter: in
     return f"helmc_moe_expert_rows_{gate_type}_{down_type}_e{experts}_i{inter}_h{hidden}{'_biased' if biased else ''}"
 
 
-def gpu_moe_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:
+def gpu_moe_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int,
+                  biased: bool = False) -> tuple[str, str]:
     """The GPU library's two decode expert kernels (gate_up, down) for the blocks whose experts have (gate/up, down)
-    types (gate_type, down_type) (schedules/gpu/moe_experts.py); absent where those types have no int8 GPU kernel."""
-    tail = f"e{experts}_i{inter}_h{hidden}"
+    types (gate_type, down_type) (schedules/gpu/moe_experts.py); absent where those types have no int8 GPU kernel.
+    `biased`: gpt-oss's experts (biases, clamped SwiGLU; schedules/gpu/moe_experts_biased.py), more arguments."""
+    tail = f"e{experts}_i{inter}_h{hidden}{'_biased' if biased else ''}"
     return f"helmc_gpu_moe_gate_up_{gate_type}_{tail}", f"helmc_gpu_moe_down_{down_type}_{tail}"
 
 
-def gpu_moe_rows_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int) -> tuple[str, str]:
+def gpu_moe_rows_names(gate_type: str, down_type: str, experts: int, inter: int, hidden: int,
+                       biased: bool = False) -> tuple[str, str]:
     """The GPU library's two decode expert kernels for a batched step's m rows (gate_up, down; schedules/gpu/
     moe_experts.py's make_gpu_moe_rows_kernels), beside gpu_moe_names' one-row pair for the same blocks."""
-    tail = f"e{experts}_i{inter}_h{hidden}"
+    tail = f"e{experts}_i{inter}_h{hidden}{'_biased' if biased else ''}"
     return f"helmc_gpu_moe_gate_up_rows_{gate_type}_{tail}", f"helmc_gpu_moe_down_rows_{down_type}_{tail}"

@@ -162,10 +162,8 @@ class MoeDecodeBatch:
 
     def _gpu_pairs(self, block: BlockRow, b: BatchBuffers, x, sel) -> None:
         """b.part [S * K, H]: pair j = (row j // K, the expert at slot sel[j]) through the m-row kernels."""
-        kernels = self.gpu_rows[block.experts.signature]
-        gate, up, down = block.experts.vram_stacked
-        kernels.gate_up(x, sel, b.views["rows"], gate, up, b.views["a"])
-        kernels.down(b.views["a"], sel, down, b.views["part"])
+        self.gpu_rows[block.experts.signature].run(x, sel, block.experts, b.views["a"], b.views["part"],
+                                                   rows=b.views["rows"])
 
     def _cpu_rows(self, block: BlockRow, b: BatchBuffers, idx, wts, keep) -> None:
         """b.host_y [S, H] fp32: each row's host experts through the CPU library's m-row expert sum."""

@@ -218,6 +218,8 @@ class MoeDecodeRow:
             slot_of = experts.residency.slot_of
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
+        if self.moe.expert_bias and not experts.vram_biases:     # the biased kernels read the slots' biases
+            gpu_sum = None
         all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
                     and gpu_routes(self.moe))                            # the routing kernel's
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):
@@ -304,9 +306,7 @@ class MoeDecodeRow:
 
     # ------------------------------------------------------------------ GPU pieces
     def _gpu_experts(self, row: BlockRow, m=None) -> None:
-        gate, up, down = row.experts.vram_stacked
-        row.gpu_sum.gate_up(self._m_view if m is None else m, self._sel_view, gate, up, self._a_view)
-        row.gpu_sum.down(self._a_view, self._sel_view, down, self._part_view)
+        row.gpu_sum.run(self._m_view if m is None else m, self._sel_view, row.experts, self._a_view, self._part_view)
 
     def _route_on_gpu(self, logits) -> None:
         """route() on the device for a block with every expert in VRAM at its own slot: one launch (_ROUTE_SOURCE),

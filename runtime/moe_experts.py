@@ -42,6 +42,8 @@ class LayerExperts:
                                      # sums' arguments after the weights
     vram_stacked: tuple | None = None  # the experts in VRAM, likewise: (gate, up, down) [slots * rows, row bytes],
     vram_order: tuple = ()             # expert vram_order[slot] at slot (at load)
+    vram_biases: tuple = ()            # gpt-oss: the VRAM experts' biases by slot, fp32 device tensors [slots, I],
+                                       # [slots, I], [slots, H] (the GPU's biased expert kernels' arguments)
     layer: int = -1                    # the block's index (routing statistics count by it)
     # with the VRAM expert cache (Plan.placement.expert_cache): which expert each slot serves now, the one home of
     # residency (moe_expert_cache.ExpertResidency; decode, batched steps and prefill ask it), every slot's views

@@ -12,7 +12,8 @@ Per block and step (the GPU stage calls it where a dense block calls post_attn):
     y = MoeFeedForward.routed_sum(phase, m, logits, experts)         on the CPU (the CPU library's expert functions)
     x' = h + y                                                       y crosses back; the add on the GPU, in fp32
 A block's experts listed in Plan.placement.gpu_experts are in VRAM instead: the GPU computes them (the GPU library's expert
-functions), queued before the CPU starts on the others, so the two devices work at once; their sums add on the GPU.
+functions, or its two-launch expert kernels: plain and gpt-oss's biased ones), queued before the CPU starts on the
+others, so the two devices work at once; their sums add on the GPU.
 With Plan.placement.expert_cache the experts holding those VRAM slots change at run time (moe_expert_cache.py): every
 path here asks the block's LayerExperts which are in VRAM now (in_vram(), weights(e)).
 The expert weights are bound once on the host (runtime/weights/bind.py, `experts_on`), mmapped pages released.
@@ -130,24 +131,35 @@ class GpuMoeFeedForward:
 
 class DeviceExpertSum:
     """The GPU library's two expert kernels for one expert type signature (gate_up, down: schedules/gpu/
-    moe_experts.py), run over a block's stacked VRAM experts by moe_decode_row.MoeDecodeRow."""
+    moe_experts.py, or moe_experts_biased.py's for gpt-oss, whose kernels take the block's LayerExperts.vram_biases
+    after the weights), run over a block's stacked VRAM experts by moe_decode_row.MoeDecodeRow."""
 
     def __init__(self, gate_up, down):
         self.gate_up, self.down = gate_up, down
 
+    def run(self, x, sel, experts: LayerExperts, a, part, rows=None) -> None:
+        """a = each selected slot's (clamped) SwiGLU of x (or x's row rows[j], the m-row kernels), part = its down:
+        the biases, where the experts have them, after each launch's weights."""
+        gate, up, down = experts.vram_stacked
+        b = experts.vram_biases                         # () or (b_gate, b_up, b_down)
+        self.gate_up(x, sel, *((rows,) if rows is not None else ()), gate, up, *b[:2], a)
+        self.down(a, sel, down, *b[2:], part)
+
 
 def device_expert_sums(gpu_vm, spec, from_cupy, rows: bool = False) -> dict:
     """{expert signature index: DeviceExpertSum} for the signatures the GPU library has kernels for; with `rows`,
-    the m-row kernels of batched steps (absent in older bundles). None for biased, clamped experts (gpt-oss): the
-    kernels compute plain SwiGLU, so their VRAM experts take the expert function per expert."""
+    the m-row kernels of batched steps (absent in older bundles). gpt-oss's biased, clamped experts take the biased
+    kernels (`_biased` names); where a bundle lacks them their VRAM experts take the expert function per expert."""
     out = {}
-    if not spec.moe.plain_experts:
+    moe = spec.moe
+    if not (moe.plain_experts or moe.biased_experts):
         return out
     for j, (gate, up, down) in enumerate(spec.expert_signatures()):
         if not (gate and gate == up and down) or spec.dtype != "float16":     # the kernels' activations are fp16
             continue
-        names = (gpu_moe_rows_names if rows else gpu_moe_names)(gate, down, spec.moe.num_experts,
-                                                                spec.moe.expert_intermediate_size, spec.hidden_size)
+        names = (gpu_moe_rows_names if rows else gpu_moe_names)(gate, down, moe.num_experts,
+                                                                moe.expert_intermediate_size, spec.hidden_size,
+                                                                biased=moe.biased_experts)
         try:
             kernels = [gpu_vm.module.get_function(n, query_imports=True) for n in names]
         except AttributeError:

@@ -49,6 +49,8 @@ SLOW_TESTS = (
     "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_are_single_rows[mxfp4-avx512_vnni]",
     "tests/kernels/test_cpu_gemv_rows.py::test_quant_gemv_rows_over_several_k_tiles[mxfp4]",
     "tests/kernels/test_gpu_moe_kernels.py::test_selected_experts_match_float64[q6_k-q4_k]",
+    "tests/kernels/test_gpu_moe_biased_kernels.py::test_selected_biased_experts_match_float64[q8_0-mxfp4-0.8]",
+    "tests/kernels/test_gpu_moe_biased_kernels.py::test_selected_biased_experts_match_float64[mxfp4-mxfp4-7.0]",
     "tests/reliability/test_serve_isolation.py::test_template_with_a_huge_constant_costs_only_chat_requests",
     "tests/kernels/test_cpu_fused_kernels.py::test_amx_gemm_is_selected_and_compiles_for_an_amx_target_only",
     "tests/runtime/test_batch_decode_cpu.py::test_padding_rows_change_nothing",

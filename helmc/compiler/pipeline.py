@@ -94,20 +94,26 @@ def compile_gpu(mod, hw: HardwareProfile, out_dir: str, spec: ModelSpec) -> tupl
 
 
 def gpu_moe_kernels(spec: ModelSpec) -> dict:
-    """{global symbol: PrimFunc}: the GPU's two-launch decode expert kernels (schedules/gpu/moe_experts.py) of each
-    routed expert type signature with int8 GPU kernels, for the experts the plan keeps in VRAM; the runtime looks
-    them up by name and runs the expert function per expert where they are absent (gpt-oss's biased, clamped
-    experts: the kernels compute down(silu(gate) * up) without biases)."""
-    if spec.moe is None or not spec.moe.plain_experts:
+    """{global symbol: PrimFunc}: the GPU's two-launch decode expert kernels of each routed expert type signature,
+    for the experts the plan keeps in VRAM: schedules/gpu/moe_experts.py's over int8 GPU kernels for plain SwiGLU
+    experts, moe_experts_biased.py's for gpt-oss's biased, clamped ones; the runtime looks them up by name and runs
+    the expert function per expert where they are absent."""
+    if spec.moe is None or not (spec.moe.plain_experts or spec.moe.biased_experts):
         return {}
     from helmc.schedules.gpu.moe_experts import gpu_moe_applies, make_gpu_moe_kernels, make_gpu_moe_rows_kernels
+    from helmc.schedules.gpu.moe_experts_biased import gpu_moe_biased_applies, make_gpu_moe_biased_kernels
     moe, out = spec.moe, {}
+    E, I, H = moe.num_experts, moe.expert_intermediate_size, spec.hidden_size
     for gate, up, down in spec.expert_signatures():
-        if gate == up and gpu_moe_applies(gate, down, moe.expert_intermediate_size, spec.hidden_size):
-            out.update(make_gpu_moe_kernels(gate, down, moe.num_experts, moe.expert_intermediate_size,
-                                            spec.hidden_size, moe.top_k))
-            out.update(make_gpu_moe_rows_kernels(gate, down, moe.num_experts, moe.expert_intermediate_size,
-                                                 spec.hidden_size))      # a batched step's rows
+        if gate != up:
+            continue
+        if moe.biased_experts and gpu_moe_biased_applies(gate, down, E, I, H):
+            for rows in (False, True):          # one decode row; a batched step's rows
+                out.update(make_gpu_moe_biased_kernels(gate, down, E, I, H, moe.top_k, moe.swiglu_alpha,
+                                                       moe.swiglu_limit, rows=rows))
+        elif moe.plain_experts and gpu_moe_applies(gate, down, I, H):
+            out.update(make_gpu_moe_kernels(gate, down, E, I, H, moe.top_k))
+            out.update(make_gpu_moe_rows_kernels(gate, down, E, I, H))      # a batched step's rows
     return out
 
 

@@ -181,7 +181,8 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
     # need not be the decode rows' (a batch of 8 on Qwen3-30B-A3B's peer file: 0.52 of its selections in VRAM with
     # the plan's slots kept, where every row's experts fit). A row's bits then follow the residency it meets, in a
     # batch as alone; with the same residency a batched row equals its single run (tests/runtime/test_moe_gpu.py).
-    # Not for biased experts (gpt-oss): their VRAM experts decode per expert, where no slot is refreshed.
+    # Not for biased experts (gpt-oss): their VRAM biases are stacked by slot once at load (LayerExperts.vram_biases,
+    # captured by the CUDA graphs), which the cache's copies would not move with the weights.
     cache = on_host and any(vram) and not spec.moe.expert_bias
     if not p.placement.groups and 0 <= p.placement.cpu_units < len(candidates):
         # the chosen split's row as the plan prices it (its experts in VRAM); the others' rows assume none there

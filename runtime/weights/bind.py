@@ -124,7 +124,8 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
     def raw(name):
         return load(name, None, lambda view, dtype, dev: view)      # the checkpoint's uint8 view, not copied
     stacked = None
-    # biased experts (gpt-oss) decode their VRAM experts per expert, which refreshes no slot: no cache for them
+    # biased experts (gpt-oss): their VRAM biases are stacked by slot at load (vram_biases), which the cache's
+    # copies do not move: no cache for them
     cached = cache is not None and cache.enabled and 0 < len(vram) < moe.num_experts and not moe.expert_bias
     if all(spec.weight_type(layer, n) for n in names[0]) and host[0].dlpack_device_type() == 1:   # kDLCPU
         unset = frozenset() if cached else vram          # the cache may send any expert back to the host
@@ -143,7 +144,8 @@ def _bind_experts(spec: ModelSpec, layer: int, load: Callable, vram: frozenset, 
             return tuple(load(n, *device) for n in names[e]) + biases
         return LayerExperts(tuple(weights_of(e) for e in range(moe.num_experts)), spec.expert_signature_index(layer),
                             vram, tuple(whole for whole, _ in stacked) + _stacked_biases(load, spec, host[0]),
-                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order), layer,
+                            tuple(whole for whole, _ in in_vram) if in_vram else None, tuple(order),
+                            _vram_biases(load, spec, order, device[0]) if in_vram else (), layer,
                             **(_cache_fields(moe.num_experts, order, stacked, in_vram, cache) if cached and in_vram
                                else {}))
     experts = tuple(tuple(load(n, *(device if e in vram else host)) for n in moe.expert_param_names(e))
@@ -164,18 +166,38 @@ def _stacked_biases(load: Callable, spec: ModelSpec, dev) -> tuple:
     """gpt-oss's expert biases for the CPU's biased one-call sums: per kind (gate, up, down) one fp32 tensor
     [experts, rows] on `dev` (the host); () for experts without biases."""
     import tvm.runtime
-
-    from helmc.runtime.tvm_tensors import float32_from_bf16_bits
     moe = spec.moe
     if not moe.expert_bias:
         return ()
-
-    def f32(name):
-        view, dtype = load(name, None, lambda view, dtype, _dev: (view, dtype))
-        return float32_from_bf16_bits(view) if dtype == "bfloat16" else np.asarray(view, np.float32)
     names = [moe.expert_bias_names(e) for e in range(moe.num_experts)]
-    return tuple(tvm.runtime.tensor(np.stack([f32(names[e][kind]) for e in range(moe.num_experts)]), dev)
+    return tuple(tvm.runtime.tensor(np.stack([_f32_bias(load, names[e][kind]) for e in range(moe.num_experts)]), dev)
                  for kind in range(3))
+
+
+def _vram_biases(load: Callable, spec: ModelSpec, order: list[int], dev) -> tuple:
+    """gpt-oss's biases of the experts in VRAM for the GPU's biased expert kernels: per kind (gate, up, down) one
+    fp32 device tensor [slots, rows], expert order[slot] at slot (as _stacked_vram's weights), made once at load
+    (CUDA graphs capture the pointers); () for experts without biases."""
+    if not spec.moe.expert_bias:
+        return ()
+    import cupy as cp
+
+    from helmc.runtime.cuda_runtime import cupy_to_tvm
+    from helmc.runtime.memory.allocation import allocate
+    names = [spec.moe.expert_bias_names(e) for e in order]
+    out = []
+    for kind in range(3):
+        rows = np.stack([_f32_bias(load, names[s][kind]) for s in range(len(order))])   # [slots, rows]
+        with cp.cuda.Device(dev.index):
+            out.append(cupy_to_tvm(allocate("weights", rows.nbytes, lambda: cp.asarray(rows))))
+    return tuple(out)
+
+
+def _f32_bias(load: Callable, name: str) -> np.ndarray:
+    """An expert bias from the checkpoint as fp32 (bf16 bits widened)."""
+    from helmc.runtime.tvm_tensors import float32_from_bf16_bits
+    view, dtype = load(name, None, lambda view, dtype, _dev: (view, dtype))
+    return float32_from_bf16_bits(view) if dtype == "bfloat16" else np.asarray(view, np.float32)
 
 
 def _stacked(raw: Callable, names: list[str], vram: frozenset) -> tuple | None:

@@ -410,6 +410,99 @@ def _view_width(fmt: _Format) -> int:
 # ------------------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------------------
+def gemv_parts(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP, warps: int = WARPS,
+               unroll: int = UNROLL, m: int = 1, span: int = 1, store=None):
+    """The GEMV's CTA body and launch geometry, for make_gpu_gemv_quant's PrimFunc and for kernels that pick their
+    weights at run time (moe_experts_biased.py): (kernel_body(x, wvs, y, bx, ty, tx, aux), grid (CTAs along
+    blockIdx.x), row_words (words per weight row), word type, row bytes).
+
+    span: weights per output row (1, or 2: gate and up, each row of both decoded per step); wvs their `word` views
+    [n * row_words]. store(y, aux, acc, tok, r, col): the epilogue writing output col of x's row tok from the lane's
+    sums acc[tok, s * rows + r] (weight s), by the lane that owns them; aux is passed through (the caller's extra
+    buffers). Default: y[tok, col] = fp16(acc[tok, r]), the plain GEMV's."""
+    fmt = _check(qtype, n, k)
+    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1 or span not in (1, 2):
+        raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1, span 1 or 2 "
+                         f"expected, found {rows_per_warp}, {unroll}, {warps}, m={m}, span={span}")
+    blocks = k // fmt.weights
+    row_bytes = blocks * fmt.bytes
+    tpb, groups, run, ept, weights = fmt.threads, fmt.groups, fmt.run, fmt.per_thread, fmt.weights
+    per_step = WARP // tpb                          # blocks of a row one warp covers per step
+    outer = -(-blocks // (per_step * unroll))       # lanes past the row end in the last steps skip them
+    rows, width = rows_per_warp, _view_width(fmt)
+    lanes = rows * span                             # a lane's accumulator rows: weight 0's, then weight 1's
+    row_words, block_words = row_bytes // width, fmt.bytes // width
+    grid = -(-n // (rows * warps))
+    has_offset = qtype in AFFINE
+    decode = _DECODERS[qtype]()
+
+    if store is None:
+        @T.macro
+        def store(y, aux, acc, tok, r, col):
+            y[tok, col] = T.Cast("float16", acc[tok, r])
+
+    @T.macro
+    def block_step(x, wvs, acc, first_row, block, t, xh, xf, xsum, q, scale, offset, part):
+        """acc[tok, r] += row (first_row + r)'s block `block` . x[tok], the runs of thread t, for every row of the
+        group and every row tok of x: the group's quants first, then x's runs row by row (each read once)."""
+        for r in T.unroll(rows):
+            decode(wvs[0], T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset, r)
+        if span == 2:
+            for r in T.unroll(rows):
+                decode(wvs[1], T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset,
+                       rows + r)
+        for tok in T.unroll(m):
+            for g in T.unroll(groups):
+                for v8 in T.unroll(run // 8):
+                    for v in T.vectorized(8):
+                        xh[g * run + v8 * 8 + v] = x[tok, block * weights + _run_start(qtype, t, g) + v8 * 8 + v]
+            for e in T.unroll(ept):
+                xf[e] = T.Cast(_F32, xh[e])
+            if has_offset:
+                for g in T.unroll(groups):
+                    xsum[g] = T.float32(0)
+                    for i in T.unroll(run):
+                        xsum[g] = xsum[g] + xf[g * run + i]
+            for r in T.unroll(lanes):
+                for g in T.unroll(groups):
+                    part[0] = T.float32(0)
+                    for i in T.unroll(run):
+                        part[0] = part[0] + xf[g * run + i] * q[r, g * run + i]
+                    if has_offset:
+                        acc[tok, r] = acc[tok, r] + (scale[r, g] * part[0] - offset[r, g] * xsum[g])
+                    else:
+                        acc[tok, r] = acc[tok, r] + scale[r, g] * part[0]
+
+    @T.macro
+    def kernel_body(x, wvs, y, bx, ty, tx, aux):
+        acc = T.alloc_buffer((m, lanes), _F32, scope="local")
+        xh = T.alloc_buffer((ept,), "float16", scope="local")
+        xf = T.alloc_buffer((ept,), _F32, scope="local")
+        xsum = T.alloc_buffer((groups,), _F32, scope="local")
+        q = T.alloc_buffer((lanes, ept), _F32, scope="local")
+        scale = T.alloc_buffer((lanes, groups), _F32, scope="local")
+        offset = T.alloc_buffer((lanes, groups), _F32, scope="local")
+        part = T.alloc_buffer((1,), _F32, scope="local")
+        for tok in T.unroll(m):
+            for r in T.unroll(lanes):
+                acc[tok, r] = T.float32(0)
+        for so in T.serial(outer):
+            for si in T.unroll(unroll):
+                if (so * unroll + si) * per_step + tx // tpb < blocks:
+                    block_step(x, wvs, acc, (bx * warps + ty) * rows, (so * unroll + si) * per_step + tx // tpb,
+                               tx % tpb, xh, xf, xsum, q, scale, offset, part)
+        for tok in T.unroll(m):
+            for r in T.unroll(rows):
+                for w in T.unroll(span):
+                    for s in T.unroll(5):         # butterfly: every lane ends with the warp's sum
+                        acc[tok, w * rows + r] = acc[tok, w * rows + r] + T.tvm_warp_shuffle_xor(
+                            T.uint32(0xFFFFFFFF), acc[tok, w * rows + r], 16 >> s, WARP, WARP)
+                if tx == (tok * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
+                    store(y, aux, acc, tok, r, (bx * warps + ty) * rows + r)
+
+    return kernel_body, grid, row_words, fmt.word, row_bytes
+
+
 def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PER_WARP,
                         warps: int = WARPS, unroll: int = UNROLL, m: int = 1) -> tirx.PrimFunc:
     """PrimFunc(x: float16[m, k], w: uint8[n, row_bytes], y: float16[m, n]) with y = x @ dequant(w)^T (fp32 sums).
@@ -423,80 +516,16 @@ def make_gpu_gemv_quant(qtype: str, n: int, k: int, rows_per_warp: int = ROWS_PE
     butterfly, whatever m and the tuning), so y[t] is bit-identical to a 1-row call on x[t] alone.
     x, w and y must be 16-byte aligned (TVM and CuPy allocations are).
     """
-    fmt = _check(qtype, n, k)
-    if rows_per_warp < 1 or unroll < 1 or not 1 <= warps <= 1024 // WARP or m < 1:
-        raise HelmcError(f"GPU GEMV: rows_per_warp >= 1, unroll >= 1, 1 <= warps <= 32, m >= 1 expected, "
-                         f"found {rows_per_warp}, {unroll}, {warps}, m={m}")
-    blocks = k // fmt.weights
-    row_bytes = blocks * fmt.bytes
-    tpb, groups, run, ept, weights = fmt.threads, fmt.groups, fmt.run, fmt.per_thread, fmt.weights
-    per_step = WARP // tpb                          # blocks of a row one warp covers per step
-    outer = -(-blocks // (per_step * unroll))       # lanes past the row end in the last steps skip them
-    rows, width = rows_per_warp, _view_width(fmt)
-    row_words, block_words = row_bytes // width, fmt.bytes // width
-    grid = -(-n // (rows * warps))
-    has_offset = qtype in AFFINE
-    decode = _DECODERS[qtype]()
-
-    @T.macro
-    def block_step(x, wv, acc, first_row, block, t, xh, xf, xsum, q, scale, offset, part):
-        """acc[tok, r] += row (first_row + r)'s block `block` . x[tok], the runs of thread t, for every row of the
-        group and every row tok of x: the group's quants first, then x's runs row by row (each read once)."""
-        for r in T.unroll(rows):
-            decode(wv, T.min(first_row + r, n - 1) * row_words + block * block_words, t, q, scale, offset, r)
-        for tok in T.unroll(m):
-            for g in T.unroll(groups):
-                for v8 in T.unroll(run // 8):
-                    for v in T.vectorized(8):
-                        xh[g * run + v8 * 8 + v] = x[tok, block * weights + _run_start(qtype, t, g) + v8 * 8 + v]
-            for e in T.unroll(ept):
-                xf[e] = T.Cast(_F32, xh[e])
-            if has_offset:
-                for g in T.unroll(groups):
-                    xsum[g] = T.float32(0)
-                    for i in T.unroll(run):
-                        xsum[g] = xsum[g] + xf[g * run + i]
-            for r in T.unroll(rows):
-                for g in T.unroll(groups):
-                    part[0] = T.float32(0)
-                    for i in T.unroll(run):
-                        part[0] = part[0] + xf[g * run + i] * q[r, g * run + i]
-                    if has_offset:
-                        acc[tok, r] = acc[tok, r] + (scale[r, g] * part[0] - offset[r, g] * xsum[g])
-                    else:
-                        acc[tok, r] = acc[tok, r] + scale[r, g] * part[0]
+    body, grid, row_words, word, row_bytes = gemv_parts(qtype, n, k, rows_per_warp, warps, unroll, m)
 
     @T.prim_func
     def gemv(x: T.Buffer((m, k), "float16"), w: T.Buffer((n, row_bytes), "uint8"), y: T.Buffer((m, n), "float16")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        wv = T.decl_buffer((n * row_words,), fmt.word, data=w.data)       # [n * row_bytes / width]
+        wv = T.decl_buffer((n * row_words,), word, data=w.data)       # [n * row_bytes / width]
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                    acc = T.alloc_buffer((m, rows), _F32, scope="local")
-                    xh = T.alloc_buffer((ept,), "float16", scope="local")
-                    xf = T.alloc_buffer((ept,), _F32, scope="local")
-                    xsum = T.alloc_buffer((groups,), _F32, scope="local")
-                    q = T.alloc_buffer((rows, ept), _F32, scope="local")
-                    scale = T.alloc_buffer((rows, groups), _F32, scope="local")
-                    offset = T.alloc_buffer((rows, groups), _F32, scope="local")
-                    part = T.alloc_buffer((1,), _F32, scope="local")
-                    for tok in T.unroll(m):
-                        for r in T.unroll(rows):
-                            acc[tok, r] = T.float32(0)
-                    for so in T.serial(outer):
-                        for si in T.unroll(unroll):
-                            if (so * unroll + si) * per_step + tx // tpb < blocks:
-                                block_step(x, wv, acc, (bx * warps + ty) * rows,
-                                           (so * unroll + si) * per_step + tx // tpb, tx % tpb,
-                                           xh, xf, xsum, q, scale, offset, part)
-                    for tok in T.unroll(m):
-                        for r in T.unroll(rows):
-                            for s in T.unroll(5):             # butterfly: every lane ends with the warp's sum
-                                acc[tok, r] = acc[tok, r] + T.tvm_warp_shuffle_xor(
-                                    T.uint32(0xFFFFFFFF), acc[tok, r], 16 >> s, WARP, WARP)
-                            if tx == (tok * rows + r) % WARP and (bx * warps + ty) * rows + r < n:
-                                y[tok, (bx * warps + ty) * rows + r] = T.Cast("float16", acc[tok, r])
+                    body(x, [wv], y, bx, ty, tx, None)
 
     return gemv.with_attr("global_symbol", gemv_symbol(qtype, n, k, rows_per_warp, warps, unroll, m))
 

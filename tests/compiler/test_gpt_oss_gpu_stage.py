@@ -4,9 +4,9 @@ the bundle written), and its MXFP4 experts through the GPU's MXFP4 GEMV and dequ
 
 What it checks: post_moe takes o_proj's and the router's biases after their weights (the weights binding binds
 them: ModelSpec.post_attn_weight_names), the expert function its three biases after its three weights; the clamped
-SwiGLU lowers to one CUDA kernel (where x3, sigmoid); no int8 two-launch expert kernels are made for these experts
-(they compute plain SwiGLU without biases); MXFP4 expert weights get the MXFP4 GEMV (decode) and dequantizer
-(prefill) kernels.
+SwiGLU lowers to one CUDA kernel (where x3, sigmoid); fp16 experts get no two-launch expert kernels (they read GGUF
+blocks); MXFP4 expert weights get the MXFP4 GEMV (decode) and dequantizer (prefill) kernels and the biased two-launch
+expert kernels (one row and m rows: schedules/gpu/moe_experts_biased.py) with the model's clamp and alpha.
 Nothing runs the bundle here (tests/runtime/test_gpt_oss_gpu.py runs bundles on a GPU)."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_tiny_gpt_oss_gpu_stage_builds_for_sm_90(tmp_path, cache_dir):
     make_tiny_model(model, "gpt_oss", num_layers=2, dtype="float16", hidden_size=128, intermediate_size=64)
     spec = read_model(model).spec
     assert spec.o_bias and spec.qkv_bias and spec.moe.router_bias and spec.moe.biased_experts
-    assert gpu_moe_kernels(spec) == {}
+    assert gpu_moe_kernels(spec) == {}                               # fp16 experts: no GGUF blocks to read
     assert spec.post_attn_weight_names(0) == ("self_attn.o_proj.weight", "self_attn.o_proj.bias",
                                               "post_attention_layernorm.weight", "mlp.router.weight",
                                               "mlp.router.bias")
@@ -66,6 +66,7 @@ def test_gpt_oss_functions_take_their_biases_and_mxfp4_experts_compile_for_sm_90
     from helmc.compiler.passes.import_relax import import_functions
     from helmc.compiler.pipeline import compile_gpu
     from helmc.compiler.read_model import read_model
+    from helmc.runtime.function_names import gpu_moe_names, gpu_moe_rows_names
     from helmc.testing import make_tiny_model
     model = str(tmp_path / "model")
     make_tiny_model(model, "gpt_oss", num_layers=2, dtype="float16", hidden_size=128, intermediate_size=64)
@@ -91,3 +92,10 @@ def test_gpt_oss_functions_take_their_biases_and_mxfp4_experts_compile_for_sm_90
                  "helmc_gpu_dequantize_mxfp4_n64_k128", "helmc_gpu_dequantize_mxfp4_n128_k64"):
         assert any(k.startswith(want) for k in kernels), (want, sorted(kernels)[:20])
     assert any(re.fullmatch(r"fused_\w*where\w*sigmoid\w*_kernel", k) for k in kernels)
+    # VRAM experts' decode rows: the biased two-launch kernels, one row and m rows, the GPU library's by these names
+    want = [n + "_kernel" for f in (gpu_moe_names, gpu_moe_rows_names)
+            for n in f("mxfp4", "mxfp4", 8, 64, 128, biased=True)]
+    assert set(want) <= kernels, (want, sorted(k for k in kernels if "moe" in k))
+    body = cu[cu.rindex(f"void __launch_bounds__(128) {want[0]}("):]
+    body = body[:body.index("__global__")] if "__global__" in body else body
+    assert spec.moe.swiglu_limit == 0.5 and "-0x1p-1f" in body and "-0x1.b3b6" in body   # the model's clamp, -alpha

@@ -9,7 +9,8 @@ as DIR/gpt-oss-mxfp4.gguf (MXFP4 experts, Q8_0 attention and head, F16 embedding
   gpu_float16   every block and the head on the GPU (experts on the CPU), batched decode variants for 4 sequences
   split_float16 cpu(2) -> cuda(4): block 0 on the CPU stage, blocks 1-3 on the GPU
   gpu_mxfp4     every block on the GPU from the GGUF, batched decode variants for 4 sequences (the CPU's biased
-                one-call and m-row expert sums for host experts; VRAM experts through the MXFP4 GEMV per expert)
+                one-call and m-row expert sums for host experts; VRAM experts' decode rows on the GPU's biased
+                two-launch expert kernels, a prompt's through the MXFP4 GEMV per expert)
 for the GPU machine's profile (default the H200 preset, sm_90). Weights stay beside the bundles (not copied):
 the test passes them with weights_dir. Carry DIR to the GPU machine.
 """

@@ -78,7 +78,8 @@ def against_transformers(s, ref, label: str) -> list[int]:
 @pytest.mark.parametrize("vram", [HOST, MIXED, ALL_VRAM], ids=["host", "mixed", "vram"])
 def test_greedy_matches_transformers(name, vram):
     """Experts on the host (the CPU's expert functions; quantized decode rows on the CPU's biased one-call sums), in
-    VRAM (the GPU library's expert function per expert: the MXFP4 GEMV for gpu_mxfp4), and a mix of both."""
+    VRAM (the GPU library's expert function per expert for fp16 experts; gpu_mxfp4's decode rows on the GPU's biased
+    two-launch expert kernels), and a mix of both."""
     d = oss_dir(name)
     weights, ref = reference(d, name)
     served = vram if name != "split_float16" else ((),) + vram[1:]         # block 0 is the CPU stage's there
@@ -90,10 +91,13 @@ def test_greedy_matches_transformers(name, vram):
     assert (moe.hit_rate() > 0) == any(on_gpu_stage)
     assert (moe.hit_rate() == 1.0) == all(len(v) == EXPERTS for v in on_gpu_stage)
     if name == "gpu_mxfp4" and moe.host._expert_sums:           # a CPU with the int8 one-call sums (AVX-512)
-        # blocks with no expert in VRAM decode on MoeDecodeRow's host half (the biased one-call sum); the others
-        # on the per-expert path (no int8 GPU kernels for these experts)
-        assert moe.decode_row is not None and sorted(moe.host._expert_sums) == [0] and not moe.decode_row.gpu_sums
-        assert (moe.decode_row.host_halves > 0) == any(not v for v in on_gpu_stage), moe.decode_row.host_halves
+        # every decode row on MoeDecodeRow: host experts on the biased one-call sum (host halves where a block has
+        # any), VRAM experts on the GPU's biased two-launch kernels (all-VRAM blocks routed on the GPU)
+        row = moe.decode_row
+        assert row is not None and sorted(moe.host._expert_sums) == [0] and sorted(row.gpu_sums) == [0]
+        assert (row.host_halves > 0) == any(len(v) < EXPERTS for v in on_gpu_stage), row.host_halves
+        assert (row.gpu_expert_rows > 0) == any(on_gpu_stage), row.gpu_expert_rows
+        assert moe.expert_rows == moe.prefill_rows[0], "a decode row took the per-expert path"
 
 
 def test_a_prompt_routed_on_the_gpu_is_the_prompt_routed_on_the_host():
@@ -117,8 +121,9 @@ def test_a_prompt_routed_on_the_gpu_is_the_prompt_routed_on_the_host():
 @pytest.mark.parametrize("name", ["gpu_float16", "gpu_mxfp4"])
 @pytest.mark.parametrize("vram", [HOST, MIXED], ids=["host", "mixed"])
 def test_batched_decode_is_bitwise_single_runs(name, vram):
-    """gpu_mxfp4 with host experts: batched steps on the CPU's biased m-row expert sums (MoeDecodeBatch), each row
-    the bits of its one-row step; with VRAM experts, the per-expert path, row by row alike."""
+    """gpu_mxfp4: batched steps on MoeDecodeBatch, host experts on the CPU's biased m-row expert sums, VRAM ones on the
+    GPU's biased m-row kernels, each row the bits of its one-row step; gpu_float16's VRAM experts on the per-expert
+    path, row by row alike."""
     from tests.batch_decode_checks import batched_runs, prompts, single_runs
     d = oss_dir(name)
     weights = os.path.join(d, "model_float16") if name == "gpu_float16" else os.path.join(d, "gpt-oss-mxfp4.gguf")
@@ -130,5 +135,6 @@ def test_batched_decode_is_bitwise_single_runs(name, vram):
     for b, (one, many) in enumerate(zip(singles, batched)):
         assert np.array_equal(one, many), f"sequence {b}: a batched step differs from its single run"
     moe = s.gpu.stage._moe
-    if name == "gpu_mxfp4" and vram == HOST and moe.host._expert_rows:
+    if name == "gpu_mxfp4" and moe.host._expert_rows:
         assert moe.decode_batch is not None and moe.decode_batch.steps > 0
+        assert (moe.decode_batch.gpu_expert_rows > 0) == (vram == MIXED), moe.decode_batch.gpu_expert_rows
