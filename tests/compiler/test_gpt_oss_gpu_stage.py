@@ -35,9 +35,11 @@ def gpu_cuda_source(d: str) -> str:
 def test_a_tiny_gpt_oss_gpu_stage_builds_for_sm_90(tmp_path, cache_dir):
     from helmc.compiler.pipeline import build, gpu_moe_kernels, search_plan
     from helmc.compiler.read_model import read_model
-    from helmc.testing import make_tiny_model
-    model, hw = str(tmp_path / "model"), h200()
-    make_tiny_model(model, "gpt_oss", num_layers=2, dtype="float16", hidden_size=128, intermediate_size=64)
+    from helmc.testing import make_tiny_model, write_gpt_oss_gguf
+    hf, hw = str(tmp_path / "hf"), h200()
+    make_tiny_model(hf, "gpt_oss", num_layers=2, dtype="float32", hidden_size=128, intermediate_size=64)
+    model = str(tmp_path / "gpt-oss.gguf")          # Q8_0 attention and head as llama.cpp's files; float experts
+    write_gpt_oss_gguf(hf, model, linears="q8_0", embed="f16")
     spec = read_model(model).spec
     assert spec.o_bias and spec.qkv_bias and spec.moe.router_bias and spec.moe.biased_experts
     assert gpu_moe_kernels(spec) == {}                               # fp16 experts: no GGUF blocks to read

@@ -1,9 +1,11 @@
-"""Planning gpt-oss-20b (its published configuration: 24 blocks, 32 biased, clamped experts a block, top-4) on the
-H200 preset: the blocks go to the GPU, the total stays within the budget, and whole experts go to VRAM only where
-they fit (none at 4 GiB, a few at 8 GiB, all 32 on the whole GPU), the same count in every block; each GPU cache
-layer keeps its block's own window (sliding on even blocks, global on odd ones). Pure Python: no weights, no TVM."""
+"""Planning gpt-oss-20b (its published configuration: 24 blocks, 32 biased, clamped experts a block, top-4; typed as
+llama.cpp's file: Q8_0 attention, MXFP4 experts) on the H200 preset: the blocks go to the GPU, the total stays within
+the budget, and whole experts go to VRAM only where they fit (some at 8 GiB, all 32 on the whole GPU), the same count
+in every block; each GPU cache layer keeps its block's own window (sliding on even blocks, global on odd ones). Pure
+Python: no weights, no TVM."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 
@@ -24,7 +26,10 @@ CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidd
 
 @pytest.fixture(scope="module")
 def spec():
-    return ModelSpec.from_hf_config(CONFIG)
+    """gpt-oss-20b typed as llama.cpp's file is (a float checkpoint's blocks plan on the CPU: ModelSpec.gpu_lacks)."""
+    s = ModelSpec.from_hf_config(CONFIG)
+    return dataclasses.replace(s, layer_types=(("q8_0",) * 4 + ("",) * 3,) * s.num_layers,
+                               expert_types=(("mxfp4",) * 3,) * s.num_layers, head_type="q8_0", embed_type="q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +50,12 @@ def test_blocks_go_to_the_gpu_within_the_budget(spec, plans, budget):
     assert len(counts) <= 1, counts                                # the same count in every routed block
     n = counts.pop() if counts else 0
     one = expert_bytes(spec) // (spec.num_layers * spec.moe.num_experts)
-    assert one >= 3 * 2880 * 2880 * 2                              # bf16 gate, up, down (and their biases)
+    assert one >= 3 * 2880 * 2880 * 17 // 32                      # MXFP4 gate, up, down (and their biases)
     # experts in VRAM only where whole ones fit: the bytes left beside the KV cache hold no further expert a block
     assert mem.gpu_weight_bytes >= spec.num_layers * n * one
     if n < spec.moe.num_experts:
         assert mem.usable_vram_bytes - mem.gpu_bytes < spec.num_layers * one + mem.gpu_kv_pool_bytes
-    assert n == {4: 0, 8: n, None: 32}[budget] and (budget != 8 or 0 < n < 32), n
+    assert (n == 32) == (budget is None) and (budget != 8 or n > 0), n
     # a prompt's host experts stay on the CPU (the staging ring holds no biases): no VRAM for their ring
     assert mem.expert_staging_bytes == 0
     # nor the VRAM expert cache: its slots are refreshed by the int8 GPU expert kernels' decode rows alone
