@@ -6,6 +6,7 @@ exactly what a user's checkpoint looks like. Needs torch and transformers (test/
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import os
@@ -264,3 +265,24 @@ def hf_on_gpt_oss_gguf(model_dir: str, gguf_path: str):
                     params[f"{stem}.gate_up_proj_bias"][e][cols].copy_(x)
     ck.close()
     return model
+
+
+def gpt_oss_20b_config(**over) -> dict:
+    """config.json of gpt-oss-20b as published (the keys helmc reads)."""
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+           "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+           "rms_norm_eps": 1e-05, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                  "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                  "truncate": False},
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "eos_token_id": 200002}
+    cfg.update(over)
+    return cfg
+
+
+def gguf_typed_gpt_oss(spec):
+    """The spec as llama.cpp's gpt-oss files type it: attention Q8_0, experts MXFP4, embedding and head Q8_0."""
+    return dataclasses.replace(spec, layer_types=(("q8_0",) * 4 + ("",) * 3,) * spec.num_layers,
+                               expert_types=(("mxfp4",) * 3,) * spec.num_layers, head_type="q8_0", embed_type="q8_0")

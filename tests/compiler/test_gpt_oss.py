@@ -22,24 +22,10 @@ from test_end_to_end import PROMPT, hf_greedy, hf_logits
 
 from helmc.errors import HelmcError
 from helmc.model.spec import ModelSpec
+from helmc.testing import gguf_typed_gpt_oss, gpt_oss_20b_config
 
 pytest.importorskip("tvm.relax")
 NEW_TOKENS = 24
-
-
-def gpt_oss_20b_config(**over) -> dict:
-    """config.json of gpt-oss-20b as published (the keys helmc reads)."""
-    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-           "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-           "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
-           "rms_norm_eps": 1e-05, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
-           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
-           "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                                                  "original_max_position_embeddings": 4096, "rope_type": "yarn",
-                                                  "truncate": False},
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "eos_token_id": 200002}
-    cfg.update(over)
-    return cfg
 
 
 def test_spec_reads_gpt_oss():
@@ -130,12 +116,6 @@ def _config_dir(tmp_path) -> str:
     return str(d)
 
 
-def llama_cpp_typed(spec):
-    """The spec as llama.cpp's gpt-oss files type it: attention Q8_0, experts MXFP4, embedding and head Q8_0."""
-    return dataclasses.replace(spec, layer_types=(("q8_0",) * 4 + ("",) * 3,) * spec.num_layers,
-                               expert_types=(("mxfp4",) * 3,) * spec.num_layers, head_type="q8_0", embed_type="q8_0")
-
-
 def test_float_checkpoints_plan_on_the_cpu_and_gguf_typed_ones_on_the_gpu(tmp_path):
     """A float checkpoint's gpt-oss blocks are not computed right by the GPU stage (ModelSpec.gpu_lacks): the
     planner refuses a profile with a GPU, a build refuses a plan with GPU units, and so does a bundle's load (a --plan
@@ -163,7 +143,7 @@ def test_float_checkpoints_plan_on_the_cpu_and_gguf_typed_ones_on_the_gpu(tmp_pa
         with pytest.raises(HelmcError, match=r"expected every block and the head on the CPU .*found cpu\(10\)") as e:
             refuse()
         assert "\n" not in str(e.value)
-    typed = llama_cpp_typed(spec)
+    typed = gguf_typed_gpt_oss(spec)
     assert typed.gpu_lacks == ""
     on_gpu = plan(typed, gpu)
     assert on_gpu.placement.uses_gpu and on_gpu.placement.cpu_units < spec.num_units

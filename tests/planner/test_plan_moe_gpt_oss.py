@@ -5,31 +5,17 @@ in every block; each GPU cache layer keeps its block's own window (sliding on ev
 Python: no weights, no TVM."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from helmc.model.spec import ModelSpec
 from helmc.planner.moe import expert_bytes
 from helmc.planner.search_partition import plan
-
-CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-          "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-          "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
-          "rms_norm_eps": 1e-05, "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
-          "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
-          "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                                                 "original_max_position_embeddings": 4096, "rope_type": "yarn",
-                                                 "truncate": False},
-          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "eos_token_id": 200002}
-
+from helmc.testing import gguf_typed_gpt_oss, gpt_oss_20b_config
 
 @pytest.fixture(scope="module")
 def spec():
     """gpt-oss-20b typed as llama.cpp's file is (a float checkpoint's blocks plan on the CPU: ModelSpec.gpu_lacks)."""
-    s = ModelSpec.from_hf_config(CONFIG)
-    return dataclasses.replace(s, layer_types=(("q8_0",) * 4 + ("",) * 3,) * s.num_layers,
-                               expert_types=(("mxfp4",) * 3,) * s.num_layers, head_type="q8_0", embed_type="q8_0")
+    return gguf_typed_gpt_oss(ModelSpec.from_hf_config(gpt_oss_20b_config()))
 
 
 @pytest.fixture(scope="module")
