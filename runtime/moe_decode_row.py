@@ -218,8 +218,6 @@ class MoeDecodeRow:
             slot_of = experts.residency.slot_of
         cpu_sum = self.cpu_sums.get(experts.signature) if experts.stacked is not None else None
         gpu_sum = self.gpu_sums.get(experts.signature) if experts.vram_stacked is not None else None
-        if self.moe.expert_bias and not experts.vram_biases:     # the biased kernels read the slots' biases
-            gpu_sum = None
         all_vram = (gpu_sum is not None and tuple(experts.vram_order) == tuple(range(self.E))   # slot = expert
                     and gpu_routes(self.moe))                            # the routing kernel's
         if not all_vram and (cpu_sum is None or (experts.on_gpu and gpu_sum is None)):

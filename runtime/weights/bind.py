@@ -166,31 +166,34 @@ def _stacked_biases(load: Callable, spec: ModelSpec, dev) -> tuple:
     """gpt-oss's expert biases for the CPU's biased one-call sums: per kind (gate, up, down) one fp32 tensor
     [experts, rows] on `dev` (the host); () for experts without biases."""
     import tvm.runtime
-    moe = spec.moe
-    if not moe.expert_bias:
-        return ()
-    names = [moe.expert_bias_names(e) for e in range(moe.num_experts)]
-    return tuple(tvm.runtime.tensor(np.stack([_f32_bias(load, names[e][kind]) for e in range(moe.num_experts)]), dev)
-                 for kind in range(3))
+    return tuple(tvm.runtime.tensor(rows, dev) for rows in _bias_stacks(load, spec, range(spec.moe.num_experts)))
 
 
 def _vram_biases(load: Callable, spec: ModelSpec, order: list[int], dev) -> tuple:
     """gpt-oss's biases of the experts in VRAM for the GPU's biased expert kernels: per kind (gate, up, down) one
     fp32 device tensor [slots, rows], expert order[slot] at slot (as _stacked_vram's weights), made once at load
     (CUDA graphs capture the pointers); () for experts without biases."""
-    if not spec.moe.expert_bias:
+    stacks = _bias_stacks(load, spec, order)
+    if not stacks:
         return ()
     import cupy as cp
 
     from helmc.runtime.cuda_runtime import cupy_to_tvm
     from helmc.runtime.memory.allocation import allocate
-    names = [spec.moe.expert_bias_names(e) for e in order]
     out = []
-    for kind in range(3):
-        rows = np.stack([_f32_bias(load, names[s][kind]) for s in range(len(order))])   # [slots, rows]
+    for rows in stacks:
         with cp.cuda.Device(dev.index):
             out.append(cupy_to_tvm(allocate("weights", rows.nbytes, lambda: cp.asarray(rows))))
     return tuple(out)
+
+
+def _bias_stacks(load: Callable, spec: ModelSpec, experts) -> tuple[np.ndarray, ...]:
+    """gpt-oss's biases of `experts`, in that order: per kind (gate, up, down) one fp32 array [len(experts), rows];
+    () for experts without biases."""
+    if not spec.moe.expert_bias:
+        return ()
+    names = [spec.moe.expert_bias_names(e) for e in experts]
+    return tuple(np.stack([_f32_bias(load, n[kind]) for n in names]) for kind in range(3))     # [experts, rows]
 
 
 def _f32_bias(load: Callable, name: str) -> np.ndarray:
