@@ -120,6 +120,22 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", num_layers: int = 2, head
     return save
 
 
+def hf_reference(model_dir: str):
+    """transformers' model of `model_dir` in fp32, eval, as every comparison loads it. gpt-oss: transformers before
+    5.24 (the GPU machine's 5.17) fixed its experts' SwiGLU at alpha 1.702 and limit 7 whatever the config said,
+    where later ones read swiglu_alpha / swiglu_limit; the config's values are set on every expert module here, so a
+    model whose clamp differs from llama.cpp's fixed 7 is compared with what its config asks on either version."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = model.config
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha") and hasattr(cfg, "swiglu_limit"):
+            module.limit, module.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+    return model
+
+
 def hf_prompt_reference(model, prompt: list[int], new_tokens: int):
     """(last-row logits of `prompt` as a NumPy array, the greedy continuation of `new_tokens` ids) from a
     transformers causal LM, as the device checks store them in refs.npz."""
@@ -239,10 +255,9 @@ def hf_on_gpt_oss_gguf(model_dir: str, gguf_path: str):
     file's tensor, put back into transformers' fused experts (gate / up interleaved, transposed)."""
     import gguf
     import torch
-    from transformers import AutoModelForCausalLM
 
     from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_reference(model_dir)
     params = dict(model.named_parameters())
     ck = GGUFCheckpoint(gguf_path)
     for name in ck.names():

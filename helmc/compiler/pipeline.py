@@ -121,9 +121,6 @@ def check_placement(spec: ModelSpec, plan: Plan, hardware: HardwareProfile) -> N
     """A plan this build can carry out: a GPU where it places units; for a mixture-of-experts model, no streamed
     prefill or hybrid decode (their staging holds dense blocks): its GPU blocks run attention and the router on
     the GPU and the routed experts on the CPU (runtime/moe_gpu.py)."""
-    if spec.gpu_lacks and plan.placement.uses_gpu:
-        raise HelmcError(f"plan: {spec.architecture} expected every block and the head on the CPU (the GPU stage does "
-                         f"not compute its {spec.gpu_lacks} right), found {plan.describe()}")
     if plan.placement.uses_gpu and hardware.gpu is None:
         raise HelmcError("plan uses a GPU but the hardware profile has none")
     if spec.moe is not None and (plan.placement.prefill_on_gpu or plan.placement.groups):

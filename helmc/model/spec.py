@@ -244,16 +244,6 @@ class ModelSpec:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
-    @property
-    def gpu_lacks(self) -> str:
-        """What of this model the GPU stage does not compute right ("" where nothing: it may use the GPU). gpt-oss
-        blocks with float attention weights (a Hugging Face checkpoint; llama.cpp's files keep them Q8_0): on an
-        H200 their GPU stage's prompt logits came out 0.53 (relative to the largest) off transformers' in every
-        expert placement, where the same model with Q8_0 attention and MXFP4 experts was within 2e-3 and the CPU
-        stage on the float checkpoint within 3e-4; the cause is not found, so such a model plans on the CPU."""
-        float_attention = not self.layer_types or any(t[i] == "" for t in self.layer_types for i in range(4))
-        return "float attention weights of gpt-oss blocks" if self.attn_sinks and float_attention else ""
-
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s feed-forward is routed through experts (moe.py) rather than a dense MLP."""
         return self.moe is not None and layer not in self.moe.dense_layers

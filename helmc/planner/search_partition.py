@@ -135,10 +135,6 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
     statistics (runtime/bundle/expert_stats.ExpertStats), which pick the experts held in VRAM."""
     spec = load_spec(model_dir_or_config)
     hw = budgeted(hardware, gpu_budget_gib)
-    if spec.gpu_lacks and hw.gpu is not None:
-        raise HelmcError(f"plan: {spec.architecture} expected a CPU-only hardware profile (helmc profile --gpu-backend "
-                         f"none) for its {spec.gpu_lacks}, which the GPU stage does not compute right; found one "
-                         f"with a GPU ({hw.gpu.name}); a GGUF file of the model (quantized attention) plans on the GPU")
     chunk = PREFILL_CHUNK_TOKENS
     if spec.moe is not None:        # a plain split of what is not an expert; the experts stay on the CPU (planner/moe.py)
         from helmc.planner.moe import MOE_PREFILL_CHUNK_TOKENS

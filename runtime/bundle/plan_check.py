@@ -87,9 +87,6 @@ def check_plan(plan: Plan, spec: ModelSpec, own: Plan, where: str = "plan",
                     ("prefill_chunk_tokens", pl.prefill_chunk_tokens)):
         if v > mem.max_context:
             raise HelmcError(f"{where}: {name} expected at most max_context ({mem.max_context} tokens), found {v}")
-    if spec.gpu_lacks and pl.uses_gpu:
-        raise HelmcError(f"{where}: {spec.architecture} expected every block and the head on the CPU (the GPU stage "
-                         f"does not compute its {spec.gpu_lacks} right), found {plan.describe()}")
     if spec.moe is not None and (pl.prefill_on_gpu or pl.groups):     # the staging holds dense blocks
         raise HelmcError(f"{where}: a mixture-of-experts model ({spec.architecture}) expected a plain CPU/GPU split, "
                          f"found {'a streamed prefill' if pl.prefill_on_gpu else 'hybrid decode groups'}")

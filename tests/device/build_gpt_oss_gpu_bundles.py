@@ -3,12 +3,14 @@
     python -m tests.device.build_gpt_oss_gpu_bundles .devrt/gpt_oss_gpu [--hardware PROFILE] [--only NAME ...]
 
 A tiny random GptOssForCausalLM (4 blocks, window 8 on blocks 0 and 2, YaRN, 8 experts, top-3, the router and the
-experts biased, the clamped SwiGLU; hidden 128, expert ffn 64: whole MXFP4 blocks) as DIR/model_gguf (HF, fp32,
-llama.cpp's YaRN ramp and fixed limit 7) written as DIR/gpt-oss-mxfp4.gguf (MXFP4 experts, Q8_0 attention and head,
-F16 embedding: llama.cpp's gpt-oss mix), and:
+experts biased, the clamped SwiGLU; hidden 128, expert ffn 64: whole MXFP4 blocks) as DIR/model_float16 (HF, fp16,
+swiglu_limit 0.5 so the clamp acts), and DIR/model_gguf (HF, fp32, llama.cpp's YaRN ramp and fixed limit 7) written
+as DIR/gpt-oss-mxfp4.gguf (MXFP4 experts, Q8_0 attention and head, F16 embedding: llama.cpp's gpt-oss mix), and:
+  gpu_float16   every block and the head on the GPU (experts on the CPU), batched decode variants for 4 sequences
+  split_float16 cpu(2) -> cuda(4): block 0 on the CPU stage, blocks 1-3 on the GPU
   gpu_mxfp4     every block on the GPU from the GGUF, batched decode variants for 4 sequences (the CPU's biased
-                one-call and m-row expert sums for host experts; VRAM experts on the GPU's biased two-launch kernels)
-(A float checkpoint's gpt-oss blocks are planned on the CPU: ModelSpec.gpu_lacks.)
+                one-call and m-row expert sums for host experts; VRAM experts' decode rows on the GPU's biased
+                two-launch expert kernels, a prompt's through the MXFP4 GEMV per expert)
 for the GPU machine's profile (default the H200 preset, sm_90). Weights stay beside the bundles (not copied):
 the test passes them with weights_dir. Carry DIR to the GPU machine.
 """
@@ -28,12 +30,16 @@ GGUF_MODEL = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, 
                   swiglu_limit=7.0)
 GGUF = "gpt-oss-mxfp4.gguf"
 # bundle -> (source: an HF directory under DIR or the GGUF, CPU units (0: all on the GPU), batch)
-BUNDLES = {"gpu_mxfp4": (GGUF, 0, 4)}
+BUNDLES = {"gpu_float16": ("model_float16", 0, 4), "split_float16": ("model_float16", 2, 1),
+           "gpu_mxfp4": (GGUF, 0, 4)}
 
 
 def sources(out_dir: str) -> None:
     """The HF directories and the GGUF, made once."""
     from helmc.testing import make_tiny_model, write_gpt_oss_gguf
+    model = os.path.join(out_dir, "model_float16")
+    if not os.path.isdir(model):
+        make_tiny_model(model, "gpt_oss", dtype="float16", **DIMS)
     model = os.path.join(out_dir, "model_gguf")
     if not os.path.isdir(model):
         make_tiny_model(model, "gpt_oss", dtype="float32", **DIMS, **GGUF_MODEL)

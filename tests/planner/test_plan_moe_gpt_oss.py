@@ -14,7 +14,7 @@ from helmc.testing import gguf_typed_gpt_oss, gpt_oss_20b_config
 
 @pytest.fixture(scope="module")
 def spec():
-    """gpt-oss-20b typed as llama.cpp's file is (a float checkpoint's blocks plan on the CPU: ModelSpec.gpu_lacks)."""
+    """gpt-oss-20b typed as llama.cpp's file (the one people run): Q8_0 attention, MXFP4 experts."""
     return gguf_typed_gpt_oss(ModelSpec.from_hf_config(gpt_oss_20b_config()))
 
 

@@ -35,12 +35,16 @@ def oss_dir(bundle: str) -> str:
                         f"gpt-oss GPU bundle {bundle}", "build_gpt_oss_gpu_bundles .devrt/gpt_oss_gpu")
 
 
-def reference(d: str):
-    """(the GGUF the bundle reads, transformers in fp32 over gguf's dequantization of its weights)."""
-    pytest.importorskip("gguf")         # the reference dequantizes with llama.cpp's own gguf package
-    from helmc.testing import hf_on_gpt_oss_gguf
-    path = os.path.join(d, "gpt-oss-mxfp4.gguf")
-    return path, hf_on_gpt_oss_gguf(os.path.join(d, "model_gguf"), path)
+def reference(d: str, name: str):
+    """(weights for the bundle, transformers in fp32 over the same weights)."""
+    if name == "gpu_mxfp4":
+        pytest.importorskip("gguf")         # the reference dequantizes with llama.cpp's own gguf package
+        from helmc.testing import hf_on_gpt_oss_gguf
+        path = os.path.join(d, "gpt-oss-mxfp4.gguf")
+        return path, hf_on_gpt_oss_gguf(os.path.join(d, "model_gguf"), path)
+    from helmc.testing import hf_reference
+    model = os.path.join(d, "model_float16")
+    return model, hf_reference(model)
 
 
 def load(d: str, name: str, weights: str, vram, **over):
@@ -69,15 +73,15 @@ def against_transformers(s, ref, label: str) -> list[int]:
     return got
 
 
-@pytest.mark.parametrize("name", ["gpu_mxfp4"])
+@pytest.mark.parametrize("name", ["gpu_float16", "split_float16", "gpu_mxfp4"])
 @pytest.mark.parametrize("vram", [HOST, MIXED, ALL_VRAM], ids=["host", "mixed", "vram"])
 def test_greedy_matches_transformers(name, vram):
     """Experts on the host (the CPU's expert functions; quantized decode rows on the CPU's biased one-call sums), in
     VRAM (the GPU library's expert function per expert for fp16 experts; gpu_mxfp4's decode rows on the GPU's biased
     two-launch expert kernels), and a mix of both."""
     d = oss_dir(name)
-    weights, ref = reference(d)
-    served = vram
+    weights, ref = reference(d, name)
+    served = vram if name != "split_float16" else ((),) + vram[1:]         # block 0 is the CPU stage's there
     s = load(d, name, weights, served)
     assert s.gpu is not None and s.gpu.stage is not None and s.gpu.stage._moe is not None
     moe = s.gpu.stage._moe
@@ -100,8 +104,8 @@ def test_a_prompt_routed_on_the_gpu_is_the_prompt_routed_on_the_host():
     them before: the same experts, so the logits differ only by the weights' last bits (expf against NumPy's exp)."""
     from helmc.runtime import moe_gpu
     from helmc.runtime.moe_decode_row import gpu_routes
-    d = oss_dir("gpu_mxfp4")
-    s = load(d, "gpu_mxfp4", os.path.join(d, "gpt-oss-mxfp4.gguf"), MIXED)
+    d = oss_dir("gpu_float16")
+    s = load(d, "gpu_float16", os.path.join(d, "model_float16"), MIXED)
     assert gpu_routes(s.spec.moe)
     on_gpu = s.forward(PROMPT, all_logits=True)
     s.reset()
@@ -113,14 +117,15 @@ def test_a_prompt_routed_on_the_gpu_is_the_prompt_routed_on_the_host():
     np.testing.assert_allclose(on_gpu, on_host, rtol=0, atol=1e-3 * float(np.abs(on_host).max()))
 
 
-@pytest.mark.parametrize("name", ["gpu_mxfp4"])
+@pytest.mark.parametrize("name", ["gpu_float16", "gpu_mxfp4"])
 @pytest.mark.parametrize("vram", [HOST, MIXED], ids=["host", "mixed"])
 def test_batched_decode_is_bitwise_single_runs(name, vram):
     """gpu_mxfp4: batched steps on MoeDecodeBatch, host experts on the CPU's biased m-row expert sums, VRAM ones on the
-    GPU's biased m-row kernels, each row the bits of its one-row step."""
+    GPU's biased m-row kernels, each row the bits of its one-row step; gpu_float16's VRAM experts on the per-expert
+    path, row by row alike."""
     from tests.batch_decode_checks import batched_runs, prompts, single_runs
     d = oss_dir(name)
-    weights = os.path.join(d, "gpt-oss-mxfp4.gguf")
+    weights = os.path.join(d, "model_float16") if name == "gpu_float16" else os.path.join(d, "gpt-oss-mxfp4.gguf")
     s = load(d, name, weights, vram)
     ps = prompts(s.spec.vocab_size, 6)
     singles = single_runs(s, ps, 8)
