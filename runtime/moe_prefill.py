@@ -12,7 +12,9 @@ Per block (routed on the device where the routing kernel computes route(): moe_d
     for each expert e with rows, ascending:       ys[slice_e] = expert_prefill(xs[slice_e], weights_e)
     h[r] += sum_j w[r, j] * ys[pos[r, j]]         one combine kernel, fp32, each row's experts ascending (no atomics)
 weights_e are the expert's VRAM tensors, or its staging slot's views. Invariant: a slot is overwritten only after
-the kernels that read it are done (an event per group, waited on by the copy stream).
+the kernels that read it are done (an event per group, waited on by the copy stream). Biased experts (gpt-oss): the
+slots hold the weights; every host expert's biases (a few KB each) are copied to the device once, at load, and
+follow its slot's weights as the expert function's last arguments.
 """
 from __future__ import annotations
 
@@ -49,19 +51,18 @@ class ExpertPrefill:
         # per slot, its two events, made once and recorded again (a wait takes the record made before it)
         self._events: list = []
         self._done = cp.cuda.Event(disable_timing=True)   # per block: where the copy stream starts (recorded again)
+        self._biases: dict = {}                      # biased experts: per block, each expert's biases on the device
         self.streamed_experts = 0
         self.lock_calls = 0                          # cudaHostRegister calls made (once per loaded model)
         self.times: list | None = None               # per block's timings while a list (the prefill benchmark)
 
     def applies(self, experts: LayerExperts) -> bool:
-        """Quantized stacked experts with a prefill function, and either room to stage host experts or none. Not
-        biased experts (gpt-oss): the staging slots hold the weights alone, without the biases the expert function
-        takes after them (the per-expert path runs those prompts)."""
-        if experts.stacked is None or experts.signature not in self.expert_fns or self.moe.expert_bias:
+        """Quantized stacked experts with a prefill function, and either room to stage host experts or none."""
+        if experts.stacked is None or experts.signature not in self.expert_fns:
             return False
         if len(experts.on_gpu) == self.moe.num_experts:
             return True
-        return (all(_rows_bytes(t, self.moe.num_experts) % 256 == 0 for t in experts.stacked)
+        return (all(_rows_bytes(t, self.moe.num_experts) % 256 == 0 for t in staged_weights(experts))
                 and len(self._slot_views(experts)) > 0)
 
     def lock_host_experts(self, blocks: list[LayerExperts]) -> None:
@@ -71,6 +72,7 @@ class ExpertPrefill:
         for experts in blocks:
             if self.applies(experts) and len(experts.on_gpu) < self.moe.num_experts:
                 self._register(experts)
+                self._device_biases(experts)
 
     def add_routed(self, m_dev, logits, experts: LayerExperts, hc) -> tuple:
         """hc [S, H] fp32 (device) += each row's experts of m_dev [S, H], routed from the device logits [S, E]: on the
@@ -128,7 +130,9 @@ class ExpertPrefill:
         while len(self._events) < n:
             self._events.append((cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)))
         self._copied, self._free = [ev for ev, _ in self._events[:n]], [None] * n
-        sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in experts.stacked] if host else []
+        sources = [(_data_ptr(t), _rows_bytes(t, self.moe.num_experts)) for t in staged_weights(experts)] \
+            if host else []
+        biases = self._device_biases(experts) if host else None
         for i in range(min(n, len(host))):                               # the first copies, one per slot
             self._copy(sources, host[i], i)
         for e in used:
@@ -140,7 +144,7 @@ class ExpertPrefill:
                     marks.wait(compute, self._copied[s])
                 else:
                     compute.wait_event(self._copied[s])
-                wts = views[s]
+                wts = views[s] + (biases[e] if biases else ())
             a, b = starts[e], starts[e + 1]
             x = xs[a:a + bucket_rows(b - a)]           # the rows past b (the next experts' or padding): ignored
             x = self.from_cupy(x if x.data.ptr % 64 == 0 else x.copy())
@@ -177,11 +181,30 @@ class ExpertPrefill:
         self._copied[s].record(self.copy_stream)
 
     def _expert_bytes(self, experts: LayerExperts) -> int:
-        return sum(_rows_bytes(t, self.moe.num_experts) for t in experts.stacked)
+        return expert_slot_bytes(experts, self.moe.num_experts)
+
+    def _device_biases(self, experts: LayerExperts) -> tuple | None:
+        """Biased experts (gpt-oss): [expert] -> its biases (gate, up, down) on the device in the expert function's
+        dtype, copied from the host's once per block (~17 KB an expert at gpt-oss-20b's size; the plan counts them
+        in Plan.memory.expert_staging_bytes); None for experts without biases."""
+        if not self.moe.expert_bias:
+            return None
+        if experts.layer not in self._biases:
+            import cupy as cp
+
+            from helmc.runtime.memory.allocation import allocate
+            on_host = [e for e in range(self.moe.num_experts) if e not in experts.on_gpu]    # VRAM ones have theirs
+            host = {e: [np.from_dlpack(b) for b in experts.experts[e][3:]] for e in on_host}
+            nbytes = sum(b.nbytes for per in host.values() for b in per)
+            copies = allocate("weights", nbytes, lambda: {e: [cp.asarray(b) for b in per] for e, per in host.items()},
+                              "expert prefill biases")
+            self._biases[experts.layer] = [tuple(self.from_cupy(b) for b in copies[e]) if e in copies else ()
+                                           for e in range(self.moe.num_experts)]
+        return self._biases[experts.layer]
 
     def _slot_views(self, experts: LayerExperts) -> list:
         """[slot] -> the expert function's weights (gate, up, down) over that slot, for the block's layout."""
-        key = tuple(tuple(t.shape) for t in experts.stacked)
+        key = tuple(tuple(t.shape) for t in staged_weights(experts))
         if key not in self._views:
             per = self._expert_bytes(experts)
             out = []
@@ -200,7 +223,7 @@ class ExpertPrefill:
         rows of experts in VRAM stay unwritten, never resident; all of them under the VRAM expert cache, which
         writes every expert's rows and copies them into its slots from here too)."""
         import cupy as cp
-        for whole in experts.stacked:
+        for whole in staged_weights(experts):
             ptr = _data_ptr(whole)
             if ptr in self._registered:
                 continue
@@ -367,6 +390,17 @@ def _unregister(registered: dict) -> None:
             except Exception:        # the CUDA context is already gone at interpreter exit: nothing is locked
                 pass
     registered.clear()
+
+
+def staged_weights(experts: LayerExperts) -> tuple:
+    """The stacked host tensors a staging slot holds a row-run of: (gate, up, down); gpt-oss's bias stacks after them
+    in LayerExperts.stacked stay out (ExpertPrefill._device_biases)."""
+    return experts.stacked[:3]
+
+
+def expert_slot_bytes(experts: LayerExperts, num_experts: int) -> int:
+    """One staging slot's bytes for a block's experts: one expert's rows of each stacked weight."""
+    return sum(_rows_bytes(t, num_experts) for t in staged_weights(experts))
 
 
 def _rows_bytes(t, experts: int) -> int:

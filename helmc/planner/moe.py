@@ -204,13 +204,16 @@ def with_experts(p: Plan, spec: ModelSpec, hw: HardwareProfile, stats: "ExpertSt
 def expert_staging_bytes(p: Plan, spec: ModelSpec, gpu_blocks: int) -> int:
     """VRAM for the prefill's ring of streamed host experts (the module's note): the largest expert's bytes times the
     ring's experts, when the GPU stage has routed blocks and the VRAM the plan leaves holds it (else 0: the CPU
-    computes a prompt's host experts). None for biased experts (gpt-oss): the ring's slots hold an expert's weights
-    without its biases, so the runtime computes those prompts' host experts on the CPU (moe_prefill.ExpertPrefill)."""
-    if not gpu_blocks or not p.memory.usable_vram_bytes or spec.moe.expert_bias:
+    computes a prompt's host experts). Biased experts (gpt-oss): with every expert's biases of those blocks on the
+    device beside the ring (moe_prefill.ExpertPrefill._device_biases)."""
+    if not gpu_blocks or not p.memory.usable_vram_bytes:
         return 0
     blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
     ring = EXPERT_STAGING_GROUPS * EXPERT_STAGING_EXPERTS * per_expert
+    if spec.moe.expert_bias:           # gate, up and down biases of every expert, in the activations' dtype
+        moe = spec.moe
+        ring += len(blocks) * moe.num_experts * (2 * moe.expert_intermediate_size + spec.hidden_size) * spec.dtype_bytes
     spare = vram_spare(p, spec)
     every_expert = sum(sum(expert_bytes_by_type(spec, i).values()) for i in blocks)
     return ring if ring <= spare < every_expert else 0    # none when every expert fits in VRAM: nothing streams

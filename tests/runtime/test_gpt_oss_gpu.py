@@ -99,6 +99,29 @@ def test_greedy_matches_transformers(name, vram):
         assert moe.expert_rows == moe.prefill_rows[0], "a decode row took the per-expert path"
 
 
+def test_prompt_experts_stream_to_the_gpu_with_their_biases():
+    """Plan.memory.expert_staging_bytes: a prompt's host experts run on the GPU's expert function, their weights
+    streamed through two staging slots (fewer than a block's host experts the prompt selects, so slots are reused)
+    and their biases copied to the device once at load (moe_prefill.ExpertPrefill); without staging the CPU computes
+    them. The logits agree, and greedy decoding after the streamed prompt follows transformers."""
+    from helmc.runtime.moe_prefill import expert_slot_bytes
+    d = oss_dir("gpu_mxfp4")
+    weights, ref = reference(d, "gpu_mxfp4")
+    s = load(d, "gpu_mxfp4", weights, MIXED)
+    on_cpu = s.forward(PROMPT, all_logits=True)
+    assert s.gpu.stage._moe.prefill.streamed_experts == 0
+    staging = 2 * expert_slot_bytes(s.gpu.stage.bindings[0].post[-1], EXPERTS)
+    s = load(d, "gpu_mxfp4", weights, MIXED, expert_staging_bytes=staging)
+    streamed = s.forward(PROMPT, all_logits=True)
+    prefill = s.gpu.stage._moe.prefill
+    assert prefill.streamed_experts > 2 * 2, prefill.streamed_experts
+    rel = float(np.abs(streamed - on_cpu).max() / np.abs(on_cpu).max())
+    print(f"\nstreamed prompt experts: {prefill.streamed_experts}; logits max rel diff to the CPU's {rel:.2e}")
+    assert rel < 1e-2 and np.array_equal(streamed.argmax(-1), on_cpu.argmax(-1))
+    s.reset()
+    against_transformers(s, ref, "gpu_mxfp4 streamed prompt experts")
+
+
 def test_a_prompt_routed_on_the_gpu_is_the_prompt_routed_on_the_host():
     """A prompt's rows are routed on the GPU (topk_softmax in the routing kernel) where route() on the host routed
     them before: the same experts, so the logits differ only by the weights' last bits (expf against NumPy's exp)."""
