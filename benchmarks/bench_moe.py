@@ -227,6 +227,9 @@ def main(argv=None) -> int:
                     help="the VRAM expert cache as each bundle's plan says, or on / off for every bundle")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--llama-json", default=None,
+                    help="take the llama.cpp rows from an earlier bench_moe JSON of the same GGUF (its command and "
+                         "device kept beside them) instead of running llama-bench")
     a = ap.parse_args(argv)
     budgets = [float(b) for b in a.budgets.split(",") if b]
     import torch
@@ -245,7 +248,15 @@ def main(argv=None) -> int:
         free_device_pools()           # an earlier bundle's pooled memory would count in this one's baseline
         report["helmc"].append(bench_helmc(a, bundle, report["bandwidth"]))
         save()
-    if a.llama_bench:
+    if a.llama_json:
+        with open(a.llama_json) as f:
+            earlier = json.load(f)
+        if os.path.basename(earlier["model"]) != os.path.basename(a.gguf) or not earlier["llamacpp"]:
+            raise SystemExit(f"--llama-json: expected llama.cpp rows of {os.path.basename(a.gguf)}, found "
+                             f"{len(earlier['llamacpp'])} rows of {os.path.basename(earlier['model'])}")
+        report.update(llamacpp=earlier["llamacpp"], llamacpp_command=earlier["command"],
+                      llamacpp_device=earlier["device"])
+    elif a.llama_bench:
         for name, extra in llama_configs(a):
             try:
                 report["llamacpp"].append(run_llama(a, name, extra))

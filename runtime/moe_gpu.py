@@ -198,8 +198,10 @@ def gpu_moe_feed_forward(cpu_vm, gpu_vm, spec, layers: range, batch_sizes: tuple
                                to_cupy, from_cupy)
     # a prompt's experts on the GPU: the host ones streamed through Plan.memory.expert_staging_bytes (none: those blocks'
     # host experts stay with the CPU)
-    from helmc.runtime.moe_prefill import ExpertPrefill
+    from helmc.runtime.moe_prefill import ExpertPrefill, device_bias_bytes
+    slots = expert_staging_bytes and expert_staging_bytes - device_bias_bytes(spec.moe, spec.hidden_size,
+                                                                              spec.dtype_bytes, len(expert_sigs))
     prefill = ExpertPrefill({j: device._expert[("prefill", j)] for j in set(expert_sigs)}, spec.moe,
-                            expert_staging_bytes, to_cupy, from_cupy)
+                            max(0, slots), to_cupy, from_cupy)
     return GpuMoeFeedForward(gpu_vm, host, device, phases, [spec.signature_index(i) for i in layers], to_cupy,
                              from_cupy, row, prefill, batch)

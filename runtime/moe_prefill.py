@@ -62,8 +62,7 @@ class ExpertPrefill:
             return False
         if len(experts.on_gpu) == self.moe.num_experts:
             return True
-        return (all(_rows_bytes(t, self.moe.num_experts) % 256 == 0 for t in staged_weights(experts))
-                and len(self._slot_views(experts)) > 0)
+        return len(self._slot_views(experts)) > 0
 
     def lock_host_experts(self, blocks: list[LayerExperts]) -> None:
         """Page-lock the host experts of every block whose prompts stream them, once, when the model is loaded:
@@ -173,11 +172,11 @@ class ExpertPrefill:
         import cupy as cp
         if self._free[s] is not None:
             self.copy_stream.wait_event(self._free[s])
-        at = self._flat.data.ptr + s * sum(nbytes for _, nbytes in sources)
+        at = self._flat.data.ptr + s * sum(_aligned(nbytes) for _, nbytes in sources)
         for ptr, nbytes in sources:
             cp.cuda.runtime.memcpyAsync(at, ptr + e * nbytes, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                         self.copy_stream.ptr)
-            at += nbytes
+            at += _aligned(nbytes)
         self._copied[s].record(self.copy_stream)
 
     def _expert_bytes(self, experts: LayerExperts) -> int:
@@ -213,7 +212,7 @@ class ExpertPrefill:
                 for rows, row_bytes in key:
                     r = rows // self.moe.num_experts
                     views.append(self.from_cupy(self._flat[at:at + r * row_bytes].reshape(r, row_bytes)))
-                    at += r * row_bytes
+                    at += _aligned(r * row_bytes)
                 out.append(tuple(views))
             self._views[key] = out
         return self._views[key]
@@ -392,6 +391,15 @@ def _unregister(registered: dict) -> None:
     registered.clear()
 
 
+def device_bias_bytes(moe, hidden: int, dtype_bytes: int, blocks: int) -> int:
+    """The VRAM of Plan.memory.expert_staging_bytes that ExpertPrefill keeps for biases (_device_biases), not slots: every
+    expert's gate, up and down biases of `blocks` routed GPU blocks in the activations' dtype (an upper bound: the
+    VRAM experts' own are reused); 0 for experts without biases."""
+    if not moe.expert_bias:
+        return 0
+    return blocks * moe.num_experts * (2 * moe.expert_intermediate_size + hidden) * dtype_bytes
+
+
 def staged_weights(experts: LayerExperts) -> tuple:
     """The stacked host tensors a staging slot holds a row-run of: (gate, up, down); gpt-oss's bias stacks after them
     in LayerExperts.stacked stay out (ExpertPrefill._device_biases)."""
@@ -399,8 +407,15 @@ def staged_weights(experts: LayerExperts) -> tuple:
 
 
 def expert_slot_bytes(experts: LayerExperts, num_experts: int) -> int:
-    """One staging slot's bytes for a block's experts: one expert's rows of each stacked weight."""
-    return sum(_rows_bytes(t, num_experts) for t in staged_weights(experts))
+    """One staging slot's bytes for a block's experts: one expert's rows of each stacked weight, each kind's start
+    aligned (_aligned)."""
+    return sum(_aligned(_rows_bytes(t, num_experts)) for t in staged_weights(experts))
+
+
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to 256: where the next kind's rows start in a slot (the expert function's weights start
+    on 256-byte boundaries, as the allocator's tensors do; gpt-oss-20b's MXFP4 expert is 4,406,400 bytes a kind)."""
+    return -(-nbytes // 256) * 256
 
 
 def _rows_bytes(t, experts: int) -> int:

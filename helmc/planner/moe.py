@@ -211,9 +211,8 @@ def expert_staging_bytes(p: Plan, spec: ModelSpec, gpu_blocks: int) -> int:
     blocks = [i for i in range(spec.num_layers) if spec.is_moe_layer(i) and i + 1 >= p.placement.cpu_units]
     per_expert = max(sum(expert_bytes_by_type(spec, i).values()) for i in blocks) // spec.moe.num_experts
     ring = EXPERT_STAGING_GROUPS * EXPERT_STAGING_EXPERTS * per_expert
-    if spec.moe.expert_bias:           # gate, up and down biases of every expert, in the activations' dtype
-        moe = spec.moe
-        ring += len(blocks) * moe.num_experts * (2 * moe.expert_intermediate_size + spec.hidden_size) * spec.dtype_bytes
+    from helmc.runtime.moe_prefill import device_bias_bytes
+    ring += device_bias_bytes(spec.moe, spec.hidden_size, spec.dtype_bytes, len(blocks))     # gpt-oss's biases
     spare = vram_spare(p, spec)
     every_expert = sum(sum(expert_bytes_by_type(spec, i).values()) for i in blocks)
     return ring if ring <= spare < every_expert else 0    # none when every expert fits in VRAM: nothing streams

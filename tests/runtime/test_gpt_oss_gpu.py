@@ -104,20 +104,26 @@ def test_prompt_experts_stream_to_the_gpu_with_their_biases():
     streamed through two staging slots (fewer than a block's host experts the prompt selects, so slots are reused)
     and their biases copied to the device once at load (moe_prefill.ExpertPrefill); without staging the CPU computes
     them. The logits agree, and greedy decoding after the streamed prompt follows transformers."""
-    from helmc.runtime.moe_prefill import expert_slot_bytes
+    from helmc.runtime.moe_prefill import device_bias_bytes, expert_slot_bytes
     d = oss_dir("gpu_mxfp4")
     weights, ref = reference(d, "gpu_mxfp4")
     s = load(d, "gpu_mxfp4", weights, MIXED)
     on_cpu = s.forward(PROMPT, all_logits=True)
     assert s.gpu.stage._moe.prefill.streamed_experts == 0
-    staging = 2 * expert_slot_bytes(s.gpu.stage.bindings[0].post[-1], EXPERTS)
+    staging = 2 * expert_slot_bytes(s.gpu.stage.bindings[0].post[-1], EXPERTS) + \
+        device_bias_bytes(s.spec.moe, s.spec.hidden_size, s.spec.dtype_bytes, LAYERS)     # two slots, every bias
     s = load(d, "gpu_mxfp4", weights, MIXED, expert_staging_bytes=staging)
     streamed = s.forward(PROMPT, all_logits=True)
     prefill = s.gpu.stage._moe.prefill
     assert prefill.streamed_experts > 2 * 2, prefill.streamed_experts
     rel = float(np.abs(streamed - on_cpu).max() / np.abs(on_cpu).max())
     print(f"\nstreamed prompt experts: {prefill.streamed_experts}; logits max rel diff to the CPU's {rel:.2e}")
-    assert rel < 1e-2 and np.array_equal(streamed.argmax(-1), on_cpu.argmax(-1))
+    assert rel < 1e-2
+    # the GPU's fp16 GEMMs against the CPU's sums: a row's argmax may differ only where the CPU scores the two
+    # tokens within twice the largest difference
+    rows = np.arange(len(PROMPT))
+    gap = on_cpu[rows, on_cpu.argmax(-1)] - on_cpu[rows, streamed.argmax(-1)]
+    assert (gap <= 2 * np.abs(streamed - on_cpu).max()).all(), gap
     s.reset()
     against_transformers(s, ref, "gpu_mxfp4 streamed prompt experts")
 

@@ -163,7 +163,7 @@ def test_prompt_experts_stream_to_the_gpu():
     so slots are reused after their readers). Without staging the CPU computes them. The prompt's logits agree, and
     greedy decoding after the streamed prompt follows transformers by the rule above."""
     from helmc.runtime.bundle.plan import Plan
-    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.moe_prefill import expert_slot_bytes
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, ref = reference(d, "gpu_q4_k_m")
@@ -175,7 +175,7 @@ def test_prompt_experts_stream_to_the_gpu():
         logits[streams] = s.forward(PROMPT, all_logits=True)
         streamed[streams] = s.gpu.stage._moe.prefill.streamed_experts
         experts = s.gpu.stage.bindings[0].post[-1]
-        staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)           # two experts' slots
+        staging = 2 * expert_slot_bytes(experts, 8)           # two experts' slots
     assert streamed[False] == 0 and streamed[True] > 2 * 2, streamed
     a, b = logits[False], logits[True]
     rel = float(np.abs(a - b).max() / np.abs(a).max())
@@ -197,13 +197,13 @@ def test_grouped_expert_prefill_is_the_per_expert_loop_bit_for_bit(vram):
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.cuda_runtime import cupy_to_tvm, tvm_stream, tvm_to_cupy
     from helmc.runtime.moe_experts import route
-    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.moe_prefill import expert_slot_bytes
     from helmc.runtime.session import Session
     weights, _ = reference(d, "gpu_q4_k_m")
     plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=vram)
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan)
     experts = s.gpu.stage.bindings[0].post[-1]
-    staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
+    staging = 2 * expert_slot_bytes(experts, 8)
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
                      plan=plan.replace(expert_staging_bytes=staging))
     prefill, experts = s.gpu.stage._moe.prefill, s.gpu.stage.bindings[0].post[-1]
@@ -236,7 +236,7 @@ def test_host_experts_are_locked_once_at_load():
     host share takes ~1 s at Qwen3-30B-A3B's size): prompts lock nothing more, and loading without staging locks
     nothing."""
     from helmc.runtime.bundle.plan import Plan
-    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.moe_prefill import expert_slot_bytes
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, _ = reference(d, "gpu_q4_k_m")
@@ -245,7 +245,7 @@ def test_host_experts_are_locked_once_at_load():
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan.replace(expert_staging_bytes=0))
     assert s.gpu.stage._moe.prefill.lock_calls == 0
     experts = s.gpu.stage.bindings[0].post[-1]
-    staging = 2 * sum(_rows_bytes(t, 8) for t in experts.stacked)
+    staging = 2 * expert_slot_bytes(experts, 8)
     del s
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
                      plan=plan.replace(expert_staging_bytes=staging))

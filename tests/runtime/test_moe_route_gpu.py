@@ -93,13 +93,13 @@ def test_a_prompt_routed_on_the_gpu_adds_what_the_host_routed_prompt_adds(vram):
     from helmc.runtime.bundle.plan import Plan
     from helmc.runtime.cuda_runtime import tvm_stream
     from helmc.runtime.moe_experts import route
-    from helmc.runtime.moe_prefill import _rows_bytes
+    from helmc.runtime.moe_prefill import expert_slot_bytes
     from helmc.runtime.session import Session
     d = moe_dir()
     weights, _ = reference(d, "gpu_q4_k_m")
     plan = Plan.from_json(open(os.path.join(d, "gpu_q4_k_m", "plan.json")).read()).replace(gpu_experts=vram)
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights, plan=plan)
-    staging = 2 * sum(_rows_bytes(t, 8) for t in s.gpu.stage.bindings[0].post[-1].stacked)
+    staging = 2 * expert_slot_bytes(s.gpu.stage.bindings[0].post[-1], 8)
     s = Session.load(os.path.join(d, "gpu_q4_k_m"), weights_dir=weights,
                      plan=plan.replace(expert_staging_bytes=staging))
     prefill, experts = s.gpu.stage._moe.prefill, s.gpu.stage.bindings[0].post[-1]
