@@ -53,6 +53,10 @@ class Workload:
     stream_prefill: bool = True     # prefill CPU blocks on the GPU, their weights streamed over PCIe
     hybrid: bool = True             # decode may stream some host blocks to the GPU while the CPU computes others
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS   # the GPU's prefill chunk (its activations are planned)
+    # Every prompt in whole chunks of prefill_chunk_tokens, however short the workload's: a mixture of experts, whose
+    # experts are read (host ones across PCIe, quantized ones dequantized) once per chunk, so a 2048-token prompt
+    # in a bundle planned for 128-token prompts does not read them 16 times. Activations are planned for the chunk.
+    whole_chunks: bool = False
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.output_len < 1 or self.batch < 1:
@@ -372,8 +376,9 @@ def pool_loan_bytes(a: ProgramAnalysis, cpu: StageLoad, gpu: StageLoad, w: Workl
 
 
 def gpu_prefill_tokens(w: Workload) -> int:
-    """Tokens the GPU runs at once in prefill: the prompt, in chunks of w.prefill_chunk_tokens."""
-    return min(w.prompt_len, w.prefill_chunk_tokens)
+    """Tokens the GPU runs at once in prefill: the prompt, in chunks of w.prefill_chunk_tokens (a whole chunk
+    whatever the prompt where w.whole_chunks)."""
+    return w.prefill_chunk_tokens if w.whole_chunks else min(w.prompt_len, w.prefill_chunk_tokens)
 
 
 def gpu_activation_bytes(a: ProgramAnalysis, computed: StageLoad, w: Workload) -> int:

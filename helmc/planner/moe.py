@@ -45,9 +45,12 @@ EXPERT_SUM_UNMEASURED = ("cpu.expert_sum_reads: not measured (helmc calibrate on
                          "CPU's experts priced at the GEMV rate")
 
 
-# A prompt's host experts cross PCIe once per prefill chunk, so a mixture of experts prefills in chunks this large
-# (their activations are planned as any chunk's): a 2048-token prompt streams the experts once, not four times.
-MOE_PREFILL_CHUNK_TOKENS = 4096
+# A prompt's host experts cross PCIe (and quantized experts are dequantized for the GEMMs) once per prefill chunk, so
+# a mixture of experts prefills in whole chunks this large whatever prompt its plan was made for (Workload.
+# whole_chunks; the chunk's activations planned): a 2048-token prompt reads its experts once. On an H200, gpt-oss-20b
+# planned for 128-token prompts ran a 2048-token one in 16 chunks, 2.2 s on the GPU alone; 4096-token chunks left no
+# VRAM for the staging ring under 4 GiB.
+MOE_PREFILL_CHUNK_TOKENS = 2048
 EXPERT_STAGING_EXPERTS = 16      # experts per group of the prefill's staging ring: ~42 MB of Qwen3-30B-A3B Q4_K
 EXPERT_STAGING_GROUPS = 2        # one group copies while the other computes
 

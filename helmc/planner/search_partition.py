@@ -141,7 +141,8 @@ def plan(model_dir_or_config: "str | ModelSpec", hardware: "str | HardwareProfil
         stream_prefill = hybrid = False
         chunk = MOE_PREFILL_CHUNK_TOKENS
     w = Workload(prompt_len=prompt_len, output_len=output_len, batch=batch, objective=objective, kv_offload=kv_offload,
-                 stream_prefill=stream_prefill, hybrid=hybrid, prefill_chunk_tokens=chunk)
+                 stream_prefill=stream_prefill, hybrid=hybrid, prefill_chunk_tokens=chunk,
+                 whole_chunks=spec.moe is not None)
     a = analyze_program(spec, dtype)
     if spec.moe is not None:
         from helmc.planner.moe import with_experts, without_experts

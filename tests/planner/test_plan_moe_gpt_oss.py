@@ -30,6 +30,10 @@ def test_blocks_go_to_the_gpu_within_the_budget(spec, plans, budget):
     pl, mem = p.placement, p.memory
     assert len(pl.gpu_layers) == spec.num_layers and pl.head_on_gpu and pl.cpu_units <= 1
     assert not pl.groups and not pl.prefill_on_gpu                 # a MoE's plain CPU/GPU split (check_placement)
+    # a prompt of any length prefills in whole chunks (the plans are made for 128-token prompts): its experts are
+    # streamed and dequantized once per chunk
+    from helmc.planner.moe import MOE_PREFILL_CHUNK_TOKENS
+    assert pl.prefill_chunk_tokens == MOE_PREFILL_CHUNK_TOKENS == 2048
     assert mem.gpu_bytes <= (budget * 2**30 if budget else mem.usable_vram_bytes)
     assert p.predictions.t_plan_ms > 0
     counts = {len(ids) for ids in pl.gpu_experts}
