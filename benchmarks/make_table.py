@@ -115,6 +115,8 @@ def moe_section(folder: str) -> list[str]:
                 f"{fmt(row['ttft_ms_p50'], 0)} / {'-' if peer is None else fmt(peer['ttft_ms_p50'], 0)} |")
         lines.append("")
         lines.append(f"- `moe/{os.path.basename(path)}`: `{report.get('command', '')}`")
+        if report.get("llamacpp_command"):         # bench_moe --llama-json: llama.cpp's rows from an earlier run
+            lines.append(f"  (llama.cpp's rows: `{report['llamacpp_command']}` on {report.get('llamacpp_device', '?')})")
     return lines
 
 
