@@ -224,11 +224,12 @@ class MoeFeedForward:
         # A batched step: each row bit-identical to the one-row call above. A prompt: each expert's int8 blocks read
         # once for all its rows of a chunk, the activations int8 as a decode step's (and llama.cpp's q8 ones): the
         # prefill expert function dequantized a whole expert for the few rows each gets (~1.2 s a 128-token
-        # prompt's block of Qwen3-30B-A3B on two cores, 0.13 s this way). gpt-oss keeps the dequantizing path for
-        # prompts: its int8 rows are as close as the others' (a block's sum 1.1-1.3e-2 from fp32 activations), but
-        # its routing softmaxes over the top-k logits alone, so the k-th expert holds 0.1-0.3 of the weight and the
-        # int8 error swapping it at a near tie moved a tiny model's prompt logits by 0.14 (others ~0.017).
-        if rows_call is not None and (decode or (self.int8_prompts and not self.moe.biased_experts)):
+        # prompt's block of Qwen3-30B-A3B on two cores, 0.13 s this way). gpt-oss too, as llama.cpp runs it: its int8
+        # rows are as close as the others' (a block's sum 1.1-1.3e-2 from fp32 activations), though its routing
+        # softmaxes over the top-k logits alone, so where int8 error swaps the k-th expert at a near tie a row moves
+        # by that expert's 0.1-0.3 share (a tiny model's prompt logits by 0.14); the dequantizing path took ~27 ms an
+        # expert call on the H200 host's 16 threads, 21 s a 128-token prompt of gpt-oss-20b.
+        if rows_call is not None and (decode or self.int8_prompts):
             return self._rows_sum(rows_call, m, idx, w, experts, only, skip)
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
         for e in np.unique(idx):

@@ -8,12 +8,11 @@ window as keys (every other block global, llama.cpp's pattern for it).
 - A file written by llama.cpp's own convert_hf_to_gguf.py (from ../shared/peers' source; skipped without it) of the
   same tiny model: the same spec, and its bundle's logits and greedy tokens equal the HF directory's exactly.
 - MXFP4 experts with Q8_0 attention and head (llama.cpp's gpt-oss mix: experts MXFP4, the rest 8-bit or float):
-  against transformers in fp32 on the weights the gguf package dequantizes, the quantized tests' rule (prefill
-  logits within 1e-2 relative; greedy identical, or each side's token in the other's top 5 at the divergence).
-  Decode rows take the CPU's biased one-call expert sums (one row, and a batched step's m rows): each sequence of a
-  batched decode bit-identical to its single run.
-  Teacher-forced decode steps (the int8 one-call sums) within the int8 experts' bound of transformers' logits
-  wherever they route alike, and routing apart only at near ties of transformers' router logits.
+  against transformers in fp32 on the weights the gguf package dequantizes. Prompts and decode rows take the CPU's
+  biased int8 expert sums (a prompt's and a batched step's m rows, a decode row's one call): the prompt's rows and
+  teacher-forced decode steps within the int8 experts' bound of transformers' logits wherever they route alike,
+  routing apart only at near ties of transformers' router logits; greedy identical, or each side's token in the
+  other's top 5 at the divergence; each sequence of a batched decode bit-identical to its single run.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from batch_decode_checks import batched_runs, compare as check_batched, prompts, single_runs
-from test_quantized_models import INT8_EXPERT_PREFILL_TOL, PROMPT, compare, hf_greedy
+from test_quantized_models import INT8_EXPERT_PREFILL_TOL, NEW_TOKENS, PROMPT, check_greedy, hf_greedy
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tvm.relax")
@@ -95,7 +94,11 @@ def test_mxfp4_experts_match_transformers(mxfp4_build, cpu_only):
         from helmc.runtime.moe_expert_rate import measure_expert_sum
         rates = measure_expert_sum(s)                          # helmc calibrate's rate of the one-call sum
         assert [(t, n) for t, n, _ in rates] == [("mxfp4", 1), ("mxfp4", 2), ("mxfp4", 3)] and all(r > 0 for *_, r in rates)
-    compare(s, hf_on_gguf_weights(d, path), "gpt-oss mxfp4 experts")
+    hf = hf_on_gguf_weights(d, path)
+    check_routed_rows(s, hf, PROMPT, lambda: s.forward(PROMPT, all_logits=True), "gpt-oss mxfp4 prompt")
+    s.reset()
+    got = s.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False).tokens
+    check_greedy(s, hf, got, hf_greedy(hf, PROMPT, NEW_TOKENS), "gpt-oss mxfp4 experts")
     s.reset()
     ps = prompts(r.spec.vocab_size, 6)
     singles = single_runs(s, ps, 8)
@@ -104,29 +107,25 @@ def test_mxfp4_experts_match_transformers(mxfp4_build, cpu_only):
     check_batched(singles, batched, "gpt-oss mxfp4")
 
 
-# Decode steps on the CPU (AVX-512) run gpt-oss's experts through the int8 one-call expert sum (x and each expert's
-# weighted SwiGLU int8 per 32 values, as llama.cpp's q8 activations): on this model each block's expert sum is the
-# float64 sum of the same math on those int8 activations to 2e-7, and 1.1e-2 to 1.3e-2 (max error over max value) from
-# it on fp32 activations, the other MoE models' int8 error; teacher-forced decode logits measured 0.5e-2 to 1.04e-2
-# from transformers' at every step that routes as transformers does, within the other tiny MoE models' int8 bound.
-# A step that routes otherwise jumps: gpt-oss softmaxes over its top-k router logits alone, so the k-th expert carries
-# 0.1 to 0.3 of the weight and swapping it for the (k+1)-th moves the block's output by that share of an expert
+# Decode steps and prompts on the CPU (AVX-512) run gpt-oss's experts through the int8 expert sums (x and each
+# expert's weighted SwiGLU int8 per 32 values, as llama.cpp's q8 activations): on this model each block's expert sum
+# is the float64 sum of the same math on those int8 activations to 2e-7, and 1.1e-2 to 1.3e-2 (max error over max
+# value) from it on fp32 activations, the other MoE models' int8 error; teacher-forced decode logits measured 0.5e-2 to
+# 1.04e-2 from transformers' at every step that routes as transformers does, within the other tiny MoE models' int8
+# bound. A row that routes otherwise jumps: gpt-oss softmaxes over its top-k router logits alone, so the k-th expert
+# carries 0.1 to 0.3 of the weight and swapping it for the (k+1)-th moves the block's output by that share of an expert
 # (3.3e-2 at step 24, where block 2's 3rd and 4th logits tie within 2e-4 and even the fp32 path routes apart from
-# transformers; 0.14 on a prompt whose int8 rows swapped block 2's 3rd expert at a gap of 6e-3). Such a swap is fair
-# only at a near tie: a router logit's own error is a few 1e-3.
+# transformers; 0.14 on the prompt, whose int8 rows swapped block 2's 3rd expert at a gap of 6e-3). Such a swap is
+# fair only at a near tie: a router logit's own error is a few 1e-3.
 ROUTE_TIE = 1e-2
 
 
-def test_mxfp4_decode_steps_match_transformers(mxfp4_build, monkeypatch):
-    """Every token of the prompt and transformers' greedy continuation fed as a decode step against transformers'
-    logits of the whole sequence: within INT8_EXPERT_PREFILL_TOL at every step whose blocks all select
-    transformers' experts; any other selection only at a near tie of transformers' k-th and (k+1)-th router logits
-    (ROUTE_TIE), at few steps."""
+def check_routed_rows(s, hf, seq: list[int], run, label: str) -> None:
+    """run() -> our logits [T, V] of `seq` (one prompt, or one decode step a token), routed by moe_experts.route
+    (recorded here); against transformers' logits of seq: within INT8_EXPERT_PREFILL_TOL at every row before the
+    first whose blocks do not all select transformers' experts; any other selection only at a near tie of
+    transformers' k-th and (k+1)-th router logits (ROUTE_TIE), in at most 3 rows."""
     from helmc.runtime import moe_experts
-    from helmc.runtime.session import Session
-    d, path, r = mxfp4_build
-    s, hf = Session.load(r.bundle_dir), hf_on_gguf_weights(d, path)
-    seq = PROMPT + hf_greedy(hf, PROMPT, 24)
     theirs_route = []                               # per block: (router logits [T, E], experts [T, k])
     hooks = [layer.mlp.router.register_forward_hook(
         lambda mod, inp, out: theirs_route.append((out[0].numpy(), out[2].numpy()))) for layer in hf.model.layers]
@@ -134,26 +133,40 @@ def test_mxfp4_decode_steps_match_transformers(mxfp4_build, monkeypatch):
         theirs = hf(torch.tensor([seq])).logits[0].numpy()                                    # [T, V]
     for h in hooks:
         h.remove()
-    ours_route = []                                 # per decode step, per block: route's (experts [1, k], weights)
+    calls = []                                      # each route() call's experts [rows, k]
     route = moe_experts.route
-    monkeypatch.setattr(moe_experts, "route", lambda logits, moe: ours_route.append(route(logits, moe)) or ours_route[-1])
-    ours = np.stack([s.forward([t])[-1] for t in seq])                                         # [T, V]
-    L, T, k = len(theirs_route), len(seq), r.spec.moe.top_k
-    assert len(ours_route) == T * L and all(i.shape == (1, k) for i, _ in ours_route)
-    apart = {(p, b) for p in range(T) for b in range(L)
-             if set(ours_route[p * L + b][0][0]) != set(theirs_route[b][1][p])}
+    moe_experts.route = lambda logits, moe: calls.append(route(logits, moe)) or calls[-1]
+    try:
+        ours = run()                                                                          # [T, V]
+    finally:
+        moe_experts.route = route
+    L, T, k = len(theirs_route), len(seq), s.spec.moe.top_k
+    ours_idx = [np.concatenate([c[0] for c in calls[b::L]]) for b in range(L)]               # per block [T, k]
+    assert all(i.shape == (T, k) for i in ours_idx), [i.shape for i in ours_idx]
+    apart = {(p, b) for p in range(T) for b in range(L) if set(ours_idx[b][p]) != set(theirs_route[b][1][p])}
     for p, b in sorted(apart):
         top = np.sort(theirs_route[b][0][p])[::-1]
-        print(f"step {p} block {b}: experts {sorted(theirs_route[b][1][p].tolist())} -> "
-              f"{sorted(ours_route[p * L + b][0][0].tolist())}, "
-              f"transformers' k-th and (k+1)-th router logits {top[k - 1]:.5f} / {top[k]:.5f}")
+        print(f"{label}: row {p} block {b}: experts {sorted(theirs_route[b][1][p].tolist())} -> "
+              f"{sorted(ours_idx[b][p].tolist())}, transformers' k-th and (k+1)-th router logits "
+              f"{top[k - 1]:.5f} / {top[k]:.5f}")
         assert top[k - 1] - top[k] < ROUTE_TIE, (p, b)
-    alike = sorted(set(range(T)) - {p for p, _ in apart})
+    # the rows before the first swap: a swapped row's output reaches every later row through the next blocks'
+    # attention (the prompt above: rows 4-8 at 5e-2 after row 3's swap in block 2)
+    first = min((p for p, _ in apart), default=T)
     rel = np.abs(ours - theirs).max(axis=1) / np.abs(theirs).max()                            # [T]
-    print(f"gpt-oss mxfp4 decode steps: {len(alike)}/{T} route as transformers, their logits max rel diff "
-          f"{rel[alike].max():.2e}; all steps {rel.max():.2e}")
-    assert len(alike) >= T - 3
-    assert rel[alike].max() < INT8_EXPERT_PREFILL_TOL
+    print(f"{label}: {first}/{T} rows before any routes apart from transformers, their logits max rel diff "
+          f"{rel[:first].max():.2e}; all rows {rel.max():.2e}")
+    assert len({p for p, _ in apart}) <= 3 and first >= min(T, 3)
+    assert rel[:first].max() < INT8_EXPERT_PREFILL_TOL
+
+
+def test_mxfp4_decode_steps_match_transformers(mxfp4_build):
+    """Every token of the prompt and transformers' greedy continuation fed as a decode step (check_routed_rows)."""
+    from helmc.runtime.session import Session
+    d, path, r = mxfp4_build
+    s, hf = Session.load(r.bundle_dir), hf_on_gguf_weights(d, path)
+    seq = PROMPT + hf_greedy(hf, PROMPT, 24)
+    check_routed_rows(s, hf, seq, lambda: np.stack([s.forward([t])[-1] for t in seq]), "gpt-oss mxfp4 decode steps")
 
 
 def _llamacpp_source() -> str | None:
