@@ -227,8 +227,8 @@ class MoeFeedForward:
         # prompt's block of Qwen3-30B-A3B on two cores, 0.13 s this way). gpt-oss too, as llama.cpp runs it: its int8
         # rows are as close as the others' (a block's sum 1.1-1.3e-2 from fp32 activations), though its routing
         # softmaxes over the top-k logits alone, so where int8 error swaps the k-th expert at a near tie a row moves
-        # by that expert's 0.1-0.3 share (a tiny model's prompt logits by 0.14); the dequantizing path took ~27 ms an
-        # expert call on the H200 host's 16 threads, 21 s a 128-token prompt of gpt-oss-20b.
+        # by that expert's 0.1-0.3 share (a tiny model's prompt logits by 0.14); the dequantizing path took 21 s for a
+        # 128-token prompt of gpt-oss-20b on the H200 host's 16 threads (its ~700 expert calls, ~30 ms each).
         if rows_call is not None and (decode or self.int8_prompts):
             return self._rows_sum(rows_call, m, idx, w, experts, only, skip)
         out = xp.zeros((m.shape[0], m.shape[1]), xp.float32)              # [S, H]
