@@ -16,12 +16,11 @@ the test passes them with weights_dir. Carry DIR to the GPU machine.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
 
-from helmc.hardware.profile import PRESET_DIR
+from tests.device.forced_split import forced_split, main
 
 DIMS = dict(num_layers=4, hidden_size=128, intermediate_size=64)
 # llama.cpp runs YaRN with the ramp's ends rounded (truncate) and the clamp at 7: a GGUF has no key for either
@@ -48,7 +47,7 @@ def sources(out_dir: str) -> None:
 
 
 def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
-    from helmc.compiler.pipeline import build as run_pipeline, search_plan
+    from helmc.compiler.pipeline import build as run_pipeline
     from helmc.compiler.read_model import read_model
     from helmc.hardware.profile import load_hardware
     hw = load_hardware(hardware)
@@ -60,10 +59,7 @@ def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
         t0 = time.time()
         model = os.path.join(out_dir, source)
         spec = read_model(model).spec
-        plan = search_plan(spec, hw, 128, 128, batch=batch, hybrid=False)
-        plan = plan.replace(cpu_units=cpu_units, candidates=(), groups=(), hybrid_candidates=(),
-                            prefill_on_gpu=False, prefill_staging_bytes=0, prefill_chunk_tokens=0,
-                            staging_ring_bytes=0, t_copy_ms=0.0)
+        plan = forced_split(spec, hw, cpu_units, batch)
         bundle = os.path.join(out_dir, name)
         shutil.rmtree(bundle, ignore_errors=True)
         r = run_pipeline(model, hw, bundle, plan=plan, batch=batch, cache_dir=cache, quiet=True)
@@ -71,15 +67,5 @@ def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
     shutil.rmtree(cache, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--hardware", default=os.path.join(PRESET_DIR, "h200-profiled.json"))
-    ap.add_argument("--only", nargs="*", default=(), choices=sorted(BUNDLES), help="build only these bundles")
-    a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    build(a.out, a.hardware, tuple(a.only))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, BUNDLES, build)

@@ -14,13 +14,11 @@ the test passes them with weights_dir. Carry DIR to the GPU machine.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import shutil
 import time
 
-from helmc.hardware.profile import PRESET_DIR
+from tests.device.forced_split import forced_split, main
 
 DIMS = dict(num_layers=3, head_dim=64, hidden_size=256, moe_intermediate_size=256)
 # bundle -> (model dtype, quant, CPU units (0: all on the GPU), batch)
@@ -30,7 +28,7 @@ BUNDLES = {"gpu_float16": ("float16", "", 0, 4), "split_float16": ("float16", ""
 
 
 def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
-    from helmc.compiler.pipeline import build as run_pipeline, search_plan
+    from helmc.compiler.pipeline import build as run_pipeline
     from helmc.compiler.quantize_checkpoint import quantize_checkpoint
     from helmc.compiler.read_model import read_model
     from helmc.hardware.profile import load_hardware
@@ -45,10 +43,7 @@ def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
         if not os.path.isdir(model):
             make_tiny_model(model, "qwen3_moe", dtype=dtype, **DIMS)
         spec = read_model(model, quant, os.path.join(cache, "weights")).spec
-        plan = search_plan(spec, hw, 128, 128, batch=batch, hybrid=False)
-        plan = plan.replace(cpu_units=cpu_units, candidates=(), groups=(), hybrid_candidates=(),
-                                   prefill_on_gpu=False, prefill_staging_bytes=0, prefill_chunk_tokens=0,
-                                   staging_ring_bytes=0, t_copy_ms=0.0)
+        plan = forced_split(spec, hw, cpu_units, batch)
         bundle = os.path.join(out_dir, name)
         shutil.rmtree(bundle, ignore_errors=True)
         r = run_pipeline(model, hw, bundle, plan=plan, quant=quant, batch=batch, cache_dir=cache, quiet=True)
@@ -59,15 +54,5 @@ def build(out_dir: str, hardware: str, only: tuple[str, ...] = ()) -> None:
     shutil.rmtree(cache, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--hardware", default=os.path.join(PRESET_DIR, "h200-profiled.json"))
-    ap.add_argument("--only", nargs="*", default=(), choices=sorted(BUNDLES), help="build only these bundles")
-    a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    build(a.out, a.hardware, tuple(a.only))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, BUNDLES, build)
