@@ -15,7 +15,7 @@ pytest.importorskip("gguf.quants")
 
 from helmc.runtime.moe_experts import expert_rows_args  # noqa: E402
 from helmc.schedules.cpu.quant.moe_experts import make_moe_expert_sum  # noqa: E402
-from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE, make_moe_expert_rows  # noqa: E402
+from helmc.schedules.cpu.quant.moe_experts_rows import PAIR_TILE, make_moe_expert_rows, pair_tile  # noqa: E402
 from tests.kernels.test_cpu_moe_expert_sum import ISA, needs_avx512, reference  # noqa: E402
 from tests.kernels.test_cpu_quant_gemv import random_quant_weight, target  # noqa: E402
 
@@ -31,11 +31,11 @@ def _compiled_once(kind, gate_type, down_type, E, I, H, K, biased, tile):
     return _compiled(make(gate_type, down_type, E, I, H, K, ISA, biased, **({"tile": tile} if kind == "rows" else {})))
 
 
-def _rows_kernel(gate_type, down_type, E, I, H, K, biased=None, tile=PAIR_TILE):
+def _rows_kernel(gate_type, down_type, E, I, H, K, biased=None, tile=None):
     """The m-row kernel for these types and shapes, compiled once for this module: the tests that check the same
     kernel on other rows (mixed experts, tiled groups) call the same compiled code (a compile takes ~5-15 s on 2
     cores); only the inputs passed to it differ."""
-    return _compiled_once("rows", gate_type, down_type, E, I, H, K, biased, tile)
+    return _compiled_once("rows", gate_type, down_type, E, I, H, K, biased, tile or pair_tile(gate_type))
 
 
 def _one_row_kernel(gate_type, down_type, E, I, H, K, biased=None):
@@ -166,7 +166,7 @@ def test_tiles_of_one_experts_pairs_match_one_row(gate_type, down_type):
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down)]
     one = _one_row_kernel(gate_type, down_type, E, I, H, K)
-    for tile in sorted({2, PAIR_TILE} if (gate_type, down_type) == ("q4_k", "q6_k") else {PAIR_TILE}):
+    for tile in sorted({2, PAIR_TILE} if (gate_type, down_type) == ("q4_k", "q6_k") else {pair_tile(gate_type)}):
         rows = _rows_kernel(gate_type, down_type, E, I, H, K, tile=tile)
         idx = _tiled_groups(tile)
         assert np.bincount(idx.ravel()).tolist() == [2 * tile + 1, tile + 1, tile, tile - 1, 1, tile + 1]
@@ -192,7 +192,7 @@ def test_biased_tiles_of_one_experts_pairs_match_one_row():
     dev = tvm.cpu()
     weights = [tvm.runtime.tensor(w, dev) for w in (gate, up, down) + biases]
     rows, one = _kernels("mxfp4", "mxfp4", E, I, H, K, BiasedExperts(1.702, limit))
-    idx = _tiled_groups(PAIR_TILE)
+    idx = _tiled_groups(pair_tile("mxfp4"))                   # the tile its kernels are built with
     w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
     x = rng.standard_normal((idx.shape[0], H)).astype(np.float32)
     y = _rows_call(rows, x, idx, w, weights, dev)
