@@ -154,10 +154,9 @@ def hf_on_dequantized_weights(model_dir: str, gguf_path: str):
     import gguf
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     from helmc.runtime.weights.gguf_mmap import GGUFCheckpoint
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_reference(model_dir)
     ck = GGUFCheckpoint(gguf_path)
     params = dict(model.named_parameters())
     # an expert's weight (Qwen3-MoE's names, or Mixtral's w1 / w3 / w2) -> transformers' stacked experts

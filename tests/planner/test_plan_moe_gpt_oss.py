@@ -12,6 +12,7 @@ from helmc.planner.moe import expert_bytes
 from helmc.planner.search_partition import plan
 from helmc.testing import gguf_typed_gpt_oss, gpt_oss_20b_config
 
+
 @pytest.fixture(scope="module")
 def spec():
     """gpt-oss-20b typed as llama.cpp's file (the one people run): Q8_0 attention, MXFP4 experts."""
